@@ -1,0 +1,75 @@
+"""create_app: wiring only. Each long-lived resource is opened and closed by its own context."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from appliance.discovery.mdns import Announcement, Announcer, lan_addresses
+from appliance.gateway.completions import CompletionService
+from appliance.gateway.keys import COMPLETIONS, HOST, METRICS, NODE_ID, SETTINGS, STORE
+from appliance.gateway.middleware import authenticate, errors_and_metrics
+from appliance.gateway.routes import ROUTES
+from appliance.serving.host import ModelHost
+from appliance.settings import ApplianceSettings
+from appliance.state.store import AsyncStore
+from shared import __version__
+from shared.telemetry import Metrics
+
+ANNOUNCER = web.AppKey("announcer", Announcer)
+
+
+def create_app(settings: ApplianceSettings) -> web.Application:
+    app = web.Application(
+        middlewares=[errors_and_metrics, authenticate],
+        client_max_size=settings.server.max_body_bytes,
+    )
+    app[SETTINGS] = settings
+    app[METRICS] = Metrics()
+    for route in ROUTES:
+        app.router.add_route(route.method, route.path, route.handler)
+    app.cleanup_ctx.append(_store)
+    app.cleanup_ctx.append(_models)
+    if settings.discovery.enabled:
+        app.cleanup_ctx.append(_discovery)
+    return app
+
+
+async def _store(app: web.Application) -> AsyncIterator[None]:
+    store = AsyncStore(app[SETTINGS].db_path)
+    await store.open()
+    app[STORE] = store
+    app[NODE_ID] = await store.run(store.sync.node_id)
+    yield
+    await store.close()
+
+
+async def _models(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    host = ModelHost(app[STORE], settings)
+    app[HOST] = host
+    app[COMPLETIONS] = CompletionService(host, app[STORE], app[METRICS], settings.model.max_tokens_limit)
+    host.start()
+    yield
+    await host.close()
+
+
+async def _discovery(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    announcer = Announcer(
+        Announcement(
+            node_id=app[NODE_ID],
+            name=settings.discovery.node_name or socket.gethostname(),
+            version=__version__,
+            port=settings.server.port,
+            tls=settings.server.tls_cert_file is not None,
+        ),
+        addresses=lan_addresses(settings.server.host),
+        interfaces=settings.discovery.interfaces,
+    )
+    await announcer.start()
+    app[ANNOUNCER] = announcer
+    yield
+    await announcer.stop()

@@ -1,0 +1,227 @@
+"""`kvl appliance …`: serve, keys, models, discover, config."""
+
+from __future__ import annotations
+
+import json
+import logging
+import ssl
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+from appliance.settings import ApplianceSettings
+from appliance.state.store import ConflictError, NotFoundError, Store
+from shared.classes import ServiceClass
+from shared.cli import common_options, config_errors_exit
+from shared.config import load_settings
+
+
+def _settings(config_file: Path | None, data_dir: Path | None, **server: Any) -> ApplianceSettings:
+    overrides: dict[str, Any] = {}
+    if data_dir is not None:
+        overrides["data_dir"] = data_dir
+    server = {k: v for k, v in server.items() if v is not None}
+    if server:
+        overrides["server"] = server
+    return load_settings(ApplianceSettings, config_file=config_file, overrides=overrides)
+
+
+def _store(settings: ApplianceSettings) -> Store:
+    return Store(settings.db_path)
+
+
+@click.group("appliance")
+def appliance() -> None:
+    """The appliance: the LAN API, its keys and models."""
+
+
+@appliance.command()
+@common_options
+@click.option("--host", default=None, help="Listen address (overrides server.host).")
+@click.option("--port", type=int, default=None, help="Listen port (overrides server.port).")
+@config_errors_exit
+def serve(config_file: Path | None, data_dir: Path | None, host: str | None, port: int | None) -> None:
+    """Serve the OpenAI-compatible LAN API."""
+    from aiohttp import web  # noqa: PLC0415 - keep the other commands light
+
+    from appliance.app import create_app  # noqa: PLC0415
+
+    settings = _settings(config_file, data_dir, host=host, port=port)
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    ssl_context = None
+    if settings.server.tls_cert_file is not None and settings.server.tls_key_file is not None:
+        ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ssl_context.load_cert_chain(settings.server.tls_cert_file, settings.server.tls_key_file)
+    scheme = "https" if ssl_context else "http"
+    web.run_app(
+        create_app(settings),
+        host=settings.server.host,
+        port=settings.server.port,
+        ssl_context=ssl_context,
+        print=lambda _: click.echo(
+            f"kvl appliance: serving {scheme}://{settings.server.host}:{settings.server.port}/v1 "
+            f"(data in {settings.data_dir})",
+            err=True,
+        ),
+        access_log=None,
+    )
+
+
+@appliance.command("config")
+@common_options
+@config_errors_exit
+def show_config(config_file: Path | None, data_dir: Path | None) -> None:
+    """Validate the configuration and print the effective settings."""
+    settings = _settings(config_file, data_dir)
+    click.echo(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), nl=False)
+
+
+@appliance.group()
+def keys() -> None:
+    """API keys of accounts (only a hash is stored)."""
+
+
+@keys.command("create")
+@common_options
+@click.option("--account", required=True, help="Account name; created if new.")
+@click.option(
+    "--class",
+    "service_class",
+    type=click.Choice([c.value for c in ServiceClass]),
+    default=None,
+    help="Service class of the account (default S1 for a new account).",
+)
+@config_errors_exit
+def keys_create(config_file: Path | None, data_dir: Path | None, account: str, service_class: str | None) -> None:
+    """Create a key; it is printed once, alone on stdout."""
+    store = _store(_settings(config_file, data_dir))
+    try:
+        new = store.create_key(account, ServiceClass(service_class) if service_class else None)
+    finally:
+        store.close()
+    click.echo(new.plaintext)
+
+
+@keys.command("list")
+@common_options
+@click.option("--account", default=None, help="Only this account's keys.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
+@config_errors_exit
+def keys_list(config_file: Path | None, data_dir: Path | None, account: str | None, as_json: bool) -> None:
+    """List keys (prefix, account, class, state)."""
+    store = _store(_settings(config_file, data_dir))
+    try:
+        rows = store.list_keys(account)
+    finally:
+        store.close()
+    for key in rows:
+        if as_json:
+            click.echo(
+                json.dumps(
+                    {
+                        "prefix": key.prefix,
+                        "account": key.account.name,
+                        "class": key.account.service_class.value,
+                        "created_at": key.created_at,
+                        "revoked_at": key.revoked_at,
+                    }
+                )
+            )
+        else:
+            state = f"revoked {key.revoked_at}" if key.revoked else "active"
+            click.echo(
+                f"{key.prefix}  {key.account.name:<20} {key.account.service_class.value}  {state}"
+            )
+
+
+@keys.command("revoke")
+@common_options
+@click.argument("key")
+@config_errors_exit
+def keys_revoke(config_file: Path | None, data_dir: Path | None, key: str) -> None:
+    """Revoke a key, given by its prefix or in full."""
+    from shared.keys import parse_prefix  # noqa: PLC0415
+
+    prefix = parse_prefix(key) or key
+    store = _store(_settings(config_file, data_dir))
+    try:
+        revoked = store.revoke_key(prefix)
+    except (NotFoundError, ConflictError) as err:
+        raise click.ClickException(str(err)) from err
+    finally:
+        store.close()
+    click.echo(f"revoked {revoked.prefix} of {revoked.account.name}", err=True)
+
+
+@appliance.group()
+def models() -> None:
+    """Model files: the embedded default and GGUF files registered by path."""
+
+
+@models.command("list")
+@common_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
+@config_errors_exit
+def models_list(config_file: Path | None, data_dir: Path | None, as_json: bool) -> None:
+    """List registered models (the default is assembled on first use)."""
+    from appliance.serving.catalog import ensure_default_model  # noqa: PLC0415
+
+    settings = _settings(config_file, data_dir)
+    store = _store(settings)
+    try:
+        ensure_default_model(store, settings.models_dir)
+        records = store.list_models()
+    finally:
+        store.close()
+    for r in records:
+        if as_json:
+            click.echo(json.dumps({**r.__dict__, "ref": r.ref}))
+        else:
+            served = "*" if r.ref == settings.model.default or r.name == settings.model.default else " "
+            click.echo(
+                f"{served} {r.ref:<32} {r.format:<5} {r.quantization or '-':<8} "
+                f"{r.size_bytes / 2**20:8.1f} MiB  {r.sha256[:12]}  {r.path}"
+            )
+
+
+@models.command("add")
+@common_options
+@click.argument("path", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.option("--name", required=True, help="Model name clients will use.")
+@click.option("--version", "version", required=True, help="Version, e.g. 1.0 or a date.")
+@config_errors_exit
+def models_add(config_file: Path | None, data_dir: Path | None, path: Path, name: str, version: str) -> None:
+    """Register a GGUF file by path (sha256 recorded; checked at every load)."""
+    from appliance.serving.catalog import ModelFileError, register_gguf  # noqa: PLC0415
+
+    if "@" in name or "@" in version:
+        raise click.BadParameter("names and versions cannot contain '@'")
+    store = _store(_settings(config_file, data_dir))
+    try:
+        record = register_gguf(store, path, name, version)
+    except (ModelFileError, ConflictError) as err:
+        raise click.ClickException(str(err)) from err
+    finally:
+        store.close()
+    click.echo(f"registered {record.ref} ({record.quantization or 'unknown quantization'}, sha256 {record.sha256})")
+
+
+@appliance.command()
+@common_options
+@click.option("--timeout", type=float, default=3.0, show_default=True, help="Seconds to listen.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
+@config_errors_exit
+def discover(config_file: Path | None, data_dir: Path | None, timeout: float, as_json: bool) -> None:
+    """List appliances announcing themselves on the LAN."""
+    from appliance.discovery.mdns import discover as browse  # noqa: PLC0415
+
+    settings = _settings(config_file, data_dir)
+    for found in browse(timeout, settings.discovery.interfaces):
+        if as_json:
+            click.echo(json.dumps({**found.__dict__, "url": found.url}))
+        else:
+            click.echo(f"{found.name:<24} {found.url:<32} node {found.node_id}  v{found.version}")

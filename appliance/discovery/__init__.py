@@ -1,0 +1,1 @@
+"""LAN discovery: the appliance announces itself over mDNS/DNS-SD (zeroconf)."""

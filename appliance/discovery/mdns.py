@@ -1,0 +1,143 @@
+"""Announce and find appliances as `_kovenlab._tcp.local.` (no aiohttp here)."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import time
+from dataclasses import dataclass
+
+import psutil
+from zeroconf import InterfaceChoice, ServiceBrowser, ServiceListener, Zeroconf
+from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+
+SERVICE_TYPE = "_kovenlab._tcp.local."
+
+
+@dataclass(frozen=True)
+class Announcement:
+    node_id: str
+    name: str
+    version: str
+    port: int
+    tls: bool
+    api_base: str = "/v1"
+
+    def properties(self) -> dict[str, str]:
+        return {
+            "node_id": self.node_id,
+            "version": self.version,
+            "api": self.api_base,
+            "tls": "yes" if self.tls else "no",
+        }
+
+
+@dataclass(frozen=True)
+class Found:
+    name: str
+    addresses: tuple[str, ...]
+    port: int
+    node_id: str
+    version: str
+    api_base: str
+    tls: bool
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self.tls else "http"
+        host = self.addresses[0] if self.addresses else "?"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{scheme}://{host}:{self.port}{self.api_base}"
+
+
+def lan_addresses(listen_host: str) -> list[str]:
+    """The addresses to announce: the one listened on, or every non-loopback IPv4 address."""
+    if listen_host not in ("0.0.0.0", "::", ""):  # noqa: S104 - comparing, not binding
+        return [listen_host]
+    found = [
+        addr.address
+        for addrs in psutil.net_if_addrs().values()
+        for addr in addrs
+        if addr.family == socket.AF_INET and not ipaddress.ip_address(addr.address).is_loopback
+    ]
+    return found or ["127.0.0.1"]
+
+
+class Announcer:
+    def __init__(self, announcement: Announcement, addresses: list[str], interfaces: list[str] | None) -> None:
+        self.announcement = announcement
+        self._addresses = addresses
+        self._interfaces = interfaces
+        self._zc: AsyncZeroconf | None = None
+        self._info: AsyncServiceInfo | None = None
+
+    async def start(self) -> None:
+        a = self.announcement
+        self._zc = AsyncZeroconf(interfaces=self._interfaces or InterfaceChoice.All)
+        self._info = AsyncServiceInfo(
+            SERVICE_TYPE,
+            f"{a.name}.{SERVICE_TYPE}",
+            port=a.port,
+            properties=a.properties(),
+            parsed_addresses=self._addresses,
+            server=f"{a.name}.local.",
+        )
+        await self._zc.async_register_service(self._info, allow_name_change=True)
+
+    async def stop(self) -> None:
+        if self._zc is None:
+            return
+        if self._info is not None:
+            await self._zc.async_unregister_service(self._info)
+        await self._zc.async_close()
+        self._zc = None
+
+
+class _Collector(ServiceListener):
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def add_service(self, zc: Zeroconf, type_: str, name: str) -> None:
+        self.names.add(name)
+
+    def update_service(self, zc: Zeroconf, type_: str, name: str) -> None:
+        self.names.add(name)
+
+    def remove_service(self, zc: Zeroconf, type_: str, name: str) -> None:
+        self.names.discard(name)
+
+
+def discover(timeout_s: float = 3.0, interfaces: list[str] | None = None) -> list[Found]:
+    """Browse the LAN for `timeout_s` seconds and return every appliance that answered."""
+    zc = Zeroconf(interfaces=interfaces or InterfaceChoice.All)
+    try:
+        collector = _Collector()
+        browser = ServiceBrowser(zc, SERVICE_TYPE, collector)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            # Browsing is asynchronous in zeroconf's own thread; poll the names it found.
+            time.sleep(0.1)
+        browser.cancel()
+        found = []
+        for name in sorted(collector.names):
+            info = zc.get_service_info(SERVICE_TYPE, name, timeout=2000)
+            if info is None:
+                continue
+            props = {
+                k.decode(): (v.decode() if v is not None else "") for k, v in info.properties.items()
+            }
+            found.append(
+                Found(
+                    name=name.removesuffix("." + SERVICE_TYPE),
+                    addresses=tuple(info.parsed_addresses()),
+                    port=info.port or 0,
+                    node_id=props.get("node_id", ""),
+                    version=props.get("version", ""),
+                    api_base=props.get("api", "/v1"),
+                    tls=props.get("tls") == "yes",
+                )
+            )
+        return found
+    finally:
+        zc.close()

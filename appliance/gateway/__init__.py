@@ -1,0 +1,1 @@
+"""The LAN API: aiohttp routes, middleware, OpenAI-compatible handlers, SSE streaming."""

@@ -1,0 +1,324 @@
+"""The completion service: an API request → a generation, its events, its usage record.
+
+No aiohttp here; the handlers and the SSE writer call this. Domain failures from the engine,
+the model host and the chat template become ApiErrors at this boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from appliance.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from appliance.serving.chat import ChatTemplateError
+from appliance.serving.engine import (
+    Event,
+    Finished,
+    GenerationRequest,
+    GrammarError,
+    LlamaEngine,
+    NotLoadedError,
+    QueueFullError,
+    Run,
+    Sampling,
+)
+from appliance.serving.host import ModelHost, ModelNotReadyError, UnknownModelError
+from appliance.state.store import ApiKey, AsyncStore, UsageEvent
+from appliance.validation.structured import (
+    SchemaUnusableError,
+    StructuredOutput,
+    json_object_output,
+    json_schema_output,
+)
+from shared.errors import ApiError, ErrorCode
+from shared.telemetry import Metrics
+
+Kind = Literal["chat", "text"]
+
+
+@dataclass
+class Prepared:
+    """A request ready to generate."""
+
+    kind: Kind
+    route: str
+    key: ApiKey
+    engine: LlamaEngine
+    request: GenerationRequest
+    structured: StructuredOutput | None
+    include_usage: bool
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model(self) -> str:
+        return self.engine.record.ref
+
+
+class CompletionService:
+    def __init__(self, host: ModelHost, store: AsyncStore, metrics: Metrics, max_tokens_limit: int) -> None:
+        self._host = host
+        self._store = store
+        self._metrics = metrics
+        self._max_tokens_limit = max_tokens_limit
+
+    async def prepare_chat(self, req: ChatCompletionRequest, key: ApiKey, route: str) -> Prepared:
+        engine = await self._engine(req.model)
+        template = engine.chat_template
+        assert template is not None
+        messages = [{"role": _role(m.role), "content": m.text()} for m in req.messages]
+        try:
+            prompt = template.render(messages)
+        except ChatTemplateError as err:
+            raise ApiError(ErrorCode.invalid_parameter, str(err), param="messages") from err
+        structured = _structured(req)
+        tokens = await asyncio.to_thread(engine.tokenize, prompt, chat=True)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        return Prepared(
+            kind="chat",
+            route=route,
+            key=key,
+            engine=engine,
+            request=self._generation(engine, tokens, max_tokens, param, req, structured),
+            structured=structured,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        )
+
+    async def prepare_text(self, req: CompletionRequest, key: ApiKey, route: str) -> Prepared:
+        engine = await self._engine(req.model)
+        if isinstance(req.prompt, list):
+            if len(req.prompt) != 1:
+                raise ApiError(
+                    ErrorCode.unsupported_parameter,
+                    "`prompt` must be a string or a list of exactly one string",
+                    param="prompt",
+                )
+            prompt = req.prompt[0]
+        else:
+            prompt = req.prompt
+        tokens = await asyncio.to_thread(engine.tokenize, prompt, chat=False)
+        if not tokens:
+            raise ApiError(ErrorCode.invalid_parameter, "`prompt` is empty", param="prompt")
+        return Prepared(
+            kind="text",
+            route=route,
+            key=key,
+            engine=engine,
+            request=self._generation(engine, tokens, req.max_tokens, "max_tokens", req, None),
+            structured=None,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        )
+
+    async def _engine(self, model: str) -> LlamaEngine:
+        try:
+            return await self._host.resolve(model)
+        except UnknownModelError as err:
+            raise ApiError(ErrorCode.model_not_found, str(err), param="model") from err
+        except ModelNotReadyError as err:
+            raise ApiError(ErrorCode.model_not_ready, str(err), retry_after=5) from err
+
+    def _generation(
+        self,
+        engine: LlamaEngine,
+        tokens: list[int],
+        max_tokens: int | None,
+        param: str,
+        req: ChatCompletionRequest | CompletionRequest,
+        structured: StructuredOutput | None,
+    ) -> GenerationRequest:
+        room = engine.n_ctx - len(tokens)
+        if max_tokens is not None and max_tokens > self._max_tokens_limit:
+            raise ApiError(
+                ErrorCode.invalid_parameter,
+                f"`{param}` is {max_tokens}; this appliance allows at most {self._max_tokens_limit}",
+                param=param,
+            )
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            raise ApiError(
+                ErrorCode.context_length_exceeded,
+                f"the prompt has {len(tokens)} tokens and {param} asks for {max_tokens or 1}; "
+                f"the context holds {engine.n_ctx}",
+                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            )
+        return GenerationRequest(
+            prompt_tokens=tuple(tokens),
+            max_tokens=min(max_tokens or room, room, self._max_tokens_limit),
+            sampling=Sampling(
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                seed=req.seed,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+            ),
+            stop=req.stop_list(),
+            grammar=structured.grammar if structured is not None else None,
+        )
+
+    def start(self, prepared: Prepared) -> Generation:
+        """Submit the generation; iterate the result for its events."""
+        try:
+            run = prepared.engine.submit(prepared.request)
+        except QueueFullError as err:
+            raise ApiError(ErrorCode.queue_full, str(err), retry_after=err.retry_after) from err
+        except NotLoadedError as err:
+            raise ApiError(ErrorCode.model_not_ready, str(err), retry_after=5) from err
+        self._metrics.queue_waiting.labels(prepared.model).set(prepared.engine.waiting)
+        return Generation(run)
+
+    def problems(self, prepared: Prepared, finished: Finished) -> list[str]:
+        """Why the output fails its structured-output contract (empty when it holds)."""
+        if prepared.structured is None or finished.finish_reason == "cancelled":
+            return []
+        found = prepared.structured.problems(finished.text)
+        if finished.finish_reason == "length":
+            found.insert(0, f"generation stopped at max_tokens={prepared.request.max_tokens}")
+        return found
+
+    async def record(self, prepared: Prepared, finished: Finished, status: int) -> None:
+        """Count the tokens and commit the usage event (before the response completes)."""
+        m = self._metrics
+        model = prepared.model
+        m.prompt_tokens.labels(model).inc(finished.prompt_tokens)
+        m.completion_tokens.labels(model).inc(finished.completion_tokens)
+        if finished.ttft_s is not None:
+            m.ttft_seconds.labels(model).observe(finished.ttft_s)
+        m.generation_seconds.labels(model).observe(finished.duration_s)
+        event = UsageEvent(
+            account_id=prepared.key.account.id,
+            key_prefix=prepared.key.prefix,
+            route=prepared.route,
+            model=model,
+            tokens_in=finished.prompt_tokens,
+            tokens_out=finished.completion_tokens,
+            ttft_ms=None if finished.ttft_s is None else finished.ttft_s * 1000,
+            duration_ms=finished.duration_s * 1000,
+            status=status,
+            finish_reason=finished.finish_reason,
+            id=prepared.id,
+        )
+        await self._store.run(self._store.sync.record_usage, event)
+
+
+class Generation:
+    """A running generation's events, with engine failures as ApiErrors."""
+
+    def __init__(self, run: Run) -> None:
+        self._run = run
+
+    def cancel(self) -> None:
+        self._run.cancel()
+
+    async def aclose(self) -> None:
+        await self._run.aclose()
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> Event:
+        try:
+            return await anext(self._run)
+        except GrammarError as err:
+            raise ApiError(ErrorCode.invalid_schema, str(err), param="response_format") from err
+
+
+def _role(role: str) -> str:
+    # OpenAI's newer `developer` role is the system prompt for models that predate it.
+    return "system" if role == "developer" else role
+
+
+def _structured(req: ChatCompletionRequest) -> StructuredOutput | None:
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return json_object_output()
+    try:
+        return json_schema_output(rf.json_schema.schema_, rf.json_schema.name)
+    except SchemaUnusableError as err:
+        raise ApiError(
+            ErrorCode.invalid_schema, str(err), param="response_format.json_schema.schema"
+        ) from err
+
+
+# -- OpenAI response shapes ---------------------------------------------------------------
+
+
+def usage(finished: Finished) -> dict[str, int]:
+    return {
+        "prompt_tokens": finished.prompt_tokens,
+        "completion_tokens": finished.completion_tokens,
+        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+    }
+
+
+def finish_reason(finished: Finished) -> str:
+    return "length" if finished.finish_reason == "length" else "stop"
+
+
+def response_body(prepared: Prepared, finished: Finished) -> dict[str, Any]:
+    if prepared.kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": finished.text},
+            "finish_reason": finish_reason(finished),
+            "logprobs": None,
+        }
+        obj, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": finished.text, "finish_reason": finish_reason(finished), "logprobs": None}
+        obj, prefix = "text_completion", "cmpl-"
+    return {
+        "id": prefix + prepared.id,
+        "object": obj,
+        "created": prepared.created,
+        "model": prepared.model,
+        "choices": [choice],
+        "usage": usage(finished),
+    }
+
+
+def chunk_body(
+    prepared: Prepared,
+    *,
+    text: str | None = None,
+    role: bool = False,
+    finished: Finished | None = None,
+    usage_only: bool = False,
+) -> dict[str, Any]:
+    """One streamed chunk in OpenAI's format.
+
+    The chunk carrying `finish_reason` also carries `usage` (as llama-server does), so every
+    client sees the token counts; with `stream_options.include_usage` OpenAI's separate final
+    chunk (empty `choices`) follows as well.
+    """
+    chat = prepared.kind == "chat"
+    body: dict[str, Any] = {
+        "id": ("chatcmpl-" if chat else "cmpl-") + prepared.id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": prepared.created,
+        "model": prepared.model,
+    }
+    if usage_only:
+        assert finished is not None
+        body["choices"] = []
+        body["usage"] = usage(finished)
+        return body
+    reason = finish_reason(finished) if finished is not None else None
+    if chat:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+            delta["content"] = ""
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+    body["choices"] = [choice]
+    if finished is not None:
+        body["usage"] = usage(finished)
+    return body

@@ -1,0 +1,168 @@
+"""Thin handlers: parse with pydantic, call the service, serialize."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+
+from aiohttp import web
+
+from appliance.gateway import sse
+from appliance.gateway.completions import (
+    Generation,
+    Prepared,
+    chunk_body,
+    response_body,
+)
+from appliance.gateway.keys import COMPLETIONS, HOST, METRICS, NODE_ID, STORE, api_key
+from appliance.gateway.parsing import decode_json, parse_body
+from appliance.gateway.schemas import (
+    UNSUPPORTED_CHAT,
+    UNSUPPORTED_COMPLETION,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from appliance.serving.engine import Event, Finished, TextDelta
+from shared import __version__
+from shared.errors import ApiError, ErrorCode
+
+log = logging.getLogger(__name__)
+
+# Usage status of a generation whose client disconnected (nginx's convention).
+CLIENT_CLOSED = 499
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "alive", "version": __version__, "node_id": request.app[NODE_ID]})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    host = request.app[HOST]
+    if host.ready:
+        models = [r.ref for r in host.served()]
+        return web.json_response({"status": "ready", "models": models})
+    if host.load_error is not None:
+        raise ApiError(ErrorCode.model_not_ready, f"the model failed to load: {host.load_error}")
+    raise ApiError(ErrorCode.model_not_ready, "the model is loading", retry_after=2)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[METRICS].render(request.headers.get("Accept", ""))
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def list_models(request: web.Request) -> web.Response:
+    host = request.app[HOST]
+    data = [
+        {
+            "id": record.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kovenlab",
+            "version": record.version,
+            "ref": record.ref,
+            "format": record.format,
+            "quantization": record.quantization,
+            "sha256": record.sha256,
+        }
+        for record in host.served()
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = decode_json(await request.read())
+    req = parse_body(ChatCompletionRequest, body, UNSUPPORTED_CHAT)
+    prepared = await request.app[COMPLETIONS].prepare_chat(req, api_key(request), _route(request))
+    return await _respond(request, prepared, stream=req.stream)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = decode_json(await request.read())
+    req = parse_body(CompletionRequest, body, UNSUPPORTED_COMPLETION)
+    prepared = await request.app[COMPLETIONS].prepare_text(req, api_key(request), _route(request))
+    return await _respond(request, prepared, stream=req.stream)
+
+
+def _route(request: web.Request) -> str:
+    return request.match_info.route.resource.canonical if request.match_info.route.resource else request.path
+
+
+async def _respond(request: web.Request, prepared: Prepared, *, stream: bool) -> web.StreamResponse:
+    service = request.app[COMPLETIONS]
+    headers = {"X-Kvl-Model": prepared.model}
+    async with contextlib.aclosing(service.start(prepared)) as generation:
+        # Wait for the first event before answering, so a grammar the engine refuses is
+        # still a proper status code rather than an error inside a 200 stream.
+        first = await anext(generation)
+        if not stream:
+            finished = first if isinstance(first, Finished) else await _drain(generation)
+            problems = service.problems(prepared, finished)
+            status = ErrorCode.output_validation_failed.status if problems else 200
+            await service.record(prepared, finished, status)
+            if problems:
+                raise _invalid_output(problems)
+            return web.json_response(response_body(prepared, finished), headers=headers)
+        return await _stream(request, prepared, first, generation, headers)
+
+
+async def _drain(generation: Generation) -> Finished:
+    async for event in generation:
+        if isinstance(event, Finished):
+            return event
+    raise AssertionError("a generation always ends with Finished")  # pragma: no cover
+
+
+async def _stream(
+    request: web.Request,
+    prepared: Prepared,
+    first: Event,
+    generation: Generation,
+    headers: dict[str, str],
+) -> web.StreamResponse:
+    service = request.app[COMPLETIONS]
+    response = await sse.open_stream(request, headers)
+    try:
+        if prepared.kind == "chat":
+            await sse.send(response, chunk_body(prepared, role=True))
+        event = first
+        while isinstance(event, TextDelta):
+            await sse.send(response, chunk_body(prepared, text=event.text))
+            event = await anext(generation)
+        finished = event
+    except (ConnectionResetError, asyncio.CancelledError):
+        # The client went away: stop the sequence and still count the tokens it spent.
+        generation.cancel()
+        finished = await asyncio.shield(_drain(generation))
+        await asyncio.shield(service.record(prepared, finished, CLIENT_CLOSED))
+        if isinstance(sys.exc_info()[1], asyncio.CancelledError):
+            raise
+        log.info("client closed the stream of %s", prepared.id)
+        return response
+    problems = service.problems(prepared, finished)
+    await service.record(prepared, finished, 422 if problems else 200)
+    if problems:
+        await sse.send(response, _invalid_output(problems).body())
+    else:
+        await sse.send(response, chunk_body(prepared, finished=finished))
+        if prepared.include_usage:
+            await sse.send(response, chunk_body(prepared, finished=finished, usage_only=True))
+        await sse.send_done(response)
+    await response.write_eof()
+    return response
+
+
+def _invalid_output(problems: list[str]) -> ApiError:
+    return ApiError(
+        ErrorCode.output_validation_failed,
+        "the output does not satisfy response_format: " + "; ".join(problems),
+        param="response_format",
+    )
+
+
+async def openapi(request: web.Request) -> web.Response:
+    from appliance.gateway.openapi import build_openapi  # noqa: PLC0415 - the route table imports this module
+
+    return web.json_response(build_openapi())

@@ -1,0 +1,28 @@
+"""Typed keys for everything the gateway keeps on the application and the request."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from appliance.gateway.completions import CompletionService
+from appliance.serving.host import ModelHost
+from appliance.settings import ApplianceSettings
+from appliance.state.store import ApiKey, AsyncStore
+from shared.telemetry import Metrics
+
+SETTINGS = web.AppKey("settings", ApplianceSettings)
+STORE = web.AppKey("store", AsyncStore)
+METRICS = web.AppKey("metrics", Metrics)
+HOST = web.AppKey("host", ModelHost)
+COMPLETIONS = web.AppKey("completions", CompletionService)
+NODE_ID = web.AppKey("node_id", str)
+
+# Per request: the authenticated key (set by the auth middleware on /v1 routes).
+REQUEST_KEY = "kvl.key"
+REQUEST_ID = "kvl.request_id"
+
+
+def api_key(request: web.Request) -> ApiKey:
+    key = request[REQUEST_KEY]
+    assert isinstance(key, ApiKey)
+    return key

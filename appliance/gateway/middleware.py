@@ -1,0 +1,98 @@
+"""Request ids, the one error shape, metrics, and API-key authentication."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from appliance.gateway.keys import METRICS, REQUEST_ID, REQUEST_KEY, STORE
+from shared.errors import ApiError, ErrorCode, error_body
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_HTTP_CODES = {
+    404: ErrorCode.not_found,
+    405: ErrorCode.method_not_allowed,
+    413: ErrorCode.request_too_large,
+}
+
+
+def route_label(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "(unmatched)"
+
+
+@web.middleware
+async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Outermost: request id, then every failure as the error shape, then the metrics."""
+    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    request[REQUEST_ID] = request_id
+    started = time.perf_counter()
+    route = route_label(request)
+    metrics = request.app[METRICS]
+    code: ErrorCode | None = None
+    try:
+        response = await handler(request)
+    except ApiError as err:
+        code = err.code
+        response = web.json_response(err.body(), status=err.status, headers=err.headers())
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = _HTTP_CODES.get(exc.status, ErrorCode.invalid_parameter)
+        message = _http_message(exc, request)
+        response = web.json_response(error_body(code, message), status=code.status)
+    except Exception:
+        log.exception("unhandled error in %s %s (request %s)", request.method, request.path, request_id)
+        code = ErrorCode.internal_error
+        response = web.json_response(
+            error_body(code, f"internal error; request id {request_id}"), status=code.status
+        )
+    if not response.prepared:
+        response.headers["X-Request-Id"] = request_id
+    metrics.requests.labels(route, request.method, str(response.status)).inc()
+    if code is not None:
+        metrics.errors.labels(route, code.value).inc()
+    metrics.request_seconds.labels(route).observe(time.perf_counter() - started)
+    return response
+
+
+def _http_message(exc: web.HTTPException, request: web.Request) -> str:
+    if exc.status == 404:
+        return f"no route {request.method} {request.path}"
+    if exc.status == 405:
+        allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ()) or ()))
+        return f"{request.method} is not allowed on {request.path}; allowed: {allowed}"
+    if exc.status == 413:
+        limit = request.client_max_size
+        return f"the body is larger than the limit of {limit} bytes"
+    return exc.reason
+
+
+@web.middleware
+async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every /v1 route needs `Authorization: Bearer <key>` of a key that is not revoked."""
+    if not request.path.startswith("/v1/") and request.path != "/v1":
+        return await handler(request)
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(
+            ErrorCode.missing_api_key,
+            "send your API key as `Authorization: Bearer <key>`; create one with "
+            "`kvl appliance keys create --account NAME`",
+        )
+    store = request.app[STORE]
+    key = await store.run(store.sync.authenticate, token.strip())
+    if key is None:
+        raise ApiError(ErrorCode.invalid_api_key, "the API key is not valid")
+    if key.revoked:
+        raise ApiError(ErrorCode.revoked_api_key, f"the API key {key.prefix} was revoked")
+    request[REQUEST_KEY] = key
+    return await handler(request)

@@ -1,0 +1,75 @@
+"""The OpenAPI 3.1 document of the LAN API, built from the route table and request models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from appliance.gateway.routes import ROUTES
+from shared import __version__
+from shared.errors import ErrorCode
+
+_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "string", "enum": [c.value for c in ErrorCode]},
+            },
+        }
+    },
+}
+
+
+def build_openapi() -> dict[str, Any]:
+    components: dict[str, Any] = {"Error": _ERROR_SCHEMA}
+    paths: dict[str, Any] = {}
+    for route in ROUTES:
+        op: dict[str, Any] = {
+            "summary": route.summary,
+            "operationId": route.handler.__name__,
+            "responses": {"200": {"description": "Success"}},
+        }
+        if route.auth:
+            op["security"] = [{"bearer": []}]
+        if route.body is not None:
+            schema = route.body.model_json_schema(
+                ref_template="#/components/schemas/{model}", by_alias=True
+            )
+            components.update(schema.pop("$defs", {}))
+            components[route.body.__name__] = schema
+            op["requestBody"] = {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{route.body.__name__}"}}
+                },
+            }
+        if route.streams:
+            op["responses"]["200"]["description"] = (
+                "The completion; with `stream: true`, server-sent events in OpenAI's chunk format"
+            )
+        statuses: dict[int, list[str]] = {}
+        for code in route.errors:
+            statuses.setdefault(code.status, []).append(code.value)
+        if ErrorCode.internal_error not in route.errors:
+            statuses.setdefault(500, []).append(ErrorCode.internal_error.value)
+        for status, codes in sorted(statuses.items()):
+            op["responses"][str(status)] = {
+                "description": "Error: " + ", ".join(codes),
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+            }
+        paths.setdefault(route.path, {})[route.method.lower()] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Kovenlab Edge appliance", "version": __version__},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

@@ -1,0 +1,87 @@
+"""Request bodies → pydantic models, with every failure as one clear error shape."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from shared.errors import ApiError, ErrorCode
+
+M = TypeVar("M", bound=BaseModel)
+
+_EMPTY: tuple[object, ...] = (None, False, [], {})
+
+
+def decode_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ApiError(ErrorCode.invalid_json, f"the body is not valid JSON: {err}") from err
+    if not isinstance(body, dict):
+        raise ApiError(ErrorCode.invalid_json, "the body must be a JSON object")
+    return body
+
+
+def parse_body(model: type[M], body: dict[str, Any], unsupported: frozenset[str] = frozenset()) -> M:
+    for name in sorted(unsupported & body.keys()):
+        if body[name] not in _EMPTY:
+            raise ApiError(
+                ErrorCode.unsupported_parameter,
+                f"`{name}` is not supported by this appliance; remove it",
+                param=name,
+            )
+    try:
+        return model.model_validate({k: v for k, v in body.items() if k not in unsupported})
+    except ValidationError as err:
+        raise _translate(err) from err
+
+
+def param_path(loc: tuple[int | str, ...]) -> str:
+    """OpenAI writes parameter paths as `messages[0].content`."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def _translate(err: ValidationError) -> ApiError:
+    errors = err.errors(include_url=False)
+    # A union reports one error per member; the deepest location is the useful one.
+    cleaned = [(_clean_loc(e["loc"]), e) for e in errors]
+    loc, first = max(cleaned, key=lambda pair: len(pair[0]))
+    param = param_path(loc) or None
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        return ApiError(ErrorCode.unknown_parameter, f"unrecognized request argument `{param}`", param=param)
+    if kind == "missing":
+        return ApiError(ErrorCode.missing_parameter, f"`{param}` is required", param=param)
+    if param == "n":
+        return ApiError(ErrorCode.unsupported_parameter, "only `n: 1` is supported", param=param)
+    return ApiError(ErrorCode.invalid_parameter, f"`{param}`: {first['msg']}", param=param)
+
+
+# Fields holding a union discriminated by `type`: pydantic puts the tag after them in `loc`.
+_DISCRIMINATED = frozenset({"response_format"})
+_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+
+
+def _clean_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """A location without the union-member tags that pydantic inserts."""
+    out: list[int | str] = []
+    skip_next = False
+    for part in loc:
+        if skip_next:
+            skip_next = False
+            continue
+        if isinstance(part, str) and (
+            part in _MEMBER_TAGS or "[" in part or part.startswith(("function-", "constrained-"))
+        ):
+            continue
+        out.append(part)
+        skip_next = part in _DISCRIMINATED
+    return tuple(out)

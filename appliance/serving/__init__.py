@@ -1,0 +1,1 @@
+"""Model serving: the model catalog, GGUF metadata, and the inference engine."""

@@ -1,0 +1,390 @@
+"""The llama.cpp engine: one GGUF model, generating on its own thread, streaming to asyncio.
+
+This module owns every llama-cpp-python call of the appliance (it never imports aiohttp).
+Sequences run one at a time on a dedicated thread, so the event loop never blocks; requests
+beyond ``max_queue`` waiting ones are refused at once with :class:`QueueFullError`.
+
+It drives llama-cpp-python's ``Llama`` object below its high-level ``create_completion``:
+that path cannot report a grammar that fails to compile (it would hand llama.cpp a NULL
+sampler), counts no tokens while streaming, and measures no first-token time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from appliance.serving.catalog import verify
+from appliance.serving.chat import ChatTemplate, select_template
+from appliance.serving.gguf import read_gguf
+from appliance.serving.text import TextAssembler
+from appliance.state.store import ModelRecord
+
+log = logging.getLogger(__name__)
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+class EngineError(Exception):
+    """Generation could not run."""
+
+
+class QueueFullError(EngineError):
+    def __init__(self, waiting: int, retry_after: float) -> None:
+        super().__init__(f"{waiting} requests are already waiting for this model")
+        self.waiting = waiting
+        self.retry_after = retry_after
+
+
+class GrammarError(EngineError):
+    """llama.cpp refused the grammar of a structured-output request."""
+
+
+class NotLoadedError(EngineError):
+    pass
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    sampling: Sampling = Sampling()
+    stop: tuple[str, ...] = ()
+    grammar: str | None = None
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float | None
+    duration_s: float
+    text: str
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+Event = TextDelta | Finished
+
+
+class Run:
+    """One submitted generation: an async iterator of its events, ending with Finished.
+
+    ``cancel()`` stops the sequence at its next token; the iterator still ends with a
+    Finished event (reason "cancelled") so the tokens spent can be counted.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[Event | _Failed] = asyncio.Queue()
+        self._cancel = threading.Event()
+        self._done = False
+
+    def _emit(self, event: Event | _Failed) -> None:  # called from the engine thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def __aiter__(self) -> Run:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._done:
+            raise StopAsyncIteration
+        event = await self._queue.get()
+        if isinstance(event, _Failed):
+            self._done = True
+            raise event.error
+        if isinstance(event, Finished):
+            self._done = True
+        return event
+
+    async def aclose(self) -> None:
+        """Abandon the run: stop the sequence; nobody waits for its events."""
+        self._cancel.set()
+        self._done = True
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: int | None = None
+    n_gpu_layers: int = 0
+    max_queue: int = 16
+
+
+class LlamaEngine:
+    def __init__(self, record: ModelRecord, options: EngineOptions) -> None:
+        self.record = record
+        self.options = options
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvl-{record.name}")
+        self._llm: Any = None
+        self._vocab: Any = None
+        self._pieces: dict[int, bytes] = {}
+        self._outstanding = 0  # submitted and not yet finished (running + waiting)
+        self._mean_duration_s = 1.0  # smoothed time per request, for Retry-After
+        self.chat_template: ChatTemplate | None = None
+        self.load_error: str | None = None
+
+    # -- lifecycle (blocking; call from a thread) -------------------------------------------
+
+    def load(self) -> None:
+        """Verify the file's sha256 and load the model. Blocking."""
+        import llama_cpp  # noqa: PLC0415 - loads the native library; keep `kvl --help` fast
+
+        verify(self.record)
+        info = read_gguf(Path(self.record.path))
+        llm = llama_cpp.Llama(
+            model_path=self.record.path,
+            n_ctx=self.options.n_ctx,
+            n_batch=self.options.n_batch,
+            n_threads=self.options.n_threads,
+            n_gpu_layers=self.options.n_gpu_layers,
+            verbose=False,
+        )
+        self._vocab = llm._model.vocab  # noqa: SLF001 - the vocab handle is not exposed otherwise
+        bos = self._piece_text(llama_cpp.llama_vocab_bos(self._vocab), special=True)
+        eos = self._piece_text(llama_cpp.llama_vocab_eos(self._vocab), special=True)
+        self.chat_template = select_template(info.chat_template, info.architecture, bos, eos)
+        self._add_bos = bool(info.metadata.get("tokenizer.ggml.add_bos_token", True))
+        self._llm = llm
+        log.info(
+            "loaded %s (%s, %s, chat template: %s)",
+            self.record.ref,
+            info.architecture,
+            self.record.quantization,
+            self.chat_template.origin,
+        )
+
+    @property
+    def ready(self) -> bool:
+        return self._llm is not None
+
+    @property
+    def n_ctx(self) -> int:
+        return self.options.n_ctx
+
+    @property
+    def waiting(self) -> int:
+        return max(0, self._outstanding - 1)
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._executor.shutdown, True)
+        if self._llm is not None:
+            self._llm.close()
+            self._llm = None
+
+    # -- tokens ------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, chat: bool) -> list[int]:
+        """Tokens of a prompt. Chat prompts come from the template, which writes BOS and
+        control tokens itself, so they are parsed as special tokens; raw completion prompts
+        are not (client text cannot forge control tokens) and get BOS if the model wants it.
+        Thread-safe: llama.cpp's tokenizer only reads the vocabulary.
+        """
+        llm = self._require()
+        if chat:
+            tokens: list[int] = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        else:
+            tokens = llm.tokenize(text.encode("utf-8"), add_bos=self._add_bos, special=False)
+        return tokens
+
+    def _piece(self, token: int, *, special: bool = False) -> bytes:
+        cached = self._pieces.get(token) if not special else None
+        if cached is not None:
+            return cached
+        import llama_cpp  # noqa: PLC0415
+
+        size = 64
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, size, 0, special)
+            if n >= 0:
+                piece = buf.raw[:n]
+                break
+            size = -n
+        if not special:
+            self._pieces[token] = piece
+        return piece
+
+    def _piece_text(self, token: int, *, special: bool) -> str:
+        return self._piece(token, special=special).decode("utf-8", errors="replace")
+
+    def _require(self) -> Any:
+        if self._llm is None:
+            raise NotLoadedError(f"model {self.record.ref} is not loaded")
+        return self._llm
+
+    # -- generation --------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> Run:
+        """Queue one generation; iterate the returned Run for its events.
+
+        Raises QueueFullError at once when ``max_queue`` requests are already waiting.
+        """
+        self._require()
+        if self._outstanding > 0 and self.waiting >= self.options.max_queue:
+            raise QueueFullError(self.waiting, retry_after=self._mean_duration_s * (self.waiting + 1))
+        loop = asyncio.get_running_loop()
+        run = Run(loop)
+        self._outstanding += 1
+        future = loop.run_in_executor(self._executor, self._run, request, run._emit, run._cancel)
+        future.add_done_callback(self._finished)
+        return run
+
+    def _finished(self, future: asyncio.Future[None]) -> None:
+        self._outstanding -= 1
+        _log_failure(future)
+
+    def _observe(self, duration_s: float) -> None:
+        self._mean_duration_s = 0.8 * self._mean_duration_s + 0.2 * duration_s
+
+    def _run(
+        self,
+        request: GenerationRequest,
+        emit: Callable[[Event | _Failed], None],
+        cancel: threading.Event,
+    ) -> None:
+        if cancel.is_set():  # abandoned while waiting: nothing ran, nothing to count
+            emit(Finished("cancelled", 0, 0, None, 0.0, ""))
+            return
+        try:
+            self._generate(request, emit, cancel)
+        except Exception as err:  # noqa: BLE001 - handed to the awaiting coroutine, which raises it
+            emit(_Failed(err))
+
+    def _generate(
+        self,
+        request: GenerationRequest,
+        emit: Callable[[Event | _Failed], None],
+        cancel: threading.Event,
+    ) -> None:
+        import llama_cpp  # noqa: PLC0415
+
+        llm = self._require()
+        started = time.perf_counter()
+        chain = self._sampler_chain(request)
+        try:
+            tokens = list(request.prompt_tokens)
+            self._prefill(llm, tokens)
+            assembler = TextAssembler(request.stop)
+            ttft: float | None = None
+            produced = 0
+            finish: FinishReason = "length"
+            ctx = llm._ctx.ctx  # noqa: SLF001 - the sampler needs the raw context
+            while produced < request.max_tokens:
+                if cancel.is_set():
+                    finish = "cancelled"
+                    break
+                token = llama_cpp.llama_sampler_sample(chain, ctx, -1)
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+                if llama_cpp.llama_vocab_is_eog(self._vocab, token):
+                    finish = "stop"
+                    break
+                produced += 1
+                text = assembler.feed(self._piece(token))
+                if text:
+                    emit(TextDelta(text))
+                if assembler.stopped:
+                    finish = "stop"
+                    break
+                if produced < request.max_tokens:
+                    llm.eval([token])
+            rest = assembler.flush()
+            if rest:
+                emit(TextDelta(rest))
+            duration = time.perf_counter() - started
+            self._observe(duration)
+            emit(
+                Finished(
+                    finish_reason=finish,
+                    prompt_tokens=len(tokens),
+                    completion_tokens=produced,
+                    ttft_s=ttft,
+                    duration_s=duration,
+                    text=assembler.text,
+                )
+            )
+        finally:
+            llama_cpp.llama_sampler_free(chain)
+
+    def _prefill(self, llm: Any, tokens: list[int]) -> None:
+        """Evaluate the prompt, reusing the KV cache of the longest common prefix."""
+        cached = llm.input_ids[: llm.n_tokens].tolist()
+        common = 0
+        for a, b in zip(cached, tokens, strict=False):
+            if a != b:
+                break
+            common += 1
+        # Re-evaluate at least the last prompt token so its logits are fresh.
+        common = min(common, len(tokens) - 1)
+        llm.n_tokens = common
+        llm.eval(tokens[common:])
+
+    def _sampler_chain(self, request: GenerationRequest) -> Any:
+        import llama_cpp  # noqa: PLC0415
+
+        s = request.sampling
+        params = llama_cpp.llama_sampler_chain_default_params()
+        chain = llama_cpp.llama_sampler_chain_init(params)
+        if s.presence_penalty or s.frequency_penalty:
+            llama_cpp.llama_sampler_chain_add(
+                chain,
+                llama_cpp.llama_sampler_init_penalties(64, 1.0, s.frequency_penalty, s.presence_penalty),
+            )
+        if request.grammar is not None:
+            grammar = llama_cpp.llama_sampler_init_grammar(
+                self._vocab, request.grammar.encode("utf-8"), b"root"
+            )
+            if not grammar:
+                llama_cpp.llama_sampler_free(chain)
+                raise GrammarError("llama.cpp could not compile the grammar for this schema")
+            llama_cpp.llama_sampler_chain_add(chain, grammar)
+        if s.temperature == 0.0:
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+        else:
+            seed = s.seed if s.seed is not None else secrets.randbelow(2**32 - 1)
+            if s.top_p < 1.0:
+                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(s.temperature))
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed % 2**32))
+        return chain
+
+
+def _log_failure(future: asyncio.Future[None]) -> None:
+    with contextlib.suppress(asyncio.CancelledError):
+        err = future.exception()
+        if err is not None:
+            log.error("generation thread failed", exc_info=err)

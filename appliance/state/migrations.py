@@ -1,0 +1,68 @@
+"""Append-only schema migrations. Never edit, reorder or remove one: add a new one."""
+
+from __future__ import annotations
+
+from sqlite_utils import Database
+from sqlite_utils.migrations import Migrations
+
+migrations = Migrations("appliance")
+
+
+@migrations()
+def m001_initial(db: Database) -> None:
+    db["meta"].create({"key": str, "value": str}, pk="key")
+    db["accounts"].create(
+        {"id": int, "name": str, "service_class": str, "created_at": str},
+        pk="id",
+        not_null={"name", "service_class", "created_at"},
+    )
+    db["accounts"].create_index(["name"], unique=True)
+    db["api_keys"].create(
+        {
+            "id": int,
+            "prefix": str,
+            "hash": str,
+            "account_id": int,
+            "created_at": str,
+            "revoked_at": str,
+        },
+        pk="id",
+        not_null={"prefix", "hash", "account_id", "created_at"},
+        foreign_keys=[("account_id", "accounts", "id")],
+    )
+    db["api_keys"].create_index(["prefix"], unique=True)
+    db["usage_events"].create(
+        {
+            "id": str,
+            "account_id": int,
+            "key_prefix": str,
+            "route": str,
+            "model": str,
+            "tokens_in": int,
+            "tokens_out": int,
+            "ttft_ms": float,
+            "duration_ms": float,
+            "status": int,
+            "finish_reason": str,
+            "created_at": str,
+        },
+        pk="id",
+        not_null={"account_id", "route", "model", "tokens_in", "tokens_out", "status", "created_at"},
+        foreign_keys=[("account_id", "accounts", "id")],
+    )
+    db["usage_events"].create_index(["account_id", "created_at"])
+    db["models"].create(
+        {
+            "name": str,
+            "version": str,
+            "format": str,
+            "path": str,
+            "sha256": str,
+            "size_bytes": int,
+            "quantization": str,
+            "source": str,
+            "added_at": str,
+        },
+        pk=("name", "version"),
+        not_null={"format", "path", "sha256", "size_bytes", "added_at"},
+    )

@@ -1,0 +1,321 @@
+"""The store: the only module that writes SQL. One connection, one writer thread.
+
+The synchronous :class:`Store` serves the CLI; :class:`AsyncStore` runs the same calls on a
+single dedicated thread for the gateway, so there is exactly one writer per process and the
+event loop never waits on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+from sqlite_utils import Database
+
+from appliance.state.migrations import migrations
+from shared.classes import DEFAULT_CLASS, ServiceClass
+from shared.keys import NewKey, generate_key, key_matches, parse_prefix
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class StoreError(Exception):
+    """A documented failure of a store operation; the CLI and gateway translate it."""
+
+
+class NotFoundError(StoreError):
+    pass
+
+
+class ConflictError(StoreError):
+    pass
+
+
+@dataclass(frozen=True)
+class Account:
+    id: int
+    name: str
+    service_class: ServiceClass
+    created_at: str
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    id: int
+    prefix: str
+    account: Account
+    created_at: str
+    revoked_at: str | None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+
+@dataclass(frozen=True)
+class UsageEvent:
+    account_id: int
+    key_prefix: str
+    route: str
+    model: str
+    tokens_in: int
+    tokens_out: int
+    ttft_ms: float | None
+    duration_ms: float
+    status: int
+    finish_reason: str | None
+    id: str = ""
+    created_at: str = ""
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    name: str
+    version: str
+    format: str
+    path: str
+    sha256: str
+    size_bytes: int
+    quantization: str | None
+    source: str
+    added_at: str
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds")
+
+
+class Store:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # check_same_thread=False: AsyncStore opens here and then uses the connection
+        # from its one writer thread only.
+        conn = sqlite3.connect(str(path), check_same_thread=False, timeout=30.0)
+        self.db = Database(conn)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        # FULL makes every commit durable before we answer the client (see ARCHITECTURE §5).
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        migrations.apply(self.db)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- node identity -------------------------------------------------------------------
+
+    def node_id(self) -> str:
+        """This appliance's stable id, made on first use."""
+        with self.db.conn:
+            row = self.db.execute("SELECT value FROM meta WHERE key = 'node_id'").fetchone()
+            if row is not None:
+                return str(row[0])
+            node_id = uuid.uuid4().hex
+            self.db.execute("INSERT INTO meta (key, value) VALUES ('node_id', ?)", [node_id])
+            return node_id
+
+    # -- accounts and keys ---------------------------------------------------------------
+
+    def ensure_account(self, name: str, service_class: ServiceClass | None = None) -> Account:
+        """The account by name, created if new; an explicit class updates an existing one."""
+        with self.db.conn:
+            row = self._account_row(name)
+            if row is None:
+                cls = service_class or DEFAULT_CLASS
+                self.db.execute(
+                    "INSERT INTO accounts (name, service_class, created_at) VALUES (?, ?, ?)",
+                    [name, cls.value, now_iso()],
+                )
+            elif service_class is not None and row["service_class"] != service_class.value:
+                self.db.execute(
+                    "UPDATE accounts SET service_class = ? WHERE name = ?",
+                    [service_class.value, name],
+                )
+            row = self._account_row(name)
+        assert row is not None
+        return _account(row)
+
+    def list_accounts(self) -> list[Account]:
+        return [_account(r) for r in self.db.query("SELECT * FROM accounts ORDER BY name")]
+
+    def create_key(self, account: str, service_class: ServiceClass | None = None) -> NewKey:
+        acct = self.ensure_account(account, service_class)
+        new = generate_key()
+        with self.db.conn:
+            self.db.execute(
+                "INSERT INTO api_keys (prefix, hash, account_id, created_at) VALUES (?, ?, ?, ?)",
+                [new.prefix, new.hash, acct.id, now_iso()],
+            )
+        return new
+
+    def list_keys(self, account: str | None = None) -> list[ApiKey]:
+        sql = _KEY_SELECT
+        params: list[Any] = []
+        if account is not None:
+            sql += " WHERE a.name = ?"
+            params.append(account)
+        sql += " ORDER BY k.id"
+        return [_api_key(r) for r in self.db.query(sql, params)]
+
+    def revoke_key(self, prefix: str) -> ApiKey:
+        with self.db.conn:
+            cur = self.db.execute(
+                "UPDATE api_keys SET revoked_at = ? WHERE prefix = ? AND revoked_at IS NULL",
+                [now_iso(), prefix],
+            )
+        key = self._key_by_prefix(prefix)
+        if key is None:
+            raise NotFoundError(f"no key with prefix {prefix!r}")
+        if cur.rowcount == 0:
+            raise ConflictError(f"key {prefix!r} was already revoked at {key.revoked_at}")
+        return key
+
+    def authenticate(self, plaintext: str) -> ApiKey | None:
+        """The key record for a presented key (revoked ones included), or None if unknown."""
+        prefix = parse_prefix(plaintext)
+        if prefix is None:
+            return None
+        rows = list(self.db.query(_KEY_SELECT + " WHERE k.prefix = ?", [prefix]))
+        if not rows or not key_matches(plaintext, rows[0]["hash"]):
+            return None
+        return _api_key(rows[0])
+
+    def _key_by_prefix(self, prefix: str) -> ApiKey | None:
+        rows = list(self.db.query(_KEY_SELECT + " WHERE k.prefix = ?", [prefix]))
+        return _api_key(rows[0]) if rows else None
+
+    def _account_row(self, name: str) -> dict[str, Any] | None:
+        rows = list(self.db.query("SELECT * FROM accounts WHERE name = ?", [name]))
+        return rows[0] if rows else None
+
+    # -- usage ---------------------------------------------------------------------------
+
+    def record_usage(self, event: UsageEvent) -> UsageEvent:
+        """Commit one usage event durably; returns it with its id and time filled in."""
+        stored = UsageEvent(
+            **{
+                **asdict(event),
+                "id": event.id or uuid.uuid4().hex,
+                "created_at": event.created_at or now_iso(),
+            }
+        )
+        with self.db.conn:
+            row = asdict(stored)
+            cols = ", ".join(row)
+            marks = ", ".join("?" for _ in row)
+            self.db.execute(f"INSERT INTO usage_events ({cols}) VALUES ({marks})", list(row.values()))  # noqa: S608 - column names come from the dataclass
+        return stored
+
+    def usage_events(self, account: str | None = None, limit: int = 100) -> list[UsageEvent]:
+        sql = "SELECT e.* FROM usage_events e"
+        params: list[Any] = []
+        if account is not None:
+            sql += " JOIN accounts a ON a.id = e.account_id WHERE a.name = ?"
+            params.append(account)
+        sql += " ORDER BY e.created_at DESC LIMIT ?"
+        params.append(limit)
+        return [UsageEvent(**r) for r in self.db.query(sql, params)]
+
+    # -- models --------------------------------------------------------------------------
+
+    def add_model(self, record: ModelRecord) -> ModelRecord:
+        with self.db.conn:
+            exists = self.get_model(record.name, record.version)
+            if exists is not None:
+                raise ConflictError(f"model {record.ref} is already registered")
+            row = asdict(record)
+            cols = ", ".join(row)
+            marks = ", ".join("?" for _ in row)
+            self.db.execute(f"INSERT INTO models ({cols}) VALUES ({marks})", list(row.values()))  # noqa: S608 - column names come from the dataclass
+        return record
+
+    def get_model(self, name: str, version: str | None = None) -> ModelRecord | None:
+        """A model by name and version; with no version, the most recently added one."""
+        if version is None:
+            rows = list(
+                self.db.query(
+                    "SELECT * FROM models WHERE name = ? ORDER BY added_at DESC LIMIT 1", [name]
+                )
+            )
+        else:
+            rows = list(
+                self.db.query("SELECT * FROM models WHERE name = ? AND version = ?", [name, version])
+            )
+        return ModelRecord(**rows[0]) if rows else None
+
+    def list_models(self) -> list[ModelRecord]:
+        return [ModelRecord(**r) for r in self.db.query("SELECT * FROM models ORDER BY name, added_at")]
+
+
+_KEY_SELECT = (
+    "SELECT k.id, k.prefix, k.hash, k.created_at, k.revoked_at, a.id AS account_id,"
+    " a.name AS account_name, a.service_class, a.created_at AS account_created_at"
+    " FROM api_keys k JOIN accounts a ON a.id = k.account_id"
+)
+
+
+def _account(row: dict[str, Any]) -> Account:
+    return Account(
+        id=row["id"],
+        name=row["name"],
+        service_class=ServiceClass(row["service_class"]),
+        created_at=row["created_at"],
+    )
+
+
+def _api_key(row: dict[str, Any]) -> ApiKey:
+    account = Account(
+        id=row["account_id"],
+        name=row["account_name"],
+        service_class=ServiceClass(row["service_class"]),
+        created_at=row["account_created_at"],
+    )
+    return ApiKey(
+        id=row["id"],
+        prefix=row["prefix"],
+        account=account,
+        created_at=row["created_at"],
+        revoked_at=row["revoked_at"],
+    )
+
+
+class AsyncStore:
+    """The store for the event loop: every call runs on one dedicated writer thread."""
+
+    def __init__(self, path: Path) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvl-store")
+        self._path = path
+        self._store: Store | None = None
+
+    async def open(self) -> None:
+        self._store = await self._submit(Store, self._path)
+
+    async def close(self) -> None:
+        if self._store is not None:
+            await self._submit(self._store.close)
+        self._executor.shutdown(wait=True)
+
+    @property
+    def sync(self) -> Store:
+        if self._store is None:
+            raise RuntimeError("AsyncStore.open() was not awaited")
+        return self._store
+
+    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run a Store method (``store.run(store.sync.get_model, ...)``) on the writer thread."""
+        return await self._submit(fn, *args, **kwargs)
+
+    async def _submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))

@@ -1,0 +1,1 @@
+"""Structured output: JSON Schema to grammar for constrained decoding, and output validation."""

@@ -1,0 +1,1 @@
+"""The Kovenlab Edge hub: enrollment, fleet inventory, placement, quota, burst offload, console."""

@@ -1,0 +1,28 @@
+"""`kvl hub …`. The hub service itself arrives with the fleet link; today: its configuration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+from hub.settings import HubSettings
+from shared.cli import common_options, config_errors_exit
+from shared.config import load_settings
+
+
+@click.group("hub")
+def hub() -> None:
+    """The hub of the fleet."""
+
+
+@hub.command("config")
+@common_options
+@config_errors_exit
+def show_config(config_file: Path | None, data_dir: Path | None) -> None:
+    """Validate the hub configuration and print the effective settings."""
+    overrides: dict[str, Any] = {"data_dir": data_dir} if data_dir is not None else {}
+    settings = load_settings(HubSettings, config_file=config_file, overrides=overrides)
+    click.echo(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), nl=False)

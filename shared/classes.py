@@ -1,0 +1,26 @@
+"""Service classes S0–S4 (../ARCHITECTURE.md §2): every account has one."""
+
+from enum import StrEnum
+
+
+class ServiceClass(StrEnum):
+    S0 = "S0"
+    S1 = "S1"
+    S2 = "S2"
+    S3 = "S3"
+    S4 = "S4"
+
+    @property
+    def description(self) -> str:
+        return _DESCRIPTIONS[self]
+
+
+_DESCRIPTIONS = {
+    ServiceClass.S0: "shared: best effort, preemptible",
+    ServiceClass.S1: "standard: admission-controlled, quota per account",
+    ServiceClass.S2: "reserved: guaranteed slots, never preempted by S0/S1",
+    ServiceClass.S3: "dedicated: a whole node for one tenant",
+    ServiceClass.S4: "private: a private site, hub optional",
+}
+
+DEFAULT_CLASS = ServiceClass.S1

@@ -1,0 +1,132 @@
+"""The one error shape of every HTTP API in the project, built here and nowhere else.
+
+Clients get OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, so the
+official SDKs raise their usual exception classes. ``code`` is stable: clients and
+tests branch on it, never on the message text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+@dataclass(frozen=True)
+class _Kind:
+    status: int
+    type: str
+    summary: str
+
+
+class ErrorCode(StrEnum):
+    """Every error code the APIs return. The README lists each one (a test checks)."""
+
+    invalid_json = "invalid_json"
+    invalid_parameter = "invalid_parameter"
+    missing_parameter = "missing_parameter"
+    unknown_parameter = "unknown_parameter"
+    unsupported_parameter = "unsupported_parameter"
+    invalid_schema = "invalid_schema"
+    context_length_exceeded = "context_length_exceeded"
+    request_too_large = "request_too_large"
+    missing_api_key = "missing_api_key"
+    invalid_api_key = "invalid_api_key"
+    revoked_api_key = "revoked_api_key"
+    not_found = "not_found"
+    model_not_found = "model_not_found"
+    method_not_allowed = "method_not_allowed"
+    output_validation_failed = "output_validation_failed"
+    queue_full = "queue_full"
+    model_not_ready = "model_not_ready"
+    internal_error = "internal_error"
+
+    @property
+    def status(self) -> int:
+        return _KINDS[self].status
+
+    @property
+    def type(self) -> str:
+        return _KINDS[self].type
+
+    @property
+    def summary(self) -> str:
+        return _KINDS[self].summary
+
+
+_INVALID = "invalid_request_error"
+_KINDS: dict[ErrorCode, _Kind] = {
+    ErrorCode.invalid_json: _Kind(400, _INVALID, "the body is not valid JSON"),
+    ErrorCode.invalid_parameter: _Kind(
+        400, _INVALID, "a field has the wrong type or is out of range; `param` names it"
+    ),
+    ErrorCode.missing_parameter: _Kind(400, _INVALID, "a required field is missing"),
+    ErrorCode.unknown_parameter: _Kind(400, _INVALID, "a field this API does not know"),
+    ErrorCode.unsupported_parameter: _Kind(
+        400, _INVALID, "an OpenAI parameter (or value) the appliance does not support"
+    ),
+    ErrorCode.invalid_schema: _Kind(
+        400, _INVALID, "`response_format.json_schema` is not a usable JSON Schema"
+    ),
+    ErrorCode.context_length_exceeded: _Kind(
+        400, _INVALID, "prompt plus `max_tokens` does not fit the model's context"
+    ),
+    ErrorCode.request_too_large: _Kind(413, _INVALID, "the body is over `server.max_body_bytes`"),
+    ErrorCode.missing_api_key: _Kind(401, "authentication_error", "no `Authorization: Bearer`"),
+    ErrorCode.invalid_api_key: _Kind(401, "authentication_error", "the key is not known"),
+    ErrorCode.revoked_api_key: _Kind(401, "authentication_error", "the key was revoked"),
+    ErrorCode.not_found: _Kind(404, "not_found_error", "no such route"),
+    ErrorCode.model_not_found: _Kind(404, "not_found_error", "no model by that name"),
+    ErrorCode.method_not_allowed: _Kind(405, _INVALID, "the route exists, not with that method"),
+    ErrorCode.output_validation_failed: _Kind(
+        422,
+        "invalid_output_error",
+        "structured output did not validate against the requested schema (fails closed)",
+    ),
+    ErrorCode.queue_full: _Kind(
+        429, "rate_limit_error", "the model's queue is full; retry after `Retry-After` seconds"
+    ),
+    ErrorCode.model_not_ready: _Kind(
+        503, "server_error", "the model is still loading; retry after `Retry-After` seconds"
+    ),
+    ErrorCode.internal_error: _Kind(500, "server_error", "a bug; the request id is in the log"),
+}
+
+
+class ApiError(Exception):
+    """A domain error that the HTTP layer turns into the error shape.
+
+    Raised anywhere below the gateway; only the gateway's middleware serializes it.
+    """
+
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+
+    @property
+    def status(self) -> int:
+        return self.code.status
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.code, self.message, param=self.param)
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        # Retry-After takes whole seconds; round up so a client never retries early.
+        return {"Retry-After": str(max(1, int(-(-self.retry_after // 1))))}
+
+
+def error_body(code: ErrorCode, message: str, *, param: str | None = None) -> dict[str, Any]:
+    """The error shape. Every error response body in the project comes from here."""
+    return {"error": {"message": message, "type": code.type, "param": param, "code": code.value}}
