@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -13,10 +13,14 @@ from appliance.gateway.keys import COMPLETIONS, HOST, METRICS, NODE_ID, SETTINGS
 from appliance.gateway.middleware import authenticate, errors_and_metrics
 from appliance.gateway.routes import ROUTES
 from appliance.serving.host import ModelHost
-from appliance.settings import ApplianceSettings
 from appliance.state.store import AsyncStore
 from shared import __version__
 from shared.telemetry import Metrics
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from appliance.settings import ApplianceSettings
 
 ANNOUNCER = web.AppKey("announcer", Announcer)
 
@@ -50,7 +54,9 @@ async def _models(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     host = ModelHost(app[STORE], settings)
     app[HOST] = host
-    app[COMPLETIONS] = CompletionService(host, app[STORE], app[METRICS], settings.model.max_tokens_limit)
+    app[COMPLETIONS] = CompletionService(
+        host, app[STORE], app[METRICS], settings.model.max_tokens_limit
+    )
     host.start()
     yield
     await host.close()

@@ -42,7 +42,9 @@ def appliance() -> None:
 @click.option("--host", default=None, help="Listen address (overrides server.host).")
 @click.option("--port", type=int, default=None, help="Listen port (overrides server.port).")
 @config_errors_exit
-def serve(config_file: Path | None, data_dir: Path | None, host: str | None, port: int | None) -> None:
+def serve(
+    config_file: Path | None, data_dir: Path | None, host: str | None, port: int | None
+) -> None:
     """Serve the OpenAI-compatible LAN API."""
     from aiohttp import web  # noqa: PLC0415 - keep the other commands light
 
@@ -96,7 +98,9 @@ def keys() -> None:
     help="Service class of the account (default S1 for a new account).",
 )
 @config_errors_exit
-def keys_create(config_file: Path | None, data_dir: Path | None, account: str, service_class: str | None) -> None:
+def keys_create(
+    config_file: Path | None, data_dir: Path | None, account: str, service_class: str | None
+) -> None:
     """Create a key; it is printed once, alone on stdout."""
     store = _store(_settings(config_file, data_dir))
     try:
@@ -111,7 +115,9 @@ def keys_create(config_file: Path | None, data_dir: Path | None, account: str, s
 @click.option("--account", default=None, help="Only this account's keys.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
 @config_errors_exit
-def keys_list(config_file: Path | None, data_dir: Path | None, account: str | None, as_json: bool) -> None:
+def keys_list(
+    config_file: Path | None, data_dir: Path | None, account: str | None, as_json: bool
+) -> None:
     """List keys (prefix, account, class, state)."""
     store = _store(_settings(config_file, data_dir))
     try:
@@ -181,7 +187,7 @@ def models_list(config_file: Path | None, data_dir: Path | None, as_json: bool) 
         if as_json:
             click.echo(json.dumps({**r.__dict__, "ref": r.ref}))
         else:
-            served = "*" if r.ref == settings.model.default or r.name == settings.model.default else " "
+            served = "*" if settings.model.default in (r.ref, r.name) else " "
             click.echo(
                 f"{served} {r.ref:<32} {r.format:<5} {r.quantization or '-':<8} "
                 f"{r.size_bytes / 2**20:8.1f} MiB  {r.sha256[:12]}  {r.path}"
@@ -194,7 +200,9 @@ def models_list(config_file: Path | None, data_dir: Path | None, as_json: bool) 
 @click.option("--name", required=True, help="Model name clients will use.")
 @click.option("--version", "version", required=True, help="Version, e.g. 1.0 or a date.")
 @config_errors_exit
-def models_add(config_file: Path | None, data_dir: Path | None, path: Path, name: str, version: str) -> None:
+def models_add(
+    config_file: Path | None, data_dir: Path | None, path: Path, name: str, version: str
+) -> None:
     """Register a GGUF file by path (sha256 recorded; checked at every load)."""
     from appliance.serving.catalog import ModelFileError, register_gguf  # noqa: PLC0415
 
@@ -207,7 +215,8 @@ def models_add(config_file: Path | None, data_dir: Path | None, path: Path, name
         raise click.ClickException(str(err)) from err
     finally:
         store.close()
-    click.echo(f"registered {record.ref} ({record.quantization or 'unknown quantization'}, sha256 {record.sha256})")
+    quantization = record.quantization or "unknown quantization"
+    click.echo(f"registered {record.ref} ({quantization}, sha256 {record.sha256})")
 
 
 @appliance.command()
@@ -215,7 +224,9 @@ def models_add(config_file: Path | None, data_dir: Path | None, path: Path, name
 @click.option("--timeout", type=float, default=3.0, show_default=True, help="Seconds to listen.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
 @config_errors_exit
-def discover(config_file: Path | None, data_dir: Path | None, timeout: float, as_json: bool) -> None:
+def discover(
+    config_file: Path | None, data_dir: Path | None, timeout: float, as_json: bool
+) -> None:
     """List appliances announcing themselves on the LAN."""
     from appliance.discovery.mdns import discover as browse  # noqa: PLC0415
 

@@ -31,9 +31,7 @@ class ServerSettings(_Section):
     tls_cert_file: Path | None = Field(
         None, description="PEM certificate chain for HTTPS on the LAN; unset serves plain HTTP."
     )
-    tls_key_file: Path | None = Field(
-        None, description="PEM private key matching tls_cert_file."
-    )
+    tls_key_file: Path | None = Field(None, description="PEM private key matching tls_cert_file.")
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Self:
@@ -47,7 +45,9 @@ class ModelSettings(_Section):
         "gemma-3-270m",
         min_length=1,
         max_length=200,
-        description="Model served at start, as `name` or `name@version` from `kvl appliance models list`.",
+        description=(
+            "Model served at start, as `name` or `name@version` from `kvl appliance models list`."
+        ),
     )
     n_ctx: int = Field(
         4096, ge=256, le=131_072, description="Context window in tokens (prompt plus output)."
@@ -73,7 +73,7 @@ class ModelSettings(_Section):
 
 
 class DiscoverySettings(_Section):
-    enabled: bool = Field(True, description="Announce the appliance on the LAN over mDNS.")
+    enabled: bool = Field(default=True, description="Announce the appliance on the LAN over mDNS.")
     node_name: str | None = Field(
         None,
         min_length=1,

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import yaml
@@ -11,6 +10,9 @@ import yaml
 from hub.settings import HubSettings
 from shared.cli import common_options, config_errors_exit
 from shared.config import load_settings
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 @click.group("hub")

@@ -15,7 +15,11 @@ from shared import __version__
 from shared.config import ConfigError
 
 _GROUPS = {
-    "appliance": ("appliance.cli", "appliance", "The appliance: serve the LAN API, keys, models, discovery."),
+    "appliance": (
+        "appliance.cli",
+        "appliance",
+        "The appliance: serve the LAN API, keys, models, discovery.",
+    ),
     "hub": ("hub.cli", "hub", "The hub of the fleet."),
 }
 
@@ -30,8 +34,7 @@ class _LazyGroup(click.Group):
         if cmd_name not in _GROUPS:
             return None
         module, attr, _ = _GROUPS[cmd_name]
-        command = getattr(importlib.import_module(module), attr)
-        assert isinstance(command, click.Command)
+        command: click.Command = getattr(importlib.import_module(module), attr)
         return command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
@@ -75,3 +78,7 @@ def config_errors_exit(fn: F) -> F:
             raise SystemExit(2) from err
 
     return wrapper  # type: ignore[return-value]
+
+
+if __name__ == "__main__":  # `python -m shared.cli`, used by the tests
+    main()

@@ -12,14 +12,17 @@ import difflib
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
 from pydantic import BaseModel, ValidationError
-from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, InitSettingsSource
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from pydantic.fields import FieldInfo
 
 ENV_PREFIX = "KVL_"
 ENV_DELIMITER = "__"
@@ -107,7 +110,11 @@ def _read_yaml(path: Path | None) -> tuple[dict[str, Any], str]:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(
-            [Problem("--config", f"cannot read {path}: {err.strerror}", "pass a readable file", label)]
+            [
+                Problem(
+                    "--config", f"cannot read {path}: {err.strerror}", "pass a readable file", label
+                )
+            ]
         ) from err
     try:
         data = yaml.safe_load(text)
@@ -123,7 +130,11 @@ def _read_yaml(path: Path | None) -> tuple[dict[str, Any], str]:
         return {}, label
     if not isinstance(data, dict):
         raise ConfigError(
-            [Problem("--config", "the top level is not a mapping", "write `key: value` lines", label)]
+            [
+                Problem(
+                    "--config", "the top level is not a mapping", "write `key: value` lines", label
+                )
+            ]
         )
     return data, label
 
@@ -202,7 +213,11 @@ def _model_at(cls: type[BaseModel], loc: list[str]) -> type[BaseModel] | None:
         if model is None or part not in model.model_fields:
             return None
         annotation = model.model_fields[part].annotation
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        model = (
+            annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
+            else None
+        )
     return model
 
 

@@ -9,7 +9,9 @@ from typing import TextIO
 class ProgressBar:
     """Draw `[#####-----]  48%  120/250 MiB label` in place on a TTY; milestones otherwise."""
 
-    def __init__(self, label: str, total: int, stream: TextIO | None = None, width: int = 30) -> None:
+    def __init__(
+        self, label: str, total: int, stream: TextIO | None = None, width: int = 30
+    ) -> None:
         self.label = label
         self.total = max(total, 1)
         self.stream = stream if stream is not None else sys.stderr
@@ -22,9 +24,8 @@ class ProgressBar:
         if self._tty:
             filled = int(fraction * self.width)
             bar = "#" * filled + "-" * (self.width - filled)
-            self.stream.write(
-                f"\r[{bar}] {fraction:4.0%}  {done / 2**20:.0f}/{self.total / 2**20:.0f} MiB {self.label}"
-            )
+            mib = f"{done / 2**20:.0f}/{self.total / 2**20:.0f} MiB"
+            self.stream.write(f"\r[{bar}] {fraction:4.0%}  {mib} {self.label}")
             self.stream.flush()
             return
         step = int(fraction * 4)  # 0%, 25%, 50%, 75%, 100%

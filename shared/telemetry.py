@@ -17,16 +17,23 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "kvl_http_requests", "HTTP requests by route, method and status.",
-            ["route", "method", "status"], registry=r,
+            "kvl_http_requests",
+            "HTTP requests by route, method and status.",
+            ["route", "method", "status"],
+            registry=r,
         )
         self.errors = Counter(
-            "kvl_http_errors", "Error responses by route and error code.",
-            ["route", "code"], registry=r,
+            "kvl_http_errors",
+            "Error responses by route and error code.",
+            ["route", "code"],
+            registry=r,
         )
         self.request_seconds = Histogram(
-            "kvl_http_request_duration_seconds", "Time from request to the last byte, by route.",
-            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+            "kvl_http_request_duration_seconds",
+            "Time from request to the last byte, by route.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.prompt_tokens = Counter(
             "kvl_prompt_tokens", "Prompt tokens evaluated, by model.", ["model"], registry=r
@@ -35,12 +42,18 @@ class Metrics:
             "kvl_completion_tokens", "Tokens generated, by model.", ["model"], registry=r
         )
         self.ttft_seconds = Histogram(
-            "kvl_time_to_first_token_seconds", "Time from admission to the first token, by model.",
-            ["model"], buckets=_LATENCY_BUCKETS, registry=r,
+            "kvl_time_to_first_token_seconds",
+            "Time from admission to the first token, by model.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.generation_seconds = Histogram(
-            "kvl_generation_duration_seconds", "Time from admission to the last token, by model.",
-            ["model"], buckets=_LATENCY_BUCKETS, registry=r,
+            "kvl_generation_duration_seconds",
+            "Time from admission to the last token, by model.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.model_ready = Gauge(
             "kvl_model_ready", "1 when the model is loaded and serving.", ["model"], registry=r
@@ -53,5 +66,5 @@ class Metrics:
         """The exposition body and its content type: OpenMetrics unless only the classic
         Prometheus text format is acceptable to the scraper."""
         if "application/openmetrics-text" in accept or "text/plain" not in accept:
-            return generate_openmetrics(self.registry), OPENMETRICS_CONTENT_TYPE
+            return generate_openmetrics(self.registry), OPENMETRICS_CONTENT_TYPE  # type: ignore[no-untyped-call]
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

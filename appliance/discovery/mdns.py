@@ -6,10 +6,14 @@ import ipaddress
 import socket
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
 from zeroconf import InterfaceChoice, ServiceBrowser, ServiceListener, Zeroconf
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
 
 SERVICE_TYPE = "_kovenlab._tcp.local."
 
@@ -64,8 +68,42 @@ def lan_addresses(listen_host: str) -> list[str]:
     return found or ["127.0.0.1"]
 
 
+def local_networks(interfaces: list[str] | None = None) -> list[ipaddress.IPv4Network]:
+    """The IPv4 networks this host is directly attached to (only those of `interfaces`, if set)."""
+    return [
+        ipaddress.IPv4Network(f"{addr.address}/{addr.netmask}", strict=False)
+        for addrs in psutil.net_if_addrs().values()
+        for addr in addrs
+        if addr.family == socket.AF_INET
+        and addr.netmask
+        and (not interfaces or addr.address in interfaces)
+    ]
+
+
+def prefer_reachable(
+    addresses: Iterable[str], networks: Sequence[ipaddress.IPv4Network]
+) -> tuple[str, ...]:
+    """`addresses`, those on one of `networks` first, the announced order kept otherwise.
+
+    An appliance listening on 0.0.0.0 announces every address it has, and zeroconf answers on
+    each interface with all of them (not only those valid there, as RFC 6762 asks), so the
+    first may be a tunnel or bridge address this browser cannot reach; `Found.url` uses the first.
+    """
+
+    def off_link(address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return True
+        return not any(ip in network for network in networks)
+
+    return tuple(sorted(addresses, key=off_link))
+
+
 class Announcer:
-    def __init__(self, announcement: Announcement, addresses: list[str], interfaces: list[str] | None) -> None:
+    def __init__(
+        self, announcement: Announcement, addresses: list[str], interfaces: list[str] | None
+    ) -> None:
         self.announcement = announcement
         self._addresses = addresses
         self._interfaces = interfaces
@@ -83,13 +121,22 @@ class Announcer:
             parsed_addresses=self._addresses,
             server=f"{a.name}.local.",
         )
-        await self._zc.async_register_service(self._info, allow_name_change=True)
+        # Registering returns once probing is done, with the announcements still to be sent in
+        # a task; waiting for them means the appliance is discoverable once start() returns,
+        # and no un-referenced task is left for the garbage collector to drop mid-way.
+        announced = await self._zc.async_register_service(self._info, allow_name_change=True)
+        await announced
 
     async def stop(self) -> None:
         if self._zc is None:
             return
         if self._info is not None:
-            await self._zc.async_unregister_service(self._info)
+            # Unregistering only schedules the goodbyes; closing right away would drop them (a
+            # closed Zeroconf sends nothing), and browsers would list this appliance until its
+            # records expire (75 minutes for the PTR), so wait until they are sent.
+            goodbyes = await self._zc.async_unregister_service(self._info)
+            await goodbyes
+            self._info = None
         await self._zc.async_close()
         self._zc = None
 
@@ -111,6 +158,7 @@ class _Collector(ServiceListener):
 def discover(timeout_s: float = 3.0, interfaces: list[str] | None = None) -> list[Found]:
     """Browse the LAN for `timeout_s` seconds and return every appliance that answered."""
     zc = Zeroconf(interfaces=interfaces or InterfaceChoice.All)
+    networks = local_networks(interfaces)
     try:
         collector = _Collector()
         browser = ServiceBrowser(zc, SERVICE_TYPE, collector)
@@ -125,12 +173,13 @@ def discover(timeout_s: float = 3.0, interfaces: list[str] | None = None) -> lis
             if info is None:
                 continue
             props = {
-                k.decode(): (v.decode() if v is not None else "") for k, v in info.properties.items()
+                k.decode(): (v.decode() if v is not None else "")
+                for k, v in info.properties.items()
             }
             found.append(
                 Found(
                     name=name.removesuffix("." + SERVICE_TYPE),
-                    addresses=tuple(info.parsed_addresses()),
+                    addresses=prefer_reachable(info.parsed_addresses(), networks),
                     port=info.port or 0,
                     node_id=props.get("node_id", ""),
                     version=props.get("version", ""),

@@ -10,7 +10,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from appliance.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from appliance.serving.chat import ChatTemplateError
@@ -18,14 +18,13 @@ from appliance.serving.engine import (
     Event,
     Finished,
     GenerationRequest,
-    GrammarError,
     LlamaEngine,
     NotLoadedError,
     QueueFullError,
     Run,
-    Sampling,
 )
 from appliance.serving.host import ModelHost, ModelNotReadyError, UnknownModelError
+from appliance.serving.sampling import GrammarError, Sampling
 from appliance.state.store import ApiKey, AsyncStore, UsageEvent
 from appliance.validation.structured import (
     SchemaUnusableError,
@@ -34,7 +33,9 @@ from appliance.validation.structured import (
     json_schema_output,
 )
 from shared.errors import ApiError, ErrorCode
-from shared.telemetry import Metrics
+
+if TYPE_CHECKING:
+    from shared.telemetry import Metrics
 
 Kind = Literal["chat", "text"]
 
@@ -59,7 +60,9 @@ class Prepared:
 
 
 class CompletionService:
-    def __init__(self, host: ModelHost, store: AsyncStore, metrics: Metrics, max_tokens_limit: int) -> None:
+    def __init__(
+        self, host: ModelHost, store: AsyncStore, metrics: Metrics, max_tokens_limit: int
+    ) -> None:
         self._host = host
         self._store = store
         self._metrics = metrics
@@ -67,8 +70,7 @@ class CompletionService:
 
     async def prepare_chat(self, req: ChatCompletionRequest, key: ApiKey, route: str) -> Prepared:
         engine = await self._engine(req.model)
-        template = engine.chat_template
-        assert template is not None
+        template = engine.require_chat_template()
         messages = [{"role": _role(m.role), "content": m.text()} for m in req.messages]
         try:
             prompt = template.render(messages)
@@ -83,7 +85,14 @@ class CompletionService:
             route=route,
             key=key,
             engine=engine,
-            request=self._generation(engine, tokens, max_tokens, param, req, structured),
+            request=self._generation(
+                engine,
+                tokens=tokens,
+                max_tokens=max_tokens,
+                param=param,
+                req=req,
+                structured=structured,
+            ),
             structured=structured,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
@@ -108,7 +117,14 @@ class CompletionService:
             route=route,
             key=key,
             engine=engine,
-            request=self._generation(engine, tokens, req.max_tokens, "max_tokens", req, None),
+            request=self._generation(
+                engine,
+                tokens=tokens,
+                max_tokens=req.max_tokens,
+                param="max_tokens",
+                req=req,
+                structured=None,
+            ),
             structured=None,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
@@ -124,6 +140,7 @@ class CompletionService:
     def _generation(
         self,
         engine: LlamaEngine,
+        *,
         tokens: list[int],
         max_tokens: int | None,
         param: str,
@@ -134,7 +151,8 @@ class CompletionService:
         if max_tokens is not None and max_tokens > self._max_tokens_limit:
             raise ApiError(
                 ErrorCode.invalid_parameter,
-                f"`{param}` is {max_tokens}; this appliance allows at most {self._max_tokens_limit}",
+                f"`{param}` is {max_tokens}; "
+                f"this appliance allows at most {self._max_tokens_limit}",
                 param=param,
             )
         if room < 1 or (max_tokens is not None and max_tokens > room):
@@ -269,7 +287,12 @@ def response_body(prepared: Prepared, finished: Finished) -> dict[str, Any]:
         }
         obj, prefix = "chat.completion", "chatcmpl-"
     else:
-        choice = {"index": 0, "text": finished.text, "finish_reason": finish_reason(finished), "logprobs": None}
+        choice = {
+            "index": 0,
+            "text": finished.text,
+            "finish_reason": finish_reason(finished),
+            "logprobs": None,
+        }
         obj, prefix = "text_completion", "cmpl-"
     return {
         "id": prefix + prepared.id,
@@ -302,8 +325,7 @@ def chunk_body(
         "created": prepared.created,
         "model": prepared.model,
     }
-    if usage_only:
-        assert finished is not None
+    if usage_only and finished is not None:
         body["choices"] = []
         body["usage"] = usage(finished)
         return body
@@ -315,7 +337,12 @@ def chunk_body(
             delta["content"] = ""
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "finish_reason": reason,
+            "logprobs": None,
+        }
     else:
         choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
     body["choices"] = [choice]

@@ -16,7 +16,7 @@ from appliance.gateway.completions import (
     chunk_body,
     response_body,
 )
-from appliance.gateway.keys import COMPLETIONS, HOST, METRICS, NODE_ID, STORE, api_key
+from appliance.gateway.keys import COMPLETIONS, HOST, METRICS, NODE_ID, api_key
 from appliance.gateway.parsing import decode_json, parse_body
 from appliance.gateway.schemas import (
     UNSUPPORTED_CHAT,
@@ -35,7 +35,9 @@ CLIENT_CLOSED = 499
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "alive", "version": __version__, "node_id": request.app[NODE_ID]})
+    return web.json_response(
+        {"status": "alive", "version": __version__, "node_id": request.app[NODE_ID]}
+    )
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -87,7 +89,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 def _route(request: web.Request) -> str:
-    return request.match_info.route.resource.canonical if request.match_info.route.resource else request.path
+    return (
+        request.match_info.route.resource.canonical
+        if request.match_info.route.resource
+        else request.path
+    )
 
 
 async def _respond(request: web.Request, prepared: Prepared, *, stream: bool) -> web.StreamResponse:

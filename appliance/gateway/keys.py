@@ -18,11 +18,9 @@ COMPLETIONS = web.AppKey("completions", CompletionService)
 NODE_ID = web.AppKey("node_id", str)
 
 # Per request: the authenticated key (set by the auth middleware on /v1 routes).
-REQUEST_KEY = "kvl.key"
-REQUEST_ID = "kvl.request_id"
+REQUEST_KEY = web.RequestKey("key", ApiKey)
+REQUEST_ID = web.RequestKey("request_id", str)
 
 
 def api_key(request: web.Request) -> ApiKey:
-    key = request[REQUEST_KEY]
-    assert isinstance(key, ApiKey)
-    return key
+    return request[REQUEST_KEY]

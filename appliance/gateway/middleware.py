@@ -49,7 +49,9 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         message = _http_message(exc, request)
         response = web.json_response(error_body(code, message), status=code.status)
     except Exception:
-        log.exception("unhandled error in %s %s (request %s)", request.method, request.path, request_id)
+        log.exception(
+            "unhandled error in %s %s (request %s)", request.method, request.path, request_id
+        )
         code = ErrorCode.internal_error
         response = web.json_response(
             error_body(code, f"internal error; request id {request_id}"), status=code.status

@@ -46,7 +46,9 @@ def build_openapi() -> dict[str, Any]:
             op["requestBody"] = {
                 "required": True,
                 "content": {
-                    "application/json": {"schema": {"$ref": f"#/components/schemas/{route.body.__name__}"}}
+                    "application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{route.body.__name__}"}
+                    }
                 },
             }
         if route.streams:

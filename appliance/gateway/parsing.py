@@ -24,7 +24,9 @@ def decode_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def parse_body(model: type[M], body: dict[str, Any], unsupported: frozenset[str] = frozenset()) -> M:
+def parse_body(
+    model: type[M], body: dict[str, Any], unsupported: frozenset[str] = frozenset()
+) -> M:
     for name in sorted(unsupported & body.keys()):
         if body[name] not in _EMPTY:
             raise ApiError(
@@ -57,7 +59,9 @@ def _translate(err: ValidationError) -> ApiError:
     param = param_path(loc) or None
     kind = first["type"]
     if kind == "extra_forbidden":
-        return ApiError(ErrorCode.unknown_parameter, f"unrecognized request argument `{param}`", param=param)
+        return ApiError(
+            ErrorCode.unknown_parameter, f"unrecognized request argument `{param}`", param=param
+        )
     if kind == "missing":
         return ApiError(ErrorCode.missing_parameter, f"`{param}` is required", param=param)
     if param == "n":

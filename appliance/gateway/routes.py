@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aiohttp import web
-from pydantic import BaseModel
 
 from appliance.gateway import handlers
 from appliance.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from shared.errors import ErrorCode
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -46,23 +49,48 @@ class Route:
 ROUTES: tuple[Route, ...] = (
     Route("GET", "/healthz", handlers.healthz, "Liveness: the process is up.", auth=False),
     Route(
-        "GET", "/readyz", handlers.readyz, "Readiness: 200 once the model is loaded, 503 before.",
-        auth=False, errors=(ErrorCode.model_not_ready,),
+        "GET",
+        "/readyz",
+        handlers.readyz,
+        "Readiness: 200 once the model is loaded, 503 before.",
+        auth=False,
+        errors=(ErrorCode.model_not_ready,),
     ),
     Route("GET", "/metrics", handlers.metrics, "OpenMetrics exposition.", auth=False),
     Route("GET", "/openapi.json", handlers.openapi, "This API's OpenAPI 3.1 document.", auth=False),
-    Route("GET", "/v1/models", handlers.list_models, "The models this appliance serves.", auth=True, errors=_AUTH),
     Route(
-        "POST", "/v1/chat/completions", handlers.chat_completions,
+        "GET",
+        "/v1/models",
+        handlers.list_models,
+        "The models this appliance serves.",
+        auth=True,
+        errors=_AUTH,
+    ),
+    Route(
+        "POST",
+        "/v1/chat/completions",
+        handlers.chat_completions,
         "Chat completion (OpenAI), streaming with `stream: true`; `response_format` json_object "
         "and json_schema are enforced by constrained decoding and validated.",
-        auth=True, body=ChatCompletionRequest,
-        errors=(*_AUTH, *_BODY, *_GENERATE, ErrorCode.invalid_schema, ErrorCode.output_validation_failed),
+        auth=True,
+        body=ChatCompletionRequest,
+        errors=(
+            *_AUTH,
+            *_BODY,
+            *_GENERATE,
+            ErrorCode.invalid_schema,
+            ErrorCode.output_validation_failed,
+        ),
         streams=True,
     ),
     Route(
-        "POST", "/v1/completions", handlers.completions,
+        "POST",
+        "/v1/completions",
+        handlers.completions,
         "Text completion (OpenAI legacy), streaming with `stream: true`.",
-        auth=True, body=CompletionRequest, errors=(*_AUTH, *_BODY, *_GENERATE), streams=True,
+        auth=True,
+        body=CompletionRequest,
+        errors=(*_AUTH, *_BODY, *_GENERATE),
+        streams=True,
     ),
 )

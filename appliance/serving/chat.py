@@ -82,5 +82,7 @@ def select_template(
     if gguf_template:
         return ChatTemplate(gguf_template, "gguf", bos_token, eos_token)
     if architecture in _FAMILY_TEMPLATES:
-        return ChatTemplate(_FAMILY_TEMPLATES[architecture], f"family:{architecture}", bos_token, eos_token)
+        return ChatTemplate(
+            _FAMILY_TEMPLATES[architecture], f"family:{architecture}", bos_token, eos_token
+        )
     return ChatTemplate(CHATML_TEMPLATE, "chatml", bos_token, eos_token)

@@ -15,20 +15,23 @@ import asyncio
 import contextlib
 import ctypes
 import logging
-import secrets
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from appliance.serving.catalog import verify
 from appliance.serving.chat import ChatTemplate, select_template
 from appliance.serving.gguf import read_gguf
+from appliance.serving.sampling import Sampler, Sampling
 from appliance.serving.text import TextAssembler
-from appliance.state.store import ModelRecord
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from appliance.state.store import ModelRecord
 
 log = logging.getLogger(__name__)
 
@@ -46,28 +49,15 @@ class QueueFullError(EngineError):
         self.retry_after = retry_after
 
 
-class GrammarError(EngineError):
-    """llama.cpp refused the grammar of a structured-output request."""
-
-
 class NotLoadedError(EngineError):
     pass
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_tokens: tuple[int, ...]
     max_tokens: int
-    sampling: Sampling = Sampling()
+    sampling: Sampling = field(default_factory=Sampling)
     stop: tuple[str, ...] = ()
     grammar: str | None = None
 
@@ -105,14 +95,15 @@ class Run:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._queue: asyncio.Queue[Event | _Failed] = asyncio.Queue()
-        self._cancel = threading.Event()
+        self.cancelled = threading.Event()  # set by cancel(); read by the engine thread
         self._done = False
 
-    def _emit(self, event: Event | _Failed) -> None:  # called from the engine thread
+    def emit(self, event: Event | _Failed) -> None:
+        """Hand an event to the consumer; called from the engine thread."""
         self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
     def cancel(self) -> None:
-        self._cancel.set()
+        self.cancelled.set()
 
     def __aiter__(self) -> Run:
         return self
@@ -130,7 +121,7 @@ class Run:
 
     async def aclose(self) -> None:
         """Abandon the run: stop the sequence; nobody waits for its events."""
-        self._cancel.set()
+        self.cancelled.set()
         self._done = True
 
 
@@ -176,6 +167,7 @@ class LlamaEngine:
         bos = self._piece_text(llama_cpp.llama_vocab_bos(self._vocab), special=True)
         eos = self._piece_text(llama_cpp.llama_vocab_eos(self._vocab), special=True)
         self.chat_template = select_template(info.chat_template, info.architecture, bos, eos)
+        self._n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self._add_bos = bool(info.metadata.get("tokenizer.ggml.add_bos_token", True))
         self._llm = llm
         log.info(
@@ -190,6 +182,11 @@ class LlamaEngine:
     def ready(self) -> bool:
         return self._llm is not None
 
+    def require_chat_template(self) -> ChatTemplate:
+        if self.chat_template is None:
+            raise NotLoadedError(f"model {self.record.ref} is not loaded")
+        return self.chat_template
+
     @property
     def n_ctx(self) -> int:
         return self.options.n_ctx
@@ -200,7 +197,7 @@ class LlamaEngine:
 
     async def close(self) -> None:
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._executor.shutdown, True)
+        await loop.run_in_executor(None, lambda: self._executor.shutdown(wait=True))
         if self._llm is not None:
             self._llm.close()
             self._llm = None
@@ -255,11 +252,13 @@ class LlamaEngine:
         """
         self._require()
         if self._outstanding > 0 and self.waiting >= self.options.max_queue:
-            raise QueueFullError(self.waiting, retry_after=self._mean_duration_s * (self.waiting + 1))
+            raise QueueFullError(
+                self.waiting, retry_after=self._mean_duration_s * (self.waiting + 1)
+            )
         loop = asyncio.get_running_loop()
         run = Run(loop)
         self._outstanding += 1
-        future = loop.run_in_executor(self._executor, self._run, request, run._emit, run._cancel)
+        future = loop.run_in_executor(self._executor, self._run, request, run.emit, run.cancelled)
         future.add_done_callback(self._finished)
         return run
 
@@ -294,7 +293,7 @@ class LlamaEngine:
 
         llm = self._require()
         started = time.perf_counter()
-        chain = self._sampler_chain(request)
+        sampler = Sampler(self._vocab, self._n_vocab, request.sampling, request.grammar)
         try:
             tokens = list(request.prompt_tokens)
             self._prefill(llm, tokens)
@@ -307,7 +306,7 @@ class LlamaEngine:
                 if cancel.is_set():
                     finish = "cancelled"
                     break
-                token = llama_cpp.llama_sampler_sample(chain, ctx, -1)
+                token = sampler.sample(ctx)
                 if ttft is None:
                     ttft = time.perf_counter() - started
                 if llama_cpp.llama_vocab_is_eog(self._vocab, token):
@@ -338,7 +337,7 @@ class LlamaEngine:
                 )
             )
         finally:
-            llama_cpp.llama_sampler_free(chain)
+            sampler.free()
 
     def _prefill(self, llm: Any, tokens: list[int]) -> None:
         """Evaluate the prompt, reusing the KV cache of the longest common prefix."""
@@ -352,35 +351,6 @@ class LlamaEngine:
         common = min(common, len(tokens) - 1)
         llm.n_tokens = common
         llm.eval(tokens[common:])
-
-    def _sampler_chain(self, request: GenerationRequest) -> Any:
-        import llama_cpp  # noqa: PLC0415
-
-        s = request.sampling
-        params = llama_cpp.llama_sampler_chain_default_params()
-        chain = llama_cpp.llama_sampler_chain_init(params)
-        if s.presence_penalty or s.frequency_penalty:
-            llama_cpp.llama_sampler_chain_add(
-                chain,
-                llama_cpp.llama_sampler_init_penalties(64, 1.0, s.frequency_penalty, s.presence_penalty),
-            )
-        if request.grammar is not None:
-            grammar = llama_cpp.llama_sampler_init_grammar(
-                self._vocab, request.grammar.encode("utf-8"), b"root"
-            )
-            if not grammar:
-                llama_cpp.llama_sampler_free(chain)
-                raise GrammarError("llama.cpp could not compile the grammar for this schema")
-            llama_cpp.llama_sampler_chain_add(chain, grammar)
-        if s.temperature == 0.0:
-            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
-        else:
-            seed = s.seed if s.seed is not None else secrets.randbelow(2**32 - 1)
-            if s.top_p < 1.0:
-                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
-            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(s.temperature))
-            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed % 2**32))
-        return chain
 
 
 def _log_failure(future: asyncio.Future[None]) -> None:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from appliance.serving.catalog import DEFAULT_MODEL_NAME, ensure_default_model
 from appliance.serving.engine import EngineOptions, LlamaEngine
-from appliance.settings import ApplianceSettings
-from appliance.state.store import AsyncStore, ModelRecord
+
+if TYPE_CHECKING:
+    from appliance.settings import ApplianceSettings
+    from appliance.state.store import AsyncStore, ModelRecord
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +100,11 @@ class ModelHost:
     async def resolve(self, model: str) -> LlamaEngine:
         name, version = split_ref(model)
         engine = self.engine
-        if engine is not None and engine.record.name == name and version in (None, engine.record.version):
+        if (
+            engine is not None
+            and engine.record.name == name
+            and version in (None, engine.record.version)
+        ):
             return engine
         configured, _ = split_ref(self._settings.model.default)
         if engine is None and name == configured and self.load_error is None:

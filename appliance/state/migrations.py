@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-from sqlite_utils import Database
+from typing import TYPE_CHECKING
+
 from sqlite_utils.migrations import Migrations
+
+if TYPE_CHECKING:
+    from sqlite_utils import Database
 
 migrations = Migrations("appliance")
 
 
 @migrations()
 def m001_initial(db: Database) -> None:
-    db["meta"].create({"key": str, "value": str}, pk="key")
-    db["accounts"].create(
+    db.table("meta").create({"key": str, "value": str}, pk="key")
+    db.table("accounts").create(
         {"id": int, "name": str, "service_class": str, "created_at": str},
         pk="id",
         not_null={"name", "service_class", "created_at"},
     )
-    db["accounts"].create_index(["name"], unique=True)
-    db["api_keys"].create(
+    db.table("accounts").create_index(["name"], unique=True)
+    db.table("api_keys").create(
         {
             "id": int,
             "prefix": str,
@@ -30,8 +34,8 @@ def m001_initial(db: Database) -> None:
         not_null={"prefix", "hash", "account_id", "created_at"},
         foreign_keys=[("account_id", "accounts", "id")],
     )
-    db["api_keys"].create_index(["prefix"], unique=True)
-    db["usage_events"].create(
+    db.table("api_keys").create_index(["prefix"], unique=True)
+    db.table("usage_events").create(
         {
             "id": str,
             "account_id": int,
@@ -47,11 +51,19 @@ def m001_initial(db: Database) -> None:
             "created_at": str,
         },
         pk="id",
-        not_null={"account_id", "route", "model", "tokens_in", "tokens_out", "status", "created_at"},
+        not_null={
+            "account_id",
+            "route",
+            "model",
+            "tokens_in",
+            "tokens_out",
+            "status",
+            "created_at",
+        },
         foreign_keys=[("account_id", "accounts", "id")],
     )
-    db["usage_events"].create_index(["account_id", "created_at"])
-    db["models"].create(
+    db.table("usage_events").create_index(["account_id", "created_at"])
+    db.table("models").create(
         {
             "name": str,
             "version": str,

@@ -10,18 +10,20 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import uuid
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from sqlite_utils import Database
 
 from appliance.state.migrations import migrations
 from shared.classes import DEFAULT_CLASS, ServiceClass
 from shared.keys import NewKey, generate_key, key_matches, parse_prefix
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -143,7 +145,8 @@ class Store:
                     [service_class.value, name],
                 )
             row = self._account_row(name)
-        assert row is not None
+        if row is None:  # pragma: no cover - inserted above in the same transaction
+            raise StoreError(f"account {name!r} vanished")
         return _account(row)
 
     def list_accounts(self) -> list[Account]:
@@ -211,10 +214,7 @@ class Store:
             }
         )
         with self.db.conn:
-            row = asdict(stored)
-            cols = ", ".join(row)
-            marks = ", ".join("?" for _ in row)
-            self.db.execute(f"INSERT INTO usage_events ({cols}) VALUES ({marks})", list(row.values()))  # noqa: S608 - column names come from the dataclass
+            _insert(self.db, "usage_events", asdict(stored))
         return stored
 
     def usage_events(self, account: str | None = None, limit: int = 100) -> list[UsageEvent]:
@@ -234,10 +234,7 @@ class Store:
             exists = self.get_model(record.name, record.version)
             if exists is not None:
                 raise ConflictError(f"model {record.ref} is already registered")
-            row = asdict(record)
-            cols = ", ".join(row)
-            marks = ", ".join("?" for _ in row)
-            self.db.execute(f"INSERT INTO models ({cols}) VALUES ({marks})", list(row.values()))  # noqa: S608 - column names come from the dataclass
+            _insert(self.db, "models", asdict(record))
         return record
 
     def get_model(self, name: str, version: str | None = None) -> ModelRecord | None:
@@ -250,12 +247,16 @@ class Store:
             )
         else:
             rows = list(
-                self.db.query("SELECT * FROM models WHERE name = ? AND version = ?", [name, version])
+                self.db.query(
+                    "SELECT * FROM models WHERE name = ? AND version = ?", [name, version]
+                )
             )
         return ModelRecord(**rows[0]) if rows else None
 
     def list_models(self) -> list[ModelRecord]:
-        return [ModelRecord(**r) for r in self.db.query("SELECT * FROM models ORDER BY name, added_at")]
+        return [
+            ModelRecord(**r) for r in self.db.query("SELECT * FROM models ORDER BY name, added_at")
+        ]
 
 
 _KEY_SELECT = (
@@ -263,6 +264,13 @@ _KEY_SELECT = (
     " a.name AS account_name, a.service_class, a.created_at AS account_created_at"
     " FROM api_keys k JOIN accounts a ON a.id = k.account_id"
 )
+
+
+def _insert(db: Database, table: str, row: dict[str, Any]) -> None:
+    cols = ", ".join(row)
+    marks = ", ".join("?" for _ in row)
+    # Table and column names come from this module's dataclasses, never from input.
+    db.execute(f"INSERT INTO {table} ({cols}) VALUES ({marks})", list(row.values()))  # noqa: S608
 
 
 def _account(row: dict[str, Any]) -> Account:

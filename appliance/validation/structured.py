@@ -38,7 +38,9 @@ class StructuredOutput:
         if self.kind == "json_object":
             return [] if isinstance(value, dict) else ["the output is not a JSON object"]
         found = sorted(self._validator.iter_errors(value), key=lambda e: list(e.absolute_path))
-        return [f"{'/'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in found[:10]]
+        return [
+            f"{'/'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in found[:10]
+        ]
 
 
 def json_object_output() -> StructuredOutput:
@@ -53,7 +55,9 @@ def json_schema_output(schema: dict[str, Any], name: str | None = None) -> Struc
         raise SchemaUnusableError(f"not a valid JSON Schema: {err.message}") from err
     try:
         grammar = json_schema_to_gbnf(json.dumps(schema))
-    except Exception as err:  # the converter raises bare Exception/KeyError/etc. on what it cannot handle
+    except (
+        Exception
+    ) as err:  # the converter raises bare Exception/KeyError/etc. on what it cannot handle
         raise SchemaUnusableError(f"the schema cannot be enforced while decoding: {err}") from err
     return StructuredOutput(
         kind="json_schema",

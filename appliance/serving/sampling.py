@@ -1,0 +1,120 @@
+"""Per-sequence token sampling on llama.cpp's sampler API.
+
+With a grammar (structured output), the token is first sampled without it and only then
+checked against the grammar; the full grammar pass over the vocabulary runs only when that
+token is rejected. This is what llama.cpp's own common sampler does: Gemma 3's vocabulary
+has 262,144 tokens, and running the grammar over all of them at every step costs more
+than the model itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+
+class GrammarError(Exception):
+    """llama.cpp refused the grammar of a structured-output request."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+_TOKEN_DATA = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)
+
+
+class Sampler:
+    """The sampler chain of one sequence, and its grammar if it has one. Not thread-safe."""
+
+    def __init__(self, vocab: Any, n_vocab: int, sampling: Sampling, grammar: str | None) -> None:
+        self._n_vocab = n_vocab
+        self._grammar: Any = None
+        if grammar is not None:
+            self._grammar = llama_cpp.llama_sampler_init_grammar(
+                vocab, grammar.encode("utf-8"), b"root"
+            )
+            if not self._grammar:
+                raise GrammarError("llama.cpp could not compile the grammar for this schema")
+        self._chain = _chain(sampling)
+        if self._grammar is not None:
+            self._ids = np.arange(n_vocab, dtype=np.intc)
+            self._data = np.zeros(n_vocab, dtype=_TOKEN_DATA)
+
+    def sample(self, ctx: Any) -> int:
+        """Sample the next token from the last logits of ``ctx`` and accept it."""
+        if self._grammar is None:
+            return int(llama_cpp.llama_sampler_sample(self._chain, ctx, -1))
+        logits = np.ctypeslib.as_array(
+            llama_cpp.llama_get_logits_ith(ctx, -1), shape=(self._n_vocab,)
+        )
+        token = self._apply(logits, with_grammar=False)
+        if not self._grammar_accepts(token):
+            token = self._apply(logits, with_grammar=True)
+        llama_cpp.llama_sampler_accept(self._grammar, token)
+        llama_cpp.llama_sampler_accept(self._chain, token)
+        return token
+
+    def _apply(self, logits: np.ndarray[Any, Any], *, with_grammar: bool) -> int:
+        data = self._data
+        data["id"] = self._ids
+        data["logit"] = logits
+        data["p"] = 0.0
+        array = llama_cpp.llama_token_data_array(
+            data=data.ctypes.data_as(llama_cpp.llama_token_data_p),
+            size=self._n_vocab,
+            selected=-1,
+            sorted=False,
+        )
+        if with_grammar:
+            llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(array))
+        llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(array))
+        if array.selected < 0:
+            raise GrammarError("no token satisfies the grammar")
+        return int(array.data[array.selected].id)
+
+    def _grammar_accepts(self, token: int) -> bool:
+        single = llama_cpp.llama_token_data(token, 1.0, 0.0)
+        array = llama_cpp.llama_token_data_array(
+            data=ctypes.pointer(single), size=1, selected=-1, sorted=False
+        )
+        llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(array))
+        return not math.isinf(single.logit)
+
+    def free(self) -> None:
+        llama_cpp.llama_sampler_free(self._chain)
+        if self._grammar is not None:
+            llama_cpp.llama_sampler_free(self._grammar)
+            self._grammar = None
+
+
+def _chain(s: Sampling) -> Any:
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    add = llama_cpp.llama_sampler_chain_add
+    if s.presence_penalty or s.frequency_penalty:
+        add(
+            chain,
+            llama_cpp.llama_sampler_init_penalties(
+                64, 1.0, s.frequency_penalty, s.presence_penalty
+            ),
+        )
+    if s.temperature == 0.0:
+        add(chain, llama_cpp.llama_sampler_init_greedy())
+        return chain
+    seed = s.seed if s.seed is not None else secrets.randbelow(2**32 - 1)
+    if s.top_p < 1.0:
+        add(chain, llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
+    add(chain, llama_cpp.llama_sampler_init_temp(s.temperature))
+    add(chain, llama_cpp.llama_sampler_init_dist(seed % 2**32))
+    return chain

@@ -1,0 +1,173 @@
+"""Shared fixtures: real SQLite files in tmp dirs, the real default model, real servers."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+from pytest_aiohttp import AiohttpClient
+
+from appliance.app import create_app
+from appliance.gateway.keys import HOST
+from appliance.serving.catalog import ensure_default_model
+from appliance.settings import ApplianceSettings
+from appliance.state.store import ModelRecord, Store
+from shared.progress import ProgressBar
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+REPO = Path(__file__).resolve().parents[1]
+Client = TestClient[web.Request, web.Application]
+
+
+def _quiet_progress(label: str, total: int) -> ProgressBar:
+    return ProgressBar(label, total, stream=io.StringIO())
+
+
+@pytest.fixture(scope="session")
+def default_model(tmp_path_factory: pytest.TempPathFactory) -> ModelRecord:
+    """The embedded default model, assembled once per test session."""
+    base = tmp_path_factory.mktemp("default-model")
+    store = Store(base / "catalog.db")
+    try:
+        return ensure_default_model(store, base / "models", progress=_quiet_progress)
+    finally:
+        store.close()
+
+
+def make_settings(data_dir: Path, **sections: dict[str, object]) -> ApplianceSettings:
+    model: dict[str, object] = {"n_ctx": 2048, "max_queue": 4, "n_threads": 2}
+    model.update(sections.pop("model", {}))
+    discovery: dict[str, object] = {"enabled": False}
+    discovery.update(sections.pop("discovery", {}))
+    return ApplianceSettings.model_validate(
+        {"data_dir": data_dir, "model": model, "discovery": discovery, **sections}
+    )
+
+
+@pytest.fixture
+def settings(tmp_path: Path, default_model: ModelRecord) -> ApplianceSettings:
+    """Settings for an in-process appliance whose store already knows the default model."""
+    s = make_settings(tmp_path / "data")
+    store = Store(s.db_path)
+    store.add_model(default_model)
+    store.close()
+    return s
+
+
+@pytest.fixture
+def api_key(settings: ApplianceSettings) -> str:
+    store = Store(settings.db_path)
+    try:
+        return store.create_key("tester").plaintext
+    finally:
+        store.close()
+
+
+@pytest.fixture
+async def client(aiohttp_client: AiohttpClient, settings: ApplianceSettings) -> Client:
+    """An in-process appliance (real aiohttp server on loopback) with the model loaded."""
+    app = create_app(settings)
+    test_client = await aiohttp_client(app)
+    await app[HOST].wait_loaded()
+    assert app[HOST].ready, app[HOST].load_error
+    return test_client
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ApplianceProcess:
+    base_url: str
+    key: str
+    data_dir: Path
+    process: subprocess.Popen[bytes]
+
+
+def kvl(
+    *args: str, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """Run the real `kvl` command."""
+    return subprocess.run(
+        [sys.executable, "-m", "shared.cli", *args],
+        capture_output=True,
+        text=True,
+        check=check,
+        env={**os.environ, **(env or {})},
+        cwd=REPO,
+        timeout=300,
+    )
+
+
+def wait_ready(base_url: str, process: subprocess.Popen[bytes], timeout_s: float = 180.0) -> None:
+    """Wait on the condition (readiness), polling; fail early if the process died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"appliance exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"{base_url}/readyz", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError("appliance did not become ready")
+
+
+@pytest.fixture(scope="module")
+def appliance_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApplianceProcess]:
+    """`kvl appliance serve` as a real process on loopback, assembling the model itself."""
+    data_dir = tmp_path_factory.mktemp("appliance")
+    key = kvl(
+        "appliance", "keys", "create", "--account", "sdk", "--data-dir", str(data_dir)
+    ).stdout.strip()
+    port = free_port()
+    log = (data_dir / "serve.log").open("wb")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "shared.cli",
+            "appliance",
+            "serve",
+            "--data-dir",
+            str(data_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env={**os.environ, "KVL_DISCOVERY__ENABLED": "false", "KVL_MODEL__N_CTX": "2048"},
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base_url, process)
+        yield ApplianceProcess(base_url, key, data_dir, process)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
