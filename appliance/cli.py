@@ -11,11 +11,11 @@ from typing import Any
 import click
 import yaml
 
-from appliance.settings import ApplianceSettings
+from appliance.settings import EXAMPLE_HEADER, ApplianceSettings
 from appliance.state.store import ConflictError, NotFoundError, Store
 from shared.classes import ServiceClass
 from shared.cli import common_options, config_errors_exit
-from shared.config import load_settings
+from shared.config import example_yaml, load_settings
 
 
 def _settings(config_file: Path | None, data_dir: Path | None, **server: Any) -> ApplianceSettings:
@@ -75,9 +75,13 @@ def serve(
 
 @appliance.command("config")
 @common_options
+@click.option("--example", is_flag=True, help="Print the commented example config instead.")
 @config_errors_exit
-def show_config(config_file: Path | None, data_dir: Path | None) -> None:
+def show_config(config_file: Path | None, data_dir: Path | None, example: bool) -> None:
     """Validate the configuration and print the effective settings."""
+    if example:
+        click.echo(example_yaml(ApplianceSettings, EXAMPLE_HEADER), nl=False)
+        return
     settings = _settings(config_file, data_dir)
     click.echo(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), nl=False)
 

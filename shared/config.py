@@ -12,6 +12,7 @@ import difflib
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
@@ -20,8 +21,6 @@ from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings, EnvSettingsSource, InitSettingsSource
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from pydantic.fields import FieldInfo
 
 ENV_PREFIX = "KVL_"
@@ -52,9 +51,15 @@ class ConfigError(Exception):
         return "\n".join(lines)
 
 
-def env_name(key: str) -> str:
+def env_prefix(cls: type[BaseModel]) -> str:
+    """The environment prefix of a settings class: `KVL_`, or its own (the hub's `KVL_HUB_`)."""
+    prefix = cls.model_config.get("env_prefix")
+    return prefix if isinstance(prefix, str) and prefix else ENV_PREFIX
+
+
+def env_name(key: str, prefix: str = ENV_PREFIX) -> str:
     """The environment variable that sets a dotted settings key."""
-    return ENV_PREFIX + key.replace(".", ENV_DELIMITER).upper()
+    return prefix + key.replace(".", ENV_DELIMITER).upper()
 
 
 def load_settings(
@@ -72,7 +77,7 @@ def load_settings(
     environ = os.environ if environ is None else environ
     sources = (
         InitSettingsSource(cls, dict(overrides or {})),
-        _EnvSource(cls, environ),
+        _EnvSource(cls, environ, env_prefix(cls)),
         InitSettingsSource(cls, file_data),
     )
     try:
@@ -89,11 +94,13 @@ def load_settings(
 class _EnvSource(EnvSettingsSource):
     """The environment source, reading a given mapping so tests need not touch os.environ."""
 
-    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+    def __init__(
+        self, settings_cls: type[BaseSettings], environ: Mapping[str, str], prefix: str
+    ) -> None:
         self._environ = environ
         super().__init__(
             settings_cls,
-            env_prefix=ENV_PREFIX,
+            env_prefix=prefix,
             env_nested_delimiter=ENV_DELIMITER,
             case_sensitive=False,
         )
@@ -148,7 +155,7 @@ def _problem(
 ) -> Problem:
     loc = [str(part) for part in item["loc"]]
     key = ".".join(loc)
-    env_key = env_name(key)
+    env_key = env_name(key, env_prefix(cls))
     if _lookup(overrides, loc) is not _MISSING:
         source = "command line"
     elif any(k.upper() == env_key for k in environ):
@@ -237,3 +244,43 @@ def iter_fields(cls: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, F
             yield from iter_fields(annotation, key + ".")
         else:
             yield key, field
+
+
+def example_yaml(cls: type[BaseModel], header: str) -> str:
+    """A complete, commented YAML config of every setting at its default.
+
+    The example configs in the repository are this function's output (a test checks),
+    so they can never miss a setting or describe it differently from the code.
+    """
+    lines = [f"# {line}".rstrip() for line in header.strip().splitlines()]
+    lines.append("")
+    _example_lines(cls, cls.model_construct(), (), lines, env_prefix(cls))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _example_lines(
+    cls: type[BaseModel], values: BaseModel, path: tuple[str, ...], lines: list[str], prefix: str
+) -> None:
+    pad = "  " * len(path)
+    for name, field in cls.model_fields.items():
+        annotation = field.annotation
+        value = getattr(values, name)
+        description = field.description or ""
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            lines += [f"{pad}# {description}", f"{pad}{name}:"]
+            _example_lines(annotation, value, (*path, name), lines, prefix)
+            lines.append("")
+            continue
+        bounds = describe_bounds(field)
+        if bounds != "to a valid value":
+            description += f" (allowed: {bounds.removeprefix('to a value ')})"
+        rendered = yaml.safe_dump({name: _plain(value)}, default_flow_style=True, width=10_000)
+        lines += [
+            f"{pad}# {description}",
+            f"{pad}# env: {env_name('.'.join((*path, name)), prefix)}",
+            f"{pad}{rendered.strip().removeprefix('{').removesuffix('}')}",
+        ]
+
+
+def _plain(value: Any) -> Any:
+    return str(value) if isinstance(value, Path) else value

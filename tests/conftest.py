@@ -158,7 +158,12 @@ def appliance_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appl
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=REPO,
-        env={**os.environ, "KVL_DISCOVERY__ENABLED": "false", "KVL_MODEL__N_CTX": "2048"},
+        env={
+            **os.environ,
+            "KVL_DISCOVERY__ENABLED": "false",
+            "KVL_MODEL__N_CTX": "2048",
+            "KVL_MODEL__PROMPT_CACHE": "false",
+        },
     )
     base_url = f"http://127.0.0.1:{port}"
     try:

@@ -15,12 +15,15 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
+
+import psutil
 
 from appliance.serving.catalog import verify
 from appliance.serving.chat import ChatTemplate, select_template
@@ -132,6 +135,7 @@ class EngineOptions:
     n_threads: int | None = None
     n_gpu_layers: int = 0
     max_queue: int = 16
+    prompt_cache: bool = True
 
 
 class LlamaEngine:
@@ -159,7 +163,7 @@ class LlamaEngine:
             model_path=self.record.path,
             n_ctx=self.options.n_ctx,
             n_batch=self.options.n_batch,
-            n_threads=self.options.n_threads,
+            n_threads=self.options.n_threads or default_threads(),
             n_gpu_layers=self.options.n_gpu_layers,
             verbose=False,
         )
@@ -341,7 +345,7 @@ class LlamaEngine:
 
     def _prefill(self, llm: Any, tokens: list[int]) -> None:
         """Evaluate the prompt, reusing the KV cache of the longest common prefix."""
-        cached = llm.input_ids[: llm.n_tokens].tolist()
+        cached = llm.input_ids[: llm.n_tokens].tolist() if self.options.prompt_cache else []
         common = 0
         for a, b in zip(cached, tokens, strict=False):
             if a != b:
@@ -351,6 +355,11 @@ class LlamaEngine:
         common = min(common, len(tokens) - 1)
         llm.n_tokens = common
         llm.eval(tokens[common:])
+
+
+def default_threads() -> int:
+    """Physical cores, as llama-server picks; llama-cpp-python's own default is half the CPUs."""
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 def _log_failure(future: asyncio.Future[None]) -> None:

@@ -68,6 +68,7 @@ class ModelHost:
                     n_threads=self._settings.model.n_threads,
                     n_gpu_layers=self._settings.model.n_gpu_layers,
                     max_queue=self._settings.model.max_queue,
+                    prompt_cache=self._settings.model.prompt_cache,
                 ),
             )
             await asyncio.to_thread(engine.load)

@@ -89,8 +89,17 @@ def fuzz_appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Applian
     with (data_dir / "serve.log").open("wb") as log:
         process = subprocess.Popen(
             [
-                sys.executable, "-m", "shared.cli", "appliance", "serve",
-                "--data-dir", str(data_dir), "--host", "127.0.0.1", "--port", str(port),
+                sys.executable,
+                "-m",
+                "shared.cli",
+                "appliance",
+                "serve",
+                "--data-dir",
+                str(data_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -209,7 +218,9 @@ def contract_problems(path: str, reply: Reply) -> list[str]:
 
 def _event_stream_problems(text: str, status: int) -> list[str]:
     found = []
-    events = [line[len("data:") :].strip() for line in text.splitlines() if line.startswith("data:")]
+    events = [
+        line[len("data:") :].strip() for line in text.splitlines() if line.startswith("data:")
+    ]
     if not events:
         return ["an event stream without events"]
     for data in events:
@@ -264,7 +275,9 @@ OPERATIONS = [(route.method, route.path) for route in ROUTES]
 def test_fuzz_operation(fuzzed: Fuzzed, method: str, path: str, mode: GenerationMode) -> None:
     """Generated requests for one operation never get a 5xx, a traceback or a wrong shape."""
     operation = fuzzed.schema[path][method]  # KeyError: the document lacks a route
-    has_body = any(route.body is not None for route in ROUTES if (route.method, route.path) == (method, path))
+    has_body = any(
+        route.body is not None for route in ROUTES if (route.method, route.path) == (method, path)
+    )
     if mode is GenerationMode.NEGATIVE and not has_body:
         pytest.skip("an operation without parameters or a body has no schema to violate")
     cases = operation.as_strategy(generation_mode=mode, headers=fuzzed.auth)
@@ -297,7 +310,16 @@ def test_fuzz_operation(fuzzed: Fuzzed, method: str, path: str, mode: Generation
             )
 
     run()
-    print('TALLY', method, path, mode, tally.cases, dict(tally.statuses), dict(tally.codes), file=sys.stderr)
+    print(
+        "TALLY",
+        method,
+        path,
+        mode,
+        tally.cases,
+        dict(tally.statuses),
+        dict(tally.codes),
+        file=sys.stderr,
+    )
     assert not tally.failures, (
         f"{len(tally.failures)} distinct problems in {tally.cases} cases "
         f"(statuses {dict(tally.statuses)}):\n\n" + "\n\n".join(tally.failures.values())
@@ -353,7 +375,9 @@ json_scalars = (
 )
 json_values = st.recursive(
     json_scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 json_objects = st.dictionaries(st.text(max_size=8), json_values, max_size=5)
@@ -390,11 +414,17 @@ def test_arbitrary_bytes_are_invalid_json(fuzzed: Fuzzed) -> None:
     base_url = fuzzed.appliance.base_url
 
     @PROPERTY_SETTINGS
-    @given(path=st.sampled_from(BODY_ROUTES), raw=raw_bodies.filter(lambda b: not _is_json_object(b)))
+    @given(
+        path=st.sampled_from(BODY_ROUTES), raw=raw_bodies.filter(lambda b: not _is_json_object(b))
+    )
     def run(path: str, raw: bytes) -> None:
-        reply = send(base_url, "POST", path, raw, {**fuzzed.auth, "Content-Type": "application/json"})
+        reply = send(
+            base_url, "POST", path, raw, {**fuzzed.auth, "Content-Type": "application/json"}
+        )
         assert not contract_problems(path, reply), (contract_problems(path, reply), raw, reply)
-        expected = ErrorCode.request_too_large if len(raw) > MAX_BODY_BYTES else ErrorCode.invalid_json
+        expected = (
+            ErrorCode.request_too_large if len(raw) > MAX_BODY_BYTES else ErrorCode.invalid_json
+        )
         assert (reply.status, reply.json()["error"]["code"]) == (expected.status, expected.value), (
             raw,
             reply,
@@ -415,7 +445,9 @@ def test_json_that_is_not_an_object_is_a_400(fuzzed: Fuzzed) -> None:
     )
     def run(path: str, value: object, ascii_only: bool) -> None:
         raw = json.dumps(value, ensure_ascii=ascii_only).encode()
-        reply = send(base_url, "POST", path, raw, {**fuzzed.auth, "Content-Type": "application/json"})
+        reply = send(
+            base_url, "POST", path, raw, {**fuzzed.auth, "Content-Type": "application/json"}
+        )
         assert not contract_problems(path, reply), (contract_problems(path, reply), raw, reply)
         error = reply.json()["error"]
         assert (reply.status, error["code"]) == (400, ErrorCode.invalid_json.value), (raw, reply)
@@ -425,7 +457,8 @@ def test_json_that_is_not_an_object_is_a_400(fuzzed: Fuzzed) -> None:
 
 # RFC 9110 field values: visible ASCII, obs-text, and spaces and tabs between them.
 header_text = st.text(
-    st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f") | st.just("\t"),
+    st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f")
+    | st.just("\t"),
     max_size=80,
 )
 authorizations = st.one_of(
@@ -454,7 +487,11 @@ def test_any_other_authorization_is_a_401(fuzzed: Fuzzed) -> None:
             body if method == "POST" else None,
             {"Authorization": authorization, "Content-Type": "application/json"},
         )
-        assert not contract_problems(path, reply), (contract_problems(path, reply), authorization, reply)
+        assert not contract_problems(path, reply), (
+            contract_problems(path, reply),
+            authorization,
+            reply,
+        )
         code = reply.json()["error"]["code"]
         assert reply.status == 401, (authorization, reply)
         assert code in {ErrorCode.missing_api_key.value, ErrorCode.invalid_api_key.value}, reply
@@ -468,4 +505,3 @@ def test_no_authorization_is_missing_api_key(fuzzed: Fuzzed) -> None:
         assert not contract_problems(path, reply), reply
         assert reply.status == 401, reply
         assert reply.json()["error"]["code"] == ErrorCode.missing_api_key.value, reply
-

@@ -89,7 +89,16 @@ async def test_chat_completion(client: Client, api_key: str) -> None:
     assert headers["X-Request-Id"]
 
 
-async def test_greedy_is_deterministic_and_seed_repeats(client: Client, api_key: str) -> None:
+async def test_greedy_and_seeded_sampling_repeat_exactly(
+    aiohttp_client: AiohttpClient, settings: ApplianceSettings, api_key: str
+) -> None:
+    exact = ApplianceSettings.model_validate(
+        {**settings.model_dump(), "model": {**settings.model.model_dump(), "prompt_cache": False}}
+    )
+    app = create_app(exact)
+    client = await aiohttp_client(app)
+    await app[HOST].wait_loaded()
+
     async def text(extra: dict[str, Any]) -> str:
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, **extra}
         status, out, _ = await post(client, "/v1/completions", api_key, body)
@@ -99,6 +108,19 @@ async def test_greedy_is_deterministic_and_seed_repeats(client: Client, api_key:
     assert await text({"temperature": 0}) == await text({"temperature": 0})
     seeded = {"temperature": 1.0, "seed": 1234}
     assert await text(seeded) == await text(seeded)
+
+
+async def test_prompt_cache_serves_repeated_prompts(client: Client, api_key: str) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "A long shared preamble. " * 20 + "Go:",
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    for _ in range(2):
+        status, out, _ = await post(client, "/v1/completions", api_key, body)
+        assert status == 200, out
+        assert out["usage"]["prompt_tokens"] > 80
 
 
 async def test_stop_and_max_tokens(client: Client, api_key: str) -> None:
