@@ -52,7 +52,7 @@ async def _store(app: web.Application) -> AsyncIterator[None]:
 
 async def _models(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
-    host = ModelHost(app[STORE], settings)
+    host = ModelHost(app[STORE], settings, app[METRICS])
     app[HOST] = host
     app[COMPLETIONS] = CompletionService(
         host, app[STORE], app[METRICS], settings.model.max_tokens_limit

@@ -176,3 +176,12 @@ def appliance_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appl
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+
+
+def pytest_sessionfinish() -> None:
+    # llama-cpp-python opens /dev/null twice at import and never closes it; close it here so
+    # the interpreter's exit does not print two ResourceWarnings after every run.
+    import llama_cpp._utils as llama_utils  # noqa: PLC0415
+
+    llama_utils.outnull_file.close()
+    llama_utils.errnull_file.close()

@@ -12,6 +12,7 @@ from appliance.serving.engine import EngineOptions, LlamaEngine
 if TYPE_CHECKING:
     from appliance.settings import ApplianceSettings
     from appliance.state.store import AsyncStore, ModelRecord
+    from shared.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,10 @@ def split_ref(ref: str) -> tuple[str, str | None]:
 class ModelHost:
     """Loads the configured model in the background; resolves request model names."""
 
-    def __init__(self, store: AsyncStore, settings: ApplianceSettings) -> None:
+    def __init__(self, store: AsyncStore, settings: ApplianceSettings, metrics: Metrics) -> None:
         self._store = store
         self._settings = settings
+        self._metrics = metrics
         self.engine: LlamaEngine | None = None
         self.load_error: str | None = None
         self._task: asyncio.Task[None] | None = None
@@ -71,8 +73,10 @@ class ModelHost:
                     prompt_cache=self._settings.model.prompt_cache,
                 ),
             )
+            self._metrics.model_ready.labels(record.ref).set(0)
             await asyncio.to_thread(engine.load)
             self.engine = engine
+            self._metrics.model_ready.labels(record.ref).set(1)
         except Exception as err:
             # Readiness reports this; the process stays up so /healthz and the logs explain.
             self.load_error = f"{type(err).__name__}: {err}"

@@ -490,6 +490,7 @@ async def test_metrics_count_requests_tokens_and_errors(client: Client, api_key:
     assert 'kvl_http_errors_total{code="model_not_found",route="/v1/completions"} 1.0' in text
     assert "kvl_completion_tokens_total" in text
     assert "kvl_time_to_first_token_seconds_bucket" in text
+    assert 'kvl_model_ready{model="gemma-3-270m@' in text
     assert text.rstrip().endswith("# EOF")
 
 
