@@ -12,9 +12,17 @@ default:
 
 # Create .venv and install the project with its dev tools (llama-cpp-python compiles once, then pip's wheel cache is used)
 setup:
+    #!/usr/bin/env bash
+    set -euo pipefail
     test -x {{ py }} || python3 -m venv {{ venv }}
+    # Skip pip when pyproject.toml has not changed since the last successful set-up.
+    stamp={{ venv }}/.kvl-setup
+    want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+    if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then exit 0; fi
     {{ py }} -m pip install --quiet --upgrade pip
-    CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=off}" {{ py }} -m pip install --quiet -e '.[dev]'
+    CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=off}" {{ py }} -m pip install --quiet -e '.[dev]' 2>&1 \
+        | grep -v -e 'BuildBackendWarning' -e '^ *!!' -e '^ *\*\*\*' -e 'careful with folders' -e 'name as your package' -e 'WheelFile(' -e '^ *$' || true
+    echo "$want" > "$stamp"
 
 # Same as setup for nodes with an NVIDIA GPU: onnxruntime-gpu in place of onnxruntime, llama.cpp rebuilt with CUDA
 setup-gpu: setup
@@ -46,8 +54,8 @@ demo port="8080" data=".kvl/demo": setup
     API key (account "demo", kept in $keyfile):
       $key
     Try it:
-      curl -s http://127.0.0.1:{{ port }}/v1/chat/completions \
-        -H "Authorization: Bearer $key" -H "Content-Type: application/json" \
+      curl -s http://127.0.0.1:{{ port }}/v1/chat/completions \\
+        -H "Authorization: Bearer $key" -H "Content-Type: application/json" \\
         -d '{"model": "gemma-3-270m", "messages": [{"role": "user", "content": "Write a haiku about the sea."}], "max_tokens": 48}'
     Any OpenAI client works with base URL http://<this host>:{{ port }}/v1 and the key above.
 
