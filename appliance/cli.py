@@ -46,9 +46,8 @@ def serve(
     config_file: Path | None, data_dir: Path | None, host: str | None, port: int | None
 ) -> None:
     """Serve the OpenAI-compatible LAN API."""
-    from aiohttp import web  # noqa: PLC0415 - keep the other commands light
-
-    from appliance.app import create_app  # noqa: PLC0415
+    from appliance.app import create_app  # noqa: PLC0415 - keep the other commands light
+    from appliance.gateway import server  # noqa: PLC0415
 
     settings = _settings(config_file, data_dir, host=host, port=port)
     logging.basicConfig(
@@ -59,17 +58,16 @@ def serve(
         ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ssl_context.load_cert_chain(settings.server.tls_cert_file, settings.server.tls_key_file)
     scheme = "https" if ssl_context else "http"
-    web.run_app(
+    server.run(
         create_app(settings),
-        host=settings.server.host,
-        port=settings.server.port,
-        ssl_context=ssl_context,
-        print=lambda _: click.echo(
+        settings.server.host,
+        settings.server.port,
+        ssl_context,
+        on_started=lambda: click.echo(
             f"kvl appliance: serving {scheme}://{settings.server.host}:{settings.server.port}/v1 "
             f"(data in {settings.data_dir})",
             err=True,
         ),
-        access_log=None,
     )
 
 

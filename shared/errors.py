@@ -22,6 +22,7 @@ class _Kind:
 class ErrorCode(StrEnum):
     """Every error code the APIs return. The README lists each one (a test checks)."""
 
+    bad_request = "bad_request"
     invalid_json = "invalid_json"
     invalid_parameter = "invalid_parameter"
     missing_parameter = "missing_parameter"
@@ -56,6 +57,9 @@ class ErrorCode(StrEnum):
 
 _INVALID = "invalid_request_error"
 _KINDS: dict[ErrorCode, _Kind] = {
+    ErrorCode.bad_request: _Kind(
+        400, _INVALID, "the HTTP request itself is malformed, or its body cannot be decoded"
+    ),
     ErrorCode.invalid_json: _Kind(400, _INVALID, "the body is not valid JSON"),
     ErrorCode.invalid_parameter: _Kind(
         400, _INVALID, "a field has the wrong type or is out of range; `param` names it"

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from appliance.gateway.keys import METRICS, REQUEST_ID, REQUEST_KEY, STORE
 from shared.errors import ApiError, ErrorCode, error_body
@@ -42,6 +43,12 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     except ApiError as err:
         code = err.code
         response = web.json_response(err.body(), status=err.status, headers=err.headers())
+    except RequestPayloadError as exc:
+        # The body could not be read: a Content-Encoding that does not decode, bad chunking.
+        code = ErrorCode.bad_request
+        response = web.json_response(
+            error_body(code, f"the body cannot be read: {exc}"), status=code.status
+        )
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

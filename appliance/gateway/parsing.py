@@ -21,6 +21,14 @@ def decode_json(raw: bytes) -> dict[str, Any]:
         raise ApiError(ErrorCode.invalid_json, f"the body is not valid JSON: {err}") from err
     if not isinstance(body, dict):
         raise ApiError(ErrorCode.invalid_json, "the body must be a JSON object")
+    try:
+        # JSON's \ud800 escapes decode to lone surrogates, which are not Unicode text and
+        # cannot reach the tokenizer; refuse them here, once, for every field.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ApiError(
+            ErrorCode.invalid_json, "the body holds a lone UTF-16 surrogate, which is not text"
+        ) from err
     return body
 
 

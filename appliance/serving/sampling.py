@@ -47,7 +47,7 @@ class Sampler:
             )
             if not self._grammar:
                 raise GrammarError("llama.cpp could not compile the grammar for this schema")
-        self._chain = _chain(sampling)
+        self._chain = _chain(sampling, n_vocab)
         if self._grammar is not None:
             self._ids = np.arange(n_vocab, dtype=np.intc)
             self._data = np.zeros(n_vocab, dtype=_TOKEN_DATA)
@@ -99,14 +99,14 @@ class Sampler:
             self._grammar = None
 
 
-def _chain(s: Sampling) -> Any:
+def _chain(s: Sampling, n_vocab: int) -> Any:
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     add = llama_cpp.llama_sampler_chain_add
     if s.presence_penalty or s.frequency_penalty:
         add(
             chain,
             llama_cpp.llama_sampler_init_penalties(
-                64, 1.0, s.frequency_penalty, s.presence_penalty
+                n_vocab, 64, 1.0, s.frequency_penalty, s.presence_penalty
             ),
         )
     if s.temperature == 0.0:

@@ -123,6 +123,16 @@ async def test_prompt_cache_serves_repeated_prompts(client: Client, api_key: str
         assert out["usage"]["prompt_tokens"] > 80
 
 
+async def test_penalties_are_applied(client: Client, api_key: str) -> None:
+    body = {"model": MODEL, "prompt": "la la la la la la", "max_tokens": 8, "temperature": 0}
+    status, plain, _ = await post(client, "/v1/completions", api_key, body)
+    assert status == 200, plain
+    penalised = {**body, "presence_penalty": 2.0, "frequency_penalty": 2.0}
+    status, out, _ = await post(client, "/v1/completions", api_key, penalised)
+    assert status == 200, out
+    assert out["choices"][0]["text"] != plain["choices"][0]["text"]
+
+
 async def test_stop_and_max_tokens(client: Client, api_key: str) -> None:
     status, body, _ = await post(
         client,
@@ -419,7 +429,8 @@ async def test_bad_chat_requests_get_the_error_shape(
 
 
 async def test_invalid_json_and_non_object_bodies(client: Client, api_key: str) -> None:
-    for raw in [b"{not json", b"\xff\xfe", b"[1, 2]", b"", b"null"]:
+    lone_surrogate = b'{"model": "gemma-3-270m", "prompt": "\\ud800"}'
+    for raw in [b"{not json", b"\xff\xfe", b"[1, 2]", b"", b"null", lone_surrogate]:
         response = await client.post("/v1/completions", headers=auth(api_key), data=raw)
         assert response.status == 400, raw
         assert_error(await response.json(), ErrorCode.invalid_json)

@@ -233,7 +233,7 @@ def urllib_open(url: str) -> Iterator[int]:
     import urllib.request  # noqa: PLC0415
 
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - a local http URL
+        with urllib.request.urlopen(url, timeout=2) as resp:
             yield int(resp.status)
     except urllib.error.HTTPError as err:
         yield err.code
@@ -415,7 +415,10 @@ async def measure(server: Server, runs: int, max_tokens: int, phase: Phase) -> N
     end of the warm-up."""
     proc = psutil.Process(server.proc.pid)
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # A fresh connection per request: llama-server closes a connection after a stream, and
+    # both servers should pay the same (loopback) connect inside TTFT.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await stream_completion(session, server, WARMUP_PROMPT, 16)
         cpu_before = tree_cpu_seconds(proc)
         for run in range(runs):
@@ -481,8 +484,17 @@ def summarize(phases: list[Phase]) -> dict[str, Any]:
         "peak_rss_mib": round(max(p.peak_rss_bytes for p in phases) / 2**20, 1),
         "vm_hwm_mib": round(max(hwm) / 2**20, 1) if hwm else None,
         "cpu_ms_per_token": round(1000 * cpu / tokens, 2) if tokens else None,
-        "startup_s": [round(p.startup_s, 2) for p in phases],
-        "loadavg_before_after": [[p.loadavg_before, p.loadavg_after] for p in phases],
+        "phases": [
+            {
+                "decode_tok_s_median": _round(_median([s.decode_tok_s for s in p.samples])),
+                "ttft_ms_median": _round(_median([s.ttft_ms for s in p.samples])),
+                "startup_s": round(p.startup_s, 2),
+                "cpu_s": round(p.cpu_seconds, 2),
+                "loadavg_before": [round(x, 2) for x in p.loadavg_before],
+                "loadavg_after": [round(x, 2) for x in p.loadavg_after],
+            }
+            for p in phases
+        ],
         "per_prompt": per_prompt,
         "samples": [
             {
@@ -550,6 +562,12 @@ def human_summary(result: dict[str, Any]) -> str:
     ]
     for label, key, ratio_key in rows:
         lines.append(f"{label:24}{app[key]!s:>12}{ref[key]!s:>14}{ratios[ratio_key]!s:>8}")
+    for label, figures in (("appliance", app), ("llama-server", ref)):
+        phases = ", ".join(
+            f"{p['decode_tok_s_median']} (load {p['loadavg_before'][0]}->{p['loadavg_after'][0]})"
+            for p in figures["phases"]
+        )
+        lines.append(f"  {label} decode tok/s per phase: {phases}")
     lines.append(
         f"decode ratio {ratios['decode_tok_s']} {verdict} the {DECODE_TARGET} target; "
         f"identical greedy outputs: {sum(result['identical_outputs'].values())}/{len(PROMPTS)}"

@@ -1,0 +1,87 @@
+"""Serving the app: an aiohttp runner whose protocol-level errors use the one error shape.
+
+aiohttp answers requests its HTTP parser refuses (a bad method, an oversized header, bad
+chunking, a Content-Encoding it cannot decode) with `text/plain` before any middleware
+runs. The handler here answers them in the API's error shape instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from shared.errors import ErrorCode, error_body
+
+if TYPE_CHECKING:
+    import ssl
+    from collections.abc import Callable
+
+    from aiohttp.web_request import BaseRequest
+
+
+class _Handler(RequestHandler):
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        self.log_exception("bad request from %s", request.remote, exc_info=exc)
+        if request.writer.output_size > 0:
+            raise ConnectionError("response already started; cannot send an error")
+        if status == 413:
+            code = ErrorCode.request_too_large
+        elif status < 500:
+            code = ErrorCode.bad_request
+        else:
+            code = ErrorCode.internal_error
+        text = (message or "").strip().splitlines()[0] if message else code.summary
+        response = web.json_response(error_body(code, text), status=code.status)
+        response.force_close()
+        return response
+
+
+class _Server(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _Handler(self, loop=self._loop, **self._kwargs)
+
+
+class ApplianceRunner(web.AppRunner):
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # Same object and state; only the connection handler class differs (see _Handler).
+        server.__class__ = _Server
+        return server
+
+
+def run(
+    app: web.Application,
+    host: str,
+    port: int,
+    ssl_context: ssl.SSLContext | None,
+    on_started: Callable[[], None],
+) -> None:
+    """Serve until SIGINT or SIGTERM, then shut down cleanly (cleanup contexts run)."""
+
+    async def main() -> None:
+        runner = ApplianceRunner(app, access_log=None)
+        await runner.setup()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+            on_started()
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
