@@ -136,6 +136,7 @@ class EngineOptions:
     n_gpu_layers: int = 0
     max_queue: int = 16
     prompt_cache: bool = True
+    flash_attn: bool = True
 
 
 class LlamaEngine:
@@ -165,6 +166,7 @@ class LlamaEngine:
             n_batch=self.options.n_batch,
             n_threads=self.options.n_threads or default_threads(),
             n_gpu_layers=self.options.n_gpu_layers,
+            flash_attn=self.options.flash_attn,
             verbose=False,
         )
         self._vocab = llm._model.vocab  # noqa: SLF001 - the vocab handle is not exposed otherwise

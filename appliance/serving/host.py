@@ -71,6 +71,7 @@ class ModelHost:
                     n_gpu_layers=self._settings.model.n_gpu_layers,
                     max_queue=self._settings.model.max_queue,
                     prompt_cache=self._settings.model.prompt_cache,
+                    flash_attn=self._settings.model.flash_attn,
                 ),
             )
             self._metrics.model_ready.labels(record.ref).set(0)

@@ -8,9 +8,9 @@ What is compared
     * ``llama-server`` built from the llama.cpp sources vendored in the *same* llama-cpp-python
       sdist (see tests/benchmarks/llama_server.py), serving the *same* GGUF file (the one the
       appliance assembled into its data dir) with ``-t 2 -c 2048 -np 1``.  By default its
-      context is aligned with what llama-cpp-python gives the appliance (flash attention off,
-      full-size SWA cache, no host-RAM prompt cache, no web UI) so that the difference measured
-      is the serving layer, not a llama.cpp setting; ``--llama-server-defaults`` drops that.
+      context is aligned with the appliance's defaults (flash attention on, full-size SWA
+      cache, no host-RAM prompt cache, no web UI) so that the difference measured is the
+      serving layer, not a llama.cpp setting; ``--llama-server-defaults`` drops that.
 
 How
     * The servers run one after the other, never at the same time (the box may have two
@@ -20,20 +20,23 @@ How
       PROMPTS, ``temperature: 0`` (greedy) and the same ``max_tokens`` (default 128); EOS may end
       a reply early, so rates are compared, not token counts.  ``--runs`` passes over the
       prompts (default 5), each pass in the same prompt order.
-    * Per request, on the client: TTFT = request sent → first SSE chunk with text; decode
+    * Per request, on the client: TTFT = request sent (on a fresh loopback connection, since
+      llama-server closes the connection after a stream) → first SSE chunk with text; decode
       rate = (text chunks - 1) / (last text chunk - first text chunk), i.e. the steady
       token rate a streaming client sees (both servers send one chunk per token); when the
       reply ran to ``max_tokens`` the rate from ``usage.completion_tokens`` is kept as well.
     * Per server: medians over all measured requests; peak RSS of the server process and its
       children (psutil, sampled every 20 ms, plus the kernel's VmHWM of the main process);
-      CPU seconds the server spent per generated token.
+      CPU seconds the server spent per generated token (measured requests only; inflated
+      when other processes compete for the cores, because ggml's OpenMP threads spin).
     * Ratios are appliance / llama-server: decode tok/s (target >= 0.95), TTFT and peak RSS
       (lower is better for both).
 
 Other work on the machine skews the absolute figures and, less so, the ratios; the load
 average around each phase is recorded so a noisy run can be recognised.
 
-Run: ``python -m tests.benchmarks.serving [--runs N] [--max-tokens N] [--out PATH]``.
+Run: ``python -m tests.benchmarks.serving [--runs N] [--max-tokens N] [--out PATH]``.  The
+first run builds llama-server (about 13 minutes on two cores); later runs reuse the cached binary.
 """
 
 from __future__ import annotations
@@ -81,12 +84,12 @@ PROMPTS: tuple[str, ...] = (
 )
 WARMUP_PROMPT = "Hello, my name is"
 
-# Aligns llama-server's context with what llama-cpp-python's Llama() gives the appliance:
-# flash_attn_type DISABLED and swa_full=true (llama_context_default_params), and no host-RAM
-# prompt cache, which the appliance does not have either.  --no-webui only saves memory.
+# Aligns llama-server's context with the appliance's defaults (model.flash_attn=true; swa_full
+# true, llama-cpp-python's default, which keeps prefix reuse exact), and no host-RAM prompt
+# cache, which the appliance does not have either.  --no-webui only saves memory.
 ALIGNED_LLAMA_SERVER_ARGS: tuple[str, ...] = (
     "--flash-attn",
-    "off",
+    "on",
     "--swa-full",
     "--cache-ram",
     "0",
