@@ -19,9 +19,16 @@ setup:
     stamp={{ venv }}/.kvl-setup
     want=$(sha256sum pyproject.toml | cut -d' ' -f1)
     if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then exit 0; fi
-    {{ py }} -m pip install --quiet --upgrade pip
-    CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=off}" {{ py }} -m pip install --quiet -e '.[dev]' 2>&1 \
-        | grep -v -e 'BuildBackendWarning' -e '^ *!!' -e '^ *\*\*\*' -e 'careful with folders' -e 'name as your package' -e 'WheelFile(' -e '^ *$' || true
+    echo "installing kovenlab-edge and its tools into .venv (the first time compiles llama-cpp-python: about 13 minutes on 2 cores)" >&2
+    log=$(mktemp)
+    trap 'rm -f "$log"' EXIT
+    # pip's output is shown only if it fails (setuptools' editable-install notices are noise).
+    if ! { {{ py }} -m pip install --quiet --upgrade pip &&
+           CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=off}" {{ py }} -m pip install --quiet -e '.[dev]'; } > "$log" 2>&1; then
+        cat "$log" >&2
+        echo "set-up failed; pip's output is above" >&2
+        exit 1
+    fi
     echo "$want" > "$stamp"
 
 # Same as setup for nodes with an NVIDIA GPU: onnxruntime-gpu in place of onnxruntime, llama.cpp rebuilt with CUDA

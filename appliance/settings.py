@@ -73,7 +73,7 @@ class ModelSettings(_Section):
     )
     flash_attn: bool = Field(
         default=True,
-        description="Flash attention (llama-server's default too); about 7% faster decoding on CPU.",
+        description="Flash attention (llama-server's default too); about 7% faster on CPU.",
     )
     prompt_cache: bool = Field(
         default=True,

@@ -17,6 +17,7 @@ from appliance.gateway.completions import (
     response_body,
 )
 from appliance.gateway.keys import COMPLETIONS, HOST, METRICS, NODE_ID, api_key
+from appliance.gateway.middleware import route_label
 from appliance.gateway.parsing import decode_json, parse_body
 from appliance.gateway.schemas import (
     UNSUPPORTED_CHAT,
@@ -77,23 +78,19 @@ async def list_models(request: web.Request) -> web.Response:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = decode_json(await request.read())
     req = parse_body(ChatCompletionRequest, body, UNSUPPORTED_CHAT)
-    prepared = await request.app[COMPLETIONS].prepare_chat(req, api_key(request), _route(request))
+    prepared = await request.app[COMPLETIONS].prepare_chat(
+        req, api_key(request), route_label(request)
+    )
     return await _respond(request, prepared, stream=req.stream)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = decode_json(await request.read())
     req = parse_body(CompletionRequest, body, UNSUPPORTED_COMPLETION)
-    prepared = await request.app[COMPLETIONS].prepare_text(req, api_key(request), _route(request))
-    return await _respond(request, prepared, stream=req.stream)
-
-
-def _route(request: web.Request) -> str:
-    return (
-        request.match_info.route.resource.canonical
-        if request.match_info.route.resource
-        else request.path
+    prepared = await request.app[COMPLETIONS].prepare_text(
+        req, api_key(request), route_label(request)
     )
+    return await _respond(request, prepared, stream=req.stream)
 
 
 async def _respond(request: web.Request, prepared: Prepared, *, stream: bool) -> web.StreamResponse:
