@@ -89,6 +89,18 @@ class ModelSettings(_Section):
         le=4096,
         description="Requests that may wait for the model; one more gets 429 with Retry-After.",
     )
+    worker_memory_limit_mb: int = Field(
+        0,
+        ge=0,
+        le=1_048_576,
+        description="Resident memory a model worker may use before it is restarted; 0: no limit.",
+    )
+    worker_hang_timeout_s: float = Field(
+        60.0,
+        ge=1.0,
+        le=3600.0,
+        description="A busy worker that produces nothing for this long is killed and restarted.",
+    )
     max_tokens_limit: int = Field(
         4096, ge=1, le=131_072, description="Largest `max_tokens` a request may ask for."
     )

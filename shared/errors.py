@@ -40,6 +40,7 @@ class ErrorCode(StrEnum):
     output_validation_failed = "output_validation_failed"
     queue_full = "queue_full"
     model_not_ready = "model_not_ready"
+    model_unavailable = "model_unavailable"
     internal_error = "internal_error"
 
     @property
@@ -92,6 +93,12 @@ _KINDS: dict[ErrorCode, _Kind] = {
     ),
     ErrorCode.model_not_ready: _Kind(
         503, "server_error", "the model is still loading; retry after `Retry-After` seconds"
+    ),
+    ErrorCode.model_unavailable: _Kind(
+        503,
+        "server_error",
+        "the model's worker process stopped mid-request and is restarting; retry after "
+        "`Retry-After` seconds",
     ),
     ErrorCode.internal_error: _Kind(500, "server_error", "a bug; the request id is in the log"),
 }

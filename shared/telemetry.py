@@ -58,6 +58,12 @@ class Metrics:
         self.model_ready = Gauge(
             "kvl_model_ready", "1 when the model is loaded and serving.", ["model"], registry=r
         )
+        self.worker_restarts = Counter(
+            "kvl_worker_restarts",
+            "Model worker restarts, by model and kind (exited, heartbeat, hung, memory).",
+            ["model", "kind"],
+            registry=r,
+        )
         self.queue_waiting = Gauge(
             "kvl_queue_waiting", "Requests waiting for a model.", ["model"], registry=r
         )

@@ -15,16 +15,17 @@ from typing import TYPE_CHECKING, Any, Literal
 from appliance.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from appliance.serving.chat import ChatTemplateError
 from appliance.serving.engine import (
+    EngineError,
     Event,
     Finished,
     GenerationRequest,
-    LlamaEngine,
     NotLoadedError,
     QueueFullError,
     Run,
 )
 from appliance.serving.host import ModelHost, ModelNotReadyError, UnknownModelError
 from appliance.serving.sampling import GrammarError, Sampling
+from appliance.serving.supervisor import Replica, WorkerUnavailableError
 from appliance.state.store import ApiKey, AsyncStore, UsageEvent
 from appliance.validation.structured import (
     SchemaUnusableError,
@@ -47,7 +48,7 @@ class Prepared:
     kind: Kind
     route: str
     key: ApiKey
-    engine: LlamaEngine
+    engine: Replica
     request: GenerationRequest
     structured: StructuredOutput | None
     include_usage: bool
@@ -70,14 +71,14 @@ class CompletionService:
 
     async def prepare_chat(self, req: ChatCompletionRequest, key: ApiKey, route: str) -> Prepared:
         engine = await self._engine(req.model)
-        template = engine.require_chat_template()
+        template = engine.require_vocab().chat_template
         messages = [{"role": _role(m.role), "content": m.text()} for m in req.messages]
         try:
             prompt = template.render(messages)
         except ChatTemplateError as err:
             raise ApiError(ErrorCode.invalid_parameter, str(err), param="messages") from err
         structured = _structured(req)
-        tokens = await asyncio.to_thread(engine.tokenize, prompt, chat=True)
+        tokens = await asyncio.to_thread(engine.require_vocab().tokenize, prompt, chat=True)
         max_tokens = req.max_completion_tokens or req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         return Prepared(
@@ -109,7 +110,7 @@ class CompletionService:
             prompt = req.prompt[0]
         else:
             prompt = req.prompt
-        tokens = await asyncio.to_thread(engine.tokenize, prompt, chat=False)
+        tokens = await asyncio.to_thread(engine.require_vocab().tokenize, prompt, chat=False)
         if not tokens:
             raise ApiError(ErrorCode.invalid_parameter, "`prompt` is empty", param="prompt")
         return Prepared(
@@ -129,7 +130,7 @@ class CompletionService:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
 
-    async def _engine(self, model: str) -> LlamaEngine:
+    async def _engine(self, model: str) -> Replica:
         try:
             return await self._host.resolve(model)
         except UnknownModelError as err:
@@ -139,7 +140,7 @@ class CompletionService:
 
     def _generation(
         self,
-        engine: LlamaEngine,
+        engine: Replica,
         *,
         tokens: list[int],
         max_tokens: int | None,
@@ -184,6 +185,10 @@ class CompletionService:
             raise ApiError(ErrorCode.queue_full, str(err), retry_after=err.retry_after) from err
         except NotLoadedError as err:
             raise ApiError(ErrorCode.model_not_ready, str(err), retry_after=5) from err
+        except WorkerUnavailableError as err:
+            raise ApiError(
+                ErrorCode.model_unavailable, str(err), retry_after=err.retry_after
+            ) from err
         self._metrics.queue_waiting.labels(prepared.model).set(prepared.engine.waiting)
         return Generation(run)
 
@@ -241,6 +246,12 @@ class Generation:
             return await anext(self._run)
         except GrammarError as err:
             raise ApiError(ErrorCode.invalid_schema, str(err), param="response_format") from err
+        except WorkerUnavailableError as err:
+            raise ApiError(
+                ErrorCode.model_unavailable, str(err), retry_after=err.retry_after
+            ) from err
+        except EngineError as err:
+            raise ApiError(ErrorCode.internal_error, f"generation failed: {err}") from err
 
 
 def _role(role: str) -> str:

@@ -135,6 +135,13 @@ async def _stream(
             await sse.send(response, chunk_body(prepared, text=event.text))
             event = await anext(generation)
         finished = event
+    except ApiError as err:
+        # Failed after the stream began (the worker died): the error is the last event.
+        # The tokens it spent died with it; nothing reached the client as a finished answer.
+        with contextlib.suppress(ConnectionResetError):
+            await sse.send(response, err.body())
+            await response.write_eof()
+        return response
     except (ConnectionResetError, asyncio.CancelledError):
         # The client went away: stop the sequence and still count the tokens it spent.
         generation.cancel()

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import psutil
 
 from appliance.serving.catalog import verify
-from appliance.serving.chat import ChatTemplate, select_template
-from appliance.serving.gguf import read_gguf
+from appliance.serving.chat import select_template
+from appliance.serving.gguf import GGUFInfo, read_gguf
 from appliance.serving.sampling import Sampler, Sampling
 from appliance.serving.text import TextAssembler
 
@@ -95,10 +95,13 @@ class Run:
     Finished event (reason "cancelled") so the tokens spent can be counted.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, on_cancel: Callable[[], None] | None = None
+    ) -> None:
         self._loop = loop
         self._queue: asyncio.Queue[Event | _Failed] = asyncio.Queue()
         self.cancelled = threading.Event()  # set by cancel(); read by the engine thread
+        self._on_cancel = on_cancel
         self._done = False
 
     def emit(self, event: Event | _Failed) -> None:
@@ -106,7 +109,13 @@ class Run:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
     def cancel(self) -> None:
+        if not self.cancelled.is_set() and self._on_cancel is not None:
+            self._on_cancel()
         self.cancelled.set()
+
+    def fail(self, error: BaseException) -> None:
+        """End the run with an error (from any thread)."""
+        self.emit(_Failed(error))
 
     def __aiter__(self) -> Run:
         return self
@@ -124,7 +133,7 @@ class Run:
 
     async def aclose(self) -> None:
         """Abandon the run: stop the sequence; nobody waits for its events."""
-        self.cancelled.set()
+        self.cancel()
         self._done = True
 
 
@@ -139,18 +148,87 @@ class EngineOptions:
     flash_attn: bool = True
 
 
+class Vocabulary:
+    """A model's tokenizer and chat template, from its GGUF vocabulary.
+
+    The gateway loads one with ``vocab_only`` (a few MB, no weights) so it can render chat
+    templates and count tokens without a round trip to the worker; the worker builds one
+    over its full model. llama.cpp's tokenizer only reads the vocabulary: thread-safe.
+    """
+
+    def __init__(self, llm: Any, info: GGUFInfo) -> None:
+        import llama_cpp  # noqa: PLC0415
+
+        self._llm = llm
+        self.handle = llm._model.vocab  # noqa: SLF001 - the vocab handle is not exposed otherwise
+        self._pieces: dict[int, bytes] = {}
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.handle))
+        self._add_bos = bool(info.metadata.get("tokenizer.ggml.add_bos_token", True))
+        bos = self.piece_text(llama_cpp.llama_vocab_bos(self.handle), special=True)
+        eos = self.piece_text(llama_cpp.llama_vocab_eos(self.handle), special=True)
+        self.chat_template = select_template(info.chat_template, info.architecture, bos, eos)
+
+    @classmethod
+    def load(cls, record: ModelRecord) -> Vocabulary:
+        """The vocabulary alone (no weights). Blocking."""
+        import llama_cpp  # noqa: PLC0415
+
+        llm = llama_cpp.Llama(model_path=record.path, vocab_only=True, verbose=False)
+        return cls(llm, read_gguf(Path(record.path)))
+
+    def tokenize(self, text: str, *, chat: bool) -> list[int]:
+        """Tokens of a prompt. Chat prompts come from the template, which writes BOS and
+        control tokens itself, so they are parsed as special tokens; raw completion prompts
+        are not (client text cannot forge control tokens) and get BOS if the model wants it.
+        """
+        data = text.encode("utf-8")
+        if chat:
+            tokens: list[int] = self._llm.tokenize(data, add_bos=False, special=True)
+        else:
+            tokens = self._llm.tokenize(data, add_bos=self._add_bos, special=False)
+        return tokens
+
+    def is_eog(self, token: int) -> bool:
+        import llama_cpp  # noqa: PLC0415
+
+        return bool(llama_cpp.llama_vocab_is_eog(self.handle, token))
+
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        cached = self._pieces.get(token) if not special else None
+        if cached is not None:
+            return cached
+        import llama_cpp  # noqa: PLC0415
+
+        size = 64
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(self.handle, token, buf, size, 0, special)
+            if n >= 0:
+                piece = buf.raw[:n]
+                break
+            size = -n
+        if not special:
+            self._pieces[token] = piece
+        return piece
+
+    def piece_text(self, token: int, *, special: bool) -> str:
+        return self.piece(token, special=special).decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        self._llm.close()
+
+
 class LlamaEngine:
+    """The model itself, generating one sequence at a time on its own thread (in a worker)."""
+
     def __init__(self, record: ModelRecord, options: EngineOptions) -> None:
         self.record = record
         self.options = options
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvl-{record.name}")
         self._llm: Any = None
-        self._vocab: Any = None
-        self._pieces: dict[int, bytes] = {}
+        self.vocab: Vocabulary | None = None
         self._outstanding = 0  # submitted and not yet finished (running + waiting)
         self._mean_duration_s = 1.0  # smoothed time per request, for Retry-After
-        self.chat_template: ChatTemplate | None = None
-        self.load_error: str | None = None
 
     # -- lifecycle (blocking; call from a thread) -------------------------------------------
 
@@ -169,33 +247,19 @@ class LlamaEngine:
             flash_attn=self.options.flash_attn,
             verbose=False,
         )
-        self._vocab = llm._model.vocab  # noqa: SLF001 - the vocab handle is not exposed otherwise
-        bos = self._piece_text(llama_cpp.llama_vocab_bos(self._vocab), special=True)
-        eos = self._piece_text(llama_cpp.llama_vocab_eos(self._vocab), special=True)
-        self.chat_template = select_template(info.chat_template, info.architecture, bos, eos)
-        self._n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
-        self._add_bos = bool(info.metadata.get("tokenizer.ggml.add_bos_token", True))
+        self.vocab = Vocabulary(llm, info)
         self._llm = llm
         log.info(
             "loaded %s (%s, %s, chat template: %s)",
             self.record.ref,
             info.architecture,
             self.record.quantization,
-            self.chat_template.origin,
+            self.vocab.chat_template.origin,
         )
 
     @property
     def ready(self) -> bool:
         return self._llm is not None
-
-    def require_chat_template(self) -> ChatTemplate:
-        if self.chat_template is None:
-            raise NotLoadedError(f"model {self.record.ref} is not loaded")
-        return self.chat_template
-
-    @property
-    def n_ctx(self) -> int:
-        return self.options.n_ctx
 
     @property
     def waiting(self) -> int:
@@ -208,46 +272,10 @@ class LlamaEngine:
             self._llm.close()
             self._llm = None
 
-    # -- tokens ------------------------------------------------------------------------------
-
-    def tokenize(self, text: str, *, chat: bool) -> list[int]:
-        """Tokens of a prompt. Chat prompts come from the template, which writes BOS and
-        control tokens itself, so they are parsed as special tokens; raw completion prompts
-        are not (client text cannot forge control tokens) and get BOS if the model wants it.
-        Thread-safe: llama.cpp's tokenizer only reads the vocabulary.
-        """
-        llm = self._require()
-        if chat:
-            tokens: list[int] = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
-        else:
-            tokens = llm.tokenize(text.encode("utf-8"), add_bos=self._add_bos, special=False)
-        return tokens
-
-    def _piece(self, token: int, *, special: bool = False) -> bytes:
-        cached = self._pieces.get(token) if not special else None
-        if cached is not None:
-            return cached
-        import llama_cpp  # noqa: PLC0415
-
-        size = 64
-        while True:
-            buf = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, size, 0, special)
-            if n >= 0:
-                piece = buf.raw[:n]
-                break
-            size = -n
-        if not special:
-            self._pieces[token] = piece
-        return piece
-
-    def _piece_text(self, token: int, *, special: bool) -> str:
-        return self._piece(token, special=special).decode("utf-8", errors="replace")
-
-    def _require(self) -> Any:
-        if self._llm is None:
+    def _require(self) -> tuple[Any, Vocabulary]:
+        if self._llm is None or self.vocab is None:
             raise NotLoadedError(f"model {self.record.ref} is not loaded")
-        return self._llm
+        return self._llm, self.vocab
 
     # -- generation --------------------------------------------------------------------------
 
@@ -295,11 +323,10 @@ class LlamaEngine:
         emit: Callable[[Event | _Failed], None],
         cancel: threading.Event,
     ) -> None:
-        import llama_cpp  # noqa: PLC0415
 
-        llm = self._require()
+        llm, vocab = self._require()
         started = time.perf_counter()
-        sampler = Sampler(self._vocab, self._n_vocab, request.sampling, request.grammar)
+        sampler = Sampler(vocab.handle, vocab.n_vocab, request.sampling, request.grammar)
         try:
             tokens = list(request.prompt_tokens)
             self._prefill(llm, tokens)
@@ -315,11 +342,11 @@ class LlamaEngine:
                 token = sampler.sample(ctx)
                 if ttft is None:
                     ttft = time.perf_counter() - started
-                if llama_cpp.llama_vocab_is_eog(self._vocab, token):
+                if vocab.is_eog(token):
                     finish = "stop"
                     break
                 produced += 1
-                text = assembler.feed(self._piece(token))
+                text = assembler.feed(vocab.piece(token))
                 if text:
                     emit(TextDelta(text))
                 if assembler.stopped:

@@ -7,7 +7,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from appliance.serving.catalog import DEFAULT_MODEL_NAME, ensure_default_model
-from appliance.serving.engine import EngineOptions, LlamaEngine
+from appliance.serving.engine import EngineOptions
+from appliance.serving.supervisor import Replica, Restart, SupervisorOptions
 
 if TYPE_CHECKING:
     from appliance.settings import ApplianceSettings
@@ -42,7 +43,7 @@ class ModelHost:
         self._store = store
         self._settings = settings
         self._metrics = metrics
-        self.engine: LlamaEngine | None = None
+        self.replica: Replica | None = None
         self.load_error: str | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -56,32 +57,49 @@ class ModelHost:
     async def close(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()
-        if self.engine is not None:
-            await self.engine.close()
+        if self.replica is not None:
+            await self.replica.close()
 
     async def _load(self) -> None:
+        m = self._settings.model
         try:
             record = await self._record()
-            engine = LlamaEngine(
+            replica = Replica(
                 record,
                 EngineOptions(
-                    n_ctx=self._settings.model.n_ctx,
-                    n_batch=self._settings.model.n_batch,
-                    n_threads=self._settings.model.n_threads,
-                    n_gpu_layers=self._settings.model.n_gpu_layers,
-                    max_queue=self._settings.model.max_queue,
-                    prompt_cache=self._settings.model.prompt_cache,
-                    flash_attn=self._settings.model.flash_attn,
+                    n_ctx=m.n_ctx,
+                    n_batch=m.n_batch,
+                    n_threads=m.n_threads,
+                    n_gpu_layers=m.n_gpu_layers,
+                    max_queue=m.max_queue,
+                    prompt_cache=m.prompt_cache,
+                    flash_attn=m.flash_attn,
                 ),
+                SupervisorOptions(
+                    memory_limit_mb=m.worker_memory_limit_mb,
+                    hang_timeout_s=m.worker_hang_timeout_s,
+                ),
+                on_restart=self._restarted,
             )
-            self._metrics.model_ready.labels(record.ref).set(0)
-            await asyncio.to_thread(engine.load)
-            self.engine = engine
-            self._metrics.model_ready.labels(record.ref).set(1)
+            self.replica = replica
+            self._metrics.model_ready.labels(record.ref).set_function(
+                lambda: 1.0 if replica.ready else 0.0
+            )
+            await replica.start()
         except Exception as err:
             # Readiness reports this; the process stays up so /healthz and the logs explain.
             self.load_error = f"{type(err).__name__}: {err}"
-            log.exception("model %s failed to load", self._settings.model.default)
+            log.exception("model %s failed to load", m.default)
+
+    async def _restarted(self, restart: Restart) -> None:
+        self._metrics.worker_restarts.labels(restart.model, restart.kind).inc()
+        await self._store.run(
+            self._store.sync.record_worker_restart,
+            restart.model,
+            restart.kind,
+            restart.detail,
+            restart.exit_code,
+        )
 
     async def _record(self) -> ModelRecord:
         name, version = split_ref(self._settings.model.default)
@@ -98,14 +116,14 @@ class ModelHost:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.ready
+        return self.replica is not None and self.replica.ready
 
     def served(self) -> list[ModelRecord]:
-        return [self.engine.record] if self.engine is not None else []
+        return [self.replica.record] if self.replica is not None else []
 
-    async def resolve(self, model: str) -> LlamaEngine:
+    async def resolve(self, model: str) -> Replica:
         name, version = split_ref(model)
-        engine = self.engine
+        engine = self.replica
         if (
             engine is not None
             and engine.record.name == name

@@ -78,3 +78,12 @@ def m001_initial(db: Database) -> None:
         pk=("name", "version"),
         not_null={"format", "path", "sha256", "size_bytes", "added_at"},
     )
+
+
+@migrations()
+def m002_worker_restarts(db: Database) -> None:
+    db.table("worker_restarts").create(
+        {"id": int, "model": str, "kind": str, "detail": str, "exit_code": int, "at": str},
+        pk="id",
+        not_null={"model", "kind", "detail", "at"},
+    )

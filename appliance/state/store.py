@@ -227,6 +227,32 @@ class Store:
         params.append(limit)
         return [UsageEvent(**r) for r in self.db.query(sql, params)]
 
+    # -- model workers ---------------------------------------------------------------------
+
+    def record_worker_restart(
+        self, model: str, kind: str, detail: str, exit_code: int | None
+    ) -> None:
+        with self.db.conn:
+            _insert(
+                self.db,
+                "worker_restarts",
+                {
+                    "model": model,
+                    "kind": kind,
+                    "detail": detail,
+                    "exit_code": exit_code,
+                    "at": now_iso(),
+                },
+            )
+
+    def worker_restarts(self, model: str | None = None) -> list[dict[str, Any]]:
+        sql = "SELECT model, kind, detail, exit_code, at FROM worker_restarts"
+        params: list[Any] = []
+        if model is not None:
+            sql += " WHERE model = ?"
+            params.append(model)
+        return list(self.db.query(sql + " ORDER BY id", params))
+
     # -- models --------------------------------------------------------------------------
 
     def add_model(self, record: ModelRecord) -> ModelRecord:

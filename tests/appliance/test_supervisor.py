@@ -1,0 +1,137 @@
+"""Model workers are separate processes: a crash or a hang costs only their in-flight requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from typing import Any
+
+import pytest
+from pytest_aiohttp import AiohttpClient
+
+from appliance.app import create_app
+from appliance.gateway.keys import HOST
+from appliance.serving.engine import EngineOptions, GenerationRequest
+from appliance.serving.sampling import Sampling
+from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, WorkerUnavailableError
+from appliance.settings import ApplianceSettings
+from appliance.state.store import ModelRecord, Store
+from shared.errors import ErrorCode
+from tests.conftest import Client
+
+MODEL = "gemma-3-270m"
+LONG = {"model": MODEL, "prompt": "Tell a very long story.", "max_tokens": 400, "temperature": 0}
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def wait_for(condition: Any, timeout_s: float = 120.0) -> None:
+    """Wait on a condition, polling; no fixed sleeps."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_kill_9_mid_stream(
+    aiohttp_client: AiohttpClient, settings: ApplianceSettings, api_key: str
+) -> None:
+    app = create_app(settings)
+    client: Client = await aiohttp_client(app)
+    host = app[HOST]
+    await host.wait_loaded()
+    replica = host.replica
+    assert replica is not None
+    first_pid = replica.pid
+    assert first_pid is not None
+
+    stream = await client.post(
+        "/v1/completions", headers=auth(api_key), json={**LONG, "stream": True}
+    )
+    assert stream.status == 200
+    await stream.content.readline()  # it is generating
+    whole = asyncio.create_task(client.post("/v1/completions", headers=auth(api_key), json=LONG))
+    await wait_for(lambda: replica.outstanding == 2)
+
+    os.kill(first_pid, signal.SIGKILL)
+
+    # The streamed request ends with an error event; the waiting one gets 503 + Retry-After.
+    events = [
+        line for line in (await stream.read()).decode().splitlines() if line.startswith("data: ")
+    ]
+    last = json.loads(events[-1].removeprefix("data: "))
+    assert last["error"]["code"] == ErrorCode.model_unavailable.value
+    response = await whole
+    assert response.status == 503
+    assert int(response.headers["Retry-After"]) >= 1
+    body = await response.json()
+    assert body["error"]["code"] == ErrorCode.model_unavailable.value
+    assert "restarting" in body["error"]["message"]
+
+    # The gateway never went down, and the worker comes back with a new process.
+    assert (await client.get("/healthz")).status == 200
+    await wait_for(lambda: replica.ready and replica.pid != first_pid)
+    ok = await client.post("/v1/completions", headers=auth(api_key), json={**LONG, "max_tokens": 4})
+    assert ok.status == 200, await ok.text()
+
+    metrics = await (await client.get("/metrics")).text()
+    assert 'kvl_worker_restarts_total{kind="exited",model="gemma-3-270m@' in metrics
+    store = Store(settings.db_path)
+    restarts = store.worker_restarts()
+    store.close()
+    assert [r["kind"] for r in restarts] == ["exited"]
+    assert restarts[0]["exit_code"] == -signal.SIGKILL
+
+
+async def test_a_frozen_worker_is_detected_and_replaced(default_model: ModelRecord) -> None:
+    restarts: list[Restart] = []
+
+    async def record(restart: Restart) -> None:
+        restarts.append(restart)
+
+    replica = Replica(
+        default_model,
+        EngineOptions(n_ctx=512, n_threads=1),
+        SupervisorOptions(heartbeat_s=0.2, heartbeat_timeout_s=1.5, backoff_initial_s=0.1),
+        on_restart=record,
+    )
+    await replica.start()
+    try:
+        frozen = replica.pid
+        assert frozen is not None
+        run = replica.submit(
+            GenerationRequest(
+                prompt_tokens=(2, 818), max_tokens=300, sampling=Sampling(temperature=0)
+            )
+        )
+        await anext(run)
+        os.kill(frozen, signal.SIGSTOP)  # alive, but silent: no heartbeats, no tokens
+        with pytest.raises(WorkerUnavailableError) as stopped:
+            await drain(run)
+        assert stopped.value.retry_after > 0
+        await wait_for(lambda: replica.ready and replica.pid != frozen)
+        assert [r.kind for r in restarts] == ["heartbeat"]
+        again = replica.submit(GenerationRequest(prompt_tokens=(2, 818), max_tokens=2))
+        events = [event async for event in again]
+        assert events[-1].finish_reason in {"stop", "length"}  # type: ignore[union-attr]
+    finally:
+        await replica.close()
+    assert replica.pid is not None
+    assert not _alive(replica.pid)
+
+
+async def drain(run: Any) -> None:
+    async for _ in run:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
