@@ -81,7 +81,7 @@ class Finished:
 
 
 @dataclass(frozen=True)
-class _Failed:
+class Failed:
     error: BaseException
 
 
@@ -99,12 +99,12 @@ class Run:
         self, loop: asyncio.AbstractEventLoop, on_cancel: Callable[[], None] | None = None
     ) -> None:
         self._loop = loop
-        self._queue: asyncio.Queue[Event | _Failed] = asyncio.Queue()
+        self._queue: asyncio.Queue[Event | Failed] = asyncio.Queue()
         self.cancelled = threading.Event()  # set by cancel(); read by the engine thread
         self._on_cancel = on_cancel
         self._done = False
 
-    def emit(self, event: Event | _Failed) -> None:
+    def emit(self, event: Event | Failed) -> None:
         """Hand an event to the consumer; called from the engine thread."""
         self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
@@ -115,7 +115,7 @@ class Run:
 
     def fail(self, error: BaseException) -> None:
         """End the run with an error (from any thread)."""
-        self.emit(_Failed(error))
+        self.emit(Failed(error))
 
     def __aiter__(self) -> Run:
         return self
@@ -124,7 +124,7 @@ class Run:
         if self._done:
             raise StopAsyncIteration
         event = await self._queue.get()
-        if isinstance(event, _Failed):
+        if isinstance(event, Failed):
             self._done = True
             raise event.error
         if isinstance(event, Finished):
@@ -292,7 +292,9 @@ class LlamaEngine:
         loop = asyncio.get_running_loop()
         run = Run(loop)
         self._outstanding += 1
-        future = loop.run_in_executor(self._executor, self._run, request, run.emit, run.cancelled)
+        future = loop.run_in_executor(
+            self._executor, self.run_blocking, request, run.emit, run.cancelled
+        )
         future.add_done_callback(self._finished)
         return run
 
@@ -303,24 +305,25 @@ class LlamaEngine:
     def _observe(self, duration_s: float) -> None:
         self._mean_duration_s = 0.8 * self._mean_duration_s + 0.2 * duration_s
 
-    def _run(
+    def run_blocking(
         self,
         request: GenerationRequest,
-        emit: Callable[[Event | _Failed], None],
+        emit: Callable[[Event | Failed], None],
         cancel: threading.Event,
     ) -> None:
+        """Generate on the calling thread, handing each event to ``emit`` as it happens."""
         if cancel.is_set():  # abandoned while waiting: nothing ran, nothing to count
             emit(Finished("cancelled", 0, 0, None, 0.0, ""))
             return
         try:
             self._generate(request, emit, cancel)
         except Exception as err:  # noqa: BLE001 - handed to the awaiting coroutine, which raises it
-            emit(_Failed(err))
+            emit(Failed(err))
 
     def _generate(
         self,
         request: GenerationRequest,
-        emit: Callable[[Event | _Failed], None],
+        emit: Callable[[Event | Failed], None],
         cancel: threading.Event,
     ) -> None:
 

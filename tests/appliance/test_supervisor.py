@@ -84,7 +84,8 @@ async def test_kill_9_mid_stream(
     restarts = store.worker_restarts()
     store.close()
     assert [r["kind"] for r in restarts] == ["exited"]
-    assert restarts[0]["exit_code"] == -signal.SIGKILL
+    # -9 as a rule; asyncio reports 255 when another waiter reaped the child first.
+    assert restarts[0]["exit_code"] in {-signal.SIGKILL, 255}
 
 
 async def test_a_frozen_worker_is_detected_and_replaced(default_model: ModelRecord) -> None:
