@@ -1,0 +1,329 @@
+"""Continuous batching: which tokens of which sequences go into each decode step.
+
+Pure scheduling, as llama-server does it: no llama.cpp, no clock, no I/O. Every running
+sequence holds a slot (its llama.cpp ``seq_id`` and KV cells); each step, decode tokens of
+running sequences go first so their streams never stall behind a long prompt, and prompt
+chunks fill the rest of the ``n_batch`` budget, oldest first. New sequences take free slots
+between steps. The engine that owns a :class:`SchedulerState` drives it like this::
+
+    state = SchedulerState(config)
+    while True:
+        # between steps: submit() new requests, cancel() abandoned ones (clear ended.slot)
+        plan = plan_step(state)
+        # one llama_batch: for each entry, tokens[start:start + count] of that sequence
+        # (prompt, then its sampled tokens) at those positions, seq_id = entry.slot, logits
+        # on the last token where entry.wants_logits; llama_decode; sample those entries
+        state, ended = apply_step(state, plan, StepOutcome(finished={...stop/cancelled...}))
+        # clear the KV cache of every ended.slot before its slot is planned again
+
+Admission is FIFO within a priority (higher first; all equal by default). Priority is the
+hook for service classes: S0 preemption would put a running sequence back in ``waiting``
+with its slot cleared, and S2 reservations would narrow which free slots a class may take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
+FinishReason = Literal["stop", "length", "cancelled"]
+EntryKind = Literal["prefill", "decode"]
+
+
+class RejectReason(StrEnum):
+    """Why :func:`submit` refused a sequence; values are the gateway's error codes."""
+
+    context_length_exceeded = "context_length_exceeded"
+
+
+class PlanMismatchError(ValueError):
+    """The plan was not made from this state: applied twice, or a sequence it names was
+    cancelled between :func:`plan_step` and :func:`apply_step`. An engine bug, never input."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Sizes of one model replica's batch. Raises ValueError naming every bad field.
+
+    The llama.cpp context to match has ``n_seq_max = n_slots`` and ``n_ctx = n_slots *
+    n_ctx_per_slot`` (its KV cache split per sequence), and this ``n_batch``.
+    """
+
+    n_slots: int  # sequences decoding together (llama.cpp n_seq_max)
+    n_batch: int  # tokens per llama_decode call
+    n_ctx_per_slot: int  # KV cells of one slot: prompt + max_new_tokens must fit
+    max_prefill_chunk: int | None = None  # prompt tokens per sequence per step; None: n_batch
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.n_slots < 1:
+            problems.append(f"n_slots is {self.n_slots}, must be at least 1")
+        # Every running sequence may decode in the same step: one token each must fit.
+        if self.n_batch < self.n_slots:
+            problems.append(f"n_batch is {self.n_batch}, must be at least n_slots ({self.n_slots})")
+        if self.n_ctx_per_slot < 2:
+            problems.append(f"n_ctx_per_slot is {self.n_ctx_per_slot}, must be at least 2")
+        if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
+            problems.append(
+                f"max_prefill_chunk is {self.max_prefill_chunk}, must be None or at least 1"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.n_batch if self.max_prefill_chunk is None else self.max_prefill_chunk
+
+
+@dataclass(frozen=True)
+class SequenceState:
+    """One request's progress. Its token stream is the prompt, then the tokens sampled."""
+
+    seq_id: int  # given by submit() in arrival order, so it is also the FIFO ticket
+    prompt_len: int
+    max_new_tokens: int
+    priority: int = 0  # higher is admitted and prefilled first
+    slot: int | None = None  # None while waiting
+    prefilled: int = 0  # prompt tokens already in the slot's KV cache
+    generated: int = 0  # tokens sampled; the last one is not in the KV cache yet
+
+    @property
+    def prefilling(self) -> bool:
+        return self.slot is not None and self.prefilled < self.prompt_len
+
+    @property
+    def decoding(self) -> bool:
+        return self.slot is not None and self.prefilled == self.prompt_len
+
+    @property
+    def next_position(self) -> int:
+        """Position of the next token to feed: the next prompt token, or the last sampled."""
+        return self.prefilled if self.prefilled < self.prompt_len else self.next_decode_position
+
+    @property
+    def next_decode_position(self) -> int:
+        return self.prompt_len + self.generated - 1
+
+    @property
+    def queue_key(self) -> tuple[int, int]:
+        return (-self.priority, self.seq_id)
+
+
+@dataclass(frozen=True)
+class Queued:
+    seq_id: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    reason: RejectReason
+    message: str
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A waiting sequence takes a free slot this step (its KV cells are already clear)."""
+
+    seq_id: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """Tokens ``start .. start + count - 1`` of one sequence's stream, in one batch."""
+
+    seq_id: int
+    slot: int
+    kind: EntryKind
+    start: int
+    count: int
+    wants_logits: bool  # sample a token from the last position after the step
+
+    @property
+    def positions(self) -> range:
+        return range(self.start, self.start + self.count)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    admitted: tuple[Admission, ...] = ()
+    entries: tuple[BatchEntry, ...] = ()  # decode entries first, then prefill chunks
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(entry.count for entry in self.entries)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the engine saw in the step; ``length`` is not reported, the scheduler counts."""
+
+    # "stop": sampled an end-of-generation token or matched a stop string;
+    # "cancelled": its client went away during the step.
+    finished: Mapping[int, Literal["stop", "cancelled"]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ended:
+    seq_id: int
+    slot: int | None  # the KV sequence to clear; None if it never held a slot
+    reason: FinishReason
+    generated: int  # tokens sampled, an end-of-generation one included
+
+
+@dataclass(frozen=True)
+class SchedulerState:
+    config: SchedulerConfig
+    waiting: tuple[SequenceState, ...] = ()  # in admission order (SequenceState.queue_key)
+    running: tuple[SequenceState, ...] = ()  # hold a slot; in queue_key order
+    next_id: int = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def free_slots(self) -> list[int]:
+        used = {seq.slot for seq in self.running}
+        return [slot for slot in range(self.config.n_slots) if slot not in used]
+
+    def get(self, seq_id: int) -> SequenceState | None:
+        return next((s for s in (*self.waiting, *self.running) if s.seq_id == seq_id), None)
+
+
+def submit(
+    state: SchedulerState, prompt_len: int, max_new_tokens: int, priority: int = 0
+) -> tuple[SchedulerState, Queued | Rejected]:
+    """Queue a sequence, or reject it when it could never fit in one slot.
+
+    The gateway checks lengths before this; ValueError here means a caller bug.
+    """
+    if prompt_len < 1 or max_new_tokens < 1:
+        raise ValueError("a sequence needs at least one prompt token and one new token")
+    n_ctx = state.config.n_ctx_per_slot
+    if prompt_len + max_new_tokens > n_ctx:
+        message = (
+            f"the prompt has {prompt_len} tokens and asks for {max_new_tokens} more; "
+            f"a slot holds {n_ctx}"
+        )
+        return state, Rejected(RejectReason.context_length_exceeded, message)
+    seq = SequenceState(state.next_id, prompt_len, max_new_tokens, priority)
+    waiting = _ordered((*state.waiting, seq))
+    return replace(state, waiting=waiting, next_id=state.next_id + 1), Queued(seq.seq_id)
+
+
+def cancel(state: SchedulerState, seq_id: int) -> tuple[SchedulerState, Ended | None]:
+    """Drop a waiting or running sequence. None if it is unknown (already ended: a race the
+    caller need not avoid). Call between steps; during one, report it in the outcome."""
+    seq = state.get(seq_id)
+    if seq is None:
+        return state, None
+    state = replace(
+        state,
+        waiting=tuple(s for s in state.waiting if s.seq_id != seq_id),
+        running=tuple(s for s in state.running if s.seq_id != seq_id),
+    )
+    return state, Ended(seq_id, seq.slot, "cancelled", seq.generated)
+
+
+def plan_step(state: SchedulerState) -> StepPlan:
+    """Plan one decode step: fill free slots from the queue, decode every sequence past its
+    prompt, then spend the rest of ``n_batch`` on prompt chunks in queue order.
+
+    Greedy in queue order so the oldest prompt reaches its first token soonest; no sequence
+    starves because the oldest prefilling one always gets at least one token (n_batch >=
+    n_slots and it is not decoding), and younger ones never get ahead of it.
+    """
+    config = state.config
+    admitted = tuple(
+        Admission(seq.seq_id, slot)
+        for seq, slot in zip(state.waiting, state.free_slots(), strict=False)
+    )
+    slots = {a.seq_id: a.slot for a in admitted}
+    started = [replace(seq, slot=slots[seq.seq_id]) for seq in state.waiting[: len(admitted)]]
+    decodes = [
+        BatchEntry(seq.seq_id, _slot(seq), "decode", seq.next_decode_position, 1, wants_logits=True)
+        for seq in state.running
+        if seq.decoding
+    ]
+    budget = config.n_batch - len(decodes)
+    prefills: list[BatchEntry] = []
+    for seq in _ordered((*(s for s in state.running if s.prefilling), *started)):
+        if budget == 0:
+            break
+        count = min(seq.prompt_len - seq.prefilled, config.prefill_chunk, budget)
+        done = seq.prefilled + count == seq.prompt_len
+        prefills.append(BatchEntry(seq.seq_id, _slot(seq), "prefill", seq.prefilled, count, done))
+        budget -= count
+    return StepPlan(admitted, (*decodes, *prefills))
+
+
+def apply_step(
+    state: SchedulerState, plan: StepPlan, outcome: StepOutcome | None = None
+) -> tuple[SchedulerState, tuple[Ended, ...]]:
+    """Advance past a decoded step: record the tokens fed and sampled, and end sequences that
+    stopped, were cancelled, or reached max_new_tokens. Each ended slot's KV must be cleared.
+
+    Raises PlanMismatchError if ``plan`` was not made from ``state``.
+    """
+    finished = outcome.finished if outcome is not None else {}
+    waiting, running, sampled = _advance(state, plan)
+    ended: list[Ended] = []
+    for seq_id, reported in finished.items():
+        # A stop can only follow a token sampled in this step; a cancel may name any sequence,
+        # even one that already ended (the client and the engine race), like cancel().
+        if reported == "stop" and seq_id not in sampled:
+            raise ValueError(f"sequence {seq_id} sampled no token in this step, so cannot stop")
+        if reported == "cancelled" and seq_id in waiting:
+            ended.append(Ended(seq_id, None, "cancelled", waiting.pop(seq_id).generated))
+    kept: list[SequenceState] = []
+    for seq in running.values():
+        reason: FinishReason | None = finished.get(seq.seq_id)
+        if reason is None and seq.generated == seq.max_new_tokens:
+            reason = "length"
+        if reason is None:
+            kept.append(seq)
+        else:
+            ended.append(Ended(seq.seq_id, seq.slot, reason, seq.generated))
+    new_state = replace(state, waiting=_ordered(waiting.values()), running=_ordered(kept))
+    return new_state, tuple(sorted(ended, key=lambda e: e.seq_id))
+
+
+def _advance(
+    state: SchedulerState, plan: StepPlan
+) -> tuple[dict[int, SequenceState], dict[int, SequenceState], set[int]]:
+    """Waiting and running sequences by id once the plan ran, and those that sampled."""
+    waiting = {seq.seq_id: seq for seq in state.waiting}
+    running = {seq.seq_id: seq for seq in state.running}
+    used = {seq.slot for seq in state.running}
+    for admission in plan.admitted:
+        seq = waiting.pop(admission.seq_id, None)
+        if seq is None or admission.slot in used:
+            raise PlanMismatchError(f"sequence {admission.seq_id} cannot take its planned slot")
+        used.add(admission.slot)
+        running[seq.seq_id] = replace(seq, slot=admission.slot)
+    sampled: set[int] = set()
+    for entry in plan.entries:
+        seq = running.get(entry.seq_id)
+        if seq is None or (seq.slot, seq.next_position) != (entry.slot, entry.start):
+            raise PlanMismatchError(f"sequence {entry.seq_id} is not where the plan expects")
+        if entry.kind == "prefill":
+            seq = replace(seq, prefilled=seq.prefilled + entry.count)
+        if entry.wants_logits:
+            seq = replace(seq, generated=seq.generated + 1)
+            sampled.add(seq.seq_id)
+        running[seq.seq_id] = seq
+    return waiting, running, sampled
+
+
+def _ordered(seqs: Iterable[SequenceState]) -> tuple[SequenceState, ...]:
+    return tuple(sorted(seqs, key=lambda seq: seq.queue_key))
+
+
+def _slot(seq: SequenceState) -> int:
+    # Only called on sequences that hold a slot; the assert narrows the type for mypy.
+    assert seq.slot is not None  # noqa: S101
+    return seq.slot
