@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import pytest
 from aiohttp import web
@@ -116,6 +116,31 @@ def kvl(
     )
 
 
+def spawn_appliance(
+    data_dir: Path, port: int, env: dict[str, str], log: IO[bytes] | int = subprocess.DEVNULL
+) -> subprocess.Popen[bytes]:
+    """`kvl appliance serve` on loopback as a real process, with extra environment."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "shared.cli",
+            "appliance",
+            "serve",
+            "--data-dir",
+            str(data_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env={**os.environ, **env},
+    )
+
+
 def wait_ready(base_url: str, process: subprocess.Popen[bytes], timeout_s: float = 180.0) -> None:
     """Wait on the condition (readiness), polling; fail early if the process died."""
     deadline = time.monotonic() + timeout_s
@@ -141,29 +166,15 @@ def appliance_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appl
     ).stdout.strip()
     port = free_port()
     log = (data_dir / "serve.log").open("wb")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "shared.cli",
-            "appliance",
-            "serve",
-            "--data-dir",
-            str(data_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=REPO,
-        env={
-            **os.environ,
+    process = spawn_appliance(
+        data_dir,
+        port,
+        {
             "KVL_DISCOVERY__ENABLED": "false",
             "KVL_MODEL__N_CTX": "2048",
             "KVL_MODEL__PROMPT_CACHE": "false",
         },
+        log,
     )
     base_url = f"http://127.0.0.1:{port}"
     try:

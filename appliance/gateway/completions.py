@@ -81,21 +81,22 @@ class CompletionService:
         tokens = await asyncio.to_thread(engine.require_vocab().tokenize, prompt, chat=True)
         max_tokens = req.max_completion_tokens or req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        return Prepared(
-            kind="chat",
+        request = self._generation(
+            engine,
+            tokens=tokens,
+            max_tokens=max_tokens,
+            param=param,
+            req=req,
+            structured=structured,
+        )
+        return self._prepared(
+            "chat",
             route=route,
             key=key,
             engine=engine,
-            request=self._generation(
-                engine,
-                tokens=tokens,
-                max_tokens=max_tokens,
-                param=param,
-                req=req,
-                structured=structured,
-            ),
+            request=request,
+            req=req,
             structured=structured,
-            include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
 
     async def prepare_text(self, req: CompletionRequest, key: ApiKey, route: str) -> Prepared:
@@ -113,20 +114,36 @@ class CompletionService:
         tokens = await asyncio.to_thread(engine.require_vocab().tokenize, prompt, chat=False)
         if not tokens:
             raise ApiError(ErrorCode.invalid_parameter, "`prompt` is empty", param="prompt")
+        request = self._generation(
+            engine,
+            tokens=tokens,
+            max_tokens=req.max_tokens,
+            param="max_tokens",
+            req=req,
+            structured=None,
+        )
+        return self._prepared(
+            "text", route=route, key=key, engine=engine, request=request, req=req, structured=None
+        )
+
+    @staticmethod
+    def _prepared(
+        kind: Kind,
+        *,
+        route: str,
+        key: ApiKey,
+        engine: Replica,
+        request: GenerationRequest,
+        req: ChatCompletionRequest | CompletionRequest,
+        structured: StructuredOutput | None,
+    ) -> Prepared:
         return Prepared(
-            kind="text",
+            kind=kind,
             route=route,
             key=key,
             engine=engine,
-            request=self._generation(
-                engine,
-                tokens=tokens,
-                max_tokens=req.max_tokens,
-                param="max_tokens",
-                req=req,
-                structured=None,
-            ),
-            structured=None,
+            request=request,
+            structured=structured,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
 

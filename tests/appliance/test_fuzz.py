@@ -32,11 +32,9 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
-import os
 import re
 import socket
 import subprocess
-import sys
 import urllib.parse
 import zlib
 from collections import Counter
@@ -58,7 +56,7 @@ from schemathesis.specs.openapi.checks import (
 
 from appliance.gateway.routes import ROUTES
 from shared.errors import ErrorCode
-from tests.conftest import REPO, ApplianceProcess, free_port, kvl, wait_ready
+from tests.conftest import ApplianceProcess, free_port, kvl, spawn_appliance, wait_ready
 
 pytestmark = pytest.mark.model
 
@@ -121,7 +119,6 @@ def fuzz_appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Applian
     ).stdout.strip()
     port = free_port()
     env = {
-        **os.environ,
         "KVL_DISCOVERY__ENABLED": "false",
         "KVL_MODEL__N_CTX": "2048",
         # One thread: llama.cpp's threads spin on each other, so two threads on a 2-core
@@ -132,25 +129,7 @@ def fuzz_appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Applian
         "KVL_SERVER__MAX_BODY_BYTES": str(MAX_BODY_BYTES),
     }
     with (data_dir / "serve.log").open("wb") as log:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "shared.cli",
-                "appliance",
-                "serve",
-                "--data-dir",
-                str(data_dir),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env=env,
-        )
+        process = spawn_appliance(data_dir, port, env, log)
         base_url = f"http://127.0.0.1:{port}"
         try:
             wait_ready(base_url, process)

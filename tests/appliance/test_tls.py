@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import ssl
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -14,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, free_port, kvl
+from tests.conftest import free_port, kvl, spawn_appliance
 
 
 def make_certificate(tmp_path: Path) -> tuple[Path, Path]:
@@ -50,32 +48,13 @@ def test_serves_https_with_the_operators_certificate(tmp_path: Path) -> None:
     cert, key = make_certificate(tmp_path)
     port = free_port()
     env = {
-        **os.environ,
         "KVL_SERVER__TLS_CERT_FILE": str(cert),
         "KVL_SERVER__TLS_KEY_FILE": str(key),
         "KVL_DISCOVERY__ENABLED": "false",
         # No such model: nothing is assembled, and readiness must say why it is not ready.
         "KVL_MODEL__DEFAULT": "absent-model",
     }
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "shared.cli",
-            "appliance",
-            "serve",
-            "--data-dir",
-            str(tmp_path / "d"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    process = spawn_appliance(tmp_path / "d", port, env)
     verifying = ssl.create_default_context(cafile=str(cert))
     try:
         deadline = time.monotonic() + 60
