@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from appliance.gateway import handlers
+from appliance.gateway import handlers, websocket
 from appliance.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from shared.errors import ErrorCode
 
@@ -92,5 +92,14 @@ ROUTES: tuple[Route, ...] = (
         body=CompletionRequest,
         errors=(*_AUTH, *_BODY, *_GENERATE),
         streams=True,
+    ),
+    Route(
+        "GET",
+        "/v1/ws",
+        websocket.stream,
+        "WebSocket streaming: several chat and text completions on one connection, each "
+        "with its own id, cancellable by message (see the README).",
+        auth=True,
+        errors=(*_AUTH, ErrorCode.bad_request),
     ),
 )
