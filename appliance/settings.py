@@ -75,19 +75,20 @@ class ModelSettings(_Section):
         default=True,
         description="Flash attention (llama-server's default too); about 7% faster on CPU.",
     )
-    prompt_cache: bool = Field(
-        default=True,
+    n_slots: int = Field(
+        4,
+        ge=1,
+        le=256,
         description=(
-            "Reuse the cached prefix of the previous prompt (as llama-server does). Faster "
-            "first tokens; the reused last logits can differ in their last digits, so turn it "
-            "off when the same seed must give exactly the same output."
+            "Sequences decoded together (continuous batching); each has its own `n_ctx`. "
+            "More slots: more throughput for many users, a little slower per stream."
         ),
     )
     max_queue: int = Field(
         16,
         ge=0,
         le=4096,
-        description="Requests that may wait for the model; one more gets 429 with Retry-After.",
+        description=("Requests that may wait for a free slot; one more gets 429 with Retry-After."),
     )
     worker_memory_limit_mb: int = Field(
         0,

@@ -172,7 +172,6 @@ def appliance_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appl
         {
             "KVL_DISCOVERY__ENABLED": "false",
             "KVL_MODEL__N_CTX": "2048",
-            "KVL_MODEL__PROMPT_CACHE": "false",
         },
         log,
     )

@@ -17,19 +17,15 @@ import ctypes
 import logging
 import os
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import psutil
 
-from appliance.serving.catalog import verify
 from appliance.serving.chat import select_template
 from appliance.serving.gguf import GGUFInfo, read_gguf
-from appliance.serving.sampling import Sampler, Sampling
-from appliance.serving.text import TextAssembler
+from appliance.serving.sampling import Sampling
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -139,12 +135,12 @@ class Run:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    n_ctx: int = 4096
+    n_ctx: int = 4096  # per sequence
+    n_slots: int = 1
     n_batch: int = 512
     n_threads: int | None = None
     n_gpu_layers: int = 0
     max_queue: int = 16
-    prompt_cache: bool = True
     flash_attn: bool = True
 
 
@@ -216,177 +212,6 @@ class Vocabulary:
 
     def close(self) -> None:
         self._llm.close()
-
-
-class LlamaEngine:
-    """The model itself, generating one sequence at a time on its own thread (in a worker)."""
-
-    def __init__(self, record: ModelRecord, options: EngineOptions) -> None:
-        self.record = record
-        self.options = options
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvl-{record.name}")
-        self._llm: Any = None
-        self.vocab: Vocabulary | None = None
-        self._outstanding = 0  # submitted and not yet finished (running + waiting)
-        self._mean_duration_s = 1.0  # smoothed time per request, for Retry-After
-
-    # -- lifecycle (blocking; call from a thread) -------------------------------------------
-
-    def load(self) -> None:
-        """Verify the file's sha256 and load the model. Blocking."""
-        import llama_cpp  # noqa: PLC0415 - loads the native library; keep `kvl --help` fast
-
-        verify(self.record)
-        info = read_gguf(Path(self.record.path))
-        llm = llama_cpp.Llama(
-            model_path=self.record.path,
-            n_ctx=self.options.n_ctx,
-            n_batch=self.options.n_batch,
-            n_threads=self.options.n_threads or default_threads(),
-            n_gpu_layers=self.options.n_gpu_layers,
-            flash_attn=self.options.flash_attn,
-            verbose=False,
-        )
-        self.vocab = Vocabulary(llm, info)
-        self._llm = llm
-        log.info(
-            "loaded %s (%s, %s, chat template: %s)",
-            self.record.ref,
-            info.architecture,
-            self.record.quantization,
-            self.vocab.chat_template.origin,
-        )
-
-    @property
-    def ready(self) -> bool:
-        return self._llm is not None
-
-    @property
-    def waiting(self) -> int:
-        return max(0, self._outstanding - 1)
-
-    async def close(self) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, lambda: self._executor.shutdown(wait=True))
-        if self._llm is not None:
-            self._llm.close()
-            self._llm = None
-
-    def _require(self) -> tuple[Any, Vocabulary]:
-        if self._llm is None or self.vocab is None:
-            raise NotLoadedError(f"model {self.record.ref} is not loaded")
-        return self._llm, self.vocab
-
-    # -- generation --------------------------------------------------------------------------
-
-    def submit(self, request: GenerationRequest) -> Run:
-        """Queue one generation; iterate the returned Run for its events.
-
-        Raises QueueFullError at once when ``max_queue`` requests are already waiting.
-        """
-        self._require()
-        if self._outstanding > 0 and self.waiting >= self.options.max_queue:
-            raise QueueFullError(
-                self.waiting, retry_after=self._mean_duration_s * (self.waiting + 1)
-            )
-        loop = asyncio.get_running_loop()
-        run = Run(loop)
-        self._outstanding += 1
-        future = loop.run_in_executor(
-            self._executor, self.run_blocking, request, run.emit, run.cancelled
-        )
-        future.add_done_callback(self._finished)
-        return run
-
-    def _finished(self, future: asyncio.Future[None]) -> None:
-        self._outstanding -= 1
-        _log_failure(future)
-
-    def _observe(self, duration_s: float) -> None:
-        self._mean_duration_s = 0.8 * self._mean_duration_s + 0.2 * duration_s
-
-    def run_blocking(
-        self,
-        request: GenerationRequest,
-        emit: Callable[[Event | Failed], None],
-        cancel: threading.Event,
-    ) -> None:
-        """Generate on the calling thread, handing each event to ``emit`` as it happens."""
-        if cancel.is_set():  # abandoned while waiting: nothing ran, nothing to count
-            emit(Finished("cancelled", 0, 0, None, 0.0, ""))
-            return
-        try:
-            self._generate(request, emit, cancel)
-        except Exception as err:  # noqa: BLE001 - handed to the awaiting coroutine, which raises it
-            emit(Failed(err))
-
-    def _generate(
-        self,
-        request: GenerationRequest,
-        emit: Callable[[Event | Failed], None],
-        cancel: threading.Event,
-    ) -> None:
-
-        llm, vocab = self._require()
-        started = time.perf_counter()
-        sampler = Sampler(vocab.handle, vocab.n_vocab, request.sampling, request.grammar)
-        try:
-            tokens = list(request.prompt_tokens)
-            self._prefill(llm, tokens)
-            assembler = TextAssembler(request.stop)
-            ttft: float | None = None
-            produced = 0
-            finish: FinishReason = "length"
-            ctx = llm._ctx.ctx  # noqa: SLF001 - the sampler needs the raw context
-            while produced < request.max_tokens:
-                if cancel.is_set():
-                    finish = "cancelled"
-                    break
-                token = sampler.sample(ctx)
-                if ttft is None:
-                    ttft = time.perf_counter() - started
-                if vocab.is_eog(token):
-                    finish = "stop"
-                    break
-                produced += 1
-                text = assembler.feed(vocab.piece(token))
-                if text:
-                    emit(TextDelta(text))
-                if assembler.stopped:
-                    finish = "stop"
-                    break
-                if produced < request.max_tokens:
-                    llm.eval([token])
-            rest = assembler.flush()
-            if rest:
-                emit(TextDelta(rest))
-            duration = time.perf_counter() - started
-            self._observe(duration)
-            emit(
-                Finished(
-                    finish_reason=finish,
-                    prompt_tokens=len(tokens),
-                    completion_tokens=produced,
-                    ttft_s=ttft,
-                    duration_s=duration,
-                    text=assembler.text,
-                )
-            )
-        finally:
-            sampler.free()
-
-    def _prefill(self, llm: Any, tokens: list[int]) -> None:
-        """Evaluate the prompt, reusing the KV cache of the longest common prefix."""
-        cached = llm.input_ids[: llm.n_tokens].tolist() if self.options.prompt_cache else []
-        common = 0
-        for a, b in zip(cached, tokens, strict=False):
-            if a != b:
-                break
-            common += 1
-        # Re-evaluate at least the last prompt token so its logits are fresh.
-        common = min(common, len(tokens) - 1)
-        llm.n_tokens = common
-        llm.eval(tokens[common:])
 
 
 def default_threads() -> int:

@@ -72,7 +72,7 @@ class ModelHost:
                     n_threads=m.n_threads,
                     n_gpu_layers=m.n_gpu_layers,
                     max_queue=m.max_queue,
-                    prompt_cache=m.prompt_cache,
+                    n_slots=m.n_slots,
                     flash_attn=m.flash_attn,
                 ),
                 SupervisorOptions(

@@ -52,12 +52,13 @@ class Sampler:
             self._ids = np.arange(n_vocab, dtype=np.intc)
             self._data = np.zeros(n_vocab, dtype=_TOKEN_DATA)
 
-    def sample(self, ctx: Any) -> int:
-        """Sample the next token from the last logits of ``ctx`` and accept it."""
+    def sample(self, ctx: Any, idx: int = -1) -> int:
+        """Sample the next token from the logits of batch position ``idx`` (default: the
+        last) of ``ctx``, and accept it."""
         if self._grammar is None:
-            return int(llama_cpp.llama_sampler_sample(self._chain, ctx, -1))
+            return int(llama_cpp.llama_sampler_sample(self._chain, ctx, idx))
         logits = np.ctypeslib.as_array(
-            llama_cpp.llama_get_logits_ith(ctx, -1), shape=(self._n_vocab,)
+            llama_cpp.llama_get_logits_ith(ctx, idx), shape=(self._n_vocab,)
         )
         token = self._apply(logits, with_grammar=False)
         if not self._grammar_accepts(token):

@@ -166,7 +166,7 @@ class Replica:
 
     @property
     def waiting(self) -> int:
-        return max(0, len(self._runs) - 1)
+        return max(0, len(self._runs) - self.options.n_slots)
 
     def require_vocab(self) -> Vocabulary:
         if self.vocab is None:
@@ -181,7 +181,7 @@ class Replica:
             raise WorkerUnavailableError(
                 f"the worker of {self.record.ref} is restarting", retry_after=self._backoff
             )
-        if len(self._runs) > 0 and self.waiting >= self.options.max_queue:
+        if len(self._runs) >= self.options.n_slots + self.options.max_queue:
             raise QueueFullError(self.waiting, retry_after=2.0 * (self.waiting + 1))
         request_id = uuid.uuid4().hex
         run = Run(

@@ -5,7 +5,7 @@ record and engine options as JSON). Commands arrive on stdin and events leave on
 one JSON object per line (appliance.serving.ipc); logs go to stderr. A crash here costs
 only this worker's in-flight requests; the supervisor restarts it.
 
-Plain threads, no event loop: the generation thread writes each token's event to stdout
+Plain threads, no event loop: the batching thread writes each token's event to stdout
 itself, so a token costs one pipe write and no thread hand-off on this side.
 """
 
@@ -16,27 +16,24 @@ import functools
 import json
 import logging
 import os
-import queue
 import sys
 import threading
 import time
 from typing import Any
 
 from appliance.serving import ipc
-from appliance.serving.engine import EngineOptions, Event, Failed, LlamaEngine
+from appliance.serving.batching import BatchEngine, Job
+from appliance.serving.engine import EngineOptions, Event, Failed, Finished
 from appliance.serving.sampling import GrammarError
 from appliance.state.store import ModelRecord
 
 log = logging.getLogger("kvl.worker")
 
-_Job = tuple[str, dict[str, Any], threading.Event]
-
 
 class Worker:
-    def __init__(self, engine: LlamaEngine, heartbeat_s: float) -> None:
+    def __init__(self, engine: BatchEngine, heartbeat_s: float) -> None:
         self.engine = engine
         self.heartbeat_s = heartbeat_s
-        self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.cancels: dict[str, threading.Event] = {}
         self.events_out = 0  # progress counter: the supervisor detects a hung decode by it
         self._lock = threading.Lock()
@@ -56,32 +53,27 @@ class Worker:
             self.send(
                 {
                     "type": "heartbeat",
-                    "running": len(self.cancels),
+                    "running": self.engine.running,
                     "events_out": self.events_out,
                     "pid": os.getpid(),
                     "at": time.time(),
                 }
             )
 
-    def generate_forever(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            request_id, message, cancel = job
-            try:
-                self.engine.run_blocking(
-                    ipc.request_from(message), functools.partial(self._emit, request_id), cancel
-                )
-            finally:
-                self.cancels.pop(request_id, None)
-
     def _emit(self, request_id: str, event: Event | Failed) -> None:
         self.events_out += 1
-        if not isinstance(event, Failed):
-            self.send(ipc.event_message(request_id, event))
+        if isinstance(event, Failed):
+            self.cancels.pop(request_id, None)
+            kind = "grammar" if isinstance(event.error, GrammarError) else "internal"
+            if kind == "internal":
+                log.error("generation %s failed: %s", request_id, event.error)
+            self.send(
+                {"type": "error", "id": request_id, "kind": kind, "message": str(event.error)}
+            )
             return
-        kind = "grammar" if isinstance(event.error, GrammarError) else "internal"
-        if kind == "internal":
-            log.error("generation %s failed", request_id, exc_info=event.error)
-        self.send({"type": "error", "id": request_id, "kind": kind, "message": str(event.error)})
+        if isinstance(event, Finished):
+            self.cancels.pop(request_id, None)
+        self.send(ipc.event_message(request_id, event))
 
     def read_commands(self) -> None:
         for line in sys.stdin.buffer:
@@ -90,15 +82,19 @@ class Worker:
             if kind == "generate":
                 cancel = threading.Event()
                 self.cancels[message["id"]] = cancel
-                self.jobs.put((message["id"], message, cancel))
+                self.engine.jobs.put(
+                    Job(
+                        ipc.request_from(message),
+                        functools.partial(self._emit, message["id"]),
+                        cancel,
+                    )
+                )
             elif kind == "cancel":
                 if (event := self.cancels.get(message["id"])) is not None:
                     event.set()
             elif kind == "shutdown":
                 break
-        for event in list(self.cancels.values()):
-            event.set()
-        self.jobs.put(None)
+        self.engine.jobs.put(None)
         self._stop.set()
 
 
@@ -110,16 +106,17 @@ def main() -> None:
     )
     spec = json.loads(sys.argv[1])
     record = ModelRecord(**spec["record"])
-    engine = LlamaEngine(record, EngineOptions(**spec["options"]))
+    engine = BatchEngine(record, EngineOptions(**spec["options"]))
     engine.load()
     worker = Worker(engine, float(spec.get("heartbeat_s", 1.0)))
     worker.send({"type": "ready", "pid": os.getpid(), "model": record.ref})
     threading.Thread(target=worker.heartbeat_forever, name="kvl-heartbeat", daemon=True).start()
-    generator = threading.Thread(target=worker.generate_forever, name="kvl-generate")
-    generator.start()
+    batching = threading.Thread(target=engine.serve_forever, name="kvl-batching")
+    batching.start()
     with contextlib.suppress(KeyboardInterrupt):
         worker.read_commands()
-    generator.join()
+    batching.join()
+    engine.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,302 @@
+"""Continuous batching: several sequences decode in one llama.cpp batch per step.
+
+Runs in a model worker, on one thread. Each step the pure scheduler
+(appliance.serving.scheduler) decides which sequences join, which decode one token (first,
+so running streams never stall) and which prompt chunks fill the rest of the ``n_batch``
+budget; this module turns that plan into one ``llama_batch`` (a llama.cpp sequence id per
+slot), decodes it, samples each sequence with its own sampler (and grammar), and frees a
+sequence's KV cells when it ends. New requests join between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import llama_cpp
+
+from appliance.serving import scheduler as sched
+from appliance.serving.catalog import verify
+from appliance.serving.engine import (
+    EngineOptions,
+    Event,
+    Failed,
+    Finished,
+    GenerationRequest,
+    TextDelta,
+    Vocabulary,
+    default_threads,
+)
+from appliance.serving.sampling import Sampler
+from appliance.serving.text import TextAssembler
+
+if TYPE_CHECKING:
+    import threading
+
+    from appliance.state.store import ModelRecord
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[Event | Failed], None]
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    emit: Emit
+    cancel: threading.Event
+    started: float
+    tokens: list[int]  # the prompt, then every sampled token
+    assembler: TextAssembler
+    sampler: Sampler | None = None
+    produced: int = 0
+    ttft: float | None = None
+    failed: bool = False  # a Failed event was sent; nothing more goes out
+
+
+@dataclass(frozen=True)
+class Job:
+    request: GenerationRequest
+    emit: Emit
+    cancel: threading.Event
+
+
+class BatchEngine:
+    """One model, ``n_slots`` sequences at a time. Blocking; owns its thread's llama.cpp state."""
+
+    def __init__(self, record: ModelRecord, options: EngineOptions) -> None:
+        self.record = record
+        self.options = options
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.vocab: Vocabulary | None = None
+        self._model: Any = None
+        self._ctx: Any = None
+        self._batch: Any = None
+        self._state = sched.SchedulerState(
+            config=sched.SchedulerConfig(
+                n_slots=options.n_slots, n_batch=options.n_batch, n_ctx_per_slot=options.n_ctx
+            )
+        )
+        self._seqs: dict[int, _Sequence] = {}
+        self.events_out = 0
+
+    def load(self) -> None:
+        verify(self.record)
+        llama_cpp.llama_backend_init()
+        self.vocab = Vocabulary.load(self.record)
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = self.options.n_gpu_layers
+        model = llama_cpp.llama_model_load_from_file(self.record.path.encode(), mparams)
+        if not model:
+            raise RuntimeError(f"llama.cpp could not load {self.record.path}")
+        o = self.options
+        threads = o.n_threads or default_threads()
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = o.n_ctx * o.n_slots
+        cparams.n_batch = cparams.n_ubatch = o.n_batch
+        cparams.n_seq_max = o.n_slots
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if o.flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        # Every sequence's cells are cleared when it ends (no reuse across requests), so
+        # sliding-window layers need only their window: far less memory than full size.
+        cparams.swa_full = False
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        if not ctx:
+            llama_cpp.llama_model_free(model)
+            raise RuntimeError("llama.cpp could not create a context")
+        self._model, self._ctx = model, ctx
+        self._memory = llama_cpp.llama_get_memory(ctx)
+        self._batch = llama_cpp.llama_batch_init(o.n_batch, 0, 1)
+        log.info(
+            "loaded %s: %d slots x %d tokens, batch %d, %d threads",
+            self.record.ref,
+            o.n_slots,
+            o.n_ctx,
+            o.n_batch,
+            threads,
+        )
+
+    def close(self) -> None:
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+        if self.vocab is not None:
+            self.vocab.close()
+
+    @property
+    def running(self) -> int:
+        return len(self._seqs)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        """Step until ``None`` arrives in ``jobs``; blocks while there is nothing to do."""
+        while True:
+            arrived: list[Job | None] = []
+            if self._state.idle:
+                arrived.append(self.jobs.get())
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    arrived.append(self.jobs.get_nowait())
+            for job in arrived:
+                if job is None:
+                    self._cancel_all()
+                    return
+                self._admit(job)
+            self._cancel_waiting()
+            if not self._state.idle:
+                self._step()
+
+    def _admit(self, job: Job) -> None:
+        request = job.request
+        self._state, result = sched.submit(
+            self._state, len(request.prompt_tokens), request.max_tokens
+        )
+        if isinstance(result, sched.Rejected):
+            job.emit(Failed(ValueError(result.message)))
+            return
+        self._seqs[result.seq_id] = _Sequence(
+            request=request,
+            emit=job.emit,
+            cancel=job.cancel,
+            started=time.perf_counter(),
+            tokens=list(request.prompt_tokens),
+            assembler=TextAssembler(request.stop),
+        )
+
+    def _cancel_waiting(self) -> None:
+        for seq_id, seq in list(self._seqs.items()):
+            state = self._state.get(seq_id)
+            if seq.cancel.is_set() and state is not None and state.slot is None:
+                self._state, ended = sched.cancel(self._state, seq_id)
+                if ended is not None:
+                    self._end(ended)
+
+    def _step(self) -> None:
+        plan = sched.plan_step(self._state)
+        for admission in plan.admitted:
+            self._start(self._seqs[admission.seq_id])
+        n, outputs = self._fill_batch(plan)
+        finished: dict[int, Literal["stop", "cancelled"]] = {}
+        code = llama_cpp.llama_decode(self._ctx, self._batch) if n else 0
+        if code != 0:
+            for entry in plan.entries:
+                self._fail(self._seqs[entry.seq_id], RuntimeError(f"llama_decode failed ({code})"))
+        else:
+            for seq_id, index in outputs:
+                if (reason := self._sample(self._seqs[seq_id], index)) is not None:
+                    finished[seq_id] = reason
+        # A sequence cancelled (or failed) while it runs ends with this step.
+        for entry in plan.entries:
+            if entry.seq_id not in finished and self._seqs[entry.seq_id].cancel.is_set():
+                finished[entry.seq_id] = "cancelled"
+        self._state, ended = sched.apply_step(self._state, plan, sched.StepOutcome(finished))
+        for end in ended:
+            self._end(end)
+
+    def _start(self, seq: _Sequence) -> None:
+        vocab = self.vocab
+        if vocab is None:  # pragma: no cover - load() sets it before serve_forever runs
+            raise RuntimeError("the engine is not loaded")
+        try:
+            seq.sampler = Sampler(
+                vocab.handle, vocab.n_vocab, seq.request.sampling, seq.request.grammar
+            )
+        except Exception as err:  # noqa: BLE001 - reported to this request alone
+            self._fail(seq, err)
+
+    def _fill_batch(self, plan: sched.StepPlan) -> tuple[int, list[tuple[int, int]]]:
+        """Write the plan into the llama_batch: its token count, and (seq_id, batch index)
+        of each token whose logits are wanted."""
+        batch = self._batch
+        n = 0
+        outputs: list[tuple[int, int]] = []
+        for entry in plan.entries:
+            seq = self._seqs[entry.seq_id]
+            for offset, position in enumerate(entry.positions):
+                wants = entry.wants_logits and offset == entry.count - 1
+                batch.token[n] = seq.tokens[entry.start + offset]
+                batch.pos[n] = position
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = entry.slot
+                batch.logits[n] = 1 if wants else 0
+                if wants:
+                    outputs.append((entry.seq_id, n))
+                n += 1
+        batch.n_tokens = n
+        return n, outputs
+
+    def _fail(self, seq: _Sequence, err: BaseException) -> None:
+        if not seq.failed:
+            seq.failed = True
+            seq.emit(Failed(err))
+        seq.cancel.set()
+
+    def _sample(self, seq: _Sequence, index: int) -> Literal["stop", "cancelled"] | None:
+        vocab = self.vocab
+        if vocab is None or seq.sampler is None or seq.failed:
+            return "cancelled"
+        token = seq.sampler.sample(self._ctx, index)
+        if seq.ttft is None:
+            seq.ttft = time.perf_counter() - seq.started
+        seq.tokens.append(token)
+        if vocab.is_eog(token):
+            return "stop"
+        seq.produced += 1
+        text = seq.assembler.feed(vocab.piece(token))
+        if text:
+            self.events_out += 1
+            seq.emit(TextDelta(text))
+        if seq.assembler.stopped:
+            return "stop"
+        if seq.cancel.is_set():
+            return "cancelled"
+        return None
+
+    def _end(self, ended: sched.Ended) -> None:
+        seq = self._seqs.pop(ended.seq_id)
+        if ended.slot is not None:
+            llama_cpp.llama_memory_seq_rm(self._memory, ended.slot, -1, -1)
+        if seq.sampler is not None:
+            seq.sampler.free()
+        if seq.failed:
+            return  # its error went out already
+        rest = seq.assembler.flush()
+        if rest:
+            seq.emit(TextDelta(rest))
+        self.events_out += 1
+        seq.emit(
+            Finished(
+                finish_reason=ended.reason,
+                prompt_tokens=len(seq.request.prompt_tokens),
+                completion_tokens=seq.produced,
+                ttft_s=seq.ttft,
+                duration_s=time.perf_counter() - seq.started,
+                text=seq.assembler.text,
+            )
+        )
+
+    def _cancel_all(self) -> None:
+        for seq in self._seqs.values():
+            seq.cancel.set()
+        with contextlib.suppress(Exception):
+            while self._seqs:
+                self._cancel_waiting()
+                if self._state.idle:
+                    break
+                self._step()
