@@ -8,7 +8,7 @@ What is compared
     * ``llama-server`` built from the llama.cpp sources vendored in the *same* llama-cpp-python
       sdist (see tests/benchmarks/llama_server.py), serving the *same* GGUF file (the one the
       appliance assembled into its data dir) with ``-t 2 -c 2048 -np 1``.  By default its
-      context is aligned with the appliance's defaults (flash attention on, full-size SWA
+      context is aligned with the appliance's defaults (flash attention on, window-size SWA
       cache, no host-RAM prompt cache, no web UI) so that the difference measured is the
       serving layer, not a llama.cpp setting; ``--llama-server-defaults`` drops that.
 
@@ -84,13 +84,13 @@ PROMPTS: tuple[str, ...] = (
 )
 WARMUP_PROMPT = "Hello, my name is"
 
-# Aligns llama-server's context with the appliance's defaults (model.flash_attn=true; swa_full
-# true, llama-cpp-python's default, which keeps prefix reuse exact), and no host-RAM prompt
-# cache, which the appliance does not have either.  --no-webui only saves memory.
+# Aligns llama-server's context with the appliance's (flash attention on; a sliding-window
+# cache of window size, llama-server's default too, since the appliance frees each
+# sequence's cells when it ends) and no host-RAM prompt cache, which the appliance does not
+# have either.  --no-webui only saves memory.
 ALIGNED_LLAMA_SERVER_ARGS: tuple[str, ...] = (
     "--flash-attn",
     "on",
-    "--swa-full",
     "--cache-ram",
     "0",
     "--no-webui",
@@ -266,6 +266,7 @@ def appliance_env() -> dict[str, str]:
             "KVL_DISCOVERY__ENABLED": "false",
             "KVL_MODEL__N_THREADS": str(N_THREADS),
             "KVL_MODEL__N_CTX": str(N_CTX),
+            "KVL_MODEL__N_SLOTS": "1",  # one sequence, as llama-server's -np 1
         }
     )
     return env
@@ -650,6 +651,7 @@ def main(argv: list[str] | None = None) -> int:
                 "KVL_DISCOVERY__ENABLED": "false",
                 "KVL_MODEL__N_THREADS": str(N_THREADS),
                 "KVL_MODEL__N_CTX": str(N_CTX),
+            "KVL_MODEL__N_SLOTS": "1",  # one sequence, as llama-server's -np 1
             },
             "llama_server_args": ["-t", str(N_THREADS), "-c", str(N_CTX), "-np", "1", *extra],
         },
