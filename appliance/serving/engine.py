@@ -1,18 +1,15 @@
-"""The llama.cpp engine: one GGUF model, generating on its own thread, streaming to asyncio.
+"""What a generation is, on both sides of the worker boundary: requests, events, runs.
 
-This module owns every llama-cpp-python call of the appliance (it never imports aiohttp).
-Sequences run one at a time on a dedicated thread, so the event loop never blocks; requests
-beyond ``max_queue`` waiting ones are refused at once with :class:`QueueFullError`.
-
-It drives llama-cpp-python's ``Llama`` object below its high-level ``create_completion``:
-that path cannot report a grammar that fails to compile (it would hand llama.cpp a NULL
+Also the model's :class:`Vocabulary` (tokenizer, token pieces, chat template), which the
+gateway loads without weights and the worker uses for decoding. The decoding itself is in
+appliance.serving.batching; llama-cpp-python's high-level ``create_completion`` is not
+used: it cannot report a grammar that fails to compile (it would hand llama.cpp a NULL
 sampler), counts no tokens while streaming, and measures no first-token time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import logging
 import os
@@ -217,10 +214,3 @@ class Vocabulary:
 def default_threads() -> int:
     """Physical cores, as llama-server picks; llama-cpp-python's own default is half the CPUs."""
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
-def _log_failure(future: asyncio.Future[None]) -> None:
-    with contextlib.suppress(asyncio.CancelledError):
-        err = future.exception()
-        if err is not None:
-            log.error("generation thread failed", exc_info=err)
