@@ -651,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
                 "KVL_DISCOVERY__ENABLED": "false",
                 "KVL_MODEL__N_THREADS": str(N_THREADS),
                 "KVL_MODEL__N_CTX": str(N_CTX),
-            "KVL_MODEL__N_SLOTS": "1",  # one sequence, as llama-server's -np 1
+                "KVL_MODEL__N_SLOTS": "1",  # one sequence, as llama-server's -np 1
             },
             "llama_server_args": ["-t", str(N_THREADS), "-c", str(N_CTX), "-np", "1", *extra],
         },
