@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import socket
@@ -141,6 +142,25 @@ def spawn_appliance(
     )
 
 
+@contextlib.contextmanager
+def running_appliance(data_dir: Path, key: str, env: dict[str, str]) -> Iterator[ApplianceProcess]:
+    """A real appliance on a free loopback port, ready; stopped (and its log closed) after."""
+    port = free_port()
+    with (data_dir / "serve.log").open("wb") as log:
+        process = spawn_appliance(data_dir, port, env, log)
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(base_url, process)
+            yield ApplianceProcess(base_url, key, data_dir, process)
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
 def wait_ready(base_url: str, process: subprocess.Popen[bytes], timeout_s: float = 180.0) -> None:
     """Wait on the condition (readiness), polling; fail early if the process died."""
     deadline = time.monotonic() + timeout_s
@@ -164,28 +184,9 @@ def appliance_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appl
     key = kvl(
         "appliance", "keys", "create", "--account", "sdk", "--data-dir", str(data_dir)
     ).stdout.strip()
-    port = free_port()
-    log = (data_dir / "serve.log").open("wb")
-    process = spawn_appliance(
-        data_dir,
-        port,
-        {
-            "KVL_DISCOVERY__ENABLED": "false",
-            "KVL_MODEL__N_CTX": "2048",
-        },
-        log,
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base_url, process)
-        yield ApplianceProcess(base_url, key, data_dir, process)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
+    env = {"KVL_DISCOVERY__ENABLED": "false", "KVL_MODEL__N_CTX": "2048"}
+    with running_appliance(data_dir, key, env) as appliance:
+        yield appliance
 
 
 def pytest_sessionfinish() -> None:

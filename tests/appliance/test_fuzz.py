@@ -34,7 +34,6 @@ import http.client
 import json
 import re
 import socket
-import subprocess
 import urllib.parse
 import zlib
 from collections import Counter
@@ -56,7 +55,7 @@ from schemathesis.specs.openapi.checks import (
 
 from appliance.gateway.routes import ROUTES
 from shared.errors import ErrorCode
-from tests.conftest import ApplianceProcess, free_port, kvl, spawn_appliance, wait_ready
+from tests.conftest import ApplianceProcess, kvl, running_appliance
 
 pytestmark = pytest.mark.model
 
@@ -117,7 +116,6 @@ def fuzz_appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Applian
     key = kvl(
         "appliance", "keys", "create", "--account", "fuzz", "--data-dir", str(data_dir)
     ).stdout.strip()
-    port = free_port()
     env = {
         "KVL_DISCOVERY__ENABLED": "false",
         "KVL_MODEL__N_CTX": "2048",
@@ -128,19 +126,8 @@ def fuzz_appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Applian
         "KVL_MODEL__MAX_QUEUE": "4",
         "KVL_SERVER__MAX_BODY_BYTES": str(MAX_BODY_BYTES),
     }
-    with (data_dir / "serve.log").open("wb") as log:
-        process = spawn_appliance(data_dir, port, env, log)
-        base_url = f"http://127.0.0.1:{port}"
-        try:
-            wait_ready(base_url, process)
-            yield ApplianceProcess(base_url, key, data_dir, process)
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with running_appliance(data_dir, key, env) as appliance:
+        yield appliance
 
 
 @pytest.fixture(scope="module")

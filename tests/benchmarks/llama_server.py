@@ -15,7 +15,6 @@ Run ``python -m tests.benchmarks.llama_server`` to build (or find) the binary; i
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -28,6 +27,8 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
+
+from appliance.serving.catalog import sha256_file
 
 PACKAGE = "llama-cpp-python"
 SDIST_ENV = "KVL_BENCH_LLAMA_CPP_SDIST"
@@ -68,14 +69,6 @@ def cache_root() -> Path:
     if override:
         return Path(override).expanduser()
     return Path.home() / ".cache" / "kovenlab-bench"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _log(message: str) -> None:

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import platform
@@ -63,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import psutil
 
+from appliance.serving.catalog import sha256_file
 from tests.benchmarks.llama_server import build_llama_server
 
 if TYPE_CHECKING:
@@ -521,14 +521,6 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def llama_server_version(binary: Path) -> str:
