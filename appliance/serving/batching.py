@@ -6,6 +6,11 @@ so running streams never stall) and which prompt chunks fill the rest of the ``n
 budget; this module turns that plan into one ``llama_batch`` (a llama.cpp sequence id per
 slot), decodes it, samples each sequence with its own sampler (and grammar), and frees a
 sequence's KV cells when it ends. New requests join between steps.
+
+A prompt prefix that several requests share (a common system prompt) is computed once: the
+KV cache is unified, one extra llama.cpp sequence (the store, id ``n_slots``) keeps the
+prefix, and each request that starts with it gets its cells by ``llama_memory_seq_cp`` at
+admission (appliance.serving.prefix decides who builds, who waits and who reuses).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import llama_cpp
 
+from appliance.serving import prefix as px
 from appliance.serving import scheduler as sched
 from appliance.serving.catalog import verify
 from appliance.serving.engine import (
@@ -83,7 +89,11 @@ class BatchEngine:
             )
         )
         self._seqs: dict[int, _Sequence] = {}
+        self._parked: list[Job] = []  # waiting for the shared prefix they need to be built
+        self._store = options.n_slots  # the llama.cpp sequence id that holds the prefix
+        self._prefix = px.PrefixShare(min_tokens=0, max_tokens=0)  # set up by load()
         self.events_out = 0
+        self.prefix_tokens_reused = 0  # prompt tokens copied instead of computed
 
     def load(self) -> None:
         verify(self.record)
@@ -96,10 +106,19 @@ class BatchEngine:
             raise RuntimeError(f"llama.cpp could not load {self.record.path}")
         o = self.options
         threads = o.n_threads or default_threads()
+        # The store holds at most one slot's context, and on a sliding-window model less
+        # than the window (appliance.serving.prefix says why).
+        n_swa = int(llama_cpp.llama_model_n_swa(model))
+        store_max = min(o.n_ctx - 1, n_swa - 1) if n_swa > 0 else o.n_ctx - 1
+        self._prefix = px.PrefixShare(min_tokens=o.prefix_min_tokens, max_tokens=store_max)
+        sharing = self._prefix.enabled
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = o.n_ctx * o.n_slots
+        # Unified: a copied prefix shares its cells instead of filling a second stream; the
+        # store gets room of its own so slots keep their full context.
+        cparams.kv_unified = sharing
+        cparams.n_ctx = o.n_ctx * o.n_slots + (store_max if sharing else 0)
         cparams.n_batch = cparams.n_ubatch = o.n_batch
-        cparams.n_seq_max = o.n_slots
+        cparams.n_seq_max = o.n_slots + (1 if sharing else 0)
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.flash_attn_type = (
             llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -115,14 +134,16 @@ class BatchEngine:
             raise RuntimeError("llama.cpp could not create a context")
         self._model, self._ctx = model, ctx
         self._memory = llama_cpp.llama_get_memory(ctx)
-        self._batch = llama_cpp.llama_batch_init(o.n_batch, 0, 1)
+        # Two sequence ids per token at most: a builder's slot and the store.
+        self._batch = llama_cpp.llama_batch_init(o.n_batch, 0, 2)
         log.info(
-            "loaded %s: %d slots x %d tokens, batch %d, %d threads",
+            "loaded %s: %d slots x %d tokens, batch %d, %d threads, shared prefix %s",
             self.record.ref,
             o.n_slots,
             o.n_ctx,
             o.n_batch,
             threads,
+            f"{o.prefix_min_tokens}..{store_max} tokens" if sharing else "off",
         )
 
     def close(self) -> None:
@@ -159,16 +180,29 @@ class BatchEngine:
                     return
                 self._admit(job)
             self._cancel_waiting()
+            if self._state.idle and self._parked:  # pragma: no cover - a builder always ends
+                self._unpark()
             if not self._state.idle:
                 self._step()
 
     def _admit(self, job: Job) -> None:
         request = job.request
+        seq_id = self._state.next_id  # the id submit() gives it
+        placement = self._prefix.place(seq_id, request.prompt_tokens, self._unstarted())
+        if isinstance(placement, px.Build):
+            llama_cpp.llama_memory_seq_rm(self._memory, self._store, -1, -1)
+        if isinstance(placement, px.Park) or (
+            isinstance(placement, px.Build) and placement.builder is not None
+        ):
+            self._parked.append(job)
+            return
+        cached = placement.cached if isinstance(placement, px.Reuse) else 0
         self._state, result = sched.submit(
-            self._state, len(request.prompt_tokens), request.max_tokens
+            self._state, len(request.prompt_tokens), request.max_tokens, cached=cached
         )
         if isinstance(result, sched.Rejected):
             job.emit(Failed(ValueError(result.message)))
+            self._prefix_ended(seq_id, rejected=True)
             return
         self._seqs[result.seq_id] = _Sequence(
             request=request,
@@ -179,7 +213,33 @@ class BatchEngine:
             assembler=TextAssembler(request.stop),
         )
 
+    def _unstarted(self) -> set[int]:
+        return {seq.seq_id for seq in self._state.waiting if seq.cached == 0}
+
+    def _unpark(self) -> None:
+        parked, self._parked = self._parked, []
+        for job in parked:
+            self._admit(job)
+
+    def _prefix_ended(self, seq_id: int, *, rejected: bool = False) -> None:
+        left = self._prefix.rejected(seq_id) if rejected else self._prefix.ended(seq_id)
+        if left:  # the builder left before the prefix was complete
+            llama_cpp.llama_memory_seq_rm(self._memory, self._store, -1, -1)
+            self._unpark()
+
     def _cancel_waiting(self) -> None:
+        for job in [job for job in self._parked if job.cancel.is_set()]:
+            self._parked.remove(job)
+            job.emit(
+                Finished(
+                    finish_reason="cancelled",
+                    prompt_tokens=len(job.request.prompt_tokens),
+                    completion_tokens=0,
+                    ttft_s=None,
+                    duration_s=0.0,
+                    text="",
+                )
+            )
         for seq_id, seq in list(self._seqs.items()):
             state = self._state.get(seq_id)
             if seq.cancel.is_set() and state is not None and state.slot is None:
@@ -190,6 +250,12 @@ class BatchEngine:
     def _step(self) -> None:
         plan = sched.plan_step(self._state)
         for admission in plan.admitted:
+            if admission.cached:
+                llama_cpp.llama_memory_seq_cp(
+                    self._memory, self._store, admission.slot, 0, admission.cached
+                )
+                self.prefix_tokens_reused += admission.cached
+            self._prefix.admitted(admission.seq_id)
             self._start(self._seqs[admission.seq_id])
         n, outputs = self._fill_batch(plan)
         finished: dict[int, Literal["stop", "cancelled"]] = {}
@@ -206,6 +272,10 @@ class BatchEngine:
             if entry.seq_id not in finished and self._seqs[entry.seq_id].cancel.is_set():
                 finished[entry.seq_id] = "cancelled"
         self._state, ended = sched.apply_step(self._state, plan, sched.StepOutcome(finished))
+        if code == 0 and self._prefix.builder is not None:
+            built = [e.start + e.count for e in plan.entries if e.seq_id == self._prefix.builder]
+            if built and self._prefix.progress(self._prefix.builder, max(built)):
+                self._unpark()
         for end in ended:
             self._end(end)
 
@@ -226,14 +296,21 @@ class BatchEngine:
         batch = self._batch
         n = 0
         outputs: list[tuple[int, int]] = []
+        # The builder's prompt tokens inside the shared prefix go into the store as well.
+        building = len(self._prefix.target) if self._prefix.builder is not None else 0
         for entry in plan.entries:
             seq = self._seqs[entry.seq_id]
+            shared = building if entry.seq_id == self._prefix.builder else 0
             for offset, position in enumerate(entry.positions):
                 wants = entry.wants_logits and offset == entry.count - 1
                 batch.token[n] = seq.tokens[entry.start + offset]
                 batch.pos[n] = position
-                batch.n_seq_id[n] = 1
                 batch.seq_id[n][0] = entry.slot
+                if position < shared:
+                    batch.n_seq_id[n] = 2
+                    batch.seq_id[n][1] = self._store
+                else:
+                    batch.n_seq_id[n] = 1
                 batch.logits[n] = 1 if wants else 0
                 if wants:
                     outputs.append((entry.seq_id, n))
@@ -272,6 +349,7 @@ class BatchEngine:
         seq = self._seqs.pop(ended.seq_id)
         if ended.slot is not None:
             llama_cpp.llama_memory_seq_rm(self._memory, ended.slot, -1, -1)
+        self._prefix_ended(ended.seq_id)
         if seq.sampler is not None:
             seq.sampler.free()
         if seq.failed:
@@ -292,6 +370,8 @@ class BatchEngine:
         )
 
     def _cancel_all(self) -> None:
+        for job in self._parked:
+            job.cancel.set()
         for seq in self._seqs.values():
             seq.cancel.set()
         with contextlib.suppress(Exception):

@@ -139,6 +139,9 @@ class EngineOptions:
     n_gpu_layers: int = 0
     max_queue: int = 16
     flash_attn: bool = True
+    # A prompt prefix shared by at least this many tokens is computed once and its KV
+    # copied to each sequence that starts with it (appliance.serving.prefix); 0: never.
+    prefix_min_tokens: int = 64
 
 
 class Vocabulary:

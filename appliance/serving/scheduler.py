@@ -89,6 +89,9 @@ class SequenceState:
     priority: int = 0  # higher is admitted and prefilled first
     slot: int | None = None  # None while waiting
     prefilled: int = 0  # prompt tokens already in the slot's KV cache
+    # Prompt tokens whose KV the engine copies into the slot at admission (a shared prefix
+    # computed once for several sequences); prefill starts after them.
+    cached: int = 0
     generated: int = 0  # tokens sampled; the last one is not in the KV cache yet
 
     @property
@@ -126,10 +129,15 @@ class Rejected:
 
 @dataclass(frozen=True)
 class Admission:
-    """A waiting sequence takes a free slot this step (its KV cells are already clear)."""
+    """A waiting sequence takes a free slot this step (its KV cells are already clear).
+
+    The engine copies the KV of the first ``cached`` prompt tokens into the slot before it
+    decodes the step; the plan's prefill for this sequence starts after them.
+    """
 
     seq_id: int
     slot: int
+    cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -195,14 +203,22 @@ class SchedulerState:
 
 
 def submit(
-    state: SchedulerState, prompt_len: int, max_new_tokens: int, priority: int = 0
+    state: SchedulerState,
+    prompt_len: int,
+    max_new_tokens: int,
+    priority: int = 0,
+    cached: int = 0,
 ) -> tuple[SchedulerState, Queued | Rejected]:
-    """Queue a sequence, or reject it when it could never fit in one slot.
+    """Queue a sequence, or reject it when it could never fit in one slot. ``cached``: how
+    many of its prompt tokens the engine will copy from a shared prefix at admission; at
+    least the last prompt token is always decoded, to sample the first new token from.
 
     The gateway checks lengths before this; ValueError here means a caller bug.
     """
     if prompt_len < 1 or max_new_tokens < 1:
         raise ValueError("a sequence needs at least one prompt token and one new token")
+    if not 0 <= cached < prompt_len:
+        raise ValueError(f"cached is {cached}, must be in [0, prompt_len)")
     n_ctx = state.config.n_ctx_per_slot
     if prompt_len + max_new_tokens > n_ctx:
         message = (
@@ -210,7 +226,7 @@ def submit(
             f"a slot holds {n_ctx}"
         )
         return state, Rejected(RejectReason.context_length_exceeded, message)
-    seq = SequenceState(state.next_id, prompt_len, max_new_tokens, priority)
+    seq = SequenceState(state.next_id, prompt_len, max_new_tokens, priority, cached=cached)
     waiting = _ordered((*state.waiting, seq))
     return replace(state, waiting=waiting, next_id=state.next_id + 1), Queued(seq.seq_id)
 
@@ -239,11 +255,11 @@ def plan_step(state: SchedulerState) -> StepPlan:
     """
     config = state.config
     admitted = tuple(
-        Admission(seq.seq_id, slot)
+        Admission(seq.seq_id, slot, seq.cached)
         for seq, slot in zip(state.waiting, state.free_slots(), strict=False)
     )
     slots = {a.seq_id: a.slot for a in admitted}
-    started = [replace(seq, slot=slots[seq.seq_id]) for seq in state.waiting[: len(admitted)]]
+    started = [_admit(seq, slots[seq.seq_id]) for seq in state.waiting[: len(admitted)]]
     decodes = [
         BatchEntry(seq.seq_id, _slot(seq), "decode", seq.next_decode_position, 1, wants_logits=True)
         for seq in state.running
@@ -304,7 +320,7 @@ def _advance(
         if seq is None or admission.slot in used:
             raise PlanMismatchError(f"sequence {admission.seq_id} cannot take its planned slot")
         used.add(admission.slot)
-        running[seq.seq_id] = replace(seq, slot=admission.slot)
+        running[seq.seq_id] = _admit(seq, admission.slot)
     sampled: set[int] = set()
     for entry in plan.entries:
         seq = running.get(entry.seq_id)
@@ -317,6 +333,10 @@ def _advance(
             sampled.add(seq.seq_id)
         running[seq.seq_id] = seq
     return waiting, running, sampled
+
+
+def _admit(seq: SequenceState, slot: int) -> SequenceState:
+    return replace(seq, slot=slot, prefilled=seq.cached)
 
 
 def _ordered(seqs: Iterable[SequenceState]) -> tuple[SequenceState, ...]:

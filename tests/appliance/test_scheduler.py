@@ -124,6 +124,18 @@ def test_a_chunk_cap_lets_several_prompts_progress_together() -> None:
     assert [(e.seq_id, e.count) for e in plan.entries] == [(a, 4), (b, 4), (c, 2)]
 
 
+def test_a_cached_prefix_is_copied_in_at_admission_and_only_the_rest_is_prefilled() -> None:
+    engine = Driver(SchedulerConfig(n_slots=2, n_batch=16, n_ctx_per_slot=64))
+    engine.state, queued = submit(engine.state, prompt_len=40, max_new_tokens=4, cached=36)
+    assert isinstance(queued, Queued)
+    plan, _ = engine.step()
+    assert plan.admitted == (Admission(queued.seq_id, slot=0, cached=36),)
+    # Four prompt tokens after the shared 36, the last of which yields the first new token.
+    assert plan.entries == (BatchEntry(queued.seq_id, 0, "prefill", 36, 4, wants_logits=True),)
+    with pytest.raises(ValueError, match="cached"):
+        submit(engine.state, prompt_len=8, max_new_tokens=1, cached=8)
+
+
 def test_a_sequence_that_cannot_fit_a_slot_is_rejected_with_a_reason() -> None:
     state = SchedulerState(SchedulerConfig(n_slots=1, n_batch=8, n_ctx_per_slot=16))
     after, result = submit(state, prompt_len=10, max_new_tokens=7)
@@ -195,7 +207,7 @@ def queue_order(seq: SequenceState) -> tuple[int, int]:
 
 def work(seq: SequenceState) -> int:
     """Units of progress left: every step that is not idle spends at least one."""
-    return seq.prompt_len - seq.prefilled + seq.max_new_tokens - seq.generated
+    return seq.prompt_len - max(seq.prefilled, seq.cached) + seq.max_new_tokens - seq.generated
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -224,14 +236,18 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(prompt_len=st.integers(1, 40), max_new_tokens=st.integers(1, 16), data=st.data())
     def arrive(self, prompt_len: int, max_new_tokens: int, data: st.DataObject) -> None:
         before = self.state
-        self.state, result = submit(before, prompt_len, max_new_tokens, data.draw(self.priorities))
+        # Some arrivals share a prefix whose KV the engine copies in at admission.
+        cached = data.draw(st.integers(0, prompt_len - 1))
+        priority = data.draw(self.priorities)
+        self.state, result = submit(before, prompt_len, max_new_tokens, priority, cached)
         if prompt_len + max_new_tokens > before.config.n_ctx_per_slot:
             assert isinstance(result, Rejected)
             assert self.state is before
             return
         assert result == Queued(before.next_id)
         ahead = sum(work(seq) for seq in (*before.waiting, *before.running))
-        self.deadline[result.seq_id] = self.steps + ahead + prompt_len + max_new_tokens
+        own = prompt_len - cached + max_new_tokens
+        self.deadline[result.seq_id] = self.steps + ahead + own
 
     @rule(data=st.data())
     def cancel_between_steps(self, data: st.DataObject) -> None:
@@ -329,7 +345,9 @@ def check_admissions(before: SchedulerState, plan: StepPlan) -> dict[int, Sequen
     assert {a.slot for a in plan.admitted} <= set(free)
     holders = {seq.seq_id: seq for seq in before.running}
     for a, seq in zip(plan.admitted, head, strict=True):
-        holders[a.seq_id] = replace(seq, slot=a.slot)
+        # The cached prefix is in the slot once admitted: prefill starts after it.
+        assert a.cached == seq.cached
+        holders[a.seq_id] = replace(seq, slot=a.slot, prefilled=seq.cached)
     return holders
 
 

@@ -1,0 +1,126 @@
+"""The batching engine with the real model, in this process: shared-prefix reuse.
+
+Through a worker and the gateway, the same engine is covered by test_gateway.py and
+test_supervisor.py; here its prefix store is driven directly, so the tests can line up
+arrivals exactly (all queued before the engine's first step).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import pytest
+
+from appliance.serving.batching import BatchEngine, Job
+from appliance.serving.engine import EngineOptions, Event, Failed, Finished, GenerationRequest
+from appliance.serving.sampling import Sampling
+
+if TYPE_CHECKING:
+    from appliance.state.store import ModelRecord
+
+pytestmark = pytest.mark.model
+
+SYSTEM = (
+    "You are the help desk of a secondary school. Answer in one short sentence, politely, "
+    "and never invent timetable details you were not given. "
+) * 6
+QUESTIONS = [
+    "When does the library open?",
+    "Who teaches chemistry?",
+    "Is there a bus on Saturday?",
+    "Where is room 12?",
+    "Can I bring a laptop?",
+]
+
+
+@dataclass
+class Outcome:
+    events: list[Event | Failed] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, event: Event | Failed) -> None:
+        self.events.append(event)
+        if isinstance(event, Finished | Failed):
+            self.done.set()
+
+    @property
+    def finished(self) -> Finished:
+        last = self.events[-1]
+        assert isinstance(last, Finished), last
+        return last
+
+
+def run(
+    model: ModelRecord, prompts: list[str], *, slots: int, share: int, cancel_first: bool = False
+) -> tuple[list[Outcome], int]:
+    """Queue every prompt before the engine starts, run to the end; (outcomes, tokens reused)."""
+    engine = BatchEngine(
+        model,
+        EngineOptions(n_ctx=512, n_slots=slots, n_batch=128, n_threads=2, prefix_min_tokens=share),
+    )
+    engine.load()
+    assert engine.vocab is not None
+    outcomes = [Outcome() for _ in prompts]
+    for i, (text, outcome) in enumerate(zip(prompts, outcomes, strict=True)):
+        cancel = threading.Event()
+        if cancel_first and i == 0:
+            cancel.set()
+        request = GenerationRequest(
+            prompt_tokens=tuple(engine.vocab.tokenize(text, chat=False)),
+            max_tokens=12,
+            sampling=Sampling(temperature=0.0),
+        )
+        engine.jobs.put(Job(request, outcome.emit, cancel))
+    thread = threading.Thread(target=engine.serve_forever)
+    thread.start()
+    try:
+        for outcome in outcomes:
+            assert outcome.done.wait(120), "a request never ended"
+    finally:
+        engine.jobs.put(None)
+        thread.join(60)
+        engine.close()
+    return outcomes, engine.prefix_tokens_reused
+
+
+def test_a_shared_prefix_is_computed_once_and_answers_stay_the_same(
+    default_model: ModelRecord,
+) -> None:
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    # One slot: each request decodes alone, so the only difference sharing makes is where
+    # the prefix's KV came from; greedy answers must not change at all.
+    shared, reused = run(default_model, prompts, slots=1, share=32)
+    plain, none = run(default_model, prompts, slots=1, share=0)
+    assert none == 0
+    prefix_len = shared[0].finished.prompt_tokens - 10  # the questions are under 10 tokens
+    # The first prompt builds the store while it prefills; the four others copy it.
+    assert reused >= 4 * prefix_len
+    assert [o.finished.text for o in shared] == [o.finished.text for o in plain]
+    assert all(o.finished.completion_tokens > 0 for o in shared)
+
+
+def test_concurrent_sequences_share_one_prefix_and_all_finish(
+    default_model: ModelRecord,
+) -> None:
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    outcomes, reused = run(default_model, prompts, slots=4, share=32)
+    assert reused > 0
+    for outcome in outcomes:
+        assert outcome.finished.finish_reason in {"stop", "length"}
+        assert outcome.finished.completion_tokens > 0
+
+
+def test_a_builder_cancelled_before_it_starts_hands_the_prefix_to_a_waiting_request(
+    default_model: ModelRecord,
+) -> None:
+    # The first request would build the prefix for the others, but its client is gone
+    # before the first step: the parked requests are placed again, one of them builds.
+    prompts = [SYSTEM + q for q in QUESTIONS[:3]]
+    outcomes, reused = run(default_model, prompts, slots=2, share=32, cancel_first=True)
+    assert outcomes[0].finished.finish_reason == "cancelled"
+    assert outcomes[0].finished.completion_tokens == 0
+    for outcome in outcomes[1:]:
+        assert outcome.finished.completion_tokens > 0
+    assert reused > 0

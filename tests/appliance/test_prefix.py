@@ -1,0 +1,171 @@
+"""Shared-prefix policy: examples that document it, then properties over random traffic."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from appliance.serving.prefix import Alone, Build, Park, PrefixShare, Reuse, common_prefix
+
+SYSTEM = tuple(range(100, 180))  # an 80-token system prompt
+
+
+def prompt(*tail: int) -> tuple[int, ...]:
+    return (*SYSTEM, *tail)
+
+
+def test_the_second_prompt_with_a_common_prefix_makes_the_first_build_it_when_unstarted() -> None:
+    share = PrefixShare(min_tokens=16, max_tokens=512)
+    assert share.place(0, prompt(1, 2), unstarted={0}) == Alone()
+    # Sequence 0 has not prefilled a token yet: it builds, so the prefix is computed once.
+    assert share.place(1, prompt(3, 4), unstarted={0}) == Build(builder=0, length=80)
+    assert share.builder == 0
+    assert share.target == SYSTEM
+    assert share.place(2, prompt(5), unstarted={0}) == Park()
+    assert not share.progress(0, 64)  # part way
+    assert share.progress(0, 80)
+    assert share.tokens == SYSTEM
+    assert share.place(2, prompt(5), unstarted=set()) == Reuse(80)
+
+
+def test_a_newcomer_builds_itself_when_its_partner_already_started() -> None:
+    share = PrefixShare(min_tokens=16, max_tokens=512)
+    share.place(0, prompt(1), unstarted={0})
+    assert share.place(1, prompt(2), unstarted=set()) == Build(builder=None, length=80)
+    assert share.builder == 1
+
+
+def test_the_store_is_capped_and_a_prompt_keeps_its_last_token_to_decode() -> None:
+    share = PrefixShare(min_tokens=16, max_tokens=50)
+    share.place(0, prompt(1), unstarted=set())
+    assert share.place(1, prompt(2), unstarted=set()) == Build(builder=None, length=50)
+    share.progress(1, 50)
+    # A prompt that is exactly the stored prefix still decodes its last token itself.
+    assert share.place(2, SYSTEM[:50], unstarted=set()) == Reuse(49)
+
+
+def test_short_common_prefixes_and_a_disabled_share_place_alone() -> None:
+    share = PrefixShare(min_tokens=16, max_tokens=512)
+    share.place(0, (1, 2, 3, 4), unstarted=set())
+    assert share.place(1, (1, 2, 3, 5), unstarted=set()) == Alone()
+    off = PrefixShare(min_tokens=0, max_tokens=512)
+    off.place(0, prompt(1), unstarted=set())
+    assert off.place(1, prompt(2), unstarted=set()) == Alone()
+
+
+def test_a_builder_that_leaves_early_empties_the_store_and_readers_pin_it() -> None:
+    share = PrefixShare(min_tokens=16, max_tokens=512)
+    share.place(0, prompt(1), unstarted={0})
+    share.place(1, prompt(2), unstarted={0})
+    assert share.ended(0)  # parked prompts are placed again
+    assert (share.tokens, share.target, share.builder) == ((), (), None)
+    # Placed again, the parked prompt finds its partner in the history and builds.
+    assert share.place(1, prompt(2), unstarted=set()) == Build(builder=None, length=80)
+    share.progress(1, 80)
+    assert share.place(2, prompt(3), unstarted=set()) == Reuse(80)
+    # While sequence 2 waits to copy, another prefix may not replace the store.
+    other = tuple(range(500, 600))
+    share.place(3, other, unstarted=set())
+    assert share.place(4, other, unstarted=set()) == Alone()
+    share.admitted(2)
+    assert share.place(5, other, unstarted=set()) == Build(builder=None, length=99)
+
+
+def test_a_rejected_sequence_leaves_the_history_so_its_reused_id_is_not_confused() -> None:
+    share = PrefixShare(min_tokens=16, max_tokens=512)
+    share.place(0, prompt(1), unstarted=set())
+    share.rejected(0)  # the engine refused it; the next arrival gets id 0 again
+    assert share.place(0, tuple(range(500, 600)), unstarted={0}) == Alone()
+
+
+def test_common_prefix() -> None:
+    assert common_prefix((1, 2, 3), (1, 2, 4)) == 2
+    assert common_prefix((), (1,)) == 0
+    assert common_prefix((1, 2), (1, 2)) == 2
+
+
+# -- properties ------------------------------------------------------------------------------
+
+prefixes = st.sampled_from([SYSTEM, tuple(range(300, 340)), ()])
+prompts = st.tuples(prefixes, st.lists(st.integers(0, 5), min_size=1, max_size=6)).map(
+    lambda pair: (*pair[0], *pair[1])
+)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(prompts, st.integers(0, 3)), min_size=1, max_size=30))
+def test_a_reader_copies_only_what_the_store_holds_and_every_park_is_released(
+    traffic: list[tuple[tuple[int, ...], int]],
+) -> None:
+    """A stand-in engine: each arrival is placed; between arrivals a running sequence may
+    prefill (a builder completes its part) or end. Checked: a Reuse names tokens that are in
+    the store and match the prompt; a store changes only when no reader waits; a build's
+    target is a prefix of its builder's prompt; parked prompts are released when the store
+    is complete or its builder left, and then placed without parking again."""
+    share = PrefixShare(min_tokens=16, max_tokens=64)
+    prompts_by_id: dict[int, tuple[int, ...]] = {}
+    unstarted: set[int] = set()
+    parked: list[tuple[int, ...]] = []
+    next_id = 0
+
+    def place(p: tuple[int, ...]) -> None:
+        nonlocal next_id
+        before = (share.tokens, set(share.readers))
+        placement = share.place(next_id, p, unstarted)
+        if isinstance(placement, Build):
+            assert not before[1], "the store changed under a waiting reader"
+            assert placement.length <= 64
+        if isinstance(placement, Park) or (
+            isinstance(placement, Build) and placement.builder is not None
+        ):
+            assert share.builder is not None
+            if isinstance(placement, Build):
+                assert placement.builder is not None
+                owner = prompts_by_id[placement.builder]
+                assert share.target == owner[: placement.length]
+                assert placement.length < len(owner)
+            parked.append(p)
+            return
+        if isinstance(placement, Reuse):
+            assert 16 <= placement.cached < len(p)
+            assert p[: placement.cached] == share.tokens[: placement.cached]
+        if isinstance(placement, Build):
+            assert share.target == p[: placement.length]
+            assert placement.length < len(p)
+        prompts_by_id[next_id] = p
+        unstarted.add(next_id)
+        next_id += 1
+
+    def release() -> None:
+        again = list(parked)
+        parked.clear()
+        for p in again:
+            place(p)
+
+    for p, action in traffic:
+        place(p)
+        live = sorted(prompts_by_id)
+        if not live:
+            continue
+        seq_id = live[action % len(live)]
+        if action in (0, 1):  # the sequence is admitted and prefills its prompt
+            unstarted.discard(seq_id)
+            share.admitted(seq_id)
+            if share.progress(seq_id, len(prompts_by_id[seq_id])):
+                release()
+        elif action == 2:  # it ends
+            unstarted.discard(seq_id)
+            del prompts_by_id[seq_id]
+            if share.ended(seq_id):
+                release()
+    # Drain: every sequence prefills and ends; nothing stays parked.
+    while prompts_by_id:
+        seq_id = min(prompts_by_id)
+        unstarted.discard(seq_id)
+        share.admitted(seq_id)
+        if share.progress(seq_id, len(prompts_by_id[seq_id])):
+            release()
+        del prompts_by_id[seq_id]
+        if share.ended(seq_id):
+            release()
+    assert not parked
