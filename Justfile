@@ -79,6 +79,15 @@ lint: setup
 test *args: setup lint
     pytest {{ args }}
 
-# Benchmarks against peers measured in the same run (writes tests/benchmarks/results/*.json)
-bench *args: setup
-    python -m tests.benchmarks.serving {{ args }}
+# Benchmarks against peers measured in the same run (writes tests/benchmarks/results/*.json):
+# serving (one stream vs llama-server), concurrency (1-16 streams and a shared prefix vs
+# llama-server -np N), embeddings (batched vs one at a time), or all of them
+bench suite="all" *args: setup
+    #!/usr/bin/env bash
+    set -euo pipefail
+    case "{{ suite }}" in
+        all) suites="serving concurrency embeddings" ;;
+        serving|concurrency|embeddings) suites="{{ suite }}" ;;
+        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, all)" >&2; exit 2 ;;
+    esac
+    for s in $suites; do {{ py }} -m "tests.benchmarks.$s" {{ args }}; done

@@ -9,10 +9,19 @@ from aiohttp import web
 
 from appliance.discovery.mdns import Announcement, Announcer, lan_addresses
 from appliance.gateway.completions import CompletionService
-from appliance.gateway.keys import COMPLETIONS, HOST, METRICS, NODE_ID, SETTINGS, STORE
+from appliance.gateway.embeddings import EmbeddingService
+from appliance.gateway.keys import (
+    COMPLETIONS,
+    EMBEDDINGS,
+    HOST,
+    METRICS,
+    NODE_ID,
+    SETTINGS,
+    STORE,
+)
 from appliance.gateway.middleware import authenticate, errors_and_metrics
 from appliance.gateway.routes import ROUTES
-from appliance.serving.host import ModelHost
+from appliance.serving.registry import ModelRegistry
 from appliance.state.store import AsyncStore
 from shared import __version__
 from shared.telemetry import Metrics
@@ -36,6 +45,7 @@ def create_app(settings: ApplianceSettings) -> web.Application:
         app.router.add_route(route.method, route.path, route.handler)
     app.cleanup_ctx.append(_store)
     app.cleanup_ctx.append(_models)
+    app.cleanup_ctx.append(_embeddings)
     if settings.discovery.enabled:
         app.cleanup_ctx.append(_discovery)
     return app
@@ -52,7 +62,7 @@ async def _store(app: web.Application) -> AsyncIterator[None]:
 
 async def _models(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
-    host = ModelHost(app[STORE], settings, app[METRICS])
+    host = ModelRegistry(app[STORE], settings, app[METRICS])
     app[HOST] = host
     app[COMPLETIONS] = CompletionService(
         host, app[STORE], app[METRICS], settings.model.max_tokens_limit
@@ -60,6 +70,16 @@ async def _models(app: web.Application) -> AsyncIterator[None]:
     host.start()
     yield
     await host.close()
+
+
+async def _embeddings(app: web.Application) -> AsyncIterator[None]:
+    # The model loads in a thread in the background: /healthz answers meanwhile, and
+    # /v1/embeddings says model_not_ready until it is loaded.
+    service = EmbeddingService(app[SETTINGS].embeddings, app[STORE], app[METRICS])
+    app[EMBEDDINGS] = service
+    service.start()
+    yield
+    await service.close()
 
 
 async def _discovery(app: web.Application) -> AsyncIterator[None]:

@@ -99,14 +99,20 @@ def keys() -> None:
     default=None,
     help="Service class of the account (default S1 for a new account).",
 )
+@click.option("--admin", is_flag=True, help="The key may also use the /v1/admin routes.")
 @config_errors_exit
 def keys_create(
-    config_file: Path | None, data_dir: Path | None, account: str, service_class: str | None
+    config_file: Path | None,
+    data_dir: Path | None,
+    account: str,
+    service_class: str | None,
+    admin: bool,
 ) -> None:
     """Create a key; it is printed once, alone on stdout."""
     store = _store(_settings(config_file, data_dir))
     try:
-        new = store.create_key(account, ServiceClass(service_class) if service_class else None)
+        cls = ServiceClass(service_class) if service_class else None
+        new = store.create_key(account, cls, admin=admin)
     finally:
         store.close()
     click.echo(new.plaintext)
@@ -134,6 +140,7 @@ def keys_list(
                         "prefix": key.prefix,
                         "account": key.account.name,
                         "class": key.account.service_class.value,
+                        "admin": key.admin,
                         "created_at": key.created_at,
                         "revoked_at": key.revoked_at,
                     }
@@ -141,8 +148,10 @@ def keys_list(
             )
         else:
             state = f"revoked {key.revoked_at}" if key.revoked else "active"
+            scope = "admin" if key.admin else "user"
             click.echo(
-                f"{key.prefix}  {key.account.name:<20} {key.account.service_class.value}  {state}"
+                f"{key.prefix}  {key.account.name:<20} {key.account.service_class.value}  "
+                f"{scope:<5}  {state}"
             )
 
 

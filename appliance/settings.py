@@ -84,11 +84,41 @@ class ModelSettings(_Section):
             "More slots: more throughput for many users, a little slower per stream."
         ),
     )
+    prefix_min_tokens: int = Field(
+        64,
+        ge=0,
+        le=131_072,
+        description=(
+            "A prompt prefix (a common system prompt) shared by requests for at least this "
+            "many tokens is computed once and its KV cache copied to each; 0: never."
+        ),
+    )
     max_queue: int = Field(
         16,
         ge=0,
         le=4096,
         description=("Requests that may wait for a free slot; one more gets 429 with Retry-After."),
+    )
+    memory_budget_mb: int = Field(
+        0,
+        ge=0,
+        le=16_777_216,
+        description=(
+            "Memory the loaded models may take together, by estimate (weights, full KV "
+            "cache, worker overhead); idle models are unloaded to make room. 0: 75% of RAM."
+        ),
+    )
+    load_wait_s: float = Field(
+        120.0,
+        ge=0.0,
+        le=3600.0,
+        description="How long a request for a model that is loading waits before 503.",
+    )
+    drain_s: float = Field(
+        30.0,
+        ge=0.0,
+        le=3600.0,
+        description="On unload, how long requests in flight may finish before they are cut.",
     )
     worker_memory_limit_mb: int = Field(
         0,
@@ -104,6 +134,75 @@ class ModelSettings(_Section):
     )
     max_tokens_limit: int = Field(
         4096, ge=1, le=131_072, description="Largest `max_tokens` a request may ask for."
+    )
+
+
+class EmbeddingSettings(_Section):
+    enabled: bool = Field(
+        default=True,
+        description=(
+            "Serve `POST /v1/embeddings`; the model loads in the background at start, and "
+            "`/readyz` waits for it too."
+        ),
+    )
+    model: Literal["all-MiniLM-L6-v2"] = Field(
+        "all-MiniLM-L6-v2",
+        description=(
+            "The embedding model, and its name in requests: all-MiniLM-L6-v2 (int8 ONNX, "
+            "384 dimensions, English) is the one the appliance ships."
+        ),
+    )
+    provider: Literal["auto", "cuda", "cpu"] = Field(
+        "auto",
+        description=(
+            "onnxruntime execution provider: `auto` takes CUDA when onnxruntime-gpu offers it, "
+            "else the CPU; `cuda` refuses to load without it."
+        ),
+    )
+    threads: int | None = Field(
+        None,
+        ge=1,
+        le=512,
+        description="CPU threads per embedding run; unset uses one per physical core.",
+    )
+    max_tokens: int = Field(
+        256,
+        ge=3,
+        le=512,
+        description=(
+            "Tokens per input text; longer texts are truncated, as sentence-transformers does "
+            "(the model was trained on 256)."
+        ),
+    )
+    max_inputs: int = Field(
+        2048,
+        ge=1,
+        le=65_536,
+        description="Input texts one request may hold (OpenAI's limit is 2048).",
+    )
+    max_batch_texts: int = Field(
+        32,
+        ge=1,
+        le=1024,
+        description=(
+            "Texts embedded together in one onnxruntime run, from one request or several; "
+            "larger requests run in several."
+        ),
+    )
+    max_wait_ms: float = Field(
+        3.0,
+        ge=0.0,
+        le=1000.0,
+        description=(
+            "How long a request that finds the model idle waits for others to share its run; "
+            "0 suits a busy CPU, a few ms buys larger batches on a GPU."
+        ),
+    )
+    max_queue: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Requests that may wait for a run; one more gets 429 with Retry-After.",
     )
 
 
@@ -131,6 +230,9 @@ class ApplianceSettings(BaseSettings):
     )
     server: ServerSettings = Field(default_factory=ServerSettings, description="The LAN API.")
     model: ModelSettings = Field(default_factory=ModelSettings, description="Model serving.")
+    embeddings: EmbeddingSettings = Field(
+        default_factory=EmbeddingSettings, description="Sentence embeddings (`/v1/embeddings`)."
+    )
     discovery: DiscoverySettings = Field(
         default_factory=DiscoverySettings,
         description="LAN discovery (zeroconf).",

@@ -34,6 +34,7 @@ class ErrorCode(StrEnum):
     missing_api_key = "missing_api_key"
     invalid_api_key = "invalid_api_key"
     revoked_api_key = "revoked_api_key"
+    permission_denied = "permission_denied"
     not_found = "not_found"
     model_not_found = "model_not_found"
     method_not_allowed = "method_not_allowed"
@@ -41,6 +42,8 @@ class ErrorCode(StrEnum):
     queue_full = "queue_full"
     model_not_ready = "model_not_ready"
     model_unavailable = "model_unavailable"
+    model_pinned = "model_pinned"
+    insufficient_memory = "insufficient_memory"
     internal_error = "internal_error"
 
     @property
@@ -80,6 +83,9 @@ _KINDS: dict[ErrorCode, _Kind] = {
     ErrorCode.missing_api_key: _Kind(401, "authentication_error", "no `Authorization: Bearer`"),
     ErrorCode.invalid_api_key: _Kind(401, "authentication_error", "the key is not known"),
     ErrorCode.revoked_api_key: _Kind(401, "authentication_error", "the key was revoked"),
+    ErrorCode.permission_denied: _Kind(
+        403, "permission_error", "the key may not use this route (admin routes need an admin key)"
+    ),
     ErrorCode.not_found: _Kind(404, "not_found_error", "no such route"),
     ErrorCode.model_not_found: _Kind(404, "not_found_error", "no model by that name"),
     ErrorCode.method_not_allowed: _Kind(405, _INVALID, "the route exists, not with that method"),
@@ -99,6 +105,14 @@ _KINDS: dict[ErrorCode, _Kind] = {
         "server_error",
         "the model's worker process stopped mid-request and is restarting; retry after "
         "`Retry-After` seconds",
+    ),
+    ErrorCode.model_pinned: _Kind(
+        409, "conflict_error", "the model is pinned; unpin it before unloading it"
+    ),
+    ErrorCode.insufficient_memory: _Kind(
+        503,
+        "server_error",
+        "the model does not fit the memory budget, even with every idle model unloaded",
     ),
     ErrorCode.internal_error: _Kind(500, "server_error", "a bug; the request id is in the log"),
 }

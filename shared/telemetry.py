@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics.exposition import (
     CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE,
@@ -10,6 +10,7 @@ from prometheus_client.openmetrics.exposition import (
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class Metrics:
@@ -66,6 +67,67 @@ class Metrics:
         )
         self.queue_waiting = Gauge(
             "kvl_queue_waiting", "Requests waiting for a model.", ["model"], registry=r
+        )
+        self.queue_seconds = Histogram(
+            "kvl_queue_duration_seconds",
+            "Time from arrival at the worker to a batch slot, by model.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            "kvl_time_per_output_token_seconds",
+            "Mean time between a request's tokens after the first (inter-token latency), "
+            "one observation per request, by model.",
+            ["model"],
+            buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5),
+            registry=r,
+        )
+        self.slots = Gauge("kvl_slots", "Batch slots of a model's replicas.", ["model"], registry=r)
+        self.slots_busy = Gauge(
+            "kvl_slots_busy", "Batch slots holding a sequence, by model.", ["model"], registry=r
+        )
+        self.batch_tokens = Histogram(
+            "kvl_batch_tokens",
+            "Tokens per llama_decode call (decode tokens plus prompt chunks), by model.",
+            ["model"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+            registry=r,
+        )
+        self.decode_tokens_per_second = Gauge(
+            "kvl_decode_tokens_per_second",
+            "Tokens generated per second by a model's replicas, over the last heartbeat.",
+            ["model"],
+            registry=r,
+        )
+        self.prefix_tokens_reused = Counter(
+            "kvl_prefix_tokens_reused",
+            "Prompt tokens whose KV was copied from a shared prefix instead of computed.",
+            ["model"],
+            registry=r,
+        )
+        self.embedding_inputs = Counter(
+            "kvl_embedding_inputs", "Input texts embedded, by model.", ["model"], registry=r
+        )
+        self.embedding_batch_requests = Histogram(
+            "kvl_embedding_batch_requests",
+            "Requests embedded together per batcher run, by model.",
+            ["model"],
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.embedding_batch_texts = Histogram(
+            "kvl_embedding_batch_texts",
+            "Texts embedded per batcher run, by model.",
+            ["model"],
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.embedding_model = Info(
+            "kvl_embedding_model",
+            "The embedding model loaded: its onnxruntime execution provider and dimension.",
+            ["model"],
+            registry=r,
         )
 
     def render(self, accept: str) -> tuple[bytes, str]:

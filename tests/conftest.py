@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestClient
 from pytest_aiohttp import AiohttpClient
 
 from appliance.app import create_app
-from appliance.gateway.keys import HOST
+from appliance.gateway.keys import EMBEDDINGS, HOST
 from appliance.serving.catalog import ensure_default_model
 from appliance.settings import ApplianceSettings
 from appliance.state.store import ModelRecord, Store
@@ -80,11 +80,13 @@ def api_key(settings: ApplianceSettings) -> str:
 
 @pytest.fixture
 async def client(aiohttp_client: AiohttpClient, settings: ApplianceSettings) -> Client:
-    """An in-process appliance (real aiohttp server on loopback) with the model loaded."""
+    """An in-process appliance (real aiohttp server on loopback) with the models loaded."""
     app = create_app(settings)
     test_client = await aiohttp_client(app)
     await app[HOST].wait_loaded()
     assert app[HOST].ready, app[HOST].load_error
+    await app[EMBEDDINGS].wait_loaded()
+    assert app[EMBEDDINGS].ready, app[EMBEDDINGS].load_error
     return test_client
 
 

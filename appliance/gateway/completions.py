@@ -23,9 +23,15 @@ from appliance.serving.engine import (
     QueueFullError,
     Run,
 )
-from appliance.serving.host import ModelHost, ModelNotReadyError, UnknownModelError
+from appliance.serving.registry import (
+    Deployment,
+    InsufficientMemoryError,
+    ModelNotReadyError,
+    ModelRegistry,
+    UnknownModelError,
+)
 from appliance.serving.sampling import GrammarError, Sampling
-from appliance.serving.supervisor import Replica, WorkerUnavailableError
+from appliance.serving.supervisor import WorkerUnavailableError
 from appliance.state.store import ApiKey, AsyncStore, UsageEvent
 from appliance.validation.structured import (
     SchemaUnusableError,
@@ -48,7 +54,7 @@ class Prepared:
     kind: Kind
     route: str
     key: ApiKey
-    engine: Replica
+    engine: Deployment
     request: GenerationRequest
     structured: StructuredOutput | None
     include_usage: bool
@@ -62,7 +68,7 @@ class Prepared:
 
 class CompletionService:
     def __init__(
-        self, host: ModelHost, store: AsyncStore, metrics: Metrics, max_tokens_limit: int
+        self, host: ModelRegistry, store: AsyncStore, metrics: Metrics, max_tokens_limit: int
     ) -> None:
         self._host = host
         self._store = store
@@ -132,7 +138,7 @@ class CompletionService:
         *,
         route: str,
         key: ApiKey,
-        engine: Replica,
+        engine: Deployment,
         request: GenerationRequest,
         req: ChatCompletionRequest | CompletionRequest,
         structured: StructuredOutput | None,
@@ -147,17 +153,21 @@ class CompletionService:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
 
-    async def _engine(self, model: str) -> Replica:
+    async def _engine(self, model: str) -> Deployment:
         try:
             return await self._host.resolve(model)
         except UnknownModelError as err:
             raise ApiError(ErrorCode.model_not_found, str(err), param="model") from err
         except ModelNotReadyError as err:
+            if err.failed:
+                raise ApiError(ErrorCode.model_unavailable, str(err), retry_after=30) from err
             raise ApiError(ErrorCode.model_not_ready, str(err), retry_after=5) from err
+        except InsufficientMemoryError as err:
+            raise ApiError(ErrorCode.insufficient_memory, str(err), retry_after=30) from err
 
     def _generation(
         self,
-        engine: Replica,
+        engine: Deployment,
         *,
         tokens: list[int],
         max_tokens: int | None,
@@ -226,6 +236,11 @@ class CompletionService:
         m.completion_tokens.labels(model).inc(finished.completion_tokens)
         if finished.ttft_s is not None:
             m.ttft_seconds.labels(model).observe(finished.ttft_s)
+            if finished.completion_tokens > 1:
+                tpot = (finished.duration_s - finished.ttft_s) / (finished.completion_tokens - 1)
+                m.time_per_output_token.labels(model).observe(tpot)
+        if finished.queue_s is not None:
+            m.queue_seconds.labels(model).observe(finished.queue_s)
         m.generation_seconds.labels(model).observe(finished.duration_s)
         event = UsageEvent(
             account_id=prepared.key.account.id,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import sys
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -16,7 +18,8 @@ from appliance.gateway.completions import (
     chunk_body,
     response_body,
 )
-from appliance.gateway.keys import COMPLETIONS, HOST, METRICS, NODE_ID, api_key
+from appliance.gateway.embeddings import response_body as embeddings_body
+from appliance.gateway.keys import COMPLETIONS, EMBEDDINGS, HOST, METRICS, NODE_ID, api_key
 from appliance.gateway.middleware import route_label
 from appliance.gateway.parsing import decode_json, parse_body
 from appliance.gateway.schemas import (
@@ -24,10 +27,14 @@ from appliance.gateway.schemas import (
     UNSUPPORTED_COMPLETION,
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
 )
 from appliance.serving.engine import Event, Finished, TextDelta
 from shared import __version__
 from shared.errors import ApiError, ErrorCode
+
+if TYPE_CHECKING:
+    from appliance.serving.supervisor import Replica
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +50,31 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     host = request.app[HOST]
-    if host.ready:
-        models = [r.ref for r in host.served()]
-        return web.json_response({"status": "ready", "models": models})
+    embedder = request.app[EMBEDDINGS]
     if host.load_error is not None:
         raise ApiError(ErrorCode.model_not_ready, f"the model failed to load: {host.load_error}")
-    raise ApiError(ErrorCode.model_not_ready, "the model is loading", retry_after=2)
+    if embedder.load_error is not None:
+        raise ApiError(
+            ErrorCode.model_not_ready,
+            f"the embedding model failed to load: {embedder.load_error}; fix that, or set "
+            "embeddings.enabled to false",
+        )
+    if not host.ready:
+        raise ApiError(ErrorCode.model_not_ready, "the model is loading", retry_after=2)
+    if embedder.enabled and not embedder.ready:
+        raise ApiError(ErrorCode.model_not_ready, "the embedding model is loading", retry_after=2)
+    models = [r.ref for r in host.served()] + [m.ref for m in embedder.served()]
+    devices = {replica.record.ref: _placement(replica) for replica in host.replicas()}
+    devices.update(
+        {m.ref: {"device": "onnxruntime", "provider": m.provider} for m in embedder.served()}
+    )
+    return web.json_response({"status": "ready", "models": models, "devices": devices})
+
+
+def _placement(replica: Replica) -> dict[str, Any]:
+    if replica.placement is None:
+        return {"device": "unknown"}
+    return replica.placement.to_json()
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -60,17 +86,36 @@ async def list_models(request: web.Request) -> web.Response:
     host = request.app[HOST]
     data = [
         {
-            "id": record.name,
+            "id": replica.record.name,
             "object": "model",
             "created": 0,
             "owned_by": "kovenlab",
-            "version": record.version,
-            "ref": record.ref,
-            "format": record.format,
-            "quantization": record.quantization,
-            "sha256": record.sha256,
+            "version": replica.record.version,
+            "ref": replica.record.ref,
+            "format": replica.record.format,
+            "quantization": replica.record.quantization,
+            "sha256": replica.record.sha256,
+            "context_length": replica.options.n_ctx,
+            "slots": replica.options.n_slots,
+            "device": replica.placement.device if replica.placement is not None else "unknown",
         }
-        for record in host.served()
+        for replica in host.replicas()
+    ]
+    data += [
+        {
+            "id": model.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kovenlab",
+            "version": model.version,
+            "ref": model.ref,
+            "format": "onnx",
+            "quantization": "int8",
+            "sha256": model.sha256,
+            "provider": model.provider,
+            "dimension": model.dimension,
+        }
+        for model in request.app[EMBEDDINGS].served()
     ]
     return web.json_response({"object": "list", "data": data})
 
@@ -91,6 +136,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
         req, api_key(request), route_label(request)
     )
     return await _respond(request, prepared, stream=req.stream)
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    body = decode_json(await request.read())
+    req = parse_body(EmbeddingRequest, body)
+    embedded = await request.app[EMBEDDINGS].embed(req, api_key(request), route_label(request))
+    # Thousands of floats to format: off the event loop, which other requests share.
+    text = await asyncio.to_thread(
+        lambda: json.dumps(embeddings_body(embedded), separators=(",", ":"))
+    )
+    headers = {"X-Kvl-Model": embedded.model.ref}
+    if embedded.result.truncated:
+        headers["X-Kvl-Truncated-Inputs"] = str(embedded.result.truncated)
+    return web.Response(text=text, content_type="application/json", headers=headers)
 
 
 async def _respond(request: web.Request, prepared: Prepared, *, stream: bool) -> web.StreamResponse:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from appliance.gateway.completions import CompletionService
-from appliance.serving.host import ModelHost
+from appliance.gateway.embeddings import EmbeddingService
+from appliance.serving.registry import ModelRegistry
 from appliance.settings import ApplianceSettings
 from appliance.state.store import ApiKey, AsyncStore
 from shared.telemetry import Metrics
@@ -13,8 +14,9 @@ from shared.telemetry import Metrics
 SETTINGS = web.AppKey("settings", ApplianceSettings)
 STORE = web.AppKey("store", AsyncStore)
 METRICS = web.AppKey("metrics", Metrics)
-HOST = web.AppKey("host", ModelHost)
+HOST = web.AppKey("host", ModelRegistry)
 COMPLETIONS = web.AppKey("completions", CompletionService)
+EMBEDDINGS = web.AppKey("embeddings", EmbeddingService)
 NODE_ID = web.AppKey("node_id", str)
 
 # Per request: the authenticated key (set by the auth middleware on /v1 routes).

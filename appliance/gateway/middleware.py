@@ -103,5 +103,11 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
         raise ApiError(ErrorCode.invalid_api_key, "the API key is not valid")
     if key.revoked:
         raise ApiError(ErrorCode.revoked_api_key, f"the API key {key.prefix} was revoked")
+    if request.path.startswith("/v1/admin/") and not key.admin:
+        raise ApiError(
+            ErrorCode.permission_denied,
+            f"the API key {key.prefix} is not an admin key; create one with "
+            "`kvl appliance keys create --account NAME --admin`",
+        )
     request[REQUEST_KEY] = key
     return await handler(request)

@@ -61,9 +61,10 @@ def param_path(loc: tuple[int | str, ...]) -> str:
 
 def _translate(err: ValidationError) -> ApiError:
     errors = err.errors(include_url=False)
-    # A union reports one error per member; the deepest location is the useful one.
+    # A union reports one error per member; the deepest location is the useful one, and
+    # there a broken constraint (an empty list) says more than "not a string" from another member.
     cleaned = [(_clean_loc(e["loc"]), e) for e in errors]
-    loc, first = max(cleaned, key=lambda pair: len(pair[0]))
+    loc, first = max(cleaned, key=lambda pair: (len(pair[0]), pair[1]["type"] not in _WRONG_TYPE))
     param = param_path(loc) or None
     kind = first["type"]
     if kind == "extra_forbidden":
@@ -76,6 +77,11 @@ def _translate(err: ValidationError) -> ApiError:
         return ApiError(ErrorCode.unsupported_parameter, "only `n: 1` is supported", param=param)
     return ApiError(ErrorCode.invalid_parameter, f"`{param}`: {first['msg']}", param=param)
 
+
+# Error types that say only "the value is not of this union member's type".
+_WRONG_TYPE = frozenset(
+    {"string_type", "int_type", "int_parsing", "list_type", "none_required", "model_type"}
+)
 
 # Fields holding a union discriminated by `type`: pydantic puts the tag after them in `loc`.
 _DISCRIMINATED = frozenset({"response_format"})

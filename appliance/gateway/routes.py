@@ -8,8 +8,13 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from appliance.gateway import handlers, websocket
-from appliance.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from appliance.gateway import admin, handlers, websocket
+from appliance.gateway.schemas import (
+    AdminModelRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+)
 from shared.errors import ErrorCode
 
 if TYPE_CHECKING:
@@ -31,7 +36,10 @@ _GENERATE = (
     ErrorCode.context_length_exceeded,
     ErrorCode.queue_full,
     ErrorCode.model_not_ready,
+    ErrorCode.model_unavailable,
+    ErrorCode.insufficient_memory,
 )
+_ADMIN = (*_AUTH, ErrorCode.permission_denied)
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,7 @@ ROUTES: tuple[Route, ...] = (
         "GET",
         "/readyz",
         handlers.readyz,
-        "Readiness: 200 once the model is loaded, 503 before.",
+        "Readiness: 200 once the model (and the embedding model) is loaded, 503 before.",
         auth=False,
         errors=(ErrorCode.model_not_ready,),
     ),
@@ -94,6 +102,22 @@ ROUTES: tuple[Route, ...] = (
         streams=True,
     ),
     Route(
+        "POST",
+        "/v1/embeddings",
+        handlers.embeddings,
+        "Embeddings (OpenAI): one unit vector per input text; concurrent requests are "
+        "batched together.",
+        auth=True,
+        body=EmbeddingRequest,
+        errors=(
+            *_AUTH,
+            *_BODY,
+            ErrorCode.model_not_found,
+            ErrorCode.queue_full,
+            ErrorCode.model_not_ready,
+        ),
+    ),
+    Route(
         "GET",
         "/v1/ws",
         websocket.stream,
@@ -101,5 +125,40 @@ ROUTES: tuple[Route, ...] = (
         "with its own id, cancellable by message (see the README).",
         auth=True,
         errors=(*_AUTH, ErrorCode.bad_request),
+    ),
+    Route(
+        "GET",
+        "/v1/admin/models",
+        admin.list_models,
+        "Admin: every registered model, loaded or not: state, pin, replicas (pid, load, "
+        "device), memory estimate and resident memory, and the memory budget.",
+        auth=True,
+        errors=_ADMIN,
+    ),
+    Route(
+        "POST",
+        "/v1/admin/models",
+        admin.load_model,
+        "Admin: load a model (unloading idle ones, least recently used first, to fit the "
+        "memory budget), or change its replicas or pin; answers once it serves.",
+        auth=True,
+        body=AdminModelRequest,
+        errors=(
+            *_ADMIN,
+            *_BODY,
+            ErrorCode.model_not_found,
+            ErrorCode.model_pinned,
+            ErrorCode.insufficient_memory,
+            ErrorCode.model_unavailable,
+        ),
+    ),
+    Route(
+        "DELETE",
+        "/v1/admin/models/{model}",
+        admin.unload_model,
+        "Admin: unload a model once its requests in flight finish (`model.drain_s`); a "
+        "pinned model must be unpinned first.",
+        auth=True,
+        errors=(*_ADMIN, ErrorCode.model_not_found, ErrorCode.model_pinned),
     ),
 )

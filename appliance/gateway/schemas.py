@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from appliance.serving.registry import MAX_REPLICAS
+
 _I64 = 2**63
 
 
@@ -101,6 +103,32 @@ class CompletionRequest(_Sampling):
     )
 
 
+_Text = Annotated[str, Field(min_length=1)]
+_Tokens = Annotated[list[int], Field(min_length=1)]
+
+
+class EmbeddingRequest(_Body):
+    model: str = Field(min_length=1, max_length=256, description="`name` or `name@version`.")
+    input: (
+        _Text
+        | Annotated[list[_Text], Field(min_length=1)]
+        | _Tokens
+        | Annotated[list[_Tokens], Field(min_length=1)]
+    ) = Field(
+        description=(
+            "A string, or a list of strings (at most `embeddings.max_inputs`), none empty. "
+            "Token arrays are refused: the model's tokenizer is not OpenAI's."
+        )
+    )
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="`base64`: each vector as base64 of little-endian float32."
+    )
+    dimensions: int | None = Field(
+        None, ge=1, description="Only the model's own dimension (384) is supported."
+    )
+    user: str | None = Field(None, max_length=256)
+
+
 # OpenAI parameters the appliance knows and refuses with a clear 400, rather than
 # "unknown parameter": a client sending them gets told it is a missing feature.
 UNSUPPORTED_CHAT = frozenset(
@@ -124,3 +152,15 @@ UNSUPPORTED_CHAT = frozenset(
     }
 )
 UNSUPPORTED_COMPLETION = frozenset({"logprobs", "logit_bias", "echo", "suffix", "best_of"})
+
+
+class AdminModelRequest(_Body):
+    """Load a model, or change its replicas or pin."""
+
+    model: str = Field(min_length=1, max_length=200, description="`name` or `name@version`.")
+    replicas: int | None = Field(
+        None, ge=1, le=MAX_REPLICAS, description="Worker processes serving it (default 1)."
+    )
+    pinned: bool | None = Field(
+        None, description="Pinned models stay loaded and are loaded again at start."
+    )

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import queue
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -60,6 +61,7 @@ class _Sequence:
     tokens: list[int]  # the prompt, then every sampled token
     assembler: TextAssembler
     sampler: Sampler | None = None
+    admitted: float | None = None  # when it took a slot
     produced: int = 0
     ttft: float | None = None
     failed: bool = False  # a Failed event was sent; nothing more goes out
@@ -93,7 +95,10 @@ class BatchEngine:
         self._store = options.n_slots  # the llama.cpp sequence id that holds the prefix
         self._prefix = px.PrefixShare(min_tokens=0, max_tokens=0)  # set up by load()
         self.events_out = 0
+        # Counters for the worker's heartbeat: read from another thread, written by this one.
         self.prefix_tokens_reused = 0  # prompt tokens copied instead of computed
+        self.tokens_generated = 0
+        self.step_sizes: deque[int] = deque(maxlen=100_000)  # tokens per llama_decode call
 
     def load(self) -> None:
         verify(self.record)
@@ -162,6 +167,10 @@ class BatchEngine:
     @property
     def running(self) -> int:
         return len(self._seqs)
+
+    @property
+    def busy_slots(self) -> int:
+        return len(self._state.running)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -256,8 +265,10 @@ class BatchEngine:
                 )
                 self.prefix_tokens_reused += admission.cached
             self._prefix.admitted(admission.seq_id)
+            self._seqs[admission.seq_id].admitted = time.perf_counter()
             self._start(self._seqs[admission.seq_id])
         n, outputs = self._fill_batch(plan)
+        self.step_sizes.append(n)
         finished: dict[int, Literal["stop", "cancelled"]] = {}
         code = llama_cpp.llama_decode(self._ctx, self._batch) if n else 0
         if code != 0:
@@ -332,6 +343,7 @@ class BatchEngine:
         if seq.ttft is None:
             seq.ttft = time.perf_counter() - seq.started
         seq.tokens.append(token)
+        self.tokens_generated += 1
         if vocab.is_eog(token):
             return "stop"
         seq.produced += 1
@@ -366,6 +378,7 @@ class BatchEngine:
                 ttft_s=seq.ttft,
                 duration_s=time.perf_counter() - seq.started,
                 text=seq.assembler.text,
+                queue_s=None if seq.admitted is None else seq.admitted - seq.started,
             )
         )
 

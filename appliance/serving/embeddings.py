@@ -15,7 +15,7 @@ mask, L2 normalisation; 384 dimensions.
 (or while a run is in progress) are embedded together on the batcher's own thread, in one
 onnxruntime run unless their lengths differ so much that padding would waste more than
 ``max_padding`` (:func:`plan_runs`); requests beyond ``max_queue`` waiting ones are refused
-at once with :class:`QueueFullError`.
+at once with :class:`QueueFullError`. Each run is reported as a :class:`BatchRun`.
 
 Exceptions: :class:`ModelFileError` (from the catalog; a pinned file is missing),
 :class:`ChecksumError` (a pinned file does not match), :class:`QueueFullError`,
@@ -48,7 +48,7 @@ from tokenizers import Tokenizer
 from appliance.serving.catalog import ModelFileError, sha256_file
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     import numpy.typing as npt
 
@@ -417,6 +417,15 @@ class BatcherOptions:
             raise ValueError(f"max_queue must be at least 1, not {self.max_queue}")
 
 
+@dataclass(frozen=True)
+class BatchRun:
+    """One run of the batcher that answered its requests, as ``on_run`` hears of it."""
+
+    requests: int  # requests embedded together
+    texts: int
+    seconds: float
+
+
 @dataclass(eq=False)  # compared by identity: a request is removed from the queue by itself
 class _Request:
     texts: tuple[str, ...]
@@ -463,11 +472,21 @@ class EmbeddingBatcher:
     Use it as ``async with EmbeddingBatcher(engine) as batcher`` (or ``start()`` and
     ``close()``, e.g. from a cleanup context). On close, requests still waiting fail with
     BatcherClosedError; a run in progress finishes and answers its requests.
+
+    ``on_run`` is called on the event loop after each run that answered its requests (for
+    metrics); it must not raise.
     """
 
-    def __init__(self, engine: EmbeddingEngine, options: BatcherOptions | None = None) -> None:
+    def __init__(
+        self,
+        engine: EmbeddingEngine,
+        options: BatcherOptions | None = None,
+        *,
+        on_run: Callable[[BatchRun], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.options = options or BatcherOptions()
+        self._on_run = on_run
         self._queue = _Queue()
         self._changed: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -580,10 +599,13 @@ class EmbeddingBatcher:
                     failure.__cause__ = err
                     request.future.set_exception(failure)
             return
-        self._mean_run_s = 0.8 * self._mean_run_s + 0.2 * (time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self._mean_run_s = 0.8 * self._mean_run_s + 0.2 * seconds
         offset = 0
         for request in batch:
             count = len(request.texts)
             if not request.future.done():
                 request.future.set_result(result.slice(offset, offset + count))
             offset += count
+        if self._on_run is not None:
+            self._on_run(BatchRun(len(batch), len(texts), seconds))

@@ -71,6 +71,7 @@ class Finished:
     ttft_s: float | None
     duration_s: float
     text: str
+    queue_s: float | None = None  # arrival to a slot; None if it never got one
 
 
 @dataclass(frozen=True)

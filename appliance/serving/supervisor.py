@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from appliance.serving import ipc
+from appliance.serving.devices import Placement
 from appliance.serving.engine import (
     EngineError,
     EngineOptions,
@@ -75,7 +76,19 @@ class Restart:
     exit_code: int | None
 
 
+@dataclass(frozen=True)
+class WorkerStats:
+    """What a worker reported in one heartbeat, as changes since the previous one."""
+
+    busy_slots: int
+    tokens_generated: int
+    prefix_tokens_reused: int
+    steps: tuple[int, ...]  # tokens in each llama_decode call
+    interval_s: float
+
+
 OnRestart = Callable[[Restart], Awaitable[None]]
+OnStats = Callable[[WorkerStats], None]
 
 
 class Replica:
@@ -85,11 +98,18 @@ class Replica:
         options: EngineOptions,
         supervision: SupervisorOptions | None = None,
         on_restart: OnRestart | None = None,
+        on_stats: OnStats | None = None,
     ) -> None:
         self.record = record
         self.options = options
         self.supervision = supervision or SupervisorOptions()
         self._on_restart = on_restart
+        self._on_stats = on_stats
+        self.busy_slots = 0
+        self._counts = (0, 0)  # tokens generated, prefix tokens reused: this worker so far
+        self.placement: Placement | None = None  # where the worker put the model
+        self.tokens_per_second = 0.0  # generated, over the last heartbeat
+        self.submitted = 0  # requests routed here
         self.vocab: Vocabulary | None = None
         self.restarts = 0
         self.pid: int | None = None
@@ -189,6 +209,7 @@ class Replica:
             on_cancel=lambda: self._send({"type": "cancel", "id": request_id}),
         )
         self._runs[request_id] = run
+        self.submitted += 1
         self._send(ipc.generate_message(request_id, request))
         return run
 
@@ -244,6 +265,8 @@ class Replica:
         now = time.monotonic()
         self._last_heartbeat = self._last_progress = now
         self._events_seen = -1
+        self._counts = (0, 0)
+        self.busy_slots = 0
         self._kill = None
         watchdog = asyncio.create_task(self._watch(process))
         try:
@@ -277,6 +300,7 @@ class Replica:
         kind = message["type"]
         now = time.monotonic()
         if kind == "heartbeat":
+            self._stats(message, now - self._last_heartbeat)
             self._last_heartbeat = now
             events = message.get("events_out")
             if events != self._events_seen or not self._runs:
@@ -284,6 +308,9 @@ class Replica:
                 self._last_progress = now
             return
         if kind == "ready":
+            found = message.get("placement")
+            if isinstance(found, dict):
+                self.placement = Placement.from_json(found)
             self._last_heartbeat = self._last_progress = now
             self._ready.set()
             return
@@ -306,6 +333,21 @@ class Replica:
         if kind == "finished":
             del self._runs[request_id]
         run.emit(event)
+
+    def _stats(self, message: dict[str, object], interval_s: float) -> None:
+        generated, reused = message.get("tokens_generated"), message.get("prefix_tokens_reused")
+        busy, steps = message.get("busy_slots"), message.get("steps")
+        if not (isinstance(generated, int) and isinstance(reused, int) and isinstance(busy, int)):
+            return
+        before, self._counts = self._counts, (generated, reused)
+        self.busy_slots = busy
+        if interval_s > 0:
+            self.tokens_per_second = max(0, generated - before[0]) / interval_s
+        if self._on_stats is not None:
+            sizes = tuple(n for n in steps if isinstance(n, int)) if isinstance(steps, list) else ()
+            self._on_stats(
+                WorkerStats(busy, generated - before[0], reused - before[1], sizes, interval_s)
+            )
 
     async def _watch(self, process: asyncio.subprocess.Process) -> None:
         s = self.supervision

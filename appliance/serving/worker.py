@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from appliance.serving import ipc
+from appliance.serving import devices, ipc
 from appliance.serving.batching import BatchEngine, Job
 from appliance.serving.engine import EngineOptions, Event, Failed, Finished
 from appliance.serving.sampling import GrammarError
@@ -49,12 +49,23 @@ class Worker:
     def heartbeat_forever(self) -> None:
         # Its own thread: it keeps beating while a decode runs, and falls silent only when
         # the whole process is stuck, which is what the supervisor watches for.
+        engine = self.engine
         while not self._stop.wait(self.heartbeat_s):
+            steps = []
+            with contextlib.suppress(IndexError):
+                while True:
+                    steps.append(engine.step_sizes.popleft())
             self.send(
                 {
                     "type": "heartbeat",
-                    "running": self.engine.running,
+                    "running": engine.running,
+                    "busy_slots": engine.busy_slots,
                     "events_out": self.events_out,
+                    # Counters since the worker started, and the decode calls since the last
+                    # heartbeat (tokens in each): the supervisor turns them into metrics.
+                    "tokens_generated": engine.tokens_generated,
+                    "prefix_tokens_reused": engine.prefix_tokens_reused,
+                    "steps": steps,
                     "pid": os.getpid(),
                     "at": time.time(),
                 }
@@ -109,7 +120,14 @@ def main() -> None:
     engine = BatchEngine(record, EngineOptions(**spec["options"]))
     engine.load()
     worker = Worker(engine, float(spec.get("heartbeat_s", 1.0)))
-    worker.send({"type": "ready", "pid": os.getpid(), "model": record.ref})
+    worker.send(
+        {
+            "type": "ready",
+            "pid": os.getpid(),
+            "model": record.ref,
+            "placement": devices.placement(engine.options.n_gpu_layers).to_json(),
+        }
+    )
     threading.Thread(target=worker.heartbeat_forever, name="kvl-heartbeat", daemon=True).start()
     batching = threading.Thread(target=engine.serve_forever, name="kvl-batching")
     batching.start()

@@ -87,3 +87,11 @@ def m002_worker_restarts(db: Database) -> None:
         pk="id",
         not_null={"model", "kind", "detail", "at"},
     )
+
+
+@migrations()
+def m003_pins_and_admin_keys(db: Database) -> None:
+    # A pinned model is loaded at start and never unloaded to make room; an admin key may
+    # use /v1/admin routes.
+    db.table("models").add_column("pinned", int, not_null_default=0)
+    db.table("api_keys").add_column("admin", int, not_null_default=0)

@@ -56,6 +56,7 @@ class ApiKey:
     account: Account
     created_at: str
     revoked_at: str | None
+    admin: bool = False  # may use the /v1/admin routes
 
     @property
     def revoked(self) -> bool:
@@ -152,13 +153,16 @@ class Store:
     def list_accounts(self) -> list[Account]:
         return [_account(r) for r in self.db.query("SELECT * FROM accounts ORDER BY name")]
 
-    def create_key(self, account: str, service_class: ServiceClass | None = None) -> NewKey:
+    def create_key(
+        self, account: str, service_class: ServiceClass | None = None, *, admin: bool = False
+    ) -> NewKey:
         acct = self.ensure_account(account, service_class)
         new = generate_key()
         with self.db.conn:
             self.db.execute(
-                "INSERT INTO api_keys (prefix, hash, account_id, created_at) VALUES (?, ?, ?, ?)",
-                [new.prefix, new.hash, acct.id, now_iso()],
+                "INSERT INTO api_keys (prefix, hash, account_id, created_at, admin)"
+                " VALUES (?, ?, ?, ?, ?)",
+                [new.prefix, new.hash, acct.id, now_iso(), int(admin)],
             )
         return new
 
@@ -277,16 +281,28 @@ class Store:
                     "SELECT * FROM models WHERE name = ? AND version = ?", [name, version]
                 )
             )
-        return ModelRecord(**rows[0]) if rows else None
+        return _model(rows[0]) if rows else None
 
     def list_models(self) -> list[ModelRecord]:
-        return [
-            ModelRecord(**r) for r in self.db.query("SELECT * FROM models ORDER BY name, added_at")
-        ]
+        return [_model(r) for r in self.db.query("SELECT * FROM models ORDER BY name, added_at")]
+
+    def pinned_models(self) -> list[ModelRecord]:
+        rows = self.db.query("SELECT * FROM models WHERE pinned = 1 ORDER BY name, added_at")
+        return [_model(r) for r in rows]
+
+    def set_model_pinned(self, ref: str, pinned: bool) -> None:
+        name, _, version = ref.partition("@")
+        with self.db.conn:
+            cur = self.db.execute(
+                "UPDATE models SET pinned = ? WHERE name = ? AND version = ?",
+                [int(pinned), name, version],
+            )
+        if cur.rowcount == 0:
+            raise NotFoundError(f"no model {ref!r}")
 
 
 _KEY_SELECT = (
-    "SELECT k.id, k.prefix, k.hash, k.created_at, k.revoked_at, a.id AS account_id,"
+    "SELECT k.id, k.prefix, k.hash, k.created_at, k.revoked_at, k.admin, a.id AS account_id,"
     " a.name AS account_name, a.service_class, a.created_at AS account_created_at"
     " FROM api_keys k JOIN accounts a ON a.id = k.account_id"
 )
@@ -308,6 +324,10 @@ def _account(row: dict[str, Any]) -> Account:
     )
 
 
+def _model(row: dict[str, Any]) -> ModelRecord:
+    return ModelRecord(**{k: v for k, v in row.items() if k != "pinned"})
+
+
 def _api_key(row: dict[str, Any]) -> ApiKey:
     account = Account(
         id=row["account_id"],
@@ -321,6 +341,7 @@ def _api_key(row: dict[str, Any]) -> ApiKey:
         account=account,
         created_at=row["created_at"],
         revoked_at=row["revoked_at"],
+        admin=bool(row["admin"]),
     )
 
 

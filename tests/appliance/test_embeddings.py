@@ -19,6 +19,7 @@ from appliance.serving.embeddings import (
     TOKENIZER_FILE,
     BatcherClosedError,
     BatcherOptions,
+    BatchRun,
     ChecksumError,
     EmbeddingBatcher,
     EmbeddingEngine,
@@ -304,6 +305,16 @@ async def test_concurrent_requests_share_one_run(
         assert len(result) == 1
         np.testing.assert_allclose(result.vectors[0], _alone(engine, text), atol=1e-5)
         assert result.token_counts == engine.embed([text]).token_counts
+
+
+async def test_each_run_is_reported(unpadded: EmbeddingEngine) -> None:
+    runs: list[BatchRun] = []
+    requests = [TEXTS[0:2], TEXTS[2:5], TEXTS[5:6]]
+    async with EmbeddingBatcher(unpadded, BatcherOptions(window_s=0.005), on_run=runs.append) as b:
+        await asyncio.gather(*(b.embed(texts) for texts in requests))
+        await b.embed(TEXTS[6:8])
+    assert [(run.requests, run.texts) for run in runs] == [(3, 6), (1, 2)]
+    assert all(run.seconds > 0 for run in runs)
 
 
 async def test_batches_hold_at_most_max_batch_texts(

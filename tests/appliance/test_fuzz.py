@@ -81,6 +81,10 @@ class Fuzzed:
     appliance: ApplianceProcess
     schema: Any  # schemathesis' OpenApiSchema, loaded from the live server
     model: str  # a name the appliance serves, for requests that should reach the model
+    embedding_model: str  # the same for /v1/embeddings
+
+    def model_for(self, path: str) -> str:
+        return self.embedding_model if path == "/v1/embeddings" else self.model
 
     @property
     def auth(self) -> dict[str, str]:
@@ -113,8 +117,9 @@ class Fuzzed:
 def fuzz_appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApplianceProcess]:
     """`kvl appliance serve`, as in conftest, with small `max_tokens` and body limits."""
     data_dir = tmp_path_factory.mktemp("fuzz-appliance")
+    # An admin key: it reaches the admin routes too, and every other route as any key does.
     key = kvl(
-        "appliance", "keys", "create", "--account", "fuzz", "--data-dir", str(data_dir)
+        "appliance", "keys", "create", "--account", "fuzz", "--admin", "--data-dir", str(data_dir)
     ).stdout.strip()
     env = {
         "KVL_DISCOVERY__ENABLED": "false",
@@ -141,9 +146,12 @@ def fuzzed(fuzz_appliance: ApplianceProcess) -> Fuzzed:
     schema.config.generation.update(with_security_parameters=False)
     models = send(fuzz_appliance.base_url, "GET", "/v1/models", headers=_bearer(fuzz_appliance.key))
     assert models.status == 200, models
-    served = [model["id"] for model in models.json()["data"]]
+    # The embedding model is the one that states its vectors' dimension.
+    served = [model["id"] for model in models.json()["data"] if "dimension" not in model]
+    embedding = [model["id"] for model in models.json()["data"] if "dimension" in model]
     assert served, models
-    return Fuzzed(fuzz_appliance, schema, served[0])
+    assert embedding, models
+    return Fuzzed(fuzz_appliance, schema, served[0], embedding[0])
 
 
 # -- the contract every response holds ---------------------------------------------------------
@@ -323,6 +331,10 @@ def adjust_valid_body(body: dict[str, Any], adjust: str, model: str) -> None:
     if adjust == "as generated":
         return
     body["model"] = model
+    if "replicas" in body:
+        # The admin route: the served model keeps its one replica (more would start a
+        # worker process per replica, up to eight, for nothing the fuzzing needs).
+        body["replicas"] = 1
     if adjust == "served model, within the limit":
         for name in ("max_tokens", "max_completion_tokens"):
             if isinstance(body.get(name), int | float) and body[name] > MAX_TOKENS_LIMIT:
@@ -345,7 +357,7 @@ def test_fuzz_operation(fuzzed: Fuzzed, method: str, path: str, mode: Generation
     )
     def run(case: Any, adjust: str) -> None:
         if mode is GenerationMode.POSITIVE and isinstance(case.body, dict):
-            adjust_valid_body(case.body, adjust, fuzzed.model)
+            adjust_valid_body(case.body, adjust, fuzzed.model_for(path))
         try:
             response = case.call(headers=fuzzed.auth, timeout=TIMEOUT_S)
         except Exception as exc:  # no response at all is the finding

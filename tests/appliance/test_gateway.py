@@ -11,7 +11,7 @@ import pytest
 from pytest_aiohttp import AiohttpClient
 
 from appliance.app import create_app
-from appliance.gateway.keys import HOST, STORE
+from appliance.gateway.keys import EMBEDDINGS, HOST, STORE
 from appliance.gateway.routes import ROUTES
 from appliance.settings import ApplianceSettings
 from appliance.state.store import Store
@@ -19,6 +19,7 @@ from shared.errors import ErrorCode
 from tests.conftest import Client
 
 MODEL = "gemma-3-270m"
+EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
 
 def auth(key: str) -> dict[str, str]:
@@ -49,8 +50,18 @@ async def test_health_ready_and_models(client: Client, api_key: str) -> None:
     assert ready.status == 200
     models = await client.get("/v1/models", headers=auth(api_key))
     data = (await models.json())["data"]
-    assert [m["id"] for m in data] == [MODEL]
+    assert [m["id"] for m in data] == [MODEL, EMBEDDING_MODEL]
     assert data[0]["quantization"] == "Q4_K_M"
+    assert data[1]["format"] == "onnx"
+    # Where each model runs: this CPU-only build keeps every layer on the CPU, which the
+    # worker read from ggml's device list; the embedding model names its ONNX provider.
+    devices = (await ready.json())["devices"]
+    llm = devices[data[0]["ref"]]
+    assert llm["device"] == data[0]["device"] == "cpu"
+    assert llm["gpu_offload"] is False
+    assert any(d["kind"] == "cpu" and d["memory_total_mib"] > 0 for d in llm["devices"])
+    assert devices[data[1]["ref"]]["provider"] == data[1]["provider"] == "CPUExecutionProvider"
+    assert data[0]["slots"] == 4
 
 
 async def test_readyz_is_503_until_the_model_is_loaded(
@@ -65,7 +76,10 @@ async def test_readyz_is_503_until_the_model_is_loaded(
         assert early.headers["Retry-After"]
         assert_error(await early.json(), ErrorCode.model_not_ready)
     await app[HOST].wait_loaded()
-    assert (await client.get("/readyz")).status == 200
+    await app[EMBEDDINGS].wait_loaded()
+    ready = await client.get("/readyz")
+    assert ready.status == 200
+    assert len((await ready.json())["models"]) == 2
 
 
 async def test_chat_completion(client: Client, api_key: str) -> None:

@@ -14,6 +14,7 @@ from tests.conftest import ApplianceProcess
 pytestmark = pytest.mark.model
 
 MODEL = "gemma-3-270m"
+EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,14 @@ def sdk(appliance_process: ApplianceProcess) -> OpenAI:
 
 
 def test_models(sdk: OpenAI) -> None:
-    assert [m.id for m in sdk.models.list()] == [MODEL]
+    assert [m.id for m in sdk.models.list()] == [MODEL, EMBEDDING_MODEL]
+
+
+def test_embeddings(sdk: OpenAI) -> None:
+    reply = sdk.embeddings.create(model=EMBEDDING_MODEL, input=["Hello, world!", "Hi there!"])
+    assert [item.index for item in reply.data] == [0, 1]
+    assert all(len(item.embedding) == 384 for item in reply.data)
+    assert reply.usage.prompt_tokens > 0
 
 
 def test_chat(sdk: OpenAI) -> None:

@@ -44,7 +44,7 @@ async def test_kill_9_mid_stream(
     client: Client = await aiohttp_client(app)
     host = app[HOST]
     await host.wait_loaded()
-    replica = host.replica
+    (replica,) = host.replicas()
     assert replica is not None
     first_pid = replica.pid
     assert first_pid is not None

@@ -1,0 +1,511 @@
+"""The model registry: which models are loaded, within a memory budget, and which replica
+serves each request.
+
+Models are registered in the store (name, version, format, file, sha256, quantisation);
+the registry loads them into worker processes (appliance.serving.supervisor.Replica), one
+or more replicas each. Clients name a model as ``name`` (the newest loaded version, else
+the newest registered) or ``name@version``. A registered model that is not loaded is loaded
+on first use. Every load must fit the memory budget: idle models are unloaded first, least
+recently used first; pinned models and models with requests in flight never are. The model
+named by ``model.default`` is loaded at start and pinned, and so is every model an admin
+pinned (pins are kept in the store).
+
+Memory is accounted by estimate (:func:`estimate_mb`: the file, a full-size KV cache for
+every slot and a fixed overhead per worker): an upper bound known before the load, so the
+budget holds however the workers' resident memory moves. The measured resident memory of
+each worker is reported beside it.
+
+The router sends each request to the ready replica of its model with the least outstanding
+work (requests submitted and not yet finished); ties go round-robin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import psutil
+
+from appliance.serving.catalog import DEFAULT_MODEL_NAME, ensure_default_model
+from appliance.serving.engine import EngineOptions, GenerationRequest, Run, Vocabulary
+from appliance.serving.gguf import GGUFError, read_gguf
+from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, WorkerStats
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from appliance.settings import ApplianceSettings
+    from appliance.state.store import AsyncStore, ModelRecord
+    from shared.telemetry import Metrics
+
+log = logging.getLogger(__name__)
+
+# Python, llama.cpp's compute buffers and the gateway-side vocabulary of one worker: an
+# upper bound measured on the default model (about 300 MiB resident beyond weights and KV).
+WORKER_OVERHEAD_MB = 400.0
+MAX_REPLICAS = 8
+
+State = Literal["loading", "ready", "failed"]
+
+
+class UnknownModelError(LookupError):
+    def __init__(self, model: str, known: list[str]) -> None:
+        super().__init__(
+            f"model {model!r} is not registered; registered: {', '.join(known) or 'none'}"
+        )
+
+
+class ModelNotReadyError(RuntimeError):
+    """The model is loading (retry shortly) or failed to load (``failed``)."""
+
+    def __init__(self, message: str, *, failed: bool = False) -> None:
+        super().__init__(message)
+        self.failed = failed
+
+
+class InsufficientMemoryError(RuntimeError):
+    """Loading would exceed the memory budget even after unloading every idle model."""
+
+
+class ModelPinnedError(RuntimeError):
+    pass
+
+
+def split_ref(ref: str) -> tuple[str, str | None]:
+    name, sep, version = ref.partition("@")
+    return name, (version if sep else None)
+
+
+# -- memory planning (pure) ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resident:
+    """A loaded (or loading) model, as the memory planner sees it."""
+
+    ref: str
+    memory_mb: float
+    last_used: float  # monotonic seconds; smaller is longer ago
+    pinned: bool
+    busy: bool  # loading, or requests in flight
+
+
+def plan_eviction(
+    residents: Iterable[Resident], need_mb: float, budget_mb: float
+) -> tuple[str, ...] | None:
+    """The models to unload, least recently used first, so ``need_mb`` more fits the
+    budget: () when it fits already, None when it cannot fit even with every idle, unpinned
+    model unloaded. Pinned and busy models are never chosen."""
+    residents = list(residents)
+    used = sum(r.memory_mb for r in residents)
+    if used + need_mb <= budget_mb:
+        return ()
+    evict: list[str] = []
+    idle = sorted((r for r in residents if not (r.pinned or r.busy)), key=lambda r: r.last_used)
+    for resident in idle:
+        evict.append(resident.ref)
+        used -= resident.memory_mb
+        if used + need_mb <= budget_mb:
+            return tuple(evict)
+    return None
+
+
+def estimate_mb(record: ModelRecord, options: EngineOptions) -> float:
+    """An upper bound of one replica's resident memory: the weights, a full-size f16 KV cache
+    for every slot (and the shared-prefix store), and :data:`WORKER_OVERHEAD_MB`."""
+    weights = record.size_bytes / 2**20
+    cells = options.n_ctx * options.n_slots + (options.n_ctx if options.prefix_min_tokens else 0)
+    try:
+        meta = read_gguf(Path(record.path)).metadata
+    except (GGUFError, OSError):
+        return weights + WORKER_OVERHEAD_MB
+    arch = meta.get("general.architecture")
+
+    def number(key: str, default: int) -> int:
+        value = meta.get(f"{arch}.{key}")
+        return value if isinstance(value, int) else default
+
+    layers = number("block_count", 0)
+    heads = number("attention.head_count", 1)
+    kv_heads = number("attention.head_count_kv", heads)
+    head_dim = number("embedding_length", 0) // max(heads, 1)
+    per_token = (
+        layers
+        * kv_heads
+        * (number("attention.key_length", head_dim) + number("attention.value_length", head_dim))
+    )
+    return weights + cells * per_token * 2 / 2**20 + WORKER_OVERHEAD_MB
+
+
+# -- deployments -----------------------------------------------------------------------------
+
+
+@dataclass
+class Deployment:
+    """One model version and its replicas."""
+
+    record: ModelRecord
+    options: EngineOptions
+    memory_mb: float  # the estimate the budget accounts, all replicas
+    pinned: bool
+    replicas: list[Replica] = field(default_factory=list)
+    state: State = "loading"
+    error: str | None = None
+    last_used: float = field(default_factory=time.monotonic)
+    loaded: asyncio.Event = field(default_factory=asyncio.Event)  # set: ready or failed
+    task: asyncio.Task[None] | None = None  # the load
+    _turn: itertools.count[int] = field(default_factory=itertools.count)
+
+    @property
+    def outstanding(self) -> int:
+        return sum(r.outstanding for r in self.replicas)
+
+    @property
+    def busy(self) -> bool:
+        return self.state == "loading" or self.outstanding > 0
+
+    def resident(self) -> Resident:
+        return Resident(
+            self.record.ref, self.memory_mb, self.last_used, self.pinned, busy=self.busy
+        )
+
+    @property
+    def n_ctx(self) -> int:
+        return self.options.n_ctx
+
+    @property
+    def waiting(self) -> int:
+        return sum(r.waiting for r in self.replicas)
+
+    def require_vocab(self) -> Vocabulary:
+        # Every replica runs the same file: any one's vocabulary serves.
+        return self.replicas[0].require_vocab()
+
+    def submit(self, request: GenerationRequest) -> Run:
+        """Route and submit in one step, so concurrent requests see each other's load."""
+        return self.route().submit(request)
+
+    def route(self) -> Replica:
+        """The ready replica with the least outstanding work; ties in turn."""
+        ready = [r for r in self.replicas if r.ready]
+        if not ready:  # every worker is restarting: the first one says so on submit
+            return self.replicas[0]
+        least = min(r.outstanding for r in ready)
+        tied = [r for r in ready if r.outstanding == least]
+        return tied[next(self._turn) % len(tied)]
+
+    def measured_mb(self) -> float | None:
+        total = 0.0
+        for replica in self.replicas:
+            if replica.pid is None:
+                return None
+            try:
+                total += psutil.Process(replica.pid).memory_info().rss / 2**20
+            except psutil.Error:
+                return None
+        return total
+
+
+class ModelRegistry:
+    def __init__(self, store: AsyncStore, settings: ApplianceSettings, metrics: Metrics) -> None:
+        self._store = store
+        self._settings = settings
+        self._metrics = metrics
+        self._deployments: dict[str, Deployment] = {}
+        self._default_ref: str | None = None  # model.default, once resolved to a record
+        self._start_error: str | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()  # one memory plan at a time
+        budget = settings.model.memory_budget_mb
+        self.budget_mb = float(budget or psutil.virtual_memory().total / 2**20 * 0.75)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._start(), name="kvl-model-load")
+
+    async def wait_loaded(self) -> None:
+        """Wait until the default model has loaded (or failed to)."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
+        default = self._default
+        if default is not None:
+            await default.loaded.wait()
+
+    async def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        deployments, self._deployments = list(self._deployments.values()), {}
+        await asyncio.gather(*(self._close(d, drain_s=0) for d in deployments))
+
+    async def _start(self) -> None:
+        try:
+            record = await self._default_record()
+            self._default_ref = record.ref
+            await self._deploy(record, replicas=1, pinned=True)
+            pinned = await self._store.run(self._store.sync.pinned_models)
+            for other in pinned:
+                if other.ref != record.ref:
+                    await self._deploy(other, replicas=1, pinned=True)
+        except Exception as err:
+            # Readiness reports this; the process stays up so /healthz and the logs explain.
+            self._start_error = f"{type(err).__name__}: {err}"
+            log.exception("model %s failed to load", self._settings.model.default)
+
+    async def _default_record(self) -> ModelRecord:
+        name, version = split_ref(self._settings.model.default)
+        record = await self._store.run(self._store.sync.get_model, name, version)
+        if record is None and name == DEFAULT_MODEL_NAME:
+            store = self._store.sync
+            record = await self._store.run(ensure_default_model, store, self._settings.models_dir)
+        if record is None:
+            raise LookupError(
+                f"model.default {self._settings.model.default!r} is not registered; "
+                "add it with `kvl appliance models add`"
+            )
+        return record
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def _default(self) -> Deployment | None:
+        return None if self._default_ref is None else self._deployments.get(self._default_ref)
+
+    @property
+    def ready(self) -> bool:
+        """A model serves. At start that is the default model; an admin may unload it
+        later and serve others."""
+        return any(d.state == "ready" for d in self._deployments.values())
+
+    @property
+    def load_error(self) -> str | None:
+        """Why the default model is not serving, if it failed."""
+        if self._start_error is not None:
+            return self._start_error
+        default = self._default
+        return default.error if default is not None else None
+
+    def deployments(self) -> list[Deployment]:
+        return list(self._deployments.values())
+
+    def served(self) -> list[ModelRecord]:
+        return [d.record for d in self._deployments.values() if d.state == "ready"]
+
+    def replicas(self) -> list[Replica]:
+        return [r for d in self._deployments.values() if d.state == "ready" for r in d.replicas]
+
+    def used_mb(self) -> float:
+        return sum(d.memory_mb for d in self._deployments.values())
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def resolve(self, model: str) -> Deployment:
+        """The deployment to serve a request for ``model`` (its ``submit`` picks the
+        replica), loading the model if it must."""
+        deployment = await self._find(model)
+        if deployment is None:
+            record = await self._registered(model)
+            deployment = await self._deploy(record, replicas=1, pinned=False)
+        if deployment.state == "loading":
+            timeout = self._settings.model.load_wait_s
+            try:
+                await asyncio.wait_for(deployment.loaded.wait(), timeout)
+            except TimeoutError:
+                raise ModelNotReadyError(f"model {model!r} is still loading") from None
+        if deployment.state == "failed":
+            raise ModelNotReadyError(
+                f"model {deployment.record.ref} failed to load: {deployment.error}", failed=True
+            )
+        deployment.last_used = time.monotonic()
+        return deployment
+
+    async def _find(self, model: str) -> Deployment | None:
+        name, version = split_ref(model)
+        if version is not None:
+            return self._deployments.get(f"{name}@{version}")
+        loaded = [d for d in self._deployments.values() if d.record.name == name]
+        if not loaded:
+            return None
+        # The newest version that serves; a loading one only if nothing of the name serves.
+        ready = [d for d in loaded if d.state == "ready"] or loaded
+        return max(ready, key=lambda d: d.record.added_at)
+
+    async def _registered(self, model: str) -> ModelRecord:
+        name, version = split_ref(model)
+        record = await self._store.run(self._store.sync.get_model, name, version)
+        if record is None:
+            known = await self._store.run(self._store.sync.list_models)
+            raise UnknownModelError(model, [r.ref for r in known])
+        return record
+
+    # -- admin -------------------------------------------------------------------------------
+
+    async def load(self, model: str, *, replicas: int | None, pinned: bool | None) -> Deployment:
+        """Load ``model`` (or change its replicas or pin) and wait until it serves."""
+        record = await self._registered(model)
+        deployment = self._deployments.get(record.ref)
+        if deployment is not None and replicas is not None and replicas != len(deployment.replicas):
+            # A new replica count is a reload; pinned state carries over unless given.
+            pinned = deployment.pinned if pinned is None else pinned
+            await self.unload(record.ref, force=True)
+            deployment = None
+        if deployment is None:
+            deployment = await self._deploy(record, replicas=replicas or 1, pinned=bool(pinned))
+        elif pinned is not None:
+            deployment.pinned = pinned
+        if pinned is not None:
+            await self._store.run(self._store.sync.set_model_pinned, record.ref, pinned)
+        await deployment.loaded.wait()
+        return deployment
+
+    async def unload(self, model: str, *, force: bool = False) -> Deployment:
+        """Unload a model, after the requests in flight finished (or a drain timeout)."""
+        record = await self._registered(model)
+        deployment = self._deployments.get(record.ref)
+        if deployment is None:
+            raise UnknownModelError(f"{record.ref} (registered, not loaded)", self._loaded_refs())
+        if deployment.pinned and not force:
+            raise ModelPinnedError(
+                f'model {record.ref} is pinned; unpin it first (POST with "pinned": false)'
+            )
+        del self._deployments[record.ref]
+        await self._close(deployment, drain_s=self._settings.model.drain_s)
+        return deployment
+
+    def _loaded_refs(self) -> list[str]:
+        return list(self._deployments)
+
+    # -- loading and unloading ---------------------------------------------------------------
+
+    def _options(self) -> EngineOptions:
+        m = self._settings.model
+        return EngineOptions(
+            n_ctx=m.n_ctx,
+            n_batch=m.n_batch,
+            n_threads=m.n_threads,
+            n_gpu_layers=m.n_gpu_layers,
+            max_queue=m.max_queue,
+            n_slots=m.n_slots,
+            flash_attn=m.flash_attn,
+            prefix_min_tokens=m.prefix_min_tokens,
+        )
+
+    async def _deploy(self, record: ModelRecord, *, replicas: int, pinned: bool) -> Deployment:
+        """Reserve memory (unloading idle models if needed) and start loading. Returns at
+        once with the deployment loading; its ``loaded`` event says when it is done."""
+        if record.format != "gguf":
+            raise ModelNotReadyError(
+                f"model {record.ref} is {record.format}; only GGUF models run in workers",
+                failed=True,
+            )
+        async with self._lock:
+            existing = self._deployments.get(record.ref)
+            if existing is not None:
+                return existing
+            options = self._options()
+            need = estimate_mb(record, options) * replicas
+            evict = plan_eviction(
+                (d.resident() for d in self._deployments.values()), need, self.budget_mb
+            )
+            if evict is None:
+                raise InsufficientMemoryError(self._no_room(record, need))
+            for ref in evict:
+                log.info("unloading %s (least recently used) to make room for %s", ref, record.ref)
+                victim = self._deployments.pop(ref)
+                await self._close(victim, drain_s=0)
+            deployment = Deployment(record, options, need, pinned)
+            self._deployments[record.ref] = deployment
+        deployment.task = asyncio.create_task(
+            self._bring_up(deployment, replicas), name=f"kvl-load-{record.ref}"
+        )
+        return deployment
+
+    def _no_room(self, record: ModelRecord, need: float) -> str:
+        held = ", ".join(
+            f"{d.record.ref} {d.memory_mb:.0f} MiB ({'pinned' if d.pinned else 'busy'})"
+            for d in self._deployments.values()
+        )
+        return (
+            f"model {record.ref} needs about {need:.0f} MiB; the budget is "
+            f"{self.budget_mb:.0f} MiB and {held or 'nothing'} cannot be unloaded now"
+        )
+
+    async def _bring_up(self, deployment: Deployment, count: int) -> None:
+        ref = deployment.record.ref
+        try:
+            for _ in range(count):
+                replica = Replica(
+                    deployment.record,
+                    deployment.options,
+                    SupervisorOptions(
+                        memory_limit_mb=self._settings.model.worker_memory_limit_mb,
+                        hang_timeout_s=self._settings.model.worker_hang_timeout_s,
+                    ),
+                    on_restart=self._restarted,
+                    on_stats=lambda stats: self._observe(ref, stats),
+                )
+                deployment.replicas.append(replica)
+            await asyncio.gather(*(r.start() for r in deployment.replicas))
+        except Exception as err:
+            deployment.state, deployment.error = "failed", f"{type(err).__name__}: {err}"
+            log.exception("model %s failed to load", ref)
+            if self._deployments.get(ref) is deployment and not deployment.pinned:
+                # Nothing serves from it: give its memory back; the next request retries.
+                del self._deployments[ref]
+            await asyncio.gather(*(r.close() for r in deployment.replicas))
+        else:
+            deployment.state = "ready"
+            self._watch(deployment)
+            log.info("model %s ready: %d replica(s)", ref, len(deployment.replicas))
+        finally:
+            deployment.loaded.set()
+
+    def _watch(self, deployment: Deployment) -> None:
+        m, ref = self._metrics, deployment.record.ref
+        m.model_ready.labels(ref).set_function(
+            lambda: 1.0 if any(r.ready for r in deployment.replicas) else 0.0
+        )
+        m.slots.labels(ref).set(deployment.options.n_slots * len(deployment.replicas))
+        m.slots_busy.labels(ref).set_function(
+            lambda: sum(r.busy_slots for r in deployment.replicas)
+        )
+        m.decode_tokens_per_second.labels(ref).set_function(
+            lambda: sum(r.tokens_per_second for r in deployment.replicas)
+        )
+
+    async def _close(self, deployment: Deployment, *, drain_s: float) -> None:
+        deadline = time.monotonic() + drain_s
+        # Polled: the count sums over replicas, and an unload is rare.
+        while deployment.outstanding and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        await asyncio.gather(*(r.close() for r in deployment.replicas))
+        ref = deployment.record.ref
+        m = self._metrics
+        for gauge in (m.model_ready, m.slots, m.slots_busy, m.decode_tokens_per_second):
+            with contextlib.suppress(KeyError):
+                gauge.remove(ref)
+
+    # -- telemetry ---------------------------------------------------------------------------
+
+    def _observe(self, model: str, stats: WorkerStats) -> None:
+        m = self._metrics
+        for size in stats.steps:
+            m.batch_tokens.labels(model).observe(size)
+        if stats.prefix_tokens_reused > 0:
+            m.prefix_tokens_reused.labels(model).inc(stats.prefix_tokens_reused)
+
+    async def _restarted(self, restart: Restart) -> None:
+        self._metrics.worker_restarts.labels(restart.model, restart.kind).inc()
+        await self._store.run(
+            self._store.sync.record_worker_restart,
+            restart.model,
+            restart.kind,
+            restart.detail,
+            restart.exit_code,
+        )
