@@ -264,6 +264,9 @@ def appliance_env() -> dict[str, str]:
     env.update(
         {
             "KVL_DISCOVERY__ENABLED": "false",
+            # llama-server serves no embeddings: the ONNX model (in the gateway process)
+            # stays out of the comparison; tests/benchmarks/embeddings.py measures it.
+            "KVL_EMBEDDINGS__ENABLED": "false",
             "KVL_MODEL__N_THREADS": str(N_THREADS),
             "KVL_MODEL__N_CTX": str(N_CTX),
             "KVL_MODEL__N_SLOTS": "1",  # one sequence, as llama-server's -np 1
@@ -641,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
             "n_ctx": N_CTX,
             "appliance_env": {
                 "KVL_DISCOVERY__ENABLED": "false",
+                "KVL_EMBEDDINGS__ENABLED": "false",
                 "KVL_MODEL__N_THREADS": str(N_THREADS),
                 "KVL_MODEL__N_CTX": str(N_CTX),
                 "KVL_MODEL__N_SLOTS": "1",  # one sequence, as llama-server's -np 1
