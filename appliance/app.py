@@ -8,9 +8,12 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from appliance.discovery.mdns import Announcement, Announcer, lan_addresses
+from appliance.gateway.admission import AdmissionControl
 from appliance.gateway.completions import CompletionService
 from appliance.gateway.embeddings import EmbeddingService
+from appliance.gateway.jobs import JOBS
 from appliance.gateway.keys import (
+    ADMISSION,
     COMPLETIONS,
     EMBEDDINGS,
     HOST,
@@ -21,6 +24,7 @@ from appliance.gateway.keys import (
 )
 from appliance.gateway.middleware import authenticate, errors_and_metrics
 from appliance.gateway.routes import ROUTES
+from appliance.jobs.service import JobService
 from appliance.serving.registry import ModelRegistry
 from appliance.state.store import AsyncStore
 from shared import __version__
@@ -45,6 +49,7 @@ def create_app(settings: ApplianceSettings) -> web.Application:
         app.router.add_route(route.method, route.path, route.handler)
     app.cleanup_ctx.append(_store)
     app.cleanup_ctx.append(_models)
+    app.cleanup_ctx.append(_jobs)
     app.cleanup_ctx.append(_embeddings)
     if settings.discovery.enabled:
         app.cleanup_ctx.append(_discovery)
@@ -64,12 +69,24 @@ async def _models(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     host = ModelRegistry(app[STORE], settings, app[METRICS])
     app[HOST] = host
+    admission = AdmissionControl(settings.classes, app[STORE], app[METRICS])
+    app[ADMISSION] = admission
     app[COMPLETIONS] = CompletionService(
-        host, app[STORE], app[METRICS], settings.model.max_tokens_limit
+        host, app[STORE], app[METRICS], settings.model.max_tokens_limit, admission
     )
     host.start()
     yield
     await host.close()
+
+
+async def _jobs(app: web.Application) -> AsyncIterator[None]:
+    # After the models: jobs resume at start (the first items wait for the model to load)
+    # and stop before the models close, so an item cut short stays pending and runs again.
+    service = JobService(app[STORE], app[COMPLETIONS], app[SETTINGS].jobs, app[METRICS])
+    app[JOBS] = service
+    service.start()
+    yield
+    await service.close()
 
 
 async def _embeddings(app: web.Application) -> AsyncIterator[None]:

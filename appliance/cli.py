@@ -1,4 +1,4 @@
-"""`kvl appliance …`: serve, keys, models, discover, config."""
+"""`kvl appliance …`: serve, keys, accounts, models, discover, config."""
 
 from __future__ import annotations
 
@@ -172,6 +172,45 @@ def keys_revoke(config_file: Path | None, data_dir: Path | None, key: str) -> No
     finally:
         store.close()
     click.echo(f"revoked {revoked.prefix} of {revoked.account.name}", err=True)
+
+
+@appliance.group()
+def accounts() -> None:
+    """Accounts: their webhook signing secrets."""
+
+
+@accounts.command("webhook-secret")
+@common_options
+@click.option("--account", required=True, help="Account name.")
+@click.option(
+    "--rotate",
+    is_flag=True,
+    help="Replace the secret; the old one still signs for `jobs.webhook_secret_grace_s`.",
+)
+@config_errors_exit
+def accounts_webhook_secret(
+    config_file: Path | None, data_dir: Path | None, account: str, rotate: bool
+) -> None:
+    """Print the secret that signs the account's job webhooks (made if it has none)."""
+    from appliance.state.jobs import JobStore  # noqa: PLC0415
+
+    settings = _settings(config_file, data_dir)
+    store = _store(settings)
+    try:
+        secret = JobStore(store.db).webhook_secret(
+            account, rotate=rotate, grace_s=settings.jobs.webhook_secret_grace_s
+        )
+    except NotFoundError as err:
+        raise click.ClickException(str(err)) from err
+    finally:
+        store.close()
+    click.echo(secret)
+    if rotate:
+        grace = settings.jobs.webhook_secret_grace_s
+        click.echo(
+            f"rotated; deliveries are signed with the previous secret too for {grace:.0f} s",
+            err=True,
+        )
 
 
 @appliance.group()

@@ -219,6 +219,179 @@ class DiscoverySettings(_Section):
     )
 
 
+class JobSettings(_Section):
+    max_items: int = Field(
+        1000,
+        ge=1,
+        le=50_000,
+        description="Requests one job may hold (`POST /v1/jobs`); more are refused with 400.",
+    )
+    max_concurrent_items: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description=(
+            "Job items generating at once, across all jobs. Jobs run as S0 (the lowest "
+            "batch-slot priority); a small number keeps them from crowding out live requests."
+        ),
+    )
+    item_max_attempts: int = Field(
+        5,
+        ge=1,
+        le=100,
+        description=(
+            "Tries of an item whose model is unavailable, not ready or out of memory (503) "
+            "before that error becomes its result; a 429 (full queue, overload, quota) is "
+            "always retried."
+        ),
+    )
+    retry_initial_s: float = Field(
+        1.0,
+        ge=0.01,
+        le=600.0,
+        description=(
+            "First pause of the job runner after a refusal for now (429, 503); it doubles, "
+            "with jitter, on each further one and resets after a result."
+        ),
+    )
+    retry_max_s: float = Field(
+        60.0, ge=0.01, le=3600.0, description="Longest pause of the job runner between retries."
+    )
+    webhook_timeout_s: float = Field(
+        10.0,
+        gt=0.0,
+        le=300.0,
+        description="How long one webhook delivery attempt may take before it counts as failed.",
+    )
+    webhook_retry_s: float = Field(
+        259_200.0,
+        ge=0.0,
+        le=30 * 86_400.0,
+        description=(
+            "How long an undelivered webhook is retried (until a 2xx), counted from its first "
+            "attempt; 0 tries once. Three days by default, as Stripe does."
+        ),
+    )
+    webhook_backoff_initial_s: float = Field(
+        5.0,
+        ge=0.01,
+        le=3600.0,
+        description="Wait before the second delivery attempt; it doubles, with jitter, after each.",
+    )
+    webhook_backoff_max_s: float = Field(
+        3600.0, ge=0.01, le=86_400.0, description="Longest wait between delivery attempts."
+    )
+    webhook_secret_grace_s: float = Field(
+        86_400.0,
+        ge=0.0,
+        le=30 * 86_400.0,
+        description=(
+            "After `kvl appliance accounts webhook-secret --rotate`, how long deliveries are "
+            "signed with the previous secret too, so receivers can switch without a gap."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> Self:
+        if self.retry_initial_s > self.retry_max_s:
+            raise ValueError("retry_initial_s must not exceed retry_max_s")
+        if self.webhook_backoff_initial_s > self.webhook_backoff_max_s:
+            raise ValueError("webhook_backoff_initial_s must not exceed webhook_backoff_max_s")
+        return self
+
+
+class ClassObjectives(_Section):
+    """One service class: its objectives (SLO.A, SLO.B, SLO.C) and each account's quota."""
+
+    admit_s: float = Field(
+        ge=0.01, le=86_400, description="SLO.A: a request holds a batch slot within this."
+    )
+    first_token_s: float = Field(
+        ge=0.01, le=86_400, description="SLO.B: its first token comes within this."
+    )
+    complete_s: float = Field(
+        ge=0.01, le=86_400, description="SLO.C: its last token comes within this (measured)."
+    )
+    requests_per_minute: int = Field(
+        ge=0, le=1_000_000, description="Requests an account may send per minute; 0: no limit."
+    )
+    tokens_per_day: int = Field(
+        ge=0,
+        le=10**12,
+        description="Tokens (prompt and completion) an account may use per day; 0: no limit.",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if not self.admit_s <= self.first_token_s <= self.complete_s:
+            raise ValueError("the objectives must be admit_s <= first_token_s <= complete_s")
+        return self
+
+
+def _objectives(admit: float, first: float, done: float, rpm: int, tpd: int) -> ClassObjectives:
+    return ClassObjectives(
+        admit_s=admit,
+        first_token_s=first,
+        complete_s=done,
+        requests_per_minute=rpm,
+        tokens_per_day=tpd,
+    )
+
+
+class ClassSettings(_Section):
+    """Service classes S0-S4 (every account has one; `kvl appliance keys create --class`)."""
+
+    s0: ClassObjectives = Field(
+        default_factory=lambda: _objectives(600, 900, 3600, 0, 0),
+        description="S0 shared: best effort, preemptible (jobs run here).",
+    )
+    s1: ClassObjectives = Field(
+        default_factory=lambda: _objectives(5, 10, 120, 600, 0),
+        description="S1 standard: admission-controlled, quota per account.",
+    )
+    s2: ClassObjectives = Field(
+        default_factory=lambda: _objectives(1, 3, 60, 0, 0),
+        description="S2 reserved: reserved slots, never preempted.",
+    )
+    s3: ClassObjectives = Field(
+        default_factory=lambda: _objectives(5, 10, 120, 0, 0),
+        description="S3 dedicated: a node for one tenant (placed by the hub).",
+    )
+    s4: ClassObjectives = Field(
+        default_factory=lambda: _objectives(5, 10, 120, 0, 0),
+        description="S4 private: a private site (operator-defined).",
+    )
+    reserved_slots: int = Field(
+        0, ge=0, le=255, description="Batch slots per replica only S2 requests may take."
+    )
+    preemption: bool = Field(
+        default=True,
+        description="A running S0 sequence yields its slot to S1/S2 work and resumes later.",
+    )
+    auth_failures_per_minute: int = Field(
+        10,
+        ge=1,
+        le=1_000_000,
+        description="Failed authentications one client address may make per minute before 429.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _partial_classes(cls, data: object) -> object:
+        # `classes: {s2: {admit_s: 0.5}}` (or one environment variable) changes that field
+        # and keeps the class's other defaults, not another class's.
+        if not isinstance(data, dict):
+            return data
+        merged = dict(data)
+        for name, field in cls.model_fields.items():
+            given = data.get(name)
+            if isinstance(given, dict) and field.default_factory is not None:
+                default = field.default_factory()  # type: ignore[call-arg]
+                if isinstance(default, ClassObjectives):
+                    merged[name] = {**default.model_dump(), **given}
+        return merged
+
+
 class ApplianceSettings(BaseSettings):
     model_config = SettingsConfigDict(extra="forbid")
 
@@ -236,6 +409,14 @@ class ApplianceSettings(BaseSettings):
     discovery: DiscoverySettings = Field(
         default_factory=DiscoverySettings,
         description="LAN discovery (zeroconf).",
+    )
+    jobs: JobSettings = Field(
+        default_factory=JobSettings,
+        description="Durable asynchronous jobs (`/v1/jobs`) and their signed webhooks.",
+    )
+    classes: ClassSettings = Field(
+        default_factory=ClassSettings,
+        description="Service classes: objectives, admission, quotas, reserved slots.",
     )
 
     @field_validator("data_dir")

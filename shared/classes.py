@@ -14,6 +14,13 @@ class ServiceClass(StrEnum):
     def description(self) -> str:
         return _DESCRIPTIONS[self]
 
+    @property
+    def priority(self) -> int:
+        """Batch-slot priority on an appliance: S2 first, S0 last. S3 and S4 are placement
+        decisions of the hub (a dedicated node, a private site); on their node they run as
+        standard work."""
+        return _PRIORITIES[self]
+
 
 _DESCRIPTIONS = {
     ServiceClass.S0: "shared: best effort, preemptible",
@@ -24,3 +31,11 @@ _DESCRIPTIONS = {
 }
 
 DEFAULT_CLASS = ServiceClass.S1
+
+_PRIORITIES = {
+    ServiceClass.S0: 0,
+    ServiceClass.S1: 1,
+    ServiceClass.S2: 2,
+    ServiceClass.S3: 1,
+    ServiceClass.S4: 1,
+}

@@ -37,12 +37,17 @@ class ErrorCode(StrEnum):
     permission_denied = "permission_denied"
     not_found = "not_found"
     model_not_found = "model_not_found"
+    job_not_found = "job_not_found"
     method_not_allowed = "method_not_allowed"
     output_validation_failed = "output_validation_failed"
     queue_full = "queue_full"
+    overloaded = "overloaded"
+    quota_exceeded = "quota_exceeded"
+    too_many_auth_failures = "too_many_auth_failures"
     model_not_ready = "model_not_ready"
     model_unavailable = "model_unavailable"
     model_pinned = "model_pinned"
+    job_finished = "job_finished"
     insufficient_memory = "insufficient_memory"
     internal_error = "internal_error"
 
@@ -88,6 +93,7 @@ _KINDS: dict[ErrorCode, _Kind] = {
     ),
     ErrorCode.not_found: _Kind(404, "not_found_error", "no such route"),
     ErrorCode.model_not_found: _Kind(404, "not_found_error", "no model by that name"),
+    ErrorCode.job_not_found: _Kind(404, "not_found_error", "no job by that id in this account"),
     ErrorCode.method_not_allowed: _Kind(405, _INVALID, "the route exists, not with that method"),
     ErrorCode.output_validation_failed: _Kind(
         422,
@@ -96,6 +102,18 @@ _KINDS: dict[ErrorCode, _Kind] = {
     ),
     ErrorCode.queue_full: _Kind(
         429, "rate_limit_error", "the model's queue is full; retry after `Retry-After` seconds"
+    ),
+    ErrorCode.overloaded: _Kind(
+        429,
+        "rate_limit_error",
+        "the request cannot meet its service class's objectives now (refused at the door, "
+        "or dropped from the queue); retry after `Retry-After` seconds",
+    ),
+    ErrorCode.quota_exceeded: _Kind(
+        429, "rate_limit_error", "the account is over a quota of its class; the message names it"
+    ),
+    ErrorCode.too_many_auth_failures: _Kind(
+        429, "rate_limit_error", "too many failed authentications from this address"
     ),
     ErrorCode.model_not_ready: _Kind(
         503, "server_error", "the model is still loading; retry after `Retry-After` seconds"
@@ -108,6 +126,9 @@ _KINDS: dict[ErrorCode, _Kind] = {
     ),
     ErrorCode.model_pinned: _Kind(
         409, "conflict_error", "the model is pinned; unpin it before unloading it"
+    ),
+    ErrorCode.job_finished: _Kind(
+        409, "conflict_error", "the job already ended (completed, failed or cancelled)"
     ),
     ErrorCode.insufficient_memory: _Kind(
         503,

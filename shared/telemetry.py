@@ -100,6 +100,57 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.admission = Counter(
+            "kvl_admission_decisions",
+            "Admission decisions at the door, by class and outcome (admitted, or the "
+            "objective that refused it: admit, first_token).",
+            ["class", "decision"],
+            registry=r,
+        )
+        self.sheds = Counter(
+            "kvl_admission_sheds",
+            "Queued requests dropped when they missed their first-token objective, by class.",
+            ["class"],
+            registry=r,
+        )
+        self.quota_refusals = Counter(
+            "kvl_quota_refusals",
+            "Requests refused for an account quota, by class and quota.",
+            ["class", "quota"],
+            registry=r,
+        )
+        self.auth_throttled = Counter(
+            "kvl_auth_throttled",
+            "Requests refused because their address failed authentication too often.",
+            registry=r,
+        )
+        self.class_ttft_seconds = Histogram(
+            "kvl_class_time_to_first_token_seconds",
+            "Time from arrival at the worker to the first token, by service class.",
+            ["class"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.class_completion_seconds = Histogram(
+            "kvl_class_completion_seconds",
+            "Time from arrival at the worker to the last token, by service class.",
+            ["class"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.slo_misses = Counter(
+            "kvl_slo_misses",
+            "Served requests that missed an objective of their class (admit, first_token, "
+            "complete).",
+            ["class", "objective"],
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "kvl_preemptions",
+            "S0 sequences that yielded their batch slot to a higher class, by model.",
+            ["model"],
+            registry=r,
+        )
         self.prefix_tokens_reused = Counter(
             "kvl_prefix_tokens_reused",
             "Prompt tokens whose KV was copied from a shared prefix instead of computed.",
@@ -127,6 +178,30 @@ class Metrics:
             "kvl_embedding_model",
             "The embedding model loaded: its onnxruntime execution provider and dimension.",
             ["model"],
+            registry=r,
+        )
+
+        self.jobs = Counter(
+            "kvl_jobs",
+            "Jobs that entered each status (queued, running, completed, failed, cancelled).",
+            ["status"],
+            registry=r,
+        )
+        self.job_items = Counter(
+            "kvl_job_items",
+            "Job items by outcome: completed (a 2xx result), failed (an error result), retried "
+            "(a transient model error; the item runs again later).",
+            ["outcome"],
+            registry=r,
+        )
+        self.job_items_running = Gauge(
+            "kvl_job_items_running", "Job items generating now.", registry=r
+        )
+        self.webhook_deliveries = Counter(
+            "kvl_webhook_deliveries",
+            "Webhook delivery attempts by outcome: delivered (a 2xx), retried (tried again "
+            "later), failed (given up after `jobs.webhook_retry_s`).",
+            ["outcome"],
             registry=r,
         )
 

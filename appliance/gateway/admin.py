@@ -13,7 +13,7 @@ import psutil
 from aiohttp import web
 
 from appliance.gateway.keys import EMBEDDINGS, HOST, STORE
-from appliance.gateway.parsing import decode_json, parse_body
+from appliance.gateway.parsing import parse_body, read_json
 from appliance.gateway.schemas import AdminModelRequest
 from appliance.serving.registry import (
     InsufficientMemoryError,
@@ -55,7 +55,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def load_model(request: web.Request) -> web.Response:
-    req = parse_body(AdminModelRequest, decode_json(await request.read()))
+    req = parse_body(AdminModelRequest, await read_json(request))
     registry = request.app[HOST]
     _refuse_embedding_model(request, req.model)
     try:

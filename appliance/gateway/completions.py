@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from appliance.gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -42,6 +42,10 @@ from appliance.validation.structured import (
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from appliance.gateway.admission import AdmissionControl
+    from shared.classes import ServiceClass
     from shared.telemetry import Metrics
 
 Kind = Literal["chat", "text"]
@@ -58,6 +62,9 @@ class Prepared:
     request: GenerationRequest
     structured: StructuredOutput | None
     include_usage: bool
+    # The class the request runs in: the account's, unless its caller says otherwise (a
+    # job's completions run as S0).
+    service_class: ServiceClass | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -65,17 +72,28 @@ class Prepared:
     def model(self) -> str:
         return self.engine.record.ref
 
+    @property
+    def klass(self) -> ServiceClass:
+        return self.service_class or self.key.account.service_class
+
 
 class CompletionService:
     def __init__(
-        self, host: ModelRegistry, store: AsyncStore, metrics: Metrics, max_tokens_limit: int
+        self,
+        host: ModelRegistry,
+        store: AsyncStore,
+        metrics: Metrics,
+        max_tokens_limit: int,
+        admission: AdmissionControl,
     ) -> None:
         self._host = host
         self._store = store
         self._metrics = metrics
         self._max_tokens_limit = max_tokens_limit
+        self._admission = admission
 
     async def prepare_chat(self, req: ChatCompletionRequest, key: ApiKey, route: str) -> Prepared:
+        await self._admission.check_quota(key, key.account.service_class)
         engine = await self._engine(req.model)
         template = engine.require_vocab().chat_template
         messages = [{"role": _role(m.role), "content": m.text()} for m in req.messages]
@@ -106,6 +124,7 @@ class CompletionService:
         )
 
     async def prepare_text(self, req: CompletionRequest, key: ApiKey, route: str) -> Prepared:
+        await self._admission.check_quota(key, key.account.service_class)
         engine = await self._engine(req.model)
         if isinstance(req.prompt, list):
             if len(req.prompt) != 1:
@@ -206,8 +225,13 @@ class CompletionService:
 
     def start(self, prepared: Prepared) -> Generation:
         """Submit the generation; iterate the result for its events."""
+        klass = prepared.klass
+        request = replace(prepared.request, priority=klass.priority)
+        self._admission.admit(
+            prepared.engine, klass, len(request.prompt_tokens), request.max_tokens
+        )
         try:
-            run = prepared.engine.submit(prepared.request)
+            run = prepared.engine.submit(request)
         except QueueFullError as err:
             raise ApiError(ErrorCode.queue_full, str(err), retry_after=err.retry_after) from err
         except NotLoadedError as err:
@@ -217,7 +241,8 @@ class CompletionService:
                 ErrorCode.model_unavailable, str(err), retry_after=err.retry_after
             ) from err
         self._metrics.queue_waiting.labels(prepared.model).set(prepared.engine.waiting)
-        return Generation(run)
+        objective = self._admission.objectives(klass).first_token_s
+        return Generation(run, objective, lambda waited: self._admission.shed(klass, waited))
 
     def problems(self, prepared: Prepared, finished: Finished) -> list[str]:
         """Why the output fails its structured-output contract (empty when it holds)."""
@@ -242,6 +267,9 @@ class CompletionService:
         if finished.queue_s is not None:
             m.queue_seconds.labels(model).observe(finished.queue_s)
         m.generation_seconds.labels(model).observe(finished.duration_s)
+        self._admission.finished(model, prepared.klass, finished)
+        tokens = finished.prompt_tokens + finished.completion_tokens
+        self._admission.charge(prepared.key, prepared.klass, tokens)
         event = UsageEvent(
             account_id=prepared.key.account.id,
             key_prefix=prepared.key.prefix,
@@ -261,8 +289,19 @@ class CompletionService:
 class Generation:
     """A running generation's events, with engine failures as ApiErrors."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(
+        self,
+        run: Run,
+        first_token_s: float | None = None,
+        shed: Callable[[float], ApiError] | None = None,
+    ) -> None:
         self._run = run
+        # A request still waiting for its first token at this deadline is dropped from the
+        # queue (its class's SLO.B) rather than served late.
+        self._started = time.monotonic()
+        self._first_token_s = first_token_s
+        self._shed = shed
+        self._first = True
 
     def cancel(self) -> None:
         self._run.cancel()
@@ -275,6 +314,17 @@ class Generation:
 
     async def __anext__(self) -> Event:
         try:
+            if self._first and self._first_token_s is not None:
+                self._first = False
+                left = self._first_token_s - (time.monotonic() - self._started)
+                try:
+                    return await asyncio.wait_for(anext(self._run), max(0.0, left))
+                except TimeoutError:
+                    self._run.cancel()
+                    waited = time.monotonic() - self._started
+                    if self._shed is None:  # pragma: no cover - set with the deadline
+                        raise
+                    raise self._shed(waited) from None
             return await anext(self._run)
         except GrammarError as err:
             raise ApiError(ErrorCode.invalid_schema, str(err), param="response_format") from err
@@ -392,3 +442,24 @@ def chunk_body(
     if finished is not None:
         body["usage"] = usage(finished)
     return body
+
+
+# The status recorded for a request whose client went away before it ended (nginx's).
+CLIENT_CLOSED = 499
+
+
+async def drain(generation: Generation) -> Finished:
+    """The Finished event of a generation, skipping its text deltas."""
+    async for event in generation:
+        if isinstance(event, Finished):
+            return event
+    raise AssertionError("a generation always ends with Finished")  # pragma: no cover
+
+
+def invalid_output(problems: list[str]) -> ApiError:
+    """The error of an output that fails its `response_format` (it fails closed)."""
+    return ApiError(
+        ErrorCode.output_validation_failed,
+        "the output does not satisfy response_format: " + "; ".join(problems),
+        param="response_format",
+    )

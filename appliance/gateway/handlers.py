@@ -13,15 +13,18 @@ from aiohttp import web
 
 from appliance.gateway import sse
 from appliance.gateway.completions import (
+    CLIENT_CLOSED,
     Generation,
     Prepared,
     chunk_body,
+    drain,
+    invalid_output,
     response_body,
 )
 from appliance.gateway.embeddings import response_body as embeddings_body
 from appliance.gateway.keys import COMPLETIONS, EMBEDDINGS, HOST, METRICS, NODE_ID, api_key
 from appliance.gateway.middleware import route_label
-from appliance.gateway.parsing import decode_json, parse_body
+from appliance.gateway.parsing import parse_body, read_json
 from appliance.gateway.schemas import (
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
@@ -38,10 +41,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 # Usage status of a generation whose client disconnected (nginx's convention).
-CLIENT_CLOSED = 499
-
-
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response(
         {"status": "alive", "version": __version__, "node_id": request.app[NODE_ID]}
@@ -121,7 +122,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = decode_json(await request.read())
+    body = await read_json(request)
     req = parse_body(ChatCompletionRequest, body, UNSUPPORTED_CHAT)
     prepared = await request.app[COMPLETIONS].prepare_chat(
         req, api_key(request), route_label(request)
@@ -130,7 +131,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    body = decode_json(await request.read())
+    body = await read_json(request)
     req = parse_body(CompletionRequest, body, UNSUPPORTED_COMPLETION)
     prepared = await request.app[COMPLETIONS].prepare_text(
         req, api_key(request), route_label(request)
@@ -139,7 +140,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    body = decode_json(await request.read())
+    body = await read_json(request)
     req = parse_body(EmbeddingRequest, body)
     embedded = await request.app[EMBEDDINGS].embed(req, api_key(request), route_label(request))
     # Thousands of floats to format: off the event loop, which other requests share.
@@ -160,21 +161,14 @@ async def _respond(request: web.Request, prepared: Prepared, *, stream: bool) ->
         # still a proper status code rather than an error inside a 200 stream.
         first = await anext(generation)
         if not stream:
-            finished = first if isinstance(first, Finished) else await _drain(generation)
+            finished = first if isinstance(first, Finished) else await drain(generation)
             problems = service.problems(prepared, finished)
             status = ErrorCode.output_validation_failed.status if problems else 200
             await service.record(prepared, finished, status)
             if problems:
-                raise _invalid_output(problems)
+                raise invalid_output(problems)
             return web.json_response(response_body(prepared, finished), headers=headers)
         return await _stream(request, prepared, first, generation, headers)
-
-
-async def _drain(generation: Generation) -> Finished:
-    async for event in generation:
-        if isinstance(event, Finished):
-            return event
-    raise AssertionError("a generation always ends with Finished")  # pragma: no cover
 
 
 async def _stream(
@@ -204,7 +198,7 @@ async def _stream(
     except (ConnectionResetError, asyncio.CancelledError):
         # The client went away: stop the sequence and still count the tokens it spent.
         generation.cancel()
-        finished = await asyncio.shield(_drain(generation))
+        finished = await asyncio.shield(drain(generation))
         await asyncio.shield(service.record(prepared, finished, CLIENT_CLOSED))
         if isinstance(sys.exc_info()[1], asyncio.CancelledError):
             raise
@@ -213,7 +207,7 @@ async def _stream(
     problems = service.problems(prepared, finished)
     await service.record(prepared, finished, 422 if problems else 200)
     if problems:
-        await sse.send(response, _invalid_output(problems).body())
+        await sse.send(response, invalid_output(problems).body())
     else:
         await sse.send(response, chunk_body(prepared, finished=finished))
         if prepared.include_usage:
@@ -221,14 +215,6 @@ async def _stream(
         await sse.send_done(response)
     await response.write_eof()
     return response
-
-
-def _invalid_output(problems: list[str]) -> ApiError:
-    return ApiError(
-        ErrorCode.output_validation_failed,
-        "the output does not satisfy response_format: " + "; ".join(problems),
-        param="response_format",
-    )
 
 
 async def openapi(request: web.Request) -> web.Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from appliance.gateway.admission import AdmissionControl
 from appliance.gateway.completions import CompletionService
 from appliance.gateway.embeddings import EmbeddingService
 from appliance.serving.registry import ModelRegistry
@@ -16,6 +17,7 @@ STORE = web.AppKey("store", AsyncStore)
 METRICS = web.AppKey("metrics", Metrics)
 HOST = web.AppKey("host", ModelRegistry)
 COMPLETIONS = web.AppKey("completions", CompletionService)
+ADMISSION = web.AppKey("admission", AdmissionControl)
 EMBEDDINGS = web.AppKey("embeddings", EmbeddingService)
 NODE_ID = web.AppKey("node_id", str)
 

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from appliance.gateway.keys import METRICS, REQUEST_ID, REQUEST_KEY, STORE
+from appliance.gateway.keys import ADMISSION, METRICS, REQUEST_ID, REQUEST_KEY, STORE
 from shared.errors import ApiError, ErrorCode, error_body
 
 log = logging.getLogger(__name__)
@@ -89,9 +89,19 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
     """Every /v1 route needs `Authorization: Bearer <key>` of a key that is not revoked."""
     if not request.path.startswith("/v1/") and request.path != "/v1":
         return await handler(request)
+    admission = request.app[ADMISSION]
+    address = request.remote or "unknown"
+    if (wait := admission.auth_throttled(address)) > 0:
+        request.app[METRICS].auth_throttled.inc()
+        raise ApiError(
+            ErrorCode.too_many_auth_failures,
+            f"too many failed authentications from {address}; retry after {wait:.0f} s",
+            retry_after=wait,
+        )
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
+        admission.auth_failed(address)
         raise ApiError(
             ErrorCode.missing_api_key,
             "send your API key as `Authorization: Bearer <key>`; create one with "
@@ -100,8 +110,10 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
     store = request.app[STORE]
     key = await store.run(store.sync.authenticate, token.strip())
     if key is None:
+        admission.auth_failed(address)
         raise ApiError(ErrorCode.invalid_api_key, "the API key is not valid")
     if key.revoked:
+        admission.auth_failed(address)
         raise ApiError(ErrorCode.revoked_api_key, f"the API key {key.prefix} was revoked")
     if request.path.startswith("/v1/admin/") and not key.admin:
         raise ApiError(

@@ -33,7 +33,7 @@ def build_openapi() -> dict[str, Any]:
         op: dict[str, Any] = {
             "summary": route.summary,
             "operationId": route.handler.__name__,
-            "responses": {"200": {"description": "Success"}},
+            "responses": {str(route.status): {"description": "Success"}},
         }
         if route.auth:
             op["security"] = [{"bearer": []}]
@@ -52,7 +52,7 @@ def build_openapi() -> dict[str, Any]:
                 },
             }
         if route.streams:
-            op["responses"]["200"]["description"] = (
+            op["responses"][str(route.status)]["description"] = (
                 "The completion; with `stream: true`, server-sent events in OpenAI's chunk format"
             )
         statuses: dict[int, list[str]] = {}

@@ -2,16 +2,36 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from shared.errors import ApiError, ErrorCode
 
+if TYPE_CHECKING:
+    from aiohttp import web
+
 M = TypeVar("M", bound=BaseModel)
 
 _EMPTY: tuple[object, ...] = (None, False, [], {})
+
+
+# A body that does not arrive (a stalled client, or a compressed body whose decoder waits
+# for more) must not hold a connection and a handler forever.
+BODY_TIMEOUT_S = 30.0
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The request's body as a JSON object, or the error shape."""
+    try:
+        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except TimeoutError:
+        raise ApiError(
+            ErrorCode.bad_request, f"the body did not arrive within {BODY_TIMEOUT_S:g} s"
+        ) from None
+    return decode_json(raw)
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from appliance.gateway import admin, handlers, websocket
+from appliance.gateway import admin, handlers, jobs, websocket
+from appliance.gateway.jobs import JobRequest
 from appliance.gateway.schemas import (
     AdminModelRequest,
     ChatCompletionRequest,
@@ -52,6 +53,7 @@ class Route:
     body: type[BaseModel] | None = None
     errors: tuple[ErrorCode, ...] = ()
     streams: bool = False
+    status: int = 200  # of a success
 
 
 ROUTES: tuple[Route, ...] = (
@@ -125,6 +127,42 @@ ROUTES: tuple[Route, ...] = (
         "with its own id, cancellable by message (see the README).",
         auth=True,
         errors=(*_AUTH, ErrorCode.bad_request),
+    ),
+    Route(
+        "POST",
+        "/v1/jobs",
+        jobs.create_job,
+        "Create a durable job: a batch of chat and text completions (OpenAI Batch API items) "
+        "run in the background as S0 work; a signed webhook when it ends.",
+        auth=True,
+        body=JobRequest,
+        errors=(*_AUTH, *_BODY, ErrorCode.model_not_found, ErrorCode.invalid_schema),
+        status=202,
+    ),
+    Route(
+        "GET",
+        "/v1/jobs/{id}",
+        jobs.get_job,
+        "A job of this account: status, progress, webhook delivery.",
+        auth=True,
+        errors=(*_AUTH, ErrorCode.job_not_found),
+    ),
+    Route(
+        "GET",
+        "/v1/jobs/{id}/results",
+        jobs.job_results,
+        "The results of a job's items that ended, in request order: what each route would "
+        "have answered (`?limit=` up to 1000, `?after=<custom_id>`).",
+        auth=True,
+        errors=(*_AUTH, ErrorCode.job_not_found, ErrorCode.invalid_parameter),
+    ),
+    Route(
+        "DELETE",
+        "/v1/jobs/{id}",
+        jobs.cancel_job,
+        "Cancel a job: no item starts again, items in flight stop, results so far stay.",
+        auth=True,
+        errors=(*_AUTH, ErrorCode.job_not_found, ErrorCode.job_finished),
     ),
     Route(
         "GET",

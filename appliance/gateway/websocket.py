@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from appliance.gateway.completions import Prepared, chunk_body, usage
+from appliance.gateway.completions import Prepared, chunk_body, invalid_output, usage
 from appliance.gateway.keys import COMPLETIONS, SETTINGS, api_key
 from appliance.gateway.middleware import route_label
 from appliance.gateway.parsing import parse_body
@@ -166,14 +166,7 @@ class _Connection:
         problems = service.problems(prepared, finished)
         await service.record(prepared, finished, 422 if problems else 200)
         if problems:
-            await self.error(
-                request_id,
-                ApiError(
-                    ErrorCode.output_validation_failed,
-                    "the output does not satisfy response_format: " + "; ".join(problems),
-                    param="response_format",
-                ),
-            )
+            await self.error(request_id, invalid_output(problems))
             return
         await self._chunk(request_id, chunk_body(prepared, finished=finished))
         await self.send({"id": request_id, "event": "done", "usage": usage(finished)})

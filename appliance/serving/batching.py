@@ -35,6 +35,7 @@ from appliance.serving.engine import (
     Failed,
     Finished,
     GenerationRequest,
+    SlotChange,
     TextDelta,
     Vocabulary,
     default_threads,
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Emit = Callable[[Event | Failed], None]
+Emit = Callable[[Event | Failed | SlotChange], None]
 
 
 @dataclass
@@ -87,7 +88,11 @@ class BatchEngine:
         self._batch: Any = None
         self._state = sched.SchedulerState(
             config=sched.SchedulerConfig(
-                n_slots=options.n_slots, n_batch=options.n_batch, n_ctx_per_slot=options.n_ctx
+                n_slots=options.n_slots,
+                n_batch=options.n_batch,
+                n_ctx_per_slot=options.n_ctx,
+                reserved_slots=options.reserved_slots,
+                preemption=options.preemption,
             )
         )
         self._seqs: dict[int, _Sequence] = {}
@@ -98,6 +103,7 @@ class BatchEngine:
         # Counters for the worker's heartbeat: read from another thread, written by this one.
         self.prefix_tokens_reused = 0  # prompt tokens copied instead of computed
         self.tokens_generated = 0
+        self.preemptions = 0
         self.step_sizes: deque[int] = deque(maxlen=100_000)  # tokens per llama_decode call
 
     def load(self) -> None:
@@ -207,7 +213,11 @@ class BatchEngine:
             return
         cached = placement.cached if isinstance(placement, px.Reuse) else 0
         self._state, result = sched.submit(
-            self._state, len(request.prompt_tokens), request.max_tokens, cached=cached
+            self._state,
+            len(request.prompt_tokens),
+            request.max_tokens,
+            priority=request.priority,
+            cached=cached,
         )
         if isinstance(result, sched.Rejected):
             job.emit(Failed(ValueError(result.message)))
@@ -258,15 +268,7 @@ class BatchEngine:
 
     def _step(self) -> None:
         plan = sched.plan_step(self._state)
-        for admission in plan.admitted:
-            if admission.cached:
-                llama_cpp.llama_memory_seq_cp(
-                    self._memory, self._store, admission.slot, 0, admission.cached
-                )
-                self.prefix_tokens_reused += admission.cached
-            self._prefix.admitted(admission.seq_id)
-            self._seqs[admission.seq_id].admitted = time.perf_counter()
-            self._start(self._seqs[admission.seq_id])
+        self._enter(plan)
         n, outputs = self._fill_batch(plan)
         self.step_sizes.append(n)
         finished: dict[int, Literal["stop", "cancelled"]] = {}
@@ -283,12 +285,42 @@ class BatchEngine:
             if entry.seq_id not in finished and self._seqs[entry.seq_id].cancel.is_set():
                 finished[entry.seq_id] = "cancelled"
         self._state, ended = sched.apply_step(self._state, plan, sched.StepOutcome(finished))
-        if code == 0 and self._prefix.builder is not None:
-            built = [e.start + e.count for e in plan.entries if e.seq_id == self._prefix.builder]
-            if built and self._prefix.progress(self._prefix.builder, max(built)):
-                self._unpark()
+        self._prefix_after(plan, decoded=code == 0)
         for end in ended:
             self._end(end)
+
+    def _enter(self, plan: sched.StepPlan) -> None:
+        """Before the batch: preempted sequences leave their slots, admitted ones take them
+        (with a shared prefix copied in where they have one)."""
+        for preemption in plan.preempted:
+            # It yields its slot; its tokens and sampler stay here for when it resumes.
+            llama_cpp.llama_memory_seq_rm(self._memory, preemption.slot, -1, -1)
+            self.preemptions += 1
+            self._seqs[preemption.seq_id].emit(SlotChange(holds=False))
+        for admission in plan.admitted:
+            if admission.cached:
+                llama_cpp.llama_memory_seq_cp(
+                    self._memory, self._store, admission.slot, 0, admission.cached
+                )
+                self.prefix_tokens_reused += admission.cached
+            self._prefix.admitted(admission.seq_id)
+            seq = self._seqs[admission.seq_id]
+            seq.emit(SlotChange(holds=True))
+            if seq.sampler is None:  # else a preempted sequence resumes, its sampler intact
+                seq.admitted = time.perf_counter()
+                self._start(seq)
+
+    def _prefix_after(self, plan: sched.StepPlan, *, decoded: bool) -> None:
+        """After the batch: a builder that completed the store releases the parked requests;
+        one that was preempted stops building."""
+        builder = self._prefix.builder
+        if decoded and builder is not None:
+            built = [e.start + e.count for e in plan.entries if e.seq_id == builder]
+            if built and self._prefix.progress(builder, max(built)):
+                self._unpark()
+        for preemption in plan.preempted:
+            if preemption.seq_id == self._prefix.builder:
+                self._prefix_ended(preemption.seq_id)
 
     def _start(self, seq: _Sequence) -> None:
         vocab = self.vocab

@@ -56,6 +56,8 @@ class GenerationRequest:
     sampling: Sampling = field(default_factory=Sampling)
     stop: tuple[str, ...] = ()
     grammar: str | None = None
+    # Higher is admitted to a batch slot first (the service class: S0 = 0 … S4 = 4).
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,14 @@ class Failed:
 
 
 Event = TextDelta | Finished
+
+
+@dataclass(frozen=True)
+class SlotChange:
+    """The sequence took a batch slot (``holds``) or yielded it to a higher class. For the
+    gateway's admission control; never part of a request's event stream."""
+
+    holds: bool
 
 
 class Run:
@@ -143,6 +153,9 @@ class EngineOptions:
     # A prompt prefix shared by at least this many tokens is computed once and its KV
     # copied to each sequence that starts with it (appliance.serving.prefix); 0: never.
     prefix_min_tokens: int = 64
+    # Service classes: slots only S2 may take, and S0 sequences yielding to higher classes.
+    reserved_slots: int = 0
+    preemption: bool = True
 
 
 class Vocabulary:

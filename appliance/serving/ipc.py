@@ -33,6 +33,7 @@ def generate_message(request_id: str, request: GenerationRequest) -> dict[str, A
         "sampling": asdict(request.sampling),
         "stop": list(request.stop),
         "grammar": request.grammar,
+        "priority": request.priority,
     }
 
 
@@ -43,6 +44,7 @@ def request_from(message: dict[str, Any]) -> GenerationRequest:
         sampling=Sampling(**message["sampling"]),
         stop=tuple(message["stop"]),
         grammar=message["grammar"],
+        priority=int(message.get("priority", 0)),
     )
 
 

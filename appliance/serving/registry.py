@@ -394,6 +394,8 @@ class ModelRegistry:
             n_slots=m.n_slots,
             flash_attn=m.flash_attn,
             prefix_min_tokens=m.prefix_min_tokens,
+            reserved_slots=self._settings.classes.reserved_slots,
+            preemption=self._settings.classes.preemption,
         )
 
     async def _deploy(self, record: ModelRecord, *, replicas: int, pinned: bool) -> Deployment:
@@ -499,6 +501,8 @@ class ModelRegistry:
             m.batch_tokens.labels(model).observe(size)
         if stats.prefix_tokens_reused > 0:
             m.prefix_tokens_reused.labels(model).inc(stats.prefix_tokens_reused)
+        if stats.preemptions > 0:
+            m.preemptions.labels(model).inc(stats.preemptions)
 
     async def _restarted(self, restart: Restart) -> None:
         self._metrics.worker_restarts.labels(restart.model, restart.kind).inc()

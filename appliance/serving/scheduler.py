@@ -16,9 +16,12 @@ between steps. The engine that owns a :class:`SchedulerState` drives it like thi
         state, ended = apply_step(state, plan, StepOutcome(finished={...stop/cancelled...}))
         # clear the KV cache of every ended.slot before its slot is planned again
 
-Admission is FIFO within a priority (higher first; all equal by default). Priority is the
-hook for service classes: S0 preemption would put a running sequence back in ``waiting``
-with its slot cleared, and S2 reservations would narrow which free slots a class may take.
+Admission is FIFO within a priority (higher first; all equal by default). Two rules serve
+the service classes: ``reserved_slots`` are taken only by sequences of at least
+``reserved_priority`` (S2), and with ``preemption`` a sequence above the preemptible
+priority (S0) that finds no slot takes the slot of the youngest running S0 sequence, which
+goes back to the queue with what it generated so far folded into its prompt: it resumes
+later by prefilling that again, its sampler state intact in the engine.
 """
 
 from __future__ import annotations
@@ -57,9 +60,20 @@ class SchedulerConfig:
     n_batch: int  # tokens per llama_decode call
     n_ctx_per_slot: int  # KV cells of one slot: prompt + max_new_tokens must fit
     max_prefill_chunk: int | None = None  # prompt tokens per sequence per step; None: n_batch
+    reserved_slots: int = 0  # slots only sequences of reserved_priority or more may take
+    reserved_priority: int = 2
+    preemption: bool = False  # sequences of preemptible_priority yield to higher ones
+    preemptible_priority: int = 0
 
     def __post_init__(self) -> None:
         problems = []
+        if not 0 <= self.reserved_slots < max(self.n_slots, 1):
+            problems.append(
+                f"reserved_slots is {self.reserved_slots}, must be in [0, n_slots) "
+                f"(n_slots is {self.n_slots}; other classes need a slot)"
+            )
+        if self.preemptible_priority >= self.reserved_priority:
+            problems.append("preemptible_priority must be below reserved_priority")
         if self.n_slots < 1:
             problems.append(f"n_slots is {self.n_slots}, must be at least 1")
         # Every running sequence may decode in the same step: one token each must fit.
@@ -92,6 +106,8 @@ class SequenceState:
     # Prompt tokens whose KV the engine copies into the slot at admission (a shared prefix
     # computed once for several sequences); prefill starts after them.
     cached: int = 0
+    # Tokens it generated before a preemption, now the end of its prompt.
+    carried: int = 0
     generated: int = 0  # tokens sampled; the last one is not in the KV cache yet
 
     @property
@@ -141,6 +157,15 @@ class Admission:
 
 
 @dataclass(frozen=True)
+class Preemption:
+    """A running sequence yields its slot this step; the engine clears the slot's KV before
+    any admission uses it. The sequence waits again, its sampled tokens now prompt."""
+
+    seq_id: int
+    slot: int
+
+
+@dataclass(frozen=True)
 class BatchEntry:
     """Tokens ``start .. start + count - 1`` of one sequence's stream, in one batch."""
 
@@ -158,6 +183,7 @@ class BatchEntry:
 
 @dataclass(frozen=True)
 class StepPlan:
+    preempted: tuple[Preemption, ...] = ()
     admitted: tuple[Admission, ...] = ()
     entries: tuple[BatchEntry, ...] = ()  # decode entries first, then prefill chunks
 
@@ -242,7 +268,7 @@ def cancel(state: SchedulerState, seq_id: int) -> tuple[SchedulerState, Ended | 
         waiting=tuple(s for s in state.waiting if s.seq_id != seq_id),
         running=tuple(s for s in state.running if s.seq_id != seq_id),
     )
-    return state, Ended(seq_id, seq.slot, "cancelled", seq.generated)
+    return state, Ended(seq_id, seq.slot, "cancelled", seq.carried + seq.generated)
 
 
 def plan_step(state: SchedulerState) -> StepPlan:
@@ -254,27 +280,61 @@ def plan_step(state: SchedulerState) -> StepPlan:
     n_slots and it is not decoding), and younger ones never get ahead of it.
     """
     config = state.config
-    admitted = tuple(
-        Admission(seq.seq_id, slot, seq.cached)
-        for seq, slot in zip(state.waiting, state.free_slots(), strict=False)
-    )
+    preempted, admitted = _admissions(state)
     slots = {a.seq_id: a.slot for a in admitted}
-    started = [_admit(seq, slots[seq.seq_id]) for seq in state.waiting[: len(admitted)]]
+    started = [_admit(seq, slots[seq.seq_id]) for seq in state.waiting if seq.seq_id in slots]
+    gone = {p.seq_id for p in preempted}
+    running = [seq for seq in state.running if seq.seq_id not in gone]
     decodes = [
         BatchEntry(seq.seq_id, _slot(seq), "decode", seq.next_decode_position, 1, wants_logits=True)
-        for seq in state.running
+        for seq in running
         if seq.decoding
     ]
     budget = config.n_batch - len(decodes)
     prefills: list[BatchEntry] = []
-    for seq in _ordered((*(s for s in state.running if s.prefilling), *started)):
+    for seq in _ordered((*(s for s in running if s.prefilling), *started)):
         if budget == 0:
             break
         count = min(seq.prompt_len - seq.prefilled, config.prefill_chunk, budget)
         done = seq.prefilled + count == seq.prompt_len
         prefills.append(BatchEntry(seq.seq_id, _slot(seq), "prefill", seq.prefilled, count, done))
         budget -= count
-    return StepPlan(admitted, (*decodes, *prefills))
+    return StepPlan(preempted, admitted, (*decodes, *prefills))
+
+
+def _admissions(state: SchedulerState) -> tuple[tuple[Preemption, ...], tuple[Admission, ...]]:
+    """Waiting sequences take free slots in queue order, within the reservation; one that
+    finds none may take a preemptible sequence's slot. The first that can do neither stops
+    the rest (the queue is in priority order, so nobody behind it could either)."""
+    config = state.config
+    free = state.free_slots()
+    low_cap = config.n_slots - config.reserved_slots
+    low = sum(1 for s in state.running if s.priority < config.reserved_priority)
+    victims = (
+        sorted(
+            (s for s in state.running if s.priority <= config.preemptible_priority),
+            key=lambda s: -s.seq_id,  # the youngest first: it has the least to redo
+        )
+        if config.preemption
+        else []
+    )
+    preempted: list[Preemption] = []
+    admitted: list[Admission] = []
+    for seq in state.waiting:
+        high = seq.priority >= config.reserved_priority
+        if free and (high or low < low_cap):
+            slot = free.pop(0)
+        elif victims and seq.priority > config.preemptible_priority:
+            victim = victims.pop(0)
+            slot = _slot(victim)
+            preempted.append(Preemption(victim.seq_id, slot))
+            low -= 1  # the victim's priority is below reserved_priority
+        else:
+            break
+        admitted.append(Admission(seq.seq_id, slot, seq.cached))
+        if not high:
+            low += 1
+    return tuple(preempted), tuple(admitted)
 
 
 def apply_step(
@@ -294,7 +354,8 @@ def apply_step(
         if reported == "stop" and seq_id not in sampled:
             raise ValueError(f"sequence {seq_id} sampled no token in this step, so cannot stop")
         if reported == "cancelled" and seq_id in waiting:
-            ended.append(Ended(seq_id, None, "cancelled", waiting.pop(seq_id).generated))
+            gone = waiting.pop(seq_id)
+            ended.append(Ended(seq_id, None, "cancelled", gone.carried + gone.generated))
     kept: list[SequenceState] = []
     for seq in running.values():
         reason: FinishReason | None = finished.get(seq.seq_id)
@@ -303,7 +364,7 @@ def apply_step(
         if reason is None:
             kept.append(seq)
         else:
-            ended.append(Ended(seq.seq_id, seq.slot, reason, seq.generated))
+            ended.append(Ended(seq.seq_id, seq.slot, reason, seq.carried + seq.generated))
     new_state = replace(state, waiting=_ordered(waiting.values()), running=_ordered(kept))
     return new_state, tuple(sorted(ended, key=lambda e: e.seq_id))
 
@@ -314,7 +375,12 @@ def _advance(
     """Waiting and running sequences by id once the plan ran, and those that sampled."""
     waiting = {seq.seq_id: seq for seq in state.waiting}
     running = {seq.seq_id: seq for seq in state.running}
-    used = {seq.slot for seq in state.running}
+    for preemption in plan.preempted:
+        seq = running.pop(preemption.seq_id, None)
+        if seq is None or seq.slot != preemption.slot:
+            raise PlanMismatchError(f"sequence {preemption.seq_id} is not running there")
+        waiting[seq.seq_id] = _requeue(seq)
+    used = {seq.slot for seq in running.values()}
     for admission in plan.admitted:
         seq = waiting.pop(admission.seq_id, None)
         if seq is None or admission.slot in used:
@@ -333,6 +399,20 @@ def _advance(
             sampled.add(seq.seq_id)
         running[seq.seq_id] = seq
     return waiting, running, sampled
+
+
+def _requeue(seq: SequenceState) -> SequenceState:
+    """A preempted sequence: every token it has (prompt and sampled) is its prompt now."""
+    return replace(
+        seq,
+        slot=None,
+        prompt_len=seq.prompt_len + seq.generated,
+        max_new_tokens=seq.max_new_tokens - seq.generated,
+        prefilled=0,
+        generated=0,
+        cached=0,
+        carried=seq.carried + seq.generated,
+    )
 
 
 def _admit(seq: SequenceState, slot: int) -> SequenceState:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from appliance.serving import ipc
+from appliance.serving.admission import InFlight
 from appliance.serving.devices import Placement
 from appliance.serving.engine import (
     EngineError,
@@ -85,6 +86,29 @@ class WorkerStats:
     prefix_tokens_reused: int
     steps: tuple[int, ...]  # tokens in each llama_decode call
     interval_s: float
+    preemptions: int = 0
+
+
+@dataclass
+class _Flight:
+    """What admission control needs to know of a submitted request."""
+
+    priority: int
+    prompt_tokens: int
+    max_tokens: int
+    arrival: int
+    produced: int = 0
+    running: bool = False  # holds a batch slot (the worker says when)
+
+    def snapshot(self) -> InFlight:
+        return InFlight(
+            self.priority,
+            self.prompt_tokens,
+            self.max_tokens,
+            self.produced,
+            self.running,
+            self.arrival,
+        )
 
 
 OnRestart = Callable[[Restart], Awaitable[None]]
@@ -106,10 +130,11 @@ class Replica:
         self._on_restart = on_restart
         self._on_stats = on_stats
         self.busy_slots = 0
-        self._counts = (0, 0)  # tokens generated, prefix tokens reused: this worker so far
+        self._counts = (0, 0, 0)  # tokens generated, prefix tokens reused, preemptions
         self.placement: Placement | None = None  # where the worker put the model
         self.tokens_per_second = 0.0  # generated, over the last heartbeat
         self.submitted = 0  # requests routed here
+        self._flights: dict[str, _Flight] = {}
         self.vocab: Vocabulary | None = None
         self.restarts = 0
         self.pid: int | None = None
@@ -209,6 +234,9 @@ class Replica:
             on_cancel=lambda: self._send({"type": "cancel", "id": request_id}),
         )
         self._runs[request_id] = run
+        self._flights[request_id] = _Flight(
+            request.priority, len(request.prompt_tokens), request.max_tokens, self.submitted
+        )
         self.submitted += 1
         self._send(ipc.generate_message(request_id, request))
         return run
@@ -265,7 +293,7 @@ class Replica:
         now = time.monotonic()
         self._last_heartbeat = self._last_progress = now
         self._events_seen = -1
-        self._counts = (0, 0)
+        self._counts = (0, 0, 0)
         self.busy_slots = 0
         self._kill = None
         watchdog = asyncio.create_task(self._watch(process))
@@ -314,13 +342,24 @@ class Replica:
             self._last_heartbeat = self._last_progress = now
             self._ready.set()
             return
+        self._request_message(kind, message, now)
+
+    def _request_message(self, kind: object, message: dict[str, object], now: float) -> None:
         request_id = str(message.get("id"))
         run = self._runs.get(request_id)
         if run is None:
             return
         self._last_progress = now
+        flight = self._flights.get(request_id)
+        if kind == "slot":
+            if flight is not None:
+                flight.running = bool(message.get("holds"))
+            return
+        if kind == "delta" and flight is not None:
+            flight.produced += 1
         if kind == "error":
             del self._runs[request_id]
+            self._flights.pop(request_id, None)
             error_kind, text = message.get("kind"), str(message.get("message"))
             if error_kind == "grammar":
                 run.fail(GrammarError(text))
@@ -332,6 +371,7 @@ class Replica:
         event = ipc.event_from(message)
         if kind == "finished":
             del self._runs[request_id]
+            self._flights.pop(request_id, None)
         run.emit(event)
 
     def _stats(self, message: dict[str, object], interval_s: float) -> None:
@@ -339,14 +379,23 @@ class Replica:
         busy, steps = message.get("busy_slots"), message.get("steps")
         if not (isinstance(generated, int) and isinstance(reused, int) and isinstance(busy, int)):
             return
-        before, self._counts = self._counts, (generated, reused)
+        preempted = message.get("preemptions")
+        preempted = preempted if isinstance(preempted, int) else self._counts[2]
+        before, self._counts = self._counts, (generated, reused, preempted)
         self.busy_slots = busy
         if interval_s > 0:
             self.tokens_per_second = max(0, generated - before[0]) / interval_s
         if self._on_stats is not None:
             sizes = tuple(n for n in steps if isinstance(n, int)) if isinstance(steps, list) else ()
             self._on_stats(
-                WorkerStats(busy, generated - before[0], reused - before[1], sizes, interval_s)
+                WorkerStats(
+                    busy,
+                    generated - before[0],
+                    reused - before[1],
+                    sizes,
+                    interval_s,
+                    preempted - before[2],
+                )
             )
 
     async def _watch(self, process: asyncio.subprocess.Process) -> None:
@@ -368,7 +417,12 @@ class Replica:
                     os.kill(process.pid, signal.SIGKILL)
                 return
 
+    def flights(self) -> list[InFlight]:
+        """The requests submitted here and not yet finished."""
+        return [flight.snapshot() for flight in self._flights.values()]
+
     def _fail_all(self, message: str, retry_after: float) -> None:
+        self._flights = {}
         runs, self._runs = self._runs, {}
         for run in runs.values():
             run.fail(WorkerUnavailableError(message, retry_after=retry_after))

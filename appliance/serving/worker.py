@@ -23,7 +23,7 @@ from typing import Any
 
 from appliance.serving import devices, ipc
 from appliance.serving.batching import BatchEngine, Job
-from appliance.serving.engine import EngineOptions, Event, Failed, Finished
+from appliance.serving.engine import EngineOptions, Event, Failed, Finished, SlotChange
 from appliance.serving.sampling import GrammarError
 from appliance.state.store import ModelRecord
 
@@ -43,8 +43,14 @@ class Worker:
     def send(self, message: dict[str, Any]) -> None:
         data = ipc.encode(message)
         with self._lock:
-            self._out.write(data)
-            self._out.flush()
+            try:
+                self._out.write(data)
+                self._out.flush()
+            except BrokenPipeError:
+                # The appliance is gone (killed, or it closed the pipe): nobody is left to
+                # serve. Exit at once, from whichever thread noticed; the OS frees the model.
+                log.info("the appliance closed the pipe; the worker exits")
+                os._exit(0)
 
     def heartbeat_forever(self) -> None:
         # Its own thread: it keeps beating while a decode runs, and falls silent only when
@@ -65,14 +71,18 @@ class Worker:
                     # heartbeat (tokens in each): the supervisor turns them into metrics.
                     "tokens_generated": engine.tokens_generated,
                     "prefix_tokens_reused": engine.prefix_tokens_reused,
+                    "preemptions": engine.preemptions,
                     "steps": steps,
                     "pid": os.getpid(),
                     "at": time.time(),
                 }
             )
 
-    def _emit(self, request_id: str, event: Event | Failed) -> None:
+    def _emit(self, request_id: str, event: Event | Failed | SlotChange) -> None:
         self.events_out += 1
+        if isinstance(event, SlotChange):
+            self.send({"type": "slot", "id": request_id, "holds": event.holds})
+            return
         if isinstance(event, Failed):
             self.cancels.pop(request_id, None)
             kind = "grammar" if isinstance(event.error, GrammarError) else "internal"

@@ -95,3 +95,83 @@ def m003_pins_and_admin_keys(db: Database) -> None:
     # use /v1/admin routes.
     db.table("models").add_column("pinned", int, not_null_default=0)
     db.table("api_keys").add_column("admin", int, not_null_default=0)
+
+
+@migrations()
+def m004_jobs(db: Database) -> None:
+    # Durable jobs (IF-4). Times here are unix seconds (REAL): the API reports them so, and
+    # retry schedules are arithmetic on them.
+    db.table("jobs").create(
+        {
+            "id": str,
+            "account_id": int,
+            "key_prefix": str,  # the key that created it: its usage is recorded under it
+            "status": str,  # queued, running, completed, failed, cancelled
+            "total": int,
+            "metadata": str,  # JSON object
+            "webhook_url": str,
+            "created_at": float,
+            "started_at": float,
+            "ended_at": float,
+        },
+        pk="id",
+        not_null={"account_id", "key_prefix", "status", "total", "metadata", "created_at"},
+        foreign_keys=[("account_id", "accounts", "id")],
+    )
+    db.table("jobs").create_index(["account_id", "created_at"])
+    db.table("jobs").create_index(["status", "created_at"])
+    db.table("job_items").create(
+        {
+            "job_id": str,
+            "idx": int,
+            "custom_id": str,
+            "url": str,
+            "body": str,  # the request body, JSON, as validated at creation
+            "status": str,  # pending, completed, failed, cancelled
+            "status_code": int,
+            "response": str,  # JSON: what the route would have answered
+            "attempts": int,  # transient failures so far
+            "ended_at": float,
+        },
+        pk=("job_id", "idx"),
+        not_null={"custom_id", "url", "body", "status", "attempts"},
+        foreign_keys=[("job_id", "jobs", "id")],
+    )
+    db.table("job_items").create_index(["job_id", "custom_id"], unique=True)
+    db.table("job_items").create_index(["job_id", "status", "idx"])
+    db.table("webhook_secrets").create(
+        {
+            "account_id": int,
+            "secret": str,
+            "previous_secret": str,  # still signs, beside the current one, until previous_until
+            "previous_until": float,
+            "created_at": float,
+        },
+        pk="account_id",
+        not_null={"secret", "created_at"},
+        foreign_keys=[("account_id", "accounts", "id")],
+    )
+    db.table("webhook_deliveries").create(
+        {
+            "id": str,  # the delivery id receivers deduplicate on; the same on every retry
+            "job_id": str,
+            "account_id": int,
+            "url": str,
+            "event": str,  # job.completed, job.failed, job.cancelled
+            "payload": str,  # the exact body, fixed at the first attempt
+            "status": str,  # pending, delivered, failed (gave up)
+            "attempts": int,
+            "created_at": float,
+            "first_attempt_at": float,
+            "last_attempt_at": float,
+            "next_attempt_at": float,
+            "last_status": int,  # HTTP status of the last attempt; null if none came back
+            "last_error": str,
+            "delivered_at": float,
+        },
+        pk="id",
+        not_null={"job_id", "account_id", "url", "event", "status", "attempts", "created_at"},
+        foreign_keys=[("job_id", "jobs", "id"), ("account_id", "accounts", "id")],
+    )
+    db.table("webhook_deliveries").create_index(["job_id"], unique=True)
+    db.table("webhook_deliveries").create_index(["status", "next_attempt_at"])

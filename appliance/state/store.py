@@ -221,6 +221,15 @@ class Store:
             _insert(self.db, "usage_events", asdict(stored))
         return stored
 
+    def tokens_used_since(self, account_id: int, since: str) -> int:
+        """Prompt and completion tokens an account used since an ISO timestamp."""
+        rows = self.db.query(
+            "SELECT COALESCE(SUM(tokens_in + tokens_out), 0) AS used FROM usage_events"
+            " WHERE account_id = ? AND created_at >= ?",
+            [account_id, since],
+        )
+        return int(next(iter(rows))["used"])
+
     def usage_events(self, account: str | None = None, limit: int = 100) -> list[UsageEvent]:
         sql = "SELECT e.* FROM usage_events e"
         params: list[Any] = []

@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING
 import pytest
 
 from appliance.serving.batching import BatchEngine, Job
-from appliance.serving.engine import EngineOptions, Event, Failed, Finished, GenerationRequest
+from appliance.serving.engine import (
+    EngineOptions,
+    Event,
+    Failed,
+    Finished,
+    GenerationRequest,
+    SlotChange,
+    TextDelta,
+)
 from appliance.serving.sampling import Sampling
 
 if TYPE_CHECKING:
@@ -37,10 +45,10 @@ QUESTIONS = [
 
 @dataclass
 class Outcome:
-    events: list[Event | Failed] = field(default_factory=list)
+    events: list[Event | Failed | SlotChange] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
 
-    def emit(self, event: Event | Failed) -> None:
+    def emit(self, event: Event | Failed | SlotChange) -> None:
         self.events.append(event)
         if isinstance(event, Finished | Failed):
             self.done.set()
@@ -124,3 +132,62 @@ def test_a_builder_cancelled_before_it_starts_hands_the_prefix_to_a_waiting_requ
     for outcome in outcomes[1:]:
         assert outcome.finished.completion_tokens > 0
     assert reused > 0
+
+
+def test_s2_preempts_a_running_s0_sequence_which_resumes_and_completes(
+    default_model: ModelRecord,
+) -> None:
+    engine = BatchEngine(
+        default_model, EngineOptions(n_ctx=512, n_slots=1, n_batch=128, n_threads=2)
+    )
+    engine.load()
+    assert engine.vocab is not None
+    vocab = engine.vocab
+
+    def request(text: str, priority: int, max_tokens: int) -> GenerationRequest:
+        return GenerationRequest(
+            prompt_tokens=tuple(vocab.tokenize(text, chat=False)),
+            max_tokens=max_tokens,
+            sampling=Sampling(temperature=0.0),
+            priority=priority,
+        )
+
+    background, urgent = Outcome(), Outcome()
+    order: list[str] = []
+    thread = threading.Thread(target=engine.serve_forever)
+    thread.start()
+    try:
+        started = threading.Event()
+
+        def on_background(event: Event | Failed | SlotChange) -> None:
+            background.emit(event)
+            if sum(isinstance(e, TextDelta) for e in background.events) == 3:
+                started.set()
+            if isinstance(event, Finished):
+                order.append("S0")
+
+        def on_urgent(event: Event | Failed | SlotChange) -> None:
+            urgent.emit(event)
+            if isinstance(event, Finished):
+                order.append("S2")
+
+        long_story = "Once upon a time, in a village by the sea, there lived"
+        engine.jobs.put(Job(request(long_story, 0, 48), on_background, threading.Event()))
+        assert started.wait(60), "the S0 sequence never started"
+        engine.jobs.put(
+            Job(request("The capital of France is", 2, 6), on_urgent, threading.Event())
+        )
+        assert urgent.done.wait(60)
+        assert background.done.wait(120)
+    finally:
+        engine.jobs.put(None)
+        thread.join(60)
+        engine.close()
+    # The only slot went to S2 while S0 was mid-stream; S0 then resumed where it was.
+    assert engine.preemptions == 1
+    assert order == ["S2", "S0"]
+    assert urgent.finished.completion_tokens > 0
+    done = background.finished
+    assert done.completion_tokens == 48 or done.finish_reason == "stop"
+    streamed = "".join(e.text for e in background.events if isinstance(e, TextDelta))
+    assert streamed == done.text

@@ -22,6 +22,7 @@ from appliance.serving.scheduler import (
     BatchEntry,
     Ended,
     PlanMismatchError,
+    Preemption,
     Queued,
     Rejected,
     RejectReason,
@@ -134,6 +135,45 @@ def test_a_cached_prefix_is_copied_in_at_admission_and_only_the_rest_is_prefille
     assert plan.entries == (BatchEntry(queued.seq_id, 0, "prefill", 36, 4, wants_logits=True),)
     with pytest.raises(ValueError, match="cached"):
         submit(engine.state, prompt_len=8, max_new_tokens=1, cached=8)
+
+
+def test_s2_arriving_preempts_the_youngest_running_s0_which_resumes_with_its_tokens() -> None:
+    engine = Driver(SchedulerConfig(n_slots=2, n_batch=16, n_ctx_per_slot=64, preemption=True))
+    old = engine.submit(prompt_len=4, max_new_tokens=10, priority=0)
+    young = engine.submit(prompt_len=4, max_new_tokens=10, priority=0)
+    for _ in range(3):  # both prefill, then decode twice: three tokens each
+        engine.step()
+    urgent = engine.submit(prompt_len=5, max_new_tokens=4, priority=2)
+    plan, _ = engine.step()
+    assert plan.preempted == (Preemption(young, slot=1),)
+    assert plan.admitted == (Admission(urgent, slot=1),)
+    assert young not in {e.seq_id for e in plan.entries}
+    resumed = engine.state.get(young)
+    assert resumed is not None
+    # Its three sampled tokens are prompt now; it may still make the seven it had left.
+    assert (resumed.slot, resumed.prompt_len, resumed.max_new_tokens) == (None, 7, 7)
+    assert resumed.carried == 3
+    ends: dict[int, Ended] = {}
+    while not engine.state.idle:
+        _, ended = engine.step()
+        ends.update({e.seq_id: e for e in ended})
+    assert ends[young].generated == 10  # three before, seven after
+    assert ends[old].generated == 10
+    assert ends[urgent].generated == 4
+
+
+def test_reserved_slots_are_kept_for_s2() -> None:
+    config = SchedulerConfig(n_slots=3, n_batch=16, n_ctx_per_slot=64, reserved_slots=1)
+    engine = Driver(config)
+    standard = [engine.submit(prompt_len=2, max_new_tokens=8, priority=1) for _ in range(3)]
+    plan, _ = engine.step()
+    # Two slots for everyone; the third stays free for S2 although S1 work waits.
+    assert [a.seq_id for a in plan.admitted] == standard[:2]
+    urgent = engine.submit(prompt_len=2, max_new_tokens=8, priority=2)
+    plan, _ = engine.step()
+    assert plan.admitted == (Admission(urgent, slot=2),)
+    with pytest.raises(ValueError, match="reserved_slots"):
+        SchedulerConfig(n_slots=2, n_batch=4, n_ctx_per_slot=8, reserved_slots=2)
 
 
 def test_a_sequence_that_cannot_fit_a_slot_is_rejected_with_a_reason() -> None:
@@ -260,7 +300,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert ended is None
             assert self.state is before
             return
-        assert ended == Ended(seq_id, seq.slot, "cancelled", seq.generated)
+        assert ended == Ended(seq_id, seq.slot, "cancelled", seq.carried + seq.generated)
         assert self.state.get(seq_id) is None
         self.forget(seq_id)
 
@@ -461,6 +501,71 @@ class PriorityMachine(SchedulerMachine):
     bounded = False
 
 
+@st.composite
+def class_configs(draw: st.DrawFn) -> SchedulerConfig:
+    n_slots = draw(st.integers(1, 4))
+    return SchedulerConfig(
+        n_slots=n_slots,
+        n_batch=n_slots + draw(st.integers(0, 12)),
+        n_ctx_per_slot=draw(st.integers(2, 48)),
+        max_prefill_chunk=draw(st.none() | st.integers(1, 8)),
+        reserved_slots=draw(st.integers(0, n_slots - 1)),
+        preemption=draw(st.booleans()),
+    )
+
+
+class ClassesMachine(SchedulerMachine):
+    """Service classes: S2 reservations and S0 preemption. Checked each step: the plan is
+    pure and within budget; slots stay unique; sequences below S2 never hold more than the
+    unreserved slots; a preempted sequence is S0, runs nothing in its step, and yields to a
+    higher one that takes its slot; no token is lost (a sequence's prompt plus what it may
+    still generate is constant, and what it carries over counts when it ends)."""
+
+    priorities = st.integers(0, 2)
+    fifo = False
+    bounded = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total: dict[int, int] = {}  # seq_id -> prompt_len + max_new_tokens at arrival
+
+    @initialize(config=class_configs())
+    def configure(self, config: SchedulerConfig) -> None:
+        self.state = SchedulerState(config)
+
+    def check_step(self, plan: StepPlan, finished: Reported) -> None:
+        before = self.state
+        config = before.config
+        assert plan == plan_step(before)
+        assert plan.n_tokens <= config.n_batch
+        for seq in (*before.waiting, *before.running):
+            self.total.setdefault(seq.seq_id, seq.prompt_len + seq.max_new_tokens)
+        running = {seq.seq_id: seq for seq in before.running}
+        taken = {a.slot: a.seq_id for a in plan.admitted}
+        for p in plan.preempted:
+            victim = running[p.seq_id]
+            assert config.preemption
+            assert victim.priority == 0
+            assert victim.slot == p.slot
+            taker = before.get(taken[p.slot])
+            assert taker is not None
+            assert taker.priority > 0
+        planned = {e.seq_id for e in plan.entries}
+        assert not planned & {p.seq_id for p in plan.preempted}
+        self.admitted += [a.seq_id for a in plan.admitted]
+        self.state, ended = apply_step(before, plan, StepOutcome(finished))
+        self.steps += 1
+        low = [seq for seq in self.state.running if seq.priority < config.reserved_priority]
+        assert len(low) <= config.n_slots - config.reserved_slots
+        for seq in (*self.state.waiting, *self.state.running):
+            assert seq.prompt_len + seq.max_new_tokens == self.total[seq.seq_id]
+            assert seq.prompt_len - seq.carried >= 1  # its own prompt is still there
+        for end in ended:
+            start = self.total.pop(end.seq_id)
+            assert end.generated <= start
+            self.forget(end.seq_id)
+
+
 # derandomize: CI and a laptop explore the same cases; no deadline, tests check behaviour.
 PROPERTY_SETTINGS = settings(
     max_examples=150, stateful_step_count=40, derandomize=True, deadline=None
@@ -473,3 +578,7 @@ def test_scheduler_properties_with_equal_priorities() -> None:
 
 def test_scheduler_properties_with_mixed_priorities() -> None:
     run_state_machine_as_test(PriorityMachine, settings=PROPERTY_SETTINGS)
+
+
+def test_scheduler_properties_with_reservations_and_preemption() -> None:
+    run_state_machine_as_test(ClassesMachine, settings=PROPERTY_SETTINGS)

@@ -1,0 +1,178 @@
+"""Admission control at the door: service-class objectives, per-account quotas, and the
+throttle on failed authentication. No aiohttp here; the completion service calls it.
+
+The prediction itself is pure (appliance.serving.admission); this service keeps what it
+needs between requests: each model's smoothed service rates, each account's buckets, and
+the metrics of every decision.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
+
+from appliance.serving.admission import Capacity, InFlight, Objectives, Rates, decide
+from shared.buckets import TokenBucket
+from shared.errors import ApiError, ErrorCode
+
+if TYPE_CHECKING:
+    from appliance.serving.engine import Finished
+    from appliance.serving.registry import Deployment
+    from appliance.settings import ClassObjectives, ClassSettings
+    from appliance.state.store import ApiKey, AsyncStore
+    from shared.classes import ServiceClass
+    from shared.telemetry import Metrics
+
+DAY_S = 86_400.0
+MINUTE_S = 60.0
+_MAX_CLIENTS = 10_000  # addresses remembered by the authentication throttle
+
+
+class AdmissionControl:
+    def __init__(self, settings: ClassSettings, store: AsyncStore, metrics: Metrics) -> None:
+        self._settings = settings
+        self._store = store
+        self._metrics = metrics
+        self._rates: dict[str, Rates] = {}
+        self._minute: dict[int, TokenBucket] = {}  # account id -> requests per minute
+        self._day: dict[int, TokenBucket] = {}  # account id -> tokens per day
+        self._auth: OrderedDict[str, TokenBucket] = OrderedDict()  # client address -> failures
+
+    def class_settings(self, klass: ServiceClass) -> ClassObjectives:
+        objectives: ClassObjectives = getattr(self._settings, klass.value.lower())
+        return objectives
+
+    def objectives(self, klass: ServiceClass) -> Objectives:
+        c = self.class_settings(klass)
+        return Objectives(c.admit_s, c.first_token_s, c.complete_s)
+
+    def rates(self, model: str) -> Rates:
+        return self._rates.get(model, Rates())
+
+    # -- quotas ------------------------------------------------------------------------------
+
+    async def check_quota(self, key: ApiKey, klass: ServiceClass) -> None:
+        """Refuse (429 quota_exceeded) when the account is over a quota of its class; a
+        request counts against requests per minute here, its tokens once it is done."""
+        limits = self.class_settings(klass)
+        account = key.account
+        now = time.monotonic()
+        if limits.tokens_per_day:
+            day = await self._day_bucket(account.id, limits.tokens_per_day, now)
+            if (wait := day.wait_s(1, now)) > 0:
+                self._refuse_quota(klass, "tokens_per_day", limits.tokens_per_day, wait)
+        if limits.requests_per_minute:
+            minute = self._minute.get(account.id)
+            if minute is None or minute.capacity != limits.requests_per_minute:
+                minute = TokenBucket.full(limits.requests_per_minute, MINUTE_S, now)
+                self._minute[account.id] = minute
+            if (wait := minute.take(1, now)) > 0:
+                self._refuse_quota(klass, "requests_per_minute", limits.requests_per_minute, wait)
+
+    def _refuse_quota(self, klass: ServiceClass, quota: str, limit: int, wait: float) -> None:
+        self._metrics.quota_refusals.labels(klass.value, quota).inc()
+        raise ApiError(
+            ErrorCode.quota_exceeded,
+            f"the account is over its {quota} quota ({limit}, class {klass.value}); "
+            f"retry after {math.ceil(wait)} s",
+            retry_after=wait,
+        )
+
+    async def _day_bucket(self, account_id: int, capacity: int, now: float) -> TokenBucket:
+        bucket = self._day.get(account_id)
+        if bucket is None or bucket.capacity != capacity:
+            # Seeded from the ledger, so a restart does not hand out a fresh day.
+            since = (datetime.now(UTC) - timedelta(seconds=DAY_S)).isoformat()
+            used = await self._store.run(self._store.sync.tokens_used_since, account_id, since)
+            bucket = TokenBucket(capacity, DAY_S, capacity - used, now)
+            self._day[account_id] = bucket
+        return bucket
+
+    def charge(self, key: ApiKey, klass: ServiceClass, tokens: int) -> None:
+        """Charge the tokens a request actually used to its account's daily quota."""
+        limits = self.class_settings(klass)
+        bucket = self._day.get(key.account.id)
+        if limits.tokens_per_day and bucket is not None:
+            bucket.charge(tokens, time.monotonic())
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def admit(
+        self, deployment: Deployment, klass: ServiceClass, prompt_tokens: int, max_tokens: int
+    ) -> None:
+        """Refuse now (429 ``overloaded``) a request that the prediction says cannot hold a
+        slot within its class's SLO.A or see its first token within SLO.B."""
+        flights = [f for r in deployment.replicas if r.ready for f in r.flights()]
+        new = InFlight(klass.priority, prompt_tokens, max_tokens, arrival=1 << 62)
+        capacity = Capacity(
+            replicas=max(1, sum(1 for r in deployment.replicas if r.ready)),
+            slots=deployment.options.n_slots,
+            reserved=deployment.options.reserved_slots,
+            preemption=deployment.options.preemption,
+        )
+        decision = decide(
+            new, flights, capacity, self.rates(deployment.record.ref), self.objectives(klass)
+        )
+        self._metrics.admission.labels(klass.value, decision.reason.value).inc()
+        if not decision.admitted:
+            raise ApiError(
+                ErrorCode.overloaded,
+                f"class {klass.value} cannot be served within its objectives now: "
+                f"{decision.detail}",
+                retry_after=decision.retry_after_s,
+            )
+
+    def shed(self, klass: ServiceClass, waited_s: float) -> ApiError:
+        """The error for a queued request that missed its first-token objective."""
+        self._metrics.sheds.labels(klass.value).inc()
+        objective = self.objectives(klass).first_token_s
+        return ApiError(
+            ErrorCode.overloaded,
+            f"class {klass.value}: no first token after {waited_s:.1f} s, past the "
+            f"{objective:g} s objective; the request was dropped from the queue",
+            retry_after=max(1.0, objective),
+        )
+
+    def finished(self, model: str, klass: ServiceClass, finished: Finished) -> None:
+        """Learn from a finished request, and measure it against its class's objectives."""
+        m = self._metrics
+        if finished.ttft_s is not None:
+            prefill_s = finished.ttft_s - (finished.queue_s or 0.0)
+            self._rates[model] = self.rates(model).observe(
+                prompt_tokens=finished.prompt_tokens,
+                prefill_s=prefill_s,
+                completion_tokens=finished.completion_tokens,
+                decode_s=finished.duration_s - finished.ttft_s,
+            )
+            m.class_ttft_seconds.labels(klass.value).observe(finished.ttft_s)
+        if finished.finish_reason == "cancelled":
+            return
+        m.class_completion_seconds.labels(klass.value).observe(finished.duration_s)
+        objectives = self.objectives(klass)
+        if finished.queue_s is not None and finished.queue_s > objectives.admit_s:
+            m.slo_misses.labels(klass.value, "admit").inc()
+        if finished.ttft_s is not None and finished.ttft_s > objectives.first_token_s:
+            m.slo_misses.labels(klass.value, "first_token").inc()
+        if finished.duration_s > objectives.complete_s:
+            m.slo_misses.labels(klass.value, "complete").inc()
+
+    # -- failed authentication ---------------------------------------------------------------
+
+    def auth_throttled(self, address: str) -> float:
+        """Seconds this client address must wait before it may try a key again (0: now)."""
+        bucket = self._auth.get(address)
+        return 0.0 if bucket is None else bucket.wait_s(1, time.monotonic())
+
+    def auth_failed(self, address: str) -> None:
+        now = time.monotonic()
+        bucket = self._auth.get(address)
+        if bucket is None:
+            per_minute = self._settings.auth_failures_per_minute
+            bucket = self._auth[address] = TokenBucket.full(per_minute, MINUTE_S, now)
+            while len(self._auth) > _MAX_CLIENTS:
+                self._auth.popitem(last=False)
+        self._auth.move_to_end(address)
+        bucket.charge(1, now)

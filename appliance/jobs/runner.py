@@ -1,0 +1,297 @@
+"""The job runner: pending items from SQLite, through the completion service, as S0 work.
+
+At most `jobs.max_concurrent_items` items generate at once. Each item's result is committed
+(with the end of its job, when it was the last) before the item counts as done, so after a
+restart, even after `kill -9`, the runner picks up exactly the items that have no result: an
+item that was mid-generation runs again, a finished one never does. Its usage event has an
+id made from the item, so it is charged once however often it ran.
+
+Refusals for now are not results: a 429 (a full queue, an overload, a quota) or a 503 (the
+model loading, restarting, out of memory). The item stays pending and the runner pauses,
+with exponential backoff, before it starts anything again: S0 work yields to the traffic
+that caused them. A 429 is retried for as long as it lasts; after `jobs.item_max_attempts`
+503s, the error becomes the item's result (a model that never comes back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from appliance.gateway.completions import (
+    CLIENT_CLOSED,
+    CompletionService,
+    Generation,
+    Prepared,
+    drain,
+    invalid_output,
+    response_body,
+)
+from appliance.gateway.parsing import parse_body
+from appliance.gateway.schemas import (
+    UNSUPPORTED_CHAT,
+    UNSUPPORTED_COMPLETION,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from appliance.jobs.backoff import backoff_s
+from shared.classes import ServiceClass
+from shared.errors import ApiError, ErrorCode
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from appliance.serving.engine import Finished
+    from appliance.settings import JobSettings
+    from appliance.state.jobs import Job, JobStore, PendingItem
+    from appliance.state.store import ApiKey, AsyncStore
+    from shared.telemetry import Metrics
+
+log = logging.getLogger(__name__)
+
+ROUTE = "/v1/jobs"  # the route usage events of job items are recorded under
+CHAT_URL = "/v1/chat/completions"
+TEXT_URL = "/v1/completions"
+
+# "Not now" by HTTP's own meaning, whichever code says why: the item runs again later.
+RETRY_LATER = 429
+UNAVAILABLE = 503
+
+
+@dataclass(frozen=True)
+class _Result:
+    status_code: int
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Retry:
+    error: ApiError
+
+
+@dataclass
+class _Running:
+    item: PendingItem
+    task: asyncio.Task[None] | None = None
+    generation: Generation | None = None
+    cancelled: bool = False
+
+
+class JobRunner:
+    def __init__(
+        self,
+        store: AsyncStore,
+        jobs: JobStore,
+        completions: CompletionService,
+        *,
+        settings: JobSettings,
+        metrics: Metrics,
+        on_end: Callable[[Job], None],
+    ) -> None:
+        self._store = store
+        self._jobs = jobs
+        self._completions = completions
+        self._settings = settings
+        self._metrics = metrics
+        self._on_end = on_end
+        self._running: dict[tuple[str, int], _Running] = {}
+        self._started: set[str] = set()  # jobs this process has marked running
+        self._cancelled: set[str] = set()  # jobs cancelled while pending items were read
+        self._wake = asyncio.Event()
+        self._paused_until = 0.0  # loop time; no item starts before it
+        self._failures = 0  # transient failures in a row: the backoff's exponent
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._dispatch(), name="kvl-job-runner")
+
+    def wake(self) -> None:
+        """Look for work now (a job was created, an item ended)."""
+        self._wake.set()
+
+    def running(self, job_id: str | None = None) -> int:
+        """Items generating now (of one job, or of all)."""
+        return sum(1 for key in self._running if job_id is None or key[0] == job_id)
+
+    def cancel(self, job_id: str) -> None:
+        """Stop the job's items in flight (its cancel is already committed): a generation
+        stops at its next token and its tokens are still recorded."""
+        self._started.discard(job_id)
+        self._cancelled.add(job_id)
+        for running in self._running.values():
+            if running.item.job_id != job_id:
+                continue
+            running.cancelled = True
+            if running.generation is not None:
+                running.generation.cancel()
+            elif running.task is not None:
+                running.task.cancel()  # still preparing: nothing spent yet
+
+    async def close(self) -> None:
+        """Stop: items in flight are abandoned without a result, so they run again at start."""
+        tasks = [r.task for r in self._running.values() if r.task is not None]
+        if self._task is not None:
+            tasks.append(self._task)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _dispatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._wake.clear()
+            timeout: float | None = None
+            pause = self._paused_until - loop.time()
+            if pause > 0:
+                timeout = pause
+            else:
+                try:
+                    await self._launch_pending()
+                except Exception:
+                    # The database failed us (disk full, locked): log, wait, try again.
+                    log.exception("the job runner could not read pending items")
+                    timeout = self._settings.retry_max_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    async def _launch_pending(self) -> None:
+        free = self._settings.max_concurrent_items - len(self._running)
+        if free <= 0:
+            return
+        self._cancelled.clear()
+        items = await self._store.run(self._jobs.pending_items, free, set(self._running))
+        for item in items:
+            if item.job_id in self._cancelled:
+                continue  # read just before its job's cancel was committed
+            running = _Running(item)
+            self._running[item.key] = running
+            running.task = asyncio.create_task(
+                self._run(running), name=f"kvl-job-{item.job_id}-{item.index}"
+            )
+            running.task.add_done_callback(functools.partial(self._forget, item.key))
+        self._metrics.job_items_running.set(len(self._running))
+
+    def _forget(self, key: tuple[str, int], _task: asyncio.Task[None]) -> None:
+        self._running.pop(key, None)
+        self._metrics.job_items_running.set(len(self._running))
+        self._wake.set()
+
+    async def _run(self, running: _Running) -> None:
+        item = running.item
+        try:
+            await self._run_item(running)
+        except Exception as err:
+            # The database failed us (disk full): the item stays pending and runs again.
+            log.exception("job item %s/%d could not be recorded", item.job_id, item.index)
+            self._pause(str(err))
+
+    async def _run_item(self, running: _Running) -> None:
+        item = running.item
+        if item.job_id not in self._started:
+            if await self._store.run(self._jobs.start, item.job_id):
+                self._metrics.jobs.labels("running").inc()
+            self._started.add(item.job_id)
+        try:
+            outcome = await self._execute(running)
+        except Exception:
+            # A bug, not the client's doing: the item's answer is what the route would give.
+            log.exception("job item %s/%d failed", item.job_id, item.index)
+            error = ApiError(ErrorCode.internal_error, f"internal error in job {item.job_id}")
+            outcome = _Result(error.status, error.body())
+        if outcome is None:
+            return  # cancelled with its job
+        if isinstance(outcome, _Retry):
+            error = outcome.error
+            attempts = await self._store.run(self._jobs.retry_item, item.job_id, item.index)
+            if error.status == RETRY_LATER or attempts < self._settings.item_max_attempts:
+                self._metrics.job_items.labels("retried").inc()
+                self._pause(error.message, error.retry_after)
+                return
+            log.warning(
+                "job item %s/%d gives up after %d tries: %s",
+                item.job_id,
+                item.index,
+                attempts,
+                error.message,
+            )
+            outcome = _Result(error.status, error.body())
+        self._failures = 0
+        ended = await self._store.run(
+            self._jobs.finish_item, item.job_id, item.index, outcome.status_code, outcome.body
+        )
+        if ended.recorded:
+            done = "completed" if 200 <= outcome.status_code < 300 else "failed"
+            self._metrics.job_items.labels(done).inc()
+        if ended.ended is not None:
+            self._started.discard(item.job_id)
+            self._metrics.jobs.labels(ended.ended.status).inc()
+            self._on_end(ended.ended)
+
+    async def _execute(self, running: _Running) -> _Result | _Retry | None:
+        """Run one item as its route would, non-streamed; None if its job was cancelled."""
+        item = running.item
+        service = self._completions
+        try:
+            key = await self._key(item)
+            prepared = await self._prepare(item, key)
+            # A job's completions are S0 (the lowest slot priority); the id makes the usage
+            # event the item's own, the same on every run of it.
+            prepared = replace(prepared, service_class=ServiceClass.S0, id=item.usage_id)
+            async with contextlib.aclosing(service.start(prepared)) as generation:
+                running.generation = generation
+                if running.cancelled:
+                    generation.cancel()
+                finished = await drain(generation)
+        except ApiError as err:
+            if err.status in {RETRY_LATER, UNAVAILABLE}:
+                return _Retry(err)
+            return _Result(err.status, err.body())
+        if finished.finish_reason == "cancelled":
+            await self._record(prepared, finished, CLIENT_CLOSED)
+            return None
+        problems = service.problems(prepared, finished)
+        if problems:
+            error = invalid_output(problems)
+            await self._record(prepared, finished, error.status)
+            return _Result(error.status, error.body())
+        await self._record(prepared, finished, 200)
+        return _Result(200, response_body(prepared, finished))
+
+    async def _record(self, prepared: Prepared, finished: Finished, status: int) -> None:
+        # Already recorded: this item finished before a restart and before its result was
+        # committed; it is charged once.
+        if not await self._store.run(self._jobs.usage_recorded, prepared.id):
+            await self._completions.record(prepared, finished, status)
+
+    async def _key(self, item: PendingItem) -> ApiKey:
+        keys = await self._store.run(self._store.sync.list_keys, item.account)
+        key = next((k for k in keys if k.prefix == item.key_prefix), None)
+        if key is None:
+            raise ApiError(ErrorCode.invalid_api_key, "the API key that created this job is gone")
+        if key.revoked:
+            # Revoking a key stops the work it started.
+            raise ApiError(ErrorCode.revoked_api_key, f"the API key {key.prefix} was revoked")
+        return key
+
+    async def _prepare(self, item: PendingItem, key: ApiKey) -> Prepared:
+        # The body was validated at creation; parsing it again gives the request model.
+        if item.url == CHAT_URL:
+            chat = parse_body(ChatCompletionRequest, item.body, UNSUPPORTED_CHAT)
+            return await self._completions.prepare_chat(chat, key, ROUTE)
+        text = parse_body(CompletionRequest, item.body, UNSUPPORTED_COMPLETION)
+        return await self._completions.prepare_text(text, key, ROUTE)
+
+    def _pause(self, reason: str, retry_after: float | None = None) -> None:
+        """Start nothing for a while: the next step of the backoff, or the server's hint."""
+        self._failures += 1
+        s = self._settings
+        wait = backoff_s(self._failures, s.retry_initial_s, s.retry_max_s)
+        if retry_after is not None:
+            wait = max(wait, min(retry_after, s.retry_max_s))
+        loop = asyncio.get_running_loop()
+        self._paused_until = max(self._paused_until, loop.time() + wait)
+        log.info("job runner pauses %.1f s: %s", wait, reason)

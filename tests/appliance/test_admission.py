@@ -1,0 +1,234 @@
+"""Admission control with the real model: early refusals under a burst, the queue shed at
+the first-token objective, S2 preempting S0, quotas, and the authentication throttle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from appliance.app import create_app
+from appliance.gateway.keys import HOST
+from appliance.state.store import ModelRecord, Store
+from shared.classes import ServiceClass
+from shared.errors import ErrorCode
+from tests.conftest import make_settings
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from pytest_aiohttp import AiohttpClient
+
+    from tests.conftest import Client
+
+pytestmark = pytest.mark.model
+
+MODEL = "gemma-3-270m"
+
+
+async def appliance(
+    aiohttp_client: AiohttpClient,
+    tmp_path: Path,
+    default_model: ModelRecord,
+    classes: dict[str, object],
+    n_slots: int = 2,
+) -> tuple[Client, dict[ServiceClass, str]]:
+    settings = make_settings(
+        tmp_path / "data",
+        model={"n_slots": n_slots},
+        embeddings={"enabled": False},
+        classes=classes,
+    )
+    store = Store(settings.db_path)
+    try:
+        store.add_model(default_model)
+        keys = {c: store.create_key(f"account-{c.value}", c).plaintext for c in ServiceClass}
+    finally:
+        store.close()
+    app = create_app(settings)
+    client = await aiohttp_client(app)
+    await app[HOST].wait_loaded()
+    return client, keys
+
+
+async def streamed(
+    client: Client, key: str, prompt: str, max_tokens: int
+) -> tuple[int, float | None, Any, dict[str, str]]:
+    """(status, seconds to the first text chunk, the last JSON seen, headers)."""
+    started = time.monotonic()
+    response = await client.post(
+        "/v1/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    if response.status != 200:
+        return response.status, None, await response.json(), dict(response.headers)
+    first: float | None = None
+    last: Any = None
+    async for raw in response.content:
+        line = raw.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        last = json.loads(line[6:])
+        if first is None and any(c.get("text") for c in last.get("choices", [])):
+            first = time.monotonic() - started
+    return 200, first, last, dict(response.headers)
+
+
+async def test_a_burst_beyond_capacity_is_refused_at_once_and_the_rest_meet_the_objective(
+    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+) -> None:
+    first_token_s = 4.0
+    client, keys = await appliance(
+        aiohttp_client,
+        tmp_path,
+        default_model,
+        {"s1": {"admit_s": 2.0, "first_token_s": first_token_s}},
+    )
+    results = await asyncio.gather(
+        *(
+            streamed(client, keys[ServiceClass.S1], f"Story {i}: once upon a time", 48)
+            for i in range(24)
+        )
+    )
+    served = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] == 429]
+    assert len(served) + len(refused) == 24, [r[0] for r in results]
+    assert len(served) >= 2  # the two slots at least
+    assert len(refused) >= 8  # two slots cannot serve 24 within 4 s
+    for _, _, body, headers in refused:
+        assert body["error"]["code"] == ErrorCode.overloaded
+        assert "S1" in body["error"]["message"]
+        assert 1 <= int(headers["Retry-After"]) <= 60
+    # Everything admitted saw its first token within the class's objective (a request the
+    # prediction let in that then waited too long would have been shed, not served late).
+    for _, ttft, last, _ in served:
+        assert ttft is not None
+        assert ttft <= first_token_s + 0.5
+        assert last["usage"]["completion_tokens"] > 0
+    text = await (await client.get("/metrics")).text()
+    refusals = re.search(
+        r'kvl_admission_decisions_total\{class="S1",decision="(?:admit|first_token)"\} (\S+)', text
+    )
+    assert refusals is not None
+    assert float(refusals.group(1)) >= 1
+
+
+async def test_a_queued_request_past_its_first_token_objective_is_shed(
+    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+) -> None:
+    # One slot. The door predicts from the average completion (64 tokens at first), so a
+    # second request is let in behind a long one, which then holds the slot past the
+    # second's first-token objective: the queue drops it rather than serve it late.
+    client, keys = await appliance(
+        aiohttp_client,
+        tmp_path,
+        default_model,
+        # The door's prior: 64 tokens at 0.05 s, so the running one frees its slot within
+        # 3.2 s by its reckoning, whatever it has made so far: the second is let in.
+        {"s1": {"admit_s": 3.3, "first_token_s": 3.5}},
+        n_slots=1,
+    )
+    key = keys[ServiceClass.S1]
+    long = asyncio.create_task(streamed(client, key, "The history of the world begins", 1500))
+    await asyncio.sleep(0.5)
+    status, _, body, headers = await streamed(client, key, "Hello", 8)
+    assert status == 429, body
+    assert body["error"]["code"] == ErrorCode.overloaded
+    assert "dropped from the queue" in body["error"]["message"]
+    assert int(headers["Retry-After"]) >= 1
+    long.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await long
+    text = await (await client.get("/metrics")).text()
+    assert 'kvl_admission_sheds_total{class="S1"} 1.0' in text
+
+
+async def test_s2_arriving_preempts_running_s0_work_which_still_completes(
+    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+) -> None:
+    client, keys = await appliance(aiohttp_client, tmp_path, default_model, {}, n_slots=1)
+    background = asyncio.create_task(
+        streamed(client, keys[ServiceClass.S0], "A long tale of a river and its town", 300)
+    )
+    await asyncio.sleep(1.0)  # S0 holds the only slot and is generating
+    status, ttft, _last, _ = await streamed(client, keys[ServiceClass.S2], "The capital of", 4)
+    assert status == 200
+    assert ttft is not None
+    s0_status, _, s0_last, _ = await background
+    assert s0_status == 200
+    assert s0_last["usage"]["completion_tokens"] > 4
+    preemptions = None
+    for _ in range(30):  # counted in the worker's heartbeat, once a second
+        text = await (await client.get("/metrics")).text()
+        if preemptions := re.search(r"kvl_preemptions_total\{[^}]*\} (\S+)", text):
+            break
+        await asyncio.sleep(0.1)
+    assert preemptions is not None
+    assert float(preemptions.group(1)) >= 1
+
+
+async def test_quotas_refuse_name_the_quota_and_recover(
+    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+) -> None:
+    client, keys = await appliance(
+        aiohttp_client,
+        tmp_path,
+        default_model,
+        {"s1": {"requests_per_minute": 60}, "s2": {"tokens_per_day": 30}},
+    )
+    headers = {"Authorization": f"Bearer {keys[ServiceClass.S1]}"}
+    body = {"model": "no-such-model", "prompt": "x"}  # cheap: refused after the quota check
+    statuses = [
+        (await client.post("/v1/completions", headers=headers, json=body)).status for _ in range(60)
+    ]
+    assert statuses == [404] * 60
+    over = await client.post("/v1/completions", headers=headers, json=body)
+    assert over.status == 429
+    error = (await over.json())["error"]
+    assert error["code"] == ErrorCode.quota_exceeded
+    assert "requests_per_minute" in error["message"]
+    assert over.headers["Retry-After"] == "1"  # one request back per second
+    await asyncio.sleep(1.1)
+    assert (await client.post("/v1/completions", headers=headers, json=body)).status == 404
+
+    # Tokens per day are charged with what a request actually used.
+    s2 = {"Authorization": f"Bearer {keys[ServiceClass.S2]}"}
+    spend = {"model": MODEL, "prompt": "Count to ten: one, two,", "max_tokens": 24}
+    first = await client.post("/v1/completions", headers=s2, json=spend)
+    assert first.status == 200
+    used = (await first.json())["usage"]["total_tokens"]
+    assert used > 30
+    refused = await client.post("/v1/completions", headers=s2, json=spend)
+    assert refused.status == 429
+    assert "tokens_per_day" in (await refused.json())["error"]["message"]
+    assert int(refused.headers["Retry-After"]) > 3600  # the debt refills over the day
+
+
+async def test_failed_authentication_is_throttled_per_address(
+    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+) -> None:
+    client, keys = await appliance(
+        aiohttp_client, tmp_path, default_model, {"auth_failures_per_minute": 3}
+    )
+    wrong = {"Authorization": "Bearer kvl_nothere0_" + "x" * 32}
+    assert [(await client.get("/v1/models", headers=wrong)).status for _ in range(3)] == [401] * 3
+    throttled = await client.get("/v1/models", headers=wrong)
+    assert throttled.status == 429
+    assert (await throttled.json())["error"]["code"] == ErrorCode.too_many_auth_failures
+    assert int(throttled.headers["Retry-After"]) >= 1
+    # From this address even a good key waits: guessing is what is being slowed down.
+    good = {"Authorization": f"Bearer {keys[ServiceClass.S1]}"}
+    assert (await client.get("/v1/models", headers=good)).status == 429

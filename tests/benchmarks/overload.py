@@ -1,0 +1,273 @@
+"""Overload: open-loop arrivals at 0.8x and 3x capacity, the appliance against llama-server.
+
+What is compared
+    * the appliance (``model.n_slots=4``, two threads, S1 objectives of an interactive LAN
+      service: a slot within ``--admit-s``, the first token within ``--first-token-s``) and
+      ``llama-server -np 4 -c 8192 -t 2`` with the aligned arguments of serving.py, on the
+      same GGUF file, one after the other;
+    * each server's capacity is measured first: 4 closed-loop clients (one per slot) for
+      ``--capacity-s`` seconds, completed requests per second;
+    * then requests arrive on a fixed schedule (open loop: a request is sent at its time
+      whatever happened to the others) at 0.8x and at 3x that capacity for ``--duration-s``
+      seconds each. Latency is measured from the scheduled time, so a client that falls
+      behind cannot hide queueing (no coordinated omission).
+
+Figures per server and load: TTFT p50/p99 of the requests served; goodput (requests
+served with their first token within the objective, per second) as a share of capacity;
+the answers refused (429) and their latency p50/p99. Targets at 3x, for the appliance:
+p99 TTFT of admitted requests at most 1.5x its p99 at 0.8x; goodput at least 90 % of
+capacity; 429s answered with p99 under 10 ms. llama-server's p99 TTFT at 3x is reported
+beside the appliance's, as a ratio.
+
+Run: ``python -m tests.benchmarks.overload``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+from tests.benchmarks import serving as base
+from tests.benchmarks.concurrency import _percentile
+from tests.benchmarks.llama_server import build_llama_server
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overload.json"
+SLOTS = 4
+PROMPTS = base.PROMPTS
+TARGETS = {"p99_ttft_ratio_3x_to_0_8x": 1.5, "goodput_share": 0.9, "refusal_p99_ms": 10.0}
+
+
+@dataclass
+class Outcome:
+    status: int
+    ttft_s: float | None  # from the scheduled time
+    latency_s: float  # scheduled time to the end of the response
+
+
+async def one(
+    session: aiohttp.ClientSession, server: base.Server, prompt: str, max_tokens: int, due: float
+) -> Outcome:
+    body = {
+        "model": base.MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    ttft: float | None = None
+    try:
+        async with session.post(
+            server.base_url + "/v1/completions", json=body, headers=server.headers
+        ) as resp:
+            if resp.status != 200:
+                await resp.read()
+                return Outcome(resp.status, None, time.perf_counter() - due)
+            async for raw in resp.content:
+                if (
+                    ttft is None
+                    and raw.startswith(b"data:")
+                    and b'"text":"' in raw.replace(b" ", b"")
+                ):
+                    ttft = time.perf_counter() - due
+    except aiohttp.ClientError:
+        return Outcome(0, None, time.perf_counter() - due)
+    return Outcome(200, ttft, time.perf_counter() - due)
+
+
+async def capacity(server: base.Server, seconds: float, max_tokens: int) -> float:
+    """Completed requests per second with one closed-loop client per slot."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        await base.stream_completion(session, server, base.WARMUP_PROMPT, 8)
+        done = 0
+        stop = time.perf_counter() + seconds
+
+        async def client(i: int) -> None:
+            nonlocal done
+            while time.perf_counter() < stop:
+                outcome = await one(
+                    session, server, PROMPTS[i % len(PROMPTS)], max_tokens, time.perf_counter()
+                )
+                if outcome.status == 200:
+                    done += 1
+                i += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client(i) for i in range(SLOTS)))
+        return done / (time.perf_counter() - started)
+
+
+async def open_loop(
+    server: base.Server, rate: float, seconds: float, max_tokens: int
+) -> list[Outcome]:
+    timeout = aiohttp.ClientTimeout(total=900)
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        start = time.perf_counter() + 0.2
+        count = int(rate * seconds)
+        tasks = []
+        for i in range(count):
+            due = start + i / rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            prompt = PROMPTS[i % len(PROMPTS)]
+            tasks.append(asyncio.create_task(one(session, server, prompt, max_tokens, due)))
+        return list(await asyncio.gather(*tasks))
+
+
+def summarize(
+    outcomes: list[Outcome], seconds: float, cap: float, objective_s: float
+) -> dict[str, Any]:
+    served = [o for o in outcomes if o.status == 200 and o.ttft_s is not None]
+    refused = [o for o in outcomes if o.status == 429]
+    ttfts = sorted(o.ttft_s for o in served if o.ttft_s is not None)
+    refusals = sorted(o.latency_s * 1000 for o in refused)
+    good = sum(1 for t in ttfts if t <= objective_s)
+    return {
+        "sent": len(outcomes),
+        "served": len(served),
+        "refused_429": len(refused),
+        "other": len(outcomes) - len(served) - len(refused),
+        "ttft_ms_p50": round(statistics.median(ttfts) * 1000, 1) if ttfts else None,
+        "ttft_ms_p99": round(_percentile(ttfts, 0.99) * 1000, 1) if ttfts else None,
+        "goodput_rps": round(good / seconds, 3),
+        "goodput_share_of_capacity": round(good / seconds / cap, 3) if cap else None,
+        "refusal_ms_p50": round(statistics.median(refusals), 2) if refusals else None,
+        "refusal_ms_p99": round(_percentile(refusals, 0.99), 2) if refusals else None,
+    }
+
+
+def start(
+    name: str, work: Path, data_dir: Path, key: str, *, model: Path | None, args: Any
+) -> base.Server:
+    port = base.free_port()
+    log_path = work / f"{name}-overload.log"
+    if name == "appliance":
+        command = [*base.kvl_executable(), "appliance", "serve", "--data-dir", str(data_dir)]
+        command += ["--host", base.HOST, "--port", str(port)]
+        env = base.appliance_env()
+        env.update(
+            {
+                "KVL_MODEL__N_SLOTS": str(SLOTS),
+                "KVL_MODEL__MAX_QUEUE": "256",
+                "KVL_CLASSES__S1__ADMIT_S": str(args.admit_s),
+                "KVL_CLASSES__S1__FIRST_TOKEN_S": str(args.first_token_s),
+                "KVL_CLASSES__S1__REQUESTS_PER_MINUTE": "0",
+            }
+        )
+        with log_path.open("ab") as log:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        headers = {"Authorization": f"Bearer {key}"}
+        return base.Server(name, f"http://{base.HOST}:{port}", "/readyz", headers, proc, log_path)
+    assert model is not None
+    binary = build_llama_server().binary
+    command = [str(binary), "-m", str(model), "--host", base.HOST, "--port", str(port)]
+    command += ["-t", str(base.N_THREADS), "-c", str(base.N_CTX * SLOTS), "-np", str(SLOTS)]
+    command += list(base.ALIGNED_LLAMA_SERVER_ARGS)
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    return base.Server(name, f"http://{base.HOST}:{port}", "/health", {}, proc, log_path)
+
+
+def measure(server: base.Server, args: Any) -> dict[str, Any]:
+    try:
+        base.wait_ready(server, timeout_s=600)
+        cap = asyncio.run(capacity(server, args.capacity_s, args.max_tokens))
+        base.say(f"  {server.name}: capacity {cap:.2f} requests/s")
+        figures: dict[str, Any] = {"capacity_rps": round(cap, 3)}
+        for factor in (0.8, 3.0):
+            outcomes = asyncio.run(
+                open_loop(server, cap * factor, args.duration_s, args.max_tokens)
+            )
+            figures[f"load_{factor}x"] = summarize(
+                outcomes, args.duration_s, cap, args.first_token_s
+            )
+            base.say(f"  {server.name} at {factor}x: {figures[f'load_{factor}x']}")
+        return figures
+    finally:
+        base.stop(server)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Open-loop overload, appliance vs llama-server.")
+    parser.add_argument("--duration-s", type=float, default=20.0, help="per load level (20)")
+    parser.add_argument("--capacity-s", type=float, default=15.0, help="capacity run (15)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens (32)")
+    parser.add_argument("--admit-s", type=float, default=0.5, help="S1 SLO.A (0.5)")
+    parser.add_argument("--first-token-s", type=float, default=1.0, help="S1 SLO.B (1.0)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
+    args = parser.parse_args(argv)
+    build_llama_server()
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kvl-bench-") as tmp:
+        work = Path(tmp)
+        data_dir = work / "data"
+        key = base.create_key(data_dir)
+        base.say("overload: the appliance")
+        results["appliance"] = measure(
+            start("appliance", work, data_dir, key, model=None, args=args), args
+        )
+        model = base._model_file(data_dir)
+        base.say("overload: llama-server")
+        results["llama_server"] = measure(
+            start("llama-server", work, data_dir, key, model=model, args=args), args
+        )
+    app, ref = results["appliance"], results["llama_server"]
+    low, high = app["load_0.8x"], app["load_3.0x"]
+    ratios = {
+        "appliance_p99_ttft_3x_over_0_8x": _ratio(high["ttft_ms_p99"], low["ttft_ms_p99"]),
+        "appliance_goodput_share_3x": high["goodput_share_of_capacity"],
+        "appliance_refusal_ms_p99_3x": high["refusal_ms_p99"],
+        "p99_ttft_3x_appliance_over_llama_server": _ratio(
+            high["ttft_ms_p99"], ref["load_3.0x"]["ttft_ms_p99"]
+        ),
+    }
+    result = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "cpu": base.cpu_model(),
+            "logical_cpus": os.cpu_count(),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        },
+        "settings": {
+            "slots": SLOTS,
+            "max_tokens": args.max_tokens,
+            "duration_s": args.duration_s,
+            "capacity_s": args.capacity_s,
+            "s1_admit_s": args.admit_s,
+            "s1_first_token_s": args.first_token_s,
+            "prompts": list(PROMPTS),
+        },
+        "targets": TARGETS,
+        "appliance": app,
+        "llama_server": ref,
+        "ratios": ratios,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    base.say(json.dumps(ratios, indent=2))
+    base.say(f"written to {args.out}")
+    return 0
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
