@@ -21,6 +21,7 @@ from appliance.gateway.keys import (
     NODE_ID,
     SETTINGS,
     STORE,
+    TRACING,
 )
 from appliance.gateway.middleware import authenticate, errors_and_metrics
 from appliance.gateway.routes import ROUTES
@@ -29,6 +30,7 @@ from appliance.serving.registry import ModelRegistry
 from appliance.state.store import AsyncStore
 from shared import __version__
 from shared.telemetry import Metrics
+from shared.tracing import Tracing
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -48,6 +50,7 @@ def create_app(settings: ApplianceSettings) -> web.Application:
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler)
     app.cleanup_ctx.append(_store)
+    app.cleanup_ctx.append(_tracing)
     app.cleanup_ctx.append(_models)
     app.cleanup_ctx.append(_jobs)
     app.cleanup_ctx.append(_embeddings)
@@ -65,6 +68,19 @@ async def _store(app: web.Application) -> AsyncIterator[None]:
     await store.close()
 
 
+async def _tracing(app: web.Application) -> AsyncIterator[None]:
+    t = app[SETTINGS].tracing
+    tracing = Tracing.otlp(
+        t.otlp_endpoint,
+        service=t.service_name,
+        attributes={"service.version": __version__, "service.instance.id": app[NODE_ID]},
+        sample_ratio=t.sample_ratio,
+    )
+    app[TRACING] = tracing
+    yield
+    tracing.shutdown()
+
+
 async def _models(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     host = ModelRegistry(app[STORE], settings, app[METRICS])
@@ -72,7 +88,12 @@ async def _models(app: web.Application) -> AsyncIterator[None]:
     admission = AdmissionControl(settings.classes, app[STORE], app[METRICS])
     app[ADMISSION] = admission
     app[COMPLETIONS] = CompletionService(
-        host, app[STORE], app[METRICS], settings.model.max_tokens_limit, admission
+        host,
+        app[STORE],
+        app[METRICS],
+        settings.model.max_tokens_limit,
+        admission=admission,
+        tracing=app[TRACING],
     )
     host.start()
     yield

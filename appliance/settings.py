@@ -392,6 +392,25 @@ class ClassSettings(_Section):
         return merged
 
 
+class TracingSettings(_Section):
+    otlp_endpoint: str | None = Field(
+        None,
+        min_length=1,
+        max_length=2000,
+        pattern=r"^https?://",
+        description=(
+            "OTLP/HTTP traces endpoint (`http://collector:4318/v1/traces`); when set, every "
+            "stage of each request is an OpenTelemetry span. Unset: no tracing."
+        ),
+    )
+    service_name: str = Field(
+        "kovenlab-appliance", min_length=1, max_length=200, description="`service.name`."
+    )
+    sample_ratio: float = Field(
+        1.0, ge=0.0, le=1.0, description="Share of requests traced (parent-based sampling)."
+    )
+
+
 class ApplianceSettings(BaseSettings):
     model_config = SettingsConfigDict(extra="forbid")
 
@@ -413,6 +432,9 @@ class ApplianceSettings(BaseSettings):
     jobs: JobSettings = Field(
         default_factory=JobSettings,
         description="Durable asynchronous jobs (`/v1/jobs`) and their signed webhooks.",
+    )
+    tracing: TracingSettings = Field(
+        default_factory=TracingSettings, description="OpenTelemetry tracing (OTLP/HTTP)."
     )
     classes: ClassSettings = Field(
         default_factory=ClassSettings,

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from appliance.gateway.admission import AdmissionControl
     from shared.classes import ServiceClass
     from shared.telemetry import Metrics
+    from shared.tracing import Tracing
 
 Kind = Literal["chat", "text"]
 
@@ -65,6 +66,7 @@ class Prepared:
     # The class the request runs in: the account's, unless its caller says otherwise (a
     # job's completions run as S0).
     service_class: ServiceClass | None = None
+    submitted_at: float | None = None  # wall clock, when it went to the worker
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -84,16 +86,19 @@ class CompletionService:
         store: AsyncStore,
         metrics: Metrics,
         max_tokens_limit: int,
+        *,
         admission: AdmissionControl,
+        tracing: Tracing,
     ) -> None:
         self._host = host
         self._store = store
         self._metrics = metrics
         self._max_tokens_limit = max_tokens_limit
         self._admission = admission
+        self._tracing = tracing
 
     async def prepare_chat(self, req: ChatCompletionRequest, key: ApiKey, route: str) -> Prepared:
-        await self._admission.check_quota(key, key.account.service_class)
+        await self._quota(key)
         engine = await self._engine(req.model)
         template = engine.require_vocab().chat_template
         messages = [{"role": _role(m.role), "content": m.text()} for m in req.messages]
@@ -124,7 +129,7 @@ class CompletionService:
         )
 
     async def prepare_text(self, req: CompletionRequest, key: ApiKey, route: str) -> Prepared:
-        await self._admission.check_quota(key, key.account.service_class)
+        await self._quota(key)
         engine = await self._engine(req.model)
         if isinstance(req.prompt, list):
             if len(req.prompt) != 1:
@@ -172,9 +177,15 @@ class CompletionService:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
 
+    async def _quota(self, key: ApiKey) -> None:
+        klass = key.account.service_class
+        with self._tracing.span("quota", {"kvl.class": klass.value}):
+            await self._admission.check_quota(key, klass)
+
     async def _engine(self, model: str) -> Deployment:
         try:
-            return await self._host.resolve(model)
+            with self._tracing.span("router", {"kvl.model": model}):
+                return await self._host.resolve(model)
         except UnknownModelError as err:
             raise ApiError(ErrorCode.model_not_found, str(err), param="model") from err
         except ModelNotReadyError as err:
@@ -227,9 +238,11 @@ class CompletionService:
         """Submit the generation; iterate the result for its events."""
         klass = prepared.klass
         request = replace(prepared.request, priority=klass.priority)
-        self._admission.admit(
-            prepared.engine, klass, len(request.prompt_tokens), request.max_tokens
-        )
+        with self._tracing.span("admission", {"kvl.class": klass.value}):
+            self._admission.admit(
+                prepared.engine, klass, len(request.prompt_tokens), request.max_tokens
+            )
+        prepared.submitted_at = time.time()
         try:
             run = prepared.engine.submit(request)
         except QueueFullError as err:
@@ -244,7 +257,32 @@ class CompletionService:
         objective = self._admission.objectives(klass).first_token_s
         return Generation(run, objective, lambda waited: self._admission.shed(klass, waited))
 
+    def _trace_generation(self, prepared: Prepared, finished: Finished) -> None:
+        """The worker's side as spans, from its own timings: waiting for a batch slot, then
+        prefill and decode in the slot."""
+        start = prepared.submitted_at
+        if start is None or not self._tracing.enabled:
+            return
+        admitted = start + (finished.queue_s or 0.0)
+        self._tracing.record("batcher", start, admitted, {"kvl.model": prepared.model})
+        self._tracing.record(
+            "worker",
+            admitted,
+            start + finished.duration_s,
+            {
+                "kvl.model": prepared.model,
+                "kvl.prompt_tokens": finished.prompt_tokens,
+                "kvl.completion_tokens": finished.completion_tokens,
+                "kvl.ttft_s": finished.ttft_s,
+                "kvl.finish_reason": finished.finish_reason,
+            },
+        )
+
     def problems(self, prepared: Prepared, finished: Finished) -> list[str]:
+        with self._tracing.span("validation", {"kvl.structured": prepared.structured is not None}):
+            return self._problems(prepared, finished)
+
+    def _problems(self, prepared: Prepared, finished: Finished) -> list[str]:
         """Why the output fails its structured-output contract (empty when it holds)."""
         if prepared.structured is None or finished.finish_reason == "cancelled":
             return []
@@ -255,6 +293,7 @@ class CompletionService:
 
     async def record(self, prepared: Prepared, finished: Finished, status: int) -> None:
         """Count the tokens and commit the usage event (before the response completes)."""
+        self._trace_generation(prepared, finished)
         m = self._metrics
         model = prepared.model
         m.prompt_tokens.labels(model).inc(finished.prompt_tokens)

@@ -22,7 +22,15 @@ from appliance.gateway.completions import (
     response_body,
 )
 from appliance.gateway.embeddings import response_body as embeddings_body
-from appliance.gateway.keys import COMPLETIONS, EMBEDDINGS, HOST, METRICS, NODE_ID, api_key
+from appliance.gateway.keys import (
+    COMPLETIONS,
+    EMBEDDINGS,
+    HOST,
+    METRICS,
+    NODE_ID,
+    TRACING,
+    api_key,
+)
 from appliance.gateway.middleware import route_label
 from appliance.gateway.parsing import parse_body, read_json
 from appliance.gateway.schemas import (
@@ -181,13 +189,14 @@ async def _stream(
     service = request.app[COMPLETIONS]
     response = await sse.open_stream(request, headers)
     try:
-        if prepared.kind == "chat":
-            await sse.send(response, chunk_body(prepared, role=True))
-        event = first
-        while isinstance(event, TextDelta):
-            await sse.send(response, chunk_body(prepared, text=event.text))
-            event = await anext(generation)
-        finished = event
+        with request.app[TRACING].span("stream", {"kvl.model": prepared.model}):
+            if prepared.kind == "chat":
+                await sse.send(response, chunk_body(prepared, role=True))
+            event = first
+            while isinstance(event, TextDelta):
+                await sse.send(response, chunk_body(prepared, text=event.text))
+                event = await anext(generation)
+            finished = event
     except ApiError as err:
         # Failed after the stream began (the worker died): the error is the last event.
         # The tokens it spent died with it; nothing reached the client as a finished answer.

@@ -11,6 +11,7 @@ from appliance.serving.registry import ModelRegistry
 from appliance.settings import ApplianceSettings
 from appliance.state.store import ApiKey, AsyncStore
 from shared.telemetry import Metrics
+from shared.tracing import Tracing
 
 SETTINGS = web.AppKey("settings", ApplianceSettings)
 STORE = web.AppKey("store", AsyncStore)
@@ -20,6 +21,7 @@ COMPLETIONS = web.AppKey("completions", CompletionService)
 ADMISSION = web.AppKey("admission", AdmissionControl)
 EMBEDDINGS = web.AppKey("embeddings", EmbeddingService)
 NODE_ID = web.AppKey("node_id", str)
+TRACING = web.AppKey("tracing", Tracing)
 
 # Per request: the authenticated key (set by the auth middleware on /v1 routes).
 REQUEST_KEY = web.RequestKey("key", ApiKey)

@@ -6,12 +6,17 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
+from opentelemetry.trace import SpanKind
 
-from appliance.gateway.keys import ADMISSION, METRICS, REQUEST_ID, REQUEST_KEY, STORE
+from appliance.gateway.keys import ADMISSION, METRICS, REQUEST_ID, REQUEST_KEY, STORE, TRACING
 from shared.errors import ApiError, ErrorCode, error_body
+
+if TYPE_CHECKING:
+    from appliance.state.store import ApiKey
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +42,33 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     started = time.perf_counter()
     route = route_label(request)
     metrics = request.app[METRICS]
+    with request.app[TRACING].span(
+        f"{request.method} {route}",
+        {
+            "http.request.method": request.method,
+            "url.path": request.path,
+            "http.route": route,
+            "kvl.request_id": request_id,
+        },
+        kind=SpanKind.SERVER,
+    ) as span:
+        response, code = await _answer(request, handler, request_id)
+        span.set_attribute("http.response.status_code", response.status)
+        if code is not None:
+            span.set_attribute("error.type", code.value)
+    if not response.prepared:
+        response.headers["X-Request-Id"] = request_id
+    metrics.requests.labels(route, request.method, str(response.status)).inc()
+    if code is not None:
+        metrics.errors.labels(route, code.value).inc()
+    metrics.request_seconds.labels(route).observe(time.perf_counter() - started)
+    return response
+
+
+async def _answer(
+    request: web.Request, handler: Handler, request_id: str
+) -> tuple[web.StreamResponse, ErrorCode | None]:
+    """The handler's response, or the error shape of whatever it raised, and its code."""
     code: ErrorCode | None = None
     try:
         response = await handler(request)
@@ -63,13 +95,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         response = web.json_response(
             error_body(code, f"internal error; request id {request_id}"), status=code.status
         )
-    if not response.prepared:
-        response.headers["X-Request-Id"] = request_id
-    metrics.requests.labels(route, request.method, str(response.status)).inc()
-    if code is not None:
-        metrics.errors.labels(route, code.value).inc()
-    metrics.request_seconds.labels(route).observe(time.perf_counter() - started)
-    return response
+    return response, code
 
 
 def _http_message(exc: web.HTTPException, request: web.Request) -> str:
@@ -89,6 +115,14 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
     """Every /v1 route needs `Authorization: Bearer <key>` of a key that is not revoked."""
     if not request.path.startswith("/v1/") and request.path != "/v1":
         return await handler(request)
+    with request.app[TRACING].span("auth"):
+        key = await _authenticated(request)
+    request[REQUEST_KEY] = key
+    return await handler(request)
+
+
+async def _authenticated(request: web.Request) -> ApiKey:
+    """The request's key, not revoked, from an address that is not throttled."""
     admission = request.app[ADMISSION]
     address = request.remote or "unknown"
     if (wait := admission.auth_throttled(address)) > 0:
@@ -121,5 +155,4 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
             f"the API key {key.prefix} is not an admin key; create one with "
             "`kvl appliance keys create --account NAME --admin`",
         )
-    request[REQUEST_KEY] = key
-    return await handler(request)
+    return key

@@ -55,6 +55,7 @@ class Outcome:
     status: int
     ttft_s: float | None  # from the scheduled time
     latency_s: float  # scheduled time to the end of the response
+    shed: bool = False  # a 429 for a request dropped from the queue, not refused at the door
 
 
 async def one(
@@ -73,8 +74,10 @@ async def one(
             server.base_url + "/v1/completions", json=body, headers=server.headers
         ) as resp:
             if resp.status != 200:
-                await resp.read()
-                return Outcome(resp.status, None, time.perf_counter() - due)
+                text = await resp.text()
+                return Outcome(
+                    resp.status, None, time.perf_counter() - due, "dropped from the queue" in text
+                )
             async for raw in resp.content:
                 if (
                     ttft is None
@@ -134,7 +137,8 @@ def summarize(
     outcomes: list[Outcome], seconds: float, cap: float, objective_s: float
 ) -> dict[str, Any]:
     served = [o for o in outcomes if o.status == 200 and o.ttft_s is not None]
-    refused = [o for o in outcomes if o.status == 429]
+    refused = [o for o in outcomes if o.status == 429 and not o.shed]
+    shed = [o for o in outcomes if o.status == 429 and o.shed]
     ttfts = sorted(o.ttft_s for o in served if o.ttft_s is not None)
     refusals = sorted(o.latency_s * 1000 for o in refused)
     good = sum(1 for t in ttfts if t <= objective_s)
@@ -142,7 +146,8 @@ def summarize(
         "sent": len(outcomes),
         "served": len(served),
         "refused_429": len(refused),
-        "other": len(outcomes) - len(served) - len(refused),
+        "shed_429": len(shed),
+        "other": len(outcomes) - len(served) - len(refused) - len(shed),
         "ttft_ms_p50": round(statistics.median(ttfts) * 1000, 1) if ttfts else None,
         "ttft_ms_p99": round(_percentile(ttfts, 0.99) * 1000, 1) if ttfts else None,
         "goodput_rps": round(good / seconds, 3),

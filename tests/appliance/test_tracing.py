@@ -1,0 +1,102 @@
+"""OpenTelemetry spans of every request stage, received by a real OTLP/HTTP endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import pytest
+from aiohttp import web
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+from appliance.app import create_app
+from appliance.gateway.keys import HOST, TRACING
+from appliance.state.store import ModelRecord, Store
+from tests.conftest import make_settings
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span
+    from pytest_aiohttp import AiohttpClient, AiohttpServer
+
+pytestmark = pytest.mark.model
+
+
+async def test_every_stage_of_a_request_is_a_span_of_one_trace(
+    aiohttp_client: AiohttpClient,
+    aiohttp_server: AiohttpServer,
+    tmp_path: Path,
+    default_model: ModelRecord,
+) -> None:
+    received: list[Span] = []
+    services: set[str] = set()
+
+    async def traces(request: web.Request) -> web.Response:
+        export = ExportTraceServiceRequest.FromString(await request.read())
+        for resource_spans in export.resource_spans:
+            for attribute in resource_spans.resource.attributes:
+                if attribute.key == "service.name":
+                    services.add(attribute.value.string_value)
+            for scope in resource_spans.scope_spans:
+                received.extend(scope.spans)
+        body = ExportTraceServiceResponse().SerializeToString()
+        return web.Response(body=body, content_type="application/x-protobuf")
+
+    collector = web.Application()
+    collector.router.add_post("/v1/traces", traces)
+    server = await aiohttp_server(collector)
+
+    settings = make_settings(
+        tmp_path / "data",
+        embeddings={"enabled": False},
+        tracing={"otlp_endpoint": str(server.make_url("/v1/traces"))},
+    )
+    store = Store(settings.db_path)
+    try:
+        store.add_model(default_model)
+        key = store.create_key("traced").plaintext
+    finally:
+        store.close()
+    app = create_app(settings)
+    client = await aiohttp_client(app)
+    await app[HOST].wait_loaded()
+
+    response = await client.post(
+        "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={
+            "model": "gemma-3-270m",
+            "messages": [{"role": "user", "content": "Say hello"}],
+            "max_tokens": 4,
+            "stream": True,
+        },
+    )
+    assert response.status == 200
+    await response.read()
+    app[TRACING].flush()
+    for _ in range(50):
+        if any(s.name == "stream" for s in received):
+            break
+        await asyncio.sleep(0.1)
+
+    by_name = {span.name: span for span in received}
+    stages = ["auth", "quota", "router", "admission", "batcher", "worker", "validation", "stream"]
+    assert set(stages) <= set(by_name), sorted(by_name)
+    root = by_name["POST /v1/chat/completions"]
+    assert root.parent_span_id == b""
+    assert services == {"kovenlab-appliance"}
+    for name in stages:
+        span = by_name[name]
+        assert span.trace_id == root.trace_id, name
+        assert span.parent_span_id == root.span_id, name
+        assert span.end_time_unix_nano >= span.start_time_unix_nano, name
+    # The worker's own timings place its spans in order: queued, then generating.
+    assert by_name["batcher"].end_time_unix_nano <= by_name["worker"].start_time_unix_nano + 1000
+    attributes = {a.key: a.value for a in by_name["worker"].attributes}
+    assert attributes["kvl.completion_tokens"].int_value > 0
+    status = {a.key: a.value for a in root.attributes}["http.response.status_code"]
+    assert status.int_value == 200
