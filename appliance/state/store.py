@@ -7,26 +7,19 @@ event loop never waits on disk.
 
 from __future__ import annotations
 
-import asyncio
-import sqlite3
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
-
-from sqlite_utils import Database
+from typing import TYPE_CHECKING, Any
 
 from appliance.state.migrations import migrations
+from shared import db
 from shared.classes import DEFAULT_CLASS, ServiceClass
 from shared.keys import NewKey, generate_key, key_matches, parse_prefix
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from pathlib import Path
 
-P = ParamSpec("P")
-T = TypeVar("T")
+    from sqlite_utils import Database
 
 
 class StoreError(Exception):
@@ -96,22 +89,12 @@ class ModelRecord:
         return f"{self.name}@{self.version}"
 
 
-def now_iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="microseconds")
+now_iso = db.now_iso
 
 
 class Store:
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # check_same_thread=False: AsyncStore opens here and then uses the connection
-        # from its one writer thread only.
-        conn = sqlite3.connect(str(path), check_same_thread=False, timeout=30.0)
-        self.db = Database(conn)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        # FULL makes every commit durable before we answer the client (see ARCHITECTURE §5).
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        migrations.apply(self.db)
+        self.db = db.open_database(path, migrations)
 
     def close(self) -> None:
         self.db.close()
@@ -354,32 +337,8 @@ def _api_key(row: dict[str, Any]) -> ApiKey:
     )
 
 
-class AsyncStore:
-    """The store for the event loop: every call runs on one dedicated writer thread."""
+class AsyncStore(db.AsyncStore[Store]):
+    """The appliance's store on its writer thread (shared.db.AsyncStore)."""
 
     def __init__(self, path: Path) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvl-store")
-        self._path = path
-        self._store: Store | None = None
-
-    async def open(self) -> None:
-        self._store = await self._submit(Store, self._path)
-
-    async def close(self) -> None:
-        if self._store is not None:
-            await self._submit(self._store.close)
-        self._executor.shutdown(wait=True)
-
-    @property
-    def sync(self) -> Store:
-        if self._store is None:
-            raise RuntimeError("AsyncStore.open() was not awaited")
-        return self._store
-
-    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """Run a Store method (``store.run(store.sync.get_model, ...)``) on the writer thread."""
-        return await self._submit(fn, *args, **kwargs)
-
-    async def _submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+        super().__init__(Store, path)

@@ -1,0 +1,79 @@
+"""SQLite as both services use it: one file in WAL mode, durable commits, append-only
+migrations, and one writer thread for the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Generic, ParamSpec, Protocol, TypeVar
+
+from sqlite_utils import Database
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
+    from sqlite_utils.migrations import Migrations
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def open_database(path: Path, migrations: Migrations) -> Database:
+    """The database at ``path`` (created if new), migrated to the latest schema."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # check_same_thread=False: an AsyncStore opens it on its thread and uses it only there.
+    conn = sqlite3.connect(str(path), check_same_thread=False, timeout=30.0)
+    db = Database(conn)
+    db.execute("PRAGMA journal_mode=WAL")
+    # FULL makes every commit durable before the client is answered (ARCHITECTURE §5).
+    db.execute("PRAGMA synchronous=FULL")
+    db.execute("PRAGMA foreign_keys=ON")
+    migrations.apply(db)
+    return db
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds")
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+S = TypeVar("S", bound=Closable)
+
+
+class AsyncStore(Generic[S]):
+    """A synchronous store for the event loop: every call runs on one dedicated thread, so
+    there is exactly one writer per process and the loop never waits on disk."""
+
+    def __init__(self, factory: Callable[[Path], S], path: Path) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvl-store")
+        self._factory = factory
+        self._path = path
+        self._store: S | None = None
+
+    async def open(self) -> None:
+        self._store = await self._submit(self._factory, self._path)
+
+    async def close(self) -> None:
+        if self._store is not None:
+            await self._submit(self._store.close)
+        self._executor.shutdown(wait=True)
+
+    @property
+    def sync(self) -> S:
+        if self._store is None:
+            raise RuntimeError("AsyncStore.open() was not awaited")
+        return self._store
+
+    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run a store method (``store.run(store.sync.get_model, ...)``) on the writer thread."""
+        return await self._submit(fn, *args, **kwargs)
+
+    async def _submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
