@@ -1,7 +1,10 @@
-"""`kvl hub …`. The hub service itself arrives with the fleet link; today: its configuration."""
+"""`kvl hub …`: serve the hub, and manage enrollment tokens and nodes."""
 
 from __future__ import annotations
 
+import json
+import re
+import time
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -14,10 +17,36 @@ from shared.config import example_yaml, load_settings
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from hub.state.store import HubStore
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
+
+
+def parse_duration(text: str) -> float:
+    """`90s`, `30m`, `24h`, `7d`, `2w` (or a bare number of seconds) in seconds."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text)
+    if match is None or float(match.group(1)) <= 0:
+        raise click.BadParameter(f"{text!r} is not a duration like 30m, 24h or 7d")
+    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+
 
 @click.group("hub")
 def hub() -> None:
     """The hub of the fleet."""
+
+
+def _settings(config_file: Path | None, data_dir: Path | None, **server: Any) -> HubSettings:
+    overrides: dict[str, Any] = {"data_dir": data_dir} if data_dir is not None else {}
+    given = {k: v for k, v in server.items() if v is not None}
+    if given:
+        overrides["server"] = given
+    return load_settings(HubSettings, config_file=config_file, overrides=overrides)
+
+
+def _store(settings: HubSettings) -> HubStore:
+    from hub.state.store import HubStore  # noqa: PLC0415 - keep `kvl hub config` light
+
+    return HubStore(settings.db_path)
 
 
 @hub.command("config")
@@ -29,6 +58,166 @@ def show_config(config_file: Path | None, data_dir: Path | None, example: bool) 
     if example:
         click.echo(example_yaml(HubSettings, EXAMPLE_HEADER), nl=False)
         return
-    overrides: dict[str, Any] = {"data_dir": data_dir} if data_dir is not None else {}
-    settings = load_settings(HubSettings, config_file=config_file, overrides=overrides)
+    settings = _settings(config_file, data_dir)
     click.echo(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), nl=False)
+
+
+@hub.command()
+@common_options
+@click.option("--host", default=None, help="Listen address (overrides server.host).")
+@click.option("--port", type=int, default=None, help="Listen port (overrides server.port).")
+@config_errors_exit
+def serve(
+    config_file: Path | None, data_dir: Path | None, host: str | None, port: int | None
+) -> None:
+    """Serve the hub API over HTTPS; prints the certificate fingerprint appliances pin."""
+    import logging  # noqa: PLC0415
+
+    from aiohttp import web  # noqa: PLC0415
+
+    from hub.app import certificates, create_app, ssl_context  # noqa: PLC0415
+
+    settings = _settings(config_file, data_dir, host=host, port=port)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    _, server = certificates(settings)
+    click.echo(
+        f"kvl hub: serving https://{settings.server.host}:{settings.server.port} "
+        f"(certificate {server.fingerprint}; data in {settings.data_dir})",
+        err=True,
+    )
+    web.run_app(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        ssl_context=ssl_context(settings),
+        print=None,
+        access_log=None,
+    )
+
+
+@hub.group()
+def tokens() -> None:
+    """Enrollment tokens (only a hash is stored)."""
+
+
+@tokens.command("create")
+@common_options
+@click.option("--site", required=True, help="The site the enrolled nodes belong to.")
+@click.option("--uses", type=click.IntRange(1, 100_000), default=1, help="Enrollments (1).")
+@click.option("--expires", default="24h", help="Lifetime: 30m, 24h, 7d … (24h).")
+@config_errors_exit
+def tokens_create(
+    config_file: Path | None, data_dir: Path | None, site: str, uses: int, expires: str
+) -> None:
+    """Create a token; it is printed once, alone on stdout."""
+    seconds = parse_duration(expires)
+    store = _store(_settings(config_file, data_dir))
+    try:
+        new = store.create_token(site, uses=uses, expires_in_s=seconds)
+    finally:
+        store.close()
+    click.echo(new.plaintext)
+
+
+@tokens.command("list")
+@common_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
+@config_errors_exit
+def tokens_list(config_file: Path | None, data_dir: Path | None, as_json: bool) -> None:
+    """List tokens: prefix, site, uses left, expiry, state."""
+    store = _store(_settings(config_file, data_dir))
+    try:
+        rows = store.tokens()
+    finally:
+        store.close()
+    now = time.time()
+    for token in rows:
+        expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(token.expires_at))
+        if as_json:
+            click.echo(
+                json.dumps(
+                    {
+                        "prefix": token.prefix,
+                        "site": token.site,
+                        "uses_left": token.uses_left,
+                        "expires_at": expires,
+                        "state": token.state(now),
+                    }
+                )
+            )
+        else:
+            click.echo(
+                f"{token.prefix}  {token.site:<20} {token.uses_left:>5} left  {expires}  "
+                f"{token.state(now)}"
+            )
+
+
+@tokens.command("revoke")
+@common_options
+@click.argument("prefix")
+@config_errors_exit
+def tokens_revoke(config_file: Path | None, data_dir: Path | None, prefix: str) -> None:
+    """Revoke a token by its prefix (or the whole token)."""
+    from hub.state.store import NotFoundError  # noqa: PLC0415
+    from shared.keys import ENROLLMENT_TOKEN, parse_prefix  # noqa: PLC0415
+
+    prefix = parse_prefix(prefix, ENROLLMENT_TOKEN) or prefix
+    store = _store(_settings(config_file, data_dir))
+    try:
+        token = store.revoke_token(prefix)
+    except NotFoundError as err:
+        raise click.ClickException(str(err)) from err
+    finally:
+        store.close()
+    click.echo(f"revoked {token.prefix} (site {token.site})")
+
+
+@hub.group()
+def nodes() -> None:
+    """The node registry."""
+
+
+@nodes.command("list")
+@common_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
+@config_errors_exit
+def nodes_list(config_file: Path | None, data_dir: Path | None, as_json: bool) -> None:
+    """List nodes: name, site, status (online, stale, offline, revoked), address, last seen."""
+    from hub.api import node_view  # noqa: PLC0415
+
+    settings = _settings(config_file, data_dir)
+    store = _store(settings)
+    try:
+        rows = store.nodes()
+    finally:
+        store.close()
+    now = time.time()
+    for node in rows:
+        view = node_view(node, settings, now)
+        if as_json:
+            click.echo(json.dumps(view))
+        else:
+            seen = "never" if node.last_seen is None else f"{now - node.last_seen:.0f} s ago"
+            click.echo(
+                f"{node.name:<20} {node.site:<16} {view['status']:<8} "
+                f"{node.overlay_address:<15} {seen}"
+            )
+
+
+@nodes.command("revoke")
+@common_options
+@click.argument("node")
+@config_errors_exit
+def nodes_revoke(config_file: Path | None, data_dir: Path | None, node: str) -> None:
+    """Revoke a node (by id or name): its calls are refused from now on."""
+    from hub.state.store import NotFoundError  # noqa: PLC0415
+
+    store = _store(_settings(config_file, data_dir))
+    try:
+        revoked = store.revoke_node(node)
+    except NotFoundError as err:
+        raise click.ClickException(str(err)) from err
+    finally:
+        store.close()
+    click.echo(f"revoked {revoked.name} ({revoked.id})")

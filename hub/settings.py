@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -20,7 +21,59 @@ class HubServerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     host: str = Field("127.0.0.1", min_length=1, description="Address the hub API listens on.")
-    port: int = Field(8443, ge=1, le=65535, description="TCP port of the hub API.")
+    port: int = Field(8443, ge=1, le=65535, description="TCP port of the hub API (HTTPS).")
+    names: list[str] = Field(
+        default_factory=lambda: ["localhost", "127.0.0.1"],
+        min_length=1,
+        max_length=32,
+        description=(
+            "DNS names and addresses in the hub's TLS certificate (appliances pin its "
+            "fingerprint, which `kvl hub serve` prints)."
+        ),
+    )
+    require_overlay_source: bool = Field(
+        default=True,
+        description=(
+            "Node calls (heartbeats, sync) must come from the node's own overlay address, "
+            "that is through its WireGuard tunnel."
+        ),
+    )
+
+
+class OverlaySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prefix: str = Field(
+        "100.64.0.0/10",
+        min_length=9,
+        max_length=43,
+        description="The overlay network; the hub takes its first address, nodes the next.",
+    )
+    listen_port: int = Field(51820, ge=1, le=65535, description="The hub's WireGuard UDP port.")
+    endpoint: str | None = Field(
+        None,
+        max_length=300,
+        description="`host:port` appliances reach the hub's WireGuard at; unset: server.names[0].",
+    )
+
+    @field_validator("prefix")
+    @classmethod
+    def _network(cls, value: str) -> str:
+        network = ipaddress.ip_network(value, strict=True)
+        if network.num_addresses < 4:
+            raise ValueError(f"{value} is too small for a hub and a node")
+        return str(network)
+
+
+class FleetSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    stale_after_s: float = Field(
+        45.0, ge=1.0, le=86_400, description="No heartbeat for this long: the node is stale."
+    )
+    offline_after_s: float = Field(
+        120.0, ge=1.0, le=604_800, description="No heartbeat for this long: the node is offline."
+    )
 
 
 class HubSettings(BaseSettings):
@@ -29,8 +82,20 @@ class HubSettings(BaseSettings):
 
     data_dir: Path = Field(DEFAULT_DATA_DIR, description="Directory for the hub database and keys.")
     server: HubServerSettings = Field(default_factory=HubServerSettings, description="The hub API.")
+    overlay: OverlaySettings = Field(
+        default_factory=OverlaySettings, description="The WireGuard overlay of the fleet."
+    )
+    fleet: FleetSettings = Field(default_factory=FleetSettings, description="Node states.")
 
     @field_validator("data_dir")
     @classmethod
     def _expand_home(cls, value: Path) -> Path:
         return value.expanduser()
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "hub.db"
+
+    @property
+    def pki_dir(self) -> Path:
+        return self.data_dir / "pki"

@@ -35,6 +35,10 @@ class ErrorCode(StrEnum):
     invalid_api_key = "invalid_api_key"
     revoked_api_key = "revoked_api_key"
     permission_denied = "permission_denied"
+    invalid_enrollment_token = "invalid_enrollment_token"  # noqa: S105 - a code, no secret
+    invalid_node_token = "invalid_node_token"  # noqa: S105 - a code, no secret
+    node_revoked = "node_revoked"
+    wrong_source_address = "wrong_source_address"
     not_found = "not_found"
     model_not_found = "model_not_found"
     job_not_found = "job_not_found"
@@ -90,6 +94,20 @@ _KINDS: dict[ErrorCode, _Kind] = {
     ErrorCode.revoked_api_key: _Kind(401, "authentication_error", "the key was revoked"),
     ErrorCode.permission_denied: _Kind(
         403, "permission_error", "the key may not use this route (admin routes need an admin key)"
+    ),
+    ErrorCode.invalid_enrollment_token: _Kind(
+        401,
+        "authentication_error",
+        "hub: the enrollment token is unknown, used, expired or revoked (the message says which)",
+    ),
+    ErrorCode.invalid_node_token: _Kind(
+        401, "authentication_error", "hub: the node token is missing or not known"
+    ),
+    ErrorCode.node_revoked: _Kind(403, "permission_error", "hub: the node was revoked"),
+    ErrorCode.wrong_source_address: _Kind(
+        403,
+        "permission_error",
+        "hub: a node call that did not come from the node's overlay address",
     ),
     ErrorCode.not_found: _Kind(404, "not_found_error", "no such route"),
     ErrorCode.model_not_found: _Kind(404, "not_found_error", "no model by that name"),

@@ -1,0 +1,220 @@
+"""The hub's node API: enrollment, heartbeats, event sync. Thin handlers over the store.
+
+Enrollment is the one call a node makes with an enrollment token, over HTTPS to the hub
+(the node pins the hub's certificate fingerprint). Every later call carries the node token
+and, with `server.require_overlay_source`, must come from the node's overlay address,
+that is through its WireGuard tunnel.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hub.state.store import AsyncHubStore, Node, TokenRefusedError, node_status
+from shared import __version__
+from shared.errors import ApiError, ErrorCode, error_body
+
+if TYPE_CHECKING:
+    from hub.settings import HubSettings
+
+STORE = web.AppKey("hub_store", AsyncHubStore)
+SETTINGS = web.AppKey("hub_settings", object)  # HubSettings; object keeps the import lazy
+IDENTITY = web.AppKey("hub_identity", dict[str, str])  # the hub's public WireGuard key …
+NODE = web.RequestKey("node", Node)
+
+WG_KEY = r"^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=$"  # 32 bytes, base64
+MAX_EVENTS = 5000
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EnrollRequest(_Body):
+    token: str = Field(min_length=1, max_length=200)
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    wg_public_key: str = Field(pattern=WG_KEY)
+    labels: dict[str, str] = Field(default_factory=dict, max_length=32)
+    versions: dict[str, str] = Field(default_factory=dict, max_length=32)
+
+
+class HeartbeatRequest(_Body):
+    versions: dict[str, str] = Field(default_factory=dict, max_length=32)
+    capacity: dict[str, Any] = Field(default_factory=dict, max_length=64)
+
+
+class Event(_Body):
+    id: str = Field(min_length=1, max_length=100)
+    kind: str = Field(min_length=1, max_length=50)
+    body: dict[str, Any]
+
+
+class EventsRequest(_Body):
+    events: list[Event] = Field(max_length=MAX_EVENTS)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return web.json_response(err.body(), status=err.status, headers=err.headers())
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {404: ErrorCode.not_found, 405: ErrorCode.method_not_allowed}.get(
+            exc.status, ErrorCode.bad_request
+        )
+        return web.json_response(error_body(code, exc.reason), status=code.status)
+
+
+async def _body(request: web.Request, model: type[_Body]) -> Any:
+    try:
+        raw = await request.read()
+        return model.model_validate_json(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise ApiError(
+            ErrorCode.invalid_parameter, f"`{param}`: {first['msg']}", param=param
+        ) from err
+
+
+def _settings(request: web.Request) -> HubSettings:
+    settings: HubSettings = request.app[SETTINGS]  # type: ignore[assignment]
+    return settings
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "alive", "version": __version__})
+
+
+async def enroll(request: web.Request) -> web.Response:
+    req: EnrollRequest = await _body(request, EnrollRequest)
+    settings = _settings(request)
+    store = request.app[STORE]
+    try:
+        enrolled = await store.run(
+            store.sync.enroll,
+            req.token,
+            name=req.name,
+            wg_public_key=req.wg_public_key,
+            overlay_prefix=settings.overlay.prefix,
+            labels=req.labels,
+            versions=req.versions,
+        )
+    except TokenRefusedError as err:
+        raise ApiError(ErrorCode.invalid_enrollment_token, str(err), param="token") from err
+    node = enrolled.node
+    identity = request.app[IDENTITY]
+    endpoint = (
+        settings.overlay.endpoint or f"{settings.server.names[0]}:{settings.overlay.listen_port}"
+    )
+    return web.json_response(
+        {
+            "node_id": node.id,
+            "node_token": enrolled.node_token,
+            "name": node.name,
+            "site": node.site,
+            "overlay_address": node.overlay_address,
+            "overlay_prefix": settings.overlay.prefix,
+            "hub": {
+                "wg_public_key": identity["wg_public_key"],
+                "overlay_address": identity["overlay_address"],
+                "endpoint": endpoint,
+                "api_url": f"https://{identity['overlay_address']}:{settings.server.port}",
+                "ca_pem": identity["ca_pem"],
+            },
+        },
+        status=201,
+    )
+
+
+@web.middleware
+async def node_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Node routes (`/v1/node/…`): the node token, a node not revoked, from its address."""
+    if not request.path.startswith("/v1/node/"):
+        return await handler(request)
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    store = request.app[STORE]
+    node = (
+        await store.run(store.sync.authenticate_node, token.strip())
+        if scheme.lower() == "bearer"
+        else None
+    )
+    if node is None:
+        raise ApiError(
+            ErrorCode.invalid_node_token, "send the node token as `Authorization: Bearer`"
+        )
+    if node.revoked:
+        raise ApiError(ErrorCode.node_revoked, f"node {node.name} ({node.id}) was revoked")
+    if _settings(request).server.require_overlay_source and request.remote != node.overlay_address:
+        raise ApiError(
+            ErrorCode.wrong_source_address,
+            f"node {node.name} must call from its overlay address {node.overlay_address}, "
+            f"through its tunnel; this call came from {request.remote}",
+        )
+    request[NODE] = node
+    return await handler(request)
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    req: HeartbeatRequest = await _body(request, HeartbeatRequest)
+    node = request[NODE]
+    store = request.app[STORE]
+    await store.run(store.sync.heartbeat, node.id, versions=req.versions, capacity=req.capacity)
+    return web.json_response({"node_id": node.id, "received_at": time.time()})
+
+
+async def events(request: web.Request) -> web.Response:
+    req: EventsRequest = await _body(request, EventsRequest)
+    node = request[NODE]
+    store = request.app[STORE]
+    batch = [e.model_dump() for e in req.events]
+    ids, new = await store.run(store.sync.ingest, node.id, batch)
+    # Every id is acknowledged, duplicates too: the node may then move its checkpoint.
+    return web.json_response({"acknowledged": ids, "new": new})
+
+
+def node_view(node: Node, settings: HubSettings, now: float) -> dict[str, Any]:
+    fleet = settings.fleet
+    status = node_status(
+        node.last_seen,
+        now,
+        revoked=node.revoked,
+        stale_after_s=fleet.stale_after_s,
+        offline_after_s=fleet.offline_after_s,
+    )
+    return {
+        "id": node.id,
+        "name": node.name,
+        "site": node.site,
+        "status": status.value,
+        "overlay_address": node.overlay_address,
+        "last_seen": node.last_seen,
+        "versions": node.versions,
+        "capacity": node.capacity,
+        "labels": node.labels,
+    }
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.get("/healthz", health),
+        web.post("/v1/enroll", enroll),
+        web.post("/v1/node/heartbeat", heartbeat),
+        web.post("/v1/node/events", events),
+    ]
+
+
+def dumps(value: object) -> str:
+    return json.dumps(value, indent=2, sort_keys=True)

@@ -1,0 +1,61 @@
+"""Append-only schema migrations of the hub. Never edit, reorder or remove one: add one."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sqlite_utils.migrations import Migrations
+
+if TYPE_CHECKING:
+    from sqlite_utils import Database
+
+migrations = Migrations("hub")
+
+
+@migrations()
+def m001_fleet(db: Database) -> None:
+    db.table("meta").create({"key": str, "value": str}, pk="key")
+    db.table("enrollment_tokens").create(
+        {
+            "prefix": str,
+            "hash": str,
+            "site": str,
+            "uses_left": int,
+            "expires_at": float,  # unix seconds
+            "revoked_at": float,
+            "created_at": float,
+        },
+        pk="prefix",
+        not_null={"hash", "site", "uses_left", "expires_at", "created_at"},
+    )
+    db.table("nodes").create(
+        {
+            "id": str,
+            "name": str,
+            "site": str,
+            "labels": str,  # JSON object
+            "wg_public_key": str,
+            "overlay_address": str,
+            "token_prefix": str,
+            "token_hash": str,
+            "enrolled_with": str,  # the enrollment token's prefix
+            "enrolled_at": float,
+            "last_seen": float,
+            "versions": str,  # JSON object
+            "capacity": str,  # JSON object, the last heartbeat's
+            "revoked_at": float,
+        },
+        pk="id",
+        not_null={"name", "site", "wg_public_key", "overlay_address", "token_prefix", "token_hash"},
+    )
+    db.table("nodes").create_index(["overlay_address"], unique=True)
+    db.table("nodes").create_index(["wg_public_key"], unique=True)
+    db.table("nodes").create_index(["token_prefix"], unique=True)
+    # The ledger: unique on the event id, so a resend is harmless.
+    db.table("ledger").create(
+        {"event_id": str, "node_id": str, "kind": str, "body": str, "received_at": float},
+        pk="event_id",
+        not_null={"node_id", "kind", "body", "received_at"},
+        foreign_keys=[("node_id", "nodes", "id")],
+    )
+    db.table("ledger").create_index(["node_id", "received_at"])

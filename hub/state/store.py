@@ -1,0 +1,337 @@
+"""The hub's store: enrollment tokens, the node registry and the ledger. The only hub
+module that writes SQL; one connection on one writer thread (shared.db)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from hub.state.migrations import migrations
+from shared import db
+from shared.keys import (
+    ENROLLMENT_TOKEN,
+    NODE_TOKEN,
+    NewKey,
+    generate_key,
+    key_matches,
+    parse_prefix,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+    from pathlib import Path
+
+
+class TokenProblem(StrEnum):
+    """Why an enrollment token was refused."""
+
+    unknown = "unknown"
+    used = "used"
+    expired = "expired"
+    revoked = "revoked"
+
+
+class TokenRefusedError(Exception):
+    def __init__(self, problem: TokenProblem, prefix: str | None) -> None:
+        what = {
+            TokenProblem.unknown: "is not a token this hub issued",
+            TokenProblem.used: "was already used",
+            TokenProblem.expired: "has expired",
+            TokenProblem.revoked: "was revoked",
+        }[problem]
+        super().__init__(
+            f"the enrollment token {prefix or ''} {what}; create a new one with "
+            "`kvl hub tokens create --site SITE`".replace("  ", " ")
+        )
+        self.problem = problem
+
+
+class AddressPoolExhaustedError(Exception):
+    pass
+
+
+class NotFoundError(LookupError):
+    pass
+
+
+@dataclass(frozen=True)
+class EnrollmentToken:
+    prefix: str
+    site: str
+    uses_left: int
+    expires_at: float
+    created_at: float
+    revoked_at: float | None
+
+    def state(self, now: float) -> str:
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.uses_left <= 0:
+            return "used"
+        if now >= self.expires_at:
+            return "expired"
+        return "active"
+
+
+class NodeStatus(StrEnum):
+    online = "online"
+    stale = "stale"
+    offline = "offline"
+    revoked = "revoked"
+
+
+def node_status(
+    last_seen: float | None,
+    now: float,
+    *,
+    revoked: bool,
+    stale_after_s: float,
+    offline_after_s: float,
+) -> NodeStatus:
+    """A node's state from its last heartbeat: a state, never an eviction."""
+    if revoked:
+        return NodeStatus.revoked
+    if last_seen is None or now - last_seen >= offline_after_s:
+        return NodeStatus.offline
+    if now - last_seen >= stale_after_s:
+        return NodeStatus.stale
+    return NodeStatus.online
+
+
+@dataclass(frozen=True)
+class Node:
+    id: str
+    name: str
+    site: str
+    wg_public_key: str
+    overlay_address: str
+    enrolled_at: float
+    last_seen: float | None
+    revoked_at: float | None
+    labels: dict[str, str] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+    capacity: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+
+@dataclass(frozen=True)
+class Enrolled:
+    node: Node
+    node_token: str  # shown once, to the node
+
+
+class HubStore:
+    def __init__(self, path: Path) -> None:
+        self.db = db.open_database(path, migrations)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- enrollment tokens ---------------------------------------------------------------
+
+    def create_token(self, site: str, *, uses: int, expires_in_s: float) -> NewKey:
+        now = time.time()
+        new = generate_key(ENROLLMENT_TOKEN)
+        with self.db.conn:
+            self.db.table("enrollment_tokens").insert(
+                {
+                    "prefix": new.prefix,
+                    "hash": new.hash,
+                    "site": site,
+                    "uses_left": uses,
+                    "expires_at": now + expires_in_s,
+                    "revoked_at": None,
+                    "created_at": now,
+                }
+            )
+        return new
+
+    def tokens(self) -> list[EnrollmentToken]:
+        rows = self.db.query("SELECT * FROM enrollment_tokens ORDER BY created_at")
+        return [_token(r) for r in rows]
+
+    def revoke_token(self, prefix: str) -> EnrollmentToken:
+        with self.db.conn:
+            self.db.execute(
+                "UPDATE enrollment_tokens SET revoked_at = ?"
+                " WHERE prefix = ? AND revoked_at IS NULL",
+                [time.time(), prefix],
+            )
+        rows = list(self.db.query("SELECT * FROM enrollment_tokens WHERE prefix = ?", [prefix]))
+        if not rows:
+            raise NotFoundError(f"no enrollment token {prefix!r}")
+        return _token(rows[0])
+
+    # -- nodes ---------------------------------------------------------------------------
+
+    def enroll(
+        self,
+        token: str,
+        *,
+        name: str,
+        wg_public_key: str,
+        overlay_prefix: str,
+        labels: Mapping[str, str],
+        versions: Mapping[str, str],
+    ) -> Enrolled:
+        """Spend one use of ``token`` and register a node with the next free overlay
+        address, in one transaction. Raises TokenRefusedError naming the problem."""
+        prefix = parse_prefix(token, ENROLLMENT_TOKEN)
+        now = time.time()
+        with self.db.conn:
+            rows = list(self.db.query("SELECT * FROM enrollment_tokens WHERE prefix = ?", [prefix]))
+            if prefix is None or not rows or not key_matches(token, rows[0]["hash"]):
+                raise TokenRefusedError(TokenProblem.unknown, prefix)
+            record = _token(rows[0])
+            state = record.state(now)
+            if state != "active":
+                raise TokenRefusedError(TokenProblem(state), prefix)
+            self.db.execute(
+                "UPDATE enrollment_tokens SET uses_left = uses_left - 1 WHERE prefix = ?", [prefix]
+            )
+            node_token = generate_key(NODE_TOKEN)
+            node = Node(
+                id=uuid.uuid4().hex,
+                name=name,
+                site=record.site,
+                wg_public_key=wg_public_key,
+                overlay_address=self._next_address(overlay_prefix),
+                enrolled_at=now,
+                last_seen=None,
+                revoked_at=None,
+                labels=dict(labels),
+                versions=dict(versions),
+            )
+            self.db.table("nodes").insert(
+                {
+                    "id": node.id,
+                    "name": node.name,
+                    "site": node.site,
+                    "labels": json.dumps(node.labels),
+                    "wg_public_key": node.wg_public_key,
+                    "overlay_address": node.overlay_address,
+                    "token_prefix": node_token.prefix,
+                    "token_hash": node_token.hash,
+                    "enrolled_with": prefix,
+                    "enrolled_at": now,
+                    "last_seen": None,
+                    "versions": json.dumps(node.versions),
+                    "capacity": "{}",
+                    "revoked_at": None,
+                }
+            )
+        return Enrolled(node, node_token.plaintext)
+
+    def _next_address(self, overlay_prefix: str) -> str:
+        """The lowest free host address of the prefix; the first host is the hub's."""
+        network = ipaddress.ip_network(overlay_prefix)
+        taken = {r["overlay_address"] for r in self.db.query("SELECT overlay_address FROM nodes")}
+        hosts = network.hosts()
+        next(hosts)  # the hub
+        for address in hosts:
+            if str(address) not in taken:
+                return str(address)
+        raise AddressPoolExhaustedError(f"no free address left in {overlay_prefix}")
+
+    def authenticate_node(self, token: str) -> Node | None:
+        """The node a node token belongs to (revoked ones included), or None."""
+        prefix = parse_prefix(token, NODE_TOKEN)
+        if prefix is None:
+            return None
+        rows = list(self.db.query("SELECT * FROM nodes WHERE token_prefix = ?", [prefix]))
+        if not rows or not key_matches(token, rows[0]["token_hash"]):
+            return None
+        return _node(rows[0])
+
+    def heartbeat(
+        self, node_id: str, *, versions: Mapping[str, str], capacity: Mapping[str, Any]
+    ) -> None:
+        with self.db.conn:
+            self.db.execute(
+                "UPDATE nodes SET last_seen = ?, versions = ?, capacity = ? WHERE id = ?",
+                [time.time(), json.dumps(dict(versions)), json.dumps(dict(capacity)), node_id],
+            )
+
+    def nodes(self) -> list[Node]:
+        return [_node(r) for r in self.db.query("SELECT * FROM nodes ORDER BY site, name")]
+
+    def node(self, node_id: str) -> Node:
+        rows = list(self.db.query("SELECT * FROM nodes WHERE id = ? OR name = ?", [node_id] * 2))
+        if len(rows) != 1:
+            raise NotFoundError(f"no single node {node_id!r}")
+        return _node(rows[0])
+
+    def revoke_node(self, node_id: str) -> Node:
+        node = self.node(node_id)
+        with self.db.conn:
+            self.db.execute(
+                "UPDATE nodes SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+                [time.time(), node.id],
+            )
+        return self.node(node.id)
+
+    # -- the ledger ----------------------------------------------------------------------
+
+    def ingest(self, node_id: str, events: Iterable[Mapping[str, Any]]) -> tuple[list[str], int]:
+        """Store a batch of a node's events; (every id acknowledged, how many were new).
+        An event already in the ledger is acknowledged again and not stored twice."""
+        now = time.time()
+        ids: list[str] = []
+        new = 0
+        with self.db.conn:
+            for event in events:
+                event_id = str(event["id"])
+                cursor = self.db.execute(
+                    "INSERT OR IGNORE INTO ledger (event_id, node_id, kind, body, received_at)"
+                    " VALUES (?, ?, ?, ?, ?)",
+                    [event_id, node_id, str(event["kind"]), json.dumps(event["body"]), now],
+                )
+                new += cursor.rowcount
+                ids.append(event_id)
+        return ids, new
+
+    def ledger_count(self, node_id: str | None = None) -> int:
+        sql, params = "SELECT COUNT(*) AS n FROM ledger", []
+        if node_id is not None:
+            sql, params = sql + " WHERE node_id = ?", [node_id]
+        return int(next(iter(self.db.query(sql, params)))["n"])
+
+
+def _token(row: Mapping[str, Any]) -> EnrollmentToken:
+    return EnrollmentToken(
+        prefix=row["prefix"],
+        site=row["site"],
+        uses_left=row["uses_left"],
+        expires_at=row["expires_at"],
+        created_at=row["created_at"],
+        revoked_at=row["revoked_at"],
+    )
+
+
+def _node(row: Mapping[str, Any]) -> Node:
+    return Node(
+        id=row["id"],
+        name=row["name"],
+        site=row["site"],
+        wg_public_key=row["wg_public_key"],
+        overlay_address=row["overlay_address"],
+        enrolled_at=row["enrolled_at"],
+        last_seen=row["last_seen"],
+        revoked_at=row["revoked_at"],
+        labels=json.loads(row["labels"] or "{}"),
+        versions=json.loads(row["versions"] or "{}"),
+        capacity=json.loads(row["capacity"] or "{}"),
+    )
+
+
+class AsyncHubStore(db.AsyncStore[HubStore]):
+    def __init__(self, path: Path) -> None:
+        super().__init__(HubStore, path)

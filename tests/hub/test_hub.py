@@ -1,0 +1,273 @@
+"""The hub: enrollment tokens, the node registry, enrollment over HTTPS with a pinned
+certificate, heartbeats and the idempotent ledger, and its CLI. A real hub on loopback;
+the WireGuard tunnel between hub and node has its own netns tests."""
+
+from __future__ import annotations
+
+import ssl
+import time
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import pytest
+from wireguard_tools import WireguardKey
+
+from hub.app import certificates, create_app, ssl_context
+from hub.cli import parse_duration
+from hub.settings import HubSettings
+from hub.state.store import HubStore, NodeStatus, TokenProblem, TokenRefusedError, node_status
+from shared import pki
+from shared.errors import ErrorCode
+from tests.conftest import kvl
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from pytest_aiohttp import AiohttpServer
+
+PREFIX = "100.64.0.0/10"
+
+
+def settings_for(tmp_path: Path, **server: Any) -> HubSettings:
+    return HubSettings.model_validate(
+        {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False, **server}}
+    )
+
+
+def new_key() -> str:
+    return str(WireguardKey.generate().public_key())
+
+
+# -- tokens and the registry -----------------------------------------------------------------
+
+
+def test_tokens_are_single_use_by_default_and_expire_or_get_revoked(tmp_path: Path) -> None:
+    store = HubStore(tmp_path / "hub.db")
+    try:
+        token = store.create_token("school-a", uses=1, expires_in_s=3600)
+        enrolled = store.enroll(
+            token.plaintext,
+            name="node-1",
+            wg_public_key=new_key(),
+            overlay_prefix=PREFIX,
+            labels={"room": "lab"},
+            versions={},
+        )
+        assert enrolled.node.site == "school-a"
+        assert enrolled.node.overlay_address == "100.64.0.2"  # .1 is the hub's
+        assert enrolled.node_token.startswith("kvln_")
+        with pytest.raises(TokenRefusedError) as used:
+            store.enroll(
+                token.plaintext,
+                name="n2",
+                wg_public_key=new_key(),
+                overlay_prefix=PREFIX,
+                labels={},
+                versions={},
+            )
+        assert used.value.problem is TokenProblem.used
+
+        twice = store.create_token("school-a", uses=2, expires_in_s=3600)
+        addresses = {
+            store.enroll(
+                twice.plaintext,
+                name=f"m{i}",
+                wg_public_key=new_key(),
+                overlay_prefix=PREFIX,
+                labels={},
+                versions={},
+            ).node.overlay_address
+            for i in range(2)
+        }
+        assert addresses == {"100.64.0.3", "100.64.0.4"}
+
+        expired = store.create_token("school-b", uses=5, expires_in_s=0.01)
+        time.sleep(0.02)
+        revoked = store.create_token("school-b", uses=5, expires_in_s=3600)
+        store.revoke_token(revoked.prefix)
+        for plaintext, problem in [
+            (expired.plaintext, TokenProblem.expired),
+            (revoked.plaintext, TokenProblem.revoked),
+            ("kvle_AAAAAAAA_" + "A" * 32, TokenProblem.unknown),
+            (token.plaintext[:-1] + "x", TokenProblem.unknown),
+            ("not a token", TokenProblem.unknown),
+        ]:
+            with pytest.raises(TokenRefusedError) as refused:
+                store.enroll(
+                    plaintext,
+                    name="x",
+                    wg_public_key=new_key(),
+                    overlay_prefix=PREFIX,
+                    labels={},
+                    versions={},
+                )
+            assert refused.value.problem is problem, plaintext
+        assert [t.state(time.time()) for t in store.tokens()] == [
+            "used",
+            "used",
+            "expired",
+            "revoked",
+        ]
+    finally:
+        store.close()
+
+
+LIMITS = {"stale_after_s": 45.0, "offline_after_s": 120.0}
+
+
+def test_node_status_is_a_state_never_an_eviction() -> None:
+    assert node_status(None, 100, revoked=False, **LIMITS) is NodeStatus.offline
+    assert node_status(90, 100, revoked=False, **LIMITS) is NodeStatus.online
+    assert node_status(50, 100, revoked=False, **LIMITS) is NodeStatus.stale
+    assert node_status(-30, 100, revoked=False, **LIMITS) is NodeStatus.offline
+    assert node_status(99, 100, revoked=True, **LIMITS) is NodeStatus.revoked
+
+
+def test_durations() -> None:
+    assert parse_duration("90s") == 90
+    assert parse_duration("30m") == 1800
+    assert parse_duration("24h") == 86_400
+    assert parse_duration("2") == 2
+    with pytest.raises(Exception, match="duration"):
+        parse_duration("soon")
+
+
+# -- over HTTPS --------------------------------------------------------------------------------
+
+
+async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sync(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    settings = settings_for(tmp_path)
+    store = HubStore(settings.db_path)
+    token = store.create_token("school-a", uses=1, expires_in_s=3600).plaintext
+    store.close()
+    server = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
+    _, cert = certificates(settings)
+    pinned = aiohttp.Fingerprint(pki.fingerprint_bytes(cert.fingerprint))
+    base = f"https://127.0.0.1:{server.port}"
+    key = new_key()
+    async with aiohttp.ClientSession() as client:
+        enroll = {"token": token, "name": "lab-server", "wg_public_key": key}
+        response = await client.post(f"{base}/v1/enroll", json=enroll, ssl=pinned)
+        assert response.status == 201, await response.text()
+        enrolled = await response.json()
+        assert enrolled["overlay_address"] == "100.64.0.2"
+        assert enrolled["hub"]["overlay_address"] == "100.64.0.1"
+        assert len(enrolled["hub"]["wg_public_key"]) == 44
+        assert "BEGIN CERTIFICATE" in enrolled["hub"]["ca_pem"]
+
+        # The same token again: refused, naming the problem.
+        again = await client.post(
+            f"{base}/v1/enroll", json={**enroll, "wg_public_key": new_key()}, ssl=pinned
+        )
+        assert again.status == 401
+        error = (await again.json())["error"]
+        assert error["code"] == ErrorCode.invalid_enrollment_token
+        assert "already used" in error["message"]
+
+        # A hub with another certificate is refused by the pin, before any token is sent.
+        other = pki.issue_server(pki.new_ca("impostor"), "kovenlab-hub", ["127.0.0.1"])
+        wrong = aiohttp.Fingerprint(pki.fingerprint_bytes(other.fingerprint))
+        with pytest.raises(aiohttp.ServerFingerprintMismatch):
+            await client.post(f"{base}/v1/enroll", json=enroll, ssl=wrong)
+
+        node = {"Authorization": f"Bearer {enrolled['node_token']}"}
+        beat = await client.post(
+            f"{base}/v1/node/heartbeat",
+            json={"versions": {"kvl": "0.1.0"}, "capacity": {"cpu_percent": 12.5}},
+            headers=node,
+            ssl=pinned,
+        )
+        assert beat.status == 200, await beat.text()
+        events = [{"id": f"e{i}", "kind": "usage", "body": {"tokens": i}} for i in range(5)]
+        first = await client.post(
+            f"{base}/v1/node/events", json={"events": events}, headers=node, ssl=pinned
+        )
+        assert await first.json() == {"acknowledged": [f"e{i}" for i in range(5)], "new": 5}
+        # A resend (the acknowledgement was lost) is acknowledged and stored once.
+        resend = await client.post(
+            f"{base}/v1/node/events",
+            json={"events": [*events[3:], {"id": "e5", "kind": "usage", "body": {}}]},
+            headers=node,
+            ssl=pinned,
+        )
+        assert (await resend.json())["new"] == 1
+
+        missing = await client.post(f"{base}/v1/node/heartbeat", json={}, ssl=pinned)
+        assert missing.status == 401
+        assert (await missing.json())["error"]["code"] == ErrorCode.invalid_node_token
+        bad = await client.post(
+            f"{base}/v1/enroll", json={**enroll, "wg_public_key": "nope"}, ssl=pinned
+        )
+        assert bad.status == 400
+        assert (await bad.json())["error"]["param"] == "wg_public_key"
+
+    store = HubStore(settings.db_path)
+    try:
+        assert store.ledger_count() == 6
+        (registered,) = store.nodes()
+        assert registered.versions == {"kvl": "0.1.0"}
+        assert registered.capacity == {"cpu_percent": 12.5}
+        assert registered.wg_public_key == key
+        store.revoke_node("lab-server")
+    finally:
+        store.close()
+    async with aiohttp.ClientSession() as client:
+        refused = await client.post(f"{base}/v1/node/heartbeat", json={}, headers=node, ssl=pinned)
+        assert refused.status == 403
+        assert (await refused.json())["error"]["code"] == ErrorCode.node_revoked
+
+
+async def test_node_calls_must_come_from_the_overlay_address(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    settings = settings_for(tmp_path, require_overlay_source=True)
+    store = HubStore(settings.db_path)
+    token = store.create_token("s", uses=1, expires_in_s=60).plaintext
+    node_token = store.enroll(
+        token, name="n", wg_public_key=new_key(), overlay_prefix=PREFIX, labels={}, versions={}
+    ).node_token
+    store.close()
+    server = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
+    context = ssl.create_default_context(cadata=certificates(settings)[0].cert_pem.decode())
+    async with aiohttp.ClientSession() as client:
+        response = await client.post(
+            f"https://127.0.0.1:{server.port}/v1/node/heartbeat",
+            json={},
+            headers={"Authorization": f"Bearer {node_token}"},
+            ssl=context,  # the hub's CA also verifies it, as a LAN client would
+        )
+    assert response.status == 403
+    error = (await response.json())["error"]
+    assert error["code"] == ErrorCode.wrong_source_address
+    assert "100.64.0.2" in error["message"]
+
+
+def test_the_cli_creates_lists_and_revokes_tokens_and_lists_nodes(tmp_path: Path) -> None:
+    data = str(tmp_path / "hub")
+    token = kvl("hub", "tokens", "create", "--site", "school-a", "--uses", "3", "--data-dir", data)
+    plaintext = token.stdout.strip()
+    assert plaintext.startswith("kvle_")
+    assert len(token.stdout.splitlines()) == 1  # alone on stdout
+    listed = kvl("hub", "tokens", "list", "--data-dir", data).stdout
+    assert "school-a" in listed
+    assert "3 left" in listed
+    assert plaintext not in listed
+    assert "revoked" in kvl("hub", "tokens", "revoke", plaintext, "--data-dir", data).stdout
+    assert kvl("hub", "tokens", "list", "--data-dir", data).stdout.rstrip().endswith("revoked")
+    bad = kvl(
+        "hub",
+        "tokens",
+        "create",
+        "--site",
+        "s",
+        "--expires",
+        "soon",
+        "--data-dir",
+        data,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert "duration" in bad.stderr
+    assert kvl("hub", "nodes", "list", "--data-dir", data).stdout == ""
