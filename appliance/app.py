@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from appliance.discovery.mdns import Announcement, Announcer, lan_addresses
+from appliance.fleet.identity import FleetFiles
+from appliance.fleet.link import FleetLink
 from appliance.gateway.admission import AdmissionControl
 from appliance.gateway.completions import CompletionService
 from appliance.gateway.embeddings import EmbeddingService
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from appliance.settings import ApplianceSettings
 
 ANNOUNCER = web.AppKey("announcer", Announcer)
+FLEET = web.AppKey("fleet", FleetLink)
 
 
 def create_app(settings: ApplianceSettings) -> web.Application:
@@ -53,6 +56,7 @@ def create_app(settings: ApplianceSettings) -> web.Application:
     app.cleanup_ctx.append(_tracing)
     app.cleanup_ctx.append(_models)
     app.cleanup_ctx.append(_jobs)
+    app.cleanup_ctx.append(_fleet)
     app.cleanup_ctx.append(_embeddings)
     if settings.discovery.enabled:
         app.cleanup_ctx.append(_discovery)
@@ -98,6 +102,20 @@ async def _models(app: web.Application) -> AsyncIterator[None]:
     host.start()
     yield
     await host.close()
+
+
+async def _fleet(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    files = FleetFiles(settings.fleet_dir)
+    link = FleetLink(settings.fleet, files, app[STORE], app[METRICS], app[HOST])
+    app[FLEET] = link
+    # Only a node that is, or is to be, in a fleet talks to a hub.
+    active = settings.fleet.provisioning_file is not None or link.identity is not None
+    if active:
+        link.start()
+    yield
+    if active:
+        await link.close()
 
 
 async def _jobs(app: web.Application) -> AsyncIterator[None]:

@@ -286,3 +286,80 @@ def discover(
             click.echo(json.dumps({**found.__dict__, "url": found.url}))
         else:
             click.echo(f"{found.name:<24} {found.url:<32} node {found.node_id}  v{found.version}")
+
+
+@appliance.command()
+@common_options
+@click.option(
+    "--provisioning",
+    "provisioning_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="kovenlab.json (default: fleet.provisioning_file).",
+)
+@config_errors_exit
+def enroll(config_file: Path | None, data_dir: Path | None, provisioning_file: Path | None) -> None:
+    """Enroll with the fleet's hub now (`serve` also does it on start)."""
+    import asyncio  # noqa: PLC0415
+
+    from appliance.fleet.client import HubError, HubRefusedError  # noqa: PLC0415
+    from appliance.fleet.identity import FleetFiles, Provisioning, ProvisioningError  # noqa: PLC0415
+    from appliance.fleet.link import enroll as enroll_node  # noqa: PLC0415
+
+    settings = _settings(config_file, data_dir)
+    path = provisioning_file or settings.fleet.provisioning_file
+    if path is None:
+        raise click.UsageError(
+            "no provisioning file: pass --provisioning or set fleet.provisioning_file"
+        )
+    try:
+        identity = asyncio.run(enroll_node(FleetFiles(settings.fleet_dir), Provisioning.load(path)))
+    except (ProvisioningError, HubRefusedError, HubError) as err:
+        raise click.ClickException(str(err)) from err
+    click.echo(
+        f"enrolled: {identity.name} ({identity.node_id}) at site {identity.site}, "
+        f"overlay {identity.overlay_address}; hub {identity.hub_url}"
+    )
+
+
+@appliance.command()
+@common_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@config_errors_exit
+def status(config_file: Path | None, data_dir: Path | None, as_json: bool) -> None:
+    """The fleet link: enrolled? tunnel? last heartbeat and sync? outbox lag?"""
+    import time  # noqa: PLC0415
+
+    from appliance.fleet.identity import FleetFiles  # noqa: PLC0415
+
+    settings = _settings(config_file, data_dir)
+    identity = FleetFiles(settings.fleet_dir).identity()
+    store = _store(settings)
+    try:
+        heartbeat, sync = store.meta("last_heartbeat_at"), store.meta("last_sync_at")
+        lag = store.outbox_lag()
+    finally:
+        store.close()
+    now = time.time()
+
+    def ago(at: str | None) -> str | None:
+        return None if at is None else f"{now - float(at):.0f} s ago"
+
+    report = {
+        "enrolled": identity is not None,
+        "node_id": identity.node_id if identity else None,
+        "name": identity.name if identity else None,
+        "site": identity.site if identity else None,
+        "overlay_address": identity.overlay_address if identity else None,
+        "hub": identity.hub_url if identity else None,
+        "tunnel": "configured" if settings.fleet.tunnel else "off (fleet.tunnel: false)",
+        "last_heartbeat": ago(heartbeat),
+        "last_sync": ago(sync),
+        "outbox_lag": lag,
+        "outbox_alarm": lag >= settings.fleet.outbox_alarm_events,
+    }
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    for key, value in report.items():
+        click.echo(f"{key + ':':<17} {'-' if value is None else value}")

@@ -392,6 +392,34 @@ class ClassSettings(_Section):
         return merged
 
 
+class FleetSettings(_Section):
+    provisioning_file: Path | None = Field(
+        None,
+        description=(
+            "`kovenlab.json` (hub URL, enrollment token, hub fingerprint, name): the appliance "
+            "enrolls with the hub once, then keeps its identity in the data directory."
+        ),
+    )
+    tunnel: bool = Field(
+        default=True,
+        description=(
+            "Talk to the hub through the WireGuard tunnel (its overlay address) after "
+            "enrollment; false: at the provisioning file's hub URL (a hub on the same LAN)."
+        ),
+    )
+    heartbeat_s: float = Field(15.0, ge=1.0, le=3600, description="Seconds between heartbeats.")
+    sync_interval_s: float = Field(
+        5.0, ge=0.5, le=3600, description="Seconds between outbox syncs (with jitter)."
+    )
+    sync_batch: int = Field(1000, ge=1, le=5000, description="Events per sync request.")
+    outbox_alarm_events: int = Field(
+        100_000,
+        ge=1,
+        le=100_000_000,
+        description="Unsynced events past which the link raises an alarm (metric, log, heartbeat).",
+    )
+
+
 class TracingSettings(_Section):
     otlp_endpoint: str | None = Field(
         None,
@@ -433,6 +461,9 @@ class ApplianceSettings(BaseSettings):
         default_factory=JobSettings,
         description="Durable asynchronous jobs (`/v1/jobs`) and their signed webhooks.",
     )
+    fleet: FleetSettings = Field(
+        default_factory=FleetSettings, description="The link to the fleet's hub."
+    )
     tracing: TracingSettings = Field(
         default_factory=TracingSettings, description="OpenTelemetry tracing (OTLP/HTTP)."
     )
@@ -449,6 +480,10 @@ class ApplianceSettings(BaseSettings):
     @property
     def db_path(self) -> Path:
         return self.data_dir / "appliance.db"
+
+    @property
+    def fleet_dir(self) -> Path:
+        return self.data_dir / "fleet"
 
     @property
     def models_dir(self) -> Path:

@@ -151,6 +151,14 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.outbox_lag = Gauge(
+            "kvl_outbox_lag",
+            "Usage events committed here and not yet acknowledged by the hub.",
+            registry=r,
+        )
+        self.outbox_synced = Counter(
+            "kvl_outbox_synced", "Usage events the hub acknowledged.", registry=r
+        )
         self.prefix_tokens_reused = Counter(
             "kvl_prefix_tokens_reused",
             "Prompt tokens whose KV was copied from a shared prefix instead of computed.",

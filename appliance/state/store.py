@@ -204,6 +204,44 @@ class Store:
             _insert(self.db, "usage_events", asdict(stored))
         return stored
 
+    # -- the outbox: usage events not yet acknowledged by the hub ------------------------
+
+    def meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", [key]).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self.db.conn:
+            self.db.execute(
+                "INSERT INTO meta (key, value) VALUES (?, ?)"
+                " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                [key, value],
+            )
+
+    def sync_checkpoint(self) -> int:
+        """The last usage event (by rowid) the hub acknowledged; 0 before the first."""
+        return int(self.meta("sync_checkpoint") or 0)
+
+    def outbox(self, limit: int) -> list[tuple[int, UsageEvent]]:
+        """Usage events after the checkpoint, oldest first: (rowid, event)."""
+        rows = self.db.query(
+            "SELECT rowid AS _rowid, * FROM usage_events WHERE rowid > ? ORDER BY rowid LIMIT ?",
+            [self.sync_checkpoint(), limit],
+        )
+        return [(int(r.pop("_rowid")), UsageEvent(**r)) for r in (dict(row) for row in rows)]
+
+    def acknowledge(self, rowid: int) -> None:
+        """The hub holds every event up to ``rowid``: the checkpoint moves, never back."""
+        if rowid > self.sync_checkpoint():
+            self.set_meta("sync_checkpoint", str(rowid))
+
+    def outbox_lag(self) -> int:
+        """Events committed here and not yet acknowledged by the hub."""
+        row = self.db.execute(
+            "SELECT COUNT(*) FROM usage_events WHERE rowid > ?", [self.sync_checkpoint()]
+        ).fetchone()
+        return int(row[0])
+
     def tokens_used_since(self, account_id: int, since: str) -> int:
         """Prompt and completion tokens an account used since an ISO timestamp."""
         rows = self.db.query(

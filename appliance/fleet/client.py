@@ -1,0 +1,96 @@
+"""HTTP calls to the hub, with its certificate pinned by fingerprint."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from appliance.fleet.identity import Identity, Provisioning
+
+
+class HubError(Exception):
+    """The hub could not be reached, or answered with a server error: try again later."""
+
+
+class HubRefusedError(Exception):
+    """The hub refused the call (4xx): trying again will not help without a change."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"the hub refused ({status} {code}): {message}")
+        self.status = status
+        self.code = code
+
+
+class HubClient:
+    def __init__(self, base_url: str, pin: bytes, token: str | None = None) -> None:
+        self._base = base_url.rstrip("/")
+        self._ssl = aiohttp.Fingerprint(pin)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+
+    @classmethod
+    def for_node(cls, identity: Identity, base_url: str) -> HubClient:
+        return cls(base_url, identity.pin(), identity.node_token)
+
+    async def __aenter__(self) -> HubClient:
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            async with self._session.post(
+                self._base + path, json=body, headers=self._headers, ssl=self._ssl
+            ) as response:
+                if response.status >= 500:
+                    raise HubError(f"the hub answered {response.status} to {path}")
+                payload: dict[str, Any] = await response.json(content_type=None)
+                if response.status >= 400:
+                    error = payload.get("error") or {}
+                    raise HubRefusedError(
+                        response.status, str(error.get("code")), str(error.get("message"))
+                    )
+                return payload
+        except aiohttp.ServerFingerprintMismatch as err:
+            raise HubRefusedError(
+                0,
+                "fingerprint_mismatch",
+                "the hub's certificate does not match the pinned fingerprint",
+            ) from err
+        except (aiohttp.ClientError, TimeoutError) as err:
+            raise HubError(f"the hub is unreachable ({type(err).__name__}: {err})") from err
+
+    async def enroll(
+        self, provisioning: Provisioning, wg_public_key: str, versions: dict[str, str]
+    ) -> dict[str, Any]:
+        return await self._post(
+            "/v1/enroll",
+            {
+                "token": provisioning.token,
+                "name": provisioning.name,
+                "wg_public_key": wg_public_key,
+                "labels": provisioning.labels,
+                "versions": versions,
+            },
+        )
+
+    async def heartbeat(self, versions: dict[str, str], capacity: dict[str, Any]) -> None:
+        await self._post("/v1/node/heartbeat", {"versions": versions, "capacity": capacity})
+
+    async def push(self, events: list[dict[str, Any]]) -> list[str]:
+        """Send events to the ledger; the ids the hub acknowledged."""
+        answer = await self._post("/v1/node/events", {"events": events})
+        return [str(i) for i in answer.get("acknowledged", [])]

@@ -1,0 +1,118 @@
+"""What the appliance knows of its fleet: the provisioning file it enrolls with, and the
+identity enrollment gave it (kept in the data directory, so a restart does not re-enroll)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from wireguard_tools import WireguardKey
+
+from shared import pki
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+
+class ProvisioningError(Exception):
+    """The provisioning file is missing or wrong; the message says how to fix it."""
+
+
+class Provisioning(BaseModel):
+    """`kovenlab.json`: how this appliance joins its fleet (written by the operator, or by
+    `kvl image configure` into a flashed image)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hub_url: str = Field(pattern=r"^https://", max_length=300, description="The hub's API.")
+    token: str = Field(min_length=1, max_length=200, description="An enrollment token.")
+    hub_fingerprint: str = Field(
+        pattern=r"^sha256:[0-9a-fA-F:]{64,95}$",
+        description="`kvl hub serve` prints it: the hub's certificate is pinned to it.",
+    )
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", description="Node name.")
+    labels: dict[str, str] = Field(default_factory=dict, max_length=32)
+
+    @classmethod
+    def load(cls, path: Path) -> Provisioning:
+        try:
+            return cls.model_validate_json(path.read_bytes())
+        except FileNotFoundError as err:
+            raise ProvisioningError(f"no provisioning file at {path}") from err
+        except ValidationError as err:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or '(file)'}: {e['msg']}"
+                for e in err.errors()
+            )
+            raise ProvisioningError(f"{path} is not a valid provisioning file: {problems}") from err
+
+    def pin(self) -> bytes:
+        return pki.fingerprint_bytes(self.hub_fingerprint)
+
+
+class HubPeer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    wg_public_key: str
+    overlay_address: str
+    endpoint: str
+    api_url: str
+    ca_pem: str
+
+
+class Identity(BaseModel):
+    """What enrollment gave this node. Holds the node token: the file is mode 0600."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    node_id: str
+    name: str
+    site: str
+    node_token: str
+    overlay_address: str
+    overlay_prefix: str
+    hub: HubPeer
+    hub_url: str
+    hub_fingerprint: str
+
+    def pin(self) -> bytes:
+        return pki.fingerprint_bytes(self.hub_fingerprint)
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(path.suffix + ".partial")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    temporary.replace(path)
+
+
+class FleetFiles:
+    """The fleet files in the data directory: the WireGuard private key (never leaves the
+    node) and the identity."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.key_path = directory / "wireguard.key"
+        self.identity_path = directory / "identity.json"
+
+    def wireguard_key(self) -> WireguardKey:
+        """This node's WireGuard private key, made on first use."""
+        if self.key_path.is_file():
+            return WireguardKey(self.key_path.read_text().strip())
+        key = WireguardKey.generate()
+        _write_private(self.key_path, str(key) + "\n")
+        return key
+
+    def identity(self) -> Identity | None:
+        if not self.identity_path.is_file():
+            return None
+        return Identity.model_validate(json.loads(self.identity_path.read_text()))
+
+    def save(self, identity: Identity) -> None:
+        _write_private(self.identity_path, identity.model_dump_json(indent=2) + "\n")

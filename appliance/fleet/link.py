@@ -1,0 +1,205 @@
+"""The fleet link: enroll once, then heartbeats and outbox sync on a schedule.
+
+Usage events are committed to the local database before a client is answered; the
+outbox is every event after the sync checkpoint. The link sends them in batches, and
+moves the checkpoint only past events the hub acknowledged. The hub's ledger is unique on
+the event id, so a batch sent again after a lost acknowledgement is harmless: nothing is
+lost and nothing is counted twice. While the hub is unreachable the appliance serves on;
+the outbox grows, and past `fleet.outbox_alarm_events` the link raises an alarm (metric,
+log, heartbeat field). Retries come from the schedule, with jitter, so a fleet that
+reconnects together does not arrive at the hub together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import psutil
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+from appliance.fleet.client import HubClient, HubError, HubRefusedError
+from appliance.fleet.identity import FleetFiles, HubPeer, Identity, Provisioning
+from shared import __version__
+
+if TYPE_CHECKING:
+    from appliance.serving.registry import ModelRegistry
+    from appliance.settings import FleetSettings
+    from appliance.state.store import AsyncStore
+    from shared.telemetry import Metrics
+
+log = logging.getLogger(__name__)
+
+VERSIONS = {"kvl": __version__}
+
+
+async def enroll(files: FleetFiles, provisioning: Provisioning) -> Identity:
+    """Enroll with the hub (once): the WireGuard private key stays here, the public key
+    goes to the hub, and the identity it answers is kept for every later start."""
+    existing = files.identity()
+    if existing is not None:
+        return existing
+    key = files.wireguard_key()
+    async with HubClient(provisioning.hub_url, provisioning.pin()) as client:
+        answer = await client.enroll(provisioning, str(key.public_key()), VERSIONS)
+    identity = Identity(
+        node_id=answer["node_id"],
+        name=answer["name"],
+        site=answer["site"],
+        node_token=answer["node_token"],
+        overlay_address=answer["overlay_address"],
+        overlay_prefix=answer["overlay_prefix"],
+        hub=HubPeer.model_validate(answer["hub"]),
+        hub_url=provisioning.hub_url,
+        hub_fingerprint=provisioning.hub_fingerprint,
+    )
+    files.save(identity)
+    log.info("enrolled with the hub as %s (%s)", identity.name, identity.overlay_address)
+    return identity
+
+
+class FleetLink:
+    def __init__(
+        self,
+        settings: FleetSettings,
+        files: FleetFiles,
+        store: AsyncStore,
+        metrics: Metrics,
+        registry: ModelRegistry,
+    ) -> None:
+        self._settings = settings
+        self._files = files
+        self._store = store
+        self._metrics = metrics
+        self._registry = registry
+        self._scheduler = AsyncIOScheduler()
+        self.identity: Identity | None = files.identity()
+        self.error: str | None = None
+        self._client: HubClient | None = None
+
+    @property
+    def hub_url(self) -> str | None:
+        """Through the tunnel: the hub's overlay address; without one, the enrolling URL."""
+        if self.identity is None:
+            return None
+        return self.identity.hub.api_url if self._settings.tunnel else self.identity.hub_url
+
+    def start(self) -> None:
+        s = self._settings
+        self._scheduler.add_job(
+            self.tick,
+            "interval",
+            seconds=s.heartbeat_s,
+            jitter=s.heartbeat_s / 5,
+            max_instances=1,
+            coalesce=True,
+            next_run_time=_now_dt(),
+        )
+        self._scheduler.add_job(
+            self.sync,
+            "interval",
+            seconds=s.sync_interval_s,
+            jitter=s.sync_interval_s / 2,
+            max_instances=1,
+            coalesce=True,
+        )
+        self._scheduler.start()
+
+    async def close(self) -> None:
+        if self._scheduler.running:
+            self._scheduler.shutdown(wait=False)
+        if self._client is not None:
+            await self._client.close()
+
+    async def _ensure(self) -> HubClient | None:
+        if self.identity is None:
+            path = self._settings.provisioning_file
+            if path is None:
+                return None
+            try:
+                self.identity = await enroll(self._files, Provisioning.load(path))
+            except HubRefusedError as err:
+                self.error = str(err)
+                log.error("enrollment refused: %s", err)  # noqa: TRY400 - no traceback
+                return None
+        if self._client is None:
+            url = self.hub_url
+            if url is None:  # pragma: no cover - the identity is set above
+                return None
+            self._client = HubClient.for_node(self.identity, url)
+        return self._client
+
+    async def tick(self) -> None:
+        """One heartbeat (enrolling first if this node has not yet)."""
+        try:
+            client = await self._ensure()
+            if client is None:
+                return
+            await client.heartbeat(VERSIONS, await self.capacity())
+        except (HubError, HubRefusedError) as err:
+            self.error = str(err)
+            log.warning("heartbeat failed: %s", err)
+            return
+        self.error = None
+        await self._store.run(self._store.sync.set_meta, "last_heartbeat_at", str(time.time()))
+
+    async def capacity(self) -> dict[str, Any]:
+        memory = psutil.virtual_memory()
+        lag = await self._store.run(self._store.sync.outbox_lag)
+        self._metrics.outbox_lag.set(lag)
+        alarm = lag >= self._settings.outbox_alarm_events
+        if alarm:
+            log.warning("the outbox holds %d events not yet synced to the hub", lag)
+        return {
+            "cpu_percent": psutil.cpu_percent(None),
+            "cpu_count": psutil.cpu_count(),
+            "memory_total_mib": memory.total >> 20,
+            "memory_available_mib": memory.available >> 20,
+            "models": [r.ref for r in self._registry.served()],
+            "queue_waiting": sum(d.waiting for d in self._registry.deployments()),
+            "outbox_lag": lag,
+            "outbox_alarm": alarm,
+        }
+
+    async def sync(self) -> int:
+        """Send the outbox in batches until it is empty or the hub is unreachable; the
+        number of events the hub acknowledged."""
+        sent = 0
+        try:
+            client = await self._ensure()
+            if client is None:
+                return 0
+            while True:
+                batch = await self._store.run(self._store.sync.outbox, self._settings.sync_batch)
+                if not batch:
+                    break
+                events = [
+                    {"id": event.id, "kind": "usage", "body": dataclasses.asdict(event)}
+                    for _, event in batch
+                ]
+                acknowledged = set(await client.push(events))
+                # The checkpoint moves past the acknowledged run only, in order.
+                last = 0
+                for rowid, event in batch:
+                    if event.id not in acknowledged:
+                        break
+                    last = rowid
+                if last == 0:
+                    break
+                await self._store.run(self._store.sync.acknowledge, last)
+                sent += len(acknowledged)
+                self._metrics.outbox_synced.inc(len(acknowledged))
+        except (HubError, HubRefusedError) as err:
+            self.error = str(err)
+            log.warning("sync stopped: %s", err)
+        else:
+            await self._store.run(self._store.sync.set_meta, "last_sync_at", str(time.time()))
+        return sent
+
+
+def _now_dt() -> Any:
+    import datetime  # noqa: PLC0415
+
+    return datetime.datetime.now(datetime.UTC)

@@ -1,0 +1,309 @@
+"""The appliance's fleet link against a real hub on loopback (HTTPS, pinned certificate):
+enrollment once, heartbeats, and the outbox synced exactly once across a hub outage and
+lost acknowledgements. The link here skips the tunnel (`fleet.tunnel: false`); the
+WireGuard path has its own netns tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from wireguard_tools import WireguardKey
+
+from appliance.app import FLEET, create_app
+from appliance.fleet.identity import FleetFiles, Provisioning
+from appliance.fleet.link import enroll
+from appliance.gateway.keys import HOST, STORE
+from appliance.state.store import ModelRecord, Store
+from hub.app import certificates, ssl_context
+from hub.app import create_app as create_hub
+from hub.settings import HubSettings
+from hub.state.store import HubStore
+from tests.conftest import free_port, kvl, make_settings
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from pytest_aiohttp import AiohttpClient, AiohttpServer
+
+pytestmark = pytest.mark.model
+
+
+def hub_settings(tmp_path: Path) -> HubSettings:
+    return HubSettings.model_validate(
+        {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False}}
+    )
+
+
+def provisioning(tmp_path: Path, hub: HubSettings, port: int, uses: int = 1) -> Path:
+    store = HubStore(hub.db_path)
+    try:
+        token = store.create_token("school-a", uses=uses, expires_in_s=600).plaintext
+    finally:
+        store.close()
+    _, cert = certificates(hub)
+    path = tmp_path / "kovenlab.json"
+    path.write_text(
+        json.dumps(
+            {
+                "hub_url": f"https://127.0.0.1:{port}",
+                "token": token,
+                "hub_fingerprint": cert.fingerprint,
+                "name": "lab-server",
+            }
+        )
+    )
+    return path
+
+
+async def complete(client: Any, key: str) -> None:
+    response = await client.post(
+        "/v1/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": "gemma-3-270m", "prompt": "Hi", "max_tokens": 2},
+    )
+    assert response.status == 200, await response.text()
+
+
+async def wait_for(condition: Any, timeout_s: float = 30.0) -> None:
+    for _ in range(int(timeout_s * 10)):
+        if await condition():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("condition not met in time")
+
+
+async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outage(
+    aiohttp_client: AiohttpClient,
+    aiohttp_server: AiohttpServer,
+    tmp_path: Path,
+    default_model: ModelRecord,
+) -> None:
+    hub = hub_settings(tmp_path)
+    port = free_port()
+    hub_server = await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
+    path = provisioning(tmp_path, hub, port)
+    settings = make_settings(
+        tmp_path / "data",
+        embeddings={"enabled": False},
+        fleet={
+            "provisioning_file": str(path),
+            "tunnel": False,
+            "heartbeat_s": 1,
+            "sync_interval_s": 0.5,
+        },
+    )
+    store = Store(settings.db_path)
+    store.add_model(default_model)
+    key = store.create_key("lan-user").plaintext
+    store.close()
+    app = create_app(settings)
+    client = await aiohttp_client(app)
+    await app[HOST].wait_loaded()
+    link = app[FLEET]
+
+    def hub_store() -> HubStore:
+        return HubStore(hub.db_path)
+
+    async def heard() -> bool:
+        s = hub_store()
+        try:
+            return any(n.capacity.get("models") for n in s.nodes())
+        finally:
+            s.close()
+
+    await wait_for(heard)
+    assert link.identity is not None
+    assert (tmp_path / "data" / "fleet" / "identity.json").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "data" / "fleet" / "wireguard.key").stat().st_mode & 0o777 == 0o600
+    s = hub_store()
+    (node,) = s.nodes()
+    s.close()
+    assert node.capacity["models"] == [default_model.ref]
+    assert node.wg_public_key == str(
+        WireguardKey(
+            (tmp_path / "data" / "fleet" / "wireguard.key").read_text().strip()
+        ).public_key()
+    )
+
+    for _ in range(3):
+        await complete(client, key)
+
+    async def ledger(n: int) -> bool:
+        s = hub_store()
+        try:
+            return s.ledger_count() == n
+        finally:
+            s.close()
+
+    await wait_for(lambda: ledger(3))
+
+    # The hub goes away: LAN clients are still served, events wait in the outbox.
+    await hub_server.close()
+    for _ in range(4):
+        await complete(client, key)
+    appliance_store = app[STORE]
+    assert await appliance_store.run(appliance_store.sync.outbox_lag) == 4
+    # It comes back on the same address: every event arrives, none twice.
+    await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
+    await wait_for(lambda: ledger(7))
+    await wait_for(lambda: _lag_zero(appliance_store))
+    s = hub_store()
+    try:
+        usage = [
+            json.loads(r["body"])
+            for r in s.db.query("SELECT body FROM ledger ORDER BY received_at")
+        ]
+    finally:
+        s.close()
+    assert len({u["id"] for u in usage}) == 7
+    assert all(u["route"] == "/v1/completions" for u in usage)
+
+
+async def _lag_zero(store: Any) -> bool:
+    return bool(await store.run(store.sync.outbox_lag) == 0)
+
+
+async def test_a_restarted_node_keeps_its_identity_and_a_refused_token_is_clear(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    hub = hub_settings(tmp_path)
+    port = free_port()
+    await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
+    path = provisioning(tmp_path, hub, port)
+    files = FleetFiles(tmp_path / "fleet")
+    first = await enroll(files, Provisioning.load(path))
+    # The token was single use: a second enrollment would be refused, and is not needed.
+    again = await enroll(FleetFiles(tmp_path / "fleet"), Provisioning.load(path))
+    assert again == first
+    other = FleetFiles(tmp_path / "other")
+    with pytest.raises(Exception, match="already used"):
+        await enroll(other, Provisioning.load(path))
+    assert other.identity() is None
+
+
+async def test_lost_acknowledgements_never_duplicate(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    """A proxy in front of the hub forwards each sync, then cuts the connection before the
+    answer for the first two: the hub committed, the node never heard. It resends; the
+    ledger holds each event once and the checkpoint only moves on an answer."""
+    hub = hub_settings(tmp_path)
+    hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
+    cut = {"left": 2}
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                f"https://127.0.0.1:{hub_server.port}{request.path}",
+                data=body,
+                headers={
+                    k: v
+                    for k, v in request.headers.items()
+                    if k.lower() in {"authorization", "content-type"}
+                },
+                ssl=False,
+            ) as upstream,
+        ):
+            answer = await upstream.read()
+            status = upstream.status
+        if request.path == "/v1/node/events" and cut["left"] > 0:
+            cut["left"] -= 1
+            assert request.transport is not None
+            request.transport.close()  # the reply is lost
+            raise ConnectionResetError
+        return web.Response(body=answer, status=status, content_type="application/json")
+
+    proxy_app = web.Application()
+    proxy_app.router.add_route("POST", "/{tail:.*}", forward)
+    proxy = await aiohttp_server(proxy_app, ssl=ssl_context(hub))
+    assert proxy.port is not None
+    path = provisioning(tmp_path, hub, proxy.port)
+    settings = make_settings(
+        tmp_path / "data",
+        embeddings={"enabled": False},
+        fleet={
+            "provisioning_file": str(path),
+            "tunnel": False,
+            "heartbeat_s": 3600,
+            "sync_interval_s": 3600,
+        },
+    )
+    # The link alone, over a store with usage events and no model.
+    from appliance.fleet.link import FleetLink  # noqa: PLC0415
+    from appliance.state.store import AsyncStore, UsageEvent  # noqa: PLC0415
+    from shared.telemetry import Metrics  # noqa: PLC0415
+
+    store = AsyncStore(settings.db_path)
+    await store.open()
+    account = await store.run(store.sync.ensure_account, "a")
+    for i in range(5):
+        await store.run(
+            store.sync.record_usage,
+            UsageEvent(account.id, "kvl", "/v1/completions", "m", i, i, None, 1.0, 200, "stop"),
+        )
+
+    class NoModels:
+        def served(self) -> list[Any]:
+            return []
+
+        def deployments(self) -> list[Any]:
+            return []
+
+    link = FleetLink(settings.fleet, FleetFiles(settings.fleet_dir), store, Metrics(), NoModels())  # type: ignore[arg-type]
+    try:
+        assert await link.sync() == 0  # enrolled; the first answer is lost
+        assert await store.run(store.sync.outbox_lag) == 5
+        assert await link.sync() == 0  # the resend's answer is lost too
+        assert await link.sync() == 5  # the third gets through
+        assert await store.run(store.sync.outbox_lag) == 0
+    finally:
+        await link.close()
+        await store.close()
+    s = HubStore(hub.db_path)
+    try:
+        assert s.ledger_count() == 5
+    finally:
+        s.close()
+
+
+async def test_the_cli_enrolls_and_reports_status(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    hub = hub_settings(tmp_path)
+    port = free_port()
+    await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
+    path = provisioning(tmp_path, hub, port)
+    data = str(tmp_path / "data")
+    before = json.loads(
+        (await asyncio.to_thread(kvl, "appliance", "status", "--json", "--data-dir", data)).stdout
+    )
+    assert before["enrolled"] is False
+    done = await asyncio.to_thread(
+        kvl, "appliance", "enroll", "--provisioning", str(path), "--data-dir", data
+    )
+    assert "enrolled: lab-server" in done.stdout
+    after = json.loads(
+        (await asyncio.to_thread(kvl, "appliance", "status", "--json", "--data-dir", data)).stdout
+    )
+    assert after["enrolled"] is True
+    assert after["overlay_address"] == "100.64.0.2"
+    assert after["outbox_lag"] == 0
+    refused = await asyncio.to_thread(
+        kvl,
+        "appliance",
+        "enroll",
+        "--provisioning",
+        str(path),
+        "--data-dir",
+        str(tmp_path / "x"),
+        check=False,
+    )
+    assert refused.returncode == 1
+    assert "already used" in refused.stderr
