@@ -185,6 +185,22 @@ async def events(request: web.Request) -> web.Response:
     return web.json_response({"acknowledged": ids, "new": new})
 
 
+async def desired_state(request: web.Request) -> web.Response:
+    """The caller's own desired state (the node token says whose); `?after=SERIAL` answers
+    204 while nothing changed since."""
+    node = request[NODE]
+    store = request.app[STORE]
+    try:
+        after = int(request.query.get("after", "-1"))
+    except ValueError as err:
+        raise ApiError(
+            ErrorCode.invalid_parameter, "`after` must be a serial", param="after"
+        ) from err
+    if after >= 0 and await store.run(store.sync.desired_serial) <= after:
+        return web.Response(status=204)
+    return web.json_response(await store.run(store.sync.desired_state, node))
+
+
 def node_view(node: Node, settings: HubSettings, now: float) -> dict[str, Any]:
     fleet = settings.fleet
     status = node_status(
@@ -213,6 +229,7 @@ def routes() -> list[web.RouteDef]:
         web.post("/v1/enroll", enroll),
         web.post("/v1/node/heartbeat", heartbeat),
         web.post("/v1/node/events", events),
+        web.get("/v1/node/state", desired_state),
     ]
 
 

@@ -221,3 +221,98 @@ def nodes_revoke(config_file: Path | None, data_dir: Path | None, node: str) -> 
     finally:
         store.close()
     click.echo(f"revoked {revoked.name} ({revoked.id})")
+
+
+@hub.group()
+def accounts() -> None:
+    """Accounts of the fleet: service class and quotas, pushed to every node."""
+
+
+@accounts.command("set")
+@common_options
+@click.argument("name")
+@click.option(
+    "--class", "service_class", type=click.Choice(["S0", "S1", "S2", "S3", "S4"]), default="S1"
+)
+@click.option("--rpm", type=click.IntRange(0), default=None, help="Requests per minute.")
+@click.option("--tokens-per-day", type=click.IntRange(0), default=None, help="Tokens per day.")
+@config_errors_exit
+def accounts_set(
+    config_file: Path | None,
+    data_dir: Path | None,
+    name: str,
+    *,
+    service_class: str,
+    rpm: int | None,
+    tokens_per_day: int | None,
+) -> None:
+    """Create or change an account (unset quotas: the class's defaults)."""
+    store = _store(_settings(config_file, data_dir))
+    try:
+        serial = store.set_account(
+            name, service_class, requests_per_minute=rpm, tokens_per_day=tokens_per_day
+        )
+    finally:
+        store.close()
+    click.echo(f"account {name} ({service_class}); desired state serial {serial}")
+
+
+@accounts.command("list")
+@common_options
+@config_errors_exit
+def accounts_list(config_file: Path | None, data_dir: Path | None) -> None:
+    """List accounts: name, class, quotas."""
+    store = _store(_settings(config_file, data_dir))
+    try:
+        rows = store.accounts()
+    finally:
+        store.close()
+    for row in rows:
+        click.echo(
+            f"{row['name']:<24} {row['service_class']}  rpm {row['requests_per_minute'] or '-'}  "
+            f"tokens/day {row['tokens_per_day'] or '-'}"
+        )
+
+
+@hub.group("keys")
+def hub_keys() -> None:
+    """API keys of fleet accounts (only hashes go to the nodes)."""
+
+
+@hub_keys.command("create")
+@common_options
+@click.option("--account", required=True, help="An account made with `kvl hub accounts set`.")
+@click.option("--admin", is_flag=True, help="The key may use the appliances' /v1/admin routes.")
+@config_errors_exit
+def keys_create(config_file: Path | None, data_dir: Path | None, account: str, admin: bool) -> None:
+    """Create a key; it is printed once, alone on stdout."""
+    from hub.state.store import NotFoundError  # noqa: PLC0415
+
+    store = _store(_settings(config_file, data_dir))
+    try:
+        new = store.create_key(account, admin=admin)
+    except NotFoundError as err:
+        raise click.ClickException(str(err)) from err
+    finally:
+        store.close()
+    click.echo(new.plaintext)
+
+
+@hub_keys.command("revoke")
+@common_options
+@click.argument("prefix")
+@config_errors_exit
+def keys_revoke(config_file: Path | None, data_dir: Path | None, prefix: str) -> None:
+    """Revoke a key by its prefix (or the whole key) on every node."""
+    from hub.state.store import NotFoundError  # noqa: PLC0415
+    from shared.keys import parse_prefix  # noqa: PLC0415
+
+    prefix = parse_prefix(prefix) or prefix
+    store = _store(_settings(config_file, data_dir))
+    try:
+        serial = store.revoke_key(prefix)
+    except NotFoundError as err:
+        raise click.ClickException(str(err)) from err
+    finally:
+        store.close()
+    click.echo(f"revoked {prefix}; desired state serial {serial}")

@@ -90,6 +90,29 @@ class HubClient:
     async def heartbeat(self, versions: dict[str, str], capacity: dict[str, Any]) -> None:
         await self._post("/v1/node/heartbeat", {"versions": versions, "capacity": capacity})
 
+    async def state(self, after: int) -> dict[str, Any] | None:
+        """This node's desired state, or None when it has not changed since ``after``."""
+        try:
+            async with self._session.get(
+                f"{self._base}/v1/node/state",
+                params={"after": str(after)},
+                headers=self._headers,
+                ssl=self._ssl,
+            ) as response:
+                if response.status == 204:
+                    return None
+                if response.status >= 500:
+                    raise HubError(f"the hub answered {response.status} to /v1/node/state")
+                payload: dict[str, Any] = await response.json(content_type=None)
+                if response.status >= 400:
+                    error = payload.get("error") or {}
+                    raise HubRefusedError(
+                        response.status, str(error.get("code")), str(error.get("message"))
+                    )
+                return payload
+        except (aiohttp.ClientError, TimeoutError) as err:
+            raise HubError(f"the hub is unreachable ({type(err).__name__}: {err})") from err
+
     async def push(self, events: list[dict[str, Any]]) -> list[str]:
         """Send events to the ledger; the ids the hub acknowledged."""
         answer = await self._post("/v1/node/events", {"events": events})

@@ -138,6 +138,11 @@ class FleetLink:
             if client is None:
                 return
             await client.heartbeat(VERSIONS, await self.capacity())
+            applied = int(await self._store.run(self._store.sync.meta, "desired_serial") or -1)
+            state = await client.state(applied)
+            if state is not None:
+                serial = await self._store.run(self._store.sync.apply_desired_state, state)
+                log.info("applied the hub's desired state %d", serial)
         except (HubError, HubRefusedError) as err:
             self.error = str(err)
             log.warning("heartbeat failed: %s", err)

@@ -242,6 +242,39 @@ class Store:
         ).fetchone()
         return int(row[0])
 
+    def apply_desired_state(self, state: dict[str, Any]) -> int:
+        """Apply the hub's accounts and keys atomically (all or nothing) and remember the
+        serial; a state older than the one applied is ignored. Keys are never deleted: one
+        the hub revoked is revoked here; keys made locally stay as they are."""
+        serial = int(state["serial"])
+        with self.db.conn:
+            if serial <= int(self.meta("desired_serial") or -1):
+                return serial
+            for account in state["accounts"]:
+                self.db.execute(
+                    "INSERT INTO accounts (name, service_class, created_at) VALUES (?, ?, ?)"
+                    " ON CONFLICT(name) DO UPDATE SET service_class = excluded.service_class",
+                    [account["name"], account["service_class"], now_iso()],
+                )
+            for key in state["keys"]:
+                row = self.db.execute(
+                    "SELECT id FROM accounts WHERE name = ?", [key["account"]]
+                ).fetchone()
+                revoked = now_iso() if key["revoked"] else None
+                self.db.execute(
+                    "INSERT INTO api_keys (prefix, hash, account_id, created_at, admin, revoked_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(prefix) DO UPDATE SET"
+                    " revoked_at = COALESCE(api_keys.revoked_at, excluded.revoked_at),"
+                    " admin = excluded.admin",
+                    [key["prefix"], key["hash"], row[0], now_iso(), int(key["admin"]), revoked],
+                )
+            self.db.execute(
+                "INSERT INTO meta (key, value) VALUES ('desired_serial', ?)"
+                " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                [str(serial)],
+            )
+        return serial
+
     def tokens_used_since(self, account_id: int, since: str) -> int:
         """Prompt and completion tokens an account used since an ISO timestamp."""
         rows = self.db.query(

@@ -59,3 +59,33 @@ def m001_fleet(db: Database) -> None:
         foreign_keys=[("node_id", "nodes", "id")],
     )
     db.table("ledger").create_index(["node_id", "received_at"])
+
+
+@migrations()
+def m002_desired_state(db: Database) -> None:
+    # Accounts and their API keys are managed on the hub and pushed to every node with a
+    # serial that grows with each change (meta key `desired_serial`).
+    db.table("accounts").create(
+        {
+            "name": str,
+            "service_class": str,
+            "requests_per_minute": int,  # None: the class's default
+            "tokens_per_day": int,
+            "created_at": float,
+        },
+        pk="name",
+        not_null={"service_class", "created_at"},
+    )
+    db.table("api_keys").create(
+        {
+            "prefix": str,
+            "hash": str,
+            "account": str,
+            "admin": int,
+            "created_at": float,
+            "revoked_at": float,
+        },
+        pk="prefix",
+        not_null={"hash", "account", "admin", "created_at"},
+        foreign_keys=[("account", "accounts", "name")],
+    )

@@ -278,6 +278,103 @@ class HubStore:
             )
         return self.node(node.id)
 
+    # -- desired state: accounts and keys, pushed to nodes ---------------------------------
+
+    def desired_serial(self) -> int:
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'desired_serial'").fetchone()
+        return 0 if row is None else int(row[0])
+
+    def _bump(self) -> int:
+        """Inside a transaction: the next serial of the desired state."""
+        serial = self.desired_serial() + 1
+        self.db.execute(
+            "INSERT INTO meta (key, value) VALUES ('desired_serial', ?)"
+            " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+            [str(serial)],
+        )
+        return serial
+
+    def set_account(
+        self,
+        name: str,
+        service_class: str,
+        *,
+        requests_per_minute: int | None = None,
+        tokens_per_day: int | None = None,
+    ) -> int:
+        """Create or change an account; the new serial."""
+        with self.db.conn:
+            self.db.execute(
+                "INSERT INTO accounts (name, service_class, requests_per_minute, tokens_per_day,"
+                " created_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET"
+                " service_class = excluded.service_class,"
+                " requests_per_minute = excluded.requests_per_minute,"
+                " tokens_per_day = excluded.tokens_per_day",
+                [name, service_class, requests_per_minute, tokens_per_day, time.time()],
+            )
+            return self._bump()
+
+    def create_key(self, account: str, *, admin: bool = False) -> NewKey:
+        new = generate_key()
+        with self.db.conn:
+            if not list(self.db.query("SELECT 1 FROM accounts WHERE name = ?", [account])):
+                raise NotFoundError(
+                    f"no account {account!r}; create it with `kvl hub accounts set {account}`"
+                )
+            self.db.table("api_keys").insert(
+                {
+                    "prefix": new.prefix,
+                    "hash": new.hash,
+                    "account": account,
+                    "admin": int(admin),
+                    "created_at": time.time(),
+                    "revoked_at": None,
+                }
+            )
+            self._bump()
+        return new
+
+    def revoke_key(self, prefix: str) -> int:
+        with self.db.conn:
+            cursor = self.db.execute(
+                "UPDATE api_keys SET revoked_at = ? WHERE prefix = ? AND revoked_at IS NULL",
+                [time.time(), prefix],
+            )
+            if cursor.rowcount == 0:
+                raise NotFoundError(f"no active key {prefix!r}")
+            return self._bump()
+
+    def accounts(self) -> list[dict[str, Any]]:
+        return list(self.db.query("SELECT * FROM accounts ORDER BY name"))
+
+    def desired_state(self, node: Node) -> dict[str, Any]:
+        """What ``node`` should hold, with the serial it is at. Only the node's own."""
+        accounts = [
+            {
+                "name": r["name"],
+                "service_class": r["service_class"],
+                "requests_per_minute": r["requests_per_minute"],
+                "tokens_per_day": r["tokens_per_day"],
+            }
+            for r in self.db.query("SELECT * FROM accounts ORDER BY name")
+        ]
+        keys = [
+            {
+                "prefix": r["prefix"],
+                "hash": r["hash"],
+                "account": r["account"],
+                "admin": bool(r["admin"]),
+                "revoked": r["revoked_at"] is not None,
+            }
+            for r in self.db.query("SELECT * FROM api_keys ORDER BY prefix")
+        ]
+        return {
+            "node_id": node.id,
+            "serial": self.desired_serial(),
+            "accounts": accounts,
+            "keys": keys,
+        }
+
     # -- the ledger ----------------------------------------------------------------------
 
     def ingest(self, node_id: str, events: Iterable[Mapping[str, Any]]) -> tuple[list[str], int]:

@@ -307,3 +307,76 @@ async def test_the_cli_enrolls_and_reports_status(
     )
     assert refused.returncode == 1
     assert "already used" in refused.stderr
+
+
+async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
+    aiohttp_client: AiohttpClient,
+    aiohttp_server: AiohttpServer,
+    tmp_path: Path,
+    default_model: ModelRecord,
+) -> None:
+    hub = hub_settings(tmp_path)
+    port = free_port()
+    hub_server = await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
+    path = provisioning(tmp_path, hub, port)
+    s = HubStore(hub.db_path)
+    try:
+        s.set_account("school", "S2")
+        fleet_key = s.create_key("school").plaintext
+    finally:
+        s.close()
+    settings = make_settings(
+        tmp_path / "data",
+        embeddings={"enabled": False},
+        fleet={"provisioning_file": str(path), "tunnel": False, "heartbeat_s": 1},
+    )
+    store = Store(settings.db_path)
+    store.add_model(default_model)
+    store.close()
+    client = await aiohttp_client(create_app(settings))
+    headers = {"Authorization": f"Bearer {fleet_key}"}
+
+    async def status() -> int:
+        return (await client.get("/v1/models", headers=headers)).status
+
+    async def accepted() -> bool:
+        return await status() == 200
+
+    # A key made on the hub reaches the appliance with the desired state.
+    await wait_for(accepted)
+    local = Store(settings.db_path)
+    try:
+        (key,) = [k for k in local.list_keys() if k.account.name == "school"]
+        assert key.account.service_class.value == "S2"
+    finally:
+        local.close()
+
+    s = HubStore(hub.db_path)
+    try:
+        s.revoke_key(fleet_key.split("_")[1])
+    finally:
+        s.close()
+
+    async def refused() -> bool:
+        return await status() == 401
+
+    await wait_for(refused)
+    error = (await (await client.get("/v1/models", headers=headers)).json())["error"]
+    assert error["code"] == "revoked_api_key"
+
+    # With the hub gone, the appliance keeps the last state it applied.
+    s = HubStore(hub.db_path)
+    try:
+        s.set_account("library", "S1")
+        library_key = s.create_key("library").plaintext
+    finally:
+        s.close()
+
+    async def library() -> bool:
+        r = await client.get("/v1/models", headers={"Authorization": f"Bearer {library_key}"})
+        return r.status == 200
+
+    await wait_for(library)
+    await hub_server.close()
+    await asyncio.sleep(1.5)  # a heartbeat fails meanwhile
+    assert await library()

@@ -271,3 +271,55 @@ def test_the_cli_creates_lists_and_revokes_tokens_and_lists_nodes(tmp_path: Path
     assert bad.returncode == 2
     assert "duration" in bad.stderr
     assert kvl("hub", "nodes", "list", "--data-dir", data).stdout == ""
+
+
+async def test_each_node_reads_only_its_own_desired_state_and_serials_grow(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    settings = settings_for(tmp_path)
+    store = HubStore(settings.db_path)
+    token = store.create_token("s", uses=2, expires_in_s=60).plaintext
+    a, b = (
+        store.enroll(
+            token, name=n, wg_public_key=new_key(), overlay_prefix=PREFIX, labels={}, versions={}
+        )
+        for n in ("a", "b")
+    )
+    assert store.set_account("school", "S1") == 1
+    store.create_key("school")
+    assert store.desired_serial() == 2
+    with pytest.raises(Exception, match="no account"):
+        store.create_key("nobody")
+    store.close()
+    server = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
+    pinned = aiohttp.Fingerprint(pki.fingerprint_bytes(certificates(settings)[1].fingerprint))
+    url = f"https://127.0.0.1:{server.port}/v1/node/state"
+    async with aiohttp.ClientSession() as client:
+        for node in (a, b):
+            headers = {"Authorization": f"Bearer {node.node_token}"}
+            # Asking for another node's state is not a thing: the token says whose it is.
+            response = await client.get(
+                url, params={"node": b.node.id}, headers=headers, ssl=pinned
+            )
+            state = await response.json()
+            assert state["node_id"] == node.node.id
+            assert state["serial"] == 2
+            assert [k["account"] for k in state["keys"]] == ["school"]
+            assert "hash" in state["keys"][0]
+            unchanged = await client.get(url, params={"after": "2"}, headers=headers, ssl=pinned)
+            assert unchanged.status == 204
+
+
+def test_the_cli_manages_fleet_accounts_and_keys(tmp_path: Path) -> None:
+    data = str(tmp_path / "hub")
+    assert (
+        "serial 1"
+        in kvl("hub", "accounts", "set", "school", "--class", "S2", "--data-dir", data).stdout
+    )
+    assert "S2" in kvl("hub", "accounts", "list", "--data-dir", data).stdout
+    key = kvl("hub", "keys", "create", "--account", "school", "--data-dir", data).stdout.strip()
+    assert key.startswith("kvl_")
+    assert "serial 3" in kvl("hub", "keys", "revoke", key, "--data-dir", data).stdout
+    missing = kvl("hub", "keys", "create", "--account", "nobody", "--data-dir", data, check=False)
+    assert missing.returncode == 1
+    assert "no account" in missing.stderr
