@@ -10,8 +10,36 @@ export PATH := venv / "bin" + ":" + env_var("PATH")
 default:
     @just --list
 
+# Install the Debian packages the project runs: wireguard-go (tunnels where the kernel has no WireGuard) and iproute2
+setup-system:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    missing=()
+    for package in wireguard-go iproute2; do
+        dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed' || missing+=("$package")
+    done
+    if [ ${#missing[@]} -eq 0 ]; then exit 0; fi
+    if ! command -v apt-get > /dev/null; then
+        echo "setup-system: not a Debian system; install ${missing[*]} with its package manager (the netns tests skip until then)" >&2
+        exit 0
+    fi
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "setup-system: skipped, not root; run \`sudo .venv/bin/just setup-system\` to install ${missing[*]} (the netns tests skip until then)" >&2
+        exit 0
+    fi
+    echo "installing ${missing[*]} from Debian" >&2
+    log=$(mktemp)
+    trap 'rm -f "$log"' EXIT
+    install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"; }
+    # Refresh the package lists only when the install needs it (a fresh image has none).
+    if ! { install || { apt-get update -qq && install; }; } > "$log" 2>&1; then
+        cat "$log" >&2
+        echo "setup-system failed; apt-get's output is above" >&2
+        exit 1
+    fi
+
 # Create .venv and install the project with its dev tools (llama-cpp-python compiles once, then pip's wheel cache is used)
-setup:
+setup: setup-system
     #!/usr/bin/env bash
     set -euo pipefail
     test -x {{ py }} || python3 -m venv {{ venv }}

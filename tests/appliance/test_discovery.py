@@ -11,8 +11,6 @@ import ipaddress
 import json
 import os
 import queue
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,14 +24,13 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from appliance.discovery.mdns import SERVICE_TYPE, Announcement, Found, prefer_reachable
+from tests.netns import A_ADDR, B_ADDR, Link, ip, linked_namespaces
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
 REPO = Path(__file__).resolve().parents[2]
 PORT = 8080  # each test has fresh namespaces, so a fixed port cannot collide
-A_ADDR = "198.18.0.1"
-B_ADDR = "198.18.0.2"
 DEADLINE_S = 60.0
 
 # Prints every change a zeroconf browser sees, one line each, until stdin closes: the test
@@ -108,23 +105,11 @@ def test_prefer_reachable_puts_on_link_addresses_first() -> None:
 # --- two namespaces on one link --------------------------------------------------------
 
 
-def _ip(*args: str) -> None:
-    result = subprocess.run(["ip", *args], capture_output=True, text=True, check=False, timeout=30)
-    if result.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
-
-
 @dataclass(frozen=True)
-class Lan:
-    """Namespace `a` (the appliance, A_ADDR) and `b` (the browser, B_ADDR) on one veth link."""
+class Lan(Link):
+    """Namespace `a` runs the appliance (A_ADDR), `b` the browser (B_ADDR)."""
 
-    a: str
-    b: str
-    suffix: str
     tmp: Path
-
-    def argv(self, ns: str, *argv: str) -> list[str]:
-        return ["ip", "netns", "exec", ns, *argv]
 
     def kvl(self, ns: str, *args: str) -> list[str]:
         return self.argv(ns, sys.executable, "-m", "shared.cli", *args)
@@ -138,40 +123,8 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture
 def lan(tmp_path: Path) -> Iterator[Lan]:
-    if os.geteuid() != 0:
-        pytest.skip("netns test: creating network namespaces needs root")
-    if shutil.which("ip") is None:
-        pytest.skip("netns test: `ip` (iproute2) is not installed")
-    # Unique per test so parallel runs and leftovers of a killed run cannot collide; interface
-    # names must stay within 15 characters.
-    suffix = f"{os.getpid() % 100_000}{secrets.token_hex(2)}"
-    lan = Lan(a=f"kvl-a-{suffix}", b=f"kvl-b-{suffix}", suffix=suffix, tmp=tmp_path)
-    veth_a, veth_b = f"kva{suffix}", f"kvb{suffix}"
-    try:
-        _ip("netns", "add", lan.a)
-        _ip("netns", "add", lan.b)
-        _ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
-        _ip("link", "set", veth_a, "netns", lan.a)
-        _ip("link", "set", veth_b, "netns", lan.b)
-        _ip("-n", lan.a, "addr", "add", f"{A_ADDR}/24", "dev", veth_a)
-        _ip("-n", lan.b, "addr", "add", f"{B_ADDR}/24", "dev", veth_b)
-        for ns, veth in ((lan.a, veth_a), (lan.b, veth_b)):
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "set", veth, "multicast", "on", "up")
-        yield lan
-    finally:
-        for ns in (lan.a, lan.b):
-            # A process left in a namespace would keep it (and the link) alive after `del`;
-            # only this test's processes can be in these uniquely named namespaces.
-            pids = subprocess.run(
-                ["ip", "netns", "pids", ns], capture_output=True, text=True, check=False
-            ).stdout.split()
-            for pid in pids:
-                os.kill(int(pid), signal.SIGKILL)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-        # Deleting a namespace destroys the veth ends in it; this catches a setup that failed
-        # before the pair was moved out of the root namespace.
-        subprocess.run(["ip", "link", "del", veth_a], capture_output=True, check=False)
+    with linked_namespaces() as link:
+        yield Lan(a=link.a, b=link.b, suffix=link.suffix, tmp=tmp_path)
 
 
 @dataclass
@@ -359,10 +312,10 @@ def test_discover_finds_the_appliance_across_the_link_until_it_stops(lan: Lan) -
 def test_multi_homed_appliance_is_found_at_its_address_on_the_browsers_link(lan: Lan) -> None:
     # A second link in A (as a tunnel or container bridge would be) that B has no route to.
     other_a, other_b = f"kvx{lan.suffix}", f"kvy{lan.suffix}"
-    _ip("-n", lan.a, "link", "add", other_a, "type", "veth", "peer", "name", other_b)
-    _ip("-n", lan.a, "addr", "add", "198.19.0.1/24", "dev", other_a)
-    _ip("-n", lan.a, "link", "set", other_a, "up")
-    _ip("-n", lan.a, "link", "set", other_b, "up")
+    ip("-n", lan.a, "link", "add", other_a, "type", "veth", "peer", "name", other_b)
+    ip("-n", lan.a, "addr", "add", "198.19.0.1/24", "dev", other_a)
+    ip("-n", lan.a, "link", "set", other_a, "up")
+    ip("-n", lan.a, "link", "set", other_b, "up")
     node_name = f"site-{lan.suffix}"
     # The default listen address: every interface, so every address of A is announced.
     with serve(lan, node_name, host="0.0.0.0") as appliance:  # noqa: S104 - inside namespace A

@@ -1,0 +1,96 @@
+"""Two network namespaces joined by a veth pair, for the `netns` tier.
+
+The link uses 198.18.0.0/15 (the benchmarking range), so nothing real is ever addressed.
+Names carry a random suffix, so parallel runs and leftovers of a killed run cannot collide.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+A_ADDR = "198.18.0.1"
+B_ADDR = "198.18.0.2"
+
+
+def ip(*args: str) -> None:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, check=False, timeout=30)
+    if result.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
+
+
+def pids_in(ns: str) -> list[int]:
+    """The processes running in namespace `ns`."""
+    out = subprocess.run(
+        ["ip", "netns", "pids", ns], capture_output=True, text=True, check=False, timeout=30
+    ).stdout
+    return [int(pid) for pid in out.split()]
+
+
+@dataclass(frozen=True)
+class Link:
+    """Namespace `a` (A_ADDR on `veth_a`) and `b` (B_ADDR on `veth_b`) on one veth link."""
+
+    a: str
+    b: str
+    suffix: str  # unique per test; interface names built on it stay within 15 characters
+
+    @property
+    def veth_a(self) -> str:
+        return f"kva{self.suffix}"
+
+    @property
+    def veth_b(self) -> str:
+        return f"kvb{self.suffix}"
+
+    def argv(self, ns: str, *argv: str) -> list[str]:
+        return ["ip", "netns", "exec", ns, *argv]
+
+
+def require_netns() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("netns test: creating network namespaces needs root")
+    if shutil.which("ip") is None:
+        pytest.skip("netns test: `ip` (iproute2) is not installed; run `just setup`")
+
+
+@contextmanager
+def linked_namespaces() -> Iterator[Link]:
+    """Make the two namespaces and the link; on the way out kill what runs in them, delete them."""
+    require_netns()
+    suffix = f"{os.getpid() % 100_000}{secrets.token_hex(2)}"
+    link = Link(a=f"kvl-a-{suffix}", b=f"kvl-b-{suffix}", suffix=suffix)
+    try:
+        ip("netns", "add", link.a)
+        ip("netns", "add", link.b)
+        ip("link", "add", link.veth_a, "type", "veth", "peer", "name", link.veth_b)
+        ip("link", "set", link.veth_a, "netns", link.a)
+        ip("link", "set", link.veth_b, "netns", link.b)
+        ip("-n", link.a, "addr", "add", f"{A_ADDR}/24", "dev", link.veth_a)
+        ip("-n", link.b, "addr", "add", f"{B_ADDR}/24", "dev", link.veth_b)
+        for ns, veth in ((link.a, link.veth_a), (link.b, link.veth_b)):
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", ns, "link", "set", veth, "multicast", "on", "up")
+        yield link
+    finally:
+        for ns in (link.a, link.b):
+            # A process left in a namespace would keep it (and the link) alive after `del`;
+            # only this test's processes can be in these uniquely named namespaces.
+            for pid in pids_in(ns):
+                with suppress(ProcessLookupError):  # it may have exited since
+                    os.kill(pid, signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+        # Deleting a namespace destroys the veth ends in it; this catches a setup that failed
+        # before the pair was moved out of the root namespace.
+        subprocess.run(["ip", "link", "del", link.veth_a], capture_output=True, check=False)
