@@ -53,6 +53,8 @@ def serve(
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # Every scheduled heartbeat and sync would be two INFO lines: only its problems.
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
     ssl_context = None
     if settings.server.tls_cert_file is not None and settings.server.tls_key_file is not None:
         ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

@@ -407,6 +407,11 @@ class FleetSettings(_Section):
             "enrollment; false: at the provisioning file's hub URL (a hub on the same LAN)."
         ),
     )
+    interface: str = Field(
+        "kvl0",
+        pattern=r"^[A-Za-z0-9_=+.-]{1,15}$",
+        description="The WireGuard interface to the hub (wireguard-go, or the kernel's).",
+    )
     heartbeat_s: float = Field(15.0, ge=1.0, le=3600, description="Seconds between heartbeats.")
     sync_interval_s: float = Field(
         5.0, ge=0.5, le=3600, description="Seconds between outbox syncs (with jitter)."

@@ -1,23 +1,36 @@
-"""The hub application: wiring only (store, certificates, WireGuard identity, routes)."""
+"""The hub application: wiring only (store, certificates, WireGuard, routes)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
+import logging
 import ssl
 from typing import TYPE_CHECKING
 
 from aiohttp import web
-from wireguard_tools import WireguardKey
 
 from hub.api import IDENTITY, SETTINGS, STORE, errors, node_auth, routes
 from hub.state.store import AsyncHubStore
 from shared import pki
+from shared.wireguard import (
+    InterfaceConfig,
+    KeyPair,
+    Peer,
+    Tunnel,
+    WireGuardError,
+    ensure_keypair,
+)
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
-    from pathlib import Path
 
     from hub.settings import HubSettings
+
+log = logging.getLogger(__name__)
+
+PEERS_EVERY_S = 2.0
 
 
 def create_app(settings: HubSettings) -> web.Application:
@@ -26,6 +39,8 @@ def create_app(settings: HubSettings) -> web.Application:
     app.add_routes(routes())
     app[IDENTITY] = identity(settings)
     app.cleanup_ctx.append(_store)
+    if settings.overlay.interface is not None:
+        app.cleanup_ctx.append(_tunnel)
     return app
 
 
@@ -38,40 +53,85 @@ async def _store(app: web.Application) -> AsyncIterator[None]:
     await store.close()
 
 
+def overlay_address(settings: HubSettings) -> ipaddress.IPv4Interface | ipaddress.IPv6Interface:
+    """The hub's address on the overlay: the prefix's first host, with the prefix length."""
+    network = ipaddress.ip_network(settings.overlay.prefix)
+    return ipaddress.ip_interface(f"{next(network.hosts())}/{network.prefixlen}")
+
+
+def hub_keys(settings: HubSettings) -> KeyPair:
+    """The hub's WireGuard key pair (the private key stays in the data dir, mode 0600)."""
+    folder = settings.data_dir / "wireguard"
+    folder.mkdir(parents=True, exist_ok=True)
+    return ensure_keypair(folder / "private.key")
+
+
 def identity(settings: HubSettings) -> dict[str, str]:
-    """The hub's WireGuard public key (its private key stays in the data dir, mode 0600),
-    its overlay address (the prefix's first host) and its CA certificate."""
+    """The hub's WireGuard public key, its overlay address and its CA certificate."""
     ca, _ = certificates(settings)
-    key = _wireguard_key(settings.data_dir / "wireguard" / "private.key")
-    first = next(ipaddress.ip_network(settings.overlay.prefix).hosts())
+    keys = hub_keys(settings)
     return {
-        "wg_public_key": str(key.public_key()),
-        "overlay_address": str(first),
+        "wg_public_key": keys.public_key,
+        "overlay_address": str(overlay_address(settings).ip),
         "ca_pem": ca.cert_pem.decode(),
     }
 
 
 def certificates(settings: HubSettings) -> tuple[pki.Issued, pki.Issued]:
-    """The hub's CA and its TLS server certificate (made on first start)."""
-    return pki.load_or_create(settings.pki_dir, "kovenlab-hub", settings.server.names)
+    """The hub's CA and its TLS server certificate, for its names and its overlay address
+    (made on first start, again when the names change)."""
+    names = [*settings.server.names, str(overlay_address(settings).ip)]
+    return pki.load_or_create(settings.pki_dir, "kovenlab-hub", sorted(set(names)))
 
 
 def ssl_context(settings: HubSettings) -> ssl.SSLContext:
-    _, server = certificates(settings)
+    certificates(settings)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    cert, key = settings.pki_dir / "server.crt", settings.pki_dir / "server.key"
-    if server.cert_pem != cert.read_bytes():  # pragma: no cover - written just above
-        raise RuntimeError("the server certificate changed while loading")
-    context.load_cert_chain(cert, key)
+    context.load_cert_chain(settings.pki_dir / "server.crt", settings.pki_dir / "server.key")
     return context
 
 
-def _wireguard_key(path: Path) -> WireguardKey:
-    if path.is_file():
-        return WireguardKey(path.read_text().strip())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    key = WireguardKey.generate()
-    path.touch(mode=0o600, exist_ok=True)
-    path.chmod(0o600)
-    path.write_text(str(key) + "\n")
-    return key
+async def _tunnel(app: web.Application) -> AsyncIterator[None]:
+    """The hub's interface, and a reconciler that keeps its peers equal to the enrolled,
+    unrevoked nodes (enrollment adds one; `kvl hub nodes revoke`, in another process,
+    removes one within PEERS_EVERY_S)."""
+    settings: HubSettings = app[SETTINGS]  # type: ignore[assignment]
+    keys = hub_keys(settings)
+    assert settings.overlay.interface is not None  # noqa: S101 - the context is added only then
+    tunnel = Tunnel(
+        InterfaceConfig(
+            settings.overlay.interface,
+            keys.private_key,
+            (overlay_address(settings),),
+            listen_port=settings.overlay.listen_port,
+        )
+    )
+    await asyncio.to_thread(tunnel.up)
+    log.info("WireGuard %s up on UDP %d", tunnel.name, settings.overlay.listen_port)
+    task = asyncio.create_task(_reconcile_peers(app, tunnel), name="kvl-hub-peers")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await asyncio.to_thread(tunnel.down)
+
+
+async def _reconcile_peers(app: web.Application, tunnel: Tunnel) -> None:
+    store = app[STORE]
+    while True:
+        try:
+            nodes = await store.run(store.sync.nodes)
+            wanted = {n.wg_public_key: n for n in nodes if not n.revoked}
+            state = await asyncio.to_thread(tunnel.state)
+            present = {p.public_key for p in state.peers}
+            for key in present - wanted.keys():
+                await asyncio.to_thread(tunnel.remove_peer, key)
+                log.info("removed the peer of a revoked node")
+            for key in wanted.keys() - present:
+                node = wanted[key]
+                allowed = (ipaddress.ip_network(f"{node.overlay_address}/32"),)
+                await asyncio.to_thread(tunnel.add_peer, Peer(key, allowed))
+                log.info("added the peer of %s (%s)", node.name, node.overlay_address)
+        except WireGuardError as err:
+            log.warning("peer reconciliation: %s", err)
+        await asyncio.sleep(PEERS_EVERY_S)

@@ -75,10 +75,11 @@ def serve(
 
     from aiohttp import web  # noqa: PLC0415
 
-    from hub.app import certificates, create_app, ssl_context  # noqa: PLC0415
+    from hub.app import certificates, create_app, overlay_address, ssl_context  # noqa: PLC0415
 
     settings = _settings(config_file, data_dir, host=host, port=port)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
     app = create_app(settings)
     _, server = certificates(settings)
     click.echo(
@@ -86,9 +87,13 @@ def serve(
         f"(certificate {server.fingerprint}; data in {settings.data_dir})",
         err=True,
     )
+    # Nodes reach the API through the tunnel too, at the hub's overlay address.
+    hosts = [settings.server.host]
+    if settings.overlay.interface is not None:
+        hosts.append(str(overlay_address(settings).ip))
     web.run_app(
         app,
-        host=settings.server.host,
+        host=hosts,
         port=settings.server.port,
         ssl_context=ssl_context(settings),
         print=None,

@@ -50,6 +50,14 @@ class OverlaySettings(BaseModel):
         description="The overlay network; the hub takes its first address, nodes the next.",
     )
     listen_port: int = Field(51820, ge=1, le=65535, description="The hub's WireGuard UDP port.")
+    interface: str | None = Field(
+        "kvl-hub",
+        pattern=r"^[A-Za-z0-9_=+.-]{1,15}$",
+        description=(
+            "The hub's WireGuard interface (wireguard-go, or the kernel's); unset: the hub "
+            "runs no tunnel (nodes then reach it directly, `fleet.tunnel: false` on them)."
+        ),
+    )
     endpoint: str | None = Field(
         None,
         max_length=300,

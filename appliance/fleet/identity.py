@@ -8,9 +8,9 @@ import os
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from wireguard_tools import WireguardKey
 
 from shared import pki
+from shared.wireguard import KeyPair, ensure_keypair
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -101,13 +101,11 @@ class FleetFiles:
         self.key_path = directory / "wireguard.key"
         self.identity_path = directory / "identity.json"
 
-    def wireguard_key(self) -> WireguardKey:
-        """This node's WireGuard private key, made on first use."""
-        if self.key_path.is_file():
-            return WireguardKey(self.key_path.read_text().strip())
-        key = WireguardKey.generate()
-        _write_private(self.key_path, str(key) + "\n")
-        return key
+    def wireguard_key(self) -> KeyPair:
+        """This node's WireGuard key pair, made on first use (the private key, mode 0600,
+        never leaves the node)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return ensure_keypair(self.key_path)
 
     def identity(self) -> Identity | None:
         if not self.identity_path.is_file():

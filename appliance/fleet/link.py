@@ -12,8 +12,11 @@ reconnects together does not arrive at the hub together.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import ipaddress
 import logging
+import socket
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +26,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from appliance.fleet.client import HubClient, HubError, HubRefusedError
 from appliance.fleet.identity import FleetFiles, HubPeer, Identity, Provisioning
 from shared import __version__
+from shared.wireguard import Endpoint, InterfaceConfig, Peer, Tunnel, WireGuardError
 
 if TYPE_CHECKING:
     from appliance.serving.registry import ModelRegistry
@@ -41,9 +45,9 @@ async def enroll(files: FleetFiles, provisioning: Provisioning) -> Identity:
     existing = files.identity()
     if existing is not None:
         return existing
-    key = files.wireguard_key()
+    keys = files.wireguard_key()
     async with HubClient(provisioning.hub_url, provisioning.pin()) as client:
-        answer = await client.enroll(provisioning, str(key.public_key()), VERSIONS)
+        answer = await client.enroll(provisioning, keys.public_key, VERSIONS)
     identity = Identity(
         node_id=answer["node_id"],
         name=answer["name"],
@@ -78,6 +82,7 @@ class FleetLink:
         self.identity: Identity | None = files.identity()
         self.error: str | None = None
         self._client: HubClient | None = None
+        self.tunnel: Tunnel | None = None
 
     @property
     def hub_url(self) -> str | None:
@@ -112,6 +117,8 @@ class FleetLink:
             self._scheduler.shutdown(wait=False)
         if self._client is not None:
             await self._client.close()
+        if self.tunnel is not None:
+            await asyncio.to_thread(self.tunnel.down)
 
     async def _ensure(self) -> HubClient | None:
         if self.identity is None:
@@ -124,12 +131,34 @@ class FleetLink:
                 self.error = str(err)
                 log.error("enrollment refused: %s", err)  # noqa: TRY400 - no traceback
                 return None
+        if self._settings.tunnel and self.tunnel is None:
+            self.tunnel = await asyncio.to_thread(self._tunnel_up, self.identity)
         if self._client is None:
             url = self.hub_url
             if url is None:  # pragma: no cover - the identity is set above
                 return None
             self._client = HubClient.for_node(self.identity, url)
         return self._client
+
+    def _tunnel_up(self, identity: Identity) -> Tunnel:
+        """This node's WireGuard interface, with the hub as its one peer (keepalive, so the
+        hub can reach a node behind NAT)."""
+        network = ipaddress.ip_network(identity.overlay_prefix)
+        hub = Peer(
+            identity.hub.wg_public_key,
+            (network,),
+            resolve_endpoint(identity.hub.endpoint),
+            persistent_keepalive_s=25,
+        )
+        config = InterfaceConfig(
+            self._settings.interface,
+            self._files.wireguard_key().private_key,
+            (ipaddress.ip_interface(f"{identity.overlay_address}/{network.prefixlen}"),),
+            peers=(hub,),
+        )
+        tunnel = Tunnel(config).up()
+        log.info("WireGuard %s up: %s", tunnel.name, identity.overlay_address)
+        return tunnel
 
     async def tick(self) -> None:
         """One heartbeat (enrolling first if this node has not yet)."""
@@ -143,7 +172,7 @@ class FleetLink:
             if state is not None:
                 serial = await self._store.run(self._store.sync.apply_desired_state, state)
                 log.info("applied the hub's desired state %d", serial)
-        except (HubError, HubRefusedError) as err:
+        except (HubError, HubRefusedError, WireGuardError) as err:
             self.error = str(err)
             log.warning("heartbeat failed: %s", err)
             return
@@ -196,12 +225,23 @@ class FleetLink:
                 await self._store.run(self._store.sync.acknowledge, last)
                 sent += len(acknowledged)
                 self._metrics.outbox_synced.inc(len(acknowledged))
-        except (HubError, HubRefusedError) as err:
+        except (HubError, HubRefusedError, WireGuardError) as err:
             self.error = str(err)
             log.warning("sync stopped: %s", err)
         else:
             await self._store.run(self._store.sync.set_meta, "last_sync_at", str(time.time()))
         return sent
+
+
+def resolve_endpoint(text: str) -> Endpoint:
+    """`host:port` as an address WireGuard can use (a name is resolved now)."""
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        host = str(socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)[0][4][0])
+    return Endpoint(ipaddress.ip_address(host), int(port))
 
 
 def _now_dt() -> Any:

@@ -54,7 +54,11 @@ async def test_every_answered_request_survives_kill_9_exactly_once(
     aiohttp_server: AiohttpServer, tmp_path: Path, default_model: ModelRecord
 ) -> None:
     hub = HubSettings.model_validate(
-        {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False}}
+        {
+            "data_dir": tmp_path / "hub",
+            "server": {"require_overlay_source": False},
+            "overlay": {"interface": None},  # loopback: no WireGuard interface on the host
+        }
     )
     hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     hub_store = HubStore(hub.db_path)

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import pytest
 from aiohttp import web
-from wireguard_tools import WireguardKey
 
 from appliance.app import FLEET, create_app
 from appliance.fleet.identity import FleetFiles, Provisioning
@@ -23,6 +22,7 @@ from hub.app import certificates, ssl_context
 from hub.app import create_app as create_hub
 from hub.settings import HubSettings
 from hub.state.store import HubStore
+from shared.wireguard import read_private_key
 from tests.conftest import free_port, kvl, make_settings
 
 if TYPE_CHECKING:
@@ -35,7 +35,11 @@ pytestmark = pytest.mark.model
 
 def hub_settings(tmp_path: Path) -> HubSettings:
     return HubSettings.model_validate(
-        {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False}}
+        {
+            "data_dir": tmp_path / "hub",
+            "server": {"require_overlay_source": False},
+            "overlay": {"interface": None},  # loopback: no WireGuard interface on the host
+        }
     )
 
 
@@ -124,10 +128,8 @@ async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outa
     (node,) = s.nodes()
     s.close()
     assert node.capacity["models"] == [default_model.ref]
-    assert node.wg_public_key == str(
-        WireguardKey(
-            (tmp_path / "data" / "fleet" / "wireguard.key").read_text().strip()
-        ).public_key()
+    assert node.wg_public_key == (
+        read_private_key(tmp_path / "data" / "fleet" / "wireguard.key").public_key
     )
 
     for _ in range(3):

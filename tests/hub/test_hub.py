@@ -30,7 +30,12 @@ PREFIX = "100.64.0.0/10"
 
 def settings_for(tmp_path: Path, **server: Any) -> HubSettings:
     return HubSettings.model_validate(
-        {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False, **server}}
+        {
+            "data_dir": tmp_path / "hub",
+            "server": {"require_overlay_source": False, **server},
+            # Loopback tests: no WireGuard interface on the host (the netns tests make them).
+            "overlay": {"interface": None},
+        }
     )
 
 

@@ -1,0 +1,218 @@
+"""The fleet end to end: a hub and an appliance, each in its own network namespace joined
+by a veth pair, the appliance enrolled over HTTPS and then talking to the hub only through
+a real wireguard-go tunnel: heartbeats seen, desired state applied, and a cut link that
+loses nothing once it is back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from appliance.state.store import ModelRecord, Store
+from hub.app import certificates
+from hub.settings import HubSettings
+from hub.state.store import HubStore
+from tests.netns import A_ADDR, Link, ip, linked_namespaces
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+pytestmark = [pytest.mark.netns, pytest.mark.model]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def link() -> Iterator[Link]:
+    with linked_namespaces() as made:
+        yield made
+
+
+def spawn(
+    link: Link, ns: str, args: list[str], env: dict[str, str], log: Path
+) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            link.argv(ns, sys.executable, "-m", "shared.cli", *args),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, **env},
+        )
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def complete_in(link: Link, port: int, key: str) -> int:
+    """One completion from inside the appliance's namespace (a LAN client there)."""
+    code = (
+        "import json, urllib.request, sys\n"
+        f"r = urllib.request.Request('http://127.0.0.1:{port}/v1/completions', "
+        "data=json.dumps({'model': 'gemma-3-270m', 'prompt': 'Hi', 'max_tokens': 2}).encode(), "
+        f"headers={{'Authorization': 'Bearer {key}', 'Content-Type': 'application/json'}})\n"
+        "print(urllib.request.urlopen(r, timeout=60).status)\n"
+    )
+    out = subprocess.run(
+        link.argv(link.b, sys.executable, "-c", code),
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+    return int(out.stdout.strip() or 0)
+
+
+def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_cut(
+    link: Link, tmp_path: Path, default_model: ModelRecord
+) -> None:
+    hub_dir, node_dir = tmp_path / "hub", tmp_path / "node"
+    hub_env = {
+        "KVL_HUB_SERVER__NAMES": json.dumps([A_ADDR]),
+        "KVL_HUB_OVERLAY__ENDPOINT": f"{A_ADDR}:51820",
+        "KVL_HUB_OVERLAY__INTERFACE": f"kvh{link.suffix}",
+    }
+    hub = HubSettings.model_validate(
+        {
+            "data_dir": hub_dir,
+            "server": {"names": [A_ADDR]},
+            "overlay": {"endpoint": f"{A_ADDR}:51820", "interface": f"kvh{link.suffix}"},
+        }
+    )
+    fingerprint = certificates(hub)[1].fingerprint  # the hub process loads these same files
+    hub_store = HubStore(hub.db_path)
+    token = hub_store.create_token("school", uses=1, expires_in_s=600).plaintext
+    hub_store.close()
+    provisioning = tmp_path / "kovenlab.json"
+    provisioning.write_text(
+        json.dumps(
+            {
+                "hub_url": f"https://{A_ADDR}:8443",
+                "token": token,
+                "hub_fingerprint": fingerprint,
+                "name": "lab-server",
+            }
+        )
+    )
+    store = Store(node_dir / "appliance.db")
+    store.add_model(default_model)
+    lan_key = store.create_key("lan").plaintext
+    store.close()
+    node_env = {
+        "KVL_DISCOVERY__ENABLED": "false",
+        "KVL_EMBEDDINGS__ENABLED": "false",
+        "KVL_MODEL__N_CTX": "512",
+        "KVL_FLEET__PROVISIONING_FILE": str(provisioning),
+        "KVL_FLEET__INTERFACE": f"kvn{link.suffix}",
+        "KVL_FLEET__HEARTBEAT_S": "1",
+        "KVL_FLEET__SYNC_INTERVAL_S": "0.5",
+    }
+    hub_process = spawn(
+        link,
+        link.a,
+        ["hub", "serve", "--data-dir", str(hub_dir), "--host", A_ADDR],
+        hub_env,
+        tmp_path / "hub.log",
+    )
+    node_process = spawn(
+        link,
+        link.b,
+        [
+            "appliance",
+            "serve",
+            "--data-dir",
+            str(node_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "8080",
+        ],
+        node_env,
+        tmp_path / "node.log",
+    )
+
+    def hub_nodes() -> list[dict[str, object]]:
+        s = HubStore(hub.db_path)
+        try:
+            return [{"capacity": n.capacity, "last_seen": n.last_seen} for n in s.nodes()]
+        finally:
+            s.close()
+
+    def ledger() -> int:
+        s = HubStore(hub.db_path)
+        try:
+            return s.ledger_count()
+        finally:
+            s.close()
+
+    def local(query: str) -> int:
+        s = Store(node_dir / "appliance.db")
+        try:
+            return int(s.db.execute(query).fetchone()[0])
+        finally:
+            s.close()
+
+    try:
+        # Heartbeats reach the hub only from the node's overlay address (the hub refuses
+        # node calls from anywhere else): seen means through the tunnel.
+        wait(
+            lambda: any(n["capacity"].get("models") for n in hub_nodes()),  # type: ignore[attr-defined]
+            "a heartbeat through the tunnel, once the model is loaded",
+        )
+        nodes = hub_nodes()
+        assert len(nodes) == 1
+        assert nodes[0]["capacity"]["models"] == [default_model.ref]  # type: ignore[index]
+
+        # Desired state: a key made on the hub is applied on the node.
+        s = HubStore(hub.db_path)
+        s.set_account("school", "S1")
+        fleet_key = s.create_key("school").plaintext
+        s.close()
+        prefix = fleet_key.split("_")[1]
+        assert prefix.isalnum()
+        wait(
+            lambda: local(f"SELECT COUNT(*) FROM api_keys WHERE prefix = '{prefix}'") == 1,  # noqa: S608 - alphanumeric
+            "the desired state on the node",
+        )
+
+        assert complete_in(link, 8080, lan_key) == 200
+        wait(lambda: ledger() == 1, "the first event at the hub")
+
+        # The link is cut: LAN clients are still served, events wait in the outbox.
+        ip("-n", link.b, "link", "set", link.veth_b, "down")
+        for _ in range(3):
+            assert complete_in(link, 8080, lan_key) == 200
+        assert local("SELECT COUNT(*) FROM usage_events") == 4
+        time.sleep(2)
+        assert ledger() == 1
+        # Back: every event arrives, once.
+        ip("-n", link.b, "link", "set", link.veth_b, "up")
+        wait(lambda: ledger() == 4, "the outbox to drain after the cut")
+        time.sleep(1.5)
+        assert ledger() == 4
+    finally:
+        stop(node_process)
+        stop(hub_process)
