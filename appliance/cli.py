@@ -324,6 +324,16 @@ def enroll(config_file: Path | None, data_dir: Path | None, provisioning_file: P
     )
 
 
+def _tunnel_state(settings: ApplianceSettings) -> str:
+    if not settings.fleet.tunnel:
+        return "off (fleet.tunnel: false)"
+    name = settings.fleet.interface
+    state = Path("/sys/class/net") / name / "operstate"
+    if not state.parent.exists():
+        return f"down ({name} does not exist)"
+    return f"up ({name})"
+
+
 @appliance.command()
 @common_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -354,7 +364,7 @@ def status(config_file: Path | None, data_dir: Path | None, as_json: bool) -> No
         "site": identity.site if identity else None,
         "overlay_address": identity.overlay_address if identity else None,
         "hub": identity.hub_url if identity else None,
-        "tunnel": "configured" if settings.fleet.tunnel else "off (fleet.tunnel: false)",
+        "tunnel": _tunnel_state(settings),
         "last_heartbeat": ago(heartbeat),
         "last_sync": ago(sync),
         "outbox_lag": lag,

@@ -186,6 +186,31 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
         assert len(nodes) == 1
         assert nodes[0]["capacity"]["models"] == [default_model.ref]  # type: ignore[index]
 
+        status = subprocess.run(
+            link.argv(
+                link.b,
+                sys.executable,
+                "-m",
+                "shared.cli",
+                "appliance",
+                "status",
+                "--json",
+                "--data-dir",
+                str(node_dir),
+            ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+            cwd=REPO,
+            env={**os.environ, **node_env},
+        )
+        report = json.loads(status.stdout)
+        assert report["enrolled"] is True
+        assert report["overlay_address"] == "100.64.0.2"
+        assert report["tunnel"] == f"up (kvn{link.suffix})"
+        assert report["last_heartbeat"] is not None
+
         # Desired state: a key made on the hub is applied on the node.
         s = HubStore(hub.db_path)
         s.set_account("school", "S1")

@@ -381,19 +381,18 @@ class HubStore:
         """Store a batch of a node's events; (every id acknowledged, how many were new).
         An event already in the ledger is acknowledged again and not stored twice."""
         now = time.time()
-        ids: list[str] = []
-        new = 0
+        rows = [
+            (str(e["id"]), node_id, str(e["kind"]), json.dumps(e["body"]), now) for e in events
+        ]
         with self.db.conn:
-            for event in events:
-                event_id = str(event["id"])
-                cursor = self.db.execute(
-                    "INSERT OR IGNORE INTO ledger (event_id, node_id, kind, body, received_at)"
-                    " VALUES (?, ?, ?, ?, ?)",
-                    [event_id, node_id, str(event["kind"]), json.dumps(event["body"]), now],
-                )
-                new += cursor.rowcount
-                ids.append(event_id)
-        return ids, new
+            before = self.db.conn.total_changes
+            self.db.conn.executemany(
+                "INSERT OR IGNORE INTO ledger (event_id, node_id, kind, body, received_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                rows,
+            )
+            new = self.db.conn.total_changes - before
+        return [r[0] for r in rows], new
 
     def ledger_count(self, node_id: str | None = None) -> int:
         sql, params = "SELECT COUNT(*) AS n FROM ledger", []

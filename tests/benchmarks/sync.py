@@ -1,0 +1,208 @@
+"""Outbox sync: how fast a node drains a backlog into the hub after a reconnect.
+
+A real `kvl hub serve` (HTTPS on loopback, SQLite) in its own process; in this process an
+appliance store holding ``--events`` usage events that the hub has not seen (as after a
+long outage), enrolled with the hub, and its fleet link's sync timed until the outbox is
+empty. Then the hub's ledger is counted: every event once (nothing lost, nothing twice).
+The target is 10,000 events/s or more into the SQLite hub on these two cores.
+
+Run: ``python -m tests.benchmarks.sync [--events 100000]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from appliance.fleet.identity import FleetFiles, Provisioning
+from appliance.fleet.link import FleetLink, enroll
+from appliance.settings import FleetSettings
+from appliance.state.store import AsyncStore, Store
+from hub.app import certificates
+from hub.settings import HubSettings
+from hub.state.store import HubStore
+from shared.db import now_iso
+from shared.telemetry import Metrics
+from tests.benchmarks.serving import HOST, cpu_model, free_port, say
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "sync.json"
+TARGET_EVENTS_S = 10_000
+
+
+class _NoModels:
+    def served(self) -> list[Any]:
+        return []
+
+    def deployments(self) -> list[Any]:
+        return []
+
+
+def fill(store: Store, events: int) -> None:
+    account = store.ensure_account("bench")
+    rows = [
+        (
+            uuid.uuid4().hex,
+            account.id,
+            "benchkey",
+            "/v1/chat/completions",
+            "gemma-3-270m",
+            40,
+            20,
+            55.0,
+            900.0,
+            200,
+            "stop",
+            now_iso(),
+        )
+        for _ in range(events)
+    ]
+    with store.db.conn:
+        store.db.conn.executemany(
+            "INSERT INTO usage_events (id, account_id, key_prefix, route, model, tokens_in,"
+            " tokens_out, ttft_ms, duration_ms, status, finish_reason, created_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            rows,
+        )
+
+
+def wait_for_hub(url: str, process: subprocess.Popen[bytes]) -> None:
+    import ssl  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # readiness only; the sync itself pins the certificate
+    for _ in range(300):
+        if process.poll() is not None:
+            raise RuntimeError(f"the hub exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/healthz", timeout=2, context=context) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError("the hub did not start")
+
+
+async def drain(settings: FleetSettings, fleet_dir: Path, db_path: Path) -> tuple[float, int]:
+    store = AsyncStore(db_path)
+    await store.open()
+    link = FleetLink(settings, FleetFiles(fleet_dir), store, Metrics(), _NoModels())  # type: ignore[arg-type]
+    try:
+        started = time.perf_counter()
+        sent = 0
+        while await store.run(store.sync.outbox_lag) > 0:
+            sent += await link.sync()
+        return time.perf_counter() - started, sent
+    finally:
+        await link.close()
+        await store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Outbox drain into the hub after a reconnect.")
+    parser.add_argument("--events", type=int, default=100_000, help="backlog (100000)")
+    parser.add_argument("--batch", type=int, default=1000, help="events per request (1000)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvl-bench-") as tmp:
+        work = Path(tmp)
+        port = free_port()
+        hub = HubSettings.model_validate(
+            {
+                "data_dir": work / "hub",
+                "server": {"port": port, "require_overlay_source": False},
+                "overlay": {"interface": None},
+            }
+        )
+        store = HubStore(hub.db_path)
+        token = store.create_token("bench", uses=1, expires_in_s=600).plaintext
+        store.close()
+        config = work / "hub.yaml"
+        config.write_text("overlay:\n  interface: null\nserver:\n  require_overlay_source: false\n")
+        with (work / "hub.log").open("wb") as log:
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "shared.cli",
+                    "hub",
+                    "serve",
+                    "--config",
+                    str(config),
+                    "--data-dir",
+                    str(work / "hub"),
+                    "--host",
+                    HOST,
+                    "--port",
+                    str(port),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        url = f"https://{HOST}:{port}"
+        try:
+            wait_for_hub(url, process)
+            provisioning = Provisioning(
+                hub_url=url,
+                token=token,
+                hub_fingerprint=certificates(hub)[1].fingerprint,
+                name="bench-node",
+            )
+            fleet_dir = work / "node" / "fleet"
+            asyncio.run(enroll(FleetFiles(fleet_dir), provisioning))
+            db_path = work / "node" / "appliance.db"
+            node = Store(db_path)
+            fill(node, args.events)
+            node.close()
+            say(f"sync: draining {args.events} events into the hub")
+            settings = FleetSettings(tunnel=False, sync_batch=args.batch)
+            seconds, sent = asyncio.run(drain(settings, fleet_dir, db_path))
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+        hub_store = HubStore(hub.db_path)
+        try:
+            stored = hub_store.ledger_count()
+            distinct = int(
+                next(iter(hub_store.db.query("SELECT COUNT(DISTINCT event_id) AS n FROM ledger")))[
+                    "n"
+                ]
+            )
+        finally:
+            hub_store.close()
+    rate = args.events / seconds
+    result = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count()},
+        "settings": {
+            "events": args.events,
+            "batch": args.batch,
+            "hub": "SQLite, HTTPS on loopback",
+        },
+        "drain_s": round(seconds, 2),
+        "events_per_s": round(rate, 1),
+        "target_events_per_s": TARGET_EVENTS_S,
+        "acknowledged": sent,
+        "in_ledger": stored,
+        "lost": args.events - distinct,
+        "duplicated": stored - distinct,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    say(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
