@@ -107,7 +107,12 @@ async def _models(app: web.Application) -> AsyncIterator[None]:
 async def _fleet(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     files = FleetFiles(settings.fleet_dir)
-    link = FleetLink(settings.fleet, files, app[STORE], app[METRICS], app[HOST])
+    admission = app[ADMISSION]
+
+    def on_lag(lag: int, full: bool) -> None:
+        admission.outbox_full = full
+
+    link = FleetLink(settings.fleet, files, app[STORE], app[METRICS], app[HOST], on_lag=on_lag)
     app[FLEET] = link
     # Only a node that is, or is to be, in a fleet talks to a hub.
     active = settings.fleet.provisioning_file is not None or link.identity is not None

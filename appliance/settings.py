@@ -423,6 +423,21 @@ class FleetSettings(_Section):
         le=100_000_000,
         description="Unsynced events past which the link raises an alarm (metric, log, heartbeat).",
     )
+    outbox_limit_events: int = Field(
+        1_000_000,
+        ge=1,
+        le=1_000_000_000,
+        description=(
+            "Unsynced events at which billable requests are refused (503 outbox_full) until "
+            "the hub has acknowledged some: the outbox never grows past its bound."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _alarm_before_limit(self) -> Self:
+        if self.outbox_alarm_events >= self.outbox_limit_events:
+            raise ValueError("outbox_alarm_events must be below outbox_limit_events")
+        return self
 
 
 class TracingSettings(_Section):

@@ -51,6 +51,7 @@ class ErrorCode(StrEnum):
     model_not_ready = "model_not_ready"
     model_unavailable = "model_unavailable"
     model_pinned = "model_pinned"
+    outbox_full = "outbox_full"
     job_finished = "job_finished"
     insufficient_memory = "insufficient_memory"
     internal_error = "internal_error"
@@ -147,6 +148,12 @@ _KINDS: dict[ErrorCode, _Kind] = {
     ),
     ErrorCode.job_finished: _Kind(
         409, "conflict_error", "the job already ended (completed, failed or cancelled)"
+    ),
+    ErrorCode.outbox_full: _Kind(
+        503,
+        "server_error",
+        "the appliance holds `fleet.outbox_limit_events` usage events the hub has not yet "
+        "acknowledged; it takes new work once the hub is back",
     ),
     ErrorCode.insufficient_memory: _Kind(
         503,

@@ -28,6 +28,8 @@ from shared import __version__
 from shared.wireguard import Endpoint, InterfaceConfig, Peer, Tunnel, WireGuardError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from appliance.serving.registry import ModelRegistry
     from appliance.settings import FleetSettings
     from appliance.state.store import AsyncStore
@@ -71,12 +73,15 @@ class FleetLink:
         store: AsyncStore,
         metrics: Metrics,
         registry: ModelRegistry,
+        *,
+        on_lag: Callable[[int, bool], None] | None = None,
     ) -> None:
         self._settings = settings
         self._files = files
         self._store = store
         self._metrics = metrics
         self._registry = registry
+        self._on_lag = on_lag  # (events not yet acknowledged, at the bound)
         self._scheduler = AsyncIOScheduler()
         self.identity: Identity | None = files.identity()
         self.error: str | None = None
@@ -183,6 +188,8 @@ class FleetLink:
         lag = await self._store.run(self._store.sync.outbox_lag)
         self._metrics.outbox_lag.set(lag)
         alarm = lag >= self._settings.outbox_alarm_events
+        if self._on_lag is not None:
+            self._on_lag(lag, lag >= self._settings.outbox_limit_events)
         if alarm:
             log.warning("the outbox holds %d events not yet synced to the hub", lag)
         return {
@@ -224,6 +231,9 @@ class FleetLink:
                 if last == 0:
                     break
                 await self._store.run(self._store.sync.acknowledge, last)
+                if self._on_lag is not None:
+                    lag = await self._store.run(self._store.sync.outbox_lag)
+                    self._on_lag(lag, lag >= self._settings.outbox_limit_events)
                 sent += len(acknowledged)
                 self._metrics.outbox_synced.inc(len(acknowledged))
         except (HubError, HubRefusedError, WireGuardError) as err:

@@ -40,6 +40,7 @@ class AdmissionControl:
         self._minute: dict[int, TokenBucket] = {}  # account id -> requests per minute
         self._day: dict[int, TokenBucket] = {}  # account id -> tokens per day
         self._auth: OrderedDict[str, TokenBucket] = OrderedDict()  # client address -> failures
+        self.outbox_full = False  # set by the fleet link: the outbox is at its bound
 
     def class_settings(self, klass: ServiceClass) -> ClassObjectives:
         objectives: ClassObjectives = getattr(self._settings, klass.value.lower())
@@ -57,6 +58,13 @@ class AdmissionControl:
     async def check_quota(self, key: ApiKey, klass: ServiceClass) -> None:
         """Refuse (429 quota_exceeded) when the account is over a quota of its class; a
         request counts against requests per minute here, its tokens once it is done."""
+        if self.outbox_full:
+            raise ApiError(
+                ErrorCode.outbox_full,
+                "the usage ledger waits for the hub (its outbox is full); this appliance "
+                "takes new work once the hub has acknowledged some",
+                retry_after=60,
+            )
         limits = self.class_settings(klass)
         account = key.account
         now = time.monotonic()

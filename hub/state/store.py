@@ -381,9 +381,7 @@ class HubStore:
         """Store a batch of a node's events; (every id acknowledged, how many were new).
         An event already in the ledger is acknowledged again and not stored twice."""
         now = time.time()
-        rows = [
-            (str(e["id"]), node_id, str(e["kind"]), json.dumps(e["body"]), now) for e in events
-        ]
+        rows = [(str(e["id"]), node_id, str(e["kind"]), json.dumps(e["body"]), now) for e in events]
         with self.db.conn:
             before = self.db.conn.total_changes
             self.db.conn.executemany(

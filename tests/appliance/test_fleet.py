@@ -382,3 +382,72 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
     await hub_server.close()
     await asyncio.sleep(1.5)  # a heartbeat fails meanwhile
     assert await library()
+
+
+async def test_the_outbox_is_bounded_and_takes_work_again_once_the_hub_is_back(
+    aiohttp_client: AiohttpClient,
+    aiohttp_server: AiohttpServer,
+    tmp_path: Path,
+    default_model: ModelRecord,
+) -> None:
+    hub = hub_settings(tmp_path)
+    port = free_port()
+    hub_server = await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
+    path = provisioning(tmp_path, hub, port)
+    settings = make_settings(
+        tmp_path / "data",
+        embeddings={"enabled": False},
+        fleet={
+            "provisioning_file": str(path),
+            "tunnel": False,
+            "heartbeat_s": 1,
+            "sync_interval_s": 0.5,
+            "outbox_alarm_events": 1,
+            "outbox_limit_events": 2,
+        },
+    )
+    store = Store(settings.db_path)
+    store.add_model(default_model)
+    key = store.create_key("lan").plaintext
+    store.close()
+    app = create_app(settings)
+    client = await aiohttp_client(app)
+    await app[HOST].wait_loaded()
+    link = app[FLEET]
+    await wait_for(lambda: _enrolled(link))
+    await hub_server.close()
+    for _ in range(2):
+        await complete(client, key)
+
+    async def refused() -> bool:
+        response = await client.post(
+            "/v1/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": "gemma-3-270m", "prompt": "Hi", "max_tokens": 2},
+        )
+        if response.status == 200:
+            return False
+        error = (await response.json())["error"]
+        assert (response.status, error["code"]) == (503, "outbox_full"), error
+        assert response.headers["Retry-After"] == "60"
+        return True
+
+    # Once a heartbeat has counted the two unsynced events, new work waits for the hub.
+    await wait_for(refused)
+    assert await app[STORE].run(app[STORE].sync.outbox_lag) >= 2
+    await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
+    await wait_for(lambda: _lag_zero(app[STORE]))
+
+    async def accepted() -> bool:
+        response = await client.post(
+            "/v1/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": "gemma-3-270m", "prompt": "Hi", "max_tokens": 2},
+        )
+        return response.status == 200
+
+    await wait_for(accepted)
+
+
+async def _enrolled(link: Any) -> bool:
+    return link.identity is not None and link.error is None
