@@ -412,6 +412,13 @@ class FleetSettings(_Section):
         pattern=r"^[A-Za-z0-9_=+.-]{1,15}$",
         description="The WireGuard interface to the hub (wireguard-go, or the kernel's).",
     )
+    lan_tls: bool = Field(
+        default=True,
+        description=(
+            "Serve the LAN API over HTTPS with the certificate the hub's CA issued at "
+            "enrollment (from the next start), unless server.tls_cert_file is set."
+        ),
+    )
     heartbeat_s: float = Field(15.0, ge=1.0, le=3600, description="Seconds between heartbeats.")
     sync_interval_s: float = Field(
         5.0, ge=0.5, le=3600, description="Seconds between outbox syncs (with jitter)."

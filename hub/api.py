@@ -17,7 +17,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hub.state.store import AsyncHubStore, Node, TokenRefusedError, node_status
-from shared import __version__
+from shared import __version__, pki
 from shared.errors import ApiError, ErrorCode, error_body
 
 if TYPE_CHECKING:
@@ -42,6 +42,8 @@ class EnrollRequest(_Body):
     wg_public_key: str = Field(pattern=WG_KEY)
     labels: dict[str, str] = Field(default_factory=dict, max_length=32)
     versions: dict[str, str] = Field(default_factory=dict, max_length=32)
+    # A signing request for the node's LAN API certificate (the key stays on the node).
+    lan_csr: str | None = Field(None, max_length=20_000)
 
 
 class HeartbeatRequest(_Body):
@@ -102,6 +104,16 @@ async def enroll(request: web.Request) -> web.Response:
     req: EnrollRequest = await _body(request, EnrollRequest)
     settings = _settings(request)
     store = request.app[STORE]
+    lan_certificate = None
+    if req.lan_csr is not None:
+        from hub.app import certificates  # noqa: PLC0415 - the app imports this module
+
+        try:
+            lan_certificate = pki.sign_request(
+                certificates(settings)[0], req.lan_csr.encode()
+            ).decode()
+        except ValueError as err:
+            raise ApiError(ErrorCode.invalid_parameter, str(err), param="lan_csr") from err
     try:
         enrolled = await store.run(
             store.sync.enroll,
@@ -127,6 +139,7 @@ async def enroll(request: web.Request) -> web.Response:
             "site": node.site,
             "overlay_address": node.overlay_address,
             "overlay_prefix": settings.overlay.prefix,
+            "lan_certificate": lan_certificate,
             "hub": {
                 "wg_public_key": identity["wg_public_key"],
                 "overlay_address": identity["overlay_address"],

@@ -98,31 +98,78 @@ def new_ca(name: str) -> Issued:
 
 def issue_server(ca: Issued, common_name: str, names: Sequence[str]) -> Issued:
     """A TLS server certificate signed by ``ca`` for DNS names and IP addresses."""
-    ca_cert = x509.load_pem_x509_certificate(ca.cert_pem)
-    ca_key = serialization.load_pem_private_key(ca.key_pem, password=None)
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):  # pragma: no cover - ours only
-        raise TypeError("the CA key is not an EC key")
     key = _key()
+    return Issued(_issue(ca, key.public_key(), common_name, names), _key_pem(key))
+
+
+def new_request(common_name: str, names: Sequence[str]) -> tuple[bytes, bytes]:
+    """A key (PEM) and a certificate signing request (PEM) for a TLS server known by
+    ``names`` (DNS names and IP addresses); the key never leaves the caller."""
+    key = _key()
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+        .add_extension(x509.SubjectAlternativeName(_general_names(names)), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return _key_pem(key), csr.public_bytes(serialization.Encoding.PEM)
+
+
+def sign_request(ca: Issued, csr_pem: bytes, *, max_names: int = 32) -> bytes:
+    """A server certificate for a signing request, signed by ``ca``: the request's common
+    name and names, the request's public key. Raises ValueError for a request that is not
+    well formed, not self-signed correctly, or names too much."""
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem)
+    except ValueError as err:
+        raise ValueError(f"not a PEM certificate signing request: {err}") from err
+    if not csr.is_signature_valid:
+        raise ValueError("the signing request's signature does not verify")
+    try:
+        san = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound as err:
+        raise ValueError("the signing request names no DNS name or address") from err
+    names = [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] + list(
+        san.get_values_for_type(x509.DNSName)
+    )
+    if not names or len(names) > max_names:
+        raise ValueError(f"the signing request must name 1 to {max_names} names")
+    common = csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    common_name = str(common[0].value) if common else names[0]
+    return _issue(ca, csr.public_key(), common_name, names)  # type: ignore[arg-type]
+
+
+def _general_names(names: Sequence[str]) -> list[x509.GeneralName]:
     alternative: list[x509.GeneralName] = []
     for name in names:
         try:
             alternative.append(x509.IPAddress(ipaddress.ip_address(name)))
         except ValueError:
             alternative.append(x509.DNSName(name))
+    return alternative
+
+
+def _issue(
+    ca: Issued, public_key: ec.EllipticCurvePublicKey, common_name: str, names: Sequence[str]
+) -> bytes:
+    ca_cert = x509.load_pem_x509_certificate(ca.cert_pem)
+    ca_key = serialization.load_pem_private_key(ca.key_pem, password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):  # pragma: no cover - ours only
+        raise TypeError("the CA key is not an EC key")
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
         .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(_now() - datetime.timedelta(minutes=5))
         .not_valid_after(_now() + datetime.timedelta(days=LEAF_DAYS))
-        .add_extension(x509.SubjectAlternativeName(alternative), critical=False)
+        .add_extension(x509.SubjectAlternativeName(_general_names(names)), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    return Issued(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+    return cert.public_bytes(serialization.Encoding.PEM)
 
 
 def load_or_create(directory: Path, name: str, names: Sequence[str]) -> tuple[Issued, Issued]:

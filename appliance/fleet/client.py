@@ -74,7 +74,11 @@ class HubClient:
             raise HubError(f"the hub is unreachable ({type(err).__name__}: {err})") from err
 
     async def enroll(
-        self, provisioning: Provisioning, wg_public_key: str, versions: dict[str, str]
+        self,
+        provisioning: Provisioning,
+        wg_public_key: str,
+        versions: dict[str, str],
+        lan_csr: str | None = None,
     ) -> dict[str, Any]:
         return await self._post(
             "/v1/enroll",
@@ -84,6 +88,7 @@ class HubClient:
                 "wg_public_key": wg_public_key,
                 "labels": provisioning.labels,
                 "versions": versions,
+                "lan_csr": lan_csr,
             },
         )
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from appliance.discovery.mdns import lan_addresses
 from shared import pki
 from shared.wireguard import KeyPair, ensure_keypair
 
@@ -100,6 +102,28 @@ class FleetFiles:
         self.directory = directory
         self.key_path = directory / "wireguard.key"
         self.identity_path = directory / "identity.json"
+        # The LAN API's TLS key and the certificate the hub's CA signed for it.
+        self.lan_key_path = directory / "lan.key"
+        self.lan_cert_path = directory / "lan.crt"
+
+    def lan_request(self, name: str) -> str:
+        """A signing request for this node's LAN certificate; its key (mode 0600) is kept
+        for the certificate the hub sends back."""
+        names = sorted(
+            {name, socket.gethostname(), "localhost", "127.0.0.1", *lan_addresses("0.0.0.0")}  # noqa: S104 - every address, not a bind
+        )
+        key_pem, csr_pem = pki.new_request(name, names)
+        _write_private(self.lan_key_path, key_pem.decode())
+        return csr_pem.decode()
+
+    def save_lan_certificate(self, cert_pem: str) -> None:
+        self.lan_cert_path.write_text(cert_pem)
+
+    def lan_tls(self) -> tuple[Path, Path] | None:
+        """(certificate, key) when the hub issued this node a LAN certificate."""
+        if self.lan_cert_path.is_file() and self.lan_key_path.is_file():
+            return self.lan_cert_path, self.lan_key_path
+        return None
 
     def wireguard_key(self) -> KeyPair:
         """This node's WireGuard key pair, made on first use (the private key, mode 0600,

@@ -47,8 +47,11 @@ async def enroll(files: FleetFiles, provisioning: Provisioning) -> Identity:
     if existing is not None:
         return existing
     keys = files.wireguard_key()
+    csr = files.lan_request(provisioning.name)
     async with HubClient(provisioning.hub_url, provisioning.pin()) as client:
-        answer = await client.enroll(provisioning, keys.public_key, VERSIONS)
+        answer = await client.enroll(provisioning, keys.public_key, VERSIONS, csr)
+    if answer.get("lan_certificate"):
+        files.save_lan_certificate(str(answer["lan_certificate"]))
     identity = Identity(
         node_id=answer["node_id"],
         name=answer["name"],

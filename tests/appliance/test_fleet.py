@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -451,3 +452,38 @@ async def test_the_outbox_is_bounded_and_takes_work_again_once_the_hub_is_back(
 
 async def _enrolled(link: Any) -> bool:
     return link.identity is not None and link.error is None
+
+
+async def test_enrollment_issues_a_lan_certificate_that_clients_verify_with_the_hub_ca(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    hub = hub_settings(tmp_path)
+    port = free_port()
+    await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
+    files = FleetFiles(tmp_path / "fleet")
+    identity = await enroll(files, Provisioning.load(provisioning(tmp_path, hub, port)))
+    tls = files.lan_tls()
+    assert tls is not None
+    cert, key = tls
+    assert key.stat().st_mode & 0o777 == 0o600
+    # A LAN API served with it: a client that trusts the hub's CA verifies the appliance.
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "alive"})
+
+    lan = web.Application()
+    lan.router.add_get("/healthz", healthz)
+    server = await aiohttp_server(lan, ssl=context)
+    trust = ssl.create_default_context(cadata=identity.hub.ca_pem)
+    async with aiohttp.ClientSession() as session:
+        for host in ("localhost", "127.0.0.1"):
+            url = f"https://{host}:{server.port}/healthz"
+            async with session.get(url, ssl=trust) as response:
+                assert response.status == 200
+        # Without the hub's CA the certificate means nothing to a client.
+        with pytest.raises(aiohttp.ClientConnectorCertificateError):
+            await session.get(
+                f"https://localhost:{server.port}/healthz", ssl=ssl.create_default_context()
+            )

@@ -154,6 +154,12 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
     key = new_key()
     async with aiohttp.ClientSession() as client:
         enroll = {"token": token, "name": "lab-server", "wg_public_key": key}
+        # A signing request that is not one: refused before the token is spent.
+        bad_csr = await client.post(
+            f"{base}/v1/enroll", json={**enroll, "lan_csr": "not a request"}, ssl=pinned
+        )
+        assert bad_csr.status == 400
+        assert (await bad_csr.json())["error"]["param"] == "lan_csr"
         response = await client.post(f"{base}/v1/enroll", json=enroll, ssl=pinned)
         assert response.status == 201, await response.text()
         enrolled = await response.json()
