@@ -87,6 +87,8 @@ async def test_every_answered_request_survives_kill_9_exactly_once(
         "KVL_MODEL__N_THREADS": "1",
         "KVL_FLEET__PROVISIONING_FILE": str(provisioning),
         "KVL_FLEET__TUNNEL": "false",
+        # Plain HTTP on loopback across restarts (the LAN certificate has its own test).
+        "KVL_FLEET__LAN_TLS": "false",
         "KVL_FLEET__SYNC_INTERVAL_S": "0.5",
         "KVL_FLEET__HEARTBEAT_S": "1",
     }
