@@ -65,20 +65,32 @@ class AdmissionControl:
                 "takes new work once the hub has acknowledged some",
                 retry_after=60,
             )
-        limits = self.class_settings(klass)
         account = key.account
+        per_day, per_minute = self.quotas(key, klass)
         now = time.monotonic()
-        if limits.tokens_per_day:
-            day = await self._day_bucket(account.id, limits.tokens_per_day, now)
+        if per_day:
+            day = await self._day_bucket(account.id, per_day, now)
             if (wait := day.wait_s(1, now)) > 0:
-                self._refuse_quota(klass, "tokens_per_day", limits.tokens_per_day, wait)
-        if limits.requests_per_minute:
+                self._refuse_quota(klass, "tokens_per_day", per_day, wait)
+        if per_minute:
             minute = self._minute.get(account.id)
-            if minute is None or minute.capacity != limits.requests_per_minute:
-                minute = TokenBucket.full(limits.requests_per_minute, MINUTE_S, now)
+            if minute is None or minute.capacity != per_minute:
+                minute = TokenBucket.full(per_minute, MINUTE_S, now)
                 self._minute[account.id] = minute
             if (wait := minute.take(1, now)) > 0:
-                self._refuse_quota(klass, "requests_per_minute", limits.requests_per_minute, wait)
+                self._refuse_quota(klass, "requests_per_minute", per_minute, wait)
+
+    def quotas(self, key: ApiKey, klass: ServiceClass) -> tuple[int, int]:
+        """(tokens per day, requests per minute) of the key's account: its own, set on the
+        hub, else its class's; 0 is no limit."""
+        limits = self.class_settings(klass)
+        account = key.account
+        per_day = account.tokens_per_day
+        per_minute = account.requests_per_minute
+        return (
+            limits.tokens_per_day if per_day is None else per_day,
+            limits.requests_per_minute if per_minute is None else per_minute,
+        )
 
     def _refuse_quota(self, klass: ServiceClass, quota: str, limit: int, wait: float) -> None:
         self._metrics.quota_refusals.labels(klass.value, quota).inc()
@@ -101,9 +113,9 @@ class AdmissionControl:
 
     def charge(self, key: ApiKey, klass: ServiceClass, tokens: int) -> None:
         """Charge the tokens a request actually used to its account's daily quota."""
-        limits = self.class_settings(klass)
+        per_day, _ = self.quotas(key, klass)
         bucket = self._day.get(key.account.id)
-        if limits.tokens_per_day and bucket is not None:
+        if per_day and bucket is not None:
             bucket.charge(tokens, time.monotonic())
 
     # -- admission ---------------------------------------------------------------------------

@@ -175,3 +175,10 @@ def m004_jobs(db: Database) -> None:
     )
     db.table("webhook_deliveries").create_index(["job_id"], unique=True)
     db.table("webhook_deliveries").create_index(["status", "next_attempt_at"])
+
+
+@migrations()
+def m005_account_quotas(db: Database) -> None:
+    # Per-account quotas set on the hub (null: the class's default).
+    db.table("accounts").add_column("requests_per_minute", int)
+    db.table("accounts").add_column("tokens_per_day", int)

@@ -40,6 +40,9 @@ class Account:
     name: str
     service_class: ServiceClass
     created_at: str
+    # Quotas of this account (from the hub); None: the class's default.
+    requests_per_minute: int | None = None
+    tokens_per_day: int | None = None
 
 
 @dataclass(frozen=True)
@@ -252,9 +255,18 @@ class Store:
                 return serial
             for account in state["accounts"]:
                 self.db.execute(
-                    "INSERT INTO accounts (name, service_class, created_at) VALUES (?, ?, ?)"
-                    " ON CONFLICT(name) DO UPDATE SET service_class = excluded.service_class",
-                    [account["name"], account["service_class"], now_iso()],
+                    "INSERT INTO accounts (name, service_class, created_at, requests_per_minute,"
+                    " tokens_per_day) VALUES (?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET"
+                    " service_class = excluded.service_class,"
+                    " requests_per_minute = excluded.requests_per_minute,"
+                    " tokens_per_day = excluded.tokens_per_day",
+                    [
+                        account["name"],
+                        account["service_class"],
+                        now_iso(),
+                        account.get("requests_per_minute"),
+                        account.get("tokens_per_day"),
+                    ],
                 )
             for key in state["keys"]:
                 row = self.db.execute(
@@ -366,7 +378,8 @@ class Store:
 
 _KEY_SELECT = (
     "SELECT k.id, k.prefix, k.hash, k.created_at, k.revoked_at, k.admin, a.id AS account_id,"
-    " a.name AS account_name, a.service_class, a.created_at AS account_created_at"
+    " a.name AS account_name, a.service_class, a.created_at AS account_created_at,"
+    " a.requests_per_minute, a.tokens_per_day"
     " FROM api_keys k JOIN accounts a ON a.id = k.account_id"
 )
 
@@ -384,6 +397,8 @@ def _account(row: dict[str, Any]) -> Account:
         name=row["name"],
         service_class=ServiceClass(row["service_class"]),
         created_at=row["created_at"],
+        requests_per_minute=row.get("requests_per_minute"),
+        tokens_per_day=row.get("tokens_per_day"),
     )
 
 
@@ -397,6 +412,8 @@ def _api_key(row: dict[str, Any]) -> ApiKey:
         name=row["account_name"],
         service_class=ServiceClass(row["service_class"]),
         created_at=row["account_created_at"],
+        requests_per_minute=row["requests_per_minute"],
+        tokens_per_day=row["tokens_per_day"],
     )
     return ApiKey(
         id=row["id"],

@@ -324,7 +324,7 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
     path = provisioning(tmp_path, hub, port)
     s = HubStore(hub.db_path)
     try:
-        s.set_account("school", "S2")
+        s.set_account("school", "S2", requests_per_minute=2)
         fleet_key = s.create_key("school").plaintext
     finally:
         s.close()
@@ -353,6 +353,16 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
         assert key.account.service_class.value == "S2"
     finally:
         local.close()
+
+    # The account's own quota, set on the hub, holds on the node: two a minute.
+    for expected in (200, 200, 429):
+        response = await client.post(
+            "/v1/completions",
+            headers=headers,
+            json={"model": "gemma-3-270m", "prompt": "Hi", "max_tokens": 1},
+        )
+        assert response.status == expected, await response.text()
+    assert "requests_per_minute quota (2," in (await response.json())["error"]["message"]
 
     s = HubStore(hub.db_path)
     try:
