@@ -33,7 +33,13 @@ from typing import TYPE_CHECKING, Literal
 import psutil
 
 from appliance.serving.catalog import DEFAULT_MODEL_NAME, ensure_default_model
-from appliance.serving.engine import EngineOptions, GenerationRequest, Run, Vocabulary
+from appliance.serving.engine import (
+    EngineOptions,
+    GenerationRequest,
+    Run,
+    Vocabulary,
+    default_threads,
+)
 from appliance.serving.gguf import GGUFError, read_gguf
 from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, WorkerStats
 
@@ -383,12 +389,15 @@ class ModelRegistry:
 
     # -- loading and unloading ---------------------------------------------------------------
 
-    def _options(self) -> EngineOptions:
+    def _options(self, replicas: int = 1) -> EngineOptions:
         m = self._settings.model
+        # Replicas share the cores: llama.cpp's threads spin while they wait, so more
+        # threads than cores slow every replica down many times over.
+        threads = m.n_threads or max(1, default_threads() // replicas)
         return EngineOptions(
             n_ctx=m.n_ctx,
             n_batch=m.n_batch,
-            n_threads=m.n_threads,
+            n_threads=threads,
             n_gpu_layers=m.n_gpu_layers,
             max_queue=m.max_queue,
             n_slots=m.n_slots,
@@ -410,7 +419,7 @@ class ModelRegistry:
             existing = self._deployments.get(record.ref)
             if existing is not None:
                 return existing
-            options = self._options()
+            options = self._options(replicas)
             need = estimate_mb(record, options) * replicas
             evict = plan_eviction(
                 (d.resident() for d in self._deployments.values()), need, self.budget_mb

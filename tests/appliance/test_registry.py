@@ -186,7 +186,8 @@ async def test_models_load_on_demand_within_the_budget_lru_first_and_pins_hold(
 async def test_the_router_spreads_requests_over_replicas(
     aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
 ) -> None:
-    app, keys = registry_app(tmp_path, default_model)
+    # Threads unset: two replicas on this machine's cores get half of them each.
+    app, keys = registry_app(tmp_path, default_model, n_threads=None)
     key, user_key = keys.split()
     client = await aiohttp_client(app)
     await app[HOST].wait_loaded()
