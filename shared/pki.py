@@ -14,6 +14,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from shared.files import write_private
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from pathlib import Path
@@ -200,9 +202,6 @@ def _load(directory: Path, stem: str) -> Issued | None:
 
 
 def _store(directory: Path, stem: str, issued: Issued) -> Issued:
-    key = directory / f"{stem}.key"
-    key.touch(mode=0o600, exist_ok=True)
-    key.chmod(0o600)
-    key.write_bytes(issued.key_pem)
+    write_private(directory / f"{stem}.key", issued.key_pem)
     (directory / f"{stem}.crt").write_bytes(issued.cert_pem)
     return issued

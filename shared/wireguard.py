@@ -45,6 +45,8 @@ from typing import IO, TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from wireguard_tools import WireguardKey
 
+from shared.files import write_private
+
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
@@ -150,17 +152,9 @@ def write_private_key(path: Path, private_key: str) -> None:
     temporary file made 0600 is renamed over `path`.
     """
     _key_bytes(private_key, "private key", secret=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="ascii") as out:
-            os.fchmod(fd, 0o600)  # the umask can take bits away from 0o600, never add them
-            out.write(f"{private_key}\n")
-            out.flush()
-            os.fsync(fd)  # a node that loses power after enrolling must still have its key
-        tmp.replace(path)
+        write_private(path, f"{private_key}\n")
     except OSError as err:
-        tmp.unlink(missing_ok=True)
         raise WireGuardError(
             f"cannot write the private key to {path}: {err.strerror}",
             "make its folder exist and be writable by this user",

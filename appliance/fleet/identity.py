@@ -4,7 +4,6 @@ identity enrollment gave it (kept in the data directory, so a restart does not r
 from __future__ import annotations
 
 import json
-import os
 import socket
 from typing import TYPE_CHECKING
 
@@ -12,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from appliance.discovery.mdns import lan_addresses
 from shared import pki
+from shared.files import write_private
 from shared.wireguard import KeyPair, ensure_keypair
 
 if TYPE_CHECKING:
@@ -83,17 +83,6 @@ class Identity(BaseModel):
         return pki.fingerprint_bytes(self.hub_fingerprint)
 
 
-def _write_private(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(path.suffix + ".partial")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    temporary.replace(path)
-
-
 class FleetFiles:
     """The fleet files in the data directory: the WireGuard private key (never leaves the
     node) and the identity."""
@@ -113,7 +102,8 @@ class FleetFiles:
             {name, socket.gethostname(), "localhost", "127.0.0.1", *lan_addresses("0.0.0.0")}  # noqa: S104 - every address, not a bind
         )
         key_pem, csr_pem = pki.new_request(name, names)
-        _write_private(self.lan_key_path, key_pem.decode())
+        self.directory.mkdir(parents=True, exist_ok=True)
+        write_private(self.lan_key_path, key_pem.decode())
         return csr_pem.decode()
 
     def save_lan_certificate(self, cert_pem: str) -> None:
@@ -137,4 +127,5 @@ class FleetFiles:
         return Identity.model_validate(json.loads(self.identity_path.read_text()))
 
     def save(self, identity: Identity) -> None:
-        _write_private(self.identity_path, identity.model_dump_json(indent=2) + "\n")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        write_private(self.identity_path, identity.model_dump_json(indent=2) + "\n")
