@@ -17,7 +17,7 @@ from aiohttp import web
 from appliance.app import FLEET, create_app
 from appliance.fleet.identity import FleetFiles, Provisioning
 from appliance.fleet.link import enroll
-from appliance.gateway.keys import HOST, STORE
+from appliance.gateway.keys import HOST, SETTINGS, STORE
 from appliance.state.store import ModelRecord, Store
 from hub.app import certificates, ssl_context
 from hub.app import create_app as create_hub
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from pytest_aiohttp import AiohttpClient, AiohttpServer
+
+    from tests.conftest import Client
 
 pytestmark = pytest.mark.model
 
@@ -82,6 +84,30 @@ async def wait_for(condition: Any, timeout_s: float = 30.0) -> None:
     raise AssertionError("condition not met in time")
 
 
+async def fleet_appliance(
+    aiohttp_client: AiohttpClient,
+    tmp_path: Path,
+    default_model: ModelRecord,
+    provisioning_file: Path,
+    **fleet: object,
+) -> tuple[web.Application, Client, str]:
+    """An in-process appliance in the fleet (no tunnel), its model loaded; (app, client,
+    a LAN key)."""
+    settings = make_settings(
+        tmp_path / "data",
+        embeddings={"enabled": False},
+        fleet={"provisioning_file": str(provisioning_file), "tunnel": False, **fleet},
+    )
+    store = Store(settings.db_path)
+    store.add_model(default_model)
+    key = store.create_key("lan-user").plaintext
+    store.close()
+    app = create_app(settings)
+    client = await aiohttp_client(app)
+    await app[HOST].wait_loaded()
+    return app, client, key
+
+
 async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outage(
     aiohttp_client: AiohttpClient,
     aiohttp_server: AiohttpServer,
@@ -92,23 +118,9 @@ async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outa
     port = free_port()
     hub_server = await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
     path = provisioning(tmp_path, hub, port)
-    settings = make_settings(
-        tmp_path / "data",
-        embeddings={"enabled": False},
-        fleet={
-            "provisioning_file": str(path),
-            "tunnel": False,
-            "heartbeat_s": 1,
-            "sync_interval_s": 0.5,
-        },
+    app, client, key = await fleet_appliance(
+        aiohttp_client, tmp_path, default_model, path, heartbeat_s=1, sync_interval_s=0.5
     )
-    store = Store(settings.db_path)
-    store.add_model(default_model)
-    key = store.create_key("lan-user").plaintext
-    store.close()
-    app = create_app(settings)
-    client = await aiohttp_client(app)
-    await app[HOST].wait_loaded()
     link = app[FLEET]
 
     def hub_store() -> HubStore:
@@ -328,15 +340,10 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
         fleet_key = s.create_key("school").plaintext
     finally:
         s.close()
-    settings = make_settings(
-        tmp_path / "data",
-        embeddings={"enabled": False},
-        fleet={"provisioning_file": str(path), "tunnel": False, "heartbeat_s": 1},
+    app, client, _ = await fleet_appliance(
+        aiohttp_client, tmp_path, default_model, path, heartbeat_s=1
     )
-    store = Store(settings.db_path)
-    store.add_model(default_model)
-    store.close()
-    client = await aiohttp_client(create_app(settings))
+    settings = app[SETTINGS]
     headers = {"Authorization": f"Bearer {fleet_key}"}
 
     async def status() -> int:
@@ -405,25 +412,16 @@ async def test_the_outbox_is_bounded_and_takes_work_again_once_the_hub_is_back(
     port = free_port()
     hub_server = await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
     path = provisioning(tmp_path, hub, port)
-    settings = make_settings(
-        tmp_path / "data",
-        embeddings={"enabled": False},
-        fleet={
-            "provisioning_file": str(path),
-            "tunnel": False,
-            "heartbeat_s": 1,
-            "sync_interval_s": 0.5,
-            "outbox_alarm_events": 1,
-            "outbox_limit_events": 2,
-        },
+    app, client, key = await fleet_appliance(
+        aiohttp_client,
+        tmp_path,
+        default_model,
+        path,
+        heartbeat_s=1,
+        sync_interval_s=0.5,
+        outbox_alarm_events=1,
+        outbox_limit_events=2,
     )
-    store = Store(settings.db_path)
-    store.add_model(default_model)
-    key = store.create_key("lan").plaintext
-    store.close()
-    app = create_app(settings)
-    client = await aiohttp_client(app)
-    await app[HOST].wait_loaded()
     link = app[FLEET]
     await wait_for(lambda: _enrolled(link))
     await hub_server.close()
