@@ -14,18 +14,12 @@ import yaml
 from appliance.settings import EXAMPLE_HEADER, ApplianceSettings
 from appliance.state.store import ConflictError, NotFoundError, Store
 from shared.classes import ServiceClass
-from shared.cli import common_options, config_errors_exit
-from shared.config import example_yaml, load_settings
+from shared.cli import common_options, config_errors_exit, settings_from
+from shared.config import example_yaml
 
 
 def _settings(config_file: Path | None, data_dir: Path | None, **server: Any) -> ApplianceSettings:
-    overrides: dict[str, Any] = {}
-    if data_dir is not None:
-        overrides["data_dir"] = data_dir
-    server = {k: v for k, v in server.items() if v is not None}
-    if server:
-        overrides["server"] = server
-    return load_settings(ApplianceSettings, config_file=config_file, overrides=overrides)
+    return settings_from(ApplianceSettings, config_file, data_dir, **server)
 
 
 def _store(settings: ApplianceSettings) -> Store:

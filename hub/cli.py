@@ -11,8 +11,8 @@ import click
 import yaml
 
 from hub.settings import EXAMPLE_HEADER, HubSettings
-from shared.cli import common_options, config_errors_exit
-from shared.config import example_yaml, load_settings
+from shared.cli import common_options, config_errors_exit, settings_from
+from shared.config import example_yaml
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -36,11 +36,7 @@ def hub() -> None:
 
 
 def _settings(config_file: Path | None, data_dir: Path | None, **server: Any) -> HubSettings:
-    overrides: dict[str, Any] = {"data_dir": data_dir} if data_dir is not None else {}
-    given = {k: v for k, v in server.items() if v is not None}
-    if given:
-        overrides["server"] = given
-    return load_settings(HubSettings, config_file=config_file, overrides=overrides)
+    return settings_from(HubSettings, config_file, data_dir, **server)
 
 
 def _store(settings: HubSettings) -> HubStore:

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import click
 
 from shared import __version__
-from shared.config import ConfigError
+from shared.config import ConfigError, S, load_settings
 
 _GROUPS = {
     "appliance": (
@@ -64,6 +64,18 @@ def common_options(fn: F) -> F:
         default=None,
         help="YAML settings file (also $KVL_CONFIG).",
     )(fn)
+
+
+def settings_from(
+    cls: type[S], config_file: Path | None, data_dir: Path | None, **server: Any
+) -> S:
+    """Settings as a command sees them: the config file and environment, then its flags
+    (`--data-dir`, and the `server` ones it was given)."""
+    overrides: dict[str, Any] = {"data_dir": data_dir} if data_dir is not None else {}
+    given = {k: v for k, v in server.items() if v is not None}
+    if given:
+        overrides["server"] = given
+    return load_settings(cls, config_file=config_file, overrides=overrides)
 
 
 def config_errors_exit(fn: F) -> F:
