@@ -66,36 +66,10 @@ setup-gpu: setup
     {{ py }} -m pip install --quiet --force-reinstall --no-deps onnxruntime-gpu
     CMAKE_ARGS="-DGGML_CUDA=on -DLLAVA_BUILD=off ${CMAKE_ARGS:-}" {{ py }} -m pip install --quiet --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36
 
-# Set up, then serve the appliance on the embedded defaults and print a key and a curl line
+# Set up, then start a hub (in a network namespace) and an appliance enrolled with it over
+# WireGuard, on the embedded defaults; prints an API key and a curl line (Ctrl-C stops both)
 demo port="8080" data=".kvl/demo": setup
-    #!/usr/bin/env bash
-    set -euo pipefail
-    mkdir -p {{ data }}
-    keyfile={{ data }}/demo.key
-    if [ ! -s "$keyfile" ]; then
-        (umask 077; kvl appliance keys create --account demo --data-dir {{ data }} > "$keyfile")
-    fi
-    key=$(cat "$keyfile")
-    kvl appliance serve --data-dir {{ data }} --port {{ port }} &
-    server=$!
-    trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT INT TERM
-    until curl -sf "http://127.0.0.1:{{ port }}/readyz" > /dev/null; do
-        kill -0 $server 2>/dev/null || { echo "the appliance exited; see above" >&2; exit 1; }
-        sleep 0.5
-    done
-    cat <<MSG
-
-    The appliance is ready on port {{ port }} (every interface; Ctrl-C stops it).
-    API key (account "demo", kept in $keyfile):
-      $key
-    Try it:
-      curl -s http://127.0.0.1:{{ port }}/v1/chat/completions \\
-        -H "Authorization: Bearer $key" -H "Content-Type: application/json" \\
-        -d '{"model": "gemma-3-270m", "messages": [{"role": "user", "content": "Write a haiku about the sea."}], "max_tokens": 48}'
-    Any OpenAI client works with base URL http://<this host>:{{ port }}/v1 and the key above.
-
-    MSG
-    wait $server
+    kvl demo --port {{ port }} --data-dir {{ data }}
 
 # ruff (format and lint) and mypy --strict over the whole tree
 lint: setup

@@ -300,8 +300,9 @@ def enroll(config_file: Path | None, data_dir: Path | None, provisioning_file: P
     import asyncio  # noqa: PLC0415
 
     from appliance.fleet.client import HubError, HubRefusedError  # noqa: PLC0415
-    from appliance.fleet.identity import FleetFiles, Provisioning, ProvisioningError  # noqa: PLC0415
+    from appliance.fleet.identity import FleetFiles  # noqa: PLC0415
     from appliance.fleet.link import enroll as enroll_node  # noqa: PLC0415
+    from shared.provisioning import Provisioning, ProvisioningError  # noqa: PLC0415
 
     settings = _settings(config_file, data_dir)
     path = provisioning_file or settings.fleet.provisioning_file

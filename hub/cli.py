@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -15,8 +16,6 @@ from shared.cli import common_options, config_errors_exit, settings_from
 from shared.config import example_yaml
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from hub.state.store import HubStore
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
@@ -119,6 +118,67 @@ def tokens_create(
     finally:
         store.close()
     click.echo(new.plaintext)
+
+
+@hub.command()
+@common_options
+@click.option("--site", required=True, help="The site the node belongs to.")
+@click.option("--name", required=True, help="The node's name.")
+@click.option("--url", default=None, help="The hub API the node enrolls at (https://NAME:PORT).")
+@click.option("--uses", type=click.IntRange(1, 100_000), default=1, help="Enrollments (1).")
+@click.option("--expires", default="24h", help="Lifetime of its token: 30m, 24h, 7d … (24h).")
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Write the file here (mode 0600) instead of printing it.",
+)
+@config_errors_exit
+def provision(
+    config_file: Path | None,
+    data_dir: Path | None,
+    *,
+    site: str,
+    name: str,
+    url: str | None,
+    uses: int,
+    expires: str,
+    output: Path | None,
+) -> None:
+    """Make a provisioning file (kovenlab.json) for a node: a new enrollment token, the
+    hub's URL and the fingerprint of its certificate, which the node pins."""
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    from hub.app import certificates  # noqa: PLC0415
+    from shared.files import write_private  # noqa: PLC0415
+    from shared.provisioning import Provisioning  # noqa: PLC0415
+
+    settings = _settings(config_file, data_dir)
+    url = url or f"https://{settings.server.names[0]}:{settings.server.port}"
+    seconds = parse_duration(expires)
+    _, server = certificates(settings)
+    try:  # checked before a token is made for it
+        document = Provisioning(
+            hub_url=url,
+            token="-",  # noqa: S106 - a placeholder, replaced below
+            hub_fingerprint=server.fingerprint,
+            name=name,
+        )
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise click.BadParameter(problems) from err
+    store = _store(settings)
+    try:
+        token = store.create_token(site, uses=uses, expires_in_s=seconds).plaintext
+    finally:
+        store.close()
+    document = document.model_copy(update={"token": token})
+    text = document.model_dump_json(indent=2) + "\n"
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    write_private(output, text)  # it holds a token
+    click.echo(f"wrote {output} (node {name}, site {site}, hub {url})", err=True)
 
 
 @tokens.command("list")

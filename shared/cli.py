@@ -21,6 +21,11 @@ _GROUPS = {
         "The appliance: serve the LAN API, keys, models, discovery.",
     ),
     "hub": ("hub.cli", "hub", "The hub of the fleet."),
+    "demo": (
+        "shared.demo",
+        "demo",
+        "A hub and an appliance on this machine, joined over WireGuard.",
+    ),
 }
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -8,34 +8,23 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
-import signal
 import subprocess
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pytest
+
+from shared import netns
+from shared.netns import ip, pids_in
+
+__all__ = ["A_ADDR", "B_ADDR", "Link", "ip", "linked_namespaces", "pids_in", "require_netns"]
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
 A_ADDR = "198.18.0.1"
 B_ADDR = "198.18.0.2"
-
-
-def ip(*args: str) -> None:
-    result = subprocess.run(["ip", *args], capture_output=True, text=True, check=False, timeout=30)
-    if result.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
-
-
-def pids_in(ns: str) -> list[int]:
-    """The processes running in namespace `ns`."""
-    out = subprocess.run(
-        ["ip", "netns", "pids", ns], capture_output=True, text=True, check=False, timeout=30
-    ).stdout
-    return [int(pid) for pid in out.split()]
 
 
 @dataclass(frozen=True)
@@ -59,10 +48,9 @@ class Link:
 
 
 def require_netns() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("netns test: creating network namespaces needs root")
-    if shutil.which("ip") is None:
-        pytest.skip("netns test: `ip` (iproute2) is not installed; run `just setup`")
+    why = netns.available()
+    if why is not None:
+        pytest.skip(f"netns test: {why}")
 
 
 @contextmanager
@@ -85,12 +73,7 @@ def linked_namespaces() -> Iterator[Link]:
         yield link
     finally:
         for ns in (link.a, link.b):
-            # A process left in a namespace would keep it (and the link) alive after `del`;
-            # only this test's processes can be in these uniquely named namespaces.
-            for pid in pids_in(ns):
-                with suppress(ProcessLookupError):  # it may have exited since
-                    os.kill(pid, signal.SIGKILL)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+            netns.delete(ns)
         # Deleting a namespace destroys the veth ends in it; this catches a setup that failed
         # before the pair was moved out of the root namespace.
         subprocess.run(["ip", "link", "del", link.veth_a], capture_output=True, check=False)

@@ -9,7 +9,8 @@ import aiohttp
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from appliance.fleet.identity import Identity, Provisioning
+    from appliance.fleet.identity import Identity
+    from shared.provisioning import Provisioning
 
 
 class HubError(Exception):

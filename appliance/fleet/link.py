@@ -23,8 +23,9 @@ import psutil
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from appliance.fleet.client import HubClient, HubError, HubRefusedError
-from appliance.fleet.identity import FleetFiles, HubPeer, Identity, Provisioning
+from appliance.fleet.identity import FleetFiles, HubPeer, Identity
 from shared import __version__
+from shared.provisioning import Provisioning
 from shared.wireguard import Endpoint, InterfaceConfig, Peer, Tunnel, WireGuardError
 
 if TYPE_CHECKING:

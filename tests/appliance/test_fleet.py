@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from appliance.app import FLEET, create_app
-from appliance.fleet.identity import FleetFiles, Provisioning
+from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import enroll
 from appliance.gateway.keys import HOST, SETTINGS, STORE
 from appliance.state.store import ModelRecord, Store
@@ -23,6 +23,7 @@ from hub.app import certificates, ssl_context
 from hub.app import create_app as create_hub
 from hub.settings import HubSettings
 from hub.state.store import HubStore
+from shared.provisioning import Provisioning
 from shared.wireguard import read_private_key
 from tests.conftest import free_port, kvl, make_settings
 

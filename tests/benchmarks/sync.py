@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from appliance.fleet.identity import FleetFiles, Provisioning
+from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import FleetLink, enroll
 from appliance.settings import FleetSettings
 from appliance.state.store import AsyncStore, Store
@@ -32,6 +32,7 @@ from hub.app import certificates
 from hub.settings import HubSettings
 from hub.state.store import HubStore
 from shared.db import now_iso
+from shared.provisioning import Provisioning
 from shared.telemetry import Metrics
 from tests.benchmarks.serving import HOST, cpu_model, free_port, say
 

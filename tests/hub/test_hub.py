@@ -334,3 +334,29 @@ def test_the_cli_manages_fleet_accounts_and_keys(tmp_path: Path) -> None:
     missing = kvl("hub", "keys", "create", "--account", "nobody", "--data-dir", data, check=False)
     assert missing.returncode == 1
     assert "no account" in missing.stderr
+
+
+async def test_provision_writes_a_file_an_appliance_enrolls_with(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    from appliance.fleet.identity import FleetFiles  # noqa: PLC0415
+    from appliance.fleet.link import enroll  # noqa: PLC0415
+    from shared.provisioning import Provisioning  # noqa: PLC0415
+
+    settings = settings_for(tmp_path)
+    data = str(settings.data_dir)
+    bad = kvl("hub", "provision", "--site", "s", "--name", "no spaces", "--data-dir", data,
+              check=False)  # fmt: skip
+    assert bad.returncode == 2
+    assert "name" in bad.stderr
+    assert kvl("hub", "tokens", "list", "--data-dir", data).stdout == ""  # none was made
+
+    server = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
+    path = tmp_path / "kovenlab.json"
+    kvl("hub", "provision", "--site", "school-b", "--name", "lab-2", "--data-dir", data,
+        "--url", f"https://127.0.0.1:{server.port}", "--output", str(path))  # fmt: skip
+    assert path.stat().st_mode & 0o777 == 0o600  # it holds a token
+    provisioning = Provisioning.load(path)
+    assert provisioning.hub_fingerprint == certificates(settings)[1].fingerprint
+    identity = await enroll(FleetFiles(tmp_path / "node"), provisioning)
+    assert (identity.name, identity.site) == ("lab-2", "school-b")

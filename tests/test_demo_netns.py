@@ -1,0 +1,186 @@
+"""The README's first command: `kvl demo` starts a hub in a network namespace and an
+appliance enrolled with it over a real WireGuard tunnel, and prints how to reach the LAN
+API. The demo runs here inside a namespace of the test's own (the "machine"), so its veth
+link and tunnel never touch the real one; it is stopped and started again to show that
+the appliance keeps its identity."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
+import pytest
+
+from appliance.state.store import ModelRecord, Store
+from hub.state.store import HubStore
+from shared import netns
+from tests.netns import require_netns
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+pytestmark = [pytest.mark.netns, pytest.mark.model]
+
+REPO = Path(__file__).resolve().parent.parent
+PORT = 8080
+
+
+@pytest.fixture
+def machine() -> Iterator[tuple[str, str]]:
+    """A namespace standing in for the machine, and the suffix for the demo's names."""
+    require_netns()
+    suffix = f"{os.getpid() % 1000}{os.urandom(2).hex()}"[:8]
+    name = f"kvl-machine-{suffix}"
+    netns.ip("netns", "add", name)
+    netns.ip("-n", name, "link", "set", "lo", "up")
+    try:
+        yield name, suffix
+    finally:
+        netns.delete(name)
+
+
+class Running:
+    """`kvl demo` in the machine namespace, its output collected line by line."""
+
+    def __init__(self, machine: str, suffix: str, data: Path) -> None:
+        env = {
+            **os.environ,
+            "KVL_DISCOVERY__ENABLED": "false",
+            "KVL_EMBEDDINGS__ENABLED": "false",
+            "KVL_MODEL__N_CTX": "512",
+        }
+        self.process = subprocess.Popen(
+            netns.argv(machine, sys.executable, "-m", "shared.cli", "demo",
+                       "--port", str(PORT), "--data-dir", str(data), "--suffix", suffix),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=env,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for raw in self.process.stdout:
+            self.lines.append(raw.decode(errors="replace").rstrip())
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_ready(self, timeout_s: float = 240) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "Ctrl-C stops both." not in self.lines:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"the demo did not become ready:\n{self.output}")
+            time.sleep(0.3)
+
+    def stop(self, signum: int = signal.SIGTERM) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._reader.join(timeout=5)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        return self.process.returncode
+
+
+def chat(machine: str, ca: Path, key: str) -> tuple[int, str]:
+    """What the printed curl line does, from the machine: HTTPS verified by the hub's CA."""
+    code = (
+        "import json, ssl, urllib.request\n"
+        f"ctx = ssl.create_default_context(cafile={str(ca)!r})\n"
+        f"r = urllib.request.Request('https://127.0.0.1:{PORT}/v1/chat/completions', "
+        "data=json.dumps({'model': 'gemma-3-270m', 'max_tokens': 4, "
+        "'messages': [{'role': 'user', 'content': 'Hi'}]}).encode(), "
+        f"headers={{'Authorization': 'Bearer {key}', 'Content-Type': 'application/json'}})\n"
+        "a = urllib.request.urlopen(r, timeout=60, context=ctx)\n"
+        "print(a.status, json.load(a)['object'])\n"
+    )
+    out = subprocess.run(
+        netns.argv(machine, sys.executable, "-c", code),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    status, _, kind = out.stdout.strip().partition(" ")
+    return int(status or 0), kind or out.stderr[-500:]
+
+
+def links(machine: str) -> str:
+    out = subprocess.run(
+        ["ip", "-n", machine, "-o", "link"], capture_output=True, text=True, check=True
+    )
+    return out.stdout
+
+
+def test_demo_runs_a_hub_and_an_appliance_enrolled_over_wireguard(
+    machine: tuple[str, str], tmp_path: Path, default_model: ModelRecord
+) -> None:
+    name, suffix = machine
+    data = tmp_path / "demo"
+    # The model the session already assembled (the demo would assemble it otherwise).
+    store = Store(data / "appliance" / "appliance.db")
+    store.add_model(default_model)
+    store.close()
+
+    first = Running(name, suffix, data)
+    try:
+        first.wait_ready()
+        key = (data / "demo.key").read_text().strip()
+        assert key in first.output
+        ca = data / "hub" / "pki" / "ca.crt"
+        assert f"curl -s --cacert {ca} https://127.0.0.1:{PORT}/v1/chat/completions" in first.output
+        assert "overlay address 198.18.64.2" in first.output
+        assert f"tunnel up (kvd{suffix}-wg)" in first.output
+        # The key was made on the hub; the appliance accepts it, over TLS the hub's CA signed.
+        assert chat(name, ca, key) == (200, "chat.completion")
+        assert f"kvd{suffix}-wg" in links(name)
+    finally:
+        assert first.stop() == 0, first.output
+        assert "Traceback" not in first.output
+
+    # Stopped: the tunnel, the veth end and the hub are gone from the machine.
+    assert f"kvd{suffix}" not in links(name)
+    assert not any(str(data / "hub") in " ".join(p.info["cmdline"] or ()) for p in
+                   psutil.process_iter(["cmdline"]))  # fmt: skip
+
+    hub = HubStore(data / "hub" / "hub.db")
+    try:
+        nodes = hub.nodes()
+        assert [(n.name, n.site, n.overlay_address) for n in nodes] == [
+            ("demo-appliance", "demo", "198.18.64.2")
+        ]
+        enrolled_id = nodes[0].id
+    finally:
+        hub.close()
+
+    # Started again: the same identity (no second enrollment), served again.
+    second = Running(name, suffix, data)
+    try:
+        second.wait_ready()
+        assert "kvl demo: enrolling" not in second.output
+        assert chat(name, data / "hub" / "pki" / "ca.crt", key)[0] == 200
+    finally:
+        assert second.stop(signal.SIGINT) == 0, second.output  # Ctrl-C
+        assert "Traceback" not in second.output
+    hub = HubStore(data / "hub" / "hub.db")
+    try:
+        assert [n.id for n in hub.nodes()] == [enrolled_id]
+    finally:
+        hub.close()
