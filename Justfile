@@ -88,8 +88,8 @@ bench suite="all" *args: setup
     #!/usr/bin/env bash
     set -euo pipefail
     case "{{ suite }}" in
-        all) suites="serving concurrency embeddings overload sync" ;;
-        serving|concurrency|embeddings|overload|sync) suites="{{ suite }}" ;;
-        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, all)" >&2; exit 2 ;;
+        all) suites="serving concurrency embeddings overload sync fleet" ;;
+        serving|concurrency|embeddings|overload|sync|fleet) suites="{{ suite }}" ;;
+        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, fleet, all)" >&2; exit 2 ;;
     esac
     for s in $suites; do {{ py }} -m "tests.benchmarks.$s" {{ args }}; done

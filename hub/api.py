@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hub.state.store import AsyncHubStore, Node, TokenRefusedError, node_status
+from hub.state.store import AsyncHubStore, Heartbeat, Node, TokenRefusedError, node_status
 from shared import __version__, pki
 from shared.errors import ApiError, ErrorCode, error_body
 
@@ -27,6 +27,29 @@ STORE = web.AppKey("hub_store", AsyncHubStore)
 SETTINGS = web.AppKey("hub_settings", object)  # HubSettings; object keeps the import lazy
 IDENTITY = web.AppKey("hub_identity", dict[str, str])  # the hub's public WireGuard key …
 NODE = web.RequestKey("node", Node)
+
+
+class Heartbeats:
+    """Heartbeats are soft state, written behind: a node's last one waits here and the
+    flusher (hub/app.py) writes every waiting one in one transaction a second, so a fleet
+    of thousands costs one commit a second, not one per heartbeat. A crash loses at most
+    that second of `last_seen`, which the next heartbeat restores. The flusher also keeps
+    `desired_serial` fresh, which heartbeat answers carry so a node pulls its desired
+    state only when it changed."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, Heartbeat] = {}
+        self.desired_serial = 0
+
+    def add(self, beat: Heartbeat) -> None:
+        self._waiting[beat.node_id] = beat
+
+    def take(self) -> list[Heartbeat]:
+        taken, self._waiting = list(self._waiting.values()), {}
+        return taken
+
+
+BEATS = web.AppKey("hub_heartbeats", Heartbeats)
 
 WG_KEY = r"^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=$"  # 32 bytes, base64
 MAX_EVENTS = 5000
@@ -183,9 +206,12 @@ async def node_auth(request: web.Request, handler: Handler) -> web.StreamRespons
 async def heartbeat(request: web.Request) -> web.Response:
     req: HeartbeatRequest = await _body(request, HeartbeatRequest)
     node = request[NODE]
-    store = request.app[STORE]
-    await store.run(store.sync.heartbeat, node.id, versions=req.versions, capacity=req.capacity)
-    return web.json_response({"node_id": node.id, "received_at": time.time()})
+    beats = request.app[BEATS]
+    now = time.time()
+    beats.add(Heartbeat(node.id, now, req.versions, req.capacity))
+    return web.json_response(
+        {"node_id": node.id, "received_at": now, "desired_serial": beats.desired_serial}
+    )
 
 
 async def events(request: web.Request) -> web.Response:

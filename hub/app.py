@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import sqlite3
 import ssl
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from hub.api import IDENTITY, SETTINGS, STORE, errors, node_auth, routes
+from hub.api import BEATS, IDENTITY, SETTINGS, STORE, Heartbeats, errors, node_auth, routes
 from hub.state.store import AsyncHubStore
 from shared import pki
 from shared.wireguard import (
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PEERS_EVERY_S = 2.0
+HEARTBEATS_EVERY_S = 1.0
 
 
 def create_app(settings: HubSettings) -> web.Application:
@@ -39,6 +41,7 @@ def create_app(settings: HubSettings) -> web.Application:
     app.add_routes(routes())
     app[IDENTITY] = identity(settings)
     app.cleanup_ctx.append(_store)
+    app.cleanup_ctx.append(_heartbeats)
     if settings.overlay.interface is not None:
         app.cleanup_ctx.append(_tunnel)
     return app
@@ -51,6 +54,35 @@ async def _store(app: web.Application) -> AsyncIterator[None]:
     app[STORE] = store
     yield
     await store.close()
+
+
+async def _heartbeats(app: web.Application) -> AsyncIterator[None]:
+    """The write-behind of heartbeats (see hub.api.Heartbeats); a last flush on the way out."""
+    store = app[STORE]
+    beats = Heartbeats()
+    beats.desired_serial = await store.run(store.sync.desired_serial)
+    app[BEATS] = beats
+
+    async def flush() -> None:
+        waiting = beats.take()
+        if waiting:
+            await store.run(store.sync.heartbeats, waiting)
+        beats.desired_serial = await store.run(store.sync.desired_serial)
+
+    async def loop() -> None:
+        while True:
+            await asyncio.sleep(HEARTBEATS_EVERY_S)
+            try:
+                await flush()
+            except sqlite3.Error:
+                log.exception("writing heartbeats failed; the nodes' next ones replace them")
+
+    task = asyncio.create_task(loop(), name="kvl-hub-heartbeats")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await flush()
 
 
 def overlay_address(settings: HubSettings) -> ipaddress.IPv4Interface | ipaddress.IPv6Interface:

@@ -93,8 +93,9 @@ class HubClient:
             },
         )
 
-    async def heartbeat(self, versions: dict[str, str], capacity: dict[str, Any]) -> None:
-        await self._post("/v1/node/heartbeat", {"versions": versions, "capacity": capacity})
+    async def heartbeat(self, versions: dict[str, str], capacity: dict[str, Any]) -> dict[str, Any]:
+        """The hub's answer: `received_at`, and the `desired_serial` it has now."""
+        return await self._post("/v1/node/heartbeat", {"versions": versions, "capacity": capacity})
 
     async def state(self, after: int) -> dict[str, Any] | None:
         """This node's desired state, or None when it has not changed since ``after``."""

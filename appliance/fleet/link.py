@@ -174,9 +174,14 @@ class FleetLink:
             client = await self._ensure()
             if client is None:
                 return
-            await client.heartbeat(VERSIONS, await self.capacity())
+            answer = await client.heartbeat(VERSIONS, await self.capacity())
             applied = int(await self._store.run(self._store.sync.meta, "desired_serial") or -1)
-            state = await client.state(applied)
+            # The answer names the hub's serial: the state is pulled only when it moved.
+            serial = answer.get("desired_serial")
+            if isinstance(serial, int) and serial <= applied:
+                state = None
+            else:
+                state = await client.state(applied)
             if state is not None:
                 serial = await self._store.run(self._store.sync.apply_desired_state, state)
                 log.info("applied the hub's desired state %d", serial)

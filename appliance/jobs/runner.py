@@ -7,10 +7,12 @@ item that was mid-generation runs again, a finished one never does. Its usage ev
 id made from the item, so it is charged once however often it ran.
 
 Refusals for now are not results: a 429 (a full queue, an overload, a quota) or a 503 (the
-model loading, restarting, out of memory). The item stays pending and the runner pauses,
-with exponential backoff, before it starts anything again: S0 work yields to the traffic
-that caused them. A 429 is retried for as long as it lasts; after `jobs.item_max_attempts`
-503s, the error becomes the item's result (a model that never comes back).
+model loading, restarting, out of memory, the outbox full). The item stays pending and the
+runner pauses, with exponential backoff, before it starts anything again: S0 work yields to
+the traffic that caused them. A 429 is retried for as long as it lasts, and so is a full
+outbox (the hub will come back; the job must not fail for it); after
+`jobs.item_max_attempts` other 503s, the error becomes the item's result (a model that
+never comes back).
 """
 
 from __future__ import annotations
@@ -207,7 +209,8 @@ class JobRunner:
         if isinstance(outcome, _Retry):
             error = outcome.error
             attempts = await self._store.run(self._jobs.retry_item, item.job_id, item.index)
-            if error.status == RETRY_LATER or attempts < self._settings.item_max_attempts:
+            waits = error.status == RETRY_LATER or error.code is ErrorCode.outbox_full
+            if waits or attempts < self._settings.item_max_attempts:
                 self._metrics.job_items.labels("retried").inc()
                 self._pause(error.message, error.retry_after)
                 return

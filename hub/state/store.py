@@ -23,7 +23,7 @@ from shared.keys import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Iterable, Mapping, Sequence
     from pathlib import Path
 
 
@@ -231,13 +231,26 @@ class HubStore:
         return Enrolled(node, node_token.plaintext)
 
     def _next_address(self, overlay_prefix: str) -> str:
-        """The lowest free host address of the prefix; the first host is the hub's."""
+        """A free host address of the prefix (the first host is the hub's). Addresses are
+        handed out in order and never reused, so the one after the count of nodes is
+        nearly always free: two index lookups. Otherwise (the prefix changed), the lowest
+        free one."""
         network = ipaddress.ip_network(overlay_prefix)
-        taken = {r["overlay_address"] for r in self.db.query("SELECT overlay_address FROM nodes")}
+        count = int(self.db.execute("SELECT COUNT(*) FROM nodes").fetchone()[0])
+        if count + 2 < network.num_addresses - 1:
+            candidate = str(network[count + 2])  # [0] the network, [1] the hub
+            taken = self.db.execute(
+                "SELECT 1 FROM nodes WHERE overlay_address = ?", [candidate]
+            ).fetchone()
+            if taken is None:
+                return candidate
+        taken_all = {
+            r["overlay_address"] for r in self.db.query("SELECT overlay_address FROM nodes")
+        }
         hosts = network.hosts()
         next(hosts)  # the hub
         for address in hosts:
-            if str(address) not in taken:
+            if str(address) not in taken_all:
                 return str(address)
         raise AddressPoolExhaustedError(f"no free address left in {overlay_prefix}")
 
@@ -251,13 +264,12 @@ class HubStore:
             return None
         return _node(rows[0])
 
-    def heartbeat(
-        self, node_id: str, *, versions: Mapping[str, str], capacity: Mapping[str, Any]
-    ) -> None:
+    def heartbeats(self, beats: Sequence[Heartbeat]) -> None:
+        """Record heartbeats (the last of each node), in one transaction."""
         with self.db.conn:
-            self.db.execute(
+            self.db.conn.executemany(
                 "UPDATE nodes SET last_seen = ?, versions = ?, capacity = ? WHERE id = ?",
-                [time.time(), json.dumps(dict(versions)), json.dumps(dict(capacity)), node_id],
+                [(b.at, json.dumps(b.versions), json.dumps(b.capacity), b.node_id) for b in beats],
             )
 
     def nodes(self) -> list[Node]:
@@ -424,6 +436,14 @@ def _node(row: Mapping[str, Any]) -> Node:
         versions=json.loads(row["versions"] or "{}"),
         capacity=json.loads(row["capacity"] or "{}"),
     )
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    node_id: str
+    at: float  # unix seconds
+    versions: Mapping[str, str]
+    capacity: Mapping[str, Any]
 
 
 class AsyncHubStore(db.AsyncStore[HubStore]):

@@ -23,7 +23,7 @@ from pytest_aiohttp import AiohttpClient, AiohttpServer
 
 from appliance.app import create_app
 from appliance.gateway.jobs import JOBS
-from appliance.gateway.keys import HOST
+from appliance.gateway.keys import ADMISSION, HOST
 from appliance.settings import ApplianceSettings
 from appliance.state.jobs import JobFinishedError, JobNotFoundError, JobStore, NewItem
 from appliance.state.store import ModelRecord, NotFoundError, Store
@@ -519,6 +519,47 @@ async def test_a_full_queue_is_retried_not_the_items_result(
     [result] = (await results(client, api_key, job["id"]))["data"]
     assert result["status_code"] == 200
     assert len(job_usage(settings.db_path)) == 1
+
+
+async def test_a_full_outbox_is_waited_out_however_long_not_the_items_result(
+    aiohttp_client: AiohttpClient, settings: ApplianceSettings, api_key: str
+) -> None:
+    """While the outbox is full (the hub away too long) the job's item gets 503
+    outbox_full: more tries than `jobs.item_max_attempts` allows for other 503s, and it
+    still waits, then runs once the hub has drained the outbox."""
+    quick = settings.model_copy(
+        update={
+            "jobs": settings.jobs.model_copy(
+                update={"item_max_attempts": 1, "retry_initial_s": 0.05, "retry_max_s": 0.1}
+            )
+        }
+    )
+    app = create_app(quick)
+    client: Client = await aiohttp_client(app)
+    await app[HOST].wait_loaded()
+    app[ADMISSION].outbox_full = True  # what the fleet link sets at the bound
+    status, created = await create_job(client, api_key, {"requests": [text_item("a")]})
+    assert status == 202
+
+    async def retried_thrice() -> bool:
+        text = await (await client.get("/metrics")).text()
+        line = next(
+            (
+                x
+                for x in text.splitlines()
+                if x.startswith('kvl_job_items_total{outcome="retried"}')
+            ),
+            None,
+        )
+        return line is not None and float(line.split()[-1]) >= 3
+
+    await until(retried_thrice, 60)
+    job = await (await client.get(f"/v1/jobs/{created['id']}", headers=auth(api_key))).json()
+    assert job["status"] in {"queued", "running"}
+    assert job["progress"]["completed"] == job["progress"]["failed"] == 0
+    app[ADMISSION].outbox_full = False  # the hub acknowledged a batch
+    job = await wait_job(client, api_key, created["id"])
+    assert job["progress"] == {"total": 1, "completed": 1, "failed": 0}
 
 
 # -- the state layer ---------------------------------------------------------------------------

@@ -4,6 +4,7 @@ the WireGuard tunnel between hub and node has its own netns tests."""
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 import time
 from typing import TYPE_CHECKING, Any
@@ -217,7 +218,12 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
     store = HubStore(settings.db_path)
     try:
         assert store.ledger_count() == 6
-        (registered,) = store.nodes()
+        # Heartbeats are written behind, within a second.
+        for _ in range(50):
+            (registered,) = store.nodes()
+            if registered.last_seen is not None:
+                break
+            await asyncio.sleep(0.1)
         assert registered.versions == {"kvl": "0.1.0"}
         assert registered.capacity == {"cpu_percent": 12.5}
         assert registered.wg_public_key == key
@@ -360,3 +366,75 @@ async def test_provision_writes_a_file_an_appliance_enrolls_with(
     assert provisioning.hub_fingerprint == certificates(settings)[1].fingerprint
     identity = await enroll(FleetFiles(tmp_path / "node"), provisioning)
     assert (identity.name, identity.site) == ("lab-2", "school-b")
+
+
+async def test_the_simulator_enrolls_a_fleet_and_its_heartbeats_land(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    from hub.simulate import Simulator  # noqa: PLC0415
+
+    settings = settings_for(tmp_path)
+    store = HubStore(settings.db_path)
+    token = store.create_token("simulated", uses=20, expires_in_s=600).plaintext
+    store.close()
+    server = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
+    url = f"https://127.0.0.1:{server.port}"
+    fingerprint = certificates(settings)[1].fingerprint
+    async with Simulator(url, fingerprint, connections=4) as sim:
+        nodes, enrolled = await sim.enroll(token, 20)
+        assert len(nodes) == 20
+        assert enrolled.summary()["failed"] == {}
+        # One more than the token allows: refused, and counted as such.
+        _, refused = await sim.enroll(token, 1, prefix="extra")
+        assert refused.summary()["failed"] == {"401": 1}
+        beats = await sim.heartbeats(nodes, interval_s=0.5, duration_s=1.5)
+    summary = beats.summary()
+    assert summary["failed"] == {}
+    assert summary["ok"] == 60  # 20 nodes x 3 periods
+    assert summary["p99_ms"] is not None
+    await server.close()  # the last heartbeats are flushed on the way out
+    store = HubStore(settings.db_path)
+    try:
+        registered = store.nodes()
+    finally:
+        store.close()
+    assert len(registered) == 20
+    assert len({n.overlay_address for n in registered}) == 20
+    assert all(n.last_seen is not None for n in registered)
+    assert all(n.capacity["models"] == ["gemma-3-270m@1.0.0"] for n in registered)
+
+
+async def test_heartbeat_answers_carry_the_desired_serial(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    settings = settings_for(tmp_path)
+    store = HubStore(settings.db_path)
+    token = store.create_token("s", uses=1, expires_in_s=60).plaintext
+    node_token = store.enroll(
+        token, name="n", wg_public_key=new_key(), overlay_prefix=PREFIX, labels={}, versions={}
+    ).node_token
+    store.close()
+    server = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
+    pinned = aiohttp.Fingerprint(pki.fingerprint_bytes(certificates(settings)[1].fingerprint))
+    headers = {"Authorization": f"Bearer {node_token}"}
+
+    async def serial() -> int:
+        async with aiohttp.ClientSession() as client:
+            answer = await client.post(
+                f"https://127.0.0.1:{server.port}/v1/node/heartbeat",
+                json={},
+                headers=headers,
+                ssl=pinned,
+            )
+            assert answer.status == 200
+            return int((await answer.json())["desired_serial"])
+
+    before = await serial()
+    store = HubStore(settings.db_path)
+    store.set_account("school", "S1")  # another process's change: the serial moves
+    store.close()
+    for _ in range(30):  # the hub reads it again within a second
+        if await serial() > before:
+            break
+        await asyncio.sleep(0.1)
+    assert await serial() == before + 1
