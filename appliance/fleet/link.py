@@ -207,10 +207,28 @@ class FleetLink:
             "memory_total_mib": memory.total >> 20,
             "memory_available_mib": memory.available >> 20,
             "models": [r.ref for r in self._registry.served()],
+            "gpus": self.gpus(),
             "queue_waiting": sum(d.waiting for d in self._registry.deployments()),
             "outbox_lag": lag,
             "outbox_alarm": alarm,
         }
+
+    def gpus(self) -> list[dict[str, Any]]:
+        """The GPUs the model workers see (ggml's device list, as of their last report):
+        name, hardware, memory total and free. Empty on a CPU-only node."""
+        seen: dict[str, dict[str, Any]] = {}
+        for replica in self._registry.replicas():
+            if replica.placement is None:
+                continue
+            for device in replica.placement.devices:
+                if device.kind in {"gpu", "igpu"}:
+                    seen[device.name] = {
+                        "name": device.name,
+                        "description": device.description,
+                        "memory_total_mib": device.memory_total_mib,
+                        "memory_free_mib": device.memory_free_mib,
+                    }
+        return list(seen.values())
 
     async def sync(self) -> int:
         """Send the outbox in batches until it is empty or the hub is unreachable; the

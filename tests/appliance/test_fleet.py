@@ -272,6 +272,9 @@ async def test_lost_acknowledgements_never_duplicate(
         def deployments(self) -> list[Any]:
             return []
 
+        def replicas(self) -> list[Any]:
+            return []
+
     link = FleetLink(settings.fleet, FleetFiles(settings.fleet_dir), store, Metrics(), NoModels())  # type: ignore[arg-type]
     try:
         assert await link.sync() == 0  # enrolled; the first answer is lost
@@ -496,3 +499,52 @@ async def test_enrollment_issues_a_lan_certificate_that_clients_verify_with_the_
             await session.get(
                 f"https://localhost:{server.port}/healthz", ssl=ssl.create_default_context()
             )
+
+
+async def test_heartbeats_name_the_gpus_the_workers_see(tmp_path: Path) -> None:
+    """A node's capacity carries its GPUs (from ggml's device list, as the workers report
+    it), so the hub can place GPU work; a CPU-only node sends an empty list."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from appliance.fleet.link import FleetLink  # noqa: PLC0415
+    from appliance.serving.devices import Device, Placement  # noqa: PLC0415
+    from appliance.settings import FleetSettings  # noqa: PLC0415
+    from appliance.state.store import AsyncStore  # noqa: PLC0415
+    from shared.telemetry import Metrics  # noqa: PLC0415
+
+    cpu = Device("CPU", "AMD EPYC", "cpu", 64_000, 60_000)
+    gpu = Device("CUDA0", "NVIDIA H200", "gpu", 143_000, 140_000)
+    placements = [
+        Placement(gpu_offload=True, n_gpu_layers=-1, devices=(cpu, gpu)),
+        Placement(gpu_offload=True, n_gpu_layers=-1, devices=(cpu, gpu)),
+        None,
+    ]
+
+    class Registry:
+        def served(self) -> list[Any]:
+            return []
+
+        def deployments(self) -> list[Any]:
+            return []
+
+        def replicas(self) -> list[Any]:
+            return [SimpleNamespace(placement=p) for p in placements]
+
+    store = AsyncStore(tmp_path / "appliance.db")
+    await store.open()
+    link = FleetLink(FleetSettings(), FleetFiles(tmp_path / "fleet"), store, Metrics(), Registry())  # type: ignore[arg-type]
+    try:
+        capacity = await link.capacity()
+        assert capacity["gpus"] == [
+            {
+                "name": "CUDA0",
+                "description": "NVIDIA H200",
+                "memory_total_mib": 143_000,
+                "memory_free_mib": 140_000,
+            }
+        ]
+        placements[:] = [Placement(gpu_offload=False, n_gpu_layers=0, devices=(cpu,))]
+        assert (await link.capacity())["gpus"] == []
+    finally:
+        await link.close()
+        await store.close()

@@ -47,6 +47,9 @@ class _NoModels:
     def deployments(self) -> list[Any]:
         return []
 
+    def replicas(self) -> list[Any]:
+        return []
+
 
 def fill(store: Store, events: int) -> None:
     account = store.ensure_account("bench")
