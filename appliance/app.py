@@ -112,7 +112,16 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
     def on_lag(lag: int, full: bool) -> None:
         admission.outbox_full = full
 
-    link = FleetLink(settings.fleet, files, app[STORE], app[METRICS], app[HOST], on_lag=on_lag)
+    link = FleetLink(
+        settings.fleet,
+        files,
+        app[STORE],
+        app[METRICS],
+        app[HOST],
+        on_lag=on_lag,
+        leases=admission.leases,
+    )
+    await link.restore_leases()
     app[FLEET] = link
     # Only a node that is, or is to be, in a fleet talks to a hub.
     active = settings.fleet.provisioning_file is not None or link.identity is not None

@@ -320,6 +320,16 @@ class ClassObjectives(_Section):
         le=10**12,
         description="Tokens (prompt and completion) an account may use per day; 0: no limit.",
     )
+    safe_tokens_per_minute: int = Field(
+        0,
+        ge=0,
+        le=10**9,
+        description=(
+            "For an account with a budget on the hub: tokens a minute it may still use on "
+            "this node while the hub is unreachable and the node's lease is spent; 0: "
+            "refuse (the budget is never overspent by more than the requests in flight)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> Self:
@@ -429,6 +439,15 @@ class FleetSettings(_Section):
         ge=1,
         le=100_000_000,
         description="Unsynced events past which the link raises an alarm (metric, log, heartbeat).",
+    )
+    lease_check_s: float = Field(
+        2.0,
+        ge=0.1,
+        le=600,
+        description=(
+            "Seconds between checks of the quota leases (renewed when half used or half "
+            "expired; a spent one is asked for at once)."
+        ),
     )
     outbox_limit_events: int = Field(
         1_000_000,

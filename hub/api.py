@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hub.planning.quota import Sizing
 from hub.state.store import AsyncHubStore, Heartbeat, Node, TokenRefusedError, node_status
 from shared import __version__, pki
 from shared.errors import ApiError, ErrorCode, error_body
@@ -51,6 +52,32 @@ class Heartbeats:
 
 BEATS = web.AppKey("hub_heartbeats", Heartbeats)
 
+
+class Learning:
+    """A restarted hub's learning mode: no new lease until every node that may still be
+    spending one has reported, or one lease period has passed (its grants may lag what
+    the nodes spent while it was down; their reports catch it up)."""
+
+    def __init__(self, started_at: float, lease_s: float) -> None:
+        self._until = started_at + lease_s
+        self._heard: set[str] = set()
+        self._done = False
+
+    def heard(self, node_id: str) -> None:
+        self._heard.add(node_id)
+
+    def active(self, now: float, holders: set[str]) -> bool:
+        if not self._done and (now >= self._until or holders <= self._heard):
+            self._done = True
+        return not self._done
+
+    @property
+    def retry_after_s(self) -> float:
+        return max(1.0, self._until - time.time())
+
+
+LEARNING = web.AppKey("hub_learning", Learning)
+
 WG_KEY = r"^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=$"  # 32 bytes, base64
 MAX_EVENTS = 5000
 
@@ -78,6 +105,13 @@ class Event(_Body):
     id: str = Field(min_length=1, max_length=100)
     kind: str = Field(min_length=1, max_length=50)
     body: dict[str, Any]
+
+
+class LeaseRequest(_Body):
+    # The accounts the node wants a new lease for (those it serves and that have a budget).
+    accounts: list[str] = Field(default_factory=list, max_length=10_000)
+    # Leases the node retired and will never spend again: their final spend.
+    finals: dict[str, int] = Field(default_factory=dict, max_length=10_000)
 
 
 class EventsRequest(_Body):
@@ -224,6 +258,45 @@ async def events(request: web.Request) -> web.Response:
     return web.json_response({"acknowledged": ids, "new": new})
 
 
+async def leases(request: web.Request) -> web.Response:
+    """A node reports the final spend of the leases it retired and asks for new ones."""
+    req: LeaseRequest = await _body(request, LeaseRequest)
+    node = request[NODE]
+    store = request.app[STORE]
+    quota = _settings(request).quota
+    learning = request.app[LEARNING]
+    learning.heard(node.id)
+    now = time.time()
+    holders = await store.run(store.sync.lease_holders, now)
+    still_learning = learning.active(now, holders)
+    granted = await store.run(
+        store.sync.renew_leases,
+        node.id,
+        req.accounts,
+        req.finals,
+        now=now,
+        lease_s=quota.lease_s,
+        sizing=Sizing(quota.share, quota.min_slice_tokens, quota.max_slice_tokens),
+        grant_new=not still_learning,
+    )
+    return web.json_response(
+        {
+            "leases": [
+                {
+                    "account": lease.account,
+                    "lease_id": lease.id,
+                    "granted": lease.granted,
+                    "expires_at": lease.expires_at,
+                    "period_ends_at": lease.period_ends_at,
+                }
+                for lease in granted
+            ],
+            "learning": still_learning,
+            "retry_after_s": learning.retry_after_s if still_learning else None,
+        }
+    )
+
+
 async def desired_state(request: web.Request) -> web.Response:
     """The caller's own desired state (the node token says whose); `?after=SERIAL` answers
     204 while nothing changed since."""
@@ -269,6 +342,7 @@ def routes() -> list[web.RouteDef]:
         web.post("/v1/node/heartbeat", heartbeat),
         web.post("/v1/node/events", events),
         web.get("/v1/node/state", desired_state),
+        web.post("/v1/node/leases", leases),
     ]
 
 

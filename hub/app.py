@@ -8,11 +8,23 @@ import ipaddress
 import logging
 import sqlite3
 import ssl
+import time
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from hub.api import BEATS, IDENTITY, SETTINGS, STORE, Heartbeats, errors, node_auth, routes
+from hub.api import (
+    BEATS,
+    IDENTITY,
+    LEARNING,
+    SETTINGS,
+    STORE,
+    Heartbeats,
+    Learning,
+    errors,
+    node_auth,
+    routes,
+)
 from hub.state.store import AsyncHubStore
 from shared import pki
 from shared.wireguard import (
@@ -40,6 +52,7 @@ def create_app(settings: HubSettings) -> web.Application:
     app[SETTINGS] = settings
     app.add_routes(routes())
     app[IDENTITY] = identity(settings)
+    app[LEARNING] = Learning(time.time(), settings.quota.lease_s)
     app.cleanup_ctx.append(_store)
     app.cleanup_ctx.append(_heartbeats)
     if settings.overlay.interface is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,9 +17,27 @@ from shared.cli import common_options, config_errors_exit, settings_from
 from shared.config import example_yaml
 
 if TYPE_CHECKING:
-    from hub.state.store import HubStore
+    from hub.state.store import HubStore, Quota
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
+
+
+def quota_view(quota: Quota, names: dict[str, str]) -> dict[str, Any]:
+    """An account's quota for people and JSON: nodes by name, times in ISO 8601."""
+    return {
+        "account": quota.account,
+        "budget_tokens": quota.budget.tokens,
+        "period_s": quota.budget.period_s,
+        "period_start": _iso(quota.period_start),
+        "period_end": _iso(quota.period_end),
+        "consumed": quota.consumed,
+        "leased": {names.get(node, node): tokens for node, tokens in quota.leased.items()},
+        "remaining": quota.remaining,
+    }
+
+
+def _iso(at: float) -> str:
+    return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def parse_duration(text: str) -> float:
@@ -297,6 +316,13 @@ def accounts() -> None:
 )
 @click.option("--rpm", type=click.IntRange(0), default=None, help="Requests per minute.")
 @click.option("--tokens-per-day", type=click.IntRange(0), default=None, help="Tokens per day.")
+@click.option(
+    "--budget-tokens",
+    type=click.IntRange(0),
+    default=None,
+    help="A global budget across the fleet, spent by nodes through leases (unset: none).",
+)
+@click.option("--budget-period", default="1d", help="The budget's period: 1h, 1d, 7d … (1d).")
 @config_errors_exit
 def accounts_set(
     config_file: Path | None,
@@ -306,12 +332,23 @@ def accounts_set(
     service_class: str,
     rpm: int | None,
     tokens_per_day: int | None,
+    budget_tokens: int | None,
+    budget_period: str,
 ) -> None:
-    """Create or change an account (unset quotas: the class's defaults)."""
+    """Create or change an account (unset quotas: the class's defaults; each node
+    enforces them on its own, while a budget holds across the fleet)."""
+    from hub.planning.quota import Budget  # noqa: PLC0415
+
+    period_s = parse_duration(budget_period)
+    budget = None if budget_tokens is None else Budget(budget_tokens, period_s)
     store = _store(_settings(config_file, data_dir))
     try:
         serial = store.set_account(
-            name, service_class, requests_per_minute=rpm, tokens_per_day=tokens_per_day
+            name,
+            service_class,
+            requests_per_minute=rpm,
+            tokens_per_day=tokens_per_day,
+            budget=budget,
         )
     finally:
         store.close()
@@ -329,10 +366,45 @@ def accounts_list(config_file: Path | None, data_dir: Path | None) -> None:
     finally:
         store.close()
     for row in rows:
+        budget = "-"
+        if row["budget_tokens"] is not None:
+            budget = f"{row['budget_tokens']} per {row['budget_period_s']:g} s"
         click.echo(
             f"{row['name']:<24} {row['service_class']}  rpm {row['requests_per_minute'] or '-'}  "
-            f"tokens/day {row['tokens_per_day'] or '-'}"
+            f"tokens/day {row['tokens_per_day'] or '-'}  budget {budget}"
         )
+
+
+@accounts.command("quota")
+@common_options
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@config_errors_exit
+def accounts_quota(
+    config_file: Path | None, data_dir: Path | None, name: str, as_json: bool
+) -> None:
+    """An account's budget this period: consumed (in the ledger), leased per node, left."""
+    store = _store(_settings(config_file, data_dir))
+    try:
+        quota = store.quota(name, time.time())
+        names = {n.id: n.name for n in store.nodes()}
+    finally:
+        store.close()
+    if quota is None:
+        raise click.ClickException(
+            f"account {name!r} has no budget (kvl hub accounts set --budget-tokens)"
+        )
+    view = quota_view(quota, names)
+    if as_json:
+        click.echo(json.dumps(view))
+        return
+    click.echo(
+        f"{name}: budget {view['budget_tokens']} per {view['period_s']:g} s, "
+        f"consumed {view['consumed']}, leased {sum(view['leased'].values())}, "
+        f"remaining {view['remaining']} (period ends {view['period_end']})"
+    )
+    for node, tokens in sorted(view["leased"].items()):
+        click.echo(f"  {node:<24} leased {tokens}")
 
 
 @hub.group("keys")

@@ -84,6 +84,34 @@ class FleetSettings(BaseModel):
     )
 
 
+class QuotaSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lease_s: float = Field(
+        60.0,
+        ge=5.0,
+        le=86_400,
+        description=(
+            "How long a quota lease lasts. Nodes renew before it ends; a node cut off from "
+            "the hub spends its lease, then falls back to its classes' safe capacity. A "
+            "restarted hub grants nothing new for this long, or until every node holding a "
+            "lease has reported (learning mode)."
+        ),
+    )
+    share: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "A lease is at most this share of what is left, divided among the nodes spending."
+        ),
+    )
+    min_slice_tokens: int = Field(
+        10_000, ge=1, description="Smallest lease (unless less is left of the budget)."
+    )
+    max_slice_tokens: int = Field(1_000_000, ge=1, description="Largest lease.")
+
+
 class HubSettings(BaseSettings):
     # Its own prefix, so an appliance and a hub on one machine never read each other's settings.
     model_config = SettingsConfigDict(extra="forbid", env_prefix="KVL_HUB_")
@@ -94,6 +122,9 @@ class HubSettings(BaseSettings):
         default_factory=OverlaySettings, description="The WireGuard overlay of the fleet."
     )
     fleet: FleetSettings = Field(default_factory=FleetSettings, description="Node states.")
+    quota: QuotaSettings = Field(
+        default_factory=QuotaSettings, description="Global budgets, spent through leases."
+    )
 
     @field_validator("data_dir")
     @classmethod

@@ -120,6 +120,10 @@ class HubClient:
         except (aiohttp.ClientError, TimeoutError) as err:
             raise HubError(f"the hub is unreachable ({type(err).__name__}: {err})") from err
 
+    async def leases(self, accounts: list[str], finals: dict[str, int]) -> dict[str, Any]:
+        """Report retired leases' final spend and ask for new ones (hub/api.py `leases`)."""
+        return await self._post("/v1/node/leases", {"accounts": accounts, "finals": finals})
+
     async def push(self, events: list[dict[str, Any]]) -> list[str]:
         """Send events to the ledger; the ids the hub acknowledged."""
         answer = await self._post("/v1/node/events", {"events": events})

@@ -24,6 +24,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from appliance.fleet.client import HubClient, HubError, HubRefusedError
 from appliance.fleet.identity import FleetFiles, HubPeer, Identity
+from appliance.fleet.leases import HeldLease
 from shared import __version__
 from shared.provisioning import Provisioning
 from shared.wireguard import Endpoint, InterfaceConfig, Peer, Tunnel, WireGuardError
@@ -31,6 +32,7 @@ from shared.wireguard import Endpoint, InterfaceConfig, Peer, Tunnel, WireGuardE
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from appliance.fleet.leases import LeaseBook
     from appliance.serving.registry import ModelRegistry
     from appliance.settings import FleetSettings
     from appliance.state.store import AsyncStore
@@ -79,8 +81,13 @@ class FleetLink:
         registry: ModelRegistry,
         *,
         on_lag: Callable[[int, bool], None] | None = None,
+        leases: LeaseBook | None = None,
     ) -> None:
         self._settings = settings
+        self._leases = leases
+        self._lease_call: asyncio.Task[None] | None = None
+        if leases is not None:
+            leases.on_demand = self._lease_now
         self._files = files
         self._store = store
         self._metrics = metrics
@@ -118,7 +125,49 @@ class FleetLink:
             max_instances=1,
             coalesce=True,
         )
+        if self._leases is not None:
+            self._scheduler.add_job(
+                self.renew_leases,
+                "interval",
+                seconds=s.lease_check_s,
+                max_instances=1,
+                coalesce=True,
+            )
         self._scheduler.start()
+
+    async def restore_leases(self) -> None:
+        """The leases kept before a restart, with what was spent under them since."""
+        if self._leases is None:
+            return
+        kept = await self._store.run(self._store.sync.load_leases)
+        self._leases.restore(
+            [(HeldLease(**lease, spent=spent), current) for lease, current, spent in kept]
+        )
+
+    def _lease_now(self) -> None:
+        """A lease ran out or is due: ask the hub now, not at the next check."""
+        if self._lease_call is None or self._lease_call.done():
+            self._lease_call = asyncio.get_running_loop().create_task(self.renew_leases())
+
+    async def renew_leases(self) -> None:
+        book = self._leases
+        if book is None or self.identity is None:
+            return
+        call = book.call(time.time())
+        if not call:
+            return
+        try:
+            client = await self._ensure()
+            if client is None:
+                return
+            answer = await client.leases(list(call.accounts), call.finals)
+        except (HubError, HubRefusedError, WireGuardError) as err:
+            book.failed()
+            log.warning("quota leases: %s", err)
+            return
+        book.apply(call, answer, time.time())
+        held = [(lease.to_json(), current) for lease, current in book.held()]
+        await self._store.run(self._store.sync.save_leases, held)
 
     async def close(self) -> None:
         if self._scheduler.running:
@@ -188,8 +237,12 @@ class FleetLink:
         except (HubError, HubRefusedError, WireGuardError) as err:
             self.error = str(err)
             log.warning("heartbeat failed: %s", err)
+            if self._leases is not None:
+                self._leases.failed()
             return
         self.error = None
+        if self._leases is not None:
+            self._leases.reachable = True
         await self._store.run(self._store.sync.set_meta, "last_heartbeat_at", str(time.time()))
 
     async def capacity(self) -> dict[str, Any]:
@@ -245,13 +298,13 @@ class FleetLink:
                 # vars(), not dataclasses.asdict(): the fields are flat, and asdict's deep
                 # copy was most of a sync's time.
                 events = [
-                    {"id": event.id, "kind": "usage", "body": dict(vars(event))}
-                    for _, event in batch
+                    {"id": event.id, "kind": "usage", "body": {**vars(event), "account": account}}
+                    for _, event, account in batch
                 ]
                 acknowledged = set(await client.push(events))
                 # The checkpoint moves past the acknowledged run only, in order.
                 last = 0
-                for rowid, event in batch:
+                for rowid, event, _ in batch:
                     if event.id not in acknowledged:
                         break
                     last = rowid

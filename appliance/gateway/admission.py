@@ -14,8 +14,10 @@ from collections import OrderedDict
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
+from appliance.fleet.leases import LeaseBook
 from appliance.serving.admission import Capacity, InFlight, Objectives, Rates, decide
 from shared.buckets import TokenBucket
+from shared.classes import ServiceClass
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
@@ -23,7 +25,6 @@ if TYPE_CHECKING:
     from appliance.serving.registry import Deployment
     from appliance.settings import ClassObjectives, ClassSettings
     from appliance.state.store import ApiKey, AsyncStore
-    from shared.classes import ServiceClass
     from shared.telemetry import Metrics
 
 DAY_S = 86_400.0
@@ -41,6 +42,10 @@ class AdmissionControl:
         self._day: dict[int, TokenBucket] = {}  # account id -> tokens per day
         self._auth: OrderedDict[str, TokenBucket] = OrderedDict()  # client address -> failures
         self.outbox_full = False  # set by the fleet link: the outbox is at its bound
+        # Budgets across the fleet: leases from the hub (the fleet link renews them).
+        self.leases = LeaseBook(
+            lambda klass: self.class_settings(ServiceClass(klass)).safe_tokens_per_minute
+        )
 
     def class_settings(self, klass: ServiceClass) -> ClassObjectives:
         objectives: ClassObjectives = getattr(self._settings, klass.value.lower())
@@ -117,6 +122,25 @@ class AdmissionControl:
         bucket = self._day.get(key.account.id)
         if per_day and bucket is not None:
             bucket.charge(tokens, time.monotonic())
+
+    # -- budgets across the fleet ------------------------------------------------------------
+
+    def take_lease(
+        self, key: ApiKey, klass: ServiceClass, request_id: str, cost: int
+    ) -> str | None:
+        """For an account with a budget on the hub: reserve the request's worst case from
+        this node's lease (the lease's id; None on safe capacity, or without a budget).
+        Raises ApiError quota_exceeded."""
+        if key.account.budget_tokens is None:
+            return None
+        try:
+            return self.leases.take(key.account.name, klass.value, request_id, cost, time.time())
+        except ApiError:
+            self._metrics.quota_refusals.labels(klass.value, "budget").inc()
+            raise
+
+    def settle_lease(self, lease_id: str | None, request_id: str, tokens: int) -> None:
+        self.leases.settle(lease_id, request_id, tokens)
 
     # -- admission ---------------------------------------------------------------------------
 

@@ -67,6 +67,7 @@ class Prepared:
     # job's completions run as S0).
     service_class: ServiceClass | None = None
     submitted_at: float | None = None  # wall clock, when it went to the worker
+    lease_id: str | None = None  # the quota lease it is charged to (a budgeted account)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -242,20 +243,29 @@ class CompletionService:
             self._admission.admit(
                 prepared.engine, klass, len(request.prompt_tokens), request.max_tokens
             )
+        cost = len(request.prompt_tokens) + request.max_tokens
+        prepared.lease_id = self._admission.take_lease(prepared.key, klass, prepared.id, cost)
         prepared.submitted_at = time.time()
         try:
             run = prepared.engine.submit(request)
-        except QueueFullError as err:
-            raise ApiError(ErrorCode.queue_full, str(err), retry_after=err.retry_after) from err
-        except NotLoadedError as err:
-            raise ApiError(ErrorCode.model_not_ready, str(err), retry_after=5) from err
-        except WorkerUnavailableError as err:
+        except (QueueFullError, NotLoadedError, WorkerUnavailableError) as err:
+            self._admission.settle_lease(prepared.lease_id, prepared.id, 0)
+            if isinstance(err, QueueFullError):
+                raise ApiError(ErrorCode.queue_full, str(err), retry_after=err.retry_after) from err
+            if isinstance(err, NotLoadedError):
+                raise ApiError(ErrorCode.model_not_ready, str(err), retry_after=5) from err
             raise ApiError(
                 ErrorCode.model_unavailable, str(err), retry_after=err.retry_after
             ) from err
         self._metrics.queue_waiting.labels(prepared.model).set(prepared.engine.waiting)
         objective = self._admission.objectives(klass).first_token_s
-        return Generation(run, objective, lambda waited: self._admission.shed(klass, waited))
+        return Generation(
+            run,
+            objective,
+            lambda waited: self._admission.shed(klass, waited),
+            # A generation closed without a usage record (it failed) frees its reservation.
+            on_close=lambda: self._admission.settle_lease(prepared.lease_id, prepared.id, 0),
+        )
 
     def _trace_generation(self, prepared: Prepared, finished: Finished) -> None:
         """The worker's side as spans, from its own timings: waiting for a batch slot, then
@@ -309,6 +319,7 @@ class CompletionService:
         self._admission.finished(model, prepared.klass, finished)
         tokens = finished.prompt_tokens + finished.completion_tokens
         self._admission.charge(prepared.key, prepared.klass, tokens)
+        self._admission.settle_lease(prepared.lease_id, prepared.id, tokens)
         event = UsageEvent(
             account_id=prepared.key.account.id,
             key_prefix=prepared.key.prefix,
@@ -321,6 +332,7 @@ class CompletionService:
             status=status,
             finish_reason=finished.finish_reason,
             id=prepared.id,
+            lease_id=prepared.lease_id,
         )
         await self._store.run(self._store.sync.record_usage, event)
 
@@ -333,8 +345,11 @@ class Generation:
         run: Run,
         first_token_s: float | None = None,
         shed: Callable[[float], ApiError] | None = None,
+        *,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self._run = run
+        self._on_close = on_close
         # A request still waiting for its first token at this deadline is dropped from the
         # queue (its class's SLO.B) rather than served late.
         self._started = time.monotonic()
@@ -346,7 +361,11 @@ class Generation:
         self._run.cancel()
 
     async def aclose(self) -> None:
-        await self._run.aclose()
+        try:
+            await self._run.aclose()
+        finally:
+            if self._on_close is not None:
+                self._on_close()
 
     def __aiter__(self) -> Generation:
         return self

@@ -182,3 +182,27 @@ def m005_account_quotas(db: Database) -> None:
     # Per-account quotas set on the hub (null: the class's default).
     db.table("accounts").add_column("requests_per_minute", int)
     db.table("accounts").add_column("tokens_per_day", int)
+
+
+@migrations()
+def m006_quota_leases(db: Database) -> None:
+    # An account with a global budget on the hub spends it through leases; each usage
+    # event names the lease it was charged to (null: none, or safe capacity).
+    db.table("accounts").add_column("budget_tokens", int)
+    db.table("usage_events").add_column("lease_id", str)
+    db.table("usage_events").create_index(["lease_id"])
+    # The leases this node holds (current: spending it; else retired, its final spend not
+    # yet reported); their spend is summed from usage_events.
+    db.table("leases").create(
+        {
+            "id": str,
+            "account": str,
+            "granted": int,
+            "granted_at": float,
+            "expires_at": float,
+            "period_ends_at": float,
+            "current": int,
+        },
+        pk="id",
+        not_null={"account", "granted", "granted_at", "expires_at", "period_ends_at", "current"},
+    )

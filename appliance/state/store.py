@@ -43,6 +43,8 @@ class Account:
     # Quotas of this account (from the hub); None: the class's default.
     requests_per_minute: int | None = None
     tokens_per_day: int | None = None
+    # A global budget on the hub, spent here through quota leases; None: no budget.
+    budget_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class UsageEvent:
     finish_reason: str | None
     id: str = ""
     created_at: str = ""
+    lease_id: str | None = None  # the quota lease it was charged to
 
 
 @dataclass(frozen=True)
@@ -225,13 +228,20 @@ class Store:
         """The last usage event (by rowid) the hub acknowledged; 0 before the first."""
         return int(self.meta("sync_checkpoint") or 0)
 
-    def outbox(self, limit: int) -> list[tuple[int, UsageEvent]]:
-        """Usage events after the checkpoint, oldest first: (rowid, event)."""
+    def outbox(self, limit: int) -> list[tuple[int, UsageEvent, str]]:
+        """Usage events after the checkpoint, oldest first: (rowid, event, account name;
+        the hub knows accounts by name)."""
         rows = self.db.query(
-            "SELECT rowid AS _rowid, * FROM usage_events WHERE rowid > ? ORDER BY rowid LIMIT ?",
+            "SELECT e.rowid AS _rowid, a.name AS _account, e.* FROM usage_events e"
+            " JOIN accounts a ON a.id = e.account_id"
+            " WHERE e.rowid > ? ORDER BY e.rowid LIMIT ?",
             [self.sync_checkpoint(), limit],
         )
-        return [(int(r.pop("_rowid")), UsageEvent(**r)) for r in (dict(row) for row in rows)]
+        return [
+            (int(r.pop("_rowid")), UsageEvent(**{k: v for k, v in r.items() if k != "_account"}),
+             str(r["_account"]))
+            for r in (dict(row) for row in rows)
+        ]  # fmt: skip
 
     def acknowledge(self, rowid: int) -> None:
         """The hub holds every event up to ``rowid``: the checkpoint moves, never back."""
@@ -256,16 +266,19 @@ class Store:
             for account in state["accounts"]:
                 self.db.execute(
                     "INSERT INTO accounts (name, service_class, created_at, requests_per_minute,"
-                    " tokens_per_day) VALUES (?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET"
+                    " tokens_per_day, budget_tokens) VALUES (?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT(name) DO UPDATE SET"
                     " service_class = excluded.service_class,"
                     " requests_per_minute = excluded.requests_per_minute,"
-                    " tokens_per_day = excluded.tokens_per_day",
+                    " tokens_per_day = excluded.tokens_per_day,"
+                    " budget_tokens = excluded.budget_tokens",
                     [
                         account["name"],
                         account["service_class"],
                         now_iso(),
                         account.get("requests_per_minute"),
                         account.get("tokens_per_day"),
+                        account.get("budget_tokens"),
                     ],
                 )
             for key in state["keys"]:
@@ -286,6 +299,28 @@ class Store:
                 [str(serial)],
             )
         return serial
+
+    def save_leases(self, leases: list[tuple[dict[str, Any], bool]]) -> None:
+        """Replace the leases kept: (lease as JSON, current?) pairs."""
+        with self.db.conn:
+            self.db.execute("DELETE FROM leases")
+            for lease, current in leases:
+                self.db.execute(
+                    "INSERT INTO leases (id, account, granted, granted_at, expires_at,"
+                    " period_ends_at, current) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    [lease["id"], lease["account"], lease["granted"], lease["granted_at"],
+                     lease["expires_at"], lease["period_ends_at"], int(current)],
+                )  # fmt: skip
+
+    def load_leases(self) -> list[tuple[dict[str, Any], bool, int]]:
+        """The leases kept, each with whether it is current and its spend so far."""
+        rows = self.db.execute(
+            "SELECT l.id, l.account, l.granted, l.granted_at, l.expires_at, l.period_ends_at,"
+            " l.current, (SELECT COALESCE(SUM(u.tokens_in + u.tokens_out), 0)"
+            " FROM usage_events u WHERE u.lease_id = l.id) FROM leases l"
+        ).fetchall()
+        keys = ("id", "account", "granted", "granted_at", "expires_at", "period_ends_at")
+        return [(dict(zip(keys, r[:6], strict=True)), bool(r[6]), int(r[7])) for r in rows]
 
     def tokens_used_since(self, account_id: int, since: str) -> int:
         """Prompt and completion tokens an account used since an ISO timestamp."""
@@ -379,7 +414,7 @@ class Store:
 _KEY_SELECT = (
     "SELECT k.id, k.prefix, k.hash, k.created_at, k.revoked_at, k.admin, a.id AS account_id,"
     " a.name AS account_name, a.service_class, a.created_at AS account_created_at,"
-    " a.requests_per_minute, a.tokens_per_day"
+    " a.requests_per_minute, a.tokens_per_day, a.budget_tokens"
     " FROM api_keys k JOIN accounts a ON a.id = k.account_id"
 )
 
@@ -399,6 +434,7 @@ def _account(row: dict[str, Any]) -> Account:
         created_at=row["created_at"],
         requests_per_minute=row.get("requests_per_minute"),
         tokens_per_day=row.get("tokens_per_day"),
+        budget_tokens=row.get("budget_tokens"),
     )
 
 
@@ -414,6 +450,7 @@ def _api_key(row: dict[str, Any]) -> ApiKey:
         created_at=row["account_created_at"],
         requests_per_minute=row["requests_per_minute"],
         tokens_per_day=row["tokens_per_day"],
+        budget_tokens=row["budget_tokens"],
     )
     return ApiKey(
         id=row["id"],

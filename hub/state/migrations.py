@@ -89,3 +89,34 @@ def m002_desired_state(db: Database) -> None:
         not_null={"hash", "account", "admin", "created_at"},
         foreign_keys=[("account", "accounts", "name")],
     )
+
+
+@migrations()
+def m003_quota_leases(db: Database) -> None:
+    # A global budget per account (tokens per period), spent by nodes through leases.
+    db.table("accounts").add_column("budget_tokens", int)  # None: no global budget
+    db.table("accounts").add_column("budget_period_s", float)
+    # The ledger's usage events, decoded once at ingest: whose tokens, how many, when,
+    # and under which lease, so budgets are summed in SQL.
+    db.table("ledger").add_column("account", str)
+    db.table("ledger").add_column("tokens", int)
+    db.table("ledger").add_column("lease_id", str)
+    db.table("ledger").add_column("at", float)  # when the node served it, unix seconds
+    db.table("ledger").create_index(["account", "at"])
+    db.table("ledger").create_index(["lease_id"])
+    db.table("leases").create(
+        {
+            "id": str,
+            "account": str,
+            "node_id": str,
+            "period_start": float,
+            "granted": int,
+            "final": int,  # the node's final spend once reported; None while it may spend
+            "expires_at": float,
+            "created_at": float,
+        },
+        pk="id",
+        not_null={"account", "node_id", "period_start", "granted", "expires_at", "created_at"},
+        foreign_keys=[("node_id", "nodes", "id"), ("account", "accounts", "name")],
+    )
+    db.table("leases").create_index(["account", "period_start"])

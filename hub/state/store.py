@@ -3,14 +3,17 @@ module that writes SQL; one connection on one writer thread (shared.db)."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from hub.planning.quota import Budget, LeaseView, Sizing, grant, remaining
 from hub.state.migrations import migrations
 from shared import db
 from shared.keys import (
@@ -313,18 +316,155 @@ class HubStore:
         *,
         requests_per_minute: int | None = None,
         tokens_per_day: int | None = None,
+        budget: Budget | None = None,
     ) -> int:
-        """Create or change an account; the new serial."""
+        """Create or change an account; the new serial. `budget`: the account's global
+        token budget, spent by nodes through leases (None: no global budget)."""
         with self.db.conn:
             self.db.execute(
                 "INSERT INTO accounts (name, service_class, requests_per_minute, tokens_per_day,"
-                " created_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET"
+                " budget_tokens, budget_period_s, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT(name) DO UPDATE SET"
                 " service_class = excluded.service_class,"
                 " requests_per_minute = excluded.requests_per_minute,"
-                " tokens_per_day = excluded.tokens_per_day",
-                [name, service_class, requests_per_minute, tokens_per_day, time.time()],
+                " tokens_per_day = excluded.tokens_per_day,"
+                " budget_tokens = excluded.budget_tokens,"
+                " budget_period_s = excluded.budget_period_s",
+                [
+                    name,
+                    service_class,
+                    requests_per_minute,
+                    tokens_per_day,
+                    None if budget is None else budget.tokens,
+                    None if budget is None else budget.period_s,
+                    time.time(),
+                ],
             )
             return self._bump()
+
+    def budget(self, account: str) -> Budget | None:
+        row = self.db.execute(
+            "SELECT budget_tokens, budget_period_s FROM accounts WHERE name = ?", [account]
+        ).fetchone()
+        if row is None or row[0] is None:
+            return None
+        return Budget(int(row[0]), float(row[1]))
+
+    # -- quota leases --------------------------------------------------------------------
+
+    def consumed(self, account: str, period_start: float, period_end: float) -> int:
+        """Tokens of the account's usage in the period that reached the ledger: usage under
+        the period's leases (whatever the node's clock said), and usage without a lease
+        (a partitioned node's safe capacity) by when it was served."""
+        row = self.db.execute(
+            "SELECT COALESCE(SUM(tokens), 0) FROM ledger WHERE account = ? AND ("
+            " (lease_id IS NULL AND at >= ? AND at < ?)"
+            " OR lease_id IN (SELECT id FROM leases WHERE account = ? AND period_start = ?))",
+            [account, period_start, period_end, account, period_start],
+        ).fetchone()
+        return int(row[0])
+
+    def lease_views(self, account: str, period_start: float) -> tuple[LeaseView, ...]:
+        rows = self.db.execute(
+            "SELECT l.id, l.node_id, l.granted, l.final,"
+            " (SELECT COALESCE(SUM(g.tokens), 0) FROM ledger g WHERE g.lease_id = l.id)"
+            " FROM leases l WHERE l.account = ? AND l.period_start = ? ORDER BY l.created_at",
+            [account, period_start],
+        ).fetchall()
+        return tuple(
+            LeaseView(
+                id=r[0],
+                node_id=r[1],
+                granted=int(r[2]),
+                seen=int(r[4]),
+                final=None if r[3] is None else int(r[3]),
+            )
+            for r in rows
+        )
+
+    def lease_holders(self, now: float) -> set[str]:
+        """Nodes holding a lease that may still be spent (unexpired, no final report)."""
+        rows = self.db.execute(
+            "SELECT DISTINCT node_id FROM leases WHERE final IS NULL AND expires_at > ?", [now]
+        ).fetchall()
+        return {r[0] for r in rows}
+
+    def renew_leases(
+        self,
+        node_id: str,
+        accounts: Sequence[str],
+        finals: Mapping[str, int],
+        *,
+        now: float,
+        lease_s: float,
+        sizing: Sizing,
+        grant_new: bool,
+    ) -> list[Lease]:
+        """One node's lease call, in one transaction: record the final spend of its leases
+        it retired (`finals`: lease id -> tokens), then, with `grant_new`, a new lease for
+        each of `accounts` that has a budget, sized by the planner."""
+        granted: list[Lease] = []
+        with self.db.conn:
+            self.db.execute("BEGIN IMMEDIATE")  # grants read, then write: one at a time
+            for lease_id, spent in finals.items():
+                self.db.execute(
+                    "UPDATE leases SET final = ? WHERE id = ? AND node_id = ? AND final IS NULL",
+                    [max(0, int(spent)), lease_id, node_id],
+                )
+            if not grant_new:
+                return granted
+            for account in accounts:
+                budget = self.budget(account)
+                if budget is None:
+                    continue
+                start, end = budget.period(now)
+                views = self.lease_views(account, start)
+                spenders = {v.node_id for v in views if v.outstanding > 0} | {node_id}
+                tokens = grant(
+                    budget,
+                    self.consumed(account, start, end),
+                    views,
+                    spenders=len(spenders),
+                    sizing=sizing,
+                )
+                lease = Lease(
+                    id=uuid.uuid4().hex,
+                    account=account,
+                    node_id=node_id,
+                    granted=tokens,
+                    expires_at=min(now + lease_s, end),
+                    period_ends_at=end,
+                )
+                if tokens > 0:  # a lease of nothing reserves nothing: not stored
+                    self.db.execute(
+                        "INSERT INTO leases (id, account, node_id, period_start, granted, final,"
+                        " expires_at, created_at) VALUES (?, ?, ?, ?, ?, NULL, ?, ?)",
+                        [lease.id, account, node_id, start, tokens, lease.expires_at, now],
+                    )
+                granted.append(lease)
+        return granted
+
+    def quota(self, account: str, now: float) -> Quota | None:
+        """An account's budget in the current period: consumed, leased per node, left."""
+        budget = self.budget(account)
+        if budget is None:
+            return None
+        start, end = budget.period(now)
+        views = self.lease_views(account, start)
+        consumed = self.consumed(account, start, end)
+        per_node: dict[str, int] = {}
+        for view in views:
+            if view.outstanding:
+                per_node[view.node_id] = per_node.get(view.node_id, 0) + view.outstanding
+        return Quota(
+            account=account,
+            budget=budget,
+            period_start=start,
+            period_end=end,
+            consumed=consumed,
+            leased=per_node,
+            remaining=remaining(budget, consumed, views),
+        )
 
     def create_key(self, account: str, *, admin: bool = False) -> NewKey:
         new = generate_key()
@@ -367,6 +507,8 @@ class HubStore:
                 "service_class": r["service_class"],
                 "requests_per_minute": r["requests_per_minute"],
                 "tokens_per_day": r["tokens_per_day"],
+                # Spent through leases (POST /v1/node/leases) when set.
+                "budget_tokens": r["budget_tokens"],
             }
             for r in self.db.query("SELECT * FROM accounts ORDER BY name")
         ]
@@ -393,12 +535,13 @@ class HubStore:
         """Store a batch of a node's events; (every id acknowledged, how many were new).
         An event already in the ledger is acknowledged again and not stored twice."""
         now = time.time()
-        rows = [(str(e["id"]), node_id, str(e["kind"]), json.dumps(e["body"]), now) for e in events]
+        rows = [(str(e["id"]), node_id, str(e["kind"]), json.dumps(e["body"]), now,
+                 *_usage(e["kind"], e["body"], now)) for e in events]  # fmt: skip
         with self.db.conn:
             before = self.db.conn.total_changes
             self.db.conn.executemany(
-                "INSERT OR IGNORE INTO ledger (event_id, node_id, kind, body, received_at)"
-                " VALUES (?, ?, ?, ?, ?)",
+                "INSERT OR IGNORE INTO ledger (event_id, node_id, kind, body, received_at,"
+                " account, tokens, lease_id, at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
             new = self.db.conn.total_changes - before
@@ -409,6 +552,28 @@ class HubStore:
         if node_id is not None:
             sql, params = sql + " WHERE node_id = ?", [node_id]
         return int(next(iter(self.db.query(sql, params)))["n"])
+
+
+def _usage(
+    kind: str, body: Mapping[str, Any], received_at: float
+) -> tuple[str | None, int | None, str | None, float | None]:
+    """(account, tokens, lease id, when) of a usage event; Nones for other kinds."""
+    if kind != "usage":
+        return None, None, None, None
+    at = received_at
+    created = body.get("created_at")
+    if isinstance(created, str):
+        with contextlib.suppress(ValueError):
+            at = datetime.fromisoformat(created).timestamp()
+    tokens = int(body.get("tokens_in") or 0) + int(body.get("tokens_out") or 0)
+    account = body.get("account")
+    lease = body.get("lease_id")
+    return (
+        str(account) if account is not None else None,
+        tokens,
+        str(lease) if lease is not None else None,
+        at,
+    )
 
 
 def _token(row: Mapping[str, Any]) -> EnrollmentToken:
@@ -436,6 +601,30 @@ def _node(row: Mapping[str, Any]) -> Node:
         versions=json.loads(row["versions"] or "{}"),
         capacity=json.loads(row["capacity"] or "{}"),
     )
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A grant to one node: `granted` tokens of `account` until `expires_at` (0: the
+    budget is spent until `period_ends_at`)."""
+
+    id: str
+    account: str
+    node_id: str
+    granted: int
+    expires_at: float
+    period_ends_at: float
+
+
+@dataclass(frozen=True)
+class Quota:
+    account: str
+    budget: Budget
+    period_start: float
+    period_end: float
+    consumed: int
+    leased: Mapping[str, int]  # node id -> tokens leased and not yet seen in the ledger
+    remaining: int
 
 
 @dataclass(frozen=True)
