@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from appliance.discovery.mdns import Announcement, Announcer, lan_addresses
-from appliance.fleet.identity import FleetFiles
+from appliance.fleet.identity import FleetFiles, lan_tls_files
 from appliance.fleet.link import FleetLink
 from appliance.gateway.admission import AdmissionControl
 from appliance.gateway.completions import CompletionService
@@ -21,11 +21,13 @@ from appliance.gateway.keys import (
     HOST,
     METRICS,
     NODE_ID,
+    OFFLOAD,
     SETTINGS,
     STORE,
     TRACING,
 )
 from appliance.gateway.middleware import authenticate, errors_and_metrics
+from appliance.gateway.offload import Offload
 from appliance.gateway.routes import ROUTES
 from appliance.jobs.service import JobService
 from appliance.serving.registry import ModelRegistry
@@ -91,6 +93,7 @@ async def _models(app: web.Application) -> AsyncIterator[None]:
     app[HOST] = host
     admission = AdmissionControl(settings.classes, app[STORE], app[METRICS])
     app[ADMISSION] = admission
+    app[OFFLOAD] = Offload(admission, app[METRICS])
     app[COMPLETIONS] = CompletionService(
         host,
         app[STORE],
@@ -120,12 +123,14 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
         app[HOST],
         on_lag=on_lag,
         leases=admission.leases,
+        api={"port": settings.server.port, "tls": lan_tls_files(settings) is not None},
     )
     await link.restore_leases()
     app[FLEET] = link
     # Only a node that is, or is to be, in a fleet talks to a hub.
     active = settings.fleet.provisioning_file is not None or link.identity is not None
     if active:
+        app[OFFLOAD].link = link
         link.start()
     yield
     if active:

@@ -50,6 +50,8 @@ def serve(
     # Every scheduled heartbeat and sync would be two INFO lines: only its problems.
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
     ssl_context = None
+    from appliance.fleet.identity import lan_tls_files  # noqa: PLC0415
+
     tls = lan_tls_files(settings)
     if tls is not None:
         ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -318,19 +320,6 @@ def enroll(config_file: Path | None, data_dir: Path | None, provisioning_file: P
         f"enrolled: {identity.name} ({identity.node_id}) at site {identity.site}, "
         f"overlay {identity.overlay_address}; hub {identity.hub_url}"
     )
-
-
-def lan_tls_files(settings: ApplianceSettings) -> tuple[Path, Path] | None:
-    """The LAN API's certificate and key: the operator's, else the one the fleet's hub
-    issued at enrollment (with `fleet.lan_tls`), else none (plain HTTP)."""
-    from appliance.fleet.identity import FleetFiles  # noqa: PLC0415
-
-    server = settings.server
-    if server.tls_cert_file is not None and server.tls_key_file is not None:
-        return server.tls_cert_file, server.tls_key_file
-    if settings.fleet.lan_tls:
-        return FleetFiles(settings.fleet_dir).lan_tls()
-    return None
 
 
 def _tunnel_state(settings: ApplianceSettings) -> str:

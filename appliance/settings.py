@@ -331,6 +331,15 @@ class ClassObjectives(_Section):
         ),
     )
 
+    offload: bool = Field(
+        default=False,
+        description=(
+            "A request this node must shed for load (429 overloaded or queue_full) is "
+            "handed to another node of the fleet through the hub instead (burst offload). "
+            "Off for classes whose work must stay on site."
+        ),
+    )
+
     @model_validator(mode="after")
     def _ordered(self) -> Self:
         if not self.admit_s <= self.first_token_s <= self.complete_s:
@@ -338,13 +347,16 @@ class ClassObjectives(_Section):
         return self
 
 
-def _objectives(admit: float, first: float, done: float, rpm: int, tpd: int) -> ClassObjectives:
+def _objectives(  # noqa: PLR0917 - one row of the class table
+    admit: float, first: float, done: float, rpm: int, tpd: int, offload: bool = False
+) -> ClassObjectives:
     return ClassObjectives(
         admit_s=admit,
         first_token_s=first,
         complete_s=done,
         requests_per_minute=rpm,
         tokens_per_day=tpd,
+        offload=offload,
     )
 
 
@@ -356,12 +368,12 @@ class ClassSettings(_Section):
         description="S0 shared: best effort, preemptible (jobs run here).",
     )
     s1: ClassObjectives = Field(
-        default_factory=lambda: _objectives(5, 10, 120, 600, 0),
-        description="S1 standard: admission-controlled, quota per account.",
+        default_factory=lambda: _objectives(5, 10, 120, 600, 0, offload=True),
+        description="S1 standard: admission-controlled, quota per account, offloaded in bursts.",
     )
     s2: ClassObjectives = Field(
-        default_factory=lambda: _objectives(1, 3, 60, 0, 0),
-        description="S2 reserved: reserved slots, never preempted.",
+        default_factory=lambda: _objectives(1, 3, 60, 0, 0, offload=True),
+        description="S2 reserved: reserved slots, never preempted, offloaded in bursts.",
     )
     s3: ClassObjectives = Field(
         default_factory=lambda: _objectives(5, 10, 120, 0, 0),

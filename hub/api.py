@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hub.offload import Forwarder
 from hub.planning.quota import Sizing
 from hub.state.store import AsyncHubStore, Heartbeat, Node, TokenRefusedError, node_status
 from shared import __version__, pki
@@ -77,6 +78,7 @@ class Learning:
 
 
 LEARNING = web.AppKey("hub_learning", Learning)
+FORWARDER = web.AppKey("hub_forwarder", Forwarder)
 
 WG_KEY = r"^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=$"  # 32 bytes, base64
 MAX_EVENTS = 5000
@@ -242,7 +244,7 @@ async def heartbeat(request: web.Request) -> web.Response:
     node = request[NODE]
     beats = request.app[BEATS]
     now = time.time()
-    beats.add(Heartbeat(node.id, now, req.versions, req.capacity))
+    beats.add(Heartbeat(node.id, now, req.versions, req.capacity, address=request.remote))
     return web.json_response(
         {"node_id": node.id, "received_at": now, "desired_serial": beats.desired_serial}
     )
@@ -297,6 +299,35 @@ async def leases(request: web.Request) -> web.Response:
     )
 
 
+OFFLOAD_ROUTES = {"chat/completions", "completions"}
+
+
+async def offload(request: web.Request) -> web.StreamResponse:
+    """A node hands over a request it had to shed (hub/offload.py)."""
+    route = request.match_info["route"]
+    if route not in OFFLOAD_ROUTES:
+        raise ApiError(ErrorCode.not_found, f"/v1/{route} cannot be offloaded")
+    body = await request.read()
+    try:
+        model = str(json.loads(body)["model"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ApiError(
+            ErrorCode.invalid_parameter, "the offloaded body must name its `model`", param="model"
+        ) from err
+    store = request.app[STORE]
+    nodes = await store.run(store.sync.nodes)
+    return await request.app[FORWARDER].forward(
+        request,
+        route,
+        body,
+        nodes,
+        origin=request[NODE],
+        model=model,
+        now=time.time(),
+        stale_after_s=_settings(request).fleet.stale_after_s,
+    )
+
+
 async def desired_state(request: web.Request) -> web.Response:
     """The caller's own desired state (the node token says whose); `?after=SERIAL` answers
     204 while nothing changed since."""
@@ -343,6 +374,7 @@ def routes() -> list[web.RouteDef]:
         web.post("/v1/node/events", events),
         web.get("/v1/node/state", desired_state),
         web.post("/v1/node/leases", leases),
+        web.post("/v1/node/offload/{route:.+}", offload),
     ]
 
 

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from hub.api import (
     BEATS,
+    FORWARDER,
     IDENTITY,
     LEARNING,
     SETTINGS,
@@ -25,6 +26,7 @@ from hub.api import (
     node_auth,
     routes,
 )
+from hub.offload import Forwarder
 from hub.state.store import AsyncHubStore
 from shared import pki
 from shared.wireguard import (
@@ -55,6 +57,7 @@ def create_app(settings: HubSettings) -> web.Application:
     app[LEARNING] = Learning(time.time(), settings.quota.lease_s)
     app.cleanup_ctx.append(_store)
     app.cleanup_ctx.append(_heartbeats)
+    app.cleanup_ctx.append(_forwarder)
     if settings.overlay.interface is not None:
         app.cleanup_ctx.append(_tunnel)
     return app
@@ -96,6 +99,14 @@ async def _heartbeats(app: web.Application) -> AsyncIterator[None]:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     await flush()
+
+
+async def _forwarder(app: web.Application) -> AsyncIterator[None]:
+    """The client session burst offload forwards requests with."""
+    forwarder = Forwarder(app[IDENTITY]["ca_pem"])
+    app[FORWARDER] = forwarder
+    yield
+    await forwarder.close()
 
 
 def overlay_address(settings: HubSettings) -> ipaddress.IPv4Interface | ipaddress.IPv6Interface:

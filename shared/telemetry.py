@@ -156,6 +156,13 @@ class Metrics:
             "Usage events committed here and not yet acknowledged by the hub.",
             registry=r,
         )
+        self.offloads = Counter(
+            "kvl_offloads",
+            "Burst offload: requests this node handed to the fleet (sent) and took from it "
+            "(served), by outcome.",
+            ["direction", "outcome"],
+            registry=r,
+        )
         self.outbox_synced = Counter(
             "kvl_outbox_synced", "Usage events the hub acknowledged.", registry=r
         )

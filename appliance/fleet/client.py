@@ -124,6 +124,22 @@ class HubClient:
         """Report retired leases' final spend and ask for new ones (hub/api.py `leases`)."""
         return await self._post("/v1/node/leases", {"accounts": accounts, "finals": finals})
 
+    async def offload(
+        self, route: str, body: bytes, headers: dict[str, str]
+    ) -> aiohttp.ClientResponse:
+        """Hand a request this node shed to the fleet (hub/offload.py); the caller streams
+        the response and releases it. Raises HubError when the hub cannot be reached."""
+        try:
+            return await self._session.post(
+                f"{self._base}/v1/node/offload/{route}",
+                data=body,
+                headers={**self._headers, **headers},
+                ssl=self._ssl,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=300),
+            )
+        except (aiohttp.ClientError, TimeoutError) as err:
+            raise HubError(f"the hub is unreachable ({type(err).__name__}: {err})") from err
+
     async def push(self, events: list[dict[str, Any]]) -> list[str]:
         """Send events to the ledger; the ids the hub acknowledged."""
         answer = await self._post("/v1/node/events", {"events": events})

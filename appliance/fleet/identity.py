@@ -17,6 +17,8 @@ from shared.wireguard import KeyPair, ensure_keypair
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from appliance.settings import ApplianceSettings
+
 
 class HubPeer(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -93,3 +95,14 @@ class FleetFiles:
     def save(self, identity: Identity) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         write_private(self.identity_path, identity.model_dump_json(indent=2) + "\n")
+
+
+def lan_tls_files(settings: ApplianceSettings) -> tuple[Path, Path] | None:
+    """The LAN API's certificate and key: the operator's, else the one the fleet's hub
+    issued at enrollment (with `fleet.lan_tls`), else none (plain HTTP)."""
+    server = settings.server
+    if server.tls_cert_file is not None and server.tls_key_file is not None:
+        return server.tls_cert_file, server.tls_key_file
+    if settings.fleet.lan_tls:
+        return FleetFiles(settings.fleet_dir).lan_tls()
+    return None

@@ -82,8 +82,10 @@ class FleetLink:
         *,
         on_lag: Callable[[int, bool], None] | None = None,
         leases: LeaseBook | None = None,
+        api: dict[str, Any] | None = None,
     ) -> None:
         self._settings = settings
+        self._api = api or {}
         self._leases = leases
         self._lease_call: asyncio.Task[None] | None = None
         if leases is not None:
@@ -177,6 +179,15 @@ class FleetLink:
         if self.tunnel is not None:
             await asyncio.to_thread(self.tunnel.down)
 
+    @property
+    def connected(self) -> bool:
+        """Enrolled, and the last call to the hub went through."""
+        return self.identity is not None and self.error is None and self._client is not None
+
+    async def hub(self) -> HubClient | None:
+        """The client for the hub (enrolling and bringing the tunnel up first if needed)."""
+        return await self._ensure()
+
     async def _ensure(self) -> HubClient | None:
         if self.identity is None:
             path = self._settings.provisioning_file
@@ -264,6 +275,9 @@ class FleetLink:
             "queue_waiting": sum(d.waiting for d in self._registry.deployments()),
             "outbox_lag": lag,
             "outbox_alarm": alarm,
+            # Where the hub reaches this node's LAN API (at the address heartbeats come
+            # from), for requests other nodes offload.
+            "api": self._api,
         }
 
     def gpus(self) -> list[dict[str, Any]]:

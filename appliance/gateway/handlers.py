@@ -28,6 +28,7 @@ from appliance.gateway.keys import (
     HOST,
     METRICS,
     NODE_ID,
+    OFFLOAD,
     TRACING,
     api_key,
 )
@@ -135,7 +136,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prepared = await request.app[COMPLETIONS].prepare_chat(
         req, api_key(request), route_label(request)
     )
-    return await _respond(request, prepared, stream=req.stream)
+    return await _respond_or_offload(request, prepared, body, stream=req.stream)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -144,7 +145,42 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prepared = await request.app[COMPLETIONS].prepare_text(
         req, api_key(request), route_label(request)
     )
-    return await _respond(request, prepared, stream=req.stream)
+    return await _respond_or_offload(request, prepared, body, stream=req.stream)
+
+
+async def offloaded(request: web.Request) -> web.StreamResponse:
+    """A request another node shed, handed over by the hub: served here like any of the
+    account's requests, never offloaded again."""
+    body = await read_json(request)
+    service = request.app[COMPLETIONS]
+    key, label = api_key(request), route_label(request)
+    if request.path.endswith("/chat/completions"):
+        chat = parse_body(ChatCompletionRequest, body, UNSUPPORTED_CHAT)
+        prepared, stream = await service.prepare_chat(chat, key, label), chat.stream
+    else:
+        text = parse_body(CompletionRequest, body, UNSUPPORTED_COMPLETION)
+        prepared, stream = await service.prepare_text(text, key, label), text.stream
+    metrics = request.app[METRICS]
+    try:
+        response = await _respond(request, prepared, stream=stream)
+    except ApiError:
+        metrics.offloads.labels("served", "refused").inc()
+        raise
+    metrics.offloads.labels("served", "served").inc()
+    return response
+
+
+async def _respond_or_offload(
+    request: web.Request, prepared: Prepared, body: dict[str, Any], *, stream: bool
+) -> web.StreamResponse:
+    """Serve here; shed for load, hand it to the fleet where its class allows."""
+    try:
+        return await _respond(request, prepared, stream=stream)
+    except ApiError as err:
+        offload = request.app[OFFLOAD]
+        if not offload.eligible(err, prepared):
+            raise
+        return await offload.forward(request, prepared, body, err)
 
 
 async def embeddings(request: web.Request) -> web.Response:

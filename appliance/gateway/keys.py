@@ -7,6 +7,7 @@ from aiohttp import web
 from appliance.gateway.admission import AdmissionControl
 from appliance.gateway.completions import CompletionService
 from appliance.gateway.embeddings import EmbeddingService
+from appliance.gateway.offload import Offload
 from appliance.serving.registry import ModelRegistry
 from appliance.settings import ApplianceSettings
 from appliance.state.store import ApiKey, AsyncStore
@@ -22,6 +23,7 @@ ADMISSION = web.AppKey("admission", AdmissionControl)
 EMBEDDINGS = web.AppKey("embeddings", EmbeddingService)
 NODE_ID = web.AppKey("node_id", str)
 TRACING = web.AppKey("tracing", Tracing)
+OFFLOAD = web.AppKey("offload", Offload)
 
 # Per request: the authenticated key (set by the auth middleware on /v1 routes).
 REQUEST_KEY = web.RequestKey("key", ApiKey)

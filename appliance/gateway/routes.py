@@ -105,6 +105,27 @@ ROUTES: tuple[Route, ...] = (
     ),
     Route(
         "POST",
+        "/v1/offloaded/chat/completions",
+        handlers.offloaded,
+        "The hub hands this node a chat completion another node shed (burst offload); "
+        "authenticated by the node's offload secret, not an API key.",
+        auth=True,
+        body=ChatCompletionRequest,
+        errors=(*_AUTH, *_BODY, *_GENERATE),
+        streams=True,
+    ),
+    Route(
+        "POST",
+        "/v1/offloaded/completions",
+        handlers.offloaded,
+        "The hub hands this node a text completion another node shed (burst offload).",
+        auth=True,
+        body=CompletionRequest,
+        errors=(*_AUTH, *_BODY, *_GENERATE),
+        streams=True,
+    ),
+    Route(
+        "POST",
         "/v1/embeddings",
         handlers.embeddings,
         "Embeddings (OpenAI): one unit vector per input text; concurrent requests are "

@@ -298,6 +298,13 @@ class Store:
                 " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                 [str(serial)],
             )
+            if state.get("offload_secret"):
+                # What the hub shows when it hands this node another node's request.
+                self.db.execute(
+                    "INSERT INTO meta (key, value) VALUES ('offload_secret', ?)"
+                    " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                    [str(state["offload_secret"])],
+                )
         return serial
 
     def save_leases(self, leases: list[tuple[dict[str, Any], bool]]) -> None:

@@ -120,3 +120,12 @@ def m003_quota_leases(db: Database) -> None:
         foreign_keys=[("node_id", "nodes", "id"), ("account", "accounts", "name")],
     )
     db.table("leases").create_index(["account", "period_start"])
+
+
+@migrations()
+def m004_offload(db: Database) -> None:
+    # Where a node's LAN API answers the hub (the address its heartbeats come from: its
+    # overlay address through the tunnel), and the secret the hub shows it when it hands
+    # the node a request another node offloaded (sent to the node in its desired state).
+    db.table("nodes").add_column("address", str)
+    db.table("nodes").add_column("offload_secret", str)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -119,6 +120,17 @@ class Node:
     labels: dict[str, str] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
     capacity: dict[str, Any] = field(default_factory=dict)
+    address: str | None = None  # where its heartbeats come from
+    offload_secret: str | None = None
+
+    @property
+    def api_url(self) -> str | None:
+        """The node's LAN API as the hub reaches it (its heartbeats name port and TLS)."""
+        api = self.capacity.get("api")
+        if self.address is None or not isinstance(api, dict) or "port" not in api:
+            return None
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{'https' if api.get('tls') else 'http'}://{host}:{int(api['port'])}"
 
     @property
     def revoked(self) -> bool:
@@ -271,9 +283,11 @@ class HubStore:
         """Record heartbeats (the last of each node), in one transaction."""
         with self.db.conn:
             self.db.conn.executemany(
-                "UPDATE nodes SET last_seen = ?, versions = ?, capacity = ? WHERE id = ?",
-                [(b.at, json.dumps(b.versions), json.dumps(b.capacity), b.node_id) for b in beats],
-            )
+                "UPDATE nodes SET last_seen = ?, versions = ?, capacity = ?, address = ?"
+                " WHERE id = ?",
+                [(b.at, json.dumps(b.versions), json.dumps(b.capacity), b.address, b.node_id)
+                 for b in beats],
+            )  # fmt: skip
 
     def nodes(self) -> list[Node]:
         return [_node(r) for r in self.db.query("SELECT * FROM nodes ORDER BY site, name")]
@@ -527,7 +541,21 @@ class HubStore:
             "serial": self.desired_serial(),
             "accounts": accounts,
             "keys": keys,
+            "offload_secret": self.offload_secret(node.id),
         }
+
+    def offload_secret(self, node_id: str) -> str:
+        """The secret the hub shows `node_id` when it hands it an offloaded request (made
+        on first use; the node learns it from its desired state, through the tunnel)."""
+        with self.db.conn:
+            row = self.db.execute(
+                "SELECT offload_secret FROM nodes WHERE id = ?", [node_id]
+            ).fetchone()
+            if row is not None and row[0]:
+                return str(row[0])
+            secret = "kvlh_" + secrets.token_urlsafe(32)
+            self.db.execute("UPDATE nodes SET offload_secret = ? WHERE id = ?", [secret, node_id])
+            return secret
 
     # -- the ledger ----------------------------------------------------------------------
 
@@ -600,6 +628,8 @@ def _node(row: Mapping[str, Any]) -> Node:
         labels=json.loads(row["labels"] or "{}"),
         versions=json.loads(row["versions"] or "{}"),
         capacity=json.loads(row["capacity"] or "{}"),
+        address=row.get("address"),
+        offload_secret=row.get("offload_secret"),
     )
 
 
@@ -633,6 +663,7 @@ class Heartbeat:
     at: float  # unix seconds
     versions: Mapping[str, str]
     capacity: Mapping[str, Any]
+    address: str | None = None  # the caller's address
 
 
 class AsyncHubStore(db.AsyncStore[HubStore]):

@@ -95,6 +95,7 @@ async def test_a_partitioned_node_spends_its_lease_then_refuses_and_the_budget_h
         others.append(enrolled.node_token)
     store.close()
     hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
+    assert hub_server.port is not None
     proxy = await CuttableProxy("127.0.0.1", hub_server.port).start()
     pin = aiohttp.Fingerprint(pki.fingerprint_bytes(certificates(hub)[1].fingerprint))
 

@@ -1,0 +1,134 @@
+"""The hub's half of burst offload: hand a request one node shed to another node, and
+stream the answer back. The choice of node is pure (hub/planning/offload.py); this is the
+I/O around it.
+
+The hub calls the chosen node's LAN API (through the tunnel, at the address its
+heartbeats come from) on `/v1/offloaded/…`, with the secret that node got in its desired
+state, the account and class the request runs as, and the name of the node it came from.
+A node that refuses for load (429, 503) is skipped for the next candidate; when none is
+left the origin gets 429 `overloaded` with `Retry-After`. The response names the node
+that served it (`X-Kvl-Served-By`).
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+
+from hub.planning.offload import NodeLoad, candidates
+from shared.errors import ApiError, ErrorCode
+
+if TYPE_CHECKING:
+    from hub.state.store import Node
+
+log = logging.getLogger(__name__)
+
+MAX_TRIES = 2  # candidates tried before the origin is told no
+RETRY_AFTER_S = 5.0
+PASSED_HEADERS = ("Content-Type", "X-Kvl-Model", "X-Kvl-Request-Id", "Retry-After")
+
+
+def load_of(node: Node) -> NodeLoad:
+    capacity = node.capacity
+    return NodeLoad(
+        id=node.id,
+        name=node.name,
+        models=tuple(str(m) for m in capacity.get("models") or ()),
+        queue_waiting=int(capacity.get("queue_waiting") or 0),
+        cpu_percent=float(capacity.get("cpu_percent") or 0.0),
+        memory_available_mib=int(capacity.get("memory_available_mib") or 0),
+        last_seen=node.last_seen,
+        revoked=node.revoked,
+        reachable=node.api_url is not None and node.offload_secret is not None,
+    )
+
+
+class Forwarder:
+    """One client session for every forwarded request; nodes' LAN certificates are
+    checked against the hub's own CA (a node's overlay address is not in its certificate,
+    so the name is not checked: the CA and the node's secret are)."""
+
+    def __init__(self, ca_pem: str) -> None:
+        context = ssl.create_default_context(cadata=ca_pem)
+        context.check_hostname = False
+        self._ssl = context
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=300)
+        )
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def forward(
+        self,
+        request: web.Request,
+        route: str,
+        body: bytes,
+        nodes: list[Node],
+        *,
+        origin: Node,
+        model: str,
+        now: float,
+        stale_after_s: float,
+    ) -> web.StreamResponse:
+        by_id = {n.id: n for n in nodes}
+        loads = [load_of(n) for n in nodes]
+        chosen = candidates(
+            loads,
+            model=model,
+            origin=origin.id,
+            offloaded=request.headers.get("X-Kvl-Offloaded") is not None,
+            now=now,
+            stale_after_s=stale_after_s,
+        )[:MAX_TRIES]
+        tried: list[str] = []
+        for load in chosen:
+            target = by_id[load.id]
+            tried.append(target.name)
+            answer = await self._try(request, route, body, target, origin)
+            if answer is not None:
+                return answer
+        why = (
+            f"no other node of the fleet has room for {model} (tried {', '.join(tried)})"
+            if tried
+            else f"no other node of the fleet serves {model} with room to spare"
+        )
+        raise ApiError(ErrorCode.overloaded, why, retry_after=RETRY_AFTER_S)
+
+    async def _try(
+        self, request: web.Request, route: str, body: bytes, target: Node, origin: Node
+    ) -> web.StreamResponse | None:
+        assert target.api_url is not None  # noqa: S101 - candidates are reachable
+        headers = {
+            "Authorization": f"Bearer {target.offload_secret}",
+            "Content-Type": "application/json",
+            "X-Kvl-Account": request.headers.get("X-Kvl-Account", ""),
+            "X-Kvl-Class": request.headers.get("X-Kvl-Class", ""),
+            "X-Kvl-Origin": origin.name,
+        }
+        url = f"{target.api_url}/v1/offloaded/{route}"
+        try:
+            upstream = await self._session.post(url, data=body, headers=headers, ssl=self._ssl)
+        except (aiohttp.ClientError, TimeoutError) as err:
+            log.warning("offload to %s failed: %s", target.name, err)
+            return None
+        try:
+            if upstream.status in {429, 503}:
+                log.info("offload: %s has no room either (%d)", target.name, upstream.status)
+                return None
+            response = web.StreamResponse(status=upstream.status)
+            for name in PASSED_HEADERS:
+                if name in upstream.headers:
+                    response.headers[name] = upstream.headers[name]
+            response.headers["X-Kvl-Served-By"] = target.name
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+        finally:
+            upstream.release()

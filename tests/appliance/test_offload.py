@@ -1,0 +1,213 @@
+"""Burst offload end to end: a real hub and two real appliances on loopback (no tunnel).
+Appliance A has one batch slot and no queue; while a long request holds it, the next
+one it would shed goes through the hub to appliance B, and the client sees one normal
+answer naming B. Charged once (B's usage event, none at A); never offloaded twice (B
+full as well: the client gets the fleet's 429)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import pytest
+
+from appliance.app import create_app
+from appliance.gateway.keys import HOST, STORE
+from appliance.state.store import ModelRecord, Store
+from hub.app import certificates, ssl_context
+from hub.app import create_app as create_hub
+from hub.planning.offload import NodeLoad, candidates
+from hub.settings import HubSettings
+from hub.state.store import HubStore
+from tests.conftest import free_port, make_settings
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from aiohttp import web
+    from pytest_aiohttp import AiohttpServer
+
+pytestmark = pytest.mark.model
+
+MODEL = "gemma-3-270m"
+
+
+# -- the hub's choice (pure) ---------------------------------------------------------------
+
+
+def _load(node: str, queue: int = 0, cpu: float = 10.0, seen: float | None = 100.0) -> NodeLoad:
+    return NodeLoad(node, node, (f"{MODEL}@1.0.0",), queue, cpu, 1000, seen)
+
+
+def test_the_node_with_most_headroom_first_never_the_origin_never_twice() -> None:
+    nodes = [_load("a"), _load("b", queue=3), _load("c", queue=1), _load("d", cpu=1.0, queue=3)]
+    order = candidates(nodes, model=MODEL, origin="a", offloaded=False, now=110, stale_after_s=45)
+    assert [n.id for n in order] == ["c", "d", "b"]
+    assert (
+        candidates(nodes, model=MODEL, origin="a", offloaded=True, now=110, stale_after_s=45) == []
+    )
+    # Stale, never seen, or serving another model: not a candidate.
+    others = [_load("e", seen=10.0), _load("f", seen=None),
+              NodeLoad("g", "g", ("other@1",), 0, 0.0, 1000, 100.0)]  # fmt: skip
+    assert candidates(others, model=MODEL, origin="a", offloaded=False, now=110,
+                      stale_after_s=45) == []  # fmt: skip
+    # A version named must be served.
+    assert candidates([_load("b")], model=f"{MODEL}@2.0.0", origin="a", offloaded=False,
+                      now=110, stale_after_s=45) == []  # fmt: skip
+
+
+# -- end to end ----------------------------------------------------------------------------
+
+
+async def _appliance(
+    aiohttp_server: AiohttpServer,
+    tmp_path: Path,
+    default_model: ModelRecord,
+    hub: HubSettings,
+    hub_port: int,
+    *,
+    name: str,
+) -> tuple[web.Application, str, str]:
+    """An in-process appliance enrolled with the hub, serving on a port it announces;
+    (app, base URL, a LAN key)."""
+    store = HubStore(hub.db_path)
+    token = store.create_token("site", uses=1, expires_in_s=600).plaintext
+    store.close()
+    provisioning = tmp_path / f"{name}.json"
+    provisioning.write_text(json.dumps({
+        "hub_url": f"https://127.0.0.1:{hub_port}", "token": token,
+        "hub_fingerprint": certificates(hub)[1].fingerprint, "name": name,
+    }))  # fmt: skip
+    port = free_port()
+    settings = make_settings(
+        tmp_path / name,
+        model={"n_slots": 1, "max_queue": 0, "n_threads": 1, "n_ctx": 1024},
+        embeddings={"enabled": False},
+        server={"port": port},
+        fleet={"provisioning_file": str(provisioning), "tunnel": False, "lan_tls": False,
+               "heartbeat_s": 1, "sync_interval_s": 0.5},
+    )  # fmt: skip
+    local = Store(settings.db_path)
+    local.add_model(default_model)
+    key = local.create_key("lan-user").plaintext
+    local.close()
+    app = create_app(settings)
+    await aiohttp_server(app, port=port)
+    await app[HOST].wait_loaded()
+    return app, f"http://127.0.0.1:{port}", key
+
+
+async def _ready_in_fleet(hub: HubSettings, names: set[str]) -> None:
+    """Until the hub has heard from every node with its model loaded and its secret made."""
+    for _ in range(300):
+        store = HubStore(hub.db_path)
+        try:
+            ready = {
+                n.name
+                for n in store.nodes()
+                if n.capacity.get("models") and n.api_url and n.offload_secret
+            }
+        finally:
+            store.close()
+        if names <= ready:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the nodes {names} did not report in")
+
+
+async def _hold(session: aiohttp.ClientSession, base: str, key: str) -> aiohttp.ClientResponse:
+    """A long streamed request that holds the appliance's only slot."""
+    response = await session.post(
+        f"{base}/v1/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 400, "stream": True,
+              "temperature": 0},
+    )  # fmt: skip
+    assert response.status == 200
+    await response.content.readline()  # the first chunk: it holds the slot
+    return response
+
+
+async def test_an_overloaded_node_offloads_to_a_peer_with_room(
+    aiohttp_server: AiohttpServer, tmp_path: Path, default_model: ModelRecord
+) -> None:
+    hub = HubSettings.model_validate(
+        {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False},
+         "overlay": {"interface": None}}
+    )  # fmt: skip
+    hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
+    assert hub_server.port is not None
+    a, a_url, a_key = await _appliance(
+        aiohttp_server, tmp_path, default_model, hub, hub_server.port, name="node-a"
+    )
+    b, b_url, b_key = await _appliance(
+        aiohttp_server, tmp_path, default_model, hub, hub_server.port, name="node-b"
+    )
+    await _ready_in_fleet(hub, {"node-a", "node-b"})
+    ask = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+
+    async with aiohttp.ClientSession() as session:
+        holding = await _hold(session, a_url, a_key)
+        # A has no room: the request is served by B, through the hub, in one answer.
+        answer = await session.post(
+            f"{a_url}/v1/completions", headers={"Authorization": f"Bearer {a_key}"}, json=ask
+        )
+        body = await answer.json()
+        assert answer.status == 200, body
+        assert answer.headers["X-Kvl-Served-By"] == "node-b"
+        assert body["object"] == "text_completion"
+        assert body["usage"]["completion_tokens"] > 0
+        # Streamed too: the events pass through both hops.
+        streamed = await session.post(
+            f"{a_url}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {a_key}"},
+            json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                  "max_tokens": 4, "stream": True},
+        )  # fmt: skip
+        assert streamed.status == 200
+        assert streamed.headers["X-Kvl-Served-By"] == "node-b"
+        text = await streamed.text()
+        assert text.rstrip().endswith("data: [DONE]")
+
+        # B full as well: the fleet has no room, the client gets 429 with Retry-After, and
+        # B never sends the request anywhere else.
+        holding_b = await _hold(session, b_url, b_key)
+        refused = await session.post(
+            f"{a_url}/v1/completions", headers={"Authorization": f"Bearer {a_key}"}, json=ask
+        )
+        error = (await refused.json())["error"]
+        assert refused.status == 429, error
+        assert error["code"] == "overloaded"
+        assert "node-b" in error["message"]
+        assert float(refused.headers["Retry-After"]) > 0
+        holding.close()
+        holding_b.close()
+
+        # The hub's secret is needed to hand a node a request.
+        forged = await session.post(
+            f"{b_url}/v1/offloaded/completions",
+            headers={"Authorization": f"Bearer {a_key}", "X-Kvl-Account": "x",
+                     "X-Kvl-Class": "S1"},
+            json=ask,
+        )  # fmt: skip
+        assert forged.status == 401
+
+    # Charged once: the two offloaded requests are B's usage, under A's account name.
+    def usage(app: web.Application) -> list[Any]:
+        store = app[STORE].sync
+        return [
+            tuple(r)
+            for r in store.db.execute(
+                "SELECT a.name, e.route FROM usage_events e JOIN accounts a"
+                " ON a.id = e.account_id WHERE e.status = 200"
+            ).fetchall()
+        ]
+
+    await asyncio.sleep(0.2)
+    assert sorted(usage(b)) == [
+        ("lan-user", "/v1/offloaded/chat/completions"),
+        ("lan-user", "/v1/offloaded/completions"),
+    ]
+    assert usage(a) == []  # A served nothing to completion (its held streams were cut)
