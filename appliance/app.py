@@ -124,6 +124,7 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
         on_lag=on_lag,
         leases=admission.leases,
         api={"port": settings.server.port, "tls": lan_tls_files(settings) is not None},
+        models_dir=settings.models_dir,
     )
     await link.restore_leases()
     app[FLEET] = link

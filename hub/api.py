@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hub.offload import Forwarder
 from hub.planning.quota import Sizing
-from hub.state.store import AsyncHubStore, Heartbeat, Node, TokenRefusedError, node_status
+from hub.state.store import AsyncHubStore, Heartbeat, Node, TokenRefusedError
 from shared import __version__, pki
 from shared.errors import ApiError, ErrorCode, error_body
 
@@ -328,6 +328,20 @@ async def offload(request: web.Request) -> web.StreamResponse:
     )
 
 
+async def artifact(request: web.Request) -> web.StreamResponse:
+    """A model file placed on the calling node, by sha256; Range requests resume a cut
+    download (aiohttp's FileResponse answers them, with an ETag)."""
+    sha256 = request.match_info["sha256"].lower()
+    store = request.app[STORE]
+    placed = await store.run(store.sync.placed_models, request[NODE].id)
+    if sha256 not in {m.sha256 for m in placed}:
+        raise ApiError(ErrorCode.not_found, f"no model {sha256} is placed on this node")
+    path = _settings(request).artifacts_dir / sha256
+    if not path.is_file():
+        raise ApiError(ErrorCode.not_found, f"the hub has lost the file of model {sha256}")
+    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+
+
 async def desired_state(request: web.Request) -> web.Response:
     """The caller's own desired state (the node token says whose); `?after=SERIAL` answers
     204 while nothing changed since."""
@@ -344,28 +358,6 @@ async def desired_state(request: web.Request) -> web.Response:
     return web.json_response(await store.run(store.sync.desired_state, node))
 
 
-def node_view(node: Node, settings: HubSettings, now: float) -> dict[str, Any]:
-    fleet = settings.fleet
-    status = node_status(
-        node.last_seen,
-        now,
-        revoked=node.revoked,
-        stale_after_s=fleet.stale_after_s,
-        offline_after_s=fleet.offline_after_s,
-    )
-    return {
-        "id": node.id,
-        "name": node.name,
-        "site": node.site,
-        "status": status.value,
-        "overlay_address": node.overlay_address,
-        "last_seen": node.last_seen,
-        "versions": node.versions,
-        "capacity": node.capacity,
-        "labels": node.labels,
-    }
-
-
 def routes() -> list[web.RouteDef]:
     return [
         web.get("/healthz", health),
@@ -375,6 +367,7 @@ def routes() -> list[web.RouteDef]:
         web.get("/v1/node/state", desired_state),
         web.post("/v1/node/leases", leases),
         web.post("/v1/node/offload/{route:.+}", offload),
+        web.get("/v1/node/artifacts/{sha256:[0-9a-fA-F]{64}}", artifact),
     ]
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from hub.admin import admin_routes, operator_auth
 from hub.api import (
     BEATS,
     FORWARDER,
@@ -27,6 +28,7 @@ from hub.api import (
     routes,
 )
 from hub.offload import Forwarder
+from hub.reconciler import reconcile_forever
 from hub.state.store import AsyncHubStore
 from shared import pki
 from shared.wireguard import (
@@ -50,14 +52,18 @@ HEARTBEATS_EVERY_S = 1.0
 
 
 def create_app(settings: HubSettings) -> web.Application:
-    app = web.Application(middlewares=[errors, node_auth], client_max_size=16 * 2**20)
+    app = web.Application(
+        middlewares=[errors, node_auth, operator_auth], client_max_size=16 * 2**20
+    )
     app[SETTINGS] = settings
     app.add_routes(routes())
+    app.add_routes(admin_routes())
     app[IDENTITY] = identity(settings)
     app[LEARNING] = Learning(time.time(), settings.quota.lease_s)
     app.cleanup_ctx.append(_store)
     app.cleanup_ctx.append(_heartbeats)
     app.cleanup_ctx.append(_forwarder)
+    app.cleanup_ctx.append(_placement)
     if settings.overlay.interface is not None:
         app.cleanup_ctx.append(_tunnel)
     return app
@@ -107,6 +113,16 @@ async def _forwarder(app: web.Application) -> AsyncIterator[None]:
     app[FORWARDER] = forwarder
     yield
     await forwarder.close()
+
+
+async def _placement(app: web.Application) -> AsyncIterator[None]:
+    """The placement reconciler (hub/reconciler.py)."""
+    settings: HubSettings = app[SETTINGS]  # type: ignore[assignment]
+    task = asyncio.create_task(reconcile_forever(app[STORE], settings), name="kvl-hub-placement")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def overlay_address(settings: HubSettings) -> ipaddress.IPv4Interface | ipaddress.IPv6Interface:

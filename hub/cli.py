@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,27 +16,9 @@ from shared.cli import common_options, config_errors_exit, settings_from
 from shared.config import example_yaml
 
 if TYPE_CHECKING:
-    from hub.state.store import HubStore, Quota
+    from hub.state.store import HubStore
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
-
-
-def quota_view(quota: Quota, names: dict[str, str]) -> dict[str, Any]:
-    """An account's quota for people and JSON: nodes by name, times in ISO 8601."""
-    return {
-        "account": quota.account,
-        "budget_tokens": quota.budget.tokens,
-        "period_s": quota.budget.period_s,
-        "period_start": _iso(quota.period_start),
-        "period_end": _iso(quota.period_end),
-        "consumed": quota.consumed,
-        "leased": {names.get(node, node): tokens for node, tokens in quota.leased.items()},
-        "remaining": quota.remaining,
-    }
-
-
-def _iso(at: float) -> str:
-    return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def parse_duration(text: str) -> float:
@@ -264,7 +245,7 @@ def nodes() -> None:
 @config_errors_exit
 def nodes_list(config_file: Path | None, data_dir: Path | None, as_json: bool) -> None:
     """List nodes: name, site, status (online, stale, offline, revoked), address, last seen."""
-    from hub.api import node_view  # noqa: PLC0415
+    from hub.views import node_view  # noqa: PLC0415
 
     settings = _settings(config_file, data_dir)
     store = _store(settings)
@@ -384,6 +365,8 @@ def accounts_quota(
     config_file: Path | None, data_dir: Path | None, name: str, as_json: bool
 ) -> None:
     """An account's budget this period: consumed (in the ledger), leased per node, left."""
+    from hub.views import quota_view  # noqa: PLC0415
+
     store = _store(_settings(config_file, data_dir))
     try:
         quota = store.quota(name, time.time())
@@ -520,3 +503,241 @@ def simulate(
         f"{beats['per_s']}/s; p50 {beats['p50_ms']} ms, p99 {beats['p99_ms']} ms, "
         f"max {beats['max_ms']} ms"
     )
+
+
+@hub.group("models")
+def hub_models() -> None:
+    """Model files the hub places on nodes (stored by sha256, fetched through the tunnel)."""
+
+
+@hub_models.command("add")
+@common_options
+@click.argument("file", type=click.Path(path_type=Path, dir_okay=False, exists=True))
+@click.option("--name", required=True, help="Model name (as clients ask for it).")
+@click.option("--version", required=True, help="Its version: deployments name `name@version`.")
+@click.option(
+    "--memory-mib",
+    type=click.IntRange(1),
+    default=None,
+    help="What one replica needs on a node (default: the file's size plus 512 MiB).",
+)
+@config_errors_exit
+def models_add(
+    config_file: Path | None,
+    data_dir: Path | None,
+    file: Path,
+    *,
+    name: str,
+    version: str,
+    memory_mib: int | None,
+) -> None:
+    """Register a GGUF file: copied into the hub's data directory under its sha256."""
+    import hashlib  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    from hub.state.store import ConflictError, ModelArtifact  # noqa: PLC0415
+
+    settings = _settings(config_file, data_dir)
+    digest = hashlib.sha256()
+    with file.open("rb") as source:
+        while chunk := source.read(1 << 20):
+            digest.update(chunk)
+    sha256 = digest.hexdigest()
+    size = file.stat().st_size
+    settings.artifacts_dir.mkdir(parents=True, exist_ok=True)
+    target = settings.artifacts_dir / sha256
+    if not target.exists():
+        partial = target.with_suffix(".part")
+        shutil.copyfile(file, partial)
+        partial.replace(target)
+    model = ModelArtifact(name, version, sha256, size, "gguf", memory_mib or (size >> 20) + 512)
+    store = _store(settings)
+    try:
+        store.add_model(model)
+    except ConflictError as err:
+        raise click.ClickException(str(err)) from err
+    finally:
+        store.close()
+    click.echo(
+        f"model {model.ref}: sha256 {sha256}, {size >> 20} MiB, {model.memory_mib} MiB a replica"
+    )
+
+
+@hub_models.command("list")
+@common_options
+@config_errors_exit
+def models_list(config_file: Path | None, data_dir: Path | None) -> None:
+    """List the models: ref, sha256, size, memory a replica."""
+    store = _store(_settings(config_file, data_dir))
+    try:
+        rows = store.models()
+    finally:
+        store.close()
+    for m in rows:
+        click.echo(
+            f"{m.ref:<32} {m.sha256[:16]}  {m.size_bytes >> 20} MiB  {m.memory_mib} MiB/replica"
+        )
+
+
+@hub.command()
+@common_options
+@click.argument("model")
+@click.option("--replicas", type=click.IntRange(0, 10_000), default=1, help="Across the fleet (1).")
+@click.option(
+    "--class", "service_class", type=click.Choice(["S0", "S1", "S2", "S3", "S4"]), default="S1"
+)
+@click.option("--site", "sites", multiple=True, help="Only these sites (repeat).")
+@click.option("--region", "regions", multiple=True, help="Only these regions (repeat).")
+@click.option("--label", "labels", multiple=True, help="KEY=VALUE a node must carry (repeat).")
+@click.option("--gpu", is_flag=True, help="Needs a GPU.")
+@click.option("--gpu-memory-mib", type=click.IntRange(0), default=0, help="GPU memory needed.")
+@click.option("--tenant", default=None, help="S3: only nodes dedicated to this tenant.")
+@config_errors_exit
+def deploy(
+    config_file: Path | None,
+    data_dir: Path | None,
+    model: str,
+    *,
+    replicas: int,
+    service_class: str,
+    sites: tuple[str, ...],
+    regions: tuple[str, ...],
+    labels: tuple[str, ...],
+    gpu: bool,
+    gpu_memory_mib: int,
+    tenant: str | None,
+) -> None:
+    """Deploy MODEL (name@version) on the fleet; the placement reconciler picks the nodes.
+    Prints the deployment's id."""
+    import uuid  # noqa: PLC0415
+
+    from hub.state.store import DeploymentRecord, NotFoundError  # noqa: PLC0415
+
+    if service_class == "S3" and not tenant:
+        raise click.BadParameter("an S3 (dedicated) deployment names its --tenant")
+    pairs = {}
+    for label in labels:
+        key, sep, value = label.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{label!r} is not KEY=VALUE", param_hint="--label")
+        pairs[key] = value
+    record = DeploymentRecord(
+        id=uuid.uuid4().hex[:12],
+        model=model,
+        replicas=replicas,
+        service_class=service_class,
+        isolation="I1",
+        constraints={"sites": list(sites), "regions": list(regions), "labels": pairs,
+                     "gpu": gpu, "gpu_memory_mib": gpu_memory_mib, "tenant": tenant},
+    )  # fmt: skip
+    store = _store(_settings(config_file, data_dir))
+    try:
+        store.deploy(record)
+    except NotFoundError as err:
+        raise click.ClickException(str(err)) from err
+    finally:
+        store.close()
+    click.echo(record.id)
+
+
+@hub.command()
+@common_options
+@click.argument("deployment")
+@config_errors_exit
+def undeploy(config_file: Path | None, data_dir: Path | None, deployment: str) -> None:
+    """Remove a deployment: its replicas are unloaded from the nodes."""
+    from hub.state.store import NotFoundError  # noqa: PLC0415
+
+    store = _store(_settings(config_file, data_dir))
+    try:
+        serial = store.undeploy(deployment)
+    except NotFoundError as err:
+        raise click.ClickException(str(err)) from err
+    finally:
+        store.close()
+    click.echo(f"undeployed {deployment}; desired state serial {serial}")
+
+
+@hub.command("deployments")
+@common_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
+@config_errors_exit
+def deployments_list(config_file: Path | None, data_dir: Path | None, as_json: bool) -> None:
+    """List deployments: model, replicas wanted and where they run."""
+    store = _store(_settings(config_file, data_dir))
+    try:
+        rows = store.deployments()
+        placed = store.placements()
+        names = {n.id: n.name for n in store.nodes()}
+    finally:
+        store.close()
+    from hub.views import deployment_view  # noqa: PLC0415
+
+    for d in rows:
+        view = deployment_view(d, placed, names)
+        nodes = view["nodes"]
+        if as_json:
+            click.echo(json.dumps(view))
+        else:
+            click.echo(
+                f"{d.id:<14} {d.model:<28} {d.service_class} {len(nodes)}/{d.replicas}  "
+                f"{', '.join(nodes) or '-'}"
+            )
+
+
+@nodes.command("drain")
+@common_options
+@click.argument("node")
+@click.option("--undo", is_flag=True, help="Take the node back into placement.")
+@config_errors_exit
+def nodes_drain(config_file: Path | None, data_dir: Path | None, node: str, undo: bool) -> None:
+    """Drain a node: its replicas move elsewhere and it gets no new ones (--undo ends it)."""
+    from hub.state.store import NotFoundError  # noqa: PLC0415
+
+    store = _store(_settings(config_file, data_dir))
+    try:
+        done = store.set_draining(node, draining=not undo)
+    except NotFoundError as err:
+        raise click.ClickException(str(err)) from err
+    finally:
+        store.close()
+    click.echo(f"{done.name} {'drains' if done.draining else 'takes replicas again'}")
+
+
+@hub.group()
+def operators() -> None:
+    """Operator tokens for the hub's admin API (/v1/admin) and its console."""
+
+
+@operators.command("create")
+@common_options
+@click.option("--name", required=True, help="Who or what holds it.")
+@config_errors_exit
+def operators_create(config_file: Path | None, data_dir: Path | None, name: str) -> None:
+    """Create an operator token; it is printed once, alone on stdout."""
+    store = _store(_settings(config_file, data_dir))
+    try:
+        new = store.create_operator(name)
+    finally:
+        store.close()
+    click.echo(new.plaintext)
+
+
+@operators.command("revoke")
+@common_options
+@click.argument("prefix")
+@config_errors_exit
+def operators_revoke(config_file: Path | None, data_dir: Path | None, prefix: str) -> None:
+    """Revoke an operator token by its prefix (or the whole token)."""
+    from hub.state.store import NotFoundError  # noqa: PLC0415
+    from shared.keys import OPERATOR_TOKEN, parse_prefix  # noqa: PLC0415
+
+    prefix = parse_prefix(prefix, OPERATOR_TOKEN) or prefix
+    store = _store(_settings(config_file, data_dir))
+    try:
+        store.revoke_operator(prefix)
+    except NotFoundError as err:
+        raise click.ClickException(str(err)) from err
+    finally:
+        store.close()
+    click.echo(f"revoked {prefix}")

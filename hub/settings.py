@@ -76,6 +76,19 @@ class OverlaySettings(BaseModel):
 class FleetSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    offline_grace_s: float = Field(
+        300.0,
+        ge=1.0,
+        le=604_800,
+        description=(
+            "A node without a heartbeat for this long has its replicas placed elsewhere "
+            "(a shorter outage moves nothing; a node that returns gets nothing back)."
+        ),
+    )
+    placement_every_s: float = Field(
+        3.0, ge=0.1, le=3600, description="Seconds between runs of the placement reconciler."
+    )
+
     stale_after_s: float = Field(
         45.0, ge=1.0, le=86_400, description="No heartbeat for this long: the node is stale."
     )
@@ -138,3 +151,8 @@ class HubSettings(BaseSettings):
     @property
     def pki_dir(self) -> Path:
         return self.data_dir / "pki"
+
+    @property
+    def artifacts_dir(self) -> Path:
+        """Model files the hub serves to nodes, named by their sha256."""
+        return self.data_dir / "artifacts"

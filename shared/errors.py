@@ -37,6 +37,7 @@ class ErrorCode(StrEnum):
     permission_denied = "permission_denied"
     invalid_enrollment_token = "invalid_enrollment_token"  # noqa: S105 - a code, no secret
     invalid_node_token = "invalid_node_token"  # noqa: S105 - a code, no secret
+    invalid_operator_token = "invalid_operator_token"  # noqa: S105 - a code, no secret
     node_revoked = "node_revoked"
     wrong_source_address = "wrong_source_address"
     not_found = "not_found"
@@ -103,6 +104,11 @@ _KINDS: dict[ErrorCode, _Kind] = {
     ),
     ErrorCode.invalid_node_token: _Kind(
         401, "authentication_error", "hub: the node token is missing or not known"
+    ),
+    ErrorCode.invalid_operator_token: _Kind(
+        401,
+        "authentication_error",
+        "hub: an admin call without a valid operator token (`kvl hub operators create`)",
     ),
     ErrorCode.node_revoked: _Kind(403, "permission_error", "hub: the node was revoked"),
     ErrorCode.wrong_source_address: _Kind(

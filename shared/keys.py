@@ -1,5 +1,6 @@
-"""Secrets shown once: API keys `kvl_<prefix>_<secret>`, enrollment tokens `kvle_…` and
-node tokens `kvln_…`. Only a hash is stored; the prefix finds the row.
+"""Secrets shown once: API keys `kvl_<prefix>_<secret>`, enrollment tokens `kvle_…`, node
+tokens `kvln_…` and the hub's operator tokens `kvlo_…`. Only a hash is stored; the prefix
+finds the row.
 
 The secret is 32 characters of base62 (about 190 bits), so a single SHA-256 is enough:
 a slow password hash (argon2) protects low-entropy secrets, and costs every request here.
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 _ALPHABET = string.ascii_letters + string.digits
 PREFIX_LEN = 8
 SECRET_LEN = 32
-API_KEY, ENROLLMENT_TOKEN, NODE_TOKEN = "kvl", "kvle", "kvln"
+API_KEY, ENROLLMENT_TOKEN, NODE_TOKEN, OPERATOR_TOKEN = "kvl", "kvle", "kvln", "kvlo"
 _KEY_RE = re.compile(
-    rf"^(kvl|kvle|kvln)_([A-Za-z0-9]{{{PREFIX_LEN}}})_([A-Za-z0-9]{{{SECRET_LEN}}})$"
+    rf"^(kvl|kvle|kvln|kvlo)_([A-Za-z0-9]{{{PREFIX_LEN}}})_([A-Za-z0-9]{{{SECRET_LEN}}})$"
 )
 
 

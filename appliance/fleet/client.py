@@ -140,6 +140,22 @@ class HubClient:
         except (aiohttp.ClientError, TimeoutError) as err:
             raise HubError(f"the hub is unreachable ({type(err).__name__}: {err})") from err
 
+    async def artifact(self, sha256: str, offset: int = 0) -> aiohttp.ClientResponse:
+        """A model file placed on this node, from byte `offset` (206) or whole (200); the
+        caller reads and releases it. Raises HubError when the hub cannot be reached."""
+        headers = dict(self._headers)
+        if offset:
+            headers["Range"] = f"bytes={offset}-"
+        try:
+            return await self._session.get(
+                f"{self._base}/v1/node/artifacts/{sha256}",
+                headers=headers,
+                ssl=self._ssl,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=60),
+            )
+        except (aiohttp.ClientError, TimeoutError) as err:
+            raise HubError(f"the hub is unreachable ({type(err).__name__}: {err})") from err
+
     async def push(self, events: list[dict[str, Any]]) -> list[str]:
         """Send events to the ledger; the ids the hub acknowledged."""
         answer = await self._post("/v1/node/events", {"events": events})

@@ -25,12 +25,14 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from appliance.fleet.client import HubClient, HubError, HubRefusedError
 from appliance.fleet.identity import FleetFiles, HubPeer, Identity
 from appliance.fleet.leases import HeldLease
+from appliance.fleet.placement import Converger
 from shared import __version__
 from shared.provisioning import Provisioning
 from shared.wireguard import Endpoint, InterfaceConfig, Peer, Tunnel, WireGuardError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from pathlib import Path
 
     from appliance.fleet.leases import LeaseBook
     from appliance.serving.registry import ModelRegistry
@@ -83,9 +85,12 @@ class FleetLink:
         on_lag: Callable[[int, bool], None] | None = None,
         leases: LeaseBook | None = None,
         api: dict[str, Any] | None = None,
+        models_dir: Path | None = None,
     ) -> None:
         self._settings = settings
         self._api = api or {}
+        # Models the hub places here are fetched into `models_dir` (None: placement off).
+        self._converger = Converger(store, registry, models_dir) if models_dir is not None else None
         self._leases = leases
         self._lease_call: asyncio.Task[None] | None = None
         if leases is not None:
@@ -172,6 +177,8 @@ class FleetLink:
         await self._store.run(self._store.sync.save_leases, held)
 
     async def close(self) -> None:
+        if self._converger is not None:
+            await self._converger.close()
         if self._scheduler.running:
             self._scheduler.shutdown(wait=False)
         if self._client is not None:
@@ -245,6 +252,8 @@ class FleetLink:
             if state is not None:
                 serial = await self._store.run(self._store.sync.apply_desired_state, state)
                 log.info("applied the hub's desired state %d", serial)
+            if self._converger is not None:
+                self._converger.kick(client)  # also retries what failed the last time
         except (HubError, HubRefusedError, WireGuardError) as err:
             self.error = str(err)
             log.warning("heartbeat failed: %s", err)
@@ -271,6 +280,8 @@ class FleetLink:
             "memory_total_mib": memory.total >> 20,
             "memory_available_mib": memory.available >> 20,
             "models": [r.ref for r in self._registry.served()],
+            "model_memory_mib": int(getattr(self._registry, "budget_mb", 0)),
+            "placement_errors": self._converger.errors if self._converger else {},
             "gpus": self.gpus(),
             "queue_waiting": sum(d.waiting for d in self._registry.deployments()),
             "outbox_lag": lag,

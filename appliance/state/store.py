@@ -7,6 +7,7 @@ event loop never waits on disk.
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -298,6 +299,13 @@ class Store:
                 " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                 [str(serial)],
             )
+            if "models" in state:
+                # The models the hub places here; the fleet link converges on them.
+                self.db.execute(
+                    "INSERT INTO meta (key, value) VALUES ('desired_models', ?)"
+                    " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                    [json.dumps(state["models"])],
+                )
             if state.get("offload_secret"):
                 # What the hub shows when it hands this node another node's request.
                 self.db.execute(
@@ -383,6 +391,11 @@ class Store:
                 raise ConflictError(f"model {record.ref} is already registered")
             _insert(self.db, "models", asdict(record))
         return record
+
+    def model_by_sha256(self, sha256: str) -> ModelRecord | None:
+        """A registered model with this content, under whatever name."""
+        rows = list(self.db.query("SELECT * FROM models WHERE sha256 = ? LIMIT 1", [sha256]))
+        return _model(rows[0]) if rows else None
 
     def get_model(self, name: str, version: str | None = None) -> ModelRecord | None:
         """A model by name and version; with no version, the most recently added one."""

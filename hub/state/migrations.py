@@ -129,3 +129,55 @@ def m004_offload(db: Database) -> None:
     # the node a request another node offloaded (sent to the node in its desired state).
     db.table("nodes").add_column("address", str)
     db.table("nodes").add_column("offload_secret", str)
+
+
+@migrations()
+def m005_placement(db: Database) -> None:
+    # Model artifacts the hub serves to nodes (content-addressed in the data directory).
+    db.table("models").create(
+        {
+            "ref": str,  # name@version
+            "name": str,
+            "version": str,
+            "sha256": str,
+            "size_bytes": int,
+            "format": str,
+            "memory_mib": int,  # what one replica needs on a node (weights, KV, worker)
+            "created_at": float,
+        },
+        pk="ref",
+        not_null={"name", "version", "sha256", "size_bytes", "format", "memory_mib", "created_at"},
+    )
+    # What should run: a model, how many replicas across the fleet, under which constraints.
+    db.table("deployments").create(
+        {
+            "id": str,
+            "model": str,  # models.ref
+            "replicas": int,
+            "service_class": str,
+            "isolation": str,
+            "constraints": str,  # JSON: sites, regions, labels, gpu, gpu_memory_mib, tenant
+            "created_at": float,
+        },
+        pk="id",
+        not_null={"model", "replicas", "service_class", "isolation", "constraints", "created_at"},
+        foreign_keys=[("model", "models", "ref")],
+    )
+    # Where each replica runs: the planner's last answer, applied by the reconciler.
+    db.table("placements").create(
+        # gpu: the index of the node's GPU the replica runs on (None: CPU)
+        {"deployment_id": str, "node_id": str, "gpu": int, "created_at": float},
+        pk=("deployment_id", "node_id"),
+        not_null={"created_at"},
+    )
+    db.table("nodes").add_column("draining", int)
+
+
+@migrations()
+def m006_operators(db: Database) -> None:
+    # Tokens of the people and tools that run the fleet (the /v1/admin API).
+    db.table("operators").create(
+        {"prefix": str, "hash": str, "name": str, "created_at": float, "revoked_at": float},
+        pk="prefix",
+        not_null={"hash", "name", "created_at"},
+    )

@@ -20,6 +20,7 @@ from shared import db
 from shared.keys import (
     ENROLLMENT_TOKEN,
     NODE_TOKEN,
+    OPERATOR_TOKEN,
     NewKey,
     generate_key,
     key_matches,
@@ -57,6 +58,10 @@ class TokenRefusedError(Exception):
 
 class AddressPoolExhaustedError(Exception):
     pass
+
+
+class ConflictError(ValueError):
+    """The thing exists already."""
 
 
 class NotFoundError(LookupError):
@@ -122,6 +127,7 @@ class Node:
     capacity: dict[str, Any] = field(default_factory=dict)
     address: str | None = None  # where its heartbeats come from
     offload_secret: str | None = None
+    draining: bool = False  # the operator drains it: its replicas move away
 
     @property
     def api_url(self) -> str | None:
@@ -542,6 +548,18 @@ class HubStore:
             "accounts": accounts,
             "keys": keys,
             "offload_secret": self.offload_secret(node.id),
+            # The models placed on this node: it fetches each artifact through the tunnel
+            # (GET /v1/node/artifacts/SHA256), checks its sha256, loads it, reports it.
+            "models": [
+                {
+                    "name": m.name,
+                    "version": m.version,
+                    "sha256": m.sha256,
+                    "size_bytes": m.size_bytes,
+                    "format": m.format,
+                }
+                for m in self.placed_models(node.id)
+            ],
         }
 
     def offload_secret(self, node_id: str) -> str:
@@ -556,6 +574,141 @@ class HubStore:
             secret = "kvlh_" + secrets.token_urlsafe(32)
             self.db.execute("UPDATE nodes SET offload_secret = ? WHERE id = ?", [secret, node_id])
             return secret
+
+    # -- operators -------------------------------------------------------------------------
+
+    def create_operator(self, name: str) -> NewKey:
+        new = generate_key(OPERATOR_TOKEN)
+        with self.db.conn:
+            self.db.execute(
+                "INSERT INTO operators (prefix, hash, name, created_at) VALUES (?, ?, ?, ?)",
+                [new.prefix, new.hash, name, time.time()],
+            )
+        return new
+
+    def authenticate_operator(self, token: str) -> str | None:
+        """The operator's name for a valid, unrevoked token; None otherwise."""
+        prefix = parse_prefix(token, OPERATOR_TOKEN)
+        if prefix is None:
+            return None
+        row = self.db.execute(
+            "SELECT hash, name, revoked_at FROM operators WHERE prefix = ?", [prefix]
+        ).fetchone()
+        if row is None or row[2] is not None or not key_matches(token, row[0]):
+            return None
+        return str(row[1])
+
+    def revoke_operator(self, prefix: str) -> None:
+        with self.db.conn:
+            done = self.db.execute(
+                "UPDATE operators SET revoked_at = ? WHERE prefix = ? AND revoked_at IS NULL",
+                [time.time(), prefix],
+            )
+            if done.rowcount == 0:
+                raise NotFoundError(f"no active operator token {prefix!r}")
+
+    # -- models, deployments, placements --------------------------------------------------
+
+    def add_model(self, model: ModelArtifact) -> None:
+        with self.db.conn:
+            if self.db.execute("SELECT 1 FROM models WHERE ref = ?", [model.ref]).fetchone():
+                raise ConflictError(f"model {model.ref} is already registered")
+            self.db.execute(
+                "INSERT INTO models (ref, name, version, sha256, size_bytes, format, memory_mib,"
+                " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [model.ref, model.name, model.version, model.sha256, model.size_bytes,
+                 model.format, model.memory_mib, time.time()],
+            )  # fmt: skip
+
+    def models(self) -> list[ModelArtifact]:
+        rows = self.db.execute(
+            "SELECT name, version, sha256, size_bytes, format, memory_mib FROM models ORDER BY ref"
+        ).fetchall()
+        return [ModelArtifact(*r) for r in rows]
+
+    def model_by_sha256(self, sha256: str) -> ModelArtifact | None:
+        row = self.db.execute(
+            "SELECT name, version, sha256, size_bytes, format, memory_mib FROM models"
+            " WHERE sha256 = ? LIMIT 1",
+            [sha256],
+        ).fetchone()
+        return None if row is None else ModelArtifact(*row)
+
+    def deploy(self, deployment: DeploymentRecord) -> int:
+        """Add a deployment; the new serial (the reconciler places it within seconds)."""
+        with self.db.conn:
+            if not self.db.execute(
+                "SELECT 1 FROM models WHERE ref = ?", [deployment.model]
+            ).fetchone():
+                raise NotFoundError(
+                    f"no model {deployment.model!r}; add it with `kvl hub models add`"
+                )
+            self.db.execute(
+                "INSERT INTO deployments (id, model, replicas, service_class, isolation,"
+                " constraints, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [deployment.id, deployment.model, deployment.replicas, deployment.service_class,
+                 deployment.isolation, json.dumps(deployment.constraints), time.time()],
+            )  # fmt: skip
+            return self._bump()
+
+    def undeploy(self, deployment_id: str) -> int:
+        with self.db.conn:
+            gone = self.db.execute("DELETE FROM deployments WHERE id = ?", [deployment_id])
+            if gone.rowcount == 0:
+                raise NotFoundError(f"no deployment {deployment_id!r}")
+            self.db.execute("DELETE FROM placements WHERE deployment_id = ?", [deployment_id])
+            return self._bump()
+
+    def deployments(self) -> list[DeploymentRecord]:
+        rows = self.db.execute(
+            "SELECT id, model, replicas, service_class, isolation, constraints FROM deployments"
+            " ORDER BY created_at, id"
+        ).fetchall()
+        return [DeploymentRecord(r[0], r[1], int(r[2]), r[3], r[4], json.loads(r[5])) for r in rows]
+
+    def placements(self) -> list[tuple[str, str, int | None]]:
+        """(deployment id, node id, GPU index or None) of every replica placed."""
+        rows = self.db.execute(
+            "SELECT deployment_id, node_id, gpu FROM placements ORDER BY deployment_id, node_id"
+        ).fetchall()
+        return [(r[0], r[1], r[2]) for r in rows]
+
+    def apply_placements(self, wanted: Iterable[tuple[str, str, int | None]]) -> bool:
+        """Make the placements exactly `wanted` (the planner's answer); True when that
+        changed anything (the desired state's serial then moves, so nodes converge)."""
+        target = set(wanted)
+        with self.db.conn:
+            current = set(self.placements())
+            if current == target:
+                return False
+            self.db.conn.executemany(
+                "DELETE FROM placements WHERE deployment_id = ? AND node_id = ?",
+                sorted((d, n) for d, n, _ in current - target),
+            )
+            now = time.time()
+            self.db.conn.executemany(
+                "INSERT INTO placements (deployment_id, node_id, gpu, created_at)"
+                " VALUES (?, ?, ?, ?)",
+                [(d, n, g, now) for d, n, g in sorted(target - current, key=str)],
+            )
+            self._bump()
+            return True
+
+    def set_draining(self, node_id: str, *, draining: bool) -> Node:
+        node = self.node(node_id)
+        with self.db.conn:
+            self.db.execute("UPDATE nodes SET draining = ? WHERE id = ?", [int(draining), node.id])
+        return self.node(node.id)
+
+    def placed_models(self, node_id: str) -> list[ModelArtifact]:
+        """The models placed on a node, for its desired state."""
+        rows = self.db.execute(
+            "SELECT DISTINCT m.name, m.version, m.sha256, m.size_bytes, m.format, m.memory_mib"
+            " FROM placements p JOIN deployments d ON d.id = p.deployment_id"
+            " JOIN models m ON m.ref = d.model WHERE p.node_id = ? ORDER BY m.ref",
+            [node_id],
+        ).fetchall()
+        return [ModelArtifact(*r) for r in rows]
 
     # -- the ledger ----------------------------------------------------------------------
 
@@ -630,6 +783,7 @@ def _node(row: Mapping[str, Any]) -> Node:
         capacity=json.loads(row["capacity"] or "{}"),
         address=row.get("address"),
         offload_secret=row.get("offload_secret"),
+        draining=bool(row.get("draining")),
     )
 
 
@@ -655,6 +809,30 @@ class Quota:
     consumed: int
     leased: Mapping[str, int]  # node id -> tokens leased and not yet seen in the ledger
     remaining: int
+
+
+@dataclass(frozen=True)
+class ModelArtifact:
+    name: str
+    version: str
+    sha256: str
+    size_bytes: int
+    format: str
+    memory_mib: int
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+@dataclass(frozen=True)
+class DeploymentRecord:
+    id: str
+    model: str  # name@version
+    replicas: int
+    service_class: str
+    isolation: str
+    constraints: Mapping[str, Any]  # sites, regions, labels, gpu, gpu_memory_mib, tenant
 
 
 @dataclass(frozen=True)

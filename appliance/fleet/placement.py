@@ -1,0 +1,160 @@
+"""Converging on the hub's placements: the models its desired state places on this node
+are fetched, checked, registered, loaded and pinned; the ones it no longer places are
+unpinned and unloaded.
+
+A model file comes from the hub through the tunnel (`GET /v1/node/artifacts/SHA256`)
+into the models folder: a cut download resumes where it stopped (HTTP Range), and a file
+whose sha256 is not the one placed is deleted, never registered. A file this node holds
+already (the same sha256 under another name) is used as it is. Loading goes through the
+model registry, so the memory budget holds; a model that cannot load is retried at the
+next heartbeat and named in the heartbeat (`placement_errors`), and the hub sees what
+serves in the heartbeat's `models`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from appliance.fleet.client import HubError
+from appliance.serving.registry import (
+    InsufficientMemoryError,
+    ModelNotReadyError,
+    ModelPinnedError,
+    UnknownModelError,
+)
+from appliance.state.store import ModelRecord, now_iso
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from appliance.fleet.client import HubClient
+    from appliance.serving.registry import ModelRegistry
+    from appliance.state.store import AsyncStore
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+REFUSALS = (UnknownModelError, ModelNotReadyError, InsufficientMemoryError, ModelPinnedError)
+
+
+class PlacementError(Exception):
+    """A placed model could not be fetched or loaded; retried at the next heartbeat."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Converger:
+    def __init__(self, store: AsyncStore, registry: ModelRegistry, models_dir: Path) -> None:
+        self._store = store
+        self._registry = registry
+        self._models_dir = models_dir
+        self.errors: dict[str, str] = {}  # ref -> why it is not serving yet
+        self._task: asyncio.Task[None] | None = None
+
+    def kick(self, client: HubClient) -> None:
+        """Converge in the background (downloads take a while); one run at a time."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self.converge(client))
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def converge(self, client: HubClient) -> None:
+        raw = await self._store.run(self._store.sync.meta, "desired_models")
+        if raw is None:
+            return  # the hub has placed nothing here, ever
+        desired: list[dict[str, Any]] = json.loads(raw)
+        placed = await self._store.run(self._store.sync.meta, "placed_models")
+        before = set(json.loads(placed or "[]"))
+        wanted: list[str] = []
+        errors: dict[str, str] = {}
+        for model in desired:
+            ref = f"{model['name']}@{model['version']}"
+            wanted.append(ref)
+            try:
+                await self._ensure(client, model)
+                served = {r.ref for r in self._registry.served()}
+                if ref not in served:
+                    log.info("loading %s, placed here by the hub", ref)
+                await self._registry.load(ref, replicas=None, pinned=True)
+            except (PlacementError, HubError, OSError, *REFUSALS) as err:
+                errors[ref] = str(err)
+                log.warning("placed model %s: %s", ref, err)
+        for ref in sorted(before - set(wanted)):
+            try:
+                await self._registry.load(ref, replicas=None, pinned=False)
+                await self._registry.unload(ref)
+                log.info("unloaded %s: the hub placed it elsewhere", ref)
+            except REFUSALS as err:  # already gone, or pinned by an operator
+                log.info("%s stays: %s", ref, err)
+        self.errors = errors
+        await self._store.run(self._store.sync.set_meta, "placed_models", json.dumps(wanted))
+
+    async def _ensure(self, client: HubClient, model: dict[str, Any]) -> None:
+        """The model registered here, its file fetched and checked if need be."""
+        store = self._store
+        name, version, sha256 = str(model["name"]), str(model["version"]), str(model["sha256"])
+        record = await store.run(store.sync.get_model, name, version)
+        if record is not None:
+            if record.sha256 != sha256:
+                raise PlacementError(
+                    f"{name}@{version} is registered here with another sha256 ({record.sha256})"
+                )
+            return
+        same = await store.run(store.sync.model_by_sha256, sha256)
+        path = same.path if same is not None else str(await self._fetch(client, model))
+        await store.run(
+            store.sync.add_model,
+            ModelRecord(
+                name=name,
+                version=version,
+                format=str(model.get("format") or "gguf"),
+                path=path,
+                sha256=sha256,
+                size_bytes=int(model["size_bytes"]),
+                quantization=None,
+                source="hub",
+                added_at=now_iso(),
+            ),
+        )
+
+    async def _fetch(self, client: HubClient, model: dict[str, Any]) -> Path:
+        sha256, size = str(model["sha256"]), int(model["size_bytes"])
+        self._models_dir.mkdir(parents=True, exist_ok=True)
+        target = self._models_dir / f"{model['name']}-{model['version']}-{sha256[:12]}.gguf"
+        partial = target.with_name(target.name + ".part")
+        offset = partial.stat().st_size if partial.exists() else 0
+        if offset > size:
+            partial.unlink()
+            offset = 0
+        log.info(
+            "fetching %s@%s from the hub (%d MiB)", model["name"], model["version"], size >> 20
+        )
+        response = await client.artifact(sha256, offset)
+        try:
+            if response.status not in {200, 206}:
+                raise PlacementError(f"the hub answered {response.status} for the model file")
+            mode = "ab" if response.status == 206 else "wb"  # 200: the hub sent it whole
+            with partial.open(mode) as out:
+                async for chunk in response.content.iter_chunked(CHUNK):
+                    out.write(chunk)
+        finally:
+            response.release()
+        got = await asyncio.to_thread(_sha256, partial)
+        if got != sha256 or partial.stat().st_size != size:
+            partial.unlink(missing_ok=True)
+            raise PlacementError(f"the fetched file's sha256 is {got}, not {sha256}: deleted")
+        partial.replace(target)
+        return target

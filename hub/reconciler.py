@@ -1,0 +1,118 @@
+"""The placement reconciler: the one place that does I/O around the placement planner.
+
+Every `fleet.placement_every_s` it reads a snapshot (deployments, models, nodes with
+their last heartbeats, the placements in force), asks the pure planner
+(hub/planning/placement.py) where every replica should run, and writes the answer; when
+that changed anything the desired state's serial moves, the nodes pull it with their
+next heartbeat and converge (fetch the artifact, load it, report it in their heartbeats).
+
+What a node offers the planner comes from its heartbeat and its labels: memory for
+models (`model_memory_mib`, the node's model memory budget), GPUs, and the labels
+`region`, `tenant` (a node dedicated to one tenant, class S3) and `private`
+("true": a node on a tenant's private site, class S4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import time
+from typing import TYPE_CHECKING, Any
+
+from hub.planning.placement import Assignment, Deployment, Gpu, NodeSnapshot, Plan, plan
+
+if TYPE_CHECKING:
+    from hub.settings import HubSettings
+    from hub.state.store import AsyncHubStore, DeploymentRecord, HubStore, ModelArtifact, Node
+
+log = logging.getLogger(__name__)
+
+
+def node_snapshot(node: Node) -> NodeSnapshot:
+    capacity = node.capacity
+    labels = dict(node.labels)
+    memory = int(capacity.get("model_memory_mib") or 0) or int(
+        (capacity.get("memory_total_mib") or 0) * 0.75
+    )
+    gpus = tuple(
+        Gpu(str(g.get("name", f"gpu{i}")), int(g.get("memory_total_mib") or 0))
+        for i, g in enumerate(capacity.get("gpus") or ())
+        if isinstance(g, dict)
+    )
+    return NodeSnapshot(
+        id=node.id,
+        site=node.site,
+        region=labels.get("region"),
+        labels=labels,
+        memory_mib=memory,
+        gpus=gpus,
+        last_seen=node.last_seen,
+        draining=node.draining,
+        revoked=node.revoked,
+        tenant=labels.get("tenant"),
+        private=labels.get("private") == "true",
+    )
+
+
+def deployment_of(record: DeploymentRecord, models: dict[str, ModelArtifact]) -> Deployment:
+    c: dict[str, Any] = dict(record.constraints)
+    name, _, version = record.model.partition("@")
+    model = models.get(record.model)
+    return Deployment(
+        id=record.id,
+        model=name,
+        version=version,
+        replicas=record.replicas,
+        service_class=record.service_class,
+        memory_mib=model.memory_mib if model is not None else 0,
+        gpu=bool(c.get("gpu")),
+        gpu_memory_mib=int(c.get("gpu_memory_mib") or 0),
+        sites=tuple(c.get("sites") or ()),
+        regions=tuple(c.get("regions") or ()),
+        labels=dict(c.get("labels") or {}),
+        tenant=c.get("tenant"),
+        isolation=record.isolation,
+    )
+
+
+def reconcile_once(store: HubStore, settings: HubSettings, now: float) -> tuple[Plan, bool]:
+    """Plan from a snapshot and apply it; (the plan, whether placements changed)."""
+    models = {m.ref: m for m in store.models()}
+    deployments = [deployment_of(r, models) for r in store.deployments()]
+    nodes = [node_snapshot(n) for n in store.nodes()]
+    current = [Assignment(d, n, g) for d, n, g in store.placements()]
+    decided = plan(
+        deployments,
+        nodes,
+        current,
+        now=now,
+        stale_after_s=settings.fleet.stale_after_s,
+        offline_grace_s=settings.fleet.offline_grace_s,
+    )
+    changed = store.apply_placements(
+        (a.deployment_id, a.node_id, a.gpu) for a in decided.assignments
+    )
+    return decided, changed
+
+
+async def reconcile_forever(store: AsyncHubStore, settings: HubSettings) -> None:
+    unplaced: dict[str, str] = {}
+    while True:
+        try:
+            decided, changed = await store.run(reconcile_once, store.sync, settings, time.time())
+            if changed:
+                log.info(
+                    "placements changed: %d replicas placed, %d moved",
+                    len(decided.assignments),
+                    len(decided.moved),
+                )
+            if dict(decided.unplaced) != unplaced:
+                unplaced = dict(decided.unplaced)
+                for deployment, why in unplaced.items():
+                    log.warning("deployment %s is short of replicas: %s", deployment, why)
+        except sqlite3.Error:
+            log.exception("the placement reconciler failed; it runs again")
+        except ValueError as err:  # the planner refuses inputs it cannot plan
+            log.error("placement cannot plan the deployments as they are: %s", err)  # noqa: TRY400
+        await asyncio.sleep(settings.fleet.placement_every_s)

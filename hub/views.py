@@ -1,0 +1,68 @@
+"""What the hub shows of its state, to the API and the CLI alike (plain JSON values)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from hub.state.store import node_status
+
+if TYPE_CHECKING:
+    from hub.settings import HubSettings
+    from hub.state.store import DeploymentRecord, Node, Quota
+
+
+def node_view(node: Node, settings: HubSettings, now: float) -> dict[str, Any]:
+    fleet = settings.fleet
+    status = node_status(
+        node.last_seen,
+        now,
+        revoked=node.revoked,
+        stale_after_s=fleet.stale_after_s,
+        offline_after_s=fleet.offline_after_s,
+    )
+    return {
+        "id": node.id,
+        "name": node.name,
+        "site": node.site,
+        "status": status.value,
+        "overlay_address": node.overlay_address,
+        "last_seen": node.last_seen,
+        "versions": node.versions,
+        "capacity": node.capacity,
+        "labels": node.labels,
+        "draining": node.draining,
+    }
+
+
+def quota_view(quota: Quota, names: dict[str, str]) -> dict[str, Any]:
+    """An account's quota for people and JSON: nodes by name, times in ISO 8601."""
+    return {
+        "account": quota.account,
+        "budget_tokens": quota.budget.tokens,
+        "period_s": quota.budget.period_s,
+        "period_start": _iso(quota.period_start),
+        "period_end": _iso(quota.period_end),
+        "consumed": quota.consumed,
+        "leased": {names.get(node, node): tokens for node, tokens in quota.leased.items()},
+        "remaining": quota.remaining,
+    }
+
+
+def _iso(at: float) -> str:
+    return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def deployment_view(
+    deployment: DeploymentRecord, placed: list[tuple[str, str, int | None]], names: dict[str, str]
+) -> dict[str, Any]:
+    nodes = sorted(names.get(n, n) for d, n, _ in placed if d == deployment.id)
+    return {
+        "id": deployment.id,
+        "model": deployment.model,
+        "replicas": deployment.replicas,
+        "service_class": deployment.service_class,
+        "isolation": deployment.isolation,
+        "constraints": dict(deployment.constraints),
+        "nodes": nodes,
+    }

@@ -1,0 +1,226 @@
+"""Placement end to end: a real hub and two real appliances on loopback. A deployment
+waits for a node; the first node to join gets it (the model registered, loaded, pinned,
+reported in its heartbeat); a second node joining moves nothing; when the first node
+stays away past the grace period the replica moves to the second; draining that node
+takes it off again. And the artifact download on its own: resumed after a cut, refused
+when the file is not the one placed."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from wireguard_tools import WireguardKey
+
+from appliance.app import create_app
+from appliance.fleet.client import HubClient
+from appliance.fleet.placement import Converger
+from appliance.gateway.keys import HOST
+from appliance.serving.registry import ModelNotReadyError
+from appliance.state.store import AsyncStore, ModelRecord, Store
+from hub.app import certificates, ssl_context
+from hub.app import create_app as create_hub
+from hub.settings import HubSettings
+from hub.state.store import HubStore
+from shared import pki
+from tests.conftest import free_port, kvl, make_settings
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+    from pytest_aiohttp import AiohttpServer
+
+
+def _hub(tmp_path: Path) -> HubSettings:
+    return HubSettings.model_validate(
+        {
+            "data_dir": tmp_path / "hub",
+            "server": {"require_overlay_source": False},
+            "overlay": {"interface": None},
+            "fleet": {"stale_after_s": 2, "offline_after_s": 4, "offline_grace_s": 4,
+                      "placement_every_s": 0.3},
+        }
+    )  # fmt: skip
+
+
+async def _join(
+    aiohttp_server: AiohttpServer,
+    tmp_path: Path,
+    default_model: ModelRecord,
+    hub: HubSettings,
+    hub_port: int,
+    *,
+    name: str,
+) -> tuple[web.Application, TestServer]:
+    store = HubStore(hub.db_path)
+    token = store.create_token("site", uses=1, expires_in_s=600).plaintext
+    store.close()
+    provisioning = tmp_path / f"{name}.json"
+    provisioning.write_text(json.dumps({
+        "hub_url": f"https://127.0.0.1:{hub_port}", "token": token,
+        "hub_fingerprint": certificates(hub)[1].fingerprint, "name": name,
+    }))  # fmt: skip
+    port = free_port()
+    settings = make_settings(
+        tmp_path / name,
+        model={"n_ctx": 512, "n_threads": 1, "n_slots": 1},
+        embeddings={"enabled": False},
+        server={"port": port},
+        fleet={"provisioning_file": str(provisioning), "tunnel": False, "lan_tls": False,
+               "heartbeat_s": 1, "sync_interval_s": 1},
+    )  # fmt: skip
+    local = Store(settings.db_path)
+    local.add_model(default_model)
+    local.close()
+    app = create_app(settings)
+    server = await aiohttp_server(app, port=port)
+    await app[HOST].wait_loaded()
+    return app, server
+
+
+async def _until(condition: Any, what: str, timeout_s: float = 60.0) -> None:
+    for _ in range(int(timeout_s * 10)):
+        if condition():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _served(app: web.Application) -> set[str]:
+    return {r.ref for r in app[HOST].served()}
+
+
+def _placed(hub: HubSettings) -> list[str]:
+    store = HubStore(hub.db_path)
+    try:
+        names = {n.id: n.name for n in store.nodes()}
+        return sorted(names[n] for _, n, _ in store.placements())
+    finally:
+        store.close()
+
+
+@pytest.mark.model
+async def test_a_deployment_follows_nodes_that_join_leave_and_drain(
+    aiohttp_server: AiohttpServer, tmp_path: Path, default_model: ModelRecord
+) -> None:
+    hub = _hub(tmp_path)
+    data = str(hub.data_dir)
+    kvl("hub", "models", "add", default_model.path, "--name", "placed", "--version", "1",
+        "--data-dir", data)  # fmt: skip
+    deployment = kvl("hub", "deploy", "placed@1", "--replicas", "1", "--data-dir", data)
+    deployment_id = deployment.stdout.strip()
+    hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
+    assert hub_server.port is not None
+    await asyncio.sleep(0.5)
+    assert _placed(hub) == []  # no node yet: it waits
+
+    a, a_server = await _join(aiohttp_server, tmp_path, default_model, hub, hub_server.port,
+                              name="node-a")  # fmt: skip
+    await _until(lambda: "placed@1" in _served(a), "the replica on the first node")
+    assert _placed(hub) == ["node-a"]
+
+    b, _ = await _join(aiohttp_server, tmp_path, default_model, hub, hub_server.port,
+                       name="node-b")  # fmt: skip
+    await asyncio.sleep(2)
+    assert _placed(hub) == ["node-a"]  # a node joining moves nothing
+    assert "placed@1" not in _served(b)
+
+    await a_server.close()  # node A goes away: past the grace period its replica moves
+    await _until(lambda: "placed@1" in _served(b), "the replica on the second node")
+    assert _placed(hub) == ["node-b"]
+    listed = kvl("hub", "deployments", "--data-dir", data).stdout
+    assert f"{deployment_id}" in listed
+    assert "1/1  node-b" in listed
+
+    kvl("hub", "nodes", "drain", "node-b", "--data-dir", data)  # nowhere else to go
+    await _until(lambda: "placed@1" not in _served(b), "the replica off the drained node")
+    assert _placed(hub) == []
+    assert "gemma-3-270m@1.0.0" in _served(b)  # its own default model stays
+
+
+def _forget_models(store: Store) -> None:
+    with store.db.conn:
+        store.db.execute("DELETE FROM models")
+
+
+class _NoLoads:
+    """The converger's registry: here only the download is under test."""
+
+    def served(self) -> list[Any]:
+        return []
+
+    async def load(self, model: str, *, replicas: int | None, pinned: bool | None) -> None:
+        raise ModelNotReadyError(f"{model} is not a model")
+
+    async def unload(self, model: str, *, force: bool = False) -> None:
+        raise ModelNotReadyError(model)
+
+
+async def test_a_placed_artifact_is_fetched_resumed_and_checked(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    hub = _hub(tmp_path)
+    blob = os.urandom(3 * 2**20 + 123)
+    source = tmp_path / "weights.bin"
+    source.write_bytes(blob)
+    data = str(hub.data_dir)
+    kvl("hub", "models", "add", str(source), "--name", "tiny", "--version", "1", "--data-dir", data)
+    kvl("hub", "deploy", "tiny@1", "--data-dir", data)
+    store = HubStore(hub.db_path)
+    token = store.create_token("s", uses=1, expires_in_s=60).plaintext
+    node = store.enroll(token, name="n", wg_public_key=str(WireguardKey.generate().public_key()),
+                        overlay_prefix="100.64.0.0/10", labels={}, versions={})  # fmt: skip
+    store.close()
+    server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
+    pin = pki.fingerprint_bytes(certificates(hub)[1].fingerprint)
+    client = HubClient(f"https://127.0.0.1:{server.port}", pin, node.node_token)
+    # The node's heartbeat makes it placeable (memory from its model budget).
+    await client.heartbeat({}, {"model_memory_mib": 10_000})
+    await _until(lambda: bool(_placed(hub)), "the placement")
+    state = await client.state(-1)
+    assert state is not None
+    [placed] = state["models"]
+    sha256 = hashlib.sha256(blob).hexdigest()
+    assert (placed["name"], placed["sha256"]) == ("tiny", sha256)
+
+    local = AsyncStore(tmp_path / "node" / "appliance.db")
+    await local.open()
+    models = tmp_path / "node" / "models"
+    try:
+        await local.run(local.sync.apply_desired_state, state)
+        converger = Converger(local, _NoLoads(), models)  # type: ignore[arg-type]
+        # A download cut after its first megabyte resumes from there (HTTP Range).
+        models.mkdir(parents=True)
+        partial = models / f"tiny-1-{sha256[:12]}.gguf.part"
+        partial.write_bytes(blob[: 2**20])
+        await converger.converge(client)
+        record = await local.run(local.sync.get_model, "tiny", "1")
+        assert record is not None
+        assert record.sha256 == sha256
+        assert (models / f"tiny-1-{sha256[:12]}.gguf").read_bytes() == blob
+        assert not partial.exists()
+        assert "is not a model" in converger.errors["tiny@1"]  # loading is the registry's
+
+        # The hub's copy is damaged: the node refuses it and registers nothing.
+        kvl("hub", "models", "add", str(source), "--name", "tiny", "--version", "2",
+            "--data-dir", data)  # fmt: skip
+        (hub.artifacts_dir / sha256).write_bytes(blob[:-1] + b"\0")
+        await local.run(local.sync.apply_desired_state, {
+            **state, "serial": state["serial"] + 1,
+            "models": [{**placed, "version": "2", "sha256": sha256}],
+        })  # fmt: skip
+        (models / f"tiny-1-{sha256[:12]}.gguf").unlink()
+        await local.run(_forget_models, local.sync)
+        await converger.converge(client)
+        assert "not" in converger.errors["tiny@2"]
+        assert await local.run(local.sync.get_model, "tiny", "2") is None
+        assert not list(models.glob("tiny-2-*"))
+    finally:
+        await client.close()
+        await local.close()
