@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from appliance.app import create_app
 from appliance.gateway.keys import HOST, STORE
@@ -56,6 +58,45 @@ def test_the_node_with_most_headroom_first_never_the_origin_never_twice() -> Non
     # A version named must be served.
     assert candidates([_load("b")], model=f"{MODEL}@2.0.0", origin="a", offloaded=False,
                       now=110, stale_after_s=45) == []  # fmt: skip
+
+
+_NODES = st.lists(
+    st.builds(
+        NodeLoad,
+        id=st.sampled_from("abcdefgh"),
+        name=st.just("n"),
+        models=st.sampled_from([(f"{MODEL}@1.0.0",), ("other@1",), (), (f"{MODEL}@2.0.0",)]),
+        queue_waiting=st.integers(0, 10),
+        cpu_percent=st.floats(0, 100),
+        memory_available_mib=st.integers(0, 10_000),
+        last_seen=st.one_of(st.none(), st.floats(0, 200)),
+        revoked=st.booleans(),
+        reachable=st.booleans(),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes=_NODES, origin=st.sampled_from("abcdefgh"), offloaded=st.booleans(),
+       model=st.sampled_from([MODEL, f"{MODEL}@1.0.0", "other"]))  # fmt: skip
+def test_offload_never_loops_and_only_goes_where_it_can_be_served(
+    nodes: list[NodeLoad], origin: str, offloaded: bool, model: str
+) -> None:
+    chosen = candidates(
+        nodes, model=model, origin=origin, offloaded=offloaded, now=200, stale_after_s=45
+    )
+    if offloaded:
+        assert chosen == []  # one hop at most: a request offloaded once stays where it is
+    for node in chosen:
+        assert node.id != origin
+        assert not node.revoked
+        assert node.reachable
+        assert node.last_seen is not None
+        assert 200 - node.last_seen < 45
+        assert any(ref == model or ref.split("@")[0] == model for ref in node.models)
+    keys = [(n.queue_waiting, n.cpu_percent, -n.memory_available_mib) for n in chosen]
+    assert keys == sorted(keys)  # the most headroom first
 
 
 # -- end to end ----------------------------------------------------------------------------
