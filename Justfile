@@ -10,12 +10,13 @@ export PATH := venv / "bin" + ":" + env_var("PATH")
 default:
     @just --list
 
-# Install the Debian packages the project runs: wireguard-go (tunnels where the kernel has no WireGuard) and iproute2
+# Install the Debian packages the project runs: wireguard-go (tunnels where the kernel has no
+# WireGuard), iproute2, espeak-ng (narration) and nginx (the peer of the package benchmark)
 setup-system:
     #!/usr/bin/env bash
     set -euo pipefail
     missing=()
-    for package in wireguard-go iproute2; do
+    for package in wireguard-go iproute2 espeak-ng nginx; do
         dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed' || missing+=("$package")
     done
     if [ ${#missing[@]} -eq 0 ]; then exit 0; fi
@@ -29,13 +30,24 @@ setup-system:
     fi
     echo "installing ${missing[*]} from Debian" >&2
     log=$(mktemp)
-    trap 'rm -f "$log"' EXIT
+    policy=""
+    # nginx is a benchmark peer, not a service of this machine: no daemon starts while we
+    # install (policy-rc.d), and none is enabled for the next boot.
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        policy=/usr/sbin/policy-rc.d
+        printf '#!/bin/sh\nexit 101\n' > "$policy"
+        chmod 755 "$policy"
+    fi
+    trap 'rm -f "$log" ${policy:+"$policy"}' EXIT
     install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"; }
     # Refresh the package lists only when the install needs it (a fresh image has none).
     if ! { install || { apt-get update -qq && install; }; } > "$log" 2>&1; then
         cat "$log" >&2
         echo "setup-system failed; apt-get's output is above" >&2
         exit 1
+    fi
+    if command -v systemctl > /dev/null && [ -d /run/systemd/system ]; then
+        systemctl disable --now nginx > /dev/null 2>&1 || true
     fi
 
 # Create .venv and install the project with its dev tools (llama-cpp-python compiles once, then pip's wheel cache is used)

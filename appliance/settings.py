@@ -219,6 +219,34 @@ class DiscoverySettings(_Section):
     )
 
 
+class PackageSettings(_Section):
+    enabled: bool = Field(default=True, description="Serve `/v1/packages` (content packages).")
+    model: str | None = Field(
+        None, max_length=200, description="Model that writes the items; unset: model.default."
+    )
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        le=20,
+        description=(
+            "Generations of an item that fails a check (each with another seed) before the "
+            "package fails; a package that does not pass is never delivered."
+        ),
+    )
+    item_max_tokens: int = Field(
+        320, ge=64, le=4096, description="max_tokens of each item's generation."
+    )
+    cache_max_mb: int = Field(
+        2048,
+        ge=1,
+        le=10**7,
+        description="Size cap of the package cache; the least recently used unpinned go first.",
+    )
+    narration_rate_wpm: int = Field(
+        150, ge=80, le=400, description="Narration speed (espeak-ng words per minute)."
+    )
+
+
 class JobSettings(_Section):
     max_items: int = Field(
         1000,
@@ -519,6 +547,10 @@ class ApplianceSettings(BaseSettings):
         default_factory=JobSettings,
         description="Durable asynchronous jobs (`/v1/jobs`) and their signed webhooks.",
     )
+    packages: PackageSettings = Field(
+        default_factory=PackageSettings,
+        description="Content packages (`/v1/packages`): generation, validation, the cache.",
+    )
     fleet: FleetSettings = Field(
         default_factory=FleetSettings, description="The link to the fleet's hub."
     )
@@ -546,3 +578,8 @@ class ApplianceSettings(BaseSettings):
     @property
     def models_dir(self) -> Path:
         return self.data_dir / "models"
+
+    @property
+    def packages_dir(self) -> Path:
+        """The package cache (an OCI image layout)."""
+        return self.data_dir / "packages"

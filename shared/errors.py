@@ -45,6 +45,9 @@ class ErrorCode(StrEnum):
     job_not_found = "job_not_found"
     method_not_allowed = "method_not_allowed"
     output_validation_failed = "output_validation_failed"
+    package_validation_failed = "package_validation_failed"
+    package_not_found = "package_not_found"
+    package_corrupt = "package_corrupt"
     queue_full = "queue_full"
     overloaded = "overloaded"
     quota_exceeded = "quota_exceeded"
@@ -120,6 +123,17 @@ _KINDS: dict[ErrorCode, _Kind] = {
     ErrorCode.model_not_found: _Kind(404, "not_found_error", "no model by that name"),
     ErrorCode.job_not_found: _Kind(404, "not_found_error", "no job by that id in this account"),
     ErrorCode.method_not_allowed: _Kind(405, _INVALID, "the route exists, not with that method"),
+    ErrorCode.package_validation_failed: _Kind(
+        422,
+        _INVALID,
+        "the package failed its checks after every attempt; the message lists the checks",
+    ),
+    ErrorCode.package_not_found: _Kind(404, _INVALID, "no such package, version or file"),
+    ErrorCode.package_corrupt: _Kind(
+        503,
+        "server_error",
+        "a cached file failed its digest check; it is never served (ask for the package again)",
+    ),
     ErrorCode.output_validation_failed: _Kind(
         422,
         "invalid_output_error",

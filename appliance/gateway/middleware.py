@@ -117,7 +117,10 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
     if not request.path.startswith("/v1/") and request.path != "/v1":
         return await handler(request)
     with request.app[TRACING].span("auth"):
-        if request.path.startswith(OFFLOADED_PREFIX):
+        # Only a route the hub calls takes the hub's secret; other paths there are 404/405
+        # for whoever asks, as everywhere.
+        hub_route = request.match_info.http_exception is None
+        if request.path.startswith(OFFLOADED_PREFIX) and hub_route:
             key = await _from_the_hub(request)
         else:
             key = await _authenticated(request)
@@ -134,7 +137,7 @@ async def _from_the_hub(request: web.Request) -> ApiKey:
     try:
         return await offloaded_key(request, request.app[STORE])
     except ApiError as err:
-        if err.code is ErrorCode.invalid_api_key:
+        if err.code in {ErrorCode.invalid_api_key, ErrorCode.missing_api_key}:
             admission.auth_failed(address)
         raise
 

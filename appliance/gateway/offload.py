@@ -114,12 +114,12 @@ async def offloaded_key(request: web.Request, store: AsyncStore) -> ApiKey:
     """The hub hands this node a request: its secret checks, and the request runs as
     the account and class it names."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(
+            ErrorCode.missing_api_key, "offloaded requests come from the hub, with its secret"
+        )
     secret = await store.run(store.sync.meta, "offload_secret")
-    if (
-        scheme.lower() != "bearer"
-        or secret is None
-        or not hmac.compare_digest(token.strip().encode(), secret.encode())
-    ):
+    if secret is None or not hmac.compare_digest(token.strip().encode(), secret.encode()):
         raise ApiError(ErrorCode.invalid_api_key, "offloaded requests come from the hub only")
     name = request.headers.get("X-Kvl-Account", "")
     try:

@@ -54,6 +54,8 @@ class Route:
     errors: tuple[ErrorCode, ...] = ()
     streams: bool = False
     status: int = 200  # of a success
+    # "hub": only the fleet's hub calls it (with the node's offload secret, not an API key)
+    caller: str = "client"
 
 
 ROUTES: tuple[Route, ...] = (
@@ -113,6 +115,7 @@ ROUTES: tuple[Route, ...] = (
         body=ChatCompletionRequest,
         errors=(*_AUTH, *_BODY, *_GENERATE),
         streams=True,
+        caller="hub",
     ),
     Route(
         "POST",
@@ -123,6 +126,7 @@ ROUTES: tuple[Route, ...] = (
         body=CompletionRequest,
         errors=(*_AUTH, *_BODY, *_GENERATE),
         streams=True,
+        caller="hub",
     ),
     Route(
         "POST",

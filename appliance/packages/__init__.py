@@ -1,0 +1,1 @@
+"""Content packages (KVL-700): generated, validated, cached, served and exported."""

@@ -1,0 +1,287 @@
+"""Making a package's parts: items from the local model with JSON-schema-constrained
+decoding, narration with espeak-ng, and a cover drawn from the title.
+
+Each item is one chat completion whose `response_format` is a JSON schema for that item
+type, so the model can only answer in that shape (the grammar is enforced while
+decoding, and the output is validated again after). The answer is then turned into an
+`Item` with stable ids. The prompt template is versioned (`TEMPLATE_VERSION`): it is
+part of a package's lineage and of its cache key.
+
+Narration runs `espeak-ng` as a separate process (it is GPL-3.0; the appliance only
+calls it), writing 16-bit PCM WAV; its output is byte-identical run to run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import html
+import json
+import shutil
+from typing import TYPE_CHECKING, Any
+
+from appliance.gateway.completions import drain
+from appliance.gateway.parsing import parse_body
+from appliance.gateway.schemas import UNSUPPORTED_CHAT, ChatCompletionRequest
+from appliance.packages.model import Choice, Feedback, Item, ItemType, Level
+from shared.errors import ApiError, ErrorCode
+
+if TYPE_CHECKING:
+    from appliance.gateway.completions import CompletionService
+    from appliance.state.store import ApiKey
+
+TEMPLATE_VERSION = "1"
+ROUTE = "/v1/packages"
+CHOICE_IDS = "abcdef"
+PROMPT_MAX = {Level.beginner: 200, Level.intermediate: 300, Level.advanced: 500}
+CHOICE_MAX = {Level.beginner: 80, Level.intermediate: 120, Level.advanced: 200}
+TRUE_FALSE = {
+    "en": ("True", "False"),
+    "de": ("Wahr", "Falsch"),
+    "fr": ("Vrai", "Faux"),
+    "es": ("Verdadero", "Falso"),
+    "nl": ("Waar", "Onwaar"),
+    "it": ("Vero", "Falso"),
+    "pt": ("Verdadeiro", "Falso"),
+}
+LANGUAGES = {
+    "en": "English",
+    "de": "German",
+    "fr": "French",
+    "es": "Spanish",
+    "nl": "Dutch",
+    "it": "Italian",
+    "pt": "Portuguese",
+}
+_KIND = {
+    ItemType.single_choice: "a multiple-choice question with exactly one correct answer",
+    ItemType.multiple_choice: "a question with several correct answers among the choices",
+    ItemType.true_false: "a true-or-false statement",
+    ItemType.short_answer: "a question answered with one word or a short phrase",
+}
+
+
+def item_schema(kind: ItemType, choices: int, level: Level) -> dict[str, Any]:
+    """The JSON schema the model's answer must follow, per item type."""
+    text = {"type": "string", "minLength": 10, "maxLength": PROMPT_MAX[level]}
+    choice = {"type": "string", "minLength": 1, "maxLength": CHOICE_MAX[level]}
+    feedback = {"type": "string", "maxLength": 200}
+    if kind is ItemType.true_false:
+        properties: dict[str, Any] = {"statement": text, "answer": {"type": "boolean"}}
+    elif kind is ItemType.short_answer:
+        properties = {
+            "question": text,
+            "answers": {"type": "array", "items": choice, "minItems": 1, "maxItems": 3},
+        }
+    else:
+        array = {"type": "array", "items": choice, "minItems": choices, "maxItems": choices}
+        properties = {"question": text, "choices": array}
+        if kind is ItemType.single_choice:
+            properties["correct"] = {"type": "integer", "minimum": 1, "maximum": choices}
+        else:
+            properties["correct"] = {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 1, "maximum": choices},
+                "minItems": 1,
+                "maxItems": choices - 1,
+            }
+    properties["explanation"] = feedback
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def messages(
+    topic: str, level: Level, language: str, kind: ItemType, n: int
+) -> list[dict[str, str]]:
+    """The prompt (template version TEMPLATE_VERSION)."""
+    tongue = LANGUAGES.get(language.split("-", maxsplit=1)[0], language)
+    return [
+        {
+            "role": "system",
+            "content": f"You write clear, correct quiz items for {level.value} learners, "
+            f"in {tongue}. Answer with JSON only.",
+        },
+        {
+            "role": "user",
+            "content": f"Topic: {topic}. Write item {n}: {_KIND[kind]}. Keep it factual "
+            "and make every choice different.",
+        },
+    ]
+
+
+def to_item(kind: ItemType, answer: dict[str, Any], n: int, language: str) -> Item:
+    """The model's answer as an Item (ids `item-N`, choices `a`…, true/false `true`/`false`)."""
+    feedback = Feedback(
+        correct=str(answer.get("explanation", "")), incorrect=str(answer.get("explanation", ""))
+    )
+    if kind is ItemType.true_false:
+        yes, no = TRUE_FALSE.get(language.split("-", maxsplit=1)[0], TRUE_FALSE["en"])
+        return Item(
+            id=f"item-{n}",
+            type=kind,
+            prompt=str(answer["statement"]).strip(),
+            choices=[Choice(id="true", text=yes), Choice(id="false", text=no)],
+            correct=["true" if answer["answer"] else "false"],
+            feedback=feedback,
+        )
+    if kind is ItemType.short_answer:
+        return Item(
+            id=f"item-{n}",
+            type=kind,
+            prompt=str(answer["question"]).strip(),
+            correct=[str(a).strip() for a in answer["answers"]],
+            feedback=feedback,
+        )
+    choices = [
+        Choice(id=CHOICE_IDS[i], text=str(t).strip()) for i, t in enumerate(answer["choices"])
+    ]
+    picked = answer["correct"] if isinstance(answer["correct"], list) else [answer["correct"]]
+    correct = sorted({CHOICE_IDS[int(i) - 1] for i in picked if 1 <= int(i) <= len(choices)})
+    return Item(
+        id=f"item-{n}",
+        type=kind,
+        prompt=str(answer["question"]).strip(),
+        choices=choices,
+        correct=correct,
+        feedback=feedback,
+    )
+
+
+async def generate_item(
+    completions: CompletionService,
+    key: ApiKey,
+    *,
+    model: str,
+    topic: str,
+    level: Level,
+    language: str,
+    kind: ItemType,
+    n: int,
+    choices: int,
+    seed: int,
+    max_tokens: int,
+) -> Item:
+    """One item from the model; raises ApiError as a completion would."""
+    body = {
+        "model": model,
+        "messages": messages(topic, level, language, kind, n),
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "seed": seed,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {
+                "name": f"item_{kind.value}",
+                "schema": item_schema(kind, choices, level),
+                "strict": True,
+            },
+        },
+    }
+    req = parse_body(ChatCompletionRequest, body, UNSUPPORTED_CHAT)
+    prepared = await completions.prepare_chat(req, key, ROUTE)
+    async with contextlib.aclosing(completions.start(prepared)) as generation:
+        finished = await drain(generation)
+    problems = completions.problems(prepared, finished)
+    await completions.record(prepared, finished, 422 if problems else 200)
+    if problems:
+        raise ApiError(ErrorCode.output_validation_failed, "; ".join(problems))
+    return to_item(kind, json.loads(finished.text), n, language)
+
+
+class Narrator:
+    """espeak-ng in its own process: WAV bytes for a text in a language."""
+
+    engine = "espeak-ng"
+
+    def __init__(self, rate_wpm: int = 150) -> None:
+        self._rate = rate_wpm
+        self._version: str | None = None
+
+    @staticmethod
+    def available() -> bool:
+        return shutil.which("espeak-ng") is not None
+
+    async def version(self) -> str:
+        if self._version is None:
+            out = await self._run("--version")
+            self._version = out.decode(errors="replace").split("Data at")[0].strip()
+        return self._version
+
+    async def speak(self, text: str, language: str) -> bytes:
+        voice = language.split("-", maxsplit=1)[0]
+        # The text goes in on stdin: never an argument, so it can never be read as an option.
+        raw = await self._run("-v", voice, "-s", str(self._rate), "--stdout", stdin=text)
+        return fix_wav_sizes(raw)
+
+    async def _run(self, *args: str, stdin: str | None = None) -> bytes:
+        executable = shutil.which("espeak-ng")
+        if executable is None:
+            raise ApiError(
+                ErrorCode.model_unavailable,
+                "narration needs espeak-ng (`just setup` installs it), or `narration: false`",
+            )
+        process = await asyncio.create_subprocess_exec(
+            executable,
+            *args,
+            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await process.communicate(None if stdin is None else stdin.encode())
+        if process.returncode != 0:
+            raise ApiError(
+                ErrorCode.internal_error,
+                f"espeak-ng failed ({process.returncode}): {err.decode(errors='replace')[:200]}",
+            )
+        return out
+
+
+def fix_wav_sizes(raw: bytes) -> bytes:
+    """espeak-ng writing to a pipe cannot seek back, so its WAV header says "as long as
+    possible" (0x7fffffff); a WAV file states its real sizes, which is what every reader
+    and the audio check trust."""
+    if len(raw) < 44 or raw[:4] != b"RIFF" or raw[8:12] != b"WAVE":
+        raise ApiError(ErrorCode.internal_error, "espeak-ng did not write a WAV")
+    out = bytearray(raw)
+    out[4:8] = (len(raw) - 8).to_bytes(4, "little")
+    offset = 12
+    while offset + 8 <= len(out):
+        size = int.from_bytes(out[offset + 4 : offset + 8], "little")
+        if out[offset : offset + 4] == b"data":
+            out[offset + 4 : offset + 8] = (len(out) - offset - 8).to_bytes(4, "little")
+            return bytes(out)
+        offset += 8 + size + (size & 1)
+    raise ApiError(ErrorCode.internal_error, "espeak-ng wrote a WAV without audio")
+
+
+def cover_svg(title: str, subtitle: str) -> bytes:
+    """A cover made from the title: colours from its hash, the title set large."""
+    digest = hashlib.sha256(title.encode()).digest()
+    hue = digest[0] * 360 // 256
+    words, lines, line = title.split(), [], ""
+    for word in words:
+        if len(line) + len(word) > 22 and line:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}".strip()
+    lines.append(line)
+    text = "".join(
+        f'<text x="60" y="{240 + 70 * i}" font-size="56" font-family="sans-serif" '
+        f'font-weight="bold" fill="#fff">{html.escape(part)}</text>'
+        for i, part in enumerate(lines[:4])
+    )
+    svg = (
+        '<svg xmlns="http://www.w3.org/2000/svg" width="1200" height="630" viewBox="0 0 1200 630">'
+        f'<rect width="1200" height="630" fill="hsl({hue},55%,32%)"/>'
+        f'<circle cx="1050" cy="120" r="220" fill="hsl({(hue + 40) % 360},60%,45%)" opacity="0.6"/>'
+        f"{text}"
+        f'<text x="60" y="570" font-size="30" font-family="sans-serif" fill="#eee">'
+        f"{html.escape(subtitle)}</text></svg>"
+    )
+    return svg.encode()
