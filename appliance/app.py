@@ -28,8 +28,11 @@ from appliance.gateway.keys import (
 )
 from appliance.gateway.middleware import authenticate, errors_and_metrics
 from appliance.gateway.offload import Offload
+from appliance.gateway.packages import PACKAGES, PACKAGES_URL
 from appliance.gateway.routes import ROUTES
 from appliance.jobs.service import JobService
+from appliance.packages.cache import PackageCache
+from appliance.packages.service import PackageService
 from appliance.serving.registry import ModelRegistry
 from appliance.state.store import AsyncStore
 from shared import __version__
@@ -53,7 +56,7 @@ def create_app(settings: ApplianceSettings) -> web.Application:
     app[SETTINGS] = settings
     app[METRICS] = Metrics()
     for route in ROUTES:
-        app.router.add_route(route.method, route.path, route.handler)
+        app.router.add_route(route.method, route.router_path or route.path, route.handler)
     app.cleanup_ctx.append(_store)
     app.cleanup_ctx.append(_tracing)
     app.cleanup_ctx.append(_models)
@@ -141,8 +144,21 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
 async def _jobs(app: web.Application) -> AsyncIterator[None]:
     # After the models: jobs resume at start (the first items wait for the model to load)
     # and stop before the models close, so an item cut short stays pending and runs again.
-    service = JobService(app[STORE], app[COMPLETIONS], app[SETTINGS].jobs, app[METRICS])
+    settings = app[SETTINGS]
+    service = JobService(app[STORE], app[COMPLETIONS], settings.jobs, app[METRICS])
     app[JOBS] = service
+    # Content packages run as jobs too (one item each), so they resume after a restart.
+    cache = PackageCache(settings.packages_dir, max_bytes=settings.packages.cache_max_mb << 20)
+    packages = PackageService(
+        app[COMPLETIONS],
+        app[HOST],
+        cache,
+        settings.packages,
+        model=settings.packages.model or settings.model.default,
+        node_id=app[NODE_ID],
+    )
+    app[PACKAGES] = packages
+    service.runner.handlers[PACKAGES_URL] = packages.run_job_item
     service.start()
     yield
     await service.close()

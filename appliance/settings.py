@@ -220,7 +220,6 @@ class DiscoverySettings(_Section):
 
 
 class PackageSettings(_Section):
-    enabled: bool = Field(default=True, description="Serve `/v1/packages` (content packages).")
     model: str | None = Field(
         None, max_length=200, description="Model that writes the items; unset: model.default."
     )

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from appliance.gateway import admin, handlers, jobs, websocket
+from appliance.gateway import admin, handlers, jobs, packages, websocket
 from appliance.gateway.jobs import JobRequest
 from appliance.gateway.schemas import (
     AdminModelRequest,
@@ -16,6 +16,7 @@ from appliance.gateway.schemas import (
     CompletionRequest,
     EmbeddingRequest,
 )
+from appliance.packages.model import PackageRequest
 from shared.errors import ErrorCode
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ class Route:
     status: int = 200  # of a success
     # "hub": only the fleet's hub calls it (with the node's offload secret, not an API key)
     caller: str = "client"
+    # The router's pattern where it differs from the documented path (a slash in a value).
+    router_path: str | None = None
 
 
 ROUTES: tuple[Route, ...] = (
@@ -152,6 +155,66 @@ ROUTES: tuple[Route, ...] = (
         "with its own id, cancellable by message (see the README).",
         auth=True,
         errors=(*_AUTH, ErrorCode.bad_request),
+    ),
+    Route(
+        "POST",
+        "/v1/packages",
+        packages.create_package,
+        "Ask for a content package (topic, level, spec): a job (202), or with `wait: true` "
+        "the finished, validated package; a repeated request is served from the cache.",
+        auth=True,
+        body=PackageRequest,
+        errors=(*_AUTH, *_BODY, *_GENERATE, ErrorCode.package_validation_failed),
+        status=202,
+    ),
+    Route(
+        "GET",
+        "/v1/packages",
+        packages.list_packages,
+        "The package cache, newest first; `q` searches id, title and topic; `limit`, `offset`.",
+        auth=True,
+        errors=(*_AUTH, ErrorCode.invalid_parameter),
+    ),
+    Route(
+        "GET",
+        "/v1/packages/{id}",
+        packages.get_package,
+        "A package and its manifest (`version` for another than the newest); ETag.",
+        auth=True,
+        errors=(*_AUTH, ErrorCode.package_not_found),
+    ),
+    Route(
+        "GET",
+        "/v1/packages/{id}/files/{path}",
+        packages.package_file,
+        "A file of a package, verified against its sha256 before it is served; ETag (its "
+        "sha256) and Range.",
+        auth=True,
+        errors=(*_AUTH, ErrorCode.package_not_found, ErrorCode.package_corrupt),
+        router_path="/v1/packages/{id}/files/{path:.+}",
+    ),
+    Route(
+        "GET",
+        "/v1/packages/{id}/exports/{format}",
+        packages.package_export,
+        "The package for an LMS: `h5p` (H5P Question Set), `moodle-xml`, `qti3`.",
+        auth=True,
+        errors=(
+            *_AUTH,
+            ErrorCode.invalid_parameter,
+            ErrorCode.package_not_found,
+            ErrorCode.package_corrupt,
+            ErrorCode.package_validation_failed,
+        ),
+    ),
+    Route(
+        "POST",
+        "/v1/admin/packages/{id}/pin",
+        packages.pin_package,
+        'Pin a package (never evicted) or unpin it: `{"pinned": true, "version": …}`.',
+        auth=True,
+        body=packages.PinRequest,
+        errors=(*_ADMIN, *_BODY, ErrorCode.package_not_found),
     ),
     Route(
         "POST",

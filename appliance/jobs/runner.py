@@ -45,12 +45,15 @@ from shared.classes import ServiceClass
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from appliance.serving.engine import Finished
     from appliance.settings import JobSettings
     from appliance.state.jobs import Job, JobStore, PendingItem
     from appliance.state.store import ApiKey, AsyncStore
+
+    # Runs one item of another route: (the job's key, the item's body) -> (status, body).
+    ItemHandler = Callable[[ApiKey, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
     from shared.telemetry import Metrics
 
 log = logging.getLogger(__name__)
@@ -107,6 +110,9 @@ class JobRunner:
         self._paused_until = 0.0  # loop time; no item starts before it
         self._failures = 0  # transient failures in a row: the backoff's exponent
         self._task: asyncio.Task[None] | None = None
+        # Items of other routes (a package job's `/v1/packages`): url -> what runs one, given
+        # the job's key and the item's body, answering (status, body).
+        self.handlers: dict[str, ItemHandler] = {}
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._dispatch(), name="kvl-job-runner")
@@ -238,6 +244,9 @@ class JobRunner:
         """Run one item as its route would, non-streamed; None if its job was cancelled."""
         item = running.item
         service = self._completions
+        handler = self.handlers.get(item.url)
+        if handler is not None:
+            return await self._handled(handler, item)
         try:
             key = await self._key(item)
             prepared = await self._prepare(item, key)
@@ -263,6 +272,15 @@ class JobRunner:
             return _Result(error.status, error.body())
         await self._record(prepared, finished, 200)
         return _Result(200, response_body(prepared, finished))
+
+    async def _handled(self, handler: ItemHandler, item: PendingItem) -> _Result | _Retry:
+        try:
+            status, body = await handler(await self._key(item), item.body)
+        except ApiError as err:
+            if err.status in {RETRY_LATER, UNAVAILABLE}:
+                return _Retry(err)
+            return _Result(err.status, err.body())
+        return _Result(status, body)
 
     async def _record(self, prepared: Prepared, finished: Finished, status: int) -> None:
         # Already recorded: this item finished before a restart and before its result was

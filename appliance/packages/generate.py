@@ -77,14 +77,17 @@ def item_schema(kind: ItemType, choices: int, level: Level) -> dict[str, Any]:
     else:
         array = {"type": "array", "items": choice, "minItems": choices, "maxItems": choices}
         properties = {"question": text, "choices": array}
+        # Letters from an enum: the grammar enforces an enum everywhere, a numeric range not.
+        letter = {"type": "string", "enum": list(CHOICE_IDS[:choices])}
         if kind is ItemType.single_choice:
-            properties["correct"] = {"type": "integer", "minimum": 1, "maximum": choices}
+            properties["correct"] = letter
         else:
             properties["correct"] = {
                 "type": "array",
-                "items": {"type": "integer", "minimum": 1, "maximum": choices},
+                "items": letter,
                 "minItems": 1,
                 "maxItems": choices - 1,
+                "uniqueItems": True,
             }
     properties["explanation"] = feedback
     return {
@@ -95,8 +98,30 @@ def item_schema(kind: ItemType, choices: int, level: Level) -> dict[str, Any]:
     }
 
 
+_PLANETS = ["Mercury", "Venus", "Earth", "Mars", "Jupiter", "Saturn"]
+
+
+def example(kind: ItemType, choices: int) -> str:
+    """A worked answer of the item type (on another topic): small models copy the form of
+    an example far better than they follow a description of it."""
+    explanation = "Mercury orbits closest to the Sun."
+    body: dict[str, Any]
+    if kind is ItemType.true_false:
+        body = {"statement": "Mercury is the planet closest to the Sun.", "answer": True}
+    elif kind is ItemType.short_answer:
+        body = {"question": "Which planet is closest to the Sun?", "answers": ["Mercury"]}
+    elif kind is ItemType.single_choice:
+        body = {"question": "Which planet is closest to the Sun?",
+                "choices": _PLANETS[:choices], "correct": "a"}  # fmt: skip
+    else:
+        body = {"question": "Which of these planets are rocky?",
+                "choices": _PLANETS[:choices], "correct": ["a", "b"]}  # fmt: skip
+        explanation = "Mercury and Venus are rocky planets."
+    return json.dumps({**body, "explanation": explanation})
+
+
 def messages(
-    topic: str, level: Level, language: str, kind: ItemType, n: int
+    topic: str, level: Level, language: str, kind: ItemType, n: int, *, choices: int = 4
 ) -> list[dict[str, str]]:
     """The prompt (template version TEMPLATE_VERSION)."""
     tongue = LANGUAGES.get(language.split("-", maxsplit=1)[0], language)
@@ -108,8 +133,10 @@ def messages(
         },
         {
             "role": "user",
-            "content": f"Topic: {topic}. Write item {n}: {_KIND[kind]}. Keep it factual "
-            "and make every choice different.",
+            "content": f"An example of {_KIND[kind]}, about astronomy: "
+            f"{example(kind, choices)}\nNow write item {n}, about {topic}: {_KIND[kind]}. "
+            "Keep it factual and make every choice different; `correct` names the right "
+            "choice by its letter (a is the first).",
         },
     ]
 
@@ -141,7 +168,8 @@ def to_item(kind: ItemType, answer: dict[str, Any], n: int, language: str) -> It
         Choice(id=CHOICE_IDS[i], text=str(t).strip()) for i, t in enumerate(answer["choices"])
     ]
     picked = answer["correct"] if isinstance(answer["correct"], list) else [answer["correct"]]
-    correct = sorted({CHOICE_IDS[int(i) - 1] for i in picked if 1 <= int(i) <= len(choices)})
+    ids = {c.id for c in choices}
+    correct = sorted({str(letter) for letter in picked if str(letter) in ids})
     return Item(
         id=f"item-{n}",
         type=kind,
@@ -169,7 +197,7 @@ async def generate_item(
     """One item from the model; raises ApiError as a completion would."""
     body = {
         "model": model,
-        "messages": messages(topic, level, language, kind, n),
+        "messages": messages(topic, level, language, kind, n, choices=choices),
         "max_tokens": max_tokens,
         "temperature": 0.8,
         "seed": seed,

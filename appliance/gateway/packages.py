@@ -1,0 +1,188 @@
+"""`/v1/packages`: ask for a content package (a job, or the finished package with
+`"wait": true`), list and search the package cache, fetch a package's manifest, its files
+(ETag and Range, verified against their sha256 first) and its LMS exports; pin one.
+
+The cache serves on the LAN whether or not the hub is reachable."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict
+
+from appliance.gateway.jobs import JOBS
+from appliance.gateway.keys import api_key
+from appliance.gateway.parsing import parse_body, read_json
+from appliance.jobs.bodies import job_object
+from appliance.packages.cache import CorruptBlobError, NotCachedError
+from appliance.packages.exports import ExportError, export_h5p, export_moodle_xml, export_qti3
+from appliance.packages.model import PackageRequest
+from appliance.packages.service import PackageService, package_view
+from appliance.state.jobs import NewItem
+from shared.errors import ApiError, ErrorCode
+
+if TYPE_CHECKING:
+    from appliance.packages.cache import CachedPackage, PackageCache
+
+PACKAGES = web.AppKey("packages", PackageService)
+PACKAGES_URL = "/v1/packages"
+EXPORTS = {
+    "h5p": ("application/zip", ".h5p"),
+    "moodle-xml": ("application/xml", ".xml"),
+    "qti3": ("application/zip", ".qti.zip"),
+}
+
+
+class PinRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pinned: bool = True
+    version: str | None = None
+
+
+def _service(request: web.Request) -> PackageService:
+    return request.app[PACKAGES]
+
+
+def _cache(request: web.Request) -> PackageCache:
+    return _service(request).cache
+
+
+async def _get(request: web.Request) -> CachedPackage:
+    cache = _cache(request)
+    try:
+        return await asyncio.to_thread(
+            cache.get, request.match_info["id"], request.query.get("version")
+        )
+    except NotCachedError as err:
+        raise ApiError(ErrorCode.package_not_found, str(err)) from err
+
+
+async def create_package(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    req = parse_body(PackageRequest, body)
+    key = api_key(request)
+    if req.wait:
+        cached = await _service(request).create(req, key)
+        return web.json_response(package_view(cached), headers=_etag(cached))
+    item = NewItem(custom_id="package", url=PACKAGES_URL, body=req.model_dump(mode="json"))
+    job = await request.app[JOBS].create(key, [item], models={}, metadata={}, webhook_url=None)
+    return web.json_response(
+        job_object(job), status=202, headers={"Location": f"/v1/jobs/{job.id}"}
+    )
+
+
+async def list_packages(request: web.Request) -> web.Response:
+    try:
+        limit = min(200, max(1, int(request.query.get("limit", "50"))))
+        offset = max(0, int(request.query.get("offset", "0")))
+    except ValueError as err:
+        raise ApiError(
+            ErrorCode.invalid_parameter, "limit and offset are integers", param="limit"
+        ) from err
+    found = await asyncio.to_thread(
+        _cache(request).list, query=request.query.get("q"), limit=limit, offset=offset
+    )
+    return web.json_response({"object": "list", "data": [_summary(p) for p in found]})
+
+
+async def get_package(request: web.Request) -> web.Response:
+    cached = await _get(request)
+    headers = _etag(cached)
+    if request.headers.get("If-None-Match") == headers["ETag"]:
+        return web.Response(status=304, headers=headers)
+    return web.json_response(package_view(cached), headers=headers)
+
+
+async def package_file(request: web.Request) -> web.StreamResponse:
+    cache = _cache(request)
+    package_id, path = request.match_info["id"], request.match_info["path"]
+    try:
+        entry, blob = await asyncio.to_thread(
+            cache.open_file, package_id, request.query.get("version"), path
+        )
+    except NotCachedError as err:
+        raise ApiError(ErrorCode.package_not_found, str(err)) from err
+    except CorruptBlobError as err:
+        raise ApiError(ErrorCode.package_corrupt, str(err), retry_after=1) from err
+    # The sha256 is the strong validator; aiohttp answers Range and If-None-Match for it.
+    response = web.FileResponse(blob, headers={"Content-Type": entry.media_type})
+    response.etag = entry.sha256
+    return response
+
+
+async def package_export(request: web.Request) -> web.Response:
+    form = request.match_info["format"]
+    if form not in EXPORTS:
+        raise ApiError(
+            ErrorCode.invalid_parameter,
+            f"exports are {', '.join(EXPORTS)}; not {form!r}",
+            param="format",
+        )
+    cached = await _get(request)
+    try:
+        files = await asyncio.to_thread(_read_files, _cache(request), cached)
+    except CorruptBlobError as err:
+        raise ApiError(ErrorCode.package_corrupt, str(err), retry_after=1) from err
+    media_type, suffix = EXPORTS[form]
+    try:
+        if form == "h5p":
+            data = await asyncio.to_thread(export_h5p, cached.manifest, files)
+        elif form == "qti3":
+            data = await asyncio.to_thread(export_qti3, cached.manifest, files)
+        else:
+            data = await asyncio.to_thread(export_moodle_xml, cached.manifest)
+    except ExportError as err:
+        raise ApiError(ErrorCode.package_validation_failed, f"{form}: {err}") from err
+    name = f"{cached.id}-{cached.version}{suffix}"
+    return web.Response(
+        body=data,
+        headers={
+            "Content-Type": media_type,
+            "Content-Disposition": f'attachment; filename="{name}"',
+        },
+    )
+
+
+async def pin_package(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    req = parse_body(PinRequest, body)
+    cache = _cache(request)
+    package_id = request.match_info["id"]
+    try:
+        version = req.version or (await asyncio.to_thread(cache.get, package_id)).version
+        cached = await asyncio.to_thread(cache.pin, package_id, version, req.pinned)
+    except NotCachedError as err:
+        raise ApiError(ErrorCode.package_not_found, str(err)) from err
+    return web.json_response(_summary(cached))
+
+
+def _read_files(cache: PackageCache, cached: CachedPackage) -> dict[str, bytes]:
+    """Every file of a package, each verified (CorruptBlobError otherwise)."""
+    out: dict[str, bytes] = {}
+    for entry in cached.manifest.files:
+        _, blob = cache.open_file(cached.id, cached.version, entry.path)
+        out[entry.path] = blob.read_bytes()
+    return out
+
+
+def _etag(cached: CachedPackage) -> dict[str, str]:
+    return {"ETag": f'"{cached.digest.removeprefix("sha256:")}"'}
+
+
+def _summary(cached: CachedPackage) -> dict[str, Any]:
+    m = cached.manifest
+    return {
+        "object": "package",
+        "id": cached.id,
+        "version": cached.version,
+        "title": m.title,
+        "topic": m.topic,
+        "level": m.level.value,
+        "items": len(m.items),
+        "created_at": m.created_at,
+        "size": cached.size,
+        "pinned": cached.pinned,
+    }

@@ -1,0 +1,374 @@
+"""Validation of generated content: pure checks that fail closed.
+
+Every rule yields one `Check` per item (and the package-wide `schema` check one more with
+no item), named stably so that reports can be compared across generations:
+
+- `schema`: the package holds `spec.items` items (one check, no item); per item, its type
+  is one of `spec.item_types` and its id is not used by another item.
+- `prompt_nonempty`: the prompt has some non-whitespace text.
+- `prompt_length`: the stripped prompt and every stripped choice text have a length in
+  characters within the level's bounds (`PROMPT_LENGTH`, `CHOICE_LENGTH`):
+
+  ============  ==========  ==========
+  level         prompt      choice
+  ============  ==========  ==========
+  beginner      10..200     1..80
+  intermediate  10..300     1..120
+  advanced      10..500     1..200
+  ============  ==========  ==========
+
+- `choices_count`: single and multiple choice items have exactly `spec.choices` choices;
+  true/false items exactly two, with the ids "true" and "false"; short answers none.
+- `choices_unique`: no two choices share an id, or a text once case and spacing are
+  ignored.
+- `answer_among_choices`: every id in `correct` names one of the item's choices (choice
+  types; short answers pass as not applicable).
+- `one_correct_answer`: single choice and true/false list exactly one correct id; multiple
+  choice at least one and fewer than all choices, none twice; a short answer at least one
+  non-empty accepted answer.
+- `language`: the item's prompt and choices read as `spec.language` (its primary
+  subtag), judged by `detect_language`. A text of fewer than 5 words, one with no known
+  function words, and a language without a word list in `STOPWORDS` pass, each saying it
+  was not judged; a text that reads as another language fails naming that language.
+
+`check_audio` checks one narration file and `report` folds checks into the package's
+`ValidationReport`. Nothing here writes; `check_audio` reads a file only when given a path.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import wave
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from appliance.packages.model import Check, Item, ItemType, Level, Spec, ValidationReport
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from os import PathLike
+
+CHOICE_TYPES = frozenset({ItemType.single_choice, ItemType.multiple_choice, ItemType.true_false})
+TRUE_FALSE_IDS = frozenset({"true", "false"})
+
+# Inclusive bounds in characters of the stripped text. Prompts need at least a short
+# sentence; longer bounds at higher levels leave room for context and terminology.
+PROMPT_LENGTH: dict[Level, tuple[int, int]] = {
+    Level.beginner: (10, 200),
+    Level.intermediate: (10, 300),
+    Level.advanced: (10, 500),
+}
+CHOICE_LENGTH: dict[Level, tuple[int, int]] = {
+    Level.beginner: (1, 80),
+    Level.intermediate: (1, 120),
+    Level.advanced: (1, 200),
+}
+
+# Narration duration bounds, in seconds, for a text of `words` words: the lower bound
+# allows about 500 words a minute (faster than any voice speaks), the upper 40 words a
+# minute plus two seconds of lead-in and trailing silence (slower than any voice reads).
+AUDIO_MIN_SECONDS = 0.3
+AUDIO_MIN_SECONDS_PER_WORD = 0.12
+AUDIO_MAX_SECONDS_PER_WORD = 1.5
+AUDIO_MAX_PADDING_SECONDS = 2.0
+
+# Texts shorter than this many words are not judged: a handful of words carries too few
+# function words to tell related languages apart.
+LANGUAGE_MIN_WORDS = 5
+
+
+def _words(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+# About thirty of the most frequent function words (articles, prepositions, conjunctions,
+# pronouns, auxiliaries, question words) of each language. Words shared between languages
+# ("de", "la", "en", "in", "a") are kept because they are frequent in each; they count for
+# every language that has them.
+STOPWORDS: dict[str, frozenset[str]] = {
+    "en": _words(
+        "the of and to a in is it that for was on are with as be by this which what or from"
+        " an not at have has how does do can why who when these its"
+    ),
+    "de": _words(
+        "der die das und ist nicht ein eine zu den von mit sich des auf für im dem es auch"
+        " welche welcher wie was sind bei oder aus wird werden einen nach am"
+    ),
+    "fr": _words(
+        "le la les de des du un une et est en que qui dans pour pas sur au aux avec ce cette"
+        " il elle sont par plus quel quelle quels ou comment pourquoi"
+    ),
+    "es": _words(
+        "el la los las de del que y en un una es por con para se no al lo como más su sus son"
+        " cuál qué cómo o este esta entre"
+    ),
+    "nl": _words(
+        "de het een en van is in dat op te zijn met voor niet die aan er om ook als bij wat"
+        " welke hoe worden wordt door naar dit deze of"
+    ),
+    "it": _words(
+        "il lo la i gli le di del della che e è un una per in non con si sono da al alla dei"
+        " come quale qual cosa questo questa nel nella"
+    ),
+    "pt": _words(
+        "o a os as de do da dos das que e é um uma em no na para com não por se mais ao como"
+        " qual quais são foi este esta pelo pela"
+    ),
+}
+
+_WORD = re.compile(r"[^\W\d_]+")
+
+
+@dataclass(frozen=True, slots=True)
+class LanguageGuess:
+    """What `detect_language` found: the best-scoring language (None when no profiled
+    function word occurs or the text is too short), the words it counted, and the hits
+    per language."""
+
+    language: str | None
+    words: int
+    scores: dict[str, int]
+
+
+def detect_language(text: str) -> LanguageGuess:
+    """Guess the language of `text` by counting, for each language in `STOPWORDS`, how
+    many of its words are function words of that language; the highest count wins.
+
+    Limits: it knows only the languages in `STOPWORDS`; closely related languages (es/pt,
+    nl/de) share function words, so short texts may tie or lean the wrong way; texts made
+    of terms, names or numbers have few function words and tell little. It says which
+    language is most likely among those it knows, never that a text is well written.
+    """
+    words = [w.casefold() for w in _WORD.findall(text)]
+    scores = {lang: sum(w in stop for w in words) for lang, stop in STOPWORDS.items()}
+    if len(words) < LANGUAGE_MIN_WORDS or not any(scores.values()):
+        return LanguageGuess(None, len(words), scores)
+    best = max(scores, key=lambda lang: scores[lang])
+    return LanguageGuess(best, len(words), scores)
+
+
+def check_items(items: Sequence[Item], spec: Spec, level: Level) -> list[Check]:
+    """Every rule of this module for the package's items, in a stable order: the
+    package-wide `schema` check first, then per item the rules in the order documented
+    above."""
+    checks = [_package_schema(items, spec)]
+    id_counts = Counter(item.id for item in items)
+    for item in items:
+        checks += [
+            _item_schema(item, spec, id_counts[item.id]),
+            _prompt_nonempty(item),
+            _prompt_length(item, level),
+            _choices_count(item, spec),
+            _choices_unique(item),
+            _answer_among_choices(item),
+            _one_correct_answer(item),
+            _language(item, spec.language),
+        ]
+    return checks
+
+
+def check_audio(
+    path_or_bytes: bytes | str | PathLike[str], *, text: str, item: str | None = None
+) -> Check:
+    """`audio_plausible`: the narration is a PCM WAV file the stdlib `wave` module decodes
+    completely, and its duration fits the text it reads: at least
+    max(0.3 s, words * 0.12 s) and at most words * 1.5 s + 2 s."""
+    name = "audio_plausible"
+    data = path_or_bytes if isinstance(path_or_bytes, bytes) else Path(path_or_bytes).read_bytes()
+    try:
+        with wave.open(io.BytesIO(data), "rb") as wav:
+            frames, rate = wav.getnframes(), wav.getframerate()
+            frame_size = wav.getsampwidth() * wav.getnchannels()
+            complete = len(wav.readframes(frames)) == frames * frame_size
+    # `wave` raises a bare RuntimeError when a chunk claims more bytes than the file holds.
+    except (wave.Error, EOFError, RuntimeError) as err:
+        return Check(
+            name=name,
+            passed=False,
+            item=item,
+            detail=f"The narration is not a PCM WAV file ({err}); synthesise it again as WAV.",
+        )
+    if rate <= 0 or not complete:
+        return Check(
+            name=name,
+            passed=False,
+            item=item,
+            detail="The narration WAV is truncated or has no sample rate; synthesise it again.",
+        )
+    words = len(text.split())
+    seconds = frames / rate
+    low = max(AUDIO_MIN_SECONDS, words * AUDIO_MIN_SECONDS_PER_WORD)
+    high = words * AUDIO_MAX_SECONDS_PER_WORD + AUDIO_MAX_PADDING_SECONDS
+    if not low <= seconds <= high:
+        return Check(
+            name=name,
+            passed=False,
+            item=item,
+            detail=(
+                f"The narration lasts {seconds:.2f} s but {words} words need between "
+                f"{low:.2f} s and {high:.2f} s; check the text given to the voice."
+            ),
+        )
+    return Check(name=name, passed=True, item=item, detail=f"{seconds:.2f} s for {words} words")
+
+
+def report(checks: list[Check], attempts: int) -> ValidationReport:
+    """The package's report: passed when every check passed. Fails closed: a report with
+    no checks at all has shown nothing and does not pass."""
+    return ValidationReport(
+        passed=bool(checks) and all(check.passed for check in checks),
+        checks=checks,
+        attempts=attempts,
+    )
+
+
+def _check(name: str, item: Item | None, problems: list[str], ok: str = "") -> Check:
+    """A check that passes when `problems` is empty; otherwise its detail is the first
+    problem (each one sentence)."""
+    return Check(
+        name=name,
+        passed=not problems,
+        item=None if item is None else item.id,
+        detail=problems[0] if problems else ok,
+    )
+
+
+def _package_schema(items: Sequence[Item], spec: Spec) -> Check:
+    problems = []
+    if len(items) != spec.items:
+        problems.append(
+            f"The package has {len(items)} items but the spec asks for {spec.items}; "
+            "generate the missing items or drop the extra ones."
+        )
+    return _check("schema", None, problems)
+
+
+def _item_schema(item: Item, spec: Spec, id_count: int) -> Check:
+    problems = []
+    if item.type not in spec.item_types:
+        allowed = ", ".join(t.value for t in spec.item_types)
+        problems.append(
+            f"Item type {item.type.value} is not among the requested types ({allowed})."
+        )
+    if id_count > 1:
+        problems.append(f"Item id {item.id!r} is used by {id_count} items; give each its own.")
+    return _check("schema", item, problems)
+
+
+def _prompt_nonempty(item: Item) -> Check:
+    problems = [] if item.prompt.strip() else ["The prompt is empty; write the question."]
+    return _check("prompt_nonempty", item, problems)
+
+
+def _prompt_length(item: Item, level: Level) -> Check:
+    problems = []
+    low, high = PROMPT_LENGTH[level]
+    length = len(item.prompt.strip())
+    if not low <= length <= high:
+        problems.append(
+            f"The prompt has {length} characters; a {level.value} prompt needs {low} to {high}."
+        )
+    low, high = CHOICE_LENGTH[level]
+    for choice in item.choices:
+        length = len(choice.text.strip())
+        if not low <= length <= high:
+            problems.append(
+                f"Choice {choice.id!r} has {length} characters; a {level.value} choice "
+                f"needs {low} to {high}."
+            )
+    return _check("prompt_length", item, problems)
+
+
+def _choices_count(item: Item, spec: Spec) -> Check:
+    count = len(item.choices)
+    problems = []
+    if item.type is ItemType.short_answer:
+        if count:
+            problems.append(f"A short answer has no choices but this one has {count}.")
+    elif item.type is ItemType.true_false:
+        ids = sorted(c.id for c in item.choices)
+        if count != 2 or set(ids) != TRUE_FALSE_IDS:
+            problems.append(
+                f"A true/false item needs exactly the choices 'true' and 'false', not {ids}."
+            )
+    elif count != spec.choices:
+        problems.append(f"The item has {count} choices but the spec asks for {spec.choices}.")
+    return _check("choices_count", item, problems)
+
+
+def _normalised(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+def _choices_unique(item: Item) -> Check:
+    problems = []
+    for choice_id, n in Counter(c.id for c in item.choices).items():
+        if n > 1:
+            problems.append(f"Choice id {choice_id!r} is used {n} times; give each its own id.")
+    seen: dict[str, str] = {}
+    for choice in item.choices:
+        key = _normalised(choice.text)
+        if key in seen:
+            problems.append(
+                f"Choices {seen[key]!r} and {choice.id!r} have the same text "
+                f"{choice.text.strip()!r}; reword one."
+            )
+        else:
+            seen[key] = choice.id
+    return _check("choices_unique", item, problems)
+
+
+def _answer_among_choices(item: Item) -> Check:
+    if item.type not in CHOICE_TYPES:
+        return _check("answer_among_choices", item, [], "not applicable to short answers")
+    ids = {c.id for c in item.choices}
+    problems = [
+        f"Correct answer {answer!r} is not one of the choices {sorted(ids)}."
+        for answer in item.correct
+        if answer not in ids
+    ]
+    return _check("answer_among_choices", item, problems)
+
+
+def _one_correct_answer(item: Item) -> Check:
+    problems = []
+    twice = sorted(a for a, n in Counter(item.correct).items() if n > 1)
+    if item.type is ItemType.short_answer:
+        if not any(answer.strip() for answer in item.correct):
+            problems.append("A short answer needs at least one non-empty accepted answer.")
+    elif twice:
+        problems.append(f"Correct answer {twice[0]!r} is listed more than once.")
+    elif item.type is ItemType.multiple_choice:
+        n = len(item.correct)
+        if n == 0:
+            problems.append("A multiple choice item needs at least one correct answer.")
+        elif n >= len(item.choices):
+            problems.append(
+                f"All {n} choices are marked correct; a multiple choice item needs a wrong one."
+            )
+    elif len(item.correct) != 1:
+        problems.append(
+            f"A {item.type.value} item needs exactly one correct answer, not {len(item.correct)}."
+        )
+    return _check("one_correct_answer", item, problems)
+
+
+def _language(item: Item, language: str) -> Check:
+    asked = language.split("-", 1)[0].casefold()
+    if asked not in STOPWORDS:
+        return _check("language", item, [], f"no word list for {asked}; not checked")
+    guess = detect_language(" ".join([item.prompt, *(c.text for c in item.choices)]))
+    if guess.words < LANGUAGE_MIN_WORDS:
+        return _check("language", item, [], "too short to tell")
+    if guess.language is None:
+        return _check("language", item, [], "no common function words; cannot tell")
+    if guess.scores[asked] == guess.scores[guess.language]:
+        return _check("language", item, [], f"reads as {asked}")
+    return _check(
+        "language",
+        item,
+        [f"The text reads as {guess.language}, not {asked}; write it in {asked}."],
+    )

@@ -1,0 +1,263 @@
+"""Content packages, end to end: a request in, one finished, validated package out,
+kept in the local package cache.
+
+1. The cache key is the normalised request's digest with the writing model's sha256, the
+   voice's version and the prompt template's version: a repeated request is a cache hit,
+   and a new model or voice makes a new version of the same package id.
+2. Items come from the local model one at a time (generate.py), each constrained by its
+   type's JSON schema. The content checks (checks.py) run on the whole set; an item that
+   fails one is generated again with another seed, up to `packages.max_attempts` times.
+   A package that still fails is never delivered: the error lists the failed checks.
+3. Narration (espeak-ng) for the introduction and each item, each file checked to decode
+   with a plausible duration; a cover made from the title.
+4. The manifest lists every file with its sha256 and size, the lineage (model, voice,
+   template, seed, appliance) and the validation report; the cache stores it all,
+   content-addressed.
+
+Two identical requests at once generate once (a lock per cache key). The tokens each
+item's generation used are charged to the requesting key's account, as any completion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections import defaultdict
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from appliance.packages.checks import check_audio, check_items, report
+from appliance.packages.generate import (
+    TEMPLATE_VERSION,
+    Narrator,
+    cover_svg,
+    generate_item,
+)
+from appliance.packages.model import (
+    Check,
+    FileEntry,
+    Item,
+    Lineage,
+    Manifest,
+    ModelLineage,
+    PackageRequest,
+    VoiceLineage,
+)
+from shared.errors import ApiError, ErrorCode
+
+if TYPE_CHECKING:
+    from appliance.gateway.completions import CompletionService
+    from appliance.packages.cache import CachedPackage, PackageCache
+    from appliance.serving.registry import ModelRegistry
+    from appliance.settings import PackageSettings
+    from appliance.state.store import ApiKey, ModelRecord
+
+log = logging.getLogger(__name__)
+
+
+def package_view(cached: CachedPackage) -> dict[str, Any]:
+    """A package as the API answers it."""
+    return {
+        "object": "package",
+        "id": cached.id,
+        "version": cached.version,
+        "pinned": cached.pinned,
+        "size": cached.size,
+        "manifest": cached.manifest.model_dump(mode="json"),
+    }
+
+
+class PackageService:
+    def __init__(
+        self,
+        completions: CompletionService,
+        host: ModelRegistry,
+        cache: PackageCache,
+        settings: PackageSettings,
+        *,
+        model: str,
+        node_id: str,
+    ) -> None:
+        self._completions = completions
+        self._host = host
+        self.cache = cache
+        self._settings = settings
+        self._model = model  # the model that writes the items (name or name@version)
+        self._node_id = node_id
+        self._narrator = Narrator(settings.narration_rate_wpm)
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    async def create(self, req: PackageRequest, key: ApiKey) -> CachedPackage:
+        record = (await self._host.resolve(self._model)).record
+        voice = await self._narrator.version() if req.spec.narration else None
+        digest = req.digest()
+        cache_key = hashlib.sha256(
+            json.dumps([digest, record.sha256, voice, TEMPLATE_VERSION]).encode()
+        ).hexdigest()
+        async with self._locks[cache_key]:
+            hit = await asyncio.to_thread(self.cache.by_key, cache_key)
+            if hit is not None:
+                log.info("package %s@%s from the cache", hit.id, hit.version)
+                return hit
+            manifest, files = await self._make(req, key, record, digest, cache_key, voice)
+            stored = await asyncio.to_thread(self.cache.put, manifest, files, cache_key)
+        self._locks.pop(cache_key, None)
+        return stored
+
+    async def _make(  # noqa: PLR0917 - the parts of one package
+        self,
+        req: PackageRequest,
+        key: ApiKey,
+        record: ModelRecord,
+        digest: str,
+        cache_key: str,
+        voice: str | None,
+    ) -> tuple[Manifest, dict[str, bytes]]:
+        spec = req.spec
+        seed = int(digest[:8], 16)
+        items, attempts, checks, audio = await self._items(req, key, record.ref, seed)
+        title = " ".join(req.topic.split())
+        files: dict[str, bytes] = {}
+        media: dict[str, str] = {}
+        if spec.narration:
+            intro = f"{title}. {len(items)} questions."
+            wav = await self._narrator.speak(intro, spec.language)
+            check = check_audio(wav, text=intro, item="intro")
+            checks.append(check)
+            if not check.passed:  # the title itself cannot be read plausibly
+                raise ApiError(ErrorCode.package_validation_failed, check.detail)
+            files["audio/intro.wav"] = wav
+            for item_id, data in audio.items():
+                files[f"audio/{item_id}.wav"] = data
+            media |= dict.fromkeys(files, "audio/wav")
+            items = [i.model_copy(update={"narration": f"audio/{i.id}.wav"}) for i in items]
+        files["items.json"] = json.dumps(
+            [i.model_dump(mode="json") for i in items], ensure_ascii=False, indent=2
+        ).encode()
+        media["items.json"] = "application/json"
+        files["cover.svg"] = cover_svg(title, f"{req.level.value} · {len(items)} questions")
+        media["cover.svg"] = "image/svg+xml"
+        entries = [
+            FileEntry(
+                path=path,
+                sha256=hashlib.sha256(data).hexdigest(),
+                size=len(data),
+                media_type=media[path],
+            )
+            for path, data in sorted(files.items())
+        ]
+        manifest = Manifest(
+            id=f"pkg_{digest[:24]}",
+            version=cache_key[:12],
+            title=title,
+            topic=req.topic,
+            level=req.level,
+            spec=spec,
+            items=items,
+            files=entries,
+            lineage=Lineage(
+                model=ModelLineage(name=record.name, version=record.version, sha256=record.sha256),
+                voice=VoiceLineage(engine=Narrator.engine, voice=spec.language, version=voice)
+                if voice
+                else None,
+                prompt_template_version=TEMPLATE_VERSION,
+                seed=seed,
+                appliance_id=self._node_id,
+            ),
+            validation=report(checks, attempts),
+            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            request_digest=digest,
+        )
+        return manifest, files
+
+    async def _items(
+        self, req: PackageRequest, key: ApiKey, model: str, seed: int
+    ) -> tuple[list[Item], int, list[Check], dict[str, bytes]]:
+        """Every item, each generated again (another seed) while it fails a check or its
+        narration does; (items, attempts, checks, narration WAV by item id)."""
+        spec = req.spec
+        audio: dict[str, bytes] = {}
+        kinds = [spec.item_types[n % len(spec.item_types)] for n in range(spec.items)]
+        items: list[Item | None] = [None] * spec.items
+        redo = set(range(spec.items))
+        for attempt in range(1, self._settings.max_attempts + 1):
+            for n in sorted(redo):
+                items[n] = await self._one_item(
+                    key,
+                    model=model,
+                    topic=req.topic,
+                    level=req.level,
+                    language=spec.language,
+                    kind=kinds[n],
+                    n=n + 1,
+                    choices=spec.choices,
+                    seed=seed + 7919 * attempt + n,
+                )
+            if any(i is None for i in items):  # an answer that broke its schema: again
+                redo = {n for n, i in enumerate(items) if i is None}
+                checks = [
+                    Check(name="schema", passed=False, item=f"item-{n + 1}",
+                          detail="the model's answer did not follow the item's JSON schema")
+                    for n in sorted(redo)
+                ]  # fmt: skip
+                continue
+            done = [i for i in items if i is not None]
+            checks = check_items(done, spec, req.level)
+            failed = {c.item for c in checks if not c.passed}
+            if spec.narration:
+                # An item whose narration fails its check is generated again too.
+                for item in done:
+                    if item.id in failed or item.id in audio:
+                        continue
+                    spoken = _spoken(item)
+                    wav = await self._narrator.speak(spoken, spec.language)
+                    check = check_audio(wav, text=spoken, item=item.id)
+                    checks.append(check)
+                    if check.passed:
+                        audio[item.id] = wav
+                    else:
+                        failed.add(item.id)
+            if not failed:
+                return done, attempt, list(checks), audio
+            redo = {n for n, i in enumerate(done) if i.id in failed}
+            if None in failed or not redo:  # a check of the whole set: all again
+                redo = set(range(spec.items))
+            for n in redo:
+                audio.pop(f"item-{n + 1}", None)
+            log.info("package attempt %d: %d items fail checks, again", attempt, len(redo))
+        problems = "; ".join(
+            f"{c.name} ({c.item or 'package'}): {c.detail}" for c in checks if not c.passed
+        )
+        raise ApiError(
+            ErrorCode.package_validation_failed,
+            f"the package failed its checks after {self._settings.max_attempts} attempts: "
+            f"{problems}",
+        )
+
+    async def _one_item(self, key: ApiKey, **kwargs: Any) -> Item | None:
+        """One item, or None when the model's answer broke its schema (it is asked again)."""
+        try:
+            return await generate_item(
+                self._completions, key, max_tokens=self._settings.item_max_tokens, **kwargs
+            )
+        except ApiError as err:
+            if err.code is not ErrorCode.output_validation_failed:
+                raise
+            log.info("an item broke its schema: %s", err)
+            return None
+
+    async def run_job_item(self, key: ApiKey, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """A package job's one item (the job runner calls this)."""
+        req = PackageRequest.model_validate({**body, "wait": True})
+        cached = await self.create(req, key)
+        return 200, package_view(cached)
+
+
+def _spoken(item: Item) -> str:
+    """What the narration reads: the prompt, then the choices in order."""
+    if not item.choices or item.type.value == "true_false":
+        return item.prompt
+    options = ". ".join(f"{c.id.upper()}: {c.text}" for c in item.choices)
+    return f"{item.prompt} {options}."

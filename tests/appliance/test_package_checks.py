@@ -1,0 +1,423 @@
+"""Content checks: a good package passes every rule, each rule rejects a crafted bad one
+with a detail that names the problem, and narration audio is judged by its length."""
+
+from __future__ import annotations
+
+import io
+import string
+import wave
+from typing import TYPE_CHECKING
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from appliance.packages.checks import (
+    STOPWORDS,
+    check_audio,
+    check_items,
+    detect_language,
+    report,
+)
+from appliance.packages.model import Check, Choice, Item, ItemType, Level, Spec
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
+RULES = (
+    "schema",
+    "prompt_nonempty",
+    "prompt_length",
+    "choices_count",
+    "choices_unique",
+    "answer_among_choices",
+    "one_correct_answer",
+    "language",
+)
+ALL_TYPES = list(ItemType)
+
+
+def _choices(*texts: str) -> list[Choice]:
+    return [Choice(id=cid, text=text) for cid, text in zip("abcdef", texts, strict=False)]
+
+
+def good_items() -> list[Item]:
+    return [
+        Item(
+            id="q1",
+            type=ItemType.single_choice,
+            prompt="Which gas do plants give off during photosynthesis?",
+            choices=_choices("Oxygen", "Nitrogen", "Carbon dioxide", "Helium"),
+            correct=["a"],
+        ),
+        Item(
+            id="q2",
+            type=ItemType.multiple_choice,
+            prompt="Which of these are parts of a plant cell?",
+            choices=_choices("The cell wall", "The chloroplast", "A feather", "A scale"),
+            correct=["a", "b"],
+        ),
+        Item(
+            id="q3",
+            type=ItemType.true_false,
+            prompt="Plants need light to make their own food.",
+            choices=[Choice(id="true", text="True"), Choice(id="false", text="False")],
+            correct=["true"],
+        ),
+        Item(
+            id="q4",
+            type=ItemType.short_answer,
+            prompt="What is the name of the green pigment in the leaves of a plant?",
+            correct=["chlorophyll", "chlorophyl"],
+        ),
+    ]
+
+
+GOOD_SPEC = Spec(items=4, item_types=ALL_TYPES, choices=4, language="en")
+
+
+def failures(checks: list[Check]) -> list[Check]:
+    return [check for check in checks if not check.passed]
+
+
+def the_check(checks: list[Check], name: str, item: str | None) -> Check:
+    [check] = [c for c in checks if c.name == name and c.item == item]
+    return check
+
+
+@pytest.mark.parametrize("level", list(Level))
+def test_a_good_package_passes_every_check(level: Level) -> None:
+    checks = check_items(good_items(), GOOD_SPEC, level)
+
+    assert failures(checks) == []
+    assert [c.name for c in checks if c.item == "q1"] == list(RULES)
+    assert the_check(checks, "schema", None).passed
+    assert report(checks, attempts=1).passed
+
+
+def _replace(
+    item_id: str, **update: object
+) -> Callable[[list[Item], Spec], tuple[list[Item], Spec]]:
+    def mutate(items: list[Item], spec: Spec) -> tuple[list[Item], Spec]:
+        return [i.model_copy(update=update) if i.id == item_id else i for i in items], spec
+
+    return mutate
+
+
+def _drop_last(items: list[Item], spec: Spec) -> tuple[list[Item], Spec]:
+    return items[:-1], spec
+
+
+def _no_true_false(items: list[Item], spec: Spec) -> tuple[list[Item], Spec]:
+    types = [t for t in ALL_TYPES if t is not ItemType.true_false]
+    return items, spec.model_copy(update={"item_types": types})
+
+
+BAD_PACKAGES = [
+    ("schema", None, _drop_last, "has 3 items but the spec asks for 4"),
+    ("schema", "q3", _no_true_false, "true_false is not among the requested types"),
+    ("schema", "q1", _replace("q2", id="q1"), "'q1' is used by 2 items"),
+    ("prompt_nonempty", "q1", _replace("q1", prompt=" \n\t "), "prompt is empty"),
+    ("prompt_length", "q1", _replace("q1", prompt="Why?"), "prompt has 4 characters"),
+    ("prompt_length", "q1", _replace("q1", prompt="W" * 201), "prompt has 201 characters"),
+    (
+        "prompt_length",
+        "q1",
+        _replace("q1", choices=_choices("Oxygen", "N" * 81, "Carbon dioxide", "Helium")),
+        "Choice 'b' has 81 characters",
+    ),
+    (
+        "choices_count",
+        "q1",
+        _replace("q1", choices=_choices("Oxygen", "Nitrogen", "Helium")),
+        "has 3 choices but the spec asks for 4",
+    ),
+    (
+        "choices_count",
+        "q3",
+        _replace("q3", choices=[Choice(id="yes", text="Yes"), Choice(id="no", text="No")]),
+        "exactly the choices 'true' and 'false'",
+    ),
+    (
+        "choices_count",
+        "q4",
+        _replace("q4", choices=_choices("Chlorophyll", "Melanin")),
+        "short answer has no choices but this one has 2",
+    ),
+    (
+        "choices_unique",
+        "q1",
+        _replace("q1", choices=_choices("Oxygen", "Nitrogen", "  oXygen ", "Helium")),
+        "have the same text",
+    ),
+    (
+        "choices_unique",
+        "q1",
+        _replace("q1", choices=[Choice(id="a", text=t) for t in ("Ox", "Ni", "Co", "He")]),
+        "Choice id 'a' is used 4 times",
+    ),
+    (
+        "answer_among_choices",
+        "q1",
+        _replace("q1", correct=["z"]),
+        "Correct answer 'z' is not one of the choices",
+    ),
+    ("one_correct_answer", "q1", _replace("q1", correct=["a", "b"]), "exactly one correct"),
+    ("one_correct_answer", "q1", _replace("q1", correct=[]), "exactly one correct answer, not 0"),
+    ("one_correct_answer", "q1", _replace("q1", correct=["a", "a"]), "listed more than once"),
+    ("one_correct_answer", "q3", _replace("q3", correct=["true", "false"]), "not 2"),
+    ("one_correct_answer", "q2", _replace("q2", correct=[]), "at least one correct answer"),
+    (
+        "one_correct_answer",
+        "q2",
+        _replace("q2", correct=["a", "b", "c", "d"]),
+        "All 4 choices are marked correct",
+    ),
+    (
+        "one_correct_answer",
+        "q4",
+        _replace("q4", correct=["", "  "]),
+        "at least one non-empty accepted answer",
+    ),
+    (
+        "language",
+        "q4",
+        _replace("q4", prompt="Wie heißt der grüne Farbstoff in den Blättern einer Pflanze?"),
+        "reads as de, not en",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "item", "mutate", "detail"),
+    BAD_PACKAGES,
+    ids=[f"{name}-{detail}" for name, _, _, detail in BAD_PACKAGES],
+)
+def test_each_check_rejects_a_crafted_bad_package(
+    name: str,
+    item: str | None,
+    mutate: Callable[[list[Item], Spec], tuple[list[Item], Spec]],
+    detail: str,
+) -> None:
+    items, spec = mutate(good_items(), GOOD_SPEC)
+
+    checks = check_items(items, spec, Level.beginner)
+
+    concerned = [c for c in checks if c.name == name and c.item == item]
+    assert concerned
+    for check in concerned:
+        assert not check.passed
+        assert detail in check.detail
+        assert check.detail.endswith(".")
+    assert not report(checks, attempts=3).passed
+
+
+def test_prompt_bounds_grow_with_the_level() -> None:
+    long_prompt = "Explain " + "which gas plants give off " * 9
+    items = [good_items()[0].model_copy(update={"prompt": long_prompt})]
+    spec = Spec(items=1, item_types=[ItemType.single_choice], choices=4)
+
+    def passed(level: Level) -> bool:
+        return the_check(check_items(items, spec, level), "prompt_length", "q1").passed
+
+    assert 200 < len(long_prompt.strip()) <= 300
+    assert not passed(Level.beginner)
+    assert passed(Level.intermediate)
+    assert passed(Level.advanced)
+
+
+@pytest.mark.parametrize(
+    ("language", "text"),
+    [
+        ("en", "What is the capital city of France and why is it famous?"),
+        ("de", "Welche Stadt ist die Hauptstadt von Deutschland und warum ist sie bekannt?"),
+        ("fr", "Quelle est la capitale de la France et pourquoi est-elle célèbre ?"),
+        ("es", "¿Cuál es la capital de España y por qué es famosa?"),
+        ("nl", "Wat is de hoofdstad van Nederland en waarom is het bekend?"),
+        ("it", "Qual è la capitale della Francia e perché è famosa?"),
+        ("pt", "Qual é a capital do Brasil e por que ela é famosa?"),
+    ],
+)
+def test_language_detection_on_short_samples(language: str, text: str) -> None:
+    assert detect_language(text).language == language
+
+
+@pytest.mark.parametrize(
+    ("asked", "prompt", "passed", "detail"),
+    [
+        ("fr", "Quelle est la couleur de la chlorophylle dans les feuilles ?", True, "reads as fr"),
+        ("en-GB", "What is the colour of the pigment in the leaves?", True, "reads as en"),
+        ("es", "What is the colour of the pigment in the leaves?", False, "reads as en, not es"),
+        ("en", "Was ist Chlorophyll?", True, "too short to tell"),
+        ("en", "Photosynthesis chlorophyll chloroplast stroma thylakoid", True, "cannot tell"),
+        ("pl", "What is the colour of the pigment in the leaves?", True, "not checked"),
+    ],
+)
+def test_language_check(asked: str, prompt: str, passed: bool, detail: str) -> None:
+    item = Item(id="q1", type=ItemType.short_answer, prompt=prompt, correct=["green"])
+    spec = Spec(items=1, item_types=[ItemType.short_answer], language=asked)
+
+    check = the_check(check_items([item], spec, Level.advanced), "language", "q1")
+
+    assert check.passed is passed
+    assert detail in check.detail
+
+
+def wav(seconds: float, rate: int = 8000) -> bytes:
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(b"\x00\x00" * round(seconds * rate))
+    return buffer.getvalue()
+
+
+def _with_chunk_size(data: bytes, size: int) -> bytes:
+    """`data` with its "fmt " chunk claiming `size` bytes."""
+    assert data[12:16] == b"fmt "
+    return data[:16] + size.to_bytes(4, "little") + data[20:]
+
+
+TEN_WORDS = "Which gas do plants give off during photosynthesis in daylight?"
+
+
+@pytest.mark.parametrize("seconds", [1.2, 3.0, 17.0])
+def test_audio_of_a_plausible_length_passes(seconds: float) -> None:
+    check = check_audio(wav(seconds), text=TEN_WORDS, item="q1")
+
+    assert check.passed, check.detail
+    assert (check.name, check.item) == ("audio_plausible", "q1")
+
+
+def test_audio_is_read_from_a_path(tmp_path: Path) -> None:
+    path = tmp_path / "q1.wav"
+    path.write_bytes(wav(3.0))
+
+    assert check_audio(path, text=TEN_WORDS).passed
+    assert check_audio(str(path), text=TEN_WORDS).passed
+
+
+@pytest.mark.parametrize(
+    ("seconds", "detail"),
+    [(0.2, "lasts 0.20 s but 10 words need between 1.20 s and 17.00 s"), (60.0, "lasts 60.00 s")],
+)
+def test_audio_far_too_short_or_long_fails(seconds: float, detail: str) -> None:
+    check = check_audio(wav(seconds), text=TEN_WORDS)
+
+    assert not check.passed
+    assert detail in check.detail
+
+
+def test_a_single_word_needs_at_least_the_floor() -> None:
+    assert not check_audio(wav(0.25), text="Oxygen").passed
+    assert check_audio(wav(0.5), text="Oxygen").passed
+
+
+@pytest.mark.parametrize(
+    ("data", "detail"),
+    [
+        (b"", "not a PCM WAV file"),
+        (b"ID3\x04\x00 an mp3, not a wav", "not a PCM WAV file"),
+        (b"RIFF\x24\x00\x00\x00WAVEfmt ", "not a PCM WAV file"),
+        (wav(3.0)[:-1000], "truncated"),
+        (_with_chunk_size(wav(3.0), 0xE410), "not a PCM WAV file"),
+    ],
+    ids=["empty", "mp3", "cut-header", "cut-data", "fmt-chunk-overruns"],
+)
+def test_bytes_that_are_not_a_whole_wav_fail(data: bytes, detail: str) -> None:
+    check = check_audio(data, text=TEN_WORDS)
+
+    assert not check.passed
+    assert detail in check.detail
+
+
+def test_report_passes_only_when_every_check_passed() -> None:
+    ok = Check(name="schema", passed=True)
+    bad = Check(name="language", passed=False, item="q1", detail="The text reads as de.")
+
+    assert report([ok, ok], attempts=2) == report([ok, ok], attempts=2)
+    assert report([ok, ok], attempts=2).passed
+    assert report([ok, ok], attempts=2).attempts == 2
+    assert not report([ok, bad], attempts=1).passed
+    assert not report([], attempts=1).passed
+
+
+# Words no profiled language counts as a function word, so generated text reads as English
+# by the template's words alone.
+_FUNCTION_WORDS = frozenset().union(*STOPWORDS.values())
+words = st.text(string.ascii_lowercase, min_size=3, max_size=12).filter(
+    lambda w: w not in _FUNCTION_WORDS
+)
+
+
+@st.composite
+def valid_packages(draw: st.DrawFn) -> tuple[list[Item], Spec, Level]:
+    n_choices = draw(st.integers(2, 6))
+    types = draw(st.lists(st.sampled_from(ALL_TYPES), min_size=1, max_size=8))
+    items = []
+    for index, item_type in enumerate(types):
+        prompt = f"Which of the following is the best answer to the question about {draw(words)}?"
+        if item_type is ItemType.short_answer:
+            accepted = draw(st.lists(words, min_size=1, max_size=3))
+            items.append(Item(id=f"q{index}", type=item_type, prompt=prompt, correct=accepted))
+            continue
+        if item_type is ItemType.true_false:
+            choices = [Choice(id="true", text="True"), Choice(id="false", text="False")]
+            correct = [draw(st.sampled_from(["true", "false"]))]
+        else:
+            texts = draw(st.lists(words, min_size=n_choices, max_size=n_choices, unique=True))
+            choices = _choices(*texts)
+            ids = [c.id for c in choices]
+            if item_type is ItemType.single_choice:
+                correct = [draw(st.sampled_from(ids))]
+            else:
+                k = draw(st.integers(1, n_choices - 1))
+                correct = draw(st.permutations(ids))[:k]
+        items.append(
+            Item(id=f"q{index}", type=item_type, prompt=prompt, choices=choices, correct=correct)
+        )
+    spec = Spec(items=len(items), item_types=sorted(set(types)), choices=n_choices)
+    return items, spec, draw(st.sampled_from(list(Level)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(valid_packages())
+def test_random_valid_packages_always_pass(package: tuple[list[Item], Spec, Level]) -> None:
+    items, spec, level = package
+
+    assert failures(check_items(items, spec, level)) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(valid_packages(), st.data())
+def test_a_second_correct_answer_always_fails_single_choice(
+    package: tuple[list[Item], Spec, Level], data: st.DataObject
+) -> None:
+    items, spec, level = package
+    singles = [i for i in items if i.type is ItemType.single_choice]
+    if not singles:
+        items = [*items, _single_choice(spec.choices)]
+        spec = spec.model_copy(
+            update={"items": len(items), "item_types": [*spec.item_types, ItemType.single_choice]}
+        )
+        singles = items[-1:]
+    target = data.draw(st.sampled_from(singles))
+    extra = data.draw(st.sampled_from([c.id for c in target.choices if c.id not in target.correct]))
+    mutated = target.model_copy(update={"correct": [*target.correct, extra]})
+    items = [mutated if i is target else i for i in items]
+
+    checks = check_items(items, spec, level)
+
+    assert [(c.name, c.item) for c in failures(checks)] == [("one_correct_answer", target.id)]
+
+
+def _single_choice(n_choices: int) -> Item:
+    return Item(
+        id="extra",
+        type=ItemType.single_choice,
+        prompt="Which of the following is the best answer to the question?",
+        choices=_choices(*(f"option {letter}" for letter in "uvwxyz"[:n_choices])),
+        correct=["a"],
+    )
