@@ -98,7 +98,16 @@ class CompletionService:
         self._admission = admission
         self._tracing = tracing
 
-    async def prepare_chat(self, req: ChatCompletionRequest, key: ApiKey, route: str) -> Prepared:
+    async def prepare_chat(
+        self,
+        req: ChatCompletionRequest,
+        key: ApiKey,
+        route: str,
+        *,
+        max_tokens_limit: int | None = None,
+    ) -> Prepared:
+        """`max_tokens_limit`: an internal caller's own bound (a package's items are bounded
+        by `packages.item_max_tokens`), in place of `model.max_tokens_limit`."""
         await self._quota(key)
         engine = await self._engine(req.model)
         template = engine.require_vocab().chat_template
@@ -118,6 +127,7 @@ class CompletionService:
             param=param,
             req=req,
             structured=structured,
+            limit=max_tokens_limit,
         )
         return self._prepared(
             "chat",
@@ -205,13 +215,14 @@ class CompletionService:
         param: str,
         req: ChatCompletionRequest | CompletionRequest,
         structured: StructuredOutput | None,
+        limit: int | None = None,
     ) -> GenerationRequest:
         room = engine.n_ctx - len(tokens)
-        if max_tokens is not None and max_tokens > self._max_tokens_limit:
+        limit = self._max_tokens_limit if limit is None else limit
+        if max_tokens is not None and max_tokens > limit:
             raise ApiError(
                 ErrorCode.invalid_parameter,
-                f"`{param}` is {max_tokens}; "
-                f"this appliance allows at most {self._max_tokens_limit}",
+                f"`{param}` is {max_tokens}; this appliance allows at most {limit}",
                 param=param,
             )
         if room < 1 or (max_tokens is not None and max_tokens > room):
@@ -223,7 +234,7 @@ class CompletionService:
             )
         return GenerationRequest(
             prompt_tokens=tuple(tokens),
-            max_tokens=min(max_tokens or room, room, self._max_tokens_limit),
+            max_tokens=min(max_tokens or room, room, limit),
             sampling=Sampling(
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,

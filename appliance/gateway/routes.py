@@ -191,7 +191,7 @@ ROUTES: tuple[Route, ...] = (
         "sha256) and Range.",
         auth=True,
         errors=(*_AUTH, ErrorCode.package_not_found, ErrorCode.package_corrupt),
-        router_path="/v1/packages/{id}/files/{path:.+}",
+        router_path="/v1/packages/{id}/files/{path:[^{}]+}",
     ),
     Route(
         "GET",

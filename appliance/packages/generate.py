@@ -211,7 +211,7 @@ async def generate_item(
         },
     }
     req = parse_body(ChatCompletionRequest, body, UNSUPPORTED_CHAT)
-    prepared = await completions.prepare_chat(req, key, ROUTE)
+    prepared = await completions.prepare_chat(req, key, ROUTE, max_tokens_limit=max_tokens)
     async with contextlib.aclosing(completions.start(prepared)) as generation:
         finished = await drain(generation)
     problems = completions.problems(prepared, finished)

@@ -83,6 +83,7 @@ class Fuzzed:
     schema: Any  # schemathesis' OpenApiSchema, loaded from the live server
     model: str  # a name the appliance serves, for requests that should reach the model
     embedding_model: str  # the same for /v1/embeddings
+    package_id: str  # a package in the cache, for the routes that name one
 
     def model_for(self, path: str) -> str:
         return self.embedding_model if path == "/v1/embeddings" else self.model
@@ -156,7 +157,13 @@ def fuzzed(fuzz_appliance: ApplianceProcess) -> Fuzzed:
     embedding = [model["id"] for model in models.json()["data"] if "dimension" in model]
     assert served, models
     assert embedding, models
-    return Fuzzed(fuzz_appliance, schema, served[0], embedding[0])
+    # One small package, made once: the package routes then have one to find, and every
+    # package request the fuzzing sends (the same one, FUZZ_PACKAGE) is a cache hit.
+    made = send(fuzz_appliance.base_url, "POST", "/v1/packages",
+                json.dumps({**FUZZ_PACKAGE, "wait": True}).encode(),
+                {**_bearer(fuzz_appliance.key), **JSON})  # fmt: skip
+    assert made.status == 200, made
+    return Fuzzed(fuzz_appliance, schema, served[0], embedding[0], made.json()["id"])
 
 
 # -- the contract every response holds ---------------------------------------------------------
@@ -336,7 +343,24 @@ FUZZ_RUNS = [
 ADJUSTMENTS = ["served model, within the limit"] * 2 + ["served model", "as generated"]
 
 
-def adjust_valid_body(body: dict[str, Any], adjust: str, model: str) -> None:
+# Every package request the fuzzing sends asks for this one (a cache hit after the first):
+# generated ones would each be a package made on the model, minutes for the lot.
+FUZZ_PACKAGE = {
+    "topic": "fuzzing",
+    "level": "beginner",
+    "spec": {"items": 1, "item_types": ["true_false"], "narration": False, "language": "en",
+             "choices": 4},
+}  # fmt: skip
+
+
+def adjust_valid_body(body: dict[str, Any], adjust: str, model: str, path: str) -> None:
+    if path == "/v1/packages":
+        body.clear()
+        body.update(FUZZ_PACKAGE)
+        return
+    if path.startswith("/v1/admin/packages/"):
+        body.pop("version", None)  # the cached version
+        return
     if adjust == "as generated":
         return
     if isinstance(body.get("requests"), list):
@@ -385,7 +409,9 @@ def test_fuzz_operation(fuzzed: Fuzzed, method: str, path: str, mode: Generation
     )
     def run(case: Any, adjust: str) -> None:
         if mode is GenerationMode.POSITIVE and isinstance(case.body, dict):
-            adjust_valid_body(case.body, adjust, fuzzed.model_for(path))
+            adjust_valid_body(case.body, adjust, fuzzed.model_for(path), path)
+        if mode is GenerationMode.POSITIVE and "packages/{id}" in path:
+            case.path_parameters = {**(case.path_parameters or {}), "id": fuzzed.package_id}
         try:
             response = case.call(headers=fuzzed.auth, timeout=TIMEOUT_S)
         except Exception as exc:  # no response at all is the finding
@@ -464,7 +490,7 @@ def assert_contract(fuzzed: Fuzzed, path: str, reply: Reply, sent: object) -> No
 # model, and shrinking one failure has taken minutes. The first failing input is reported
 # as generated, and derandomized generation tries small inputs first.
 PROPERTY_SETTINGS = settings(FUZZ_SETTINGS, max_examples=PROPERTY_EXAMPLES)
-BODY_PATHS = sorted(path for _, path in BODY_OPERATIONS)
+BODY_PATHS = sorted(path for _, path in BODY_OPERATIONS if "{" not in path)  # sent as they are
 AUTH_OPERATIONS = [(route.method, route.path) for route in ROUTES if route.auth]
 JSON = {"Content-Type": "application/json"}
 
@@ -688,11 +714,25 @@ def test_content_encodings_hold_the_contract(fuzzed: Fuzzed, encoding: str) -> N
 
 
 def _pattern(template: str) -> re.Pattern[str]:
-    # As aiohttp's router: a `{name}` matches one or more characters but `/`, `{` and `}`.
-    return re.compile("[^{}/]+".join(re.escape(part) for part in re.split(r"\{[^}]+\}", template)))
+    # As aiohttp's router: a `{name}` matches one or more characters but `/`, `{` and `}`;
+    # a `{name:regex}` matches its regex (which may hold braces of its own).
+    out, i = [], 0
+    while i < len(template):
+        if template[i] != "{":
+            out.append(re.escape(template[i]))
+            i += 1
+            continue
+        depth, j = 1, i + 1
+        while depth:
+            depth += {"{": 1, "}": -1}.get(template[j], 0)
+            j += 1
+        inner = template[i + 1 : j - 1]
+        out.append(inner.split(":", 1)[1] if ":" in inner else "[^{}/]+")
+        i = j
+    return re.compile("".join(out))
 
 
-ROUTE_PATTERNS = [(route, _pattern(route.path)) for route in ROUTES]
+ROUTE_PATTERNS = [(route, _pattern(route.router_path or route.path)) for route in ROUTES]
 # Templates with a value in place of each `{name}`, so their own routes are reached too.
 KNOWN_PATHS = sorted({re.sub(r"\{[^}]+\}", "x", route.path) for route in ROUTES})
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE"]
