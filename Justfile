@@ -96,13 +96,14 @@ test *args: setup lint
 # Benchmarks against peers measured in the same run (writes tests/benchmarks/results/*.json):
 # serving (one stream vs llama-server), concurrency (1-16 streams and a shared prefix vs
 # llama-server -np N), embeddings (batched vs one at a time), overload, sync, fleet,
-# placement (the planner at 10,000 nodes), offload (vs a direct call), or all of them
+# placement (the planner at 10,000 nodes), offload (vs a direct call), packages (vs nginx),
+# or all of them
 bench suite="all" *args: setup
     #!/usr/bin/env bash
     set -euo pipefail
     case "{{ suite }}" in
-        all) suites="serving concurrency embeddings overload sync fleet placement offload" ;;
-        serving|concurrency|embeddings|overload|sync|fleet|placement|offload) suites="{{ suite }}" ;;
-        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, fleet, placement, offload, all)" >&2; exit 2 ;;
+        all) suites="serving concurrency embeddings overload sync fleet placement offload packages" ;;
+        serving|concurrency|embeddings|overload|sync|fleet|placement|offload|packages) suites="{{ suite }}" ;;
+        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, fleet, placement, offload, packages, all)" >&2; exit 2 ;;
     esac
     for s in $suites; do {{ py }} -m "tests.benchmarks.$s" {{ args }}; done

@@ -1,0 +1,231 @@
+"""Content packages: time to a validated package, first-pass validity, and cached
+downloads against nginx.
+
+A real `kvl appliance serve` on loopback with the default model (2 threads):
+1. time to a validated 10-item package with narration (`"wait": true`, mixed item
+   types), from request to answer;
+2. first-pass validity over 20 generations: 20 topics, one 3-item package each without
+   narration; the share that passed every check at the first attempt (the rest needed
+   items made again; none may be delivered unvalidated);
+3. cached download throughput: the package's largest file fetched over and over by 16
+   concurrent clients for `--seconds`, from the appliance (authenticated, the blob's
+   digest checked, ETag) and from nginx (Debian's, `sendfile on`, one worker) serving the
+   very same blob file; bytes per second, as a ratio (target ≥ 0.8).
+
+Run: ``python -m tests.benchmarks.packages``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tests.benchmarks.serving import HOST, cpu_model, free_port, say
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "packages.json"
+TOPICS = [
+    "the solar system", "photosynthesis", "fractions", "the water cycle", "volcanoes",
+    "the human heart", "magnets", "the Roman Empire", "rainforests", "electric circuits",
+    "the moon", "dinosaurs", "the alphabet", "weather", "plants", "the ocean", "bees",
+    "recycling", "the seasons", "light and shadow",
+]  # fmt: skip
+CLIENTS = 16
+
+
+def kvl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "shared.cli", *args]
+
+
+async def ask(
+    session: aiohttp.ClientSession, base: str, key: str, body: dict[str, Any]
+) -> tuple[float, dict[str, Any]]:
+    started = time.perf_counter()
+    async with session.post(
+        f"{base}/v1/packages", json={**body, "wait": True},
+        headers={"Authorization": f"Bearer {key}"},
+    ) as response:  # fmt: skip
+        answer = await response.json()
+        if response.status != 200:
+            return time.perf_counter() - started, {"error": answer}
+        return time.perf_counter() - started, answer
+
+
+async def hammer(url: str, headers: dict[str, str], seconds: float) -> dict[str, float]:
+    """CLIENTS clients fetching `url` back to back for `seconds`: bytes/s and requests/s."""
+    done = {"bytes": 0, "requests": 0}
+    deadline = time.perf_counter() + seconds
+    connector = aiohttp.TCPConnector(limit=CLIENTS)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def client() -> None:
+            while time.perf_counter() < deadline:
+                async with session.get(url, headers=headers) as response:
+                    body = await response.read()
+                    if response.status != 200:
+                        raise RuntimeError(f"{url}: {response.status}")
+                    done["bytes"] += len(body)
+                    done["requests"] += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(CLIENTS)))
+        elapsed = time.perf_counter() - started
+    return {
+        "mib_per_s": round(done["bytes"] / elapsed / 2**20, 1),
+        "requests_per_s": round(done["requests"] / elapsed, 1),
+    }
+
+
+def start_nginx(work: Path, root: Path) -> tuple[subprocess.Popen[bytes], int]:
+    nginx = shutil.which("nginx", path=f"{os.environ.get('PATH', '')}:/usr/sbin")
+    if nginx is None:
+        raise RuntimeError("nginx is not installed: run `just setup`")
+    port = free_port()
+    user = "user root;" if os.geteuid() == 0 else ""  # the blobs are owner-only files
+    conf = work / "nginx.conf"
+    temp = work / "nginx-temp"
+    temps = "".join(
+        f"  {kind}_temp_path {temp};\n"
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    conf.write_text(
+        f"{user}\ndaemon off;\nworker_processes 1;\npid {work}/nginx.pid;\n"
+        f"error_log {work}/nginx-error.log;\nevents {{ worker_connections 1024; }}\n"
+        "http {\n  access_log off;\n  sendfile on;\n  tcp_nopush on;\n"
+        f"{temps}  server {{ listen {HOST}:{port}; root {root}; }}\n}}\n"
+    )
+    temp.mkdir(exist_ok=True)
+    process = subprocess.Popen([nginx, "-c", str(conf), "-p", str(work)])
+    return process, port
+
+
+async def measure(base: str, key: str, seconds: float, work: Path, blobs: Path) -> dict[str, Any]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        say("packages: a 10-item package with narration")
+        ten = {"topic": "the solar system", "level": "beginner",
+               "spec": {"items": 10, "item_types": ["single_choice", "true_false",
+                        "multiple_choice", "short_answer"], "narration": True}}  # fmt: skip
+        seconds_ten, package = await ask(session, base, key, ten)
+        if "error" in package:
+            raise RuntimeError(f"the 10-item package failed: {package['error']}")
+        manifest = package["manifest"]
+        hit_s, _ = await ask(session, base, key, ten)
+        say("packages: 20 generations for first-pass validity")
+        attempts, failed, times = [], 0, []
+        for topic in TOPICS:
+            spent, answer = await ask(session, base, key, {"topic": topic, "spec": {
+                "items": 3, "item_types": ["single_choice", "true_false"],
+                "narration": False}})  # fmt: skip
+            times.append(spent)
+            if "error" in answer:
+                failed += 1
+            else:
+                attempts.append(answer["manifest"]["validation"]["attempts"])
+    largest = max(manifest["files"], key=lambda f: f["size"])
+    url = f"{base}/v1/packages/{package['id']}/files/{largest['path']}"
+    say(f"packages: downloads of {largest['path']} ({largest['size']} bytes), appliance")
+    appliance = await hammer(url, {"Authorization": f"Bearer {key}"}, seconds)
+    nginx, port = start_nginx(work, blobs)
+    try:
+        await asyncio.sleep(0.5)
+        say("packages: the same blob from nginx")
+        peer = await hammer(f"http://{HOST}:{port}/{largest['sha256']}", {}, seconds)
+    finally:
+        nginx.terminate()
+        nginx.wait(timeout=30)
+    first_pass = sum(1 for a in attempts if a == 1)
+    return {
+        "ten_items_with_narration": {
+            "seconds": round(seconds_ten, 1),
+            "attempts": manifest["validation"]["attempts"],
+            "files": len(manifest["files"]),
+            "bytes": sum(f["size"] for f in manifest["files"]),
+            "cache_hit_s": round(hit_s, 3),
+        },
+        "first_pass_validity": {
+            "generations": len(TOPICS),
+            "first_pass": first_pass,
+            "rate": round(first_pass / len(TOPICS), 2),
+            "valid_after_retries": len(attempts),
+            "failed_after_retries": failed,
+            "median_s": round(sorted(times)[len(times) // 2], 1),
+        },
+        "download": {
+            "file_bytes": largest["size"],
+            "clients": CLIENTS,
+            "seconds": seconds,
+            "appliance": appliance,
+            "nginx": peer,
+            "ratio": round(appliance["mib_per_s"] / peer["mib_per_s"], 2),
+            "target_ratio": 0.8,
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Content packages: generation and downloads.")
+    parser.add_argument("--seconds", type=float, default=10.0, help="per download run (10)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvl-bench-packages-") as tmp:
+        work = Path(tmp)
+        data = work / "data"
+        env = {**os.environ, "KVL_DISCOVERY__ENABLED": "false", "KVL_EMBEDDINGS__ENABLED": "false",
+               "KVL_MODEL__N_THREADS": "2"}  # fmt: skip
+        key = subprocess.run(
+            kvl("appliance", "keys", "create", "--account", "bench", "--data-dir", str(data)),
+            check=True, capture_output=True, text=True, env=env,
+        ).stdout.strip()  # fmt: skip
+        port = free_port()
+        with (work / "appliance.log").open("wb") as log:
+            process = subprocess.Popen(
+                kvl("appliance", "serve", "--data-dir", str(data), "--host", HOST, "--port",
+                    str(port)),
+                stdout=log, stderr=subprocess.STDOUT, env=env,
+            )  # fmt: skip
+        base = f"http://{HOST}:{port}"
+        try:
+            deadline = time.monotonic() + 600
+            while True:
+                try:
+                    import urllib.request  # noqa: PLC0415
+
+                    with urllib.request.urlopen(f"{base}/readyz", timeout=2) as ready:
+                        if ready.status == 200:
+                            break
+                except OSError:
+                    pass
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the appliance did not start; see {work}/appliance.log")
+                time.sleep(0.5)
+            figures = asyncio.run(
+                measure(base, key, args.seconds, work, data / "packages" / "blobs" / "sha256")
+            )
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    result = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count()},
+        "settings": {"model": "gemma-3-270m Q4_K_M, 2 threads", "narration": "espeak-ng"},
+        **figures,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    say(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
