@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Self
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hub.state.store import DeploymentRecord, NotFoundError
 from hub.views import deployment_view, node_view, quota_view
@@ -28,15 +28,11 @@ OPERATOR = web.RequestKey("operator", str)
 async def operator_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     if not request.path.startswith("/v1/admin/"):
         return await handler(request)
-    from hub.api import STORE  # noqa: PLC0415 - hub.api builds the routes from this module
+    from hub.api import STORE, bearer  # noqa: PLC0415 - hub.api imports this module's routes
 
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    token = bearer(request)
     store = request.app[STORE]
-    name = (
-        await store.run(store.sync.authenticate_operator, token.strip())
-        if scheme.lower() == "bearer"
-        else None
-    )
+    name = await store.run(store.sync.authenticate_operator, token) if token else None
     if name is None:
         raise ApiError(
             ErrorCode.invalid_operator_token,
@@ -74,14 +70,9 @@ class DrainRequest(BaseModel):
 
 
 async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
-    try:
-        return model.model_validate_json(await request.read() or b"{}")
-    except ValidationError as err:
-        first = err.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise ApiError(
-            ErrorCode.invalid_parameter, f"`{param}`: {first['msg']}", param=param
-        ) from err
+    from hub.api import parse  # noqa: PLC0415 - hub.api imports this module's routes
+
+    return await parse(request, model)
 
 
 def _ctx(request: web.Request) -> tuple[Any, HubSettings]:

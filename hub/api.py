@@ -138,10 +138,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return web.json_response(error_body(code, exc.reason), status=code.status)
 
 
-async def _body(request: web.Request, model: type[_Body]) -> Any:
+async def parse(request: web.Request, model: type[BaseModel]) -> Any:
     try:
         raw = await request.read()
-        return model.model_validate_json(raw)
+        return model.model_validate_json(raw or b"{}")  # no body: every default
     except ValidationError as err:
         first = err.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
@@ -160,7 +160,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def enroll(request: web.Request) -> web.Response:
-    req: EnrollRequest = await _body(request, EnrollRequest)
+    req: EnrollRequest = await parse(request, EnrollRequest)
     settings = _settings(request)
     store = request.app[STORE]
     lan_certificate = None
@@ -211,18 +211,20 @@ async def enroll(request: web.Request) -> web.Response:
     )
 
 
+def bearer(request: web.Request) -> str | None:
+    """The token of an `Authorization: Bearer …` header, or None."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
 @web.middleware
 async def node_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Node routes (`/v1/node/…`): the node token, a node not revoked, from its address."""
     if not request.path.startswith("/v1/node/"):
         return await handler(request)
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    token = bearer(request)
     store = request.app[STORE]
-    node = (
-        await store.run(store.sync.authenticate_node, token.strip())
-        if scheme.lower() == "bearer"
-        else None
-    )
+    node = await store.run(store.sync.authenticate_node, token) if token else None
     if node is None:
         raise ApiError(
             ErrorCode.invalid_node_token, "send the node token as `Authorization: Bearer`"
@@ -240,7 +242,7 @@ async def node_auth(request: web.Request, handler: Handler) -> web.StreamRespons
 
 
 async def heartbeat(request: web.Request) -> web.Response:
-    req: HeartbeatRequest = await _body(request, HeartbeatRequest)
+    req: HeartbeatRequest = await parse(request, HeartbeatRequest)
     node = request[NODE]
     beats = request.app[BEATS]
     now = time.time()
@@ -251,7 +253,7 @@ async def heartbeat(request: web.Request) -> web.Response:
 
 
 async def events(request: web.Request) -> web.Response:
-    req: EventsRequest = await _body(request, EventsRequest)
+    req: EventsRequest = await parse(request, EventsRequest)
     node = request[NODE]
     store = request.app[STORE]
     batch = [{"id": e.id, "kind": e.kind, "body": e.body} for e in req.events]
@@ -262,7 +264,7 @@ async def events(request: web.Request) -> web.Response:
 
 async def leases(request: web.Request) -> web.Response:
     """A node reports the final spend of the leases it retired and asks for new ones."""
-    req: LeaseRequest = await _body(request, LeaseRequest)
+    req: LeaseRequest = await parse(request, LeaseRequest)
     node = request[NODE]
     store = request.app[STORE]
     quota = _settings(request).quota

@@ -7,7 +7,6 @@ full as well: the client gets the fleet's 429)."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -15,15 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.app import create_app
-from appliance.gateway.keys import HOST, STORE
-from appliance.state.store import ModelRecord, Store
-from hub.app import certificates, ssl_context
+from appliance.gateway.keys import STORE
+from appliance.state.store import ModelRecord
 from hub.app import create_app as create_hub
+from hub.app import ssl_context
 from hub.planning.offload import NodeLoad, candidates
 from hub.settings import HubSettings
 from hub.state.store import HubStore
-from tests.conftest import free_port, make_settings
+from tests.appliance.fleet_nodes import join
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -111,33 +109,12 @@ async def _appliance(
     *,
     name: str,
 ) -> tuple[web.Application, str, str]:
-    """An in-process appliance enrolled with the hub, serving on a port it announces;
-    (app, base URL, a LAN key)."""
-    store = HubStore(hub.db_path)
-    token = store.create_token("site", uses=1, expires_in_s=600).plaintext
-    store.close()
-    provisioning = tmp_path / f"{name}.json"
-    provisioning.write_text(json.dumps({
-        "hub_url": f"https://127.0.0.1:{hub_port}", "token": token,
-        "hub_fingerprint": certificates(hub)[1].fingerprint, "name": name,
-    }))  # fmt: skip
-    port = free_port()
-    settings = make_settings(
-        tmp_path / name,
-        model={"n_slots": 1, "max_queue": 0, "n_threads": 1, "n_ctx": 1024},
-        embeddings={"enabled": False},
-        server={"port": port},
-        fleet={"provisioning_file": str(provisioning), "tunnel": False, "lan_tls": False,
-               "heartbeat_s": 1, "sync_interval_s": 0.5},
-    )  # fmt: skip
-    local = Store(settings.db_path)
-    local.add_model(default_model)
-    key = local.create_key("lan-user").plaintext
-    local.close()
-    app = create_app(settings)
-    await aiohttp_server(app, port=port)
-    await app[HOST].wait_loaded()
-    return app, f"http://127.0.0.1:{port}", key
+    """A node with one slot and no queue; (app, base URL, a LAN key)."""
+    one_slot = {"n_slots": 1, "max_queue": 0, "n_threads": 1, "n_ctx": 1024}
+    node = await join(
+        aiohttp_server, tmp_path, default_model, hub, hub_port, name=name, model=one_slot
+    )
+    return node.app, node.base_url, node.key
 
 
 async def _ready_in_fleet(hub: HubSettings, names: set[str]) -> None:

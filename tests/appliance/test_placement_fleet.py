@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from wireguard_tools import WireguardKey
 
-from appliance.app import create_app
 from appliance.fleet.client import HubClient
 from appliance.fleet.placement import Converger
 from appliance.gateway.keys import HOST
@@ -27,7 +25,8 @@ from hub.app import create_app as create_hub
 from hub.settings import HubSettings
 from hub.state.store import HubStore
 from shared import pki
-from tests.conftest import free_port, kvl, make_settings
+from tests.appliance.fleet_nodes import join
+from tests.conftest import kvl
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -58,30 +57,10 @@ async def _join(
     *,
     name: str,
 ) -> tuple[web.Application, TestServer]:
-    store = HubStore(hub.db_path)
-    token = store.create_token("site", uses=1, expires_in_s=600).plaintext
-    store.close()
-    provisioning = tmp_path / f"{name}.json"
-    provisioning.write_text(json.dumps({
-        "hub_url": f"https://127.0.0.1:{hub_port}", "token": token,
-        "hub_fingerprint": certificates(hub)[1].fingerprint, "name": name,
-    }))  # fmt: skip
-    port = free_port()
-    settings = make_settings(
-        tmp_path / name,
-        model={"n_ctx": 512, "n_threads": 1, "n_slots": 1},
-        embeddings={"enabled": False},
-        server={"port": port},
-        fleet={"provisioning_file": str(provisioning), "tunnel": False, "lan_tls": False,
-               "heartbeat_s": 1, "sync_interval_s": 1},
-    )  # fmt: skip
-    local = Store(settings.db_path)
-    local.add_model(default_model)
-    local.close()
-    app = create_app(settings)
-    server = await aiohttp_server(app, port=port)
-    await app[HOST].wait_loaded()
-    return app, server
+    node = await join(aiohttp_server, tmp_path, default_model, hub, hub_port, name=name,
+                      model={"n_ctx": 512, "n_threads": 1, "n_slots": 1},
+                      fleet={"sync_interval_s": 1})  # fmt: skip
+    return node.app, node.server
 
 
 async def _until(condition: Any, what: str, timeout_s: float = 60.0) -> None:

@@ -1,0 +1,73 @@
+"""In-process appliances that have joined a hub on loopback (no tunnel), each serving on
+the port its heartbeats announce, so the hub can reach it (offload, placement)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from appliance.app import create_app
+from appliance.gateway.keys import HOST
+from appliance.state.store import Store
+from hub.app import certificates
+from hub.state.store import HubStore
+from tests.conftest import free_port, make_settings
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+    from pytest_aiohttp import AiohttpServer
+
+    from appliance.state.store import ModelRecord
+    from hub.settings import HubSettings
+
+
+@dataclass
+class FleetNode:
+    app: web.Application
+    server: TestServer
+    base_url: str
+    key: str  # a LAN key of the account "lan-user"
+
+
+async def join(
+    aiohttp_server: AiohttpServer,
+    tmp_path: Path,
+    default_model: ModelRecord,
+    hub: HubSettings,
+    hub_port: int,
+    *,
+    name: str,
+    model: dict[str, Any],
+    fleet: dict[str, Any] | None = None,
+) -> FleetNode:
+    """An appliance enrolled with the hub through a provisioning file of its own, its
+    model loaded."""
+    store = HubStore(hub.db_path)
+    token = store.create_token("site", uses=1, expires_in_s=600).plaintext
+    store.close()
+    provisioning = tmp_path / f"{name}.json"
+    provisioning.write_text(json.dumps({
+        "hub_url": f"https://127.0.0.1:{hub_port}", "token": token,
+        "hub_fingerprint": certificates(hub)[1].fingerprint, "name": name,
+    }))  # fmt: skip
+    port = free_port()
+    settings = make_settings(
+        tmp_path / name,
+        model=model,
+        embeddings={"enabled": False},
+        server={"port": port},
+        fleet={"provisioning_file": str(provisioning), "tunnel": False, "lan_tls": False,
+               "heartbeat_s": 1, "sync_interval_s": 0.5, **(fleet or {})},
+    )  # fmt: skip
+    local = Store(settings.db_path)
+    local.add_model(default_model)
+    key = local.create_key("lan-user").plaintext
+    local.close()
+    app = create_app(settings)
+    server = await aiohttp_server(app, port=port)
+    await app[HOST].wait_loaded()
+    return FleetNode(app, server, f"http://127.0.0.1:{port}", key)
