@@ -508,13 +508,18 @@ class HubStore:
 
     def revoke_key(self, prefix: str) -> int:
         with self.db.conn:
-            cursor = self.db.execute(
-                "UPDATE api_keys SET revoked_at = ? WHERE prefix = ? AND revoked_at IS NULL",
-                [time.time(), prefix],
-            )
-            if cursor.rowcount == 0:
-                raise NotFoundError(f"no active key {prefix!r}")
+            self._revoke("api_keys", prefix, "key")
             return self._bump()
+
+    def _revoke(self, table: str, prefix: str, what: str) -> None:
+        """Inside a transaction: revoke the active row of `prefix` (NotFoundError if none)."""
+        done = self.db.execute(
+            # The table name is one of this module's, never input.
+            f"UPDATE {table} SET revoked_at = ? WHERE prefix = ? AND revoked_at IS NULL",  # noqa: S608
+            [time.time(), prefix],
+        )
+        if done.rowcount == 0:
+            raise NotFoundError(f"no active {what} {prefix!r}")
 
     def accounts(self) -> list[dict[str, Any]]:
         return list(self.db.query("SELECT * FROM accounts ORDER BY name"))
@@ -600,12 +605,7 @@ class HubStore:
 
     def revoke_operator(self, prefix: str) -> None:
         with self.db.conn:
-            done = self.db.execute(
-                "UPDATE operators SET revoked_at = ? WHERE prefix = ? AND revoked_at IS NULL",
-                [time.time(), prefix],
-            )
-            if done.rowcount == 0:
-                raise NotFoundError(f"no active operator token {prefix!r}")
+            self._revoke("operators", prefix, "operator token")
 
     # -- models, deployments, placements --------------------------------------------------
 
