@@ -20,6 +20,7 @@ from hub.offload import Forwarder
 from hub.planning.quota import Sizing
 from hub.state.store import AsyncHubStore, Heartbeat, Node, TokenRefusedError
 from shared import __version__, pki
+from shared.blobs import IMMUTABLE, send_blob
 from shared.errors import ApiError, ErrorCode, error_body
 
 if TYPE_CHECKING:
@@ -331,17 +332,25 @@ async def offload(request: web.Request) -> web.StreamResponse:
 
 
 async def artifact(request: web.Request) -> web.StreamResponse:
-    """A model file placed on the calling node, by sha256; Range requests resume a cut
-    download (aiohttp's FileResponse answers them, with an ETag)."""
+    """A model file placed on the calling node, by sha256 (its ETag); Range requests resume
+    a cut download."""
     sha256 = request.match_info["sha256"].lower()
     store = request.app[STORE]
     placed = await store.run(store.sync.placed_models, request[NODE].id)
     if sha256 not in {m.sha256 for m in placed}:
         raise ApiError(ErrorCode.not_found, f"no model {sha256} is placed on this node")
-    path = _settings(request).artifacts_dir / sha256
-    if not path.is_file():
-        raise ApiError(ErrorCode.not_found, f"the hub has lost the file of model {sha256}")
-    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+    try:
+        blob = (_settings(request).artifacts_dir / sha256).open("rb")
+    except FileNotFoundError as err:
+        raise ApiError(ErrorCode.not_found, f"the hub has lost the file of model {sha256}") from err
+    with blob:
+        return await send_blob(
+            request,
+            blob,
+            sha256=sha256,
+            media_type="application/octet-stream",
+            cache_control=IMMUTABLE,
+        )
 
 
 async def desired_state(request: web.Request) -> web.Response:

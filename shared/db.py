@@ -39,6 +39,32 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
+class ChangeProbe:
+    """Whether anything changed in a database file: ``version()`` moves whenever any other
+    connection, in this process or another, commits (SQLite's ``PRAGMA data_version``).
+
+    It reads only the WAL index in shared memory, so the event loop may call it."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._conn: sqlite3.Connection | None = None
+
+    def version(self) -> int:
+        if self._conn is None:
+            self._conn = sqlite3.connect(
+                f"{self._path.resolve().as_uri()}?mode=ro",
+                uri=True,
+                check_same_thread=False,
+                timeout=1.0,
+            )
+        return int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
 class Closable(Protocol):
     def close(self) -> None: ...
 

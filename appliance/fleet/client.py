@@ -145,7 +145,8 @@ class HubClient:
         caller reads and releases it. Raises HubError when the hub cannot be reached."""
         headers = dict(self._headers)
         if offset:
-            headers["Range"] = f"bytes={offset}-"
+            # The hub's ETag is the digest: a resume never splices two different files.
+            headers |= {"Range": f"bytes={offset}-", "If-Range": f'"{sha256}"'}
         try:
             return await self._session.get(
                 f"{self._base}/v1/node/artifacts/{sha256}",

@@ -139,19 +139,20 @@ class Converger:
         if offset > size:
             partial.unlink()
             offset = 0
-        log.info(
-            "fetching %s@%s from the hub (%d MiB)", model["name"], model["version"], size >> 20
-        )
-        response = await client.artifact(sha256, offset)
-        try:
-            if response.status not in {200, 206}:
-                raise PlacementError(f"the hub answered {response.status} for the model file")
-            mode = "ab" if response.status == 206 else "wb"  # 200: the hub sent it whole
-            with partial.open(mode) as out:
-                async for chunk in response.content.iter_chunked(CHUNK):
-                    out.write(chunk)
-        finally:
-            response.release()
+        if offset < size:  # a whole file left by a stop before its check needs no fetch
+            log.info(
+                "fetching %s@%s from the hub (%d MiB)", model["name"], model["version"], size >> 20
+            )
+            response = await client.artifact(sha256, offset)
+            try:
+                if response.status not in {200, 206}:
+                    raise PlacementError(f"the hub answered {response.status} for the model file")
+                mode = "ab" if response.status == 206 else "wb"  # 200: the hub sent it whole
+                with partial.open(mode) as out:
+                    async for chunk in response.content.iter_chunked(CHUNK):
+                        out.write(chunk)
+            finally:
+                response.release()
         got = await asyncio.to_thread(_sha256, partial)
         if got != sha256 or partial.stat().st_size != size:
             partial.unlink(missing_ok=True)

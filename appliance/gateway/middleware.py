@@ -163,7 +163,7 @@ async def _authenticated(request: web.Request) -> ApiKey:
             "`kvl appliance keys create --account NAME`",
         )
     store = request.app[STORE]
-    key = await store.run(store.sync.authenticate, token.strip())
+    key = await store.authenticate(token.strip())
     if key is None:
         admission.auth_failed(address)
         raise ApiError(ErrorCode.invalid_api_key, "the API key is not valid")

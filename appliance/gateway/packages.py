@@ -21,6 +21,7 @@ from appliance.packages.exports import ExportError, export_h5p, export_moodle_xm
 from appliance.packages.model import PackageRequest
 from appliance.packages.service import PackageService, package_view
 from appliance.state.jobs import NewItem
+from shared.blobs import IMMUTABLE, REVALIDATE, send_blob
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
@@ -97,20 +98,29 @@ async def get_package(request: web.Request) -> web.Response:
 
 
 async def package_file(request: web.Request) -> web.StreamResponse:
+    """One file of a package, checked against its sha256 before it is served. The common
+    case (a blob already known good) is answered on the loop; the rest waits on a thread."""
     cache = _cache(request)
     package_id, path = request.match_info["id"], request.match_info["path"]
+    version = request.query.get("version")
     try:
-        entry, blob = await asyncio.to_thread(
-            cache.open_file, package_id, request.query.get("version"), path
-        )
+        opened = cache.try_open_blob(package_id, version, path)
+        if opened is None:
+            opened = await asyncio.to_thread(cache.open_blob, package_id, version, path)
     except NotCachedError as err:
         raise ApiError(ErrorCode.package_not_found, str(err)) from err
     except CorruptBlobError as err:
         raise ApiError(ErrorCode.package_corrupt, str(err), retry_after=1) from err
-    # The sha256 is the strong validator; aiohttp answers Range and If-None-Match for it.
-    response = web.FileResponse(blob, headers={"Content-Type": entry.media_type})
-    response.etag = entry.sha256
-    return response
+    entry, blob = opened
+    with blob:
+        # A named version never changes; the newest may.
+        return await send_blob(
+            request,
+            blob,
+            sha256=entry.sha256,
+            media_type=entry.media_type,
+            cache_control=IMMUTABLE if version else REVALIDATE,
+        )
 
 
 async def package_export(request: web.Request) -> web.Response:

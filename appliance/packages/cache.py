@@ -26,6 +26,10 @@ directory). Errors: CacheError, and its CorruptBlobError and NotCachedError.
 - ``open_file(id, version, path)`` the FileEntry and blob path to serve (marked used). The
   blob is checked first and CorruptBlobError raised rather than a damaged or missing one
   served; it is hashed again only when its (size, mtime_ns) changed since it last passed.
+- ``open_blob(id, version, path)`` the FileEntry and the blob opened for reading, checked
+  like ``open_file`` but through the open descriptor, so the bytes served are the bytes
+  checked. ``try_open_blob`` is the same but never blocks (for the event loop): it answers
+  None when the lock is busy, the blob must be hashed, or the index is due to be written.
 - ``pin(id, version, pinned)``; ``delete(id, version)``.
 - ``evict()`` removes least recently used unpinned packages until the distinct blobs total
   at most ``max_bytes`` (pinned ones stay even above it); returns the refs removed.
@@ -45,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -60,6 +65,7 @@ from shared.files import write_private
 if TYPE_CHECKING:
     import builtins
     from collections.abc import Callable, Iterable, Mapping
+    from io import BufferedReader
     from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -246,6 +252,49 @@ class PackageCache:
             self._touch(entry)
             return file, self._blob_dir / file.sha256
 
+    def open_blob(
+        self, package_id: str, version: str | None, path: str
+    ) -> tuple[FileEntry, BufferedReader]:
+        opened = self._open_blob(package_id, version, path, wait=True)
+        if opened is None:  # waiting, it answers or raises
+            raise CacheError(f"{package_id}: {path!r} could not be opened")
+        return opened
+
+    def try_open_blob(
+        self, package_id: str, version: str | None, path: str
+    ) -> tuple[FileEntry, BufferedReader] | None:
+        return self._open_blob(package_id, version, path, wait=False)
+
+    def _open_blob(
+        self, package_id: str, version: str | None, path: str, *, wait: bool
+    ) -> tuple[FileEntry, BufferedReader] | None:
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
+            entry = self._find(package_id, version)
+            if (file := entry.files.get(path)) is None:
+                raise NotCachedError(f"{entry.ref} has no file {path!r}")
+            if not wait and self._touch_due(entry):
+                return None
+            try:
+                blob = (self._blob_dir / file.sha256).open("rb")
+            except FileNotFoundError as err:
+                raise CorruptBlobError(f"{entry.ref}: the blob of {path!r} is missing") from err
+            try:
+                ok = self._open_blob_ok(file.sha256, blob, hash_it=wait)
+            except BaseException:
+                blob.close()
+                raise
+            if not ok:
+                blob.close()
+                if ok is None:
+                    return None
+                raise CorruptBlobError(f"{entry.ref}: the blob of {path!r} is corrupt")
+            self._touch(entry)
+            return file, blob
+        finally:
+            self._lock.release()
+
     def pin(self, package_id: str, version: str, pinned: bool) -> CachedPackage:
         with self._lock:
             entry = self._find(package_id, version)
@@ -302,6 +351,10 @@ class PackageCache:
         if abs(entry.last_used - entry.persisted_used) >= _TOUCH_PERSIST_S:
             self._save()
 
+    def _touch_due(self, entry: _Entry) -> bool:
+        """Whether marking the entry used now would write the index."""
+        return abs(self._clock() - entry.persisted_used) >= _TOUCH_PERSIST_S
+
     def _evict(self, keep: str | None) -> builtins.list[str]:
         refs = Counter(h for e in self._entries.values() for h in e.blobs())
         sizes = _distinct(self._entries.values())
@@ -338,6 +391,21 @@ class PackageCache:
         except FileNotFoundError:
             return False
         return True
+
+    def _open_blob_ok(self, hex_digest: str, blob: BufferedReader, *, hash_it: bool) -> bool | None:
+        """Whether the open blob is good: known good by its (size, mtime_ns), else hashed
+        through the descriptor when ``hash_it`` (None when it would have to be)."""
+        stat = os.fstat(blob.fileno())
+        seen = (stat.st_size, stat.st_mtime_ns)
+        if self._verified.get(hex_digest) == seen:
+            return True
+        if not hash_it:
+            return None
+        good = hashlib.file_digest(blob, "sha256").hexdigest() == hex_digest
+        blob.seek(0)
+        if good:
+            self._verified[hex_digest] = seen
+        return good
 
     def _save(self) -> None:
         manifests = []

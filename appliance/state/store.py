@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from appliance.state.migrations import migrations
 from shared import db
 from shared.classes import DEFAULT_CLASS, ServiceClass
-from shared.keys import NewKey, generate_key, key_matches, parse_prefix
+from shared.keys import NewKey, generate_key, hash_key, key_matches, parse_prefix
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -483,7 +483,37 @@ def _api_key(row: dict[str, Any]) -> ApiKey:
 
 
 class AsyncStore(db.AsyncStore[Store]):
-    """The appliance's store on its writer thread (shared.db.AsyncStore)."""
+    """The appliance's store on its writer thread (shared.db.AsyncStore), with the keys it
+    authenticated remembered until the database next changes."""
+
+    _KEYS_REMEMBERED = 4096
 
     def __init__(self, path: Path) -> None:
         super().__init__(Store, path)
+        self._changes = db.ChangeProbe(path)
+        self._keys: dict[str, ApiKey] = {}  # by the presented key's hash
+        self._keys_as_of = -1
+
+    async def close(self) -> None:
+        self._changes.close()
+        await super().close()
+
+    async def authenticate(self, plaintext: str) -> ApiKey | None:
+        """``Store.authenticate`` without the trip to the writer thread while nothing in the
+        database changed since the key was last looked up: a revocation, by this process or
+        by any other (the CLI), takes effect on the very next request."""
+        if parse_prefix(plaintext) is None:
+            return None
+        as_of = self._changes.version()
+        if as_of != self._keys_as_of:
+            self._keys.clear()
+            self._keys_as_of = as_of
+        digest = hash_key(plaintext)
+        if (known := self._keys.get(digest)) is not None:
+            return known
+        key = await self.run(self.sync.authenticate, plaintext)
+        if key is not None and self._keys_as_of == as_of:
+            if len(self._keys) >= self._KEYS_REMEMBERED:
+                self._keys.clear()
+            self._keys[digest] = key
+        return key

@@ -516,3 +516,60 @@ def test_eviction_keeps_the_cap_and_the_pins_and_never_breaks_the_index(
             assert pinned == {p.ref for p in cache.list(limit=100) if p.pinned}
             assert cache.total_bytes() == sum(b.stat().st_size for b in blob_dir(root).iterdir())
             assert_layout_sound(root)
+
+
+def test_open_blob_serves_the_descriptor_it_checked_and_the_loop_path_never_hashes(
+    tmp_path: Path,
+) -> None:
+    cache = PackageCache(tmp_path, max_bytes=BIG)
+    manifest, files = package(1)
+    cache.put(manifest, files, key(1))
+    # put() writes without reading back; the loop path will not hash, so it defers.
+    assert cache.try_open_blob(manifest.id, None, "items.json") is None
+    entry, blob = cache.open_blob(manifest.id, None, "items.json")
+    with blob:
+        assert blob.read() == files["items.json"]  # hashing left it at the start
+    assert entry.sha256 == hashlib.sha256(files["items.json"]).hexdigest()
+    opened = cache.try_open_blob(manifest.id, manifest.version, "items.json")
+    assert opened is not None
+    with opened[1]:
+        assert opened[1].read() == files["items.json"]
+
+    # Changed on disk: the loop path defers again, and the checking path refuses it.
+    path = blob_dir(tmp_path) / entry.sha256
+    stat = path.stat()
+    path.write_bytes(b"X" * stat.st_size)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert cache.try_open_blob(manifest.id, None, "items.json") is None
+    with pytest.raises(CorruptBlobError):
+        cache.open_blob(manifest.id, None, "items.json")
+    path.unlink()
+    with pytest.raises(CorruptBlobError):
+        cache.try_open_blob(manifest.id, None, "items.json")
+    with pytest.raises(NotCachedError):
+        cache.try_open_blob(manifest.id, None, "nope.json")
+
+
+def test_the_loop_path_never_waits_for_the_lock(tmp_path: Path) -> None:
+    cache = PackageCache(tmp_path, max_bytes=BIG)
+    manifest, files = package(1)
+    cache.put(manifest, files, key(1))
+    cache.open_blob(manifest.id, None, "items.json")[1].close()
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with cache._lock:  # as a put() of a large package would
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        held.wait(10)
+        assert cache.try_open_blob(manifest.id, None, "items.json") is None
+    finally:
+        release.set()
+        holder.join()
+    opened = cache.try_open_blob(manifest.id, None, "items.json")
+    assert opened is not None
+    opened[1].close()

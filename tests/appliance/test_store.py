@@ -6,7 +6,15 @@ from typing import TYPE_CHECKING
 import pytest
 
 from appliance.state.migrations import migrations
-from appliance.state.store import ConflictError, ModelRecord, NotFoundError, Store, UsageEvent
+from appliance.state.store import (
+    ApiKey,
+    AsyncStore,
+    ConflictError,
+    ModelRecord,
+    NotFoundError,
+    Store,
+    UsageEvent,
+)
 from shared.classes import ServiceClass
 
 if TYPE_CHECKING:
@@ -134,3 +142,49 @@ def test_node_id_is_stable(tmp_path: Path) -> None:
     node = first.node_id()
     first.close()
     assert Store(tmp_path / "n.db").node_id() == node
+
+
+async def test_authenticated_keys_are_remembered_until_the_database_changes(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "appliance.db"
+    store = AsyncStore(path)
+    await store.open()
+    try:
+        new = await store.run(store.sync.create_key, "acme")
+        calls = 0
+        authenticate = store.sync.authenticate
+
+        def counted(plaintext: str) -> ApiKey | None:
+            nonlocal calls
+            calls += 1
+            return authenticate(plaintext)
+
+        store.sync.authenticate = counted  # type: ignore[method-assign]
+        first = await store.authenticate(new.plaintext)
+        assert first is not None
+        assert not first.revoked
+        assert await store.authenticate(new.plaintext) == first
+        assert calls == 1  # the second came from memory
+        assert await store.authenticate("kvl_nope_nope") is None
+        assert await store.authenticate("not a key at all: é") is None
+
+        # Revoked by another connection (as the CLI does): seen on the very next call.
+        before = calls
+        other = Store(path)
+        other.revoke_key(new.prefix)
+        other.close()
+        revoked = await store.authenticate(new.plaintext)
+        assert revoked is not None
+        assert revoked.revoked
+        assert calls == before + 1
+
+        # Any change through this store's own writer is seen as well.
+        second = await store.run(store.sync.create_key, "acme")
+        assert await store.authenticate(second.plaintext) is not None
+        await store.run(store.sync.revoke_key, second.prefix)
+        again = await store.authenticate(second.plaintext)
+        assert again is not None
+        assert again.revoked
+    finally:
+        await store.close()
