@@ -128,6 +128,7 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
         leases=admission.leases,
         api={"port": settings.server.port, "tls": lan_tls_files(settings) is not None},
         models_dir=settings.models_dir,
+        packages=app[PACKAGES],
     )
     await link.restore_leases()
     app[FLEET] = link
@@ -156,6 +157,7 @@ async def _jobs(app: web.Application) -> AsyncIterator[None]:
         settings.packages,
         model=settings.packages.model or settings.model.default,
         node_id=app[NODE_ID],
+        store=app[STORE],
     )
     app[PACKAGES] = packages
     service.runner.handlers[PACKAGES_URL] = packages.run_job_item

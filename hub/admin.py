@@ -5,6 +5,7 @@ create`); handlers are thin: parse, call the store, answer a view (hub/views.py)
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -13,9 +14,11 @@ from typing import TYPE_CHECKING, Any, Self
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hub.packages import MAX_BUNDLE, keep_bundle
 from hub.state.store import DeploymentRecord, NotFoundError
-from hub.views import deployment_view, node_view, quota_view
+from hub.views import deployment_view, node_view, package_view, quota_view
 from shared.errors import ApiError, ErrorCode
+from shared.oci import LayoutError
 
 if TYPE_CHECKING:
     from hub.settings import HubSettings
@@ -172,6 +175,75 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"data": data})
 
 
+class SeedRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: str | None = Field(None, max_length=100, description="the newest held if unset")
+    site: str | None = Field(None, max_length=200, description="every node if unset")
+
+
+async def list_packages(request: web.Request) -> web.Response:
+    store, _ = _ctx(request)
+    found = await store.run(store.sync.packages, request.query.get("q"))
+    names = {n.id: n.name for n in await store.run(store.sync.nodes)}
+    return web.json_response({"data": [package_view(p, names) for p in found]})
+
+
+async def add_package(request: web.Request) -> web.Response:
+    """The body is a package archive (`GET /v1/packages/{id}/exports/oci` on an appliance);
+    `?seed=all` or `?seed=SITE` seeds it at once."""
+    store, settings = _ctx(request)
+    data = bytearray()
+    async for chunk in request.content.iter_chunked(1 << 20):
+        data += chunk
+        if len(data) > MAX_BUNDLE:
+            raise ApiError(
+                ErrorCode.request_too_large, f"a package archive is at most {MAX_BUNDLE} bytes"
+            )
+    try:
+        summary, sha256 = await asyncio.to_thread(keep_bundle, settings.artifacts_dir, bytes(data))
+    except LayoutError as err:
+        raise ApiError(ErrorCode.invalid_parameter, f"not a package archive: {err}") from err
+    await store.run(store.sync.add_package_bundle, summary, sha256, len(data))
+    if seed := request.query.get("seed"):
+        site = None if seed == "all" else seed
+        await store.run(store.sync.seed_package, summary["id"], summary["version"], site)
+    return await _package(request, summary["id"], summary["version"], status=201)
+
+
+async def seed_package(request: web.Request) -> web.Response:
+    store, _ = _ctx(request)
+    req: SeedRequest = await _parse(request, SeedRequest)
+    package_id = request.match_info["id"]
+    try:
+        await store.run(store.sync.seed_package, package_id, req.version, req.site)
+    except NotFoundError as err:
+        raise ApiError(ErrorCode.not_found, str(err)) from err
+    return await _package(request, package_id, req.version)
+
+
+async def unseed_package(request: web.Request) -> web.Response:
+    store, _ = _ctx(request)
+    package_id, version = request.match_info["id"], request.query.get("version")
+    try:
+        await store.run(store.sync.unseed_package, package_id, version)
+    except NotFoundError as err:
+        raise ApiError(ErrorCode.not_found, str(err)) from err
+    return await _package(request, package_id, version)
+
+
+async def _package(
+    request: web.Request, package_id: str, version: str | None, status: int = 200
+) -> web.Response:
+    store, _ = _ctx(request)
+    found = [p for p in await store.run(store.sync.packages, package_id) if p.id == package_id]
+    match = next((p for p in found if version in {None, p.version}), None)
+    if match is None:
+        raise ApiError(ErrorCode.not_found, f"no package {package_id}")
+    names = {n.id: n.name for n in await store.run(store.sync.nodes)}
+    return web.json_response(package_view(match, names), status=status)
+
+
 def admin_routes() -> list[web.RouteDef]:
     return [
         web.get("/v1/admin/nodes", list_nodes),
@@ -183,4 +255,8 @@ def admin_routes() -> list[web.RouteDef]:
         web.get("/v1/admin/deployments", list_deployments),
         web.post("/v1/admin/deployments", create_deployment),
         web.delete("/v1/admin/deployments/{id}", delete_deployment),
+        web.get("/v1/admin/packages", list_packages),
+        web.post("/v1/admin/packages", add_package),
+        web.post("/v1/admin/packages/{id}/seed", seed_package),
+        web.delete("/v1/admin/packages/{id}/seed", unseed_package),
     ]

@@ -332,17 +332,19 @@ async def offload(request: web.Request) -> web.StreamResponse:
 
 
 async def artifact(request: web.Request) -> web.StreamResponse:
-    """A model file placed on the calling node, by sha256 (its ETag); Range requests resume
-    a cut download."""
+    """A model file placed on the calling node, or a package archive seeded to it, by
+    sha256 (its ETag); Range requests resume a cut download."""
     sha256 = request.match_info["sha256"].lower()
     store = request.app[STORE]
-    placed = await store.run(store.sync.placed_models, request[NODE].id)
-    if sha256 not in {m.sha256 for m in placed}:
-        raise ApiError(ErrorCode.not_found, f"no model {sha256} is placed on this node")
+    node = request[NODE]
+    placed = await store.run(store.sync.placed_models, node.id)
+    seeded = await store.run(store.sync.seeded_packages, node)
+    if sha256 not in {m.sha256 for m in placed} | {p["sha256"] for p in seeded}:
+        raise ApiError(ErrorCode.not_found, f"no model or package {sha256} is placed on this node")
     try:
         blob = (_settings(request).artifacts_dir / sha256).open("rb")
     except FileNotFoundError as err:
-        raise ApiError(ErrorCode.not_found, f"the hub has lost the file of model {sha256}") from err
+        raise ApiError(ErrorCode.not_found, f"the hub has lost the file {sha256}") from err
     with blob:
         return await send_blob(
             request,

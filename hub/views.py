@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING, Any
 from hub.state.store import node_status
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from hub.settings import HubSettings
-    from hub.state.store import DeploymentRecord, Node, Quota
+    from hub.state.store import DeploymentRecord, Node, PackageRecord, Quota
 
 
 def node_view(node: Node, settings: HubSettings, now: float) -> dict[str, Any]:
@@ -65,4 +67,24 @@ def deployment_view(
         "isolation": deployment.isolation,
         "constraints": dict(deployment.constraints),
         "nodes": nodes,
+    }
+
+
+def package_view(p: PackageRecord, names: Mapping[str, str]) -> dict[str, Any]:
+    """A package known to the fleet, as the operator API and the console show it."""
+    return {
+        "id": p.id,
+        "version": p.version,
+        "title": p.title,
+        "topic": p.topic,
+        "level": p.level,
+        "items": p.items,
+        "size": p.size,
+        "digest": p.digest,
+        "lineage": p.lineage,
+        "origin_node": p.origin_node and names.get(p.origin_node, p.origin_node),
+        "created_at": p.created_at,
+        "held_by_hub": p.bundle_sha256 is not None,
+        "nodes": [names.get(n, n) for n in p.nodes],
+        "seeded_to": p.seeded_to,
     }

@@ -31,10 +31,11 @@ from shared.provisioning import Provisioning
 from shared.wireguard import Endpoint, InterfaceConfig, Peer, Tunnel, WireGuardError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
     from pathlib import Path
 
     from appliance.fleet.leases import LeaseBook
+    from appliance.packages.service import PackageService
     from appliance.serving.registry import ModelRegistry
     from appliance.settings import FleetSettings
     from appliance.state.store import AsyncStore
@@ -86,11 +87,14 @@ class FleetLink:
         leases: LeaseBook | None = None,
         api: dict[str, Any] | None = None,
         models_dir: Path | None = None,
+        packages: PackageService | None = None,
     ) -> None:
         self._settings = settings
         self._api = api or {}
         # Models the hub places here are fetched into `models_dir` (None: placement off).
-        self._converger = Converger(store, registry, models_dir) if models_dir is not None else None
+        self._converger = (
+            Converger(store, registry, models_dir, packages) if models_dir is not None else None
+        )
         self._leases = leases
         self._lease_call: asyncio.Task[None] | None = None
         if leases is not None:
@@ -309,43 +313,61 @@ class FleetLink:
         return list(seen.values())
 
     async def sync(self) -> int:
-        """Send the outbox in batches until it is empty or the hub is unreachable; the
-        number of events the hub acknowledged."""
+        """Send the outbox in batches, usage events first, then the other events (packages
+        made or removed here), until it is empty or the hub is unreachable; the number of
+        events the hub acknowledged."""
         sent = 0
         try:
             client = await self._ensure()
             if client is None:
                 return 0
-            while True:
-                batch = await self._store.run(self._store.sync.outbox, self._settings.sync_batch)
-                if not batch:
-                    break
-                # vars(), not dataclasses.asdict(): the fields are flat, and asdict's deep
-                # copy was most of a sync's time.
-                events = [
-                    {"id": event.id, "kind": "usage", "body": {**vars(event), "account": account}}
-                    for _, event, account in batch
-                ]
-                acknowledged = set(await client.push(events))
-                # The checkpoint moves past the acknowledged run only, in order.
-                last = 0
-                for rowid, event, _ in batch:
-                    if event.id not in acknowledged:
-                        break
-                    last = rowid
-                if last == 0:
-                    break
-                await self._store.run(self._store.sync.acknowledge, last)
-                if self._on_lag is not None:
-                    lag = await self._store.run(self._store.sync.outbox_lag)
-                    self._on_lag(lag, lag >= self._settings.outbox_limit_events)
-                sent += len(acknowledged)
-                self._metrics.outbox_synced.inc(len(acknowledged))
+            sent += await self._drain(client, self._usage_batch, self._store.sync.acknowledge)
+            sent += await self._drain(
+                client, self._events_batch, self._store.sync.acknowledge_events
+            )
         except (HubError, HubRefusedError, WireGuardError) as err:
             self.error = str(err)
             log.warning("sync stopped: %s", err)
         else:
             await self._store.run(self._store.sync.set_meta, "last_sync_at", str(time.time()))
+        return sent
+
+    async def _usage_batch(self) -> list[tuple[int, dict[str, Any]]]:
+        batch = await self._store.run(self._store.sync.outbox, self._settings.sync_batch)
+        # vars(), not dataclasses.asdict(): the fields are flat, and asdict's deep copy was
+        # most of a sync's time.
+        return [
+            (rowid, {"id": event.id, "kind": "usage", "body": {**vars(event), "account": account}})
+            for rowid, event, account in batch
+        ]
+
+    async def _events_batch(self) -> list[tuple[int, dict[str, Any]]]:
+        return await self._store.run(self._store.sync.events_outbox, self._settings.sync_batch)
+
+    async def _drain(
+        self,
+        client: HubClient,
+        batch: Callable[[], Awaitable[list[tuple[int, dict[str, Any]]]]],
+        acknowledge: Callable[[int], None],
+    ) -> int:
+        """Push one stream of the outbox until it is empty; the checkpoint moves past the
+        acknowledged run only, in order."""
+        sent = 0
+        while events := await batch():
+            acknowledged = set(await client.push([e for _, e in events]))
+            last = 0
+            for rowid, event in events:
+                if event["id"] not in acknowledged:
+                    break
+                last = rowid
+            if last == 0:
+                break
+            await self._store.run(acknowledge, last)
+            if self._on_lag is not None:
+                lag = await self._store.run(self._store.sync.outbox_lag)
+                self._on_lag(lag, lag >= self._settings.outbox_limit_events)
+            sent += len(acknowledged)
+            self._metrics.outbox_synced.inc(len(acknowledged))
         return sent
 
 

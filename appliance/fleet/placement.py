@@ -1,6 +1,7 @@
 """Converging on the hub's placements: the models its desired state places on this node
 are fetched, checked, registered, loaded and pinned; the ones it no longer places are
-unpinned and unloaded.
+unpinned and unloaded. The content packages it seeds here are fetched as OCI layout
+archives, put into the package cache and pinned; unseeded, they are unpinned.
 
 A model file comes from the hub through the tunnel (`GET /v1/node/artifacts/SHA256`)
 into the models folder: a cut download resumes where it stopped (HTTP Range), and a file
@@ -20,6 +21,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from appliance.fleet.client import HubError
+from appliance.packages.cache import CacheError
 from appliance.serving.registry import (
     InsufficientMemoryError,
     ModelNotReadyError,
@@ -32,12 +34,14 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from appliance.fleet.client import HubClient
+    from appliance.packages.service import PackageService
     from appliance.serving.registry import ModelRegistry
     from appliance.state.store import AsyncStore
 
 log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
+MAX_BUNDLE = 1 << 30  # bytes: a package archive is held in memory while it is checked
 REFUSALS = (UnknownModelError, ModelNotReadyError, InsufficientMemoryError, ModelPinnedError)
 
 
@@ -54,7 +58,14 @@ def _sha256(path: Path) -> str:
 
 
 class Converger:
-    def __init__(self, store: AsyncStore, registry: ModelRegistry, models_dir: Path) -> None:
+    def __init__(
+        self,
+        store: AsyncStore,
+        registry: ModelRegistry,
+        models_dir: Path,
+        packages: PackageService | None = None,
+    ) -> None:
+        self._packages = packages
         self._store = store
         self._registry = registry
         self._models_dir = models_dir
@@ -72,9 +83,15 @@ class Converger:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def converge(self, client: HubClient) -> None:
+        errors = await self._models(client)
+        if self._packages is not None:
+            errors |= await self._seed(client, self._packages)
+        self.errors = errors
+
+    async def _models(self, client: HubClient) -> dict[str, str]:
         raw = await self._store.run(self._store.sync.meta, "desired_models")
         if raw is None:
-            return  # the hub has placed nothing here, ever
+            return {}  # the hub has placed nothing here, ever
         desired: list[dict[str, Any]] = json.loads(raw)
         placed = await self._store.run(self._store.sync.meta, "placed_models")
         before = set(json.loads(placed or "[]"))
@@ -99,8 +116,59 @@ class Converger:
                 log.info("unloaded %s: the hub placed it elsewhere", ref)
             except REFUSALS as err:  # already gone, or pinned by an operator
                 log.info("%s stays: %s", ref, err)
-        self.errors = errors
         await self._store.run(self._store.sync.set_meta, "placed_models", json.dumps(wanted))
+        return errors
+
+    async def _seed(self, client: HubClient, packages: PackageService) -> dict[str, str]:
+        """The packages the hub seeds here: fetched as archives (their sha256 checked),
+        put into the cache and pinned; the ones it no longer seeds are unpinned, left to
+        the cache's eviction."""
+        raw = await self._store.run(self._store.sync.meta, "desired_packages")
+        if raw is None:
+            return {}
+        desired: list[dict[str, Any]] = json.loads(raw)
+        seeded = await self._store.run(self._store.sync.meta, "seeded_packages")
+        before = set(json.loads(seeded or "[]"))
+        errors: dict[str, str] = {}
+        wanted: list[str] = []
+        for package in desired:
+            package_id, version = str(package["id"]), str(package["version"])
+            ref = f"{package_id}@{version}"
+            wanted.append(ref)
+            if await packages.pin(package_id, version, pinned=True):
+                continue  # held already
+            try:
+                data = await self._fetch_bundle(client, package)
+                stored = await packages.import_bundle(data, pinned=True)
+                log.info("package %s seeded by the hub", stored.ref)
+            except (PlacementError, HubError, CacheError, OSError) as err:
+                errors[ref] = str(err)
+                log.warning("seeded package %s: %s", ref, err)
+        for ref in sorted(before - set(wanted)):
+            package_id, _, version = ref.partition("@")
+            if await packages.pin(package_id, version, pinned=False):
+                log.info("package %s no longer seeded: unpinned", ref)
+        await self._store.run(self._store.sync.set_meta, "seeded_packages", json.dumps(wanted))
+        return errors
+
+    async def _fetch_bundle(self, client: HubClient, package: dict[str, Any]) -> bytes:
+        sha256, size = str(package["sha256"]), int(package["size"])
+        if size > MAX_BUNDLE:
+            raise PlacementError(f"the package archive is {size} bytes, above {MAX_BUNDLE}")
+        response = await client.artifact(sha256)
+        try:
+            if response.status != 200:
+                raise PlacementError(f"the hub answered {response.status} for the package")
+            data = bytearray()
+            async for chunk in response.content.iter_chunked(CHUNK):
+                data += chunk
+                if len(data) > size:
+                    raise PlacementError(f"the package archive is larger than {size} bytes")
+        finally:
+            response.release()
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise PlacementError(f"the package archive's sha256 is not {sha256}")
+        return bytes(data)
 
     async def _ensure(self, client: HubClient, model: dict[str, Any]) -> None:
         """The model registered here, its file fetched and checked if need be."""

@@ -23,6 +23,7 @@ from appliance.packages.service import PackageService, package_view
 from appliance.state.jobs import NewItem
 from shared.blobs import IMMUTABLE, REVALIDATE, send_blob
 from shared.errors import ApiError, ErrorCode
+from shared.oci import BUNDLE_MEDIA_TYPE
 
 if TYPE_CHECKING:
     from appliance.packages.cache import CachedPackage, PackageCache
@@ -33,6 +34,7 @@ EXPORTS = {
     "h5p": ("application/zip", ".h5p"),
     "moodle-xml": ("application/xml", ".xml"),
     "qti3": ("application/zip", ".qti.zip"),
+    "oci": (BUNDLE_MEDIA_TYPE, ".oci.tar"),  # for `kvl hub packages add`: pre-seeding
 }
 
 
@@ -132,18 +134,11 @@ async def package_export(request: web.Request) -> web.Response:
             param="format",
         )
     cached = await _get(request)
-    try:
-        files = await asyncio.to_thread(_read_files, _cache(request), cached)
-    except CorruptBlobError as err:
-        raise ApiError(ErrorCode.package_corrupt, str(err), retry_after=1) from err
     media_type, suffix = EXPORTS[form]
     try:
-        if form == "h5p":
-            data = await asyncio.to_thread(export_h5p, cached.manifest, files)
-        elif form == "qti3":
-            data = await asyncio.to_thread(export_qti3, cached.manifest, files)
-        else:
-            data = await asyncio.to_thread(export_moodle_xml, cached.manifest)
+        data = await asyncio.to_thread(_export, _cache(request), cached, form)
+    except CorruptBlobError as err:
+        raise ApiError(ErrorCode.package_corrupt, str(err), retry_after=1) from err
     except ExportError as err:
         raise ApiError(ErrorCode.package_validation_failed, f"{form}: {err}") from err
     name = f"{cached.id}-{cached.version}{suffix}"
@@ -167,6 +162,15 @@ async def pin_package(request: web.Request) -> web.Response:
     except NotCachedError as err:
         raise ApiError(ErrorCode.package_not_found, str(err)) from err
     return web.json_response(_summary(cached))
+
+
+def _export(cache: PackageCache, cached: CachedPackage, form: str) -> bytes:
+    if form == "oci":
+        return cache.bundle(cached.id, cached.version)
+    if form == "moodle-xml":
+        return export_moodle_xml(cached.manifest)
+    files = _read_files(cache, cached)
+    return (export_h5p if form == "h5p" else export_qti3)(cached.manifest, files)
 
 
 def _read_files(cache: PackageCache, cached: CachedPackage) -> dict[str, bytes]:

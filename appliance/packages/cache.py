@@ -31,6 +31,9 @@ directory). Errors: CacheError, and its CorruptBlobError and NotCachedError.
   checked. ``try_open_blob`` is the same but never blocks (for the event loop): it answers
   None when the lock is busy, the blob must be hashed, or the index is due to be written.
 - ``pin(id, version, pinned)``; ``delete(id, version)``.
+- ``bundle(id, version)`` the package as one OCI layout archive (shared.oci), and
+  ``import_bundle(data)`` puts what such an archive holds: how the hub pre-seeds packages.
+- ``take_removed()`` the refs evicted or deleted since it was last called.
 - ``evict()`` removes least recently used unpinned packages until the distinct blobs total
   at most ``max_bytes`` (pinned ones stay even above it); returns the refs removed.
 - ``total_bytes()`` the distinct blobs' bytes: a blob shared by packages counts once and
@@ -61,6 +64,17 @@ from pydantic import ValidationError
 
 from appliance.packages.model import FileEntry, Manifest
 from shared.files import write_private
+from shared.oci import (
+    CACHE_KEY,
+    MANIFEST_PATH,
+    PACKAGE_ARTIFACT,
+    PKG_ID,
+    PKG_VERSION,
+    TITLE,
+    LayoutError,
+    read_layout,
+    write_layout,
+)
 
 if TYPE_CHECKING:
     import builtins
@@ -72,17 +86,11 @@ log = logging.getLogger(__name__)
 
 INDEX_TYPE = "application/vnd.oci.image.index.v1+json"
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
-PACKAGE_ARTIFACT = "application/vnd.kovenlab.package.v1+json"
 PACKAGE_MANIFEST_TYPE = "application/vnd.kovenlab.package.manifest.v1+json"
 EMPTY_TYPE = "application/vnd.oci.empty.v1+json"
 EMPTY_HEX = "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"  # sha256 of {}
-MANIFEST_PATH = "manifest.json"
-TITLE = "org.opencontainers.image.title"
 REF_NAME = "org.opencontainers.image.ref.name"
 CREATED = "org.opencontainers.image.created"
-PKG_ID = "dev.kovenlab.package.id"
-PKG_VERSION = "dev.kovenlab.package.version"
-CACHE_KEY = "dev.kovenlab.cache-key"
 PINNED = "dev.kovenlab.pinned"
 LAST_USED = "dev.kovenlab.last-used"
 _TOUCH_PERSIST_S = 60.0
@@ -156,6 +164,7 @@ class PackageCache:
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._verified: dict[str, tuple[int, int]] = {}  # hex -> (size, mtime_ns) hashed ok
+        self._removed: builtins.list[str] = []  # refs evicted or deleted, not yet taken
         self._blob_dir.mkdir(parents=True, exist_ok=True)
         if not (root / "oci-layout").exists():
             write_private(root / "oci-layout", _canonical({"imageLayoutVersion": "1.0.0"}))
@@ -298,13 +307,59 @@ class PackageCache:
     def pin(self, package_id: str, version: str, pinned: bool) -> CachedPackage:
         with self._lock:
             entry = self._find(package_id, version)
-            entry.pinned = pinned
-            self._save()
+            if entry.pinned != pinned:
+                entry.pinned = pinned
+                self._save()
             return self._public(entry)
+
+    def bundle(self, package_id: str, version: str | None = None) -> bytes:
+        """The package version as one OCI layout archive (shared.oci), every blob checked."""
+        with self._lock:
+            entry = self._find(package_id, version)
+            blobs = {}
+            for hex_digest in entry.blobs():
+                if not self._blob_ok(hex_digest):
+                    raise CorruptBlobError(f"{entry.ref}: blob {hex_digest[:12]} is corrupt")
+                blobs[hex_digest] = (self._blob_dir / hex_digest).read_bytes()
+            descriptor = _descriptor(
+                MANIFEST_TYPE,
+                entry.digest,
+                entry.size,
+                artifactType=PACKAGE_ARTIFACT,
+                annotations=entry.oci["annotations"] | {REF_NAME: entry.ref},
+            )
+        return write_layout({"schemaVersion": 2, "mediaType": INDEX_TYPE,
+                             "manifests": [descriptor]}, blobs)  # fmt: skip
+
+    def import_bundle(self, data: bytes) -> CachedPackage:
+        """Put the package an archive from ``bundle()`` holds (CacheError when it is not
+        one, or its files do not match its manifest)."""
+        try:
+            layout = read_layout(data, max_bytes=max(self.max_bytes, 1 << 20))
+            descriptors = layout.index["manifests"]
+            if len(descriptors) != 1:
+                raise CacheError("a package archive holds exactly one package")
+            oci = layout.json_blob(descriptors[0])
+            if oci.get("artifactType") != PACKAGE_ARTIFACT:
+                raise CacheError("the archive's manifest is not a content package")
+            files = {f.path: layout.blobs[f.sha256] for f in _files(oci).values()}
+            manifest = Manifest.model_validate_json(files.pop(MANIFEST_PATH))
+            cache_key = str(oci["annotations"][CACHE_KEY])
+        except (LayoutError, KeyError, TypeError, ValidationError) as err:
+            raise CacheError(f"not a package archive: {err}") from err
+        return self.put(manifest, files, cache_key)
+
+    def take_removed(self) -> builtins.list[str]:
+        """The refs evicted or deleted since the last call (to tell the hub)."""
+        with self._lock:
+            removed, self._removed = self._removed, []
+            return removed
 
     def delete(self, package_id: str, version: str) -> None:
         with self._lock:
-            del self._entries[self._find(package_id, version).ref]
+            ref = self._find(package_id, version).ref
+            del self._entries[ref]
+            self._removed.append(ref)
             self._save()
             self._collect()
 
@@ -373,6 +428,7 @@ class PackageCache:
                 refs[hex_digest] -= 1
                 total -= sizes[hex_digest] if refs[hex_digest] == 0 else 0
         if evicted:
+            self._removed.extend(evicted)
             log.info("evicted %s to stay within %d bytes", evicted, self.max_bytes)
             self._save()
             self._collect()

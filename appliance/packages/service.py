@@ -28,6 +28,7 @@ from collections import defaultdict
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from appliance.packages.cache import NotCachedError
 from appliance.packages.checks import check_audio, check_items, report
 from appliance.packages.generate import (
     TEMPLATE_VERSION,
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
     from appliance.packages.cache import CachedPackage, PackageCache
     from appliance.serving.registry import ModelRegistry
     from appliance.settings import PackageSettings
-    from appliance.state.store import ApiKey, ModelRecord
+    from appliance.state.store import ApiKey, AsyncStore, ModelRecord
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,24 @@ def package_view(cached: CachedPackage) -> dict[str, Any]:
     }
 
 
+def package_event(cached: CachedPackage, origin: str) -> dict[str, Any]:
+    """What the hub learns of a package this node holds ("made" here, or "seeded")."""
+    m = cached.manifest
+    return {
+        "id": cached.id,
+        "version": cached.version,
+        "title": m.title,
+        "topic": m.topic,
+        "level": m.level.value,
+        "items": len(m.items),
+        "size": cached.size,
+        "digest": cached.digest,
+        "lineage": m.lineage.model_dump(mode="json"),
+        "created_at": m.created_at,
+        "origin": origin,
+    }
+
+
 class PackageService:
     def __init__(
         self,
@@ -79,7 +98,9 @@ class PackageService:
         *,
         model: str,
         node_id: str,
+        store: AsyncStore,
     ) -> None:
+        self._store = store
         self._completions = completions
         self._host = host
         self.cache = cache
@@ -103,8 +124,37 @@ class PackageService:
                 return hit
             manifest, files = await self._make(req, key, record, digest, cache_key, voice)
             stored = await asyncio.to_thread(self.cache.put, manifest, files, cache_key)
+            await self._tell_hub(stored, origin="made")
         self._locks.pop(cache_key, None)
         return stored
+
+    async def import_bundle(self, data: bytes, *, pinned: bool) -> CachedPackage:
+        """Put a package archive (``PackageCache.bundle``) into the cache, pinned or not
+        (CacheError when it is not one)."""
+        stored = await asyncio.to_thread(self.cache.import_bundle, data)
+        if stored.pinned != pinned:
+            stored = await asyncio.to_thread(self.cache.pin, stored.id, stored.version, pinned)
+        await self._tell_hub(stored, origin="seeded")
+        return stored
+
+    async def pin(self, package_id: str, version: str, *, pinned: bool) -> bool:
+        """Pin or unpin a cached package version; False when it is not cached."""
+        try:
+            await asyncio.to_thread(self.cache.pin, package_id, version, pinned)
+        except NotCachedError:
+            return False
+        return True
+
+    async def _tell_hub(self, stored: CachedPackage, *, origin: str) -> None:
+        """The package and its lineage, and whatever the cache evicted to make room, go to
+        the hub through the outbox (committed before the client is answered)."""
+        sync = self._store.sync
+        await self._store.run(sync.record_event, "package", package_event(stored, origin))
+        for ref in await asyncio.to_thread(self.cache.take_removed):
+            package_id, _, version = ref.partition("@")
+            await self._store.run(
+                sync.record_event, "package_removed", {"id": package_id, "version": version}
+            )
 
     async def _make(  # noqa: PLR0917 - the parts of one package
         self,

@@ -206,3 +206,14 @@ def m006_quota_leases(db: Database) -> None:
         pk="id",
         not_null={"account", "granted", "granted_at", "expires_at", "period_ends_at", "current"},
     )
+
+
+@migrations()
+def m007_outbox_events(db: Database) -> None:
+    # Events for the hub other than usage (a package made or removed here), synced after
+    # usage events from their own checkpoint; the id makes a resend harmless.
+    db.table("outbox_events").create(
+        {"id": str, "kind": str, "body": str, "created_at": str},
+        pk="id",
+        not_null={"kind", "body", "created_at"},
+    )

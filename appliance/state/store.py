@@ -252,9 +252,37 @@ class Store:
     def outbox_lag(self) -> int:
         """Events committed here and not yet acknowledged by the hub."""
         row = self.db.execute(
-            "SELECT COUNT(*) FROM usage_events WHERE rowid > ?", [self.sync_checkpoint()]
+            "SELECT (SELECT COUNT(*) FROM usage_events WHERE rowid > ?)"
+            " + (SELECT COUNT(*) FROM outbox_events WHERE rowid > ?)",
+            [self.sync_checkpoint(), self._events_checkpoint()],
         ).fetchone()
         return int(row[0])
+
+    def record_event(self, kind: str, body: dict[str, Any]) -> str:
+        """Commit an event for the hub (not usage: a package made, say); its id."""
+        event_id = uuid.uuid4().hex
+        with self.db.conn:
+            self.db.execute(
+                "INSERT INTO outbox_events (id, kind, body, created_at) VALUES (?, ?, ?, ?)",
+                [event_id, kind, json.dumps(body), now_iso()],
+            )
+        return event_id
+
+    def events_outbox(self, limit: int) -> list[tuple[int, dict[str, Any]]]:
+        """Events after their checkpoint, oldest first: (rowid, {id, kind, body})."""
+        rows = self.db.execute(
+            "SELECT rowid, id, kind, body FROM outbox_events WHERE rowid > ? ORDER BY rowid"
+            " LIMIT ?",
+            [self._events_checkpoint(), limit],
+        ).fetchall()
+        return [(r[0], {"id": r[1], "kind": r[2], "body": json.loads(r[3])}) for r in rows]
+
+    def acknowledge_events(self, rowid: int) -> None:
+        if rowid > self._events_checkpoint():
+            self.set_meta("events_checkpoint", str(rowid))
+
+    def _events_checkpoint(self) -> int:
+        return int(self.meta("events_checkpoint") or 0)
 
     def apply_desired_state(self, state: dict[str, Any]) -> int:
         """Apply the hub's accounts and keys atomically (all or nothing) and remember the
@@ -299,13 +327,15 @@ class Store:
                 " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                 [str(serial)],
             )
-            if "models" in state:
-                # The models the hub places here; the fleet link converges on them.
-                self.db.execute(
-                    "INSERT INTO meta (key, value) VALUES ('desired_models', ?)"
-                    " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                    [json.dumps(state["models"])],
-                )
+            # The models the hub places here and the packages it seeds here; the fleet
+            # link converges on them.
+            for part in ("models", "packages"):
+                if part in state:
+                    self.db.execute(
+                        "INSERT INTO meta (key, value) VALUES (?, ?)"
+                        " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                        [f"desired_{part}", json.dumps(state[part])],
+                    )
             if state.get("offload_secret"):
                 # What the hub shows when it hands this node another node's request.
                 self.db.execute(

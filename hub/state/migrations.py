@@ -181,3 +181,42 @@ def m006_operators(db: Database) -> None:
         pk="prefix",
         not_null={"hash", "name", "created_at"},
     )
+
+
+@migrations()
+def m007_packages(db: Database) -> None:
+    # Content packages known to the fleet: reported by the node that made or holds them
+    # (their lineage, through the outbox), and bundles the hub holds to seed to nodes.
+    db.table("packages").create(
+        {
+            "id": str,
+            "version": str,
+            "title": str,
+            "topic": str,
+            "level": str,
+            "items": int,
+            "size": int,  # bytes of the package's files
+            "digest": str,  # of its OCI manifest, "sha256:<hex>"
+            "lineage": str,  # JSON: model, voice, template version, seed, appliance id
+            "origin_node": str,  # the node that reported it first (None: uploaded here)
+            "created_at": str,  # the manifest's
+            "received_at": float,
+            "bundle_sha256": str,  # the OCI layout archive the hub holds (None: not held)
+            "bundle_size": int,
+        },
+        pk=("id", "version"),
+        not_null={"title", "topic", "level", "items", "size", "digest", "lineage",
+                  "created_at", "received_at"},
+    )  # fmt: skip
+    # Which nodes hold which package versions (reported), and which are to be seeded.
+    db.table("package_copies").create(
+        {"package_id": str, "version": str, "node_id": str, "reported_at": float},
+        pk=("package_id", "version", "node_id"),
+        not_null={"reported_at"},
+    )
+    db.table("package_seeds").create(
+        # site: seed to the nodes of this site only (None: to every node)
+        {"package_id": str, "version": str, "site": str, "created_at": float},
+        pk=("package_id", "version"),
+        not_null={"created_at"},
+    )

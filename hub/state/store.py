@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -30,6 +31,8 @@ from shared.keys import (
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
     from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class TokenProblem(StrEnum):
@@ -565,6 +568,8 @@ class HubStore:
                 }
                 for m in self.placed_models(node.id)
             ],
+            # The content packages seeded to this node: fetched the same way, then pinned.
+            "packages": self.seeded_packages(node),
         }
 
     def offload_secret(self, node_id: str) -> str:
@@ -718,7 +723,9 @@ class HubStore:
         now = time.time()
         rows = [(str(e["id"]), node_id, str(e["kind"]), json.dumps(e["body"]), now,
                  *_usage(e["kind"], e["body"], now)) for e in events]  # fmt: skip
+        others = [e for e in events if e["kind"] != "usage"]
         with self.db.conn:
+            seen = self._seen_events([str(e["id"]) for e in others])
             before = self.db.conn.total_changes
             self.db.conn.executemany(
                 "INSERT OR IGNORE INTO ledger (event_id, node_id, kind, body, received_at,"
@@ -726,7 +733,126 @@ class HubStore:
                 rows,
             )
             new = self.db.conn.total_changes - before
+            for event in others:  # each applied once, in the node's order
+                if str(event["id"]) in seen:
+                    continue
+                seen.add(str(event["id"]))
+                try:
+                    self._apply_event(node_id, str(event["kind"]), event["body"], now)
+                except (KeyError, TypeError, ValueError) as err:
+                    # Kept in the ledger, not applied: a malformed report must not stop
+                    # the node's outbox behind it.
+                    log.warning("node %s: %s event %s not applied: %r", node_id,
+                                event["kind"], event["id"], err)  # fmt: skip
         return [r[0] for r in rows], new
+
+    def _seen_events(self, ids: list[str]) -> set[str]:
+        if not ids:
+            return set()
+        marks = ",".join("?" * len(ids))
+        rows = self.db.execute(f"SELECT event_id FROM ledger WHERE event_id IN ({marks})", ids)  # noqa: S608 - placeholders only
+        return {r[0] for r in rows}
+
+    def _apply_event(self, node_id: str, kind: str, body: Mapping[str, Any], now: float) -> None:
+        """A node's package report: the package (and its lineage) known to the fleet, held
+        by that node; or no longer held. Other kinds are kept in the ledger only."""
+        if kind == "package":
+            self._upsert_package(body, origin_node=node_id, now=now)
+            self.db.execute(
+                "INSERT INTO package_copies (package_id, version, node_id, reported_at)"
+                " VALUES (?, ?, ?, ?) ON CONFLICT DO UPDATE SET reported_at = excluded.reported_at",
+                [body["id"], body["version"], node_id, now],
+            )
+        elif kind == "package_removed":
+            self.db.execute(
+                "DELETE FROM package_copies WHERE package_id = ? AND version = ? AND node_id = ?",
+                [body["id"], body["version"], node_id],
+            )
+
+    def _upsert_package(
+        self, summary: Mapping[str, Any], *, origin_node: str | None, now: float
+    ) -> None:
+        """Record a package version the first time it is heard of; later reports (another
+        node's copy, an upload) keep the first origin."""
+        self.db.execute(
+            "INSERT INTO packages (id, version, title, topic, level, items, size, digest,"
+            " lineage, origin_node, created_at, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?,"
+            " ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            [str(summary["id"]), str(summary["version"]), str(summary["title"]),
+             str(summary["topic"]), str(summary["level"]), int(summary["items"]),
+             int(summary["size"]), str(summary["digest"]), json.dumps(summary["lineage"]),
+             origin_node, str(summary["created_at"]), now],
+        )  # fmt: skip
+
+    # -- content packages ------------------------------------------------------------------
+
+    def add_package_bundle(self, summary: Mapping[str, Any], sha256: str, size: int) -> None:
+        """The hub now holds this package's archive (to seed it to nodes)."""
+        with self.db.conn:
+            self._upsert_package(summary, origin_node=None, now=time.time())
+            self.db.execute(
+                "UPDATE packages SET bundle_sha256 = ?, bundle_size = ? WHERE id = ? AND"
+                " version = ?",
+                [sha256, size, summary["id"], summary["version"]],
+            )
+
+    def packages(self, query: str | None = None, limit: int = 200) -> list[PackageRecord]:
+        """Packages known to the fleet, newest first, with the nodes that hold each."""
+        needle = f"%{(query or '').casefold()}%"
+        rows = self.db.execute(
+            "SELECT p.*, s.site AS seed_site, s.created_at AS seeded_at,"
+            " (SELECT group_concat(node_id) FROM package_copies c WHERE c.package_id = p.id"
+            "  AND c.version = p.version) AS nodes"
+            " FROM packages p LEFT JOIN package_seeds s ON s.package_id = p.id AND"
+            " s.version = p.version WHERE lower(p.id || ' ' || p.title || ' ' || p.topic)"
+            " LIKE ? ORDER BY p.created_at DESC, p.id LIMIT ?",
+            [needle, limit],
+        )
+        return [_package(dict(zip([c[0] for c in rows.description], r, strict=True)))
+                for r in rows.fetchall()]  # fmt: skip
+
+    def seed_package(self, package_id: str, version: str | None, site: str | None) -> int:
+        """Seed a package version (the newest held when None) to every node, or to the
+        nodes of ``site``; the new serial. NotFoundError when the hub holds no archive."""
+        with self.db.conn:
+            row = self.db.execute(
+                "SELECT version FROM packages WHERE id = ? AND (? IS NULL OR version = ?) AND"
+                " bundle_sha256 IS NOT NULL ORDER BY created_at DESC LIMIT 1",
+                [package_id, version, version],
+            ).fetchone()
+            if row is None:
+                raise NotFoundError(
+                    f"the hub holds no archive of {package_id}"
+                    + (f"@{version}" if version else "")
+                    + "; add one with `kvl hub packages add FILE`"
+                )
+            self.db.execute(
+                "INSERT INTO package_seeds (package_id, version, site, created_at)"
+                " VALUES (?, ?, ?, ?) ON CONFLICT DO UPDATE SET site = excluded.site",
+                [package_id, row[0], site, time.time()],
+            )
+            return self._bump()
+
+    def unseed_package(self, package_id: str, version: str | None) -> int:
+        with self.db.conn:
+            gone = self.db.execute(
+                "DELETE FROM package_seeds WHERE package_id = ? AND (? IS NULL OR version = ?)",
+                [package_id, version, version],
+            ).rowcount
+            if not gone:
+                raise NotFoundError(f"{package_id} is not seeded")
+            return self._bump()
+
+    def seeded_packages(self, node: Node) -> list[dict[str, Any]]:
+        """The package archives seeded to ``node`` (all nodes, or its site)."""
+        rows = self.db.execute(
+            "SELECT p.id, p.version, p.bundle_sha256, p.bundle_size FROM package_seeds s"
+            " JOIN packages p ON p.id = s.package_id AND p.version = s.version"
+            " WHERE p.bundle_sha256 IS NOT NULL AND (s.site IS NULL OR s.site = ?)"
+            " ORDER BY p.id, p.version",
+            [node.site],
+        ).fetchall()
+        return [{"id": r[0], "version": r[1], "sha256": r[2], "size": r[3]} for r in rows]
 
     def ledger_count(self, node_id: str | None = None) -> int:
         sql, params = "SELECT COUNT(*) AS n FROM ledger", []
@@ -754,6 +880,27 @@ def _usage(
         tokens,
         str(lease) if lease is not None else None,
         at,
+    )
+
+
+def _package(row: Mapping[str, Any]) -> PackageRecord:
+    return PackageRecord(
+        id=row["id"],
+        version=row["version"],
+        title=row["title"],
+        topic=row["topic"],
+        level=row["level"],
+        items=row["items"],
+        size=row["size"],
+        digest=row["digest"],
+        lineage=json.loads(row["lineage"]),
+        origin_node=row["origin_node"],
+        created_at=row["created_at"],
+        received_at=row["received_at"],
+        bundle_sha256=row["bundle_sha256"],
+        bundle_size=row["bundle_size"],
+        nodes=sorted((row["nodes"] or "").split(",")) if row["nodes"] else [],
+        seeded_to=None if row["seeded_at"] is None else (row["seed_site"] or "*"),
     )
 
 
@@ -847,3 +994,25 @@ class Heartbeat:
 class AsyncHubStore(db.AsyncStore[HubStore]):
     def __init__(self, path: Path) -> None:
         super().__init__(HubStore, path)
+
+
+@dataclass(frozen=True)
+class PackageRecord:
+    """A content package known to the fleet: reported by a node, or uploaded here."""
+
+    id: str
+    version: str
+    title: str
+    topic: str
+    level: str
+    items: int
+    size: int
+    digest: str
+    lineage: dict[str, Any]
+    origin_node: str | None  # the node that made it (None: uploaded to the hub)
+    created_at: str
+    received_at: float
+    bundle_sha256: str | None  # the archive the hub holds to seed it (None: not held)
+    bundle_size: int | None
+    nodes: list[str]  # the nodes that hold it, as they last reported
+    seeded_to: str | None  # "*" every node, a site, or None: not seeded

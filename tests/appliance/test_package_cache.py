@@ -573,3 +573,45 @@ def test_the_loop_path_never_waits_for_the_lock(tmp_path: Path) -> None:
     opened = cache.try_open_blob(manifest.id, None, "items.json")
     assert opened is not None
     opened[1].close()
+
+
+def test_a_package_travels_as_an_archive_to_another_cache(tmp_path: Path) -> None:
+    source = PackageCache(tmp_path / "a", max_bytes=BIG)
+    manifest, files = package(1, files={"items.json": b"[1]", "audio/intro.wav": SHARED_AUDIO})
+    stored = source.put(manifest, files, key(1))
+    archive = source.bundle(manifest.id)
+    assert archive == source.bundle(manifest.id, manifest.version)  # deterministic
+
+    target = PackageCache(tmp_path / "b", max_bytes=BIG)
+    imported = target.import_bundle(archive)
+    assert (imported.ref, imported.digest, imported.cache_key) == (
+        stored.ref, stored.digest, stored.cache_key)  # fmt: skip
+    assert target.by_key(key(1)) is not None  # a request there hits it too
+    _, blob = target.open_blob(manifest.id, None, "audio/intro.wav")
+    with blob:
+        assert blob.read() == SHARED_AUDIO
+    assert_layout_sound(tmp_path / "b")
+    assert target.import_bundle(archive).ref == stored.ref  # again: nothing changes
+
+    spoiled = archive.replace(SHARED_AUDIO, b"X" * len(SHARED_AUDIO))
+    with pytest.raises(CacheError):
+        PackageCache(tmp_path / "c", max_bytes=BIG).import_bundle(spoiled)
+    with pytest.raises(CacheError):
+        target.import_bundle(b"not an archive")
+
+
+def test_removed_refs_are_taken_once(tmp_path: Path) -> None:
+    clock = Clock()
+    one, files = package(1, files={"items.json": b"x" * 600})
+    cache = PackageCache(tmp_path, max_bytes=BIG, clock=clock)
+    cache.max_bytes = 2 * cache.put(one, files, key(1)).size + 100  # room for two
+    clock.advance(1)
+    two, files = package(2, files={"items.json": b"y" * 600})
+    cache.put(two, files, key(2))
+    clock.advance(1)
+    three, files = package(3, files={"items.json": b"z" * 600})
+    cache.put(three, files, key(3))
+    assert cache.take_removed() == [f"{one.id}@{one.version}"]
+    assert cache.take_removed() == []
+    cache.delete(two.id, two.version)
+    assert cache.take_removed() == [f"{two.id}@{two.version}"]

@@ -1,0 +1,117 @@
+"""Packages across the fleet, end to end: a real hub and two real appliances on loopback.
+A package made on node A reaches the hub with its lineage through A's outbox; its archive,
+exported by A and kept by the hub (`kvl hub packages add --seed`), is seeded to node B,
+which fetches it, checks it, pins it and serves the very same files on its LAN; unseeded,
+B unpins it."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import pytest
+
+from appliance.gateway.packages import PACKAGES
+from hub.app import create_app as create_hub
+from hub.app import ssl_context
+from hub.state.store import HubStore
+from tests.appliance.fleet_nodes import join
+from tests.appliance.test_placement_fleet import _hub
+from tests.conftest import kvl
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from pytest_aiohttp import AiohttpServer
+
+    from appliance.state.store import ModelRecord
+    from hub.settings import HubSettings
+
+ASK = {"topic": "volcanoes", "level": "beginner", "wait": True,
+       "spec": {"items": 2, "item_types": ["true_false"], "narration": False}}  # fmt: skip
+
+
+async def _until(condition: Any, what: str, timeout_s: float = 60.0) -> None:
+    for _ in range(int(timeout_s * 10)):
+        if await condition():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _nodes_holding(hub: HubSettings, package_id: str) -> list[str]:
+    store = HubStore(hub.db_path)
+    try:
+        names = {n.id: n.name for n in store.nodes()}
+        found = [p for p in store.packages(package_id) if p.id == package_id]
+        return sorted(names[n] for n in found[0].nodes) if found else []
+    finally:
+        store.close()
+
+
+@pytest.mark.model
+async def test_a_package_made_on_one_node_is_reported_and_seeded_to_another(
+    aiohttp_server: AiohttpServer, tmp_path: Path, default_model: ModelRecord
+) -> None:
+    hub = _hub(tmp_path)
+    data = str(hub.data_dir)
+    hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
+    assert hub_server.port is not None
+    model = {"n_ctx": 1024, "n_threads": 1, "n_slots": 1}
+    a = await join(aiohttp_server, tmp_path, default_model, hub, hub_server.port, name="node-a",
+                   model=model)  # fmt: skip
+    auth = {"Authorization": f"Bearer {a.key}"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{a.base_url}/v1/packages", json=ASK, headers=auth) as response:
+            made = await response.json()
+            assert response.status == 200, made
+        package_id, version = made["id"], made["version"]
+
+        async def reported() -> bool:
+            return _nodes_holding(hub, package_id) == ["node-a"]
+
+        await _until(reported, "node A's package at the hub")
+        store = HubStore(hub.db_path)
+        [record] = store.packages(package_id)
+        store.close()
+        assert record.lineage["model"]["sha256"] == default_model.sha256
+        assert record.lineage["appliance_id"] == made["manifest"]["lineage"]["appliance_id"]
+        assert record.bundle_sha256 is None  # reported, not held
+
+        async with session.get(f"{a.base_url}/v1/packages/{package_id}/exports/oci",
+                               headers=auth) as response:  # fmt: skip
+            assert response.status == 200
+            archive = await response.read()
+        (tmp_path / "package.oci.tar").write_bytes(archive)
+        kvl("hub", "packages", "add", str(tmp_path / "package.oci.tar"), "--seed",
+            "--data-dir", data)  # fmt: skip
+
+        b = await join(aiohttp_server, tmp_path, default_model, hub, hub_server.port,
+                       name="node-b", model=model)  # fmt: skip
+        cache_b = b.app[PACKAGES].cache
+
+        async def seeded() -> bool:
+            held = [p for p in cache_b.list() if p.id == package_id]
+            return bool(held) and held[0].pinned
+
+        await _until(seeded, "the package seeded to node B")
+        for entry in made["manifest"]["files"]:
+            url = f"{b.base_url}/v1/packages/{package_id}/files/{entry['path']}"
+            async with session.get(url, headers={"Authorization": f"Bearer {b.key}"}) as got:
+                body = await got.read()
+                assert got.status == 200
+                assert hashlib.sha256(body).hexdigest() == entry["sha256"]
+
+        async def both() -> bool:
+            return _nodes_holding(hub, package_id) == ["node-a", "node-b"]
+
+        await _until(both, "node B's copy reported to the hub")
+
+        kvl("hub", "packages", "unseed", package_id, "--data-dir", data)
+
+        async def unpinned() -> bool:
+            return not cache_b.get(package_id, version).pinned
+
+        await _until(unpinned, "node B unpinning it")

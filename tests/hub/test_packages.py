@@ -1,0 +1,146 @@
+"""Content packages at the hub: what nodes report through the outbox (each event applied
+once, in order), archives the hub keeps and seeds by site, served to the seeded nodes
+only, over the operator API and the CLI."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from wireguard_tools import WireguardKey
+
+from appliance.packages.cache import PackageCache
+from hub.app import certificates, create_app, ssl_context
+from hub.settings import HubSettings
+from hub.state.store import HubStore, Node
+from shared import pki
+from tests.appliance.test_package_cache import package
+from tests.conftest import kvl
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from pytest_aiohttp import AiohttpServer
+
+
+def _settings(tmp_path: Path) -> HubSettings:
+    return HubSettings.model_validate(
+        {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False},
+         "overlay": {"interface": None}}
+    )  # fmt: skip
+
+
+def _enroll(store: HubStore, name: str, site: str) -> tuple[Node, str]:
+    token = store.create_token(site, uses=1, expires_in_s=60).plaintext
+    key = str(WireguardKey.generate().public_key())
+    enrolled = store.enroll(token, name=name, wg_public_key=key, overlay_prefix="100.64.0.0/10",
+                            labels={}, versions={})  # fmt: skip
+    return enrolled.node, enrolled.node_token
+
+
+def _report(n: int, event_id: str, kind: str = "package") -> dict[str, Any]:
+    manifest, _ = package(n)
+    body: dict[str, Any] = {"id": manifest.id, "version": manifest.version}
+    if kind == "package":
+        body |= {"title": manifest.title, "topic": manifest.topic, "level": "beginner",
+                 "items": 1, "size": 1234, "digest": "sha256:" + "1" * 64,
+                 "lineage": manifest.lineage.model_dump(mode="json"),
+                 "created_at": manifest.created_at, "origin": "made"}  # fmt: skip
+    return {"id": event_id, "kind": kind, "body": body}
+
+
+def test_package_reports_are_applied_once_and_in_order(tmp_path: Path) -> None:
+    store = HubStore(tmp_path / "hub.db")
+    a, _ = _enroll(store, "node-a", "north")
+    b, _ = _enroll(store, "node-b", "south")
+    ids, new = store.ingest(a.id, [_report(1, "e1"), _report(2, "e2")])
+    assert (ids, new) == (["e1", "e2"], 2)
+    store.ingest(b.id, [_report(1, "e3")])
+    found = {p.id: p for p in store.packages()}
+    one = found[package(1)[0].id]
+    assert (one.origin_node, one.nodes, one.lineage["model"]["name"]) == (
+        a.id, sorted([a.id, b.id]), "gemma3-270m")  # fmt: skip
+    assert store.packages("topic 2")[0].id == package(2)[0].id
+
+    # Removed by node A, then the same report resent (an ack lost): still removed.
+    store.ingest(a.id, [_report(1, "e4", "package_removed")])
+    store.ingest(a.id, [_report(1, "e1")])
+    assert {p.id: p for p in store.packages()}[one.id].nodes == [b.id]
+
+    # A malformed report is kept in the ledger, not applied, and blocks nothing after it.
+    ids, new = store.ingest(a.id, [{"id": "e5", "kind": "package", "body": {"id": "x"}},
+                                   _report(3, "e6")])  # fmt: skip
+    assert (ids, new) == (["e5", "e6"], 2)
+    assert package(3)[0].id in {p.id for p in store.packages()}
+    assert "x" not in {p.id for p in store.packages()}
+    store.close()
+
+
+async def test_archives_are_kept_seeded_by_site_and_served_to_seeded_nodes_only(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    hub = _settings(tmp_path)
+    data = str(hub.data_dir)
+    operator = kvl("hub", "operators", "create", "--name", "ops", "--data-dir", data).stdout.strip()
+    store = HubStore(hub.db_path)
+    north, north_token = _enroll(store, "node-n", "north")
+    south, south_token = _enroll(store, "node-s", "south")
+    serial = store.desired_serial()
+    store.close()
+    cache = PackageCache(tmp_path / "cache", max_bytes=1 << 30)
+    manifest, files = package(7, files={"items.json": b"[7]", "audio/intro.wav": b"RIFF" * 99})
+    cache.put(manifest, files, "key-7")
+    archive = cache.bundle(manifest.id)
+
+    server = await aiohttp_server(create_app(hub), ssl=ssl_context(hub))
+    pin = aiohttp.Fingerprint(pki.fingerprint_bytes(certificates(hub)[1].fingerprint))
+    base = f"https://127.0.0.1:{server.port}"
+
+    async def call(method: str, path: str, token: str = operator, **kw: Any) -> Any:
+        headers = {"Authorization": f"Bearer {token}"}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.request(method, base + path, headers=headers, ssl=pin, **kw) as response,
+        ):
+            body = await response.read()
+            return response.status, body
+
+    status, body = await call("POST", "/v1/admin/packages?seed=north", data=archive)
+    assert status == 201, body
+    status, body = await call("POST", "/v1/admin/packages", data=b"not an archive")
+    assert status == 400
+    assert b"not a package archive" in body
+
+    store = HubStore(hub.db_path)
+    try:
+        assert store.desired_serial() > serial  # the nodes pull their state again
+        seeded = store.desired_state(north)["packages"]
+        assert [(p["id"], p["version"]) for p in seeded] == [(manifest.id, manifest.version)]
+        assert store.desired_state(south)["packages"] == []
+    finally:
+        store.close()
+    sha256 = seeded[0]["sha256"]
+    status, body = await call("GET", f"/v1/node/artifacts/{sha256}", north_token)
+    assert (status, body) == (200, archive)
+    status, _ = await call("GET", f"/v1/node/artifacts/{sha256}", south_token)
+    assert status == 404
+
+    # The CLI sees and steers the same: seeded to every node, then to none.
+    listed = kvl("hub", "packages", "list", "--data-dir", data).stdout
+    assert f"{manifest.id}@{manifest.version}" in listed
+    assert "held by the hub, seeded to north" in listed
+    kvl("hub", "packages", "seed", manifest.id, "--data-dir", data)
+    store = HubStore(hub.db_path)
+    assert len(store.desired_state(south)["packages"]) == 1
+    store.close()
+    status, body = await call("DELETE", f"/v1/admin/packages/{manifest.id}/seed")
+    assert status == 200, body
+    status, body = await call("DELETE", f"/v1/admin/packages/{manifest.id}/seed")
+    assert status == 404
+    refused = kvl("hub", "packages", "seed", "pkg_nope", "--data-dir", data, check=False)
+    assert refused.returncode != 0
+    assert "holds no archive of pkg_nope" in refused.stderr
+    status, body = await call("GET", "/v1/admin/packages?q=lesson 7")
+    assert status == 200
+    assert b'"seeded_to": null' in body
+    assert b'"held_by_hub": true' in body
