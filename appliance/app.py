@@ -171,8 +171,10 @@ async def _embeddings(app: web.Application) -> AsyncIterator[None]:
     # /v1/embeddings says model_not_ready until it is loaded.
     service = EmbeddingService(app[SETTINGS].embeddings, app[STORE], app[METRICS])
     app[EMBEDDINGS] = service
+    app[PACKAGES].similarity = service.similarities  # the packages' on_topic check
     service.start()
     yield
+    app[PACKAGES].similarity = None
     await service.close()
 
 

@@ -242,7 +242,24 @@ class PackageSettings(_Section):
         description="Size cap of the package cache; the least recently used unpinned go first.",
     )
     narration_rate_wpm: int = Field(
-        150, ge=80, le=400, description="Narration speed (espeak-ng words per minute)."
+        150, ge=80, le=400, description="Narration speed (words per minute, either voice)."
+    )
+    topic_min_similarity: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="The on_topic check: an item's least similarity to the topic (the "
+        "embedding model's cosine); 0 turns the check off.",
+    )
+    voice: Literal["espeak-ng", "neural"] = Field(
+        "espeak-ng",
+        description="Who narrates: espeak-ng, or a neural voice (ONNX, run by onnxruntime) "
+        "for the languages it speaks, espeak-ng for the rest.",
+    )
+    neural_voice_model: Path | None = Field(
+        None,
+        description="A Piper voice file (.onnx, its .onnx.json beside it); unset: the "
+        "en_US voice the `voice` extra installs.",
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from appliance.state.store import UsageEvent
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from appliance.gateway.schemas import EmbeddingRequest
     from appliance.settings import EmbeddingSettings
     from appliance.state.store import ApiKey, AsyncStore
@@ -147,6 +150,19 @@ class EmbeddingService:
     def served(self) -> list[LoadedModel]:
         return [self.model] if self.model is not None else []
 
+    async def similarities(self, anchor: str, texts: Sequence[str]) -> list[float] | None:
+        """The cosine similarity of each text to ``anchor``, for the appliance's own use
+        (no usage recorded); None while the model is off, loading, or busy."""
+        if self._batcher is None:
+            return None
+        try:
+            result = await self._batcher.embed([anchor, *texts])
+        except (QueueFullError, BatcherClosedError, EmbeddingRunError) as err:
+            log.info("similarities not computed: %s", err)
+            return None
+        vectors = [_unit(v) for v in result.to_lists()]
+        return [sum(a * b for a, b in zip(vectors[0], v, strict=True)) for v in vectors[1:]]
+
     async def embed(self, req: EmbeddingRequest, key: ApiKey, route: str) -> Embedded:
         """The vectors for a parsed request; its usage is committed before this returns."""
         batcher, model = self._resolve(req.model)
@@ -249,6 +265,11 @@ class EmbeddingService:
 
 
 # -- OpenAI response shape ----------------------------------------------------------------
+
+
+def _unit(vector: list[float]) -> list[float]:
+    norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+    return [x / norm for x in vector]
 
 
 def response_body(embedded: Embedded) -> dict[str, Any]:

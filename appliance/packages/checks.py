@@ -31,6 +31,13 @@ no item), named stably so that reports can be compared across generations:
   function words, and a language without a word list in `STOPWORDS` pass, each saying it
   was not judged; a text that reads as another language fails naming that language.
 
+`check_on_topic` judges each item against the topic from similarities computed elsewhere
+(the appliance's sentence-embedding model): `on_topic` fails an item whose prompt and
+answer read as about something else (cosine similarity below the minimum; "Which planet
+is closest to the Sun?" under "fractions" scores 0.05, on-topic items 0.3 to 0.8). With no
+similarities (the embedding model off or loading, or a language other than English, which
+the model was not trained for) every item passes, saying it was not judged.
+
 `check_audio` checks one narration file and `report` folds checks into the package's
 `ValidationReport`. Nothing here writes; `check_audio` reads a file only when given a path.
 """
@@ -168,6 +175,34 @@ def check_items(items: Sequence[Item], spec: Spec, level: Level) -> list[Check]:
             _language(item, spec.language),
         ]
     return checks
+
+
+def topic_text(item: Item) -> str:
+    """What an item is about: its prompt and its correct answers."""
+    answers = [c.text for c in item.choices if c.id in item.correct] if item.choices else []
+    if not item.choices:
+        answers = list(item.correct)
+    return " ".join([item.prompt, *answers])
+
+
+def check_on_topic(
+    items: Sequence[Item], similarity: Sequence[float] | None, *, minimum: float, why_not: str
+) -> list[Check]:
+    """`on_topic` per item; `similarity[i]` of item i's `topic_text` to the topic, or
+    None when it could not be judged (`why_not` says why)."""
+    if similarity is None:
+        return [Check(name="on_topic", passed=True, item=i.id, detail=f"not judged: {why_not}")
+                for i in items]  # fmt: skip
+    return [
+        Check(
+            name="on_topic",
+            passed=score >= minimum,
+            item=item.id,
+            detail=f"similarity to the topic {score:.2f} (at least {minimum:.2f})"
+            + ("" if score >= minimum else "; the item is about something else"),
+        )
+        for item, score in zip(items, similarity, strict=True)
+    ]
 
 
 def check_audio(

@@ -13,12 +13,10 @@ calls it), writing 16-bit PCM WAV; its output is byte-identical run to run.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import html
 import json
-import shutil
 from typing import TYPE_CHECKING, Any
 
 from appliance.gateway.completions import drain
@@ -219,72 +217,6 @@ async def generate_item(
     if problems:
         raise ApiError(ErrorCode.output_validation_failed, "; ".join(problems))
     return to_item(kind, json.loads(finished.text), n, language)
-
-
-class Narrator:
-    """espeak-ng in its own process: WAV bytes for a text in a language."""
-
-    engine = "espeak-ng"
-
-    def __init__(self, rate_wpm: int = 150) -> None:
-        self._rate = rate_wpm
-        self._version: str | None = None
-
-    @staticmethod
-    def available() -> bool:
-        return shutil.which("espeak-ng") is not None
-
-    async def version(self) -> str:
-        if self._version is None:
-            out = await self._run("--version")
-            self._version = out.decode(errors="replace").split("Data at")[0].strip()
-        return self._version
-
-    async def speak(self, text: str, language: str) -> bytes:
-        voice = language.split("-", maxsplit=1)[0]
-        # The text goes in on stdin: never an argument, so it can never be read as an option.
-        raw = await self._run("-v", voice, "-s", str(self._rate), "--stdout", stdin=text)
-        return fix_wav_sizes(raw)
-
-    async def _run(self, *args: str, stdin: str | None = None) -> bytes:
-        executable = shutil.which("espeak-ng")
-        if executable is None:
-            raise ApiError(
-                ErrorCode.model_unavailable,
-                "narration needs espeak-ng (`just setup` installs it), or `narration: false`",
-            )
-        process = await asyncio.create_subprocess_exec(
-            executable,
-            *args,
-            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await process.communicate(None if stdin is None else stdin.encode())
-        if process.returncode != 0:
-            raise ApiError(
-                ErrorCode.internal_error,
-                f"espeak-ng failed ({process.returncode}): {err.decode(errors='replace')[:200]}",
-            )
-        return out
-
-
-def fix_wav_sizes(raw: bytes) -> bytes:
-    """espeak-ng writing to a pipe cannot seek back, so its WAV header says "as long as
-    possible" (0x7fffffff); a WAV file states its real sizes, which is what every reader
-    and the audio check trust."""
-    if len(raw) < 44 or raw[:4] != b"RIFF" or raw[8:12] != b"WAVE":
-        raise ApiError(ErrorCode.internal_error, "espeak-ng did not write a WAV")
-    out = bytearray(raw)
-    out[4:8] = (len(raw) - 8).to_bytes(4, "little")
-    offset = 12
-    while offset + 8 <= len(out):
-        size = int.from_bytes(out[offset + 4 : offset + 8], "little")
-        if out[offset : offset + 4] == b"data":
-            out[offset + 4 : offset + 8] = (len(out) - offset - 8).to_bytes(4, "little")
-            return bytes(out)
-        offset += 8 + size + (size & 1)
-    raise ApiError(ErrorCode.internal_error, "espeak-ng wrote a WAV without audio")
 
 
 def cover_svg(title: str, subtitle: str) -> bytes:

@@ -29,10 +29,15 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from appliance.packages.cache import NotCachedError
-from appliance.packages.checks import check_audio, check_items, report
+from appliance.packages.checks import (
+    check_audio,
+    check_items,
+    check_on_topic,
+    report,
+    topic_text,
+)
 from appliance.packages.generate import (
     TEMPLATE_VERSION,
-    Narrator,
     cover_svg,
     generate_item,
 )
@@ -46,14 +51,20 @@ from appliance.packages.model import (
     PackageRequest,
     VoiceLineage,
 )
+from appliance.packages.voice import Voice, Voices
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Sequence
+
     from appliance.gateway.completions import CompletionService
     from appliance.packages.cache import CachedPackage, PackageCache
     from appliance.serving.registry import ModelRegistry
     from appliance.settings import PackageSettings
     from appliance.state.store import ApiKey, AsyncStore, ModelRecord
+
+    # The embedding model's similarity of each text to an anchor (None: not computed).
+    Similarity = Callable[[str, Sequence[str]], Awaitable[list[float] | None]]
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +118,16 @@ class PackageService:
         self._settings = settings
         self._model = model  # the model that writes the items (name or name@version)
         self._node_id = node_id
-        self._narrator = Narrator(settings.narration_rate_wpm)
+        self._voices = Voices(settings)
+        # The embedding model's similarity of texts to a topic (set once it exists; None:
+        # the on_topic check is not run).
+        self.similarity: Similarity | None = None
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     async def create(self, req: PackageRequest, key: ApiKey) -> CachedPackage:
         record = (await self._host.resolve(self._model)).record
-        voice = await self._narrator.version() if req.spec.narration else None
+        narrator = self._voices.for_language(req.spec.language) if req.spec.narration else None
+        voice = await narrator.version() if narrator is not None else None
         digest = req.digest()
         cache_key = hashlib.sha256(
             json.dumps([digest, record.sha256, voice, TEMPLATE_VERSION]).encode()
@@ -122,7 +137,9 @@ class PackageService:
             if hit is not None:
                 log.info("package %s@%s from the cache", hit.id, hit.version)
                 return hit
-            manifest, files = await self._make(req, key, record, digest, cache_key, voice)
+            manifest, files = await self._make(
+                req, key, record, digest, cache_key, (narrator, voice)
+            )
             stored = await asyncio.to_thread(self.cache.put, manifest, files, cache_key)
             await self._tell_hub(stored, origin="made")
         self._locks.pop(cache_key, None)
@@ -163,17 +180,18 @@ class PackageService:
         record: ModelRecord,
         digest: str,
         cache_key: str,
-        voice: str | None,
+        narration: tuple[Voice | None, str | None],
     ) -> tuple[Manifest, dict[str, bytes]]:
         spec = req.spec
+        narrator, voice = narration
         seed = int(digest[:8], 16)
-        items, attempts, checks, audio = await self._items(req, key, record.ref, seed)
+        items, attempts, checks, audio = await self._items(req, key, record.ref, seed, narrator)
         title = " ".join(req.topic.split())
         files: dict[str, bytes] = {}
         media: dict[str, str] = {}
-        if spec.narration:
+        if narrator is not None:
             intro = f"{title}. {len(items)} questions."
-            wav = await self._narrator.speak(intro, spec.language)
+            wav = await narrator.speak(intro, spec.language)
             check = check_audio(wav, text=intro, item="intro")
             checks.append(check)
             if not check.passed:  # the title itself cannot be read plausibly
@@ -209,8 +227,10 @@ class PackageService:
             files=entries,
             lineage=Lineage(
                 model=ModelLineage(name=record.name, version=record.version, sha256=record.sha256),
-                voice=VoiceLineage(engine=Narrator.engine, voice=spec.language, version=voice)
-                if voice
+                voice=VoiceLineage(
+                    engine=narrator.engine, voice=narrator.name(spec.language), version=voice
+                )
+                if narrator is not None and voice
                 else None,
                 prompt_template_version=TEMPLATE_VERSION,
                 seed=seed,
@@ -223,7 +243,7 @@ class PackageService:
         return manifest, files
 
     async def _items(
-        self, req: PackageRequest, key: ApiKey, model: str, seed: int
+        self, req: PackageRequest, key: ApiKey, model: str, seed: int, narrator: Voice | None
     ) -> tuple[list[Item], int, list[Check], dict[str, bytes]]:
         """Every item, each generated again (another seed) while it fails a check or its
         narration does; (items, attempts, checks, narration WAV by item id)."""
@@ -254,15 +274,15 @@ class PackageService:
                 ]  # fmt: skip
                 continue
             done = [i for i in items if i is not None]
-            checks = check_items(done, spec, req.level)
+            checks = check_items(done, spec, req.level) + await self._on_topic(req, done)
             failed = {c.item for c in checks if not c.passed}
-            if spec.narration:
+            if narrator is not None:
                 # An item whose narration fails its check is generated again too.
                 for item in done:
                     if item.id in failed or item.id in audio:
                         continue
                     spoken = _spoken(item)
-                    wav = await self._narrator.speak(spoken, spec.language)
+                    wav = await narrator.speak(spoken, spec.language)
                     check = check_audio(wav, text=spoken, item=item.id)
                     checks.append(check)
                     if check.passed:
@@ -285,6 +305,17 @@ class PackageService:
             f"the package failed its checks after {self._settings.max_attempts} attempts: "
             f"{problems}",
         )
+
+    async def _on_topic(self, req: PackageRequest, items: list[Item]) -> list[Check]:
+        minimum = self._settings.topic_min_similarity
+        if minimum <= 0:
+            return []
+        why_not, scores = "the embedding model is off or not loaded", None
+        if not req.spec.language.lower().startswith("en"):
+            why_not = f"the embedding model reads English, not {req.spec.language}"
+        elif self.similarity is not None:
+            scores = await self.similarity(req.topic, [topic_text(i) for i in items])
+        return check_on_topic(items, scores, minimum=minimum, why_not=why_not)
 
     async def _one_item(self, key: ApiKey, **kwargs: Any) -> Item | None:
         """One item, or None when the model's answer broke its schema (it is asked again)."""

@@ -14,7 +14,7 @@ from openai import AsyncOpenAI
 from pytest_aiohttp import AiohttpClient
 
 from appliance.app import create_app
-from appliance.gateway.keys import EMBEDDINGS
+from appliance.gateway.keys import EMBEDDINGS, SETTINGS
 from appliance.serving.embeddings import DIMENSION, choose_providers
 from appliance.settings import ApplianceSettings
 from appliance.state.store import Store
@@ -334,3 +334,23 @@ async def test_the_openai_sdk_embeds(client: Client, api_key: str) -> None:
     np.testing.assert_allclose(floats.data[0].embedding, reference[1], atol=1e-6)
     assert default.usage.prompt_tokens == default.usage.total_tokens > 0
     assert default.model.startswith(f"{MODEL}@")
+
+
+async def test_similarities_to_a_topic_tell_on_topic_items_from_others(
+    client: Client, api_key: str
+) -> None:
+    """What the packages' on_topic check relies on, with the real model: items about the
+    topic score above the default minimum (0.25), items about something else below it;
+    and it records no usage (it is the appliance's own call)."""
+    service = client.app[EMBEDDINGS]
+    await service.wait_loaded()
+    on = ["Which fraction is larger, 2/3 or 3/4?", "What is one half plus one quarter?"]
+    off = ["Which planet is closest to the Sun?", "What is the largest ocean?"]
+    scores = await service.similarities("fractions", on + off)
+    assert scores is not None
+    assert min(scores[:2]) > 0.25 > max(scores[2:])
+    store = Store(client.app[SETTINGS].db_path)
+    try:
+        assert store.outbox_lag() == 0
+    finally:
+        store.close()

@@ -16,8 +16,10 @@ from appliance.packages.checks import (
     STOPWORDS,
     check_audio,
     check_items,
+    check_on_topic,
     detect_language,
     report,
+    topic_text,
 )
 from appliance.packages.model import Check, Choice, Item, ItemType, Level, Spec
 
@@ -421,3 +423,18 @@ def _single_choice(n_choices: int) -> Item:
         choices=_choices(*(f"option {letter}" for letter in "uvwxyz"[:n_choices])),
         correct=["a"],
     )
+
+
+def test_on_topic_fails_items_about_something_else() -> None:
+    one = Item(id="q1", type=ItemType.short_answer, prompt="What is half of ten?", correct=["5"])
+    two = Item(
+        id="q2", type=ItemType.short_answer, prompt="Which planet is hot?", correct=["Venus"]
+    )
+    checks = check_on_topic([one, two], [0.44, 0.05], minimum=0.25, why_not="")
+    assert [(c.name, c.item, c.passed) for c in checks] == [
+        ("on_topic", "q1", True), ("on_topic", "q2", False)]  # fmt: skip
+    assert "something else" in (checks[1].detail or "")
+    assert topic_text(two) == "Which planet is hot? Venus"
+    unjudged = check_on_topic([one], None, minimum=0.25, why_not="the model is off")
+    assert unjudged[0].passed
+    assert unjudged[0].detail == "not judged: the model is off"

@@ -18,7 +18,7 @@ import pytest
 from appliance.app import create_app
 from appliance.gateway.keys import HOST
 from appliance.gateway.packages import PACKAGES
-from appliance.packages.generate import Narrator
+from appliance.packages.voice import Espeak
 from tests.appliance.test_gateway import auth
 from tests.conftest import make_settings
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 pytestmark = [
     pytest.mark.model,
-    pytest.mark.skipif(not Narrator.available(), reason="espeak-ng: run `just setup`"),
+    pytest.mark.skipif(not Espeak.available(), reason="espeak-ng: run `just setup`"),
 ]
 
 ASK = {
@@ -44,14 +44,17 @@ ASK = {
 
 
 async def _client(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient,
+    tmp_path: Path,
+    default_model: ModelRecord,
+    **packages: Any,
 ) -> tuple[Client, str, Any]:
     from appliance.state.store import Store  # noqa: PLC0415
 
     settings = make_settings(
         tmp_path / "data",
         embeddings={"enabled": False},
-        packages={"max_attempts": 5},
+        packages={"max_attempts": 5, **packages},
     )
     store = Store(settings.db_path)
     store.add_model(default_model)
@@ -162,3 +165,22 @@ async def test_a_package_job_ends_with_the_package(
     package = result["body"]
     assert package["manifest"]["validation"]["passed"] is True
     assert not any(f["path"].startswith("audio/") for f in package["manifest"]["files"])
+
+
+async def test_a_package_narrated_by_the_neural_voice(
+    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+) -> None:
+    client, key, _ = await _client(aiohttp_client, tmp_path, default_model, voice="neural")
+    ask = {"topic": "Bees", "level": "beginner", "wait": True,
+           "spec": {"items": 1, "item_types": ["true_false"], "narration": True}}  # fmt: skip
+    response = await client.post("/v1/packages", headers=auth(key), json=ask)
+    english = await response.json()
+    assert response.status == 200, english
+    voice = english["manifest"]["lineage"]["voice"]
+    assert (voice["engine"], voice["voice"]) == ("onnx-vits", "en_US-joe")
+    audio = next(f for f in english["manifest"]["files"] if f["path"] == "audio/intro.wav")
+    url = f"/v1/packages/{english['id']}/files/audio/intro.wav"
+    wav = await (await client.get(url, headers=auth(key))).read()
+    assert hashlib.sha256(wav).hexdigest() == audio["sha256"]
+    assert wav[22:24] == (1).to_bytes(2, "little")  # mono
+    assert int.from_bytes(wav[24:28], "little") == 22050  # the voice's rate, not espeak's

@@ -1,7 +1,8 @@
 """Content packages: time to a validated package, first-pass validity, and cached
 downloads against nginx.
 
-A real `kvl appliance serve` on loopback with the default model (2 threads):
+A real `kvl appliance serve` on loopback with the default model (2 threads) and the
+embedding model (1 thread, for the on_topic check):
 1. time to a validated 10-item package with narration (`"wait": true`, mixed item
    types), from request to answer;
 2. first-pass validity over 20 generations: 20 topics, one 3-item package each without
@@ -10,7 +11,9 @@ A real `kvl appliance serve` on loopback with the default model (2 threads):
 3. cached download throughput: the package's largest file fetched over and over by 16
    concurrent clients for `--seconds`, from the appliance (authenticated, the blob's
    digest checked, ETag) and from nginx (Debian's, `sendfile on`, one worker) serving the
-   very same blob file; bytes per second, as a ratio (target ≥ 0.8).
+   very same blob file; bytes per second, as a ratio (target ≥ 0.8);
+4. the 10-item package again from an appliance restarted with `packages.voice: neural`
+   (a new version: another voice reads it), to compare the two voices' cost.
 
 Run: ``python -m tests.benchmarks.packages``.
 """
@@ -42,6 +45,9 @@ TOPICS = [
     "recycling", "the seasons", "light and shadow",
 ]  # fmt: skip
 CLIENTS = 16
+TEN = {"topic": "the solar system", "level": "beginner",
+       "spec": {"items": 10, "item_types": ["single_choice", "true_false", "multiple_choice",
+                "short_answer"], "narration": True}}  # fmt: skip
 
 
 def kvl(*args: str) -> list[str]:
@@ -113,14 +119,11 @@ def start_nginx(work: Path, root: Path) -> tuple[subprocess.Popen[bytes], int]:
 async def measure(base: str, key: str, seconds: float, work: Path, blobs: Path) -> dict[str, Any]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         say("packages: a 10-item package with narration")
-        ten = {"topic": "the solar system", "level": "beginner",
-               "spec": {"items": 10, "item_types": ["single_choice", "true_false",
-                        "multiple_choice", "short_answer"], "narration": True}}  # fmt: skip
-        seconds_ten, package = await ask(session, base, key, ten)
+        seconds_ten, package = await ask(session, base, key, TEN)
         if "error" in package:
             raise RuntimeError(f"the 10-item package failed: {package['error']}")
         manifest = package["manifest"]
-        hit_s, _ = await ask(session, base, key, ten)
+        hit_s, _ = await ask(session, base, key, TEN)
         say("packages: 20 generations for first-pass validity")
         attempts, failed, times = [], 0, []
         for topic in TOPICS:
@@ -173,6 +176,54 @@ async def measure(base: str, key: str, seconds: float, work: Path, blobs: Path) 
     }
 
 
+def serve(data: Path, env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`kvl appliance serve` on a free port, once it answers /readyz."""
+    import urllib.request  # noqa: PLC0415
+
+    port = free_port()
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            kvl("appliance", "serve", "--data-dir", str(data), "--host", HOST, "--port",
+                str(port)),
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    base = f"http://{HOST}:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base}/readyz", timeout=2) as ready:
+                if ready.status == 200:
+                    return process, base
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"the appliance did not start; see {log}")
+        time.sleep(0.5)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    process.wait(timeout=60)
+
+
+async def neural(base: str, key: str) -> dict[str, Any]:
+    """The same 10-item package read by the neural voice (a new version: another voice)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        say("packages: the 10-item package, narrated by the neural voice")
+        spent, package = await ask(session, base, key, TEN)
+    if "error" in package:
+        raise RuntimeError(f"the neural 10-item package failed: {package['error']}")
+    manifest = package["manifest"]
+    audio = sum(f["size"] for f in manifest["files"] if f["path"].endswith(".wav"))
+    return {
+        "seconds": round(spent, 1),
+        "attempts": manifest["validation"]["attempts"],
+        "voice": manifest["lineage"]["voice"],
+        "audio_bytes": audio,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Content packages: generation and downloads.")
     parser.add_argument("--seconds", type=float, default=10.0, help="per download run (10)")
@@ -181,40 +232,26 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvl-bench-packages-") as tmp:
         work = Path(tmp)
         data = work / "data"
-        env = {**os.environ, "KVL_DISCOVERY__ENABLED": "false", "KVL_EMBEDDINGS__ENABLED": "false",
+        env = {**os.environ, "KVL_DISCOVERY__ENABLED": "false", "KVL_EMBEDDINGS__THREADS": "1",
                "KVL_MODEL__N_THREADS": "2"}  # fmt: skip
         key = subprocess.run(
             kvl("appliance", "keys", "create", "--account", "bench", "--data-dir", str(data)),
             check=True, capture_output=True, text=True, env=env,
         ).stdout.strip()  # fmt: skip
-        port = free_port()
-        with (work / "appliance.log").open("wb") as log:
-            process = subprocess.Popen(
-                kvl("appliance", "serve", "--data-dir", str(data), "--host", HOST, "--port",
-                    str(port)),
-                stdout=log, stderr=subprocess.STDOUT, env=env,
-            )  # fmt: skip
-        base = f"http://{HOST}:{port}"
+        process, base = serve(data, env, work / "appliance.log")
         try:
-            deadline = time.monotonic() + 600
-            while True:
-                try:
-                    import urllib.request  # noqa: PLC0415
-
-                    with urllib.request.urlopen(f"{base}/readyz", timeout=2) as ready:
-                        if ready.status == 200:
-                            break
-                except OSError:
-                    pass
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the appliance did not start; see {work}/appliance.log")
-                time.sleep(0.5)
             figures = asyncio.run(
                 measure(base, key, args.seconds, work, data / "packages" / "blobs" / "sha256")
             )
         finally:
-            process.terminate()
-            process.wait(timeout=60)
+            stop(process)
+        process, base = serve(
+            data, {**env, "KVL_PACKAGES__VOICE": "neural"}, work / "appliance.log"
+        )
+        try:
+            figures["ten_items_neural_voice"] = asyncio.run(neural(base, key))
+        finally:
+            stop(process)
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count()},
