@@ -11,21 +11,22 @@ default:
     @just --list
 
 # Install the Debian packages the project runs: wireguard-go (tunnels where the kernel has no
-# WireGuard), iproute2, espeak-ng (narration) and nginx (the peer of the package benchmark)
+# WireGuard), iproute2, espeak-ng (narration), nginx (the peer of the package benchmark) and
+# chromium (the browser tests of the hub's console)
 setup-system:
     #!/usr/bin/env bash
     set -euo pipefail
     missing=()
-    for package in wireguard-go iproute2 espeak-ng nginx; do
+    for package in wireguard-go iproute2 espeak-ng nginx chromium; do
         dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed' || missing+=("$package")
     done
     if [ ${#missing[@]} -eq 0 ]; then exit 0; fi
     if ! command -v apt-get > /dev/null; then
-        echo "setup-system: not a Debian system; install ${missing[*]} with its package manager (the netns tests skip until then)" >&2
+        echo "setup-system: not a Debian system; install ${missing[*]} with its package manager (the netns and browser tests skip until then)" >&2
         exit 0
     fi
     if [ "$(id -u)" -ne 0 ]; then
-        echo "setup-system: skipped, not root; run \`sudo .venv/bin/just setup-system\` to install ${missing[*]} (the netns tests skip until then)" >&2
+        echo "setup-system: skipped, not root; run \`sudo .venv/bin/just setup-system\` to install ${missing[*]} (the netns and browser tests skip until then)" >&2
         exit 0
     fi
     echo "installing ${missing[*]} from Debian" >&2

@@ -27,6 +27,7 @@ from hub.api import (
     node_auth,
     routes,
 )
+from hub.console.app import setup_console
 from hub.offload import Forwarder
 from hub.reconciler import reconcile_forever
 from hub.state.store import AsyncHubStore
@@ -66,6 +67,7 @@ def create_app(settings: HubSettings) -> web.Application:
     app.cleanup_ctx.append(_placement)
     if settings.overlay.interface is not None:
         app.cleanup_ctx.append(_tunnel)
+    setup_console(app)  # the web console (/console/), after the store it reads
     return app
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 import yaml
 
+from hub.console.cli import admin
 from hub.settings import EXAMPLE_HEADER, HubSettings
 from shared.cli import common_options, config_errors_exit, settings_from
 from shared.config import example_yaml
@@ -851,3 +852,6 @@ def operators_revoke(config_file: Path | None, data_dir: Path | None, prefix: st
     finally:
         store.close()
     click.echo(f"revoked {prefix}")
+
+
+hub.add_command(admin)  # `kvl hub admin …`: the console's users (hub/console/cli.py)

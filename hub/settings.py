@@ -125,6 +125,44 @@ class QuotaSettings(BaseModel):
     max_slice_tokens: int = Field(1_000_000, ge=1, description="Largest lease.")
 
 
+class ConsoleSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    session_s: float = Field(
+        43_200.0,
+        ge=60.0,
+        le=2_592_000,
+        description="How long a console login lasts, in seconds (12 h); then one logs in again.",
+    )
+    login_failures_allowed: int = Field(
+        5,
+        ge=1,
+        le=1000,
+        description=(
+            "Failed console logins from one address before it must wait: 30 s, doubling with "
+            "each further failure up to 15 min."
+        ),
+    )
+    stream_every_s: float = Field(
+        2.0,
+        ge=0.1,
+        le=60.0,
+        description="Seconds between live updates of the console fleet page (server-sent events).",
+    )
+    sample_every_s: float = Field(
+        30.0,
+        ge=0.5,
+        le=3600.0,
+        description="Seconds between the samples of each node's load that the node page charts.",
+    )
+    samples_kept_s: float = Field(
+        21_600.0,
+        ge=60.0,
+        le=2_592_000,
+        description="How long the samples are kept, in seconds (6 h); older ones are deleted.",
+    )
+
+
 class HubSettings(BaseSettings):
     # Its own prefix, so an appliance and a hub on one machine never read each other's settings.
     model_config = SettingsConfigDict(extra="forbid", env_prefix="KVL_HUB_")
@@ -137,6 +175,9 @@ class HubSettings(BaseSettings):
     fleet: FleetSettings = Field(default_factory=FleetSettings, description="Node states.")
     quota: QuotaSettings = Field(
         default_factory=QuotaSettings, description="Global budgets, spent through leases."
+    )
+    console: ConsoleSettings = Field(
+        default_factory=ConsoleSettings, description="The web console (/console/)."
     )
 
     @field_validator("data_dir")

@@ -220,3 +220,37 @@ def m007_packages(db: Database) -> None:
         pk=("package_id", "version"),
         not_null={"created_at"},
     )
+
+
+@migrations()
+def m008_console(db: Database) -> None:
+    # The web console's people (argon2id hashes; `kvl hub admin create`) and their logins:
+    # a session is stored by the sha256 of its cookie, with its CSRF token and expiry.
+    db.table("console_users").create(
+        {"name": str, "hash": str, "created_at": float, "disabled": int},
+        pk="name",
+        not_null={"hash", "created_at", "disabled"},
+    )
+    db.table("console_sessions").create(
+        {"id_hash": str, "user": str, "csrf": str, "created_at": float, "expires_at": float},
+        pk="id_hash",
+        not_null={"user", "csrf", "created_at", "expires_at"},
+        foreign_keys=[("user", "console_users", "name")],
+    )
+    db.table("console_sessions").create_index(["expires_at"])
+    # Each node's load over time, from its heartbeats, for the node page's charts; kept for
+    # `console.samples_kept_s`.
+    db.table("node_samples").create(
+        {
+            "node_id": str,
+            "at": float,  # the heartbeat's time, unix seconds
+            "cpu_percent": float,
+            "memory_used_mib": int,
+            "memory_total_mib": int,
+            "queue_waiting": int,
+            "outbox_lag": int,
+            "models": int,  # how many models it served
+        },
+        pk=("node_id", "at"),
+    )
+    db.table("node_samples").create_index(["at"])

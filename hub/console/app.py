@@ -1,0 +1,104 @@
+"""The console's wiring: its routes, its state, the sampler that keeps each node's load
+for the charts, and the end of its live streams when the hub shuts down."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+import time
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from hub.api import SETTINGS, STORE
+from hub.console import store as sql
+from hub.console.auth import LoginThrottle
+from hub.console.pages import console_routes
+from hub.console.web import (
+    CONSOLE,
+    HERE,
+    ConsoleState,
+    guarded,
+    not_found,
+    security_headers,
+    templates,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from hub.settings import HubSettings
+    from hub.state.store import AsyncHubStore
+
+log = logging.getLogger(__name__)
+
+STATIC = {"console.css": "text/css", "console.js": "text/javascript"}
+
+
+def setup_console(app: web.Application) -> None:
+    """Add the console to the hub's application (after its store's cleanup context)."""
+    settings: HubSettings = app[SETTINGS]  # type: ignore[assignment]
+    app[CONSOLE] = ConsoleState(
+        settings=settings,
+        templates=templates(),
+        throttle=LoginThrottle(settings.console.login_failures_allowed),
+        static={name: ((HERE / "static" / name).read_bytes(), kind)
+                for name, kind in STATIC.items()},
+    )  # fmt: skip
+    app.add_routes(console_routes())
+    app.add_routes([
+        web.get("/console/static/{name}", static),
+        # Last: any other console path is an HTML 404, not the API's JSON one.
+        web.route("*", "/console/{tail:.*}", guarded(not_found)),
+    ])  # fmt: skip
+    app.on_response_prepare.append(security_headers)
+    app.on_shutdown.append(_end_streams)
+    app.cleanup_ctx.append(_sampler)
+
+
+async def static(request: web.Request) -> web.StreamResponse:
+    found = request.app[CONSOLE].static.get(request.match_info["name"])
+    if found is None:
+        return await not_found(request)
+    body, kind = found
+    return web.Response(body=body, content_type=kind, headers={"Cache-Control": "max-age=300"})
+
+
+async def _end_streams(app: web.Application) -> None:
+    app[CONSOLE].closing.set()
+
+
+async def _sampler(app: web.Application) -> AsyncIterator[None]:
+    settings: HubSettings = app[SETTINGS]  # type: ignore[assignment]
+    task = asyncio.create_task(sample_forever(app[STORE], settings), name="kvl-hub-console-samples")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def sample_forever(store: AsyncHubStore, settings: HubSettings) -> None:
+    """Every `console.sample_every_s`: a sample of each node that sent a heartbeat since
+    the last one, and samples older than `console.samples_kept_s` (and expired sessions)
+    deleted."""
+    recorded: dict[str, float] = {}  # node id -> the heartbeat time last sampled
+    while True:
+        try:
+            nodes = await store.run(store.sync.nodes)
+            fresh = []
+            for node in nodes:
+                sample = sql.sample_of(node)
+                if sample is not None and recorded.get(node.id) != sample.at:
+                    fresh.append((node.id, sample))
+                    recorded[node.id] = sample.at
+            if fresh:
+                await store.run(sql.record_samples, store.sync, fresh)
+            now = time.time()
+            await store.run(
+                sql.prune, store.sync, now=now, samples_before=now - settings.console.samples_kept_s
+            )
+        except sqlite3.Error:
+            log.exception("sampling the nodes' load failed; the next round tries again")
+        await asyncio.sleep(settings.console.sample_every_s)

@@ -1,0 +1,113 @@
+"""The fleet page's rows: what the table shows of each node, filtered. Pure functions, so
+the page and its live stream show the same thing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hub.views import node_view
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from hub.settings import HubSettings
+    from hub.state.store import Node
+
+STATUSES = ("online", "stale", "offline", "revoked")
+MAX_ROWS = 500  # a page of a large fleet; the filters narrow it
+
+
+@dataclass(frozen=True)
+class Filters:
+    site: str = ""
+    status: str = ""
+    name: str = ""
+
+    @classmethod
+    def from_query(cls, query: Mapping[str, str]) -> Filters:
+        status = query.get("status", "")
+        return cls(
+            site=query.get("site", "")[:100],
+            status=status if status in STATUSES else "",
+            name=query.get("name", "").strip()[:100],
+        )
+
+    def keep(self, row: Mapping[str, Any]) -> bool:
+        return (
+            (not self.site or row["site"] == self.site)
+            and (not self.status or row["status"] == self.status)
+            and (not self.name or self.name.lower() in row["name"].lower())
+        )
+
+
+def fleet_row(node: Node, settings: HubSettings, now: float) -> dict[str, Any]:
+    """One node as the fleet table shows it (JSON values: the stream sends it as is)."""
+    view = node_view(node, settings, now)
+    capacity = node.capacity
+    lag = capacity.get("outbox_lag")
+    return {
+        "id": node.id,
+        "name": node.name,
+        "site": node.site,
+        "status": view["status"],
+        "draining": node.draining,
+        "version": node.versions.get("kvl", "-"),
+        "load": _percent(capacity.get("cpu_percent")),
+        "queue": _count(capacity.get("queue_waiting")),
+        "outbox_lag": _count(lag),
+        "outbox_alarm": bool(capacity.get("outbox_alarm")),
+        "last_seen": ago(node.last_seen, now),
+    }
+
+
+def fleet_table(
+    nodes: Sequence[Node], settings: HubSettings, now: float, filters: Filters
+) -> dict[str, Any]:
+    """The table: the rows that pass the filters (at most MAX_ROWS), how many passed, and
+    how many nodes of the whole fleet are in each status."""
+    rows = [fleet_row(n, settings, now) for n in nodes]
+    matched = [r for r in rows if filters.keep(r)]
+    by_status = dict.fromkeys(STATUSES, 0)
+    for row in rows:
+        by_status[row["status"]] += 1
+    return {"rows": matched[:MAX_ROWS], "matched": len(matched), "counts": by_status}
+
+
+def ago(at: float | None, now: float) -> str:
+    if at is None:
+        return "never"
+    seconds = max(0, int(now - at))
+    if seconds < 120:
+        return f"{seconds} s ago"
+    if seconds < 7200:
+        return f"{seconds // 60} min ago"
+    if seconds < 172_800:
+        return f"{seconds // 3600} h ago"
+    return f"{seconds // 86_400} d ago"
+
+
+def _percent(value: object) -> str:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return f"{value:.0f} %"
+    return "-"
+
+
+def _count(value: object) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return "-"
+
+
+def served_models(node: Node) -> list[str]:
+    """The models the node's last heartbeat said it serves."""
+    models = node.capacity.get("models")
+    return [m for m in models if isinstance(m, str)] if isinstance(models, list) else []
+
+
+def placement_errors(node: Node) -> dict[str, str]:
+    """Why the node could not load what was placed on it, by model (its last heartbeat)."""
+    errors = node.capacity.get("placement_errors")
+    if not isinstance(errors, dict):
+        return {}
+    return {str(k): str(v) for k, v in errors.items()}

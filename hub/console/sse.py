@@ -1,0 +1,67 @@
+"""The fleet page's live updates: server-sent events carrying the table's rows whenever
+they change. A stream ends when the hub shuts down, when its login ends, or when the
+browser goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from hub.console.fleet import Filters, fleet_table
+from hub.console.web import console, current_session, hub_settings, hub_store
+
+if TYPE_CHECKING:
+    from typing import Any
+
+KEEPALIVE_S = 15.0  # a comment now and then, so proxies and the browser keep the stream
+SESSION_CHECK_S = 30.0  # how often a stream checks that its login still holds
+
+
+def event(name: str, data: Any) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+async def nodes_stream(request: web.Request) -> web.StreamResponse:
+    """`GET /console/nodes/stream[?site=&status=&name=]`: `nodes` events with the rows of
+    the fleet table (the page's filters), and `logout` when the login ended."""
+    if await current_session(request) is None:
+        return web.Response(status=401, text="log in to the console first\n")
+    state = console(request)
+    settings = hub_settings(request)
+    store = hub_store(request)
+    filters = Filters.from_query(request.query)
+    every = settings.console.stream_every_s
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
+                 "X-Accel-Buffering": "no"}
+    )  # fmt: skip
+    await response.prepare(request)
+    last_sent = None
+    last_write = last_check = time.monotonic()
+    try:
+        await response.write(f"retry: {int(every * 1000) + 1000}\n\n".encode())
+        while not state.closing.is_set():
+            if time.monotonic() - last_check >= SESSION_CHECK_S:
+                last_check = time.monotonic()
+                if await current_session(request) is None:
+                    await response.write(event("logout", {}))
+                    break
+            nodes = await state.snapshot.nodes(store, every)
+            now = time.time()
+            payload = fleet_table(nodes, settings, now, filters)
+            if payload != last_sent:
+                await response.write(event("nodes", payload))
+                last_sent, last_write = payload, time.monotonic()
+            elif time.monotonic() - last_write >= KEEPALIVE_S:
+                await response.write(b": keepalive\n\n")
+                last_write = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(state.closing.wait(), every)
+    except (ConnectionResetError, ConnectionError):
+        pass  # the browser left
+    return response

@@ -1,0 +1,87 @@
+// The fleet page's live table: rows from /console/nodes/stream (server-sent events),
+// built with text nodes only (never HTML from data). Without script the page still works:
+// it shows the rows of its last load, and the filters are a plain form.
+"use strict";
+(function () {
+  const table = document.querySelector("table[data-stream]");
+  if (!table || !window.EventSource) return;
+  const body = document.getElementById("fleet-rows");
+  const live = document.getElementById("live");
+  const columns = 8;
+
+  function cell(text, className) {
+    const td = document.createElement("td");
+    if (className) td.className = className;
+    td.textContent = text;
+    return td;
+  }
+
+  function badge(text, status) {
+    const span = document.createElement("span");
+    span.className = "status status-" + status;
+    span.textContent = text;
+    return span;
+  }
+
+  function row(r) {
+    const tr = document.createElement("tr");
+    tr.dataset.node = r.name;
+    tr.dataset.status = r.status;
+    const name = document.createElement("td");
+    const link = document.createElement("a");
+    link.href = "/console/nodes/" + encodeURIComponent(r.id);
+    link.textContent = r.name;
+    name.appendChild(link);
+    tr.appendChild(name);
+    tr.appendChild(cell(r.site));
+    const status = document.createElement("td");
+    status.appendChild(badge(r.status, r.status));
+    if (r.draining) {
+      status.appendChild(document.createTextNode(" "));
+      status.appendChild(badge("draining", "draining"));
+    }
+    tr.appendChild(status);
+    tr.appendChild(cell(r.version));
+    tr.appendChild(cell(r.load, "num"));
+    tr.appendChild(cell(r.queue, "num"));
+    tr.appendChild(cell(r.outbox_lag, r.outbox_alarm ? "num alarm" : "num"));
+    tr.appendChild(cell(r.last_seen));
+    return tr;
+  }
+
+  function show(data) {
+    const rows = data.rows.map(row);
+    if (rows.length === 0) {
+      const tr = document.createElement("tr");
+      tr.className = "empty";
+      const td = cell("No node matches.");
+      td.colSpan = columns;
+      tr.appendChild(td);
+      rows.push(tr);
+    }
+    body.replaceChildren(...rows);
+    let total = 0;
+    for (const [status, count] of Object.entries(data.counts)) {
+      total += count;
+      const span = document.querySelector('[data-count="' + status + '"]');
+      if (span) span.textContent = String(count);
+    }
+    const set = (name, value) => {
+      const span = document.querySelector('[data-count="' + name + '"]');
+      if (span) span.textContent = String(value);
+    };
+    set("total", total);
+    set("shown", data.rows.length);
+    set("matched", data.matched);
+  }
+
+  const source = new EventSource(table.dataset.stream);
+  source.addEventListener("nodes", (e) => {
+    show(JSON.parse(e.data));
+    live.textContent = "(live, updated " + new Date().toLocaleTimeString() + ")";
+  });
+  source.addEventListener("logout", () => { source.close(); window.location.reload(); });
+  source.addEventListener("error", () => {
+    live.textContent = "(reconnecting…)";
+  });
+})();

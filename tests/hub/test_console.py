@@ -1,0 +1,682 @@
+"""The hub's web console over real HTTPS on loopback: logins (argon2id, sessions stored
+as hashes, throttled failures), CSRF refusals, every page for a logged-in admin, the
+actions the API and the CLI also have, the fleet's live stream, and `kvl hub admin`.
+The browser tier (tests/browser) drives the same pages in chromium."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import html
+import json
+import re
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import pytest
+from wireguard_tools import WireguardKey
+from yarl import URL
+
+from hub.app import certificates, create_app, ssl_context
+from hub.console.auth import LOGIN_COOKIE, SESSION_COOKIE, LoginThrottle, hash_password
+from hub.console.charts import Series, line_chart, nice_ceiling
+from hub.console.store import create_user
+from hub.planning.quota import Budget
+from hub.settings import HubSettings
+from hub.state.store import HubStore, ModelArtifact
+from shared import pki
+from tests.conftest import REPO, kvl
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
+    from pathlib import Path
+
+    from aiohttp.test_utils import TestServer
+    from pytest_aiohttp import AiohttpServer
+
+PASSWORD = "correct horse battery"
+
+
+def settings_for(tmp_path: Path, **console: Any) -> HubSettings:
+    return HubSettings.model_validate(
+        {
+            "data_dir": tmp_path / "hub",
+            "server": {"require_overlay_source": False},
+            "overlay": {"interface": None},
+            "fleet": {"stale_after_s": 3, "offline_after_s": 6},
+            "console": {"stream_every_s": 0.2, "sample_every_s": 0.5, **console},
+        }
+    )
+
+
+def add_user(hub: HubSettings, name: str = "ops", password: str = PASSWORD) -> None:
+    store = HubStore(hub.db_path)
+    try:
+        create_user(store, name, hash_password(password), time.time())
+    finally:
+        store.close()
+
+
+def csrf_of(page: str) -> str:
+    found = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert found, page
+    return found.group(1)
+
+
+async def until(condition: Callable[[], Any], what: str, timeout_s: float = 20.0) -> Any:
+    """Wait on a condition (async or not), polling; its first truthy value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Console:
+    """A cookie-keeping HTTPS client of one hub, as a browser would be: it sends the
+    hub's own Origin with its posts unless told otherwise."""
+
+    def __init__(self, session: aiohttp.ClientSession, base: str) -> None:
+        self.session = session
+        self.base = base
+        self.csrf = ""
+
+    async def get(self, path: str) -> tuple[int, str, aiohttp.ClientResponse]:
+        async with self.session.get(self.base + path, allow_redirects=False) as response:
+            return response.status, await response.text(), response
+
+    async def post(
+        self, path: str, data: dict[str, str], *, origin: str | None = "", with_csrf: bool = True
+    ) -> tuple[int, str, aiohttp.ClientResponse]:
+        headers = {} if origin is None else {"Origin": origin or self.base}
+        form = {"csrf": self.csrf, **data} if with_csrf else data
+        async with self.session.post(
+            self.base + path, data=form, headers=headers, allow_redirects=False
+        ) as response:
+            return response.status, await response.text(), response
+
+    async def login(self, name: str = "ops", password: str = PASSWORD, **extra: str) -> int:
+        status, page, _ = await self.get("/console/login")
+        assert status == 200
+        self.csrf = csrf_of(page)
+        status, _, _ = await self.post(
+            "/console/login", {"name": name, "password": password, **extra}
+        )
+        if status == 303:
+            _, page, _ = await self.get("/console/nodes")
+            self.csrf = csrf_of(page)
+        return status
+
+    def cookie(self, name: str) -> str | None:
+        for cookie in self.session.cookie_jar:
+            if cookie.key == name:
+                return cookie.value
+        return None
+
+
+@pytest.fixture
+async def hub(tmp_path: Path) -> HubSettings:
+    return settings_for(tmp_path)
+
+
+async def start(aiohttp_server: AiohttpServer, hub: HubSettings) -> TestServer:
+    return await aiohttp_server(create_app(hub), ssl=ssl_context(hub))
+
+
+@contextlib.asynccontextmanager
+async def open_console(server: TestServer, hub: HubSettings) -> AsyncIterator[Console]:
+    pin = aiohttp.Fingerprint(pki.fingerprint_bytes(certificates(hub)[1].fingerprint))
+    # unsafe: the jar keeps cookies of an IP address (127.0.0.1), as a browser does.
+    async with aiohttp.ClientSession(
+        cookie_jar=aiohttp.CookieJar(unsafe=True), connector=aiohttp.TCPConnector(ssl=pin)
+    ) as session:
+        yield Console(session, f"https://127.0.0.1:{server.port}")
+
+
+@pytest.fixture
+async def console(aiohttp_server: AiohttpServer, hub: HubSettings) -> AsyncIterator[Console]:
+    add_user(hub)
+    server = await start(aiohttp_server, hub)
+    async with open_console(server, hub) as c:
+        yield c
+
+
+def set_cookie(response: aiohttp.ClientResponse, name: str) -> str:
+    headers = [h for h in response.headers.getall("Set-Cookie", []) if h.startswith(name + "=")]
+    assert len(headers) == 1, response.headers
+    return headers[0]
+
+
+async def enroll(console: Console, hub: HubSettings, name: str, site: str = "lab") -> str:
+    """A node enrolled over the real API; its node token."""
+    store = HubStore(hub.db_path)
+    token = store.create_token(site, uses=1, expires_in_s=60).plaintext
+    store.close()
+    body = {
+        "token": token,
+        "name": name,
+        "wg_public_key": str(WireguardKey.generate().public_key()),
+    }
+    async with console.session.post(console.base + "/v1/enroll", json=body) as response:
+        assert response.status == 201, await response.text()
+        return str((await response.json())["node_token"])
+
+
+async def heartbeat(console: Console, node_token: str, **capacity: Any) -> None:
+    body = {"versions": {"kvl": "9.9.9"}, "capacity": {
+        "cpu_percent": 37.0, "cpu_count": 4, "memory_total_mib": 8000,
+        "memory_available_mib": 6000, "queue_waiting": 2, "outbox_lag": 5,
+        "models": ["m@1"], **capacity}}  # fmt: skip
+    async with console.session.post(
+        console.base + "/v1/node/heartbeat",
+        json=body,
+        headers={"Authorization": f"Bearer {node_token}"},
+    ) as response:
+        assert response.status == 200, await response.text()
+
+
+# -- logins -----------------------------------------------------------------------------
+
+
+async def test_login_sets_a_strict_cookie_whose_session_is_stored_hashed(
+    console: Console, hub: HubSettings
+) -> None:
+    status, _, response = await console.get("/console/nodes")
+    assert status == 303
+    assert response.headers["Location"] == "/console/login?next=%2Fconsole%2Fnodes"
+    status, page, response = await console.get("/console/login")
+    assert status == 200
+    assert 'for="password"' in page
+    login_cookie = set_cookie(response, LOGIN_COOKIE)
+    for attribute in ("HttpOnly", "Secure", "SameSite=Strict", "Path=/"):
+        assert attribute in login_cookie
+    # Nothing from elsewhere: no external script, style, font or image.
+    assert not re.search(r'(src|href|action)="(https?:)?//', page)
+    assert "default-src 'self'" in response.headers["Content-Security-Policy"]
+
+    console.csrf = csrf_of(page)
+    status, page, response = await console.post(
+        "/console/login",
+        {"name": "ops", "password": PASSWORD, "next": "/console/tokens"},
+    )
+    assert (status, response.headers["Location"]) == (303, "/console/tokens")
+    session_cookie = set_cookie(response, SESSION_COOKIE)
+    for attribute in ("HttpOnly", "Secure", "SameSite=Strict", "Path=/"):
+        assert attribute in session_cookie
+    token = console.cookie(SESSION_COOKIE)
+    assert token
+    store = HubStore(hub.db_path)
+    try:
+        stored = [tuple(r) for r in store.db.execute("SELECT * FROM console_sessions")]
+        hashes = [r[0] for r in store.db.execute("SELECT hash FROM console_users")]
+    finally:
+        store.close()
+    assert [s[0] for s in stored] == [hashlib.sha256(token.encode()).hexdigest()]
+    assert token not in repr(stored)
+    assert hashes[0].startswith("$argon2id$")
+    status, page, _ = await console.get("/console/tokens")
+    assert status == 200
+    assert "ops" in page  # who is logged in
+    console.csrf = csrf_of(page)
+
+    # Only console pages are places to go after a login.
+    _, _, response = await console.get("/console/login?next=//evil.example")
+    assert response.headers["Location"] == "/console/nodes"
+    await console.post("/console/logout", {})
+    _, page, _ = await console.get("/console/login")
+    console.csrf = csrf_of(page)
+    _, _, response = await console.post(
+        "/console/login", {"name": "ops", "password": PASSWORD, "next": "https://evil.example/"}
+    )
+    assert response.headers["Location"] == "/console/nodes"
+
+
+async def test_a_wrong_password_or_name_is_refused_on_the_login_page(console: Console) -> None:
+    assert await console.login(password="not the password") == 401
+    assert await console.login(name="nobody") == 401
+    status, page, _ = await console.get("/console/nodes")
+    assert status == 303
+    _, page, _ = await console.get("/console/login")
+    console.csrf = csrf_of(page)
+    status, page, _ = await console.post(
+        "/console/login", {"name": "ops", "password": "nope", "next": "/console/tokens"}
+    )
+    assert status == 401
+    assert "Wrong name or password." in page
+    assert 'name="next" value="/console/tokens"' in page  # where to go once it is right
+    assert console.cookie(SESSION_COOKIE) is None
+
+
+async def test_failed_logins_are_throttled_per_address(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    hub = settings_for(tmp_path, login_failures_allowed=2)
+    add_user(hub)
+    server = await start(aiohttp_server, hub)
+    async with open_console(server, hub) as console:
+        assert await console.login(password="wrong one") == 401
+        assert await console.login(password="wrong two") == 401
+        # Now even the right password waits: the address is blocked for a while.
+        _, page, _ = await console.get("/console/login")
+        console.csrf = csrf_of(page)
+        status, page, response = await console.post(
+            "/console/login", {"name": "ops", "password": PASSWORD}
+        )
+        assert status == 429
+        assert int(response.headers["Retry-After"]) > 0
+        assert "Too many failed logins" in page
+        assert console.cookie(SESSION_COOKIE) is None
+
+
+def test_the_throttle_doubles_the_wait_up_to_its_cap_and_forgets_a_success() -> None:
+    throttle = LoginThrottle(3, first_wait_s=30, max_wait_s=100)
+    for _ in range(2):
+        throttle.failed("a", 0.0)
+    assert throttle.wait_s("a", 0.0) == 0
+    throttle.failed("a", 0.0)
+    assert throttle.wait_s("a", 0.0) == 30
+    throttle.failed("a", 10.0)
+    assert throttle.wait_s("a", 10.0) == 60
+    throttle.failed("a", 20.0)
+    assert throttle.wait_s("a", 20.0) == 100  # capped
+    assert throttle.wait_s("b", 20.0) == 0  # per address
+    throttle.succeeded("a")
+    assert throttle.wait_s("a", 20.0) == 0
+
+
+async def test_logout_and_an_expired_session_end_the_login(
+    console: Console, hub: HubSettings
+) -> None:
+    assert await console.login() == 303
+    token = console.cookie(SESSION_COOKIE)
+    status, _, response = await console.post("/console/logout", {})
+    assert (status, response.headers["Location"]) == (303, "/console/login")
+    assert (await console.get("/console/nodes"))[0] == 303
+    # The old cookie, replayed, is worth nothing: the session is gone from the store.
+    console.session.cookie_jar.update_cookies(
+        {SESSION_COOKIE: token or ""}, response_url=URL(console.base)
+    )
+    assert console.cookie(SESSION_COOKIE) == token
+    assert (await console.get("/console/nodes"))[0] == 303
+
+    assert await console.login() == 303
+    assert (await console.get("/console/nodes"))[0] == 200
+    store = HubStore(hub.db_path)
+    with store.db.conn:
+        store.db.execute("UPDATE console_sessions SET expires_at = ?", [time.time() - 1])
+    store.close()
+    assert (await console.get("/console/nodes"))[0] == 303
+
+
+# -- CSRF -------------------------------------------------------------------------------
+
+
+def token_count(hub: HubSettings) -> int:
+    store = HubStore(hub.db_path)
+    try:
+        return len(store.tokens())
+    finally:
+        store.close()
+
+
+async def test_cross_site_posts_are_refused_and_change_nothing(
+    console: Console, hub: HubSettings
+) -> None:
+    assert await console.login() == 303
+    form = {"site": "lab", "uses": "1", "expires": "24h"}
+    for origin in ("https://evil.example", "null", f"http://{console.base[8:]}"):
+        status, page, _ = await console.post("/console/tokens", form, origin=origin)
+        assert status == 403, origin
+        assert "not sent from a page of this console" in page
+    status, _, _ = await console.post("/console/tokens", form, with_csrf=False)
+    assert status == 403
+    status, _, _ = await console.post("/console/tokens", {**form, "csrf": "x" * 43})
+    assert status == 403
+    status, _, _ = await console.post("/console/tokens", form, origin=None)  # neither header
+    assert status == 403
+    assert token_count(hub) == 0
+    # A Referer of this console stands in for a missing Origin.
+    async with console.session.post(
+        console.base + "/console/tokens",
+        data={"csrf": console.csrf, **form},
+        headers={"Referer": console.base + "/console/tokens"},
+        allow_redirects=False,
+    ) as response:
+        assert response.status == 200
+    assert token_count(hub) == 1
+    # The login form has its own token too.
+    await console.post("/console/logout", {})
+    status, _, _ = await console.post(
+        "/console/login", {"name": "ops", "password": PASSWORD}, with_csrf=False
+    )
+    assert status == 403
+    # Without a login, a post from the right origin goes to the login page, doing nothing.
+    status, _, response = await console.post("/console/tokens", form)
+    assert (status, response.headers["Location"]) == (303, "/console/login")
+    assert token_count(hub) == 1
+
+
+# -- pages and actions ------------------------------------------------------------------
+
+
+async def test_every_page_renders_and_every_action_works(
+    console: Console, hub: HubSettings
+) -> None:
+    store = HubStore(hub.db_path)
+    store.set_account("acme", "S1", requests_per_minute=60, budget=Budget(50_000, 86_400))
+    store.set_account("beta", "S2")
+    store.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
+    store.create_token("<b>bold</b>", uses=1, expires_in_s=60)  # escaped, not markup
+    with store.db.conn:
+        store.db.execute(
+            "INSERT INTO packages (id, version, title, topic, level, items, size, digest,"
+            " lineage, origin_node, created_at, received_at, bundle_sha256) VALUES"
+            " ('fractions', '1', 'Fractions', 'maths', 'A1', 12, 123456, 'sha256:00', '{}',"
+            " NULL, '2026-01-01T00:00:00Z', 1.0, NULL)"
+        )
+    store.close()
+    node_a = await enroll(console, hub, "node-a", site="north")
+    node_b = await enroll(console, hub, "node-b", site="south")
+    await heartbeat(console, node_a)
+    await heartbeat(console, node_b, cpu_percent=5.0)
+    events = [{"id": f"e{i}", "kind": "usage", "body": {"account": "acme", "tokens_in": 7}}
+              for i in range(3)]  # fmt: skip
+    async with console.session.post(
+        console.base + "/v1/node/events",
+        json={"events": events},
+        headers={"Authorization": f"Bearer {node_a}"},
+    ) as response:
+        assert response.status == 200
+    assert await console.login() == 303
+
+    async def page(path: str) -> str:
+        status, text, _ = await console.get(path)
+        assert status == 200, (path, text)
+        return text
+
+    fleet = await until(
+        lambda: _when(page("/console/nodes"), lambda t: "9.9.9" in t), "the heartbeats"
+    )
+    assert 'data-node="node-a"' in fleet
+    assert "37 %" in fleet
+    filtered = await page("/console/nodes?site=south")
+    assert 'data-node="node-b"' in filtered
+    assert 'data-node="node-a"' not in filtered
+    assert 'data-node="node-a"' not in await page("/console/nodes?status=offline")
+    assert 'data-node="node-b"' in await page("/console/nodes?name=DE-B")
+
+    # The node page: its facts, its events and its charts, drawn from the sampler's samples.
+    node_id = re.search(r'href="/console/nodes/([0-9a-f]{32})">node-a', fleet)
+    assert node_id
+    detail = await until(
+        lambda: _when(page(f"/console/nodes/{node_id[1]}"), lambda t: "<polyline" in t
+                      or "<circle" in t),
+        "a sample of node-a",
+    )  # fmt: skip
+    assert detail.count('<svg class="chart"') == 3
+    assert "e2" in detail  # its events
+    assert "<code>m@1</code> loaded" in detail
+    assert "2,000 MiB used of 8,000 MiB" in detail
+    assert "node-b" in await page("/console/nodes/node-b")  # by name too
+
+    tokens = await page("/console/tokens")
+    assert "&lt;b&gt;bold&lt;/b&gt;" in tokens
+    assert "<b>bold</b>" not in tokens
+    accounts = await page("/console/accounts")
+    assert 'data-account="acme"' in accounts
+    assert "50,000" in accounts
+    assert "21 of 50,000" in accounts  # three events of 7 tokens, from the ledger
+    assert 'data-account="beta"' in accounts
+    assert "m@1" in await page("/console/placements")
+    packages = await page("/console/packages")
+    assert "Fractions" in packages
+    assert "holds no jobs data" in packages
+
+    # Drain and take back, revoke (only when confirmed).
+    path = f"/console/nodes/{node_id[1]}"
+    status, _, response = await console.post(path + "/drain", {})
+    assert (status, response.headers["Location"]) == (303, f"{path}?notice=drained")
+    assert "The node drains" in await page(f"{path}?notice=drained")
+    assert _node(hub, "node-a").draining
+    await console.post(path + "/drain", {"undo": "1"})
+    assert not _node(hub, "node-a").draining
+    await console.post(path + "/revoke", {})
+    assert not _node(hub, "node-a").revoked
+    await console.post(path + "/revoke", {"confirm": "yes"})
+    assert _node(hub, "node-a").revoked
+    assert "revoked" in await page(path)
+    async with console.session.post(
+        console.base + "/v1/node/heartbeat",
+        json={},
+        headers={"Authorization": f"Bearer {node_a}"},
+    ) as response:
+        assert response.status == 403  # the API refuses it too
+
+    # A token is shown once; it enrolls a node; a revoked one does not.
+    status, created, _ = await console.post(
+        "/console/tokens", {"site": "east", "uses": "1", "expires": "1h"}
+    )
+    assert status == 200
+    plaintext = re.search(r'value="(kvle_[^"]+)"', created)
+    assert plaintext
+    assert plaintext[1] not in await page("/console/tokens")
+    body = {"token": html.unescape(plaintext[1]), "name": "node-c",
+            "wg_public_key": str(WireguardKey.generate().public_key())}  # fmt: skip
+    async with console.session.post(console.base + "/v1/enroll", json=body) as response:
+        assert response.status == 201
+    status, created, _ = await console.post(
+        "/console/tokens", {"site": "east", "uses": "2", "expires": "7d"}
+    )
+    second = re.search(r'value="(kvle_[^"]+)"', created)
+    assert second
+    prefix = second[1].split("_")[1]
+    status, _, response = await console.post(f"/console/tokens/{prefix}/revoke", {})
+    assert (status, response.headers["Location"]) == (303, "/console/tokens?notice=token-revoked")
+    async with console.session.post(
+        console.base + "/v1/enroll", json={**body, "token": second[1], "name": "node-d"}
+    ) as response:
+        assert response.status == 401
+    bad = await console.post("/console/tokens", {"site": "", "uses": "1", "expires": "1h"})
+    assert bad[0] == 400
+    bad = await console.post("/console/tokens", {"site": "x", "uses": "0", "expires": "1h"})
+    assert bad[0] == 400
+    assert (await console.post("/console/tokens/kvle_nope/revoke", {}))[0] == 404
+
+    # Deploy and undeploy, checked as the API checks them.
+    status, _, response = await console.post(
+        "/console/deployments", {"model": "m@1", "replicas": "2", "service_class": "S1"}
+    )
+    assert (status, response.headers["Location"]) == (303, "/console/placements?notice=deployed")
+    deployments = _deployments(hub)
+    assert [(d.model, d.replicas) for d in deployments] == [("m@1", 2)]
+    listed = await page("/console/placements")
+    assert f'data-deployment="{deployments[0].id}"' in listed
+    status, text, _ = await console.post("/console/deployments", {"model": "m@1", "replicas": "-1"})
+    assert status == 400
+    assert "replicas" in text
+    status, text, _ = await console.post("/console/deployments", {"model": "nope@1"})
+    assert status == 400
+    assert "no model" in text
+    status, text, _ = await console.post(
+        "/console/deployments", {"model": "m@1", "service_class": "S3"}
+    )
+    assert status == 400  # a dedicated deployment names its tenant
+    undeploy = f"/console/deployments/{deployments[0].id}/undeploy"
+    assert (await console.post(undeploy, {}))[0] == 303
+    assert _deployments(hub) == []
+    assert (await console.post(undeploy, {}))[0] == 404
+
+    # An API key: shown once, its hash in the nodes' desired state; revoked.
+    status, created, _ = await console.post("/console/keys", {"account": "acme", "admin": "1"})
+    assert status == 200
+    key = re.search(r'value="(kvl_[^"]+)"', created)
+    assert key
+    assert key[1] not in await page("/console/accounts")
+    key_prefix = key[1].split("_")[1]
+    assert _key(hub, key_prefix) == ("acme", 1, None)
+    assert (await console.post(f"/console/keys/{key_prefix}/revoke", {}))[0] == 303
+    assert _key(hub, key_prefix)[2] is not None
+    assert (await console.post("/console/keys", {"account": "nobody"}))[0] == 400
+
+    # Console errors are pages too.
+    for path in ("/console/nope", "/console/nodes/nope"):
+        status, text, response = await console.get(path)
+        assert status == 404
+        assert response.content_type == "text/html"
+        assert "Not found" in text
+    status, text, response = await console.get("/console/static/nope.css")
+    assert status == 404
+    assert response.content_type == "text/html"
+
+
+async def _when(text: Any, check: Callable[[str], bool]) -> str | None:
+    value = await text
+    return value if check(value) else None
+
+
+def _node(hub: HubSettings, name: str) -> Any:
+    store = HubStore(hub.db_path)
+    try:
+        return store.node(name)
+    finally:
+        store.close()
+
+
+def _deployments(hub: HubSettings) -> list[Any]:
+    store = HubStore(hub.db_path)
+    try:
+        return store.deployments()
+    finally:
+        store.close()
+
+
+def _key(hub: HubSettings, prefix: str) -> tuple[Any, ...]:
+    store = HubStore(hub.db_path)
+    try:
+        row = store.db.execute(
+            "SELECT account, admin, revoked_at FROM api_keys WHERE prefix = ?", [prefix]
+        ).fetchone()
+        return tuple(row)
+    finally:
+        store.close()
+
+
+# -- the live stream --------------------------------------------------------------------
+
+
+async def _event(response: aiohttp.ClientResponse, name: str) -> Any:
+    while True:
+        block = (await response.content.readuntil(b"\n\n")).decode()
+        if not block:
+            raise AssertionError("the stream ended")
+        if block.startswith(f"event: {name}\n"):
+            return json.loads(block.split("data: ", 1)[1])
+
+
+async def test_the_fleet_stream_follows_the_nodes_and_ends_with_the_hub(
+    aiohttp_server: AiohttpServer, hub: HubSettings
+) -> None:
+    add_user(hub)
+    server = await start(aiohttp_server, hub)
+    async with open_console(server, hub) as console:
+        status, _, _ = await console.get("/console/nodes/stream")
+        assert status == 401
+        assert await console.login() == 303
+        async with console.session.get(console.base + "/console/nodes/stream?site=lab") as stream:
+            assert stream.headers["Content-Type"] == "text/event-stream"
+            first = await _event(stream, "nodes")
+            assert first["rows"] == []
+            token = await enroll(console, hub, "live-1")
+            await enroll(console, hub, "elsewhere", site="other")
+            await heartbeat(console, token)
+
+            async def status_of(wanted: str) -> dict[str, Any]:
+                while True:
+                    data: dict[str, Any] = await _event(stream, "nodes")
+                    rows = {r["name"]: r for r in data["rows"]}
+                    assert "elsewhere" not in rows  # the filter holds
+                    if "live-1" in rows and rows["live-1"]["status"] == wanted:
+                        return data
+
+            online = await asyncio.wait_for(status_of("online"), 20)
+            assert online["counts"]["online"] == 1
+            assert online["counts"]["offline"] == 1  # the whole fleet's counts
+            row = next(r for r in online["rows"] if r["name"] == "live-1")
+            assert (row["version"], row["load"], row["queue"], row["outbox_lag"]) == (
+                "9.9.9", "37 %", "2", "5"
+            )  # fmt: skip
+            # No more heartbeats: stale, then offline, without anyone reloading.
+            await asyncio.wait_for(status_of("stale"), 20)
+            await asyncio.wait_for(status_of("offline"), 20)
+            # The hub shuts down: the stream ends instead of holding the shutdown up.
+            closing = asyncio.create_task(server.close())
+            assert await asyncio.wait_for(stream.content.read(), 20) == b""
+            await asyncio.wait_for(closing, 20)
+
+
+# -- charts -----------------------------------------------------------------------------
+
+
+def test_charts_are_escaped_svg_that_break_at_gaps() -> None:
+    svg = line_chart(
+        "c1", "Load <of> node", [Series("cpu", [(0, 10.0), (10, 20.0), (100, 30.0)])],
+        unit="%", start=0, end=100, y_max=100, gap_s=20,
+    )  # fmt: skip
+    assert svg.startswith('<svg class="chart" id="c1"')
+    assert '<title id="c1-t">Load &lt;of&gt; node</title>' in svg
+    assert svg.count("<polyline") == 1  # 0 → 10, then a gap, then a lone point
+    assert svg.count("<circle") == 1
+    assert "latest 30 %, highest 30 %" in svg
+    empty = line_chart("c2", "Empty", [Series("x", [])], unit="MiB", start=0, end=60)
+    assert "No samples yet" in empty
+    assert [nice_ceiling(v) for v in (0, 0.3, 7, 12, 180, 2400)] == [1, 0.5, 10, 20, 200, 2500]
+
+
+# -- kvl hub admin ----------------------------------------------------------------------
+
+
+def admin(*args: str, data: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shared.cli", "hub", "admin", *args, "--data-dir", data],
+        input=stdin, capture_output=True, text=True, cwd=REPO, timeout=120, check=False,
+    )  # fmt: skip
+
+
+async def test_kvl_hub_admin_creates_the_first_admin_who_can_log_in(
+    aiohttp_server: AiohttpServer, hub: HubSettings
+) -> None:
+    data = str(hub.data_dir)
+    made = admin("create", "--name", "first", "--password-stdin", data=data, stdin=PASSWORD + "\n")
+    assert made.returncode == 0, made.stderr
+    again = admin("create", "--name", "first", "--password-stdin", data=data, stdin=PASSWORD)
+    assert again.returncode != 0
+    assert "exists already" in again.stderr
+    short = admin("create", "--name", "second", "--password-stdin", data=data, stdin="short\n")
+    assert short.returncode != 0
+    assert "at least 10 characters" in short.stderr
+    assert admin("list", data=data).stdout.split()[0] == "first"
+    assert "first" in kvl("hub", "admin", "list", "--data-dir", data).stdout
+
+    server = await start(aiohttp_server, hub)
+    async with open_console(server, hub) as console:
+        assert await console.login("first") == 303
+        assert (await console.get("/console/nodes"))[0] == 200
+        # A new password ends the logins of that user.
+        changed = admin("password", "first", "--password-stdin", data=data,
+                        stdin="another long password\n")  # fmt: skip
+        assert changed.returncode == 0, changed.stderr
+        assert (await console.get("/console/nodes"))[0] == 303
+        assert await console.login("first") == 401
+        assert await console.login("first", "another long password") == 303
+        gone = admin("delete", "first", data=data)
+        assert gone.returncode == 0, gone.stderr
+        assert (await console.get("/console/nodes"))[0] == 303
+        assert admin("delete", "first", data=data).returncode != 0
