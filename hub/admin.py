@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hub.packages import MAX_BUNDLE, keep_bundle
 from hub.state.store import DeploymentRecord, NotFoundError
-from hub.views import deployment_view, node_view, package_view, quota_view
+from hub.views import deployment_view, node_view, package_view, quota_view, token_view
 from shared.errors import ApiError, ErrorCode
 from shared.oci import LayoutError
 
@@ -175,6 +175,73 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"data": data})
 
 
+class TokenRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    site: str = Field(min_length=1, max_length=200)
+    uses: int = Field(1, ge=1, le=100_000)
+    expires_in_s: float = Field(86_400, gt=0, le=366 * 86_400)
+
+
+class KeyRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    account: str = Field(min_length=1, max_length=200)
+    admin: bool = False
+
+
+async def list_tokens(request: web.Request) -> web.Response:
+    store, _ = _ctx(request)
+    now = time.time()
+    return web.json_response(
+        {"data": [token_view(t, now) for t in await store.run(store.sync.tokens)]}
+    )
+
+
+async def create_token(request: web.Request) -> web.Response:
+    """A new enrollment token; its secret is in this answer only."""
+    store, _ = _ctx(request)
+    req: TokenRequest = await _parse(request, TokenRequest)
+    new = await store.run(
+        lambda: store.sync.create_token(req.site, uses=req.uses, expires_in_s=req.expires_in_s)
+    )
+    found = next(t for t in await store.run(store.sync.tokens) if t.prefix == new.prefix)
+    return web.json_response({"token": new.plaintext, **token_view(found, time.time())}, status=201)
+
+
+async def revoke_token(request: web.Request) -> web.Response:
+    store, _ = _ctx(request)
+    try:
+        token = await store.run(store.sync.revoke_token, request.match_info["prefix"])
+    except NotFoundError as err:
+        raise ApiError(ErrorCode.not_found, str(err)) from err
+    return web.json_response(token_view(token, time.time()))
+
+
+async def create_key(request: web.Request) -> web.Response:
+    """A new fleet API key; its secret is in this answer only (nodes get its hash)."""
+    store, _ = _ctx(request)
+    req: KeyRequest = await _parse(request, KeyRequest)
+    try:
+        new = await store.run(lambda: store.sync.create_key(req.account, admin=req.admin))
+    except NotFoundError as err:
+        raise ApiError(ErrorCode.not_found, str(err), param="account") from err
+    return web.json_response(
+        {"key": new.plaintext, "prefix": new.prefix, "account": req.account, "admin": req.admin},
+        status=201,
+    )
+
+
+async def revoke_key(request: web.Request) -> web.Response:
+    store, _ = _ctx(request)
+    prefix = request.match_info["prefix"]
+    try:
+        await store.run(store.sync.revoke_key, prefix)
+    except NotFoundError as err:
+        raise ApiError(ErrorCode.not_found, str(err)) from err
+    return web.json_response({"prefix": prefix, "revoked": True})
+
+
 class SeedRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -255,6 +322,11 @@ def admin_routes() -> list[web.RouteDef]:
         web.get("/v1/admin/deployments", list_deployments),
         web.post("/v1/admin/deployments", create_deployment),
         web.delete("/v1/admin/deployments/{id}", delete_deployment),
+        web.get("/v1/admin/tokens", list_tokens),
+        web.post("/v1/admin/tokens", create_token),
+        web.post("/v1/admin/tokens/{prefix}/revoke", revoke_token),
+        web.post("/v1/admin/keys", create_key),
+        web.post("/v1/admin/keys/{prefix}/revoke", revoke_key),
         web.get("/v1/admin/packages", list_packages),
         web.post("/v1/admin/packages", add_package),
         web.post("/v1/admin/packages/{id}/seed", seed_package),

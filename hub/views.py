@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from hub.settings import HubSettings
-    from hub.state.store import DeploymentRecord, Node, PackageRecord, Quota
+    from hub.state.store import DeploymentRecord, EnrollmentToken, Node, PackageRecord, Quota
 
 
 def node_view(node: Node, settings: HubSettings, now: float) -> dict[str, Any]:
@@ -87,4 +87,15 @@ def package_view(p: PackageRecord, names: Mapping[str, str]) -> dict[str, Any]:
         "held_by_hub": p.bundle_sha256 is not None,
         "nodes": [names.get(n, n) for n in p.nodes],
         "seeded_to": p.seeded_to,
+    }
+
+
+def token_view(token: EnrollmentToken, now: float) -> dict[str, Any]:
+    """An enrollment token without its secret (shown once, when it is made)."""
+    return {
+        "prefix": token.prefix,
+        "site": token.site,
+        "uses_left": token.uses_left,
+        "expires_at": datetime.fromtimestamp(token.expires_at, UTC).isoformat(),
+        "state": token.state(now),
     }
