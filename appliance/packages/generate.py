@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from appliance.gateway.completions import CompletionService
     from appliance.state.store import ApiKey
 
-TEMPLATE_VERSION = "1"
+TEMPLATE_VERSION = "2"
 ROUTE = "/v1/packages"
 CHOICE_IDS = "abcdef"
 PROMPT_MAX = {Level.beginner: 200, Level.intermediate: 300, Level.advanced: 500}
@@ -96,47 +96,82 @@ def item_schema(kind: ItemType, choices: int, level: Level) -> dict[str, Any]:
     }
 
 
-_PLANETS = ["Mercury", "Venus", "Earth", "Mars", "Jupiter", "Saturn"]
+# Worked answers on three topics far apart: a small model copies an example's content as
+# readily as its form, and shown one topic it writes about that topic whatever it is
+# asked; shown several, each answering its own request, it follows the request's topic.
+_EXAMPLES: dict[str, dict[ItemType, dict[str, Any]]] = {
+    "the solar system": {
+        ItemType.true_false: {"statement": "In the solar system, Mercury is the planet "
+                              "closest to the Sun.", "answer": True},
+        ItemType.short_answer: {"question": "In the solar system, which planet is closest "
+                                "to the Sun?", "answers": ["Mercury"]},
+        ItemType.single_choice: {"question": "In the solar system, which planet is closest "
+                                 "to the Sun?", "choices": ["Mercury", "Venus", "Earth", "Mars",
+                                 "Jupiter", "Saturn"], "correct": "a"},
+        ItemType.multiple_choice: {"question": "In the solar system, which of these planets "
+                                   "are rocky?", "choices": ["Mercury", "Venus", "Jupiter",
+                                   "Saturn", "Uranus", "Neptune"], "correct": ["a", "b"]},
+    },
+    "cooking": {
+        ItemType.true_false: {"statement": "In cooking, water boils at a lower temperature "
+                              "high in the mountains.", "answer": True},
+        ItemType.short_answer: {"question": "In cooking, what do you call bread that has been "
+                                "toasted until crisp?", "answers": ["Toast"]},
+        ItemType.single_choice: {"question": "In cooking, which ingredient makes bread dough "
+                                 "rise?", "choices": ["Yeast", "Salt", "Sugar", "Butter",
+                                 "Pepper", "Vinegar"], "correct": "a"},
+        ItemType.multiple_choice: {"question": "In cooking, which of these are dairy "
+                                   "products?", "choices": ["Cheese", "Butter", "Rice", "Bread",
+                                   "Apples", "Beans"], "correct": ["a", "b"]},
+    },
+    "the human body": {
+        ItemType.true_false: {"statement": "In the human body, the heart pumps blood through "
+                              "the arteries.", "answer": True},
+        ItemType.short_answer: {"question": "In the human body, which organ pumps blood?",
+                                "answers": ["The heart"]},
+        ItemType.single_choice: {"question": "In the human body, which organ pumps blood?",
+                                 "choices": ["The heart", "The lungs", "The liver",
+                                 "The stomach", "The skin", "The brain"], "correct": "a"},
+        ItemType.multiple_choice: {"question": "In the human body, which of these are bones?",
+                                   "choices": ["The skull", "The femur", "The heart",
+                                   "The lungs", "The liver", "The skin"],
+                                   "correct": ["a", "b"]},
+    },
+}  # fmt: skip
 
 
-def example(kind: ItemType, choices: int) -> str:
-    """A worked answer of the item type (on another topic): small models copy the form of
-    an example far better than they follow a description of it."""
-    explanation = "Mercury orbits closest to the Sun."
-    body: dict[str, Any]
-    if kind is ItemType.true_false:
-        body = {"statement": "Mercury is the planet closest to the Sun.", "answer": True}
-    elif kind is ItemType.short_answer:
-        body = {"question": "Which planet is closest to the Sun?", "answers": ["Mercury"]}
-    elif kind is ItemType.single_choice:
-        body = {"question": "Which planet is closest to the Sun?",
-                "choices": _PLANETS[:choices], "correct": "a"}  # fmt: skip
-    else:
-        body = {"question": "Which of these planets are rocky?",
-                "choices": _PLANETS[:choices], "correct": ["a", "b"]}  # fmt: skip
-        explanation = "Mercury and Venus are rocky planets."
+def example(kind: ItemType, choices: int, topic: str = "the solar system") -> str:
+    """A worked answer of the item type on one of the example topics."""
+    body = dict(_EXAMPLES[topic][kind])
+    if "choices" in body:
+        body["choices"] = body["choices"][:choices]
+    explanation = f"This is a basic fact about {topic}."
     return json.dumps({**body, "explanation": explanation})
 
 
 def messages(
     topic: str, level: Level, language: str, kind: ItemType, n: int, *, choices: int = 4
 ) -> list[dict[str, str]]:
-    """The prompt (template version TEMPLATE_VERSION)."""
+    """The prompt (template version TEMPLATE_VERSION): worked requests and answers on the
+    example topics, then the request on the topic asked for."""
     tongue = LANGUAGES.get(language.split("-", maxsplit=1)[0], language)
-    return [
+
+    def ask(about: str) -> str:
+        return (f"Write {_KIND[kind]} about {about}. It must be about {about} and nothing "
+                f"else; start it with \"In {about},\".")  # fmt: skip
+
+    turns = [
         {
             "role": "system",
             "content": f"You write clear, correct quiz items for {level.value} learners, "
-            f"in {tongue}. Answer with JSON only.",
-        },
-        {
-            "role": "user",
-            "content": f"An example of {_KIND[kind]}, about astronomy: "
-            f"{example(kind, choices)}\nNow write item {n}, about {topic}: {_KIND[kind]}. "
-            "Keep it factual and make every choice different; `correct` names the right "
-            "choice by its letter (a is the first).",
-        },
+            f"in {tongue}. Answer with JSON only. `correct` names the right choice by its "
+            "letter (a is the first); every choice is different.",
+        }
     ]
+    for shown in _EXAMPLES:
+        turns += [{"role": "user", "content": ask(shown)},
+                  {"role": "assistant", "content": example(kind, choices, shown)}]  # fmt: skip
+    return [*turns, {"role": "user", "content": ask(topic)}]
 
 
 def to_item(kind: ItemType, answer: dict[str, Any], n: int, language: str) -> Item:

@@ -253,7 +253,9 @@ class PackageService:
         items: list[Item | None] = [None] * spec.items
         redo = set(range(spec.items))
         for attempt in range(1, self._settings.max_attempts + 1):
-            for n in sorted(redo):
+            # Grouped by type: items of one type share their prompt's long prefix (the
+            # worked examples), which the model then reuses from its cache.
+            for n in sorted(redo, key=lambda n: (kinds[n].value, n)):
                 items[n] = await self._one_item(
                     key,
                     model=model,
