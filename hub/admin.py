@@ -59,6 +59,18 @@ class DeploymentRequest(BaseModel):
     gpu_memory_mib: int = Field(0, ge=0)
     tenant: str | None = None
 
+    def record(self) -> DeploymentRecord:
+        """The deployment to store, with a new id."""
+        return DeploymentRecord(
+            id=uuid.uuid4().hex[:12],
+            model=self.model,
+            replicas=self.replicas,
+            service_class=self.service_class,
+            isolation="I1",
+            constraints=self.model_dump(include={"sites", "regions", "labels", "gpu",
+                                                 "gpu_memory_mib", "tenant"}),
+        )  # fmt: skip
+
     @model_validator(mode="after")
     def _dedicated(self) -> Self:
         if self.service_class == "S3" and not self.tenant:
@@ -140,15 +152,7 @@ async def list_deployments(request: web.Request) -> web.Response:
 async def create_deployment(request: web.Request) -> web.Response:
     store, _ = _ctx(request)
     req: DeploymentRequest = await _parse(request, DeploymentRequest)
-    record = DeploymentRecord(
-        id=uuid.uuid4().hex[:12],
-        model=req.model,
-        replicas=req.replicas,
-        service_class=req.service_class,
-        isolation="I1",
-        constraints=req.model_dump(include={"sites", "regions", "labels", "gpu",
-                                            "gpu_memory_mib", "tenant"}),
-    )  # fmt: skip
+    record = req.record()
     try:
         await store.run(store.sync.deploy, record)
     except NotFoundError as err:

@@ -7,7 +7,7 @@ The cache serves on the LAN whether or not the hub is reachable."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict
@@ -19,7 +19,7 @@ from appliance.jobs.bodies import job_object
 from appliance.packages.cache import CorruptBlobError, NotCachedError
 from appliance.packages.exports import ExportError, export_h5p, export_moodle_xml, export_qti3
 from appliance.packages.model import PackageRequest
-from appliance.packages.service import PackageService, package_view
+from appliance.packages.service import PackageService, package_summary, package_view
 from appliance.state.jobs import NewItem
 from shared.blobs import IMMUTABLE, REVALIDATE, send_blob
 from shared.errors import ApiError, ErrorCode
@@ -88,7 +88,7 @@ async def list_packages(request: web.Request) -> web.Response:
     found = await asyncio.to_thread(
         _cache(request).list, query=request.query.get("q"), limit=limit, offset=offset
     )
-    return web.json_response({"object": "list", "data": [_summary(p) for p in found]})
+    return web.json_response({"object": "list", "data": [package_summary(p) for p in found]})
 
 
 async def get_package(request: web.Request) -> web.Response:
@@ -161,7 +161,7 @@ async def pin_package(request: web.Request) -> web.Response:
         cached = await asyncio.to_thread(cache.pin, package_id, version, req.pinned)
     except NotCachedError as err:
         raise ApiError(ErrorCode.package_not_found, str(err)) from err
-    return web.json_response(_summary(cached))
+    return web.json_response(package_summary(cached))
 
 
 def _export(cache: PackageCache, cached: CachedPackage, form: str) -> bytes:
@@ -184,19 +184,3 @@ def _read_files(cache: PackageCache, cached: CachedPackage) -> dict[str, bytes]:
 
 def _etag(cached: CachedPackage) -> dict[str, str]:
     return {"ETag": f'"{cached.digest.removeprefix("sha256:")}"'}
-
-
-def _summary(cached: CachedPackage) -> dict[str, Any]:
-    m = cached.manifest
-    return {
-        "object": "package",
-        "id": cached.id,
-        "version": cached.version,
-        "title": m.title,
-        "topic": m.topic,
-        "level": m.level.value,
-        "items": len(m.items),
-        "created_at": m.created_at,
-        "size": cached.size,
-        "pinned": cached.pinned,
-    }

@@ -81,20 +81,28 @@ def package_view(cached: CachedPackage) -> dict[str, Any]:
     }
 
 
-def package_event(cached: CachedPackage, origin: str) -> dict[str, Any]:
-    """What the hub learns of a package this node holds ("made" here, or "seeded")."""
+def package_summary(cached: CachedPackage) -> dict[str, Any]:
+    """A package in a list (the API's listing and search; the hub's report of it)."""
     m = cached.manifest
     return {
+        "object": "package",
         "id": cached.id,
         "version": cached.version,
         "title": m.title,
         "topic": m.topic,
         "level": m.level.value,
         "items": len(m.items),
-        "size": cached.size,
-        "digest": cached.digest,
-        "lineage": m.lineage.model_dump(mode="json"),
         "created_at": m.created_at,
+        "size": cached.size,
+        "pinned": cached.pinned,
+    }
+
+
+def package_event(cached: CachedPackage, origin: str) -> dict[str, Any]:
+    """What the hub learns of a package this node holds ("made" here, or "seeded")."""
+    return package_summary(cached) | {
+        "digest": cached.digest,
+        "lineage": cached.manifest.lineage.model_dump(mode="json"),
         "origin": origin,
     }
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-import uuid
 from typing import Any
 
 from aiohttp import web
@@ -48,7 +47,7 @@ from hub.console.web import (
     render,
     see_other,
 )
-from hub.state.store import DeploymentRecord, NotFoundError
+from hub.state.store import NotFoundError
 from hub.views import deployment_view, node_view, quota_view
 from shared.keys import ENROLLMENT_TOKEN, parse_prefix
 
@@ -392,15 +391,7 @@ async def deploy(request: web.Request) -> web.StreamResponse:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         return await _placements(request, status=400, error=f"{where}: {first['msg']}".strip(": "))
-    record = DeploymentRecord(
-        id=uuid.uuid4().hex[:12],
-        model=req.model,
-        replicas=req.replicas,
-        service_class=req.service_class,
-        isolation="I1",
-        constraints=req.model_dump(include={"sites", "regions", "labels", "gpu",
-                                            "gpu_memory_mib", "tenant"}),
-    )  # fmt: skip
+    record = req.record()
     store = hub_store(request)
     try:
         await store.run(store.sync.deploy, record)
