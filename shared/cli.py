@@ -21,6 +21,7 @@ _GROUPS = {
         "The appliance: serve the LAN API, keys, models, discovery.",
     ),
     "hub": ("hub.cli", "hub", "The hub of the fleet."),
+    "image": ("shared.image", "image", "The appliance image: its provisioning file."),
     "demo": (
         "shared.demo",
         "demo",

@@ -1,0 +1,773 @@
+"""Build the appliance image: a raw GPT disk (UEFI, x86-64) to flash onto a site server.
+
+`just image` runs `python -m image.build` (as root: Debian is installed with mmdebstrap, and
+the file systems keep their owners). Everything comes from this repository and Debian's
+and PyPI's packages, and nothing is compiled inside the image. Steps, each cached under
+`image/build/` while its inputs stay the same:
+
+1. wheels: the project's, from a clean copy of its sources; llama-cpp-python's, compiled
+   once for any x86-64-v3 CPU (not for this machine's, as `just setup`'s is); and the other
+   dependencies' (downloaded, or from pip's cache);
+2. Debian 12: mmdebstrap (Debian's packages only, no recommends) into a tarball;
+3. the system: that tree, with the appliance in its own environment (/opt/kovenlab/venv,
+   installed from the wheels with `--no-index`), the files of `image/system/` (systemd units,
+   fstab, network), the appliance's user, and its units enabled;
+4. file systems made from folders (`mkfs.ext4 -d`; `mkfs.vfat` and mtools for the EFI
+   system partition): no loop device, no mount;
+5. one GPT disk: the EFI system partition (systemd-boot, the kernel and initrd of slot A),
+   root A, root B (empty: the slot an update writes), and the data partition (database,
+   packages, models), which grows to the end of the disk on first boot.
+
+The image and a manifest (its key, sizes, partitions, package versions) are written to
+`image/build/kovenlab-edge.img` and `.json`; a build whose inputs have not changed since
+is skipped.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+import uuid
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from shared import __version__
+from shared.image import (
+    DATA_LABEL,
+    ESP_LABEL,
+    ESP_TYPE,
+    LINUX_DATA_TYPE,
+    ROOT_A_LABEL,
+    ROOT_B_LABEL,
+    ROOT_X86_64_TYPE,
+    SECTOR,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+log = logging.getLogger("image.build")
+
+REPO = Path(__file__).resolve().parent.parent
+HERE = REPO / "image"
+DEFAULT_BUILD_DIR = HERE / "build"
+IMAGE_NAME = "kovenlab-edge.img"
+MANIFEST_NAME = "kovenlab-edge.json"
+FORMAT = 1  # bump when the build changes in a way its inputs do not show
+
+MIB = 1024 * 1024
+ESP_SIZE = 256 * MIB  # systemd-boot, and a kernel and initrd for each slot
+ROOT_SLOT_SIZE = 2048 * MIB
+DATA_SIZE = 1024 * MIB  # grown to the end of the disk on first boot
+ALIGN = MIB
+
+SUITE = "bookworm"
+MIRRORS = (
+    "deb http://deb.debian.org/debian bookworm main",
+    "deb http://deb.debian.org/debian bookworm-updates main",
+    "deb http://deb.debian.org/debian-security bookworm-security main",
+)
+# Debian's packages, no recommends. The appliance's Python dependencies come as wheels.
+PACKAGES = (
+    # boot: the kernel and its initrd (zstd); systemd-boot's EFI binary is copied to the ESP
+    "linux-image-amd64",
+    "initramfs-tools",
+    "zstd",
+    "systemd-boot-efi",
+    # the system: systemd, udev, networkd with DHCP, resolved, timesyncd; fsck for the data
+    "systemd",
+    "systemd-sysv",
+    "udev",
+    "dbus",
+    "systemd-resolved",
+    "systemd-timesyncd",
+    "kmod",
+    "e2fsprogs",
+    "ca-certificates",
+    "tzdata",
+    # the appliance: Python 3.11 (its venv), llama.cpp's runtime libraries, WireGuard
+    # (the kernel's module, or wireguard-go) with iproute2, narration with espeak-ng
+    "python3",
+    "python3-venv",
+    "libgomp1",
+    "libstdc++6",
+    "wireguard-go",
+    "iproute2",
+    "espeak-ng",
+)
+# What no appliance reads: manuals, translations, docs (the copyright files stay).
+DPKG_OPTIONS = (
+    "path-exclude=/usr/share/man/*",
+    "path-exclude=/usr/share/locale/*",
+    "path-include=/usr/share/locale/locale.alias",
+    "path-exclude=/usr/share/doc/*",
+    "path-include=/usr/share/doc/*/copyright",
+    "path-exclude=/usr/share/info/*",
+)
+# Before the kernel is installed, so its initrd is made once, compressed with zstd.
+INITRAMFS_HOOK = (
+    'mkdir -p "$1/etc/initramfs-tools/conf.d" && '
+    'printf "COMPRESS=zstd\\n" > "$1/etc/initramfs-tools/conf.d/kovenlab.conf"'
+)
+
+# llama.cpp for x86-64-v3 (ggml's defaults once -march=native is off), no multimodal part.
+LLAMA_CMAKE_ARGS = "-DLLAVA_BUILD=off -DGGML_NATIVE=off"
+VENV = "/opt/kovenlab/venv"
+WHEELHOUSE = "/var/cache/kovenlab-wheels"  # in the tree while the venv is made, then removed
+DATA_MOUNT = "var/lib/kovenlab"
+UNITS_ENABLED = (
+    "kovenlab-firstboot.service",
+    "kovenlab-appliance.service",
+    "systemd-networkd.service",
+    "systemd-resolved.service",
+    "systemd-timesyncd.service",
+)
+# Prompts on the console at first boot, where nobody is: the image sets what it asks.
+UNITS_MASKED = ("systemd-firstboot.service",)
+
+# Fixed identifiers, so that two builds of the same inputs lay out the same disk.
+_NAMESPACE = uuid.UUID("6b766c2d-6564-6765-2d69-6d6167652d31")
+
+
+def _id(name: str) -> uuid.UUID:
+    return uuid.uuid5(_NAMESPACE, name)
+
+
+DISK_ID = _id("disk")
+ROOT_A_FS = _id("root-a-fs")
+DATA_FS = _id("data-fs")
+KERNEL_OPTIONS = (
+    "rw quiet loglevel=3 systemd.show_status=auto panic=10 console=tty0 console=ttyS0,115200"
+)
+
+_TOOLS = {
+    "mmdebstrap": "mmdebstrap",
+    "mkfs.ext4": "e2fsprogs",
+    "mkfs.vfat": "dosfstools",
+    "mcopy": "mtools",
+    "mmd": "mtools",
+    "sfdisk": "fdisk",
+    "chroot": "coreutils",
+    "tar": "tar",
+}
+_SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
+
+
+class BuildError(Exception):
+    """The image could not be built; the message says what failed and what to do."""
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    label: str
+    type: uuid.UUID
+    size: int
+    source: Path | None  # a file system image, or None for an empty slot
+
+    @property
+    def uuid(self) -> uuid.UUID:
+        return _id(f"partition-{self.label}")
+
+
+@dataclass(frozen=True)
+class Paths:
+    build: Path
+
+    @property
+    def cache(self) -> Path:
+        return self.build / "cache"
+
+    @property
+    def work(self) -> Path:
+        return self.build / "work"
+
+    @property
+    def image(self) -> Path:
+        return self.build / IMAGE_NAME
+
+    @property
+    def manifest(self) -> Path:
+        return self.build / MANIFEST_NAME
+
+    @property
+    def log(self) -> Path:
+        return self.build / "build.log"
+
+
+class Steps:
+    """`[n/N] what` on the terminal, and how long each step took."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+
+    @contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        self.done += 1
+        log.info("[%d/%d] %s", self.done, self.total, what)
+        started = time.monotonic()
+        yield
+        log.info("      %.1f s", time.monotonic() - started)
+
+
+def run(
+    argv: list[str],
+    log_file: Path,
+    *,
+    show: str | None = None,
+    env: dict[str, str] | None = None,
+    input_text: str | None = None,
+) -> str:
+    """Run one build command: all its output goes to the build log, the lines matching
+    `show` to the terminal as well; its output is returned. A failure quotes its end."""
+    tail: deque[str] = deque(maxlen=40)
+    lines: list[str] = []
+    pattern = re.compile(show) if show else None
+    with log_file.open("a") as out:
+        out.write(f"$ {' '.join(argv)}\n")
+        out.flush()
+        process = subprocess.Popen(  # noqa: S603 - the build's own command lines
+            argv,
+            stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        if input_text is not None and process.stdin is not None:
+            process.stdin.write(input_text)
+            process.stdin.close()
+        for line in process.stdout or ():
+            out.write(line)
+            tail.append(line)
+            lines.append(line)
+            if pattern is not None and pattern.search(line):
+                log.info("      %s", line.rstrip()[:160])
+        code = process.wait()
+    if code != 0:
+        raise BuildError(
+            f"`{' '.join(argv[:3])} …` failed (exit {code}); the end of its output:\n"
+            f"{''.join(tail).rstrip()}\n(all of it: {log_file})"
+        )
+    return "".join(lines)
+
+
+def _chroot_env() -> dict[str, str]:
+    return {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME": "/root",
+        "LANG": "C.UTF-8",
+        "PIP_NO_CACHE_DIR": "1",
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    }
+
+
+def chroot(root: Path, log_file: Path, *argv: str, show: str | None = None) -> str:
+    return run(["chroot", str(root), *argv], log_file, show=show, env=_chroot_env())
+
+
+def missing_tools() -> list[str]:
+    """The build tools not installed, as `tool (Debian package)`."""
+    path = f"{os.environ.get('PATH', '')}:{_SBIN}"
+    return [f"{tool} ({pkg})" for tool, pkg in _TOOLS.items() if not shutil.which(tool, path=path)]
+
+
+def _digest(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def debian_key() -> str:
+    return _digest(FORMAT, SUITE, MIRRORS, PACKAGES, DPKG_OPTIONS, INITRAMFS_HOOK)
+
+
+def dependencies_key() -> str:
+    """The project's dependencies as pyproject.toml states them, and this Python."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return _digest(FORMAT, project["dependencies"], sys.version_info[:2])
+
+
+def _source_files() -> Iterator[Path]:
+    yield REPO / "pyproject.toml"
+    yield REPO / "README.md"
+    for top in ("appliance", "hub", "shared", "image"):
+        for folder, dirs, files in os.walk(REPO / top):
+            dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", "build"))
+            for name in sorted(files):
+                if not name.endswith(".pyc"):
+                    yield Path(folder) / name
+
+
+def sources_key() -> str:
+    digest = hashlib.sha256()
+    for path in _source_files():
+        digest.update(str(path.relative_to(REPO)).encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def _fresh(path: Path) -> Path:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+    return path
+
+
+def _prune(folder: Path, pattern: str, keep: Path) -> None:
+    """Old cache entries of one kind: only the current one is kept."""
+    for old in folder.glob(pattern):
+        if old != keep:
+            _fresh(old)
+
+
+def project_wheel(paths: Paths) -> Path:
+    """The project's wheel, built from a clean copy of its sources (no stale build/ files)."""
+    source = _fresh(paths.work / "source")
+    source.mkdir(parents=True)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, source / name)
+    for package in ("appliance", "hub", "shared"):
+        shutil.copytree(
+            REPO / package,
+            source / package,
+            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+        )
+    out = _fresh(paths.work / "project-wheel")
+    out.mkdir()
+    run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "--wheel-dir", str(out), str(source)],
+        paths.log,
+    )  # fmt: skip
+    wheels = list(out.glob("kovenlab_edge-*.whl"))
+    if len(wheels) != 1:
+        raise BuildError(f"pip made {len(wheels)} project wheels in {out}, not one")
+    return wheels[0]
+
+
+def _requirement(name: str) -> str:
+    """The project's pinned requirement on `name` (`name==version`)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    for requirement in project["dependencies"]:
+        if re.match(rf"^{re.escape(name)}\s*==", requirement):
+            return str(requirement).replace(" ", "")
+    raise BuildError(f"pyproject.toml pins no version of {name}")
+
+
+def llama_key() -> str:
+    return _digest(FORMAT, _requirement("llama-cpp-python"), LLAMA_CMAKE_ARGS, sys.version_info[:2])
+
+
+def llama_wheel(paths: Paths) -> Path:
+    """llama-cpp-python built for any x86-64-v3 CPU (AVX2, FMA, F16C: every server CPU
+    since 2013), not for this machine's: the wheel `just setup` makes is tuned to the
+    machine it runs on (-march=native), which a site server's CPU may not match. Compiled
+    once (about 13 minutes on 2 cores, at low priority), then kept in the cache."""
+    folder = paths.cache / f"llama-{llama_key()[:16]}"
+    if (folder / ".complete").is_file():
+        log.info("      cached: %s", folder.relative_to(paths.build))
+        return folder
+    partial = _fresh(folder.with_name(folder.name + ".partial"))
+    partial.mkdir(parents=True)
+    log.info(
+        "      compiling %s for x86-64-v3 (once; about 13 minutes)",
+        _requirement("llama-cpp-python"),
+    )
+    env = {**os.environ, "CMAKE_ARGS": LLAMA_CMAKE_ARGS}
+    # --no-cache-dir: neither take the machine-tuned wheel from pip's cache, nor leave this
+    # one there in its place.
+    run(
+        ["nice", "-n", "19", sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir",
+         "--progress-bar", "off", "--wheel-dir", str(partial), _requirement("llama-cpp-python")],
+        paths.log,
+        show=r"^\s*(Collecting|Building wheel|Saved) ",
+        env=env,
+    )  # fmt: skip
+    (partial / ".complete").write_text("\n")
+    partial.rename(folder)
+    _prune(paths.cache, "llama-*", folder)
+    return folder
+
+
+def dependency_wheels(paths: Paths, project: Path, llama: Path) -> Path:
+    """Wheels of every dependency: downloaded (or from pip's cache), and llama-cpp-python's
+    portable one."""
+    key = _digest(dependencies_key(), llama_key())[:16]
+    folder = paths.cache / f"wheels-{key}"
+    if (folder / ".complete").is_file():
+        log.info("      cached: %s", folder.relative_to(paths.build))
+        return folder
+    partial = _fresh(folder.with_name(folder.name + ".partial"))
+    partial.mkdir(parents=True)
+    # A wheel found by --find-links beats an sdist of the same version on the index.
+    run(
+        [sys.executable, "-m", "pip", "wheel", "--progress-bar", "off", "--find-links",
+         str(llama), "--wheel-dir", str(partial), str(project)],
+        paths.log,
+        show=r"^\s*(Collecting|Building wheel|Using cached|Saved) ",
+    )  # fmt: skip
+    if not list(partial.glob("llama_cpp_python-*.whl")):
+        raise BuildError("pip did not take llama-cpp-python's portable wheel")
+    for own in partial.glob("kovenlab_edge-*.whl"):
+        own.unlink()
+    (partial / ".complete").write_text(key + "\n")
+    partial.rename(folder)
+    _prune(paths.cache, "wheels-*", folder)
+    return folder
+
+
+def debian_base(paths: Paths) -> Path:
+    """Debian 12 with the image's packages, as a tarball (mmdebstrap, as root)."""
+    key = debian_key()[:16]
+    tarball = paths.cache / f"debian-{SUITE}-{key}.tar"
+    if tarball.is_file():
+        log.info("      cached: %s", tarball.relative_to(paths.build))
+        return tarball
+    partial = _fresh(tarball.with_suffix(".partial"))
+    argv = [
+        "mmdebstrap",
+        "--mode=root",
+        "--variant=essential",
+        "--format=tar",
+        '--aptopt=APT::Install-Recommends "false"',
+        *(f"--dpkgopt={option}" for option in DPKG_OPTIONS),
+        f"--essential-hook={INITRAMFS_HOOK}",
+        f"--include={','.join(PACKAGES)}",
+        SUITE,
+        str(partial),
+        *MIRRORS,
+    ]
+    run(argv, paths.log, show=r"^I: ")
+    partial.rename(tarball)
+    _prune(paths.cache, f"debian-{SUITE}-*.tar", tarball)
+    return tarball
+
+
+@dataclass(frozen=True)
+class System:
+    root: Path
+    data: Path
+    kernel: Path
+    initrd: Path
+    kernel_version: str
+    packages: dict[str, str]
+
+
+def system_tree(paths: Paths, base: Path, wheels: list[Path]) -> System:
+    """The root file system in a folder: Debian, the appliance's venv, the image's files."""
+    root = _fresh(paths.work / "root")
+    root.mkdir(parents=True)
+    run(["tar", "--numeric-owner", "-xpf", str(base), "-C", str(root)], paths.log)
+    files = [(path, path.relative_to(HERE / "system")) for path in _files(HERE / "system")]
+    files.append((HERE / "firstboot.py", Path("usr/lib/kovenlab/firstboot.py")))
+    for source, relative in files:
+        _install(source, root / relative)
+
+    house = root / WHEELHOUSE.lstrip("/")
+    house.mkdir(parents=True)
+    for wheel in wheels:
+        try:
+            os.link(wheel, house / wheel.name)
+        except OSError:  # another file system: copy
+            shutil.copy2(wheel, house / wheel.name)
+    log.info("      the appliance into %s (%d wheels)", VENV, len(wheels))
+    chroot(root, paths.log, "python3", "-m", "venv", VENV)
+    chroot(root, paths.log, f"{VENV}/bin/pip", "install", "--no-index", "--find-links",
+           WHEELHOUSE, "kovenlab-edge")  # fmt: skip
+    shutil.rmtree(house)
+    frozen = chroot(root, paths.log, f"{VENV}/bin/pip", "freeze", "--all")
+    packages = dict(line.split("==", 1) for line in frozen.splitlines() if "==" in line)
+    (root / "usr/local/bin/kvl").symlink_to(f"{VENV}/bin/kvl")
+
+    chroot(root, paths.log, "systemd-sysusers")
+    chroot(root, paths.log, "systemctl", "enable", *UNITS_ENABLED)
+    chroot(root, paths.log, "systemctl", "mask", *UNITS_MASKED)
+
+    # Per-machine state is made on first boot, never shipped: an empty machine-id marks it.
+    (root / "etc/machine-id").write_text("")
+    # /dev is the kernel's at boot (devtmpfs); the rest is what the build left behind.
+    for leftover in ("dev", "tmp", "var/tmp", "root/.cache"):
+        for entry in (root / leftover).glob("*"):
+            _fresh(entry)
+
+    data = _fresh(paths.work / "data")
+    data.mkdir(mode=0o755)
+    appliance = data / "appliance"
+    appliance.mkdir(mode=0o700)
+    uid, gid = _user(root, "kovenlab")
+    os.chown(appliance, uid, gid)
+    (root / DATA_MOUNT).mkdir(parents=True, exist_ok=True)
+    (root / "boot/efi").mkdir(parents=True, exist_ok=True)
+
+    kernels = sorted((root / "boot").glob("vmlinuz-*"))
+    if len(kernels) != 1:
+        raise BuildError(f"expected one kernel in the Debian tree, found {len(kernels)}")
+    version = kernels[0].name.removeprefix("vmlinuz-")
+    initrd = root / "boot" / f"initrd.img-{version}"
+    if not initrd.is_file():
+        raise BuildError(f"the Debian tree has no initrd for kernel {version}")
+    return System(root, data, kernels[0], initrd, version, packages)
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(path for path in folder.rglob("*") if path.is_file())
+
+
+def _install(source: Path, target: Path) -> None:
+    """A file of the repository into the tree: root's, 0644 (0755 if executable), whatever
+    the checkout's umask made of it; folders on the way are made 0755."""
+    for folder in reversed(target.parents):
+        if not folder.exists():
+            folder.mkdir(mode=0o755)
+    shutil.copyfile(source, target)
+    target.chmod(0o755 if os.access(source, os.X_OK) else 0o644)
+
+
+def _user(root: Path, name: str) -> tuple[int, int]:
+    for line in (root / "etc/passwd").read_text().splitlines():
+        fields = line.split(":")
+        if fields[0] == name:
+            return int(fields[2]), int(fields[3])
+    raise BuildError(f"systemd-sysusers made no user {name!r} in the image")
+
+
+def _mtools_env() -> dict[str, str]:
+    return {**os.environ, "MTOOLS_SKIP_CHECK": "1"}
+
+
+def make_esp(paths: Paths, system: System, root_a: PartitionSpec) -> Path:
+    """The EFI system partition: systemd-boot as the removable-media loader, booting slot A
+    at once (no menu; a key held at boot shows it), and slot A's kernel and initrd."""
+    esp = _fresh(paths.work / "esp.img")
+    files = _fresh(paths.work / "esp")
+    files.mkdir()
+    (files / "loader.conf").write_text(
+        "timeout 0\ndefault kovenlab-a.conf\neditor no\nconsole-mode keep\n"
+    )
+    (files / "kovenlab-a.conf").write_text(
+        f"title Kovenlab Edge {__version__} (slot A)\n"
+        f"version {__version__}\n"
+        "linux /kovenlab-a/vmlinuz\n"
+        "initrd /kovenlab-a/initrd.img\n"
+        f"options root=PARTUUID={root_a.uuid} {KERNEL_OPTIONS}\n"
+    )
+    run(["mkfs.vfat", "-F", "32", "-n", "KVL-ESP", "--invariant", "-C", str(esp),
+         str(ESP_SIZE // 1024)], paths.log)  # fmt: skip
+    image = f"{esp}@@0"
+    env = _mtools_env()
+    run(["mmd", "-i", image, "::/EFI", "::/EFI/BOOT", "::/loader", "::/loader/entries",
+         "::/kovenlab-a"], paths.log, env=env)  # fmt: skip
+    copies = (
+        (system.root / "usr/lib/systemd/boot/efi/systemd-bootx64.efi", "::/EFI/BOOT/BOOTX64.EFI"),
+        (files / "loader.conf", "::/loader/loader.conf"),
+        (files / "kovenlab-a.conf", "::/loader/entries/kovenlab-a.conf"),
+        (system.kernel, "::/kovenlab-a/vmlinuz"),
+        (system.initrd, "::/kovenlab-a/initrd.img"),
+    )
+    for source, target in copies:
+        run(["mcopy", "-i", image, str(source), target], paths.log, env=env)
+    return esp
+
+
+def make_ext4(paths: Paths, name: str, source: Path, size: int, fs_id: uuid.UUID) -> Path:
+    """An ext4 file system image holding `source`, made without mounting (mkfs.ext4 -d)."""
+    out = _fresh(paths.work / f"{name}.img")
+    run(["mkfs.ext4", "-q", "-F", "-L", name, "-U", str(fs_id), "-E",
+         f"hash_seed={fs_id},nodiscard", "-d", str(source), str(out), f"{size // 1024}k"],
+        paths.log)  # fmt: skip
+    return out
+
+
+def _used_bytes(folder: Path) -> int:
+    total = 0
+    for base, _dirs, files in os.walk(folder):
+        for name in files:
+            total += os.lstat(os.path.join(base, name)).st_blocks * 512  # noqa: PTH118
+    return total
+
+
+def assemble(paths: Paths, parts: list[PartitionSpec]) -> Path:
+    """One GPT disk from the partitions, in order, each aligned to 1 MiB; written sparse."""
+    start = ALIGN
+    script = [
+        "label: gpt",
+        f"label-id: {DISK_ID}",
+        "unit: sectors",
+        f"first-lba: {ALIGN // SECTOR}",
+    ]
+    offsets: list[int] = []
+    for part in parts:
+        offsets.append(start)
+        script.append(
+            f"start={start // SECTOR}, size={part.size // SECTOR}, type={part.type}, "
+            f'uuid={part.uuid}, name="{part.label}"'
+        )
+        start += part.size
+    total = start + ALIGN  # room for the backup GPT
+    partial = _fresh(paths.build / (IMAGE_NAME + ".partial"))
+    with partial.open("wb") as out:
+        out.truncate(total)
+    run(["sfdisk", "--quiet", "--no-reread", "--no-tell-kernel", str(partial)], paths.log,
+        input_text="\n".join(script) + "\n")  # fmt: skip
+    with partial.open("r+b") as out:
+        for part, offset in zip(parts, offsets, strict=True):
+            if part.source is not None:
+                _copy_sparse(part.source, out.fileno(), offset)
+    partial.rename(paths.image)
+    return paths.image
+
+
+def _copy_sparse(source: Path, target: int, offset: int) -> None:
+    """Copy `source` into `target` at `offset`, only where it holds data (holes stay holes)."""
+    with source.open("rb") as f:
+        fd = f.fileno()
+        end = os.fstat(fd).st_size
+        position = 0
+        while position < end:
+            try:
+                data = os.lseek(fd, position, os.SEEK_DATA)
+            except OSError:  # ENXIO: nothing but a hole up to the end
+                break
+            hole = os.lseek(fd, data, os.SEEK_HOLE)
+            while data < hole:
+                copied = os.copy_file_range(fd, target, hole - data, data, offset + data)
+                if copied == 0:
+                    raise BuildError(f"could not copy {source} into the image")
+                data += copied
+            position = hole
+
+
+def build(build_dir: Path = DEFAULT_BUILD_DIR, *, force: bool = False) -> dict[str, Any]:
+    """Build the image (or keep the one whose inputs are unchanged); its manifest."""
+    paths = Paths(build_dir)
+    if os.geteuid() != 0:
+        raise BuildError(
+            "building the image needs root (mmdebstrap, chroot, files owned by their users): "
+            "run `sudo .venv/bin/just image`"
+        )
+    missing = missing_tools()
+    if missing:
+        raise BuildError(f"missing build tools: {', '.join(missing)}; run `just setup-image`")
+    paths.cache.mkdir(parents=True, exist_ok=True)
+    with _lock(paths.build / ".lock"):
+        return _build(paths, force=force)
+
+
+@contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    """One build at a time per build folder (a test and a benchmark may both ask)."""
+    with path.open("w") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another build in %s", path.parent)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        yield
+
+
+def _build(paths: Paths, *, force: bool) -> dict[str, Any]:
+    key = _digest(FORMAT, debian_key(), dependencies_key(), llama_key(), sources_key())
+    if not force and paths.image.is_file() and paths.manifest.is_file():
+        manifest: dict[str, Any] = json.loads(paths.manifest.read_text())
+        if manifest.get("key") == key:
+            log.info("%s is up to date (its inputs have not changed)", paths.image)
+            return manifest
+    started = time.monotonic()
+    paths.log.write_text("")
+    paths.work.mkdir(parents=True, exist_ok=True)
+    steps = Steps(6)
+    with steps.step("wheels: the project, and its dependencies (pip's cache)"):
+        project = project_wheel(paths)
+        llama = llama_wheel(paths)
+        dependencies = dependency_wheels(paths, project, llama)
+    with steps.step(f"Debian 12 ({SUITE}) with mmdebstrap: {len(PACKAGES)} packages"):
+        base = debian_base(paths)
+    with steps.step("the system: Debian, the appliance's environment, units"):
+        wheels = [project, *sorted(dependencies.glob("*.whl"))]
+        system = system_tree(paths, base, wheels)
+    root_a = PartitionSpec(ROOT_A_LABEL, ROOT_X86_64_TYPE, ROOT_SLOT_SIZE, None)
+    with steps.step("file systems: ESP (FAT), root A and data (ext4), without mounting"):
+        used = _used_bytes(system.root)
+        if used > ROOT_SLOT_SIZE * 0.85:
+            raise BuildError(
+                f"the root file system holds {used / MIB:.0f} MiB, too much for its "
+                f"{ROOT_SLOT_SIZE / MIB:.0f} MiB slot; raise ROOT_SLOT_SIZE in image/build.py"
+            )
+        esp = make_esp(paths, system, root_a)
+        root_image = make_ext4(paths, ROOT_A_LABEL, system.root, ROOT_SLOT_SIZE, ROOT_A_FS)
+        data_image = make_ext4(paths, DATA_LABEL, system.data, DATA_SIZE, DATA_FS)
+    parts = [
+        PartitionSpec(ESP_LABEL, ESP_TYPE, ESP_SIZE, esp),
+        PartitionSpec(ROOT_A_LABEL, ROOT_X86_64_TYPE, ROOT_SLOT_SIZE, root_image),
+        PartitionSpec(ROOT_B_LABEL, ROOT_X86_64_TYPE, ROOT_SLOT_SIZE, None),
+        PartitionSpec(DATA_LABEL, LINUX_DATA_TYPE, DATA_SIZE, data_image),
+    ]
+    with steps.step("the disk: GPT, partitions written sparse"):
+        image = assemble(paths, parts)
+    with steps.step("cleaning up the work folder"):
+        _fresh(paths.work)
+    size = image.stat().st_size
+    allocated = image.stat().st_blocks * 512
+    manifest = {
+        "key": key,
+        "image": str(image),
+        "version": __version__,
+        "size_bytes": size,
+        "allocated_bytes": allocated,
+        "root_used_bytes": used,
+        "debian": SUITE,
+        "kernel": system.kernel_version,
+        "partitions": [
+            {"label": p.label, "type": str(p.type), "uuid": str(p.uuid), "size_bytes": p.size}
+            for p in parts
+        ],
+        "python_packages": system.packages,
+        "build_s": round(time.monotonic() - started, 1),
+    }
+    paths.manifest.write_text(json.dumps(manifest, indent=2) + "\n")
+    log.info(
+        "%s: %.2f GiB (%.2f GiB of it data, the rest holes: flash it with a sparse-aware "
+        "copy); built in %.0f s",
+        image,
+        size / 2**30,
+        allocated / 2**30,
+        manifest["build_s"],
+    )
+    return manifest
+
+
+@click.command()
+@click.option(
+    "--build-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=DEFAULT_BUILD_DIR,
+    show_default=True,
+    help="Where the caches, the work folder and the image go.",
+)
+@click.option("--force", is_flag=True, help="Build even when the inputs have not changed.")
+def main(build_dir: Path, force: bool) -> None:
+    """Build the appliance's disk image (raw GPT, UEFI, x86-64)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        build(build_dir.resolve(), force=force)
+    except BuildError as err:
+        click.echo(f"image build failed: {err}", err=True)
+        raise SystemExit(1) from err
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""The appliance image booted as a site server would boot it: QEMU with OVMF (UEFI), the image
+as its one disk, a NIC on QEMU's user-mode network with the LAN API's port forwarded to this
+machine's loopback; and a real hub in its own network namespace, which the guest reaches
+through that network (QEMU opens its connections from this machine, which routes them over
+a veth pair to the namespace). The `image` test and `just bench image` share this.
+
+KVM where it can run a stock kernel; TCG (emulation: minutes, not seconds) where it cannot,
+for example under PVM, whose KVM runs only guests built for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shared import netns
+from shared.image import DATA_LABEL, ROOT_A_LABEL, partitions
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+REPO = Path(__file__).resolve().parents[2]
+OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
+OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
+QEMU = "qemu-system-x86_64"
+NODE_NAME = "image-node"
+SITE = "lab"
+HUB_PORT = 8443
+WG_PORT = 51820
+# Inside the hub's namespace and the guest only: never routed on this machine.
+OVERLAY = "198.18.192.0/24"
+# How long a boot may take to answer /readyz: the target under KVM is 30 s (the benchmark
+# measures it); TCG emulates every instruction on two cores.
+READY_BOUND_S = {"kvm": 180.0, "tcg": 1200.0}
+ENROLLED_BOUND_S = {"kvm": 120.0, "tcg": 600.0}
+
+
+def accelerator() -> str:
+    """`kvm` where /dev/kvm runs a stock guest, else `tcg`; $KVL_IMAGE_ACCEL overrides."""
+    forced = os.environ.get("KVL_IMAGE_ACCEL")
+    if forced in ("kvm", "tcg"):
+        return forced
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return "tcg"
+    # PVM (the kvm_pvm module) is KVM for guest kernels built for it: OVMF and Debian's
+    # kernel stop with an emulation failure in their first instructions.
+    if Path("/sys/module/kvm_pvm").exists():
+        return "tcg"
+    return "kvm"
+
+
+def unavailable() -> str | None:
+    """Why the image cannot be built and booted here, or None."""
+    from image.build import missing_tools  # noqa: PLC0415
+
+    if os.geteuid() != 0:
+        return "building the image and the hub's namespace need root"
+    missing = missing_tools()
+    if missing:
+        return f"missing build tools ({', '.join(missing)}): run `just setup-image`"
+    if shutil.which(QEMU) is None or not OVMF_CODE.is_file():
+        return f"{QEMU} or OVMF is not installed: run `just setup-image`"
+    return netns.available()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build_image(timeout_s: float = 3600) -> dict[str, Any]:
+    """`python -m image.build` (kept when its inputs have not changed); its manifest."""
+    result = subprocess.run(
+        [sys.executable, "-m", "image.build"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout_s,
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"the image build failed:\n{result.stderr[-4000:]}")
+    from image.build import DEFAULT_BUILD_DIR, MANIFEST_NAME  # noqa: PLC0415
+
+    manifest: dict[str, Any] = json.loads((DEFAULT_BUILD_DIR / MANIFEST_NAME).read_text())
+    return manifest
+
+
+def copy_image(source: Path, target: Path, grow_bytes: int) -> Path:
+    """A sparse copy of the image on a disk `grow_bytes` larger than it (a real disk is)."""
+    subprocess.run(["cp", "--sparse=always", str(source), str(target)], check=True)
+    with target.open("r+b") as f:
+        f.truncate(source.stat().st_size + grow_bytes)
+    return target
+
+
+def kvl(*args: str, env: dict[str, str] | None = None) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "shared.cli", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"kvl {' '.join(args[:3])} failed:\n{result.stderr}")
+    return result.stdout
+
+
+@dataclass
+class Hub:
+    """`kvl hub serve` in namespace `namespace`, at `address`, with its WireGuard overlay."""
+
+    data: Path
+    namespace: str
+    address: str
+    env: dict[str, str]
+    provisioning: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"https://{self.address}:{HUB_PORT}"
+
+    @property
+    def ca(self) -> Path:
+        return self.data / "pki" / "ca.crt"
+
+    def nodes(self) -> list[dict[str, Any]]:
+        out = kvl("hub", "nodes", "list", "--json", "--data-dir", str(self.data), env=self.env)
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    def log_tail(self) -> str:
+        path = self.data.parent / "hub.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-20:])
+
+
+@contextmanager
+def hub_in_namespace(folder: Path) -> Iterator[Hub]:
+    """A hub in a namespace of its own on a veth link from a random /30 of 198.19.0.0/16,
+    and a provisioning file for one node (`NODE_NAME`, site `SITE`)."""
+    suffix = secrets.token_hex(2)
+    namespace = f"kvl-img-{suffix}"
+    outside, inside = f"kvi{suffix}h", f"kvi{suffix}n"
+    third, fourth = secrets.randbelow(256), secrets.randbelow(64) * 4
+    host_address, address = f"198.19.{third}.{fourth + 1}", f"198.19.{third}.{fourth + 2}"
+    data = folder / "hub"
+    data.mkdir(parents=True)
+    env = {
+        "KVL_HUB_SERVER__NAMES": json.dumps([address]),
+        "KVL_HUB_SERVER__PORT": str(HUB_PORT),
+        "KVL_HUB_OVERLAY__PREFIX": OVERLAY,
+        "KVL_HUB_OVERLAY__ENDPOINT": f"{address}:{WG_PORT}",
+        "KVL_HUB_OVERLAY__LISTEN_PORT": str(WG_PORT),
+        "KVL_HUB_OVERLAY__INTERFACE": f"kvi{suffix}w",
+    }
+    hub = Hub(data, namespace, address, env, folder / "kovenlab.json")
+    provision = ["--site", SITE, "--name", NODE_NAME, "--url", hub.url, "--expires", "2h"]
+    kvl("hub", "provision", *provision, "--output", str(hub.provisioning), "--data-dir", str(data),
+        env=env)  # fmt: skip
+    try:
+        netns.ip("netns", "add", namespace)
+        netns.veth_into(namespace, outside, inside, f"{host_address}/30", f"{address}/30")
+        with (folder / "hub.log").open("ab") as log:
+            hub.process = subprocess.Popen(
+                netns.argv(namespace, sys.executable, "-m", "shared.cli", "hub", "serve",
+                           "--data-dir", str(data), "--host", address),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env={**os.environ, **env},
+            )  # fmt: skip
+        wait_for(lambda: _listening(address, HUB_PORT), "the hub to listen", 60, hub.log_tail)
+        yield hub
+    finally:
+        if hub.process is not None and hub.process.poll() is None:
+            hub.process.send_signal(signal.SIGINT)
+            try:
+                hub.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                hub.process.kill()
+                hub.process.wait()
+        netns.delete(namespace)
+        netns.delete_link(outside)
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for(
+    condition: Callable[[], bool], what: str, bound_s: float, why: Callable[[], str]
+) -> float:
+    """Seconds until `condition()`; past `bound_s`, an AssertionError with `why()`."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > bound_s:
+            raise AssertionError(f"timed out after {bound_s:g} s waiting for {what}\n{why()}")
+        time.sleep(0.5)
+    return time.monotonic() - started
+
+
+@dataclass
+class Machine:
+    """The image booted under QEMU; `port` on 127.0.0.1 reaches the guest's LAN API."""
+
+    disk: Path
+    folder: Path
+    accel: str = field(default_factory=accelerator)
+    memory_mib: int = 3072
+    cpus: int = 2
+    port: int = field(default_factory=free_port)
+    qmp_port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+
+    @property
+    def serial_log(self) -> Path:
+        return self.folder / "serial.log"
+
+    def start(self) -> Machine:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        variables = self.folder / "OVMF_VARS.fd"
+        shutil.copyfile(OVMF_VARS, variables)
+        accel, cpu = ("kvm", "host") if self.accel == "kvm" else ("tcg,thread=multi", "max")
+        argv = [
+            QEMU, "-machine", "q35", "-accel", accel, "-cpu", cpu,
+            "-smp", str(self.cpus), "-m", str(self.memory_mib), "-nodefaults", "-display", "none",
+            "-drive", f"if=pflash,format=raw,readonly=on,file={OVMF_CODE}",
+            "-drive", f"if=pflash,format=raw,file={variables}",
+            "-drive", f"file={self.disk},format=raw,if=virtio",
+            # No option ROM on the NIC: the firmware boots the disk without trying the network.
+            "-netdev", f"user,id=lan,hostfwd=tcp:127.0.0.1:{self.port}-:8080",
+            "-device", "virtio-net-pci,netdev=lan,romfile=",
+            "-object", "rng-random,id=rng,filename=/dev/urandom",
+            "-device", "virtio-rng-pci,rng=rng",
+            "-serial", f"file:{self.serial_log}",
+            "-qmp", f"tcp:127.0.0.1:{self.qmp_port},server=on,wait=off",
+        ]  # fmt: skip
+        with (self.folder / "qemu.log").open("ab") as log:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        self.started = time.monotonic()
+        return self
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def answers(self, url: str, context: ssl.SSLContext | None = None) -> bool:
+        if not self.running():
+            raise AssertionError(f"QEMU exited ({self.process and self.process.returncode})\n"
+                                 f"{self.diagnostics()}")  # fmt: skip
+        try:
+            with urllib.request.urlopen(url, timeout=5, context=context) as answer:
+                return int(answer.status) == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, scheme: str = "http", context: ssl.SSLContext | None = None) -> float:
+        """Seconds from the power button to `/readyz` answering 200."""
+        host = "localhost" if scheme == "https" else "127.0.0.1"
+        url = f"{scheme}://{host}:{self.port}/readyz"
+        bound = READY_BOUND_S[self.accel]
+        wait_for(lambda: self.answers(url, context), f"{url} ({self.accel})", bound,
+                 self.diagnostics)  # fmt: skip
+        return time.monotonic() - self.started
+
+    def _qmp(self, command: str) -> None:
+        with socket.create_connection(("127.0.0.1", self.qmp_port), timeout=10) as s:
+            stream = s.makefile("rw")
+            stream.readline()  # the greeting
+            for execute in ("qmp_capabilities", command):
+                stream.write(json.dumps({"execute": execute}) + "\n")
+                stream.flush()
+                stream.readline()
+
+    def power_off(self) -> None:
+        """The power button (ACPI): systemd stops the appliance and syncs; killed past a bound."""
+        if not self.running() or self.process is None:
+            return
+        with suppress(OSError):
+            self._qmp("system_powerdown")
+        try:
+            self.process.wait(timeout=60 if self.accel == "kvm" else 300)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> Machine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+    def diagnostics(self) -> str:
+        """The end of the serial console and of the appliance's journal, read from the disk."""
+        serial = self.serial_log.read_text(errors="replace") if self.serial_log.is_file() else ""
+        return (
+            f"--- serial console (last lines) ---\n{serial[-3000:]}\n"
+            f"--- journal of the kovenlab units ---\n{journal(self.disk)}"
+        )
+
+
+def journal(disk: Path, lines: int = 60) -> str:
+    """The guest's journal for the kovenlab units, read from the image file (debugfs copies
+    it out of the root file system; nothing is mounted)."""
+    debugfs = shutil.which("debugfs", path="/usr/sbin:/sbin:/usr/bin")
+    journalctl = shutil.which("journalctl")
+    if debugfs is None or journalctl is None:
+        return "(debugfs or journalctl missing: no journal)"
+    root = next((p for p in partitions(disk) if p.name == ROOT_A_LABEL), None)
+    if root is None:
+        return "(no root partition)"
+    with tempfile.TemporaryDirectory(prefix="kvl-journal-") as out:
+        subprocess.run(
+            [debugfs, "-R", f"rdump /var/log/journal {out}", f"{disk}?offset={root.offset}"],
+            capture_output=True,
+            check=False,
+            timeout=120,
+        )
+        shown = subprocess.run(
+            [journalctl, "-D", f"{out}/journal", "--no-pager", "-o", "short-monotonic",
+             "-u", "kovenlab-firstboot", "-u", "kovenlab-appliance", "-n", str(lines)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )  # fmt: skip
+        return shown.stdout or shown.stderr
+
+
+def data_partition_end(disk: Path) -> tuple[int, int]:
+    """(the data partition's last byte, the disk's size): equal, less the backup GPT and
+    alignment, once the first boot has grown it."""
+    data = next(p for p in partitions(disk) if p.name == DATA_LABEL)
+    return data.offset + data.size, disk.stat().st_size
