@@ -11,29 +11,31 @@ default:
     @just --list
 
 # Install the Debian packages the project runs: wireguard-go (tunnels where the kernel has no
-# WireGuard), iproute2, espeak-ng (narration), nginx (the peer of the package benchmark) and
-# chromium (the browser tests of the hub's console)
+# WireGuard), iproute2, espeak-ng (narration), nginx (the peer of the package benchmark),
+# chromium (the browser tests of the hub's console) and postgresql (the hub's store for
+# several replicas; the tests and benchmarks start throwaway clusters of their own)
 setup-system:
     #!/usr/bin/env bash
     set -euo pipefail
     missing=()
-    for package in wireguard-go iproute2 espeak-ng nginx chromium; do
+    for package in wireguard-go iproute2 espeak-ng nginx chromium postgresql; do
         dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed' || missing+=("$package")
     done
     if [ ${#missing[@]} -eq 0 ]; then exit 0; fi
     if ! command -v apt-get > /dev/null; then
-        echo "setup-system: not a Debian system; install ${missing[*]} with its package manager (the netns and browser tests skip until then)" >&2
+        echo "setup-system: not a Debian system; install ${missing[*]} with its package manager (the netns, browser and postgres tests skip until then)" >&2
         exit 0
     fi
     if [ "$(id -u)" -ne 0 ]; then
-        echo "setup-system: skipped, not root; run \`sudo .venv/bin/just setup-system\` to install ${missing[*]} (the netns and browser tests skip until then)" >&2
+        echo "setup-system: skipped, not root; run \`sudo .venv/bin/just setup-system\` to install ${missing[*]} (the netns, browser and postgres tests skip until then)" >&2
         exit 0
     fi
     echo "installing ${missing[*]} from Debian" >&2
     log=$(mktemp)
     policy=""
-    # nginx is a benchmark peer, not a service of this machine: no daemon starts while we
-    # install (policy-rc.d), and none is enabled for the next boot.
+    # nginx and PostgreSQL are a benchmark peer and a test fixture, not services of this
+    # machine: no daemon starts while we install (policy-rc.d), and none is enabled for the
+    # next boot.
     if [ ! -e /usr/sbin/policy-rc.d ]; then
         policy=/usr/sbin/policy-rc.d
         printf '#!/bin/sh\nexit 101\n' > "$policy"
@@ -48,7 +50,7 @@ setup-system:
         exit 1
     fi
     if command -v systemctl > /dev/null && [ -d /run/systemd/system ]; then
-        systemctl disable --now nginx > /dev/null 2>&1 || true
+        for unit in nginx postgresql; do systemctl disable --now "$unit" > /dev/null 2>&1 || true; done
     fi
 
 # Create .venv and install the project with its dev tools (llama-cpp-python compiles once, then pip's wheel cache is used)
@@ -90,21 +92,52 @@ lint: setup
     ruff check .
     mypy
 
-# Set up and run every test tier this machine can run (unit, model, netns)
-test *args: setup lint
+# Set up and run every test tier this machine can run (unit, model, netns, browser, postgres, image)
+test *args: setup setup-image lint
     pytest {{ args }}
 
 # Benchmarks against peers measured in the same run (writes tests/benchmarks/results/*.json):
 # serving (one stream vs llama-server), concurrency (1-16 streams and a shared prefix vs
 # llama-server -np N), embeddings (batched vs one at a time), overload, sync, fleet,
 # placement (the planner at 10,000 nodes), offload (vs a direct call), packages (vs nginx),
-# or all of them
+# image (boot-to-ready time and size of the appliance image; root), or all of them
 bench suite="all" *args: setup
     #!/usr/bin/env bash
     set -euo pipefail
     case "{{ suite }}" in
-        all) suites="serving concurrency embeddings overload sync fleet placement offload packages" ;;
-        serving|concurrency|embeddings|overload|sync|fleet|placement|offload|packages) suites="{{ suite }}" ;;
-        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, fleet, placement, offload, packages, all)" >&2; exit 2 ;;
+        all) suites="serving concurrency embeddings overload sync fleet placement offload packages image" ;;
+        serving|concurrency|embeddings|overload|sync|fleet|placement|offload|packages|image) suites="{{ suite }}" ;;
+        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, fleet, placement, offload, packages, image, all)" >&2; exit 2 ;;
     esac
     for s in $suites; do {{ py }} -m "tests.benchmarks.$s" {{ args }}; done
+
+# Install the Debian packages that build and boot the appliance image: mmdebstrap, e2fsprogs,
+# dosfstools, mtools and fdisk (the build; mtools also for `kvl image configure`), and
+# qemu-system-x86 with ovmf (the `image` tests and `just bench image`); needs root
+setup-image:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    missing=()
+    for package in mmdebstrap e2fsprogs dosfstools mtools fdisk qemu-system-x86 ovmf; do
+        dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed' || missing+=("$package")
+    done
+    if [ ${#missing[@]} -eq 0 ]; then exit 0; fi
+    if [ "$(id -u)" -ne 0 ] || ! command -v apt-get > /dev/null; then
+        # Not fatal: `just test` runs this too, and the image tests skip, saying why.
+        echo "setup-image: skipped; install the Debian packages ${missing[*]} as root: \`sudo .venv/bin/just setup-image\` (the image tests skip until then)" >&2
+        exit 0
+    fi
+    echo "installing ${missing[*]} from Debian" >&2
+    log=$(mktemp)
+    trap 'rm -f "$log"' EXIT
+    install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"; }
+    if ! { install || { apt-get update -qq && install; }; } > "$log" 2>&1; then
+        cat "$log" >&2
+        echo "setup-image failed; apt-get's output is above" >&2
+        exit 1
+    fi
+
+# Build the appliance image, image/build/kovenlab-edge.img (raw GPT disk, UEFI, x86-64), as root;
+# each step is cached, and a build whose inputs have not changed is skipped (--force builds anyway)
+image *args: setup setup-image
+    {{ py }} -m image.build {{ args }}

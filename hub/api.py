@@ -258,7 +258,7 @@ async def events(request: web.Request) -> web.Response:
     node = request[NODE]
     store = request.app[STORE]
     batch = [{"id": e.id, "kind": e.kind, "body": e.body} for e in req.events]
-    ids, new = await store.run(store.sync.ingest, node.id, batch)
+    ids, new = await store.ingest(node.id, batch)  # committed with others arriving meanwhile
     # Every id is acknowledged, duplicates too: the node may then move its checkpoint.
     return web.json_response({"acknowledged": ids, "new": new})
 
@@ -318,7 +318,7 @@ async def offload(request: web.Request) -> web.StreamResponse:
             ErrorCode.invalid_parameter, "the offloaded body must name its `model`", param="model"
         ) from err
     store = request.app[STORE]
-    nodes = await store.run(store.sync.nodes)
+    nodes = await store.nodes()
     return await request.app[FORWARDER].forward(
         request,
         route,

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import sqlite3
 import ssl
 import time
 from typing import TYPE_CHECKING
@@ -32,6 +31,7 @@ from hub.offload import Forwarder
 from hub.reconciler import reconcile_forever
 from hub.state.store import AsyncHubStore
 from shared import pki
+from shared.sql import DatabaseError
 from shared.wireguard import (
     InterfaceConfig,
     KeyPair,
@@ -73,7 +73,7 @@ def create_app(settings: HubSettings) -> web.Application:
 
 async def _store(app: web.Application) -> AsyncIterator[None]:
     settings: HubSettings = app[SETTINGS]  # type: ignore[assignment]
-    store = AsyncHubStore(settings.db_path)
+    store = AsyncHubStore(settings)  # SQLite, or PostgreSQL at settings.database_url
     await store.open()
     app[STORE] = store
     yield
@@ -98,7 +98,7 @@ async def _heartbeats(app: web.Application) -> AsyncIterator[None]:
             await asyncio.sleep(HEARTBEATS_EVERY_S)
             try:
                 await flush()
-            except sqlite3.Error:
+            except DatabaseError:
                 log.exception("writing heartbeats failed; the nodes' next ones replace them")
 
     task = asyncio.create_task(loop(), name="kvl-hub-heartbeats")
@@ -194,7 +194,7 @@ async def _reconcile_peers(app: web.Application, tunnel: Tunnel) -> None:
     store = app[STORE]
     while True:
         try:
-            nodes = await store.run(store.sync.nodes)
+            nodes = await store.nodes()
             wanted = {n.wg_public_key: n for n in nodes if not n.revoked}
             state = await asyncio.to_thread(tunnel.state)
             present = {p.public_key for p in state.peers}

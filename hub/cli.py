@@ -40,9 +40,13 @@ def _settings(config_file: Path | None, data_dir: Path | None, **server: Any) ->
 
 
 def _store(settings: HubSettings) -> HubStore:
-    from hub.state.store import HubStore  # noqa: PLC0415 - keep `kvl hub config` light
+    from hub.state.store import open_store  # noqa: PLC0415 - keep `kvl hub config` light
+    from shared.sql import DatabaseError  # noqa: PLC0415
 
-    return HubStore(settings.db_path)
+    try:
+        return open_store(settings)
+    except DatabaseError as err:  # PostgreSQL unreachable, or refusing us
+        raise click.ClickException(f"{err} (database_url in the settings)") from err
 
 
 @hub.command("config")
@@ -439,11 +443,19 @@ def keys_revoke(config_file: Path | None, data_dir: Path | None, prefix: str) ->
 @common_options
 @click.option("--nodes", "count", type=click.IntRange(1, 1_000_000), required=True,
               help="Simulated appliances.")  # fmt: skip
-@click.option("--url", default=None, help="The hub (https://NAME:PORT; default from settings).")
+@click.option("--url", "urls", multiple=True,
+              help="A hub replica (https://NAME:PORT; default from settings); repeat it for "
+                   "several, and the nodes are spread over them.")  # fmt: skip
 @click.option("--interval", type=click.FloatRange(0.1, 3600), default=15.0,
               help="Seconds between a node's heartbeats (15).")  # fmt: skip
 @click.option("--duration", type=click.FloatRange(1, 86_400), default=60.0,
               help="Seconds of heartbeats (60).")  # fmt: skip
+@click.option("--events", type=click.IntRange(0, 5000), default=1,
+              help="Usage events each node syncs once an interval, half an interval after "
+                   "its heartbeat (1; 0: no sync).")  # fmt: skip
+@click.option("--resend", type=click.FloatRange(0, 1), default=0.01,
+              help="Share of syncs sent again to another replica, as after a lost "
+                   "acknowledgement (0.01).")  # fmt: skip
 @click.option("--connections", type=click.IntRange(1, 10_000), default=100,
               help="HTTPS connections the nodes share (100).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
@@ -453,23 +465,25 @@ def simulate(
     data_dir: Path | None,
     *,
     count: int,
-    url: str | None,
+    urls: tuple[str, ...],
     interval: float,
     duration: float,
+    events: int,
+    resend: float,
     connections: int,
     as_json: bool,
 ) -> None:
-    """Enroll simulated appliances with a running hub, then heartbeat from all of them;
-    prints latencies. Run it beside the hub (it makes a token in the hub's data
-    directory); the hub must take node calls from any address
-    (server.require_overlay_source: false)."""
+    """Enroll simulated appliances with a running hub (one or several replicas), then
+    heartbeat and sync from all of them; prints latencies. Run it beside the hub (it makes
+    a token in the hub's database, with the hub's settings); the hub must take node calls
+    from any address (server.require_overlay_source: false)."""
     import asyncio  # noqa: PLC0415
 
     from hub.app import certificates  # noqa: PLC0415
     from hub.simulate import Simulator  # noqa: PLC0415
 
     settings = _settings(config_file, data_dir)
-    url = url or f"https://{settings.server.names[0]}:{settings.server.port}"
+    targets = list(urls) or [f"https://{settings.server.names[0]}:{settings.server.port}"]
     _, server = certificates(settings)
     store = _store(settings)
     try:
@@ -478,32 +492,47 @@ def simulate(
         store.close()
 
     async def run() -> dict[str, Any]:
-        async with Simulator(url, server.fingerprint, connections=connections) as sim:
+        async with Simulator(targets, server.fingerprint, connections=connections) as sim:
             started = time.perf_counter()
             nodes, enrolled = await sim.enroll(token, count)
             enroll_s = time.perf_counter() - started
             if not as_json:
                 click.echo(f"enrolled {len(nodes)} of {count} nodes in {enroll_s:.1f} s", err=True)
-            beats = await sim.heartbeats(nodes, interval_s=interval, duration_s=duration)
+            load = await sim.run(
+                nodes, interval_s=interval, duration_s=duration, events=events, resend=resend
+            )
+        measured = load.summary()
         return {
             "nodes": count,
+            "replicas": len(targets),
             "interval_s": interval,
             "duration_s": duration,
             "connections": connections,
             "enrollment": {**enrolled.summary(), "seconds": round(enroll_s, 2)},
-            "heartbeats": {**beats.summary(), "per_s": round(count / interval, 1)},
+            "send_lag_ms": measured["send_lag_ms"],
+            "heartbeats": {**measured["heartbeats"], "per_s": round(count / interval, 1)},
+            "sync": {**measured["sync"], "per_s": round(count / interval, 1) if events else 0},
         }
 
     report = asyncio.run(run())
     if as_json:
         click.echo(json.dumps(report))
         return
-    beats = report["heartbeats"]
-    click.echo(
-        f"heartbeats: {beats['ok']} ok, failed {beats['failed'] or 'none'}; "
-        f"{beats['per_s']}/s; p50 {beats['p50_ms']} ms, p99 {beats['p99_ms']} ms, "
-        f"max {beats['max_ms']} ms"
-    )
+    for name in ("heartbeats", "sync"):
+        calls = report[name]
+        if not calls["calls"]:
+            continue
+        click.echo(
+            f"{name}: {calls['ok']} ok, failed {calls['failed'] or 'none'}; "
+            f"{calls['per_s']}/s; p50 {calls['p50_ms']} ms, p99 {calls['p99_ms']} ms, "
+            f"max {calls['max_ms']} ms"
+        )
+    if events:
+        sync = report["sync"]
+        click.echo(
+            f"events: {sync['events']} sent, {sync['resent']} resent, {sync['new']} new "
+            "at the hub" + ("" if sync["new"] == sync["events"] else " (not each once!)")
+        )
 
 
 @hub.group("models")

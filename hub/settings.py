@@ -168,6 +168,18 @@ class HubSettings(BaseSettings):
     model_config = SettingsConfigDict(extra="forbid", env_prefix="KVL_HUB_")
 
     data_dir: Path = Field(DEFAULT_DATA_DIR, description="Directory for the hub database and keys.")
+    database_url: str | None = Field(
+        None,
+        pattern=r"^postgres(ql)?://",
+        max_length=2000,
+        description=(
+            "The hub's store on PostgreSQL, as a libpq URL "
+            "(`postgresql:///kvl?host=/run/postgresql`, "
+            "`postgresql://kvl@db.example:5432/kvl`): several hub replicas then share one "
+            "database. Keep a password in ~/.pgpass or $PGPASSWORD rather than here. Unset: "
+            "SQLite, `hub.db` in the data directory."
+        ),
+    )
     server: HubServerSettings = Field(default_factory=HubServerSettings, description="The hub API.")
     overlay: OverlaySettings = Field(
         default_factory=OverlaySettings, description="The WireGuard overlay of the fleet."

@@ -1,12 +1,19 @@
-"""A fleet simulator: many appliances, enrolled with a hub and heartbeating on a schedule,
-from one process. `kvl hub simulate` drives it; `just bench fleet` measures with it.
+"""A fleet simulator: many appliances, enrolled with a hub and heartbeating and syncing on
+a schedule, from one process. `kvl hub simulate` drives it; `just bench fleet` measures
+with it.
 
 Each simulated node enrolls as an appliance does (a WireGuard public key of its own, the
 hub's certificate pinned) and then sends a heartbeat every `interval_s` at a random phase
-of its own, so a fleet of N sends N / interval_s heartbeats a second, evenly. The load is
-open loop: a heartbeat is sent at its time whether or not earlier ones were answered, and
-its latency runs from that time, so a hub that falls behind shows it in the tail instead
-of slowing the simulator down (no coordinated omission).
+of its own, so a fleet of N sends N / interval_s heartbeats a second, evenly; with
+`events`, half an interval after each heartbeat it syncs that many new usage events from
+its outbox (`POST /v1/node/events`). The load is open loop: a call is sent at its time
+whether or not earlier ones were answered, and its latency runs from that time, so a hub
+that falls behind shows it in the tail instead of slowing the simulator down (no
+coordinated omission).
+
+Given several hub replicas (their URLs), the nodes are spread over them, each node
+calling one; a share of syncs (`resend`) is sent a second time to another replica, as a
+node does when an acknowledgement was lost, and the hub must count those events once.
 
 The simulator is not the appliance's client: it skips the tunnel (the hub must accept
 node calls from any address, `server.require_overlay_source: false`) and shares a pool of
@@ -16,16 +23,21 @@ HTTPS connections among its nodes, as a proxy in front of the hub would.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from wireguard_tools import WireguardKey
 
 from shared import __version__, pki
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 VERSIONS = {"kvl": __version__}
 
@@ -34,6 +46,7 @@ VERSIONS = {"kvl": __version__}
 class SimulatedNode:
     node_id: str
     token: str
+    url: str = ""  # the hub replica it calls
 
 
 @dataclass
@@ -66,6 +79,34 @@ class Latencies:
         }
 
 
+@dataclass
+class Load:
+    """What a run of the fleet measured: heartbeats, syncs, and the events the hub said
+    were new (each sent once, resends included, should be new exactly once)."""
+
+    heartbeats: Latencies
+    sync: Latencies
+    events_sent: int = 0  # distinct events
+    events_resent: int = 0
+    events_new: int = 0  # by the hub's answers
+    # How late the simulator itself sent each call (its own loop's lag, in the latencies
+    # too): large, and the simulator, not the hub, was the bottleneck.
+    lag: Latencies = field(default_factory=Latencies)
+
+    def summary(self) -> dict[str, Any]:
+        lag = self.lag.summary()
+        return {
+            "send_lag_ms": {"p50": lag["p50_ms"], "p99": lag["p99_ms"], "max": lag["max_ms"]},
+            "heartbeats": self.heartbeats.summary(),
+            "sync": {
+                **self.sync.summary(),
+                "events": self.events_sent,
+                "resent": self.events_resent,
+                "new": self.events_new,
+            },
+        }
+
+
 def _capacity(rng: random.Random) -> dict[str, Any]:
     """What an appliance's heartbeat carries (see appliance/fleet/link.py)."""
     return {
@@ -81,8 +122,10 @@ def _capacity(rng: random.Random) -> dict[str, Any]:
 
 
 class Simulator:
-    def __init__(self, url: str, fingerprint: str, *, connections: int = 100) -> None:
-        self._url = url.rstrip("/")
+    def __init__(
+        self, urls: str | Sequence[str], fingerprint: str, *, connections: int = 100
+    ) -> None:
+        self._urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         self._ssl = aiohttp.Fingerprint(pki.fingerprint_bytes(fingerprint))
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=connections, keepalive_timeout=60),
@@ -107,6 +150,7 @@ class Simulator:
         gate = asyncio.Semaphore(concurrency)
 
         async def one(index: int) -> None:
+            url = self._urls[index % len(self._urls)]
             async with gate:
                 # The key is made inside the gate: made up front for every node, the keys
                 # would hold the loop while the first calls' clocks ran.
@@ -120,7 +164,7 @@ class Simulator:
                 started = time.perf_counter()
                 try:
                     async with self._session.post(
-                        f"{self._url}/v1/enroll", json=body, ssl=self._ssl
+                        f"{url}/v1/enroll", json=body, ssl=self._ssl
                     ) as response:
                         answer = await response.json(content_type=None)
                         if response.status != 201:
@@ -130,7 +174,7 @@ class Simulator:
                     latencies.fail(type(err).__name__)
                     return
                 latencies.seconds.append(time.perf_counter() - started)
-                nodes.append(SimulatedNode(answer["node_id"], answer["node_token"]))
+                nodes.append(SimulatedNode(answer["node_id"], answer["node_token"], url))
 
         await asyncio.gather(*(one(i) for i in range(count)))
         return nodes, latencies
@@ -144,37 +188,115 @@ class Simulator:
         seed: int = 0,
     ) -> Latencies:
         """Every node heartbeats every `interval_s` for `duration_s`, open loop."""
+        load = await self.run(nodes, interval_s=interval_s, duration_s=duration_s, seed=seed)
+        return load.heartbeats
+
+    async def run(
+        self,
+        nodes: list[SimulatedNode],
+        *,
+        interval_s: float,
+        duration_s: float,
+        events: int = 0,
+        resend: float = 0.0,
+        seed: int = 0,
+    ) -> Load:
+        """Every node heartbeats every `interval_s` for `duration_s`, and with `events`
+        syncs that many new usage events half an interval later; open loop. A `resend`
+        share of syncs goes again to another replica (the same one if there is one)."""
         rng = random.Random(seed)  # noqa: S311 - load shaping, not security
-        latencies = Latencies()
+        load = Load(Latencies(), Latencies())
         start = time.perf_counter() + 0.5
         end = start + duration_s
 
-        async def node_loop(node: SimulatedNode, phase: float) -> None:
+        async def node_loop(index: int, node: SimulatedNode, phase: float) -> None:
             headers = {"Authorization": f"Bearer {node.token}"}
+            url = node.url or self._urls[0]
+            other = self._urls[(self._urls.index(url) + 1) % len(self._urls)]
             due = start + phase
-            calls = []
+            calls: list[asyncio.Task[None]] = []
+            batch = 0
             while due < end:
                 await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                load.lag.seconds.append(time.perf_counter() - due)
                 body = {"versions": VERSIONS, "capacity": _capacity(rng)}
-                calls.append(asyncio.create_task(self._beat(headers, body, due, latencies)))
+                calls.append(asyncio.create_task(self._beat(url, headers, body, due, load)))
+                if events:
+                    sync_due = due + interval_s / 2
+                    await asyncio.sleep(max(0.0, sync_due - time.perf_counter()))
+                    load.lag.seconds.append(time.perf_counter() - sync_due)
+                    sent = _usage(index, batch, events, rng)
+                    batch += 1
+                    load.events_sent += len(sent)
+                    calls.append(
+                        asyncio.create_task(self._sync(url, headers, sent, sync_due, load))
+                    )
+                    if rng.random() < resend:  # the acknowledgement was lost: again
+                        load.events_resent += len(sent)
+                        calls.append(
+                            asyncio.create_task(self._sync(other, headers, sent, sync_due, load))
+                        )
                 due += interval_s
             await asyncio.gather(*calls)
 
-        await asyncio.gather(*(node_loop(n, rng.uniform(0, interval_s)) for n in nodes))
-        return latencies
+        await asyncio.gather(
+            *(node_loop(i, n, rng.uniform(0, interval_s)) for i, n in enumerate(nodes))
+        )
+        return load
 
     async def _beat(
-        self, headers: dict[str, str], body: dict[str, Any], due: float, latencies: Latencies
+        self, url: str, headers: dict[str, str], body: dict[str, Any], due: float, load: Load
     ) -> None:
+        await self._call(f"{url}/v1/node/heartbeat", headers, body, due, load.heartbeats)
+
+    async def _sync(
+        self,
+        url: str,
+        headers: dict[str, str],
+        events: list[dict[str, Any]],
+        due: float,
+        load: Load,
+    ) -> None:
+        answer = await self._call(
+            f"{url}/v1/node/events", headers, {"events": events}, due, load.sync
+        )
+        if answer is not None:
+            load.events_new += int(answer["new"])
+
+    async def _call(
+        self,
+        url: str,
+        headers: dict[str, str],
+        body: dict[str, Any],
+        due: float,
+        latencies: Latencies,
+    ) -> Any:
+        """POST `body`; its JSON answer (None: it failed, counted in `latencies`)."""
         try:
             async with self._session.post(
-                f"{self._url}/v1/node/heartbeat", json=body, headers=headers, ssl=self._ssl
+                url, json=body, headers=headers, ssl=self._ssl
             ) as response:
-                await response.read()
+                raw = await response.read()
                 if response.status != 200:
                     latencies.fail(str(response.status))
-                    return
+                    return None
         except (aiohttp.ClientError, TimeoutError) as err:
             latencies.fail(type(err).__name__)
-            return
+            return None
         latencies.seconds.append(time.perf_counter() - due)
+        return json.loads(raw)
+
+
+def _usage(node: int, batch: int, count: int, rng: random.Random) -> list[dict[str, Any]]:
+    """A batch of usage events as an appliance's outbox holds them (unique ids)."""
+    now = datetime.now(UTC).isoformat(timespec="microseconds")
+    return [
+        {
+            "id": f"sim-{node:06d}-{batch:05d}-{i:03d}",
+            "kind": "usage",
+            "body": {"account": "simulated", "model": "gemma-3-270m@1.0.0",
+                     "tokens_in": rng.randint(10, 500), "tokens_out": rng.randint(10, 500),
+                     "created_at": now},
+        }
+        for i in range(count)
+    ]  # fmt: skip

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 P = ParamSpec("P")
 T = TypeVar("T")
+A = TypeVar("A")
 
 
 def open_database(path: Path, migrations: Migrations) -> Database:
@@ -74,16 +75,18 @@ S = TypeVar("S", bound=Closable)
 
 class AsyncStore(Generic[S]):
     """A synchronous store for the event loop: every call runs on one dedicated thread, so
-    there is exactly one writer per process and the loop never waits on disk."""
+    there is exactly one writer per process and the loop never waits on disk.
 
-    def __init__(self, factory: Callable[[Path], S], path: Path) -> None:
+    `factory(where)` opens the store on that thread (`where`: a database file, or the
+    settings that name the database)."""
+
+    def __init__(self, factory: Callable[[A], S], where: A) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvl-store")
-        self._factory = factory
-        self._path = path
+        self._open: Callable[[], S] = lambda: factory(where)
         self._store: S | None = None
 
     async def open(self) -> None:
-        self._store = await self._submit(self._factory, self._path)
+        self._store = await self._submit(self._open)
 
     async def close(self) -> None:
         if self._store is not None:

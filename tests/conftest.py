@@ -26,6 +26,7 @@ from appliance.serving.catalog import ensure_default_model
 from appliance.settings import ApplianceSettings
 from appliance.state.store import ModelRecord, Store
 from shared.progress import ProgressBar
+from tests.postgres import MISSING, Cluster, cluster, server_bin
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -198,6 +199,16 @@ def appliance_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appl
     env = {"KVL_DISCOVERY__ENABLED": "false", "KVL_MODEL__N_CTX": "2048"}
     with running_appliance(data_dir, key, env) as appliance:
         yield appliance
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Cluster]:
+    """A throwaway PostgreSQL cluster for the whole session (tests/postgres.py); each test
+    makes its own database in it. Skipped only where Debian's server is not installed."""
+    if server_bin() is None:
+        pytest.skip(MISSING)
+    with cluster() as running:
+        yield running
 
 
 def pytest_sessionfinish() -> None:

@@ -19,7 +19,8 @@ import psutil
 import pytest
 
 from appliance.state.store import ModelRecord, Store
-from hub.state.store import HubStore
+from hub.settings import HubSettings
+from hub.state.store import open_store
 from shared import netns
 from tests.netns import require_netns
 
@@ -160,7 +161,7 @@ def test_demo_runs_a_hub_and_an_appliance_enrolled_over_wireguard(
     assert not any(str(data / "hub") in " ".join(p.info["cmdline"] or ()) for p in
                    psutil.process_iter(["cmdline"]))  # fmt: skip
 
-    hub = HubStore(data / "hub" / "hub.db")
+    hub = open_store(HubSettings.model_validate({"data_dir": data / "hub"}))
     try:
         nodes = hub.nodes()
         assert [(n.name, n.site, n.overlay_address) for n in nodes] == [
@@ -179,7 +180,7 @@ def test_demo_runs_a_hub_and_an_appliance_enrolled_over_wireguard(
     finally:
         assert second.stop(signal.SIGINT) == 0, second.output  # Ctrl-C
         assert "Traceback" not in second.output
-    hub = HubStore(data / "hub" / "hub.db")
+    hub = open_store(HubSettings.model_validate({"data_dir": data / "hub"}))
     try:
         assert [n.id for n in hub.nodes()] == [enrolled_id]
     finally:

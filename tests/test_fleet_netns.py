@@ -18,7 +18,7 @@ import pytest
 from appliance.state.store import ModelRecord, Store
 from hub.app import certificates
 from hub.settings import HubSettings
-from hub.state.store import HubStore
+from hub.state.store import open_store
 from tests.netns import A_ADDR, Link, ip, linked_namespaces
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
         }
     )
     fingerprint = certificates(hub)[1].fingerprint  # the hub process loads these same files
-    hub_store = HubStore(hub.db_path)
+    hub_store = open_store(hub)
     token = hub_store.create_token("school", uses=1, expires_in_s=600).plaintext
     hub_store.close()
     provisioning = tmp_path / "kovenlab.json"
@@ -155,14 +155,14 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
     )
 
     def hub_nodes() -> list[dict[str, object]]:
-        s = HubStore(hub.db_path)
+        s = open_store(hub)
         try:
             return [{"capacity": n.capacity, "last_seen": n.last_seen} for n in s.nodes()]
         finally:
             s.close()
 
     def ledger() -> int:
-        s = HubStore(hub.db_path)
+        s = open_store(hub)
         try:
             return s.ledger_count()
         finally:
@@ -212,7 +212,7 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
         assert report["last_heartbeat"] is not None
 
         # Desired state: a key made on the hub is applied on the node.
-        s = HubStore(hub.db_path)
+        s = open_store(hub)
         s.set_account("school", "S1")
         fleet_key = s.create_key("school").plaintext
         s.close()

@@ -90,6 +90,7 @@ class FleetLink:
         packages: PackageService | None = None,
     ) -> None:
         self._settings = settings
+        self._ensuring = asyncio.Lock()
         self._api = api or {}
         # Models the hub places here are fetched into `models_dir` (None: placement off).
         self._converger = (
@@ -200,6 +201,13 @@ class FleetLink:
         return await self._ensure()
 
     async def _ensure(self) -> HubClient | None:
+        """The client to the hub: enrolled, tunnel up. The heartbeat and the sync call this
+        at once at start, so one at a time: a token spent twice, or a second interface of
+        the same name, otherwise."""
+        async with self._ensuring:
+            return await self._ensure_locked()
+
+    async def _ensure_locked(self) -> HubClient | None:
         if self.identity is None:
             path = self._settings.provisioning_file
             if path is None:

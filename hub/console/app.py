@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sqlite3
 import time
 from typing import TYPE_CHECKING
 
@@ -25,6 +24,7 @@ from hub.console.web import (
     security_headers,
     templates,
 )
+from shared.sql import DatabaseError
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -86,7 +86,7 @@ async def sample_forever(store: AsyncHubStore, settings: HubSettings) -> None:
     recorded: dict[str, float] = {}  # node id -> the heartbeat time last sampled
     while True:
         try:
-            nodes = await store.run(store.sync.nodes)
+            nodes = await store.nodes()
             fresh = []
             for node in nodes:
                 sample = sql.sample_of(node)
@@ -99,6 +99,6 @@ async def sample_forever(store: AsyncHubStore, settings: HubSettings) -> None:
             await store.run(
                 sql.prune, store.sync, now=now, samples_before=now - settings.console.samples_kept_s
             )
-        except sqlite3.Error:
+        except DatabaseError:
             log.exception("sampling the nodes' load failed; the next round tries again")
         await asyncio.sleep(settings.console.sample_every_s)

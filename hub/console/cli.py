@@ -20,9 +20,9 @@ NAME = r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,99}$"
 
 
 def _store(config_file: Path | None, data_dir: Path | None) -> HubStore:
-    from hub.state.store import HubStore  # noqa: PLC0415 - keep `kvl hub` light
+    from hub.state.store import open_store  # noqa: PLC0415 - keep `kvl hub` light
 
-    return HubStore(settings_from(HubSettings, config_file, data_dir).db_path)
+    return open_store(settings_from(HubSettings, config_file, data_dir))
 
 
 def _password(from_stdin: bool) -> str:

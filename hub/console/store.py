@@ -1,10 +1,10 @@
 """The console's SQL: its users and sessions, the node samples its charts draw, and the
 reads of hub tables the pages show. Functions of the hub's store (`store.db`), run on its
-one writer thread: `await store.run(users_create, store.sync, ...)`."""
+one writer thread: `await store.run(users_create, store.sync, ...)`. The SQL is the subset
+SQLite and PostgreSQL both run (shared.sql); `"user"` is quoted, as PostgreSQL reserves it."""
 
 from __future__ import annotations
 
-import sqlite3
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,14 +45,13 @@ class Sample:
 
 
 def create_user(store: HubStore, name: str, password_hash: str, now: float) -> None:
-    try:
-        with store.db.conn:
-            store.db.execute(
-                "INSERT INTO console_users (name, hash, created_at, disabled) VALUES (?, ?, ?, 0)",
-                [name, password_hash, now],
-            )
-    except sqlite3.IntegrityError as err:
-        raise ConflictError(f"console user {name!r} exists already") from err
+    added = store.db.execute(
+        "INSERT INTO console_users (name, hash, created_at, disabled) VALUES (?, ?, ?, 0)"
+        " ON CONFLICT DO NOTHING",
+        [name, password_hash, now],
+    ).rowcount
+    if added == 0:
+        raise ConflictError(f"console user {name!r} exists already")
 
 
 def users(store: HubStore) -> list[User]:
@@ -72,20 +71,20 @@ def password_hash(store: HubStore, name: str) -> str | None:
 
 def set_password_hash(store: HubStore, name: str, new_hash: str, *, end_sessions: bool) -> None:
     """Store a user's new hash; with `end_sessions`, every login of theirs ends."""
-    with store.db.conn:
+    with store.db.transaction():
         done = store.db.execute(
             "UPDATE console_users SET hash = ? WHERE name = ?", [new_hash, name]
         )
         if done.rowcount == 0:
             raise NotFoundError(f"no console user {name!r}")
         if end_sessions:
-            store.db.execute("DELETE FROM console_sessions WHERE user = ?", [name])
+            store.db.execute('DELETE FROM console_sessions WHERE "user" = ?', [name])
 
 
 def delete_user(store: HubStore, name: str) -> None:
     """Remove a user and end their sessions."""
-    with store.db.conn:
-        store.db.execute("DELETE FROM console_sessions WHERE user = ?", [name])
+    with store.db.transaction():
+        store.db.execute('DELETE FROM console_sessions WHERE "user" = ?', [name])
         done = store.db.execute("DELETE FROM console_users WHERE name = ?", [name])
         if done.rowcount == 0:
             raise NotFoundError(f"no console user {name!r}")
@@ -97,19 +96,18 @@ def delete_user(store: HubStore, name: str) -> None:
 def create_session(
     store: HubStore, id_hash: str, user: str, csrf: str, *, now: float, expires_at: float
 ) -> None:
-    with store.db.conn:
-        store.db.execute(
-            "INSERT INTO console_sessions (id_hash, user, csrf, created_at, expires_at)"
-            " VALUES (?, ?, ?, ?, ?)",
-            [id_hash, user, csrf, now, expires_at],
-        )
+    store.db.execute(
+        'INSERT INTO console_sessions (id_hash, "user", csrf, created_at, expires_at)'
+        " VALUES (?, ?, ?, ?, ?)",
+        [id_hash, user, csrf, now, expires_at],
+    )
 
 
 def session(store: HubStore, id_hash: str, now: float) -> Session | None:
     """The live session of that hash: unexpired, its user present and enabled."""
     row = store.db.execute(
-        "SELECT s.user, s.csrf, s.expires_at FROM console_sessions s"
-        " JOIN console_users u ON u.name = s.user"
+        'SELECT s."user", s.csrf, s.expires_at FROM console_sessions s'
+        ' JOIN console_users u ON u.name = s."user"'
         " WHERE s.id_hash = ? AND s.expires_at > ? AND u.disabled = 0",
         [id_hash, now],
     ).fetchone()
@@ -117,8 +115,7 @@ def session(store: HubStore, id_hash: str, now: float) -> Session | None:
 
 
 def delete_session(store: HubStore, id_hash: str) -> None:
-    with store.db.conn:
-        store.db.execute("DELETE FROM console_sessions WHERE id_hash = ?", [id_hash])
+    store.db.execute("DELETE FROM console_sessions WHERE id_hash = ?", [id_hash])
 
 
 # -- node samples -----------------------------------------------------------------------
@@ -145,10 +142,11 @@ def sample_of(node: Node) -> Sample | None:
 
 def record_samples(store: HubStore, samples: Iterable[tuple[str, Sample]]) -> None:
     """Store (node id, sample) pairs; a sample already stored is kept once."""
-    with store.db.conn:
-        store.db.conn.executemany(
-            "INSERT OR IGNORE INTO node_samples (node_id, at, cpu_percent, memory_used_mib,"
-            " memory_total_mib, queue_waiting, outbox_lag, models) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+    with store.db.transaction():
+        store.db.executemany(
+            "INSERT INTO node_samples (node_id, at, cpu_percent, memory_used_mib,"
+            " memory_total_mib, queue_waiting, outbox_lag, models) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT DO NOTHING",
             [(node_id, s.at, s.cpu_percent, s.memory_used_mib, s.memory_total_mib,
               s.queue_waiting, s.outbox_lag, s.models) for node_id, s in samples],
         )  # fmt: skip
@@ -165,7 +163,7 @@ def samples(store: HubStore, node_id: str, since: float) -> list[Sample]:
 
 def prune(store: HubStore, *, now: float, samples_before: float) -> None:
     """Delete expired sessions and samples older than `samples_before`."""
-    with store.db.conn:
+    with store.db.transaction():
         store.db.execute("DELETE FROM console_sessions WHERE expires_at <= ?", [now])
         store.db.execute("DELETE FROM node_samples WHERE at < ?", [samples_before])
 

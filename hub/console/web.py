@@ -46,7 +46,7 @@ class FleetSnapshot:
     async def nodes(self, store: AsyncHubStore, max_age_s: float) -> list[Node]:
         async with self._lock:
             if time.monotonic() - self._at >= max_age_s:
-                self._nodes = await store.run(store.sync.nodes)
+                self._nodes = await store.nodes()
                 self._at = time.monotonic()
             return self._nodes
 

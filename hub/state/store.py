@@ -1,8 +1,19 @@
 """The hub's store: enrollment tokens, the node registry and the ledger. The only hub
-module that writes SQL; one connection on one writer thread (shared.db)."""
+module that writes SQL (with the console's, hub/console/store.py); one connection on one
+writer thread per process (shared.db.AsyncStore).
+
+The same statements run on SQLite (the default: one file, one writer) and on PostgreSQL
+(`database_url`: several hub replicas on one database) through shared.sql. What must stay
+right when replicas write at once is made so by the database, never by a lock in this
+process: a single-use token is spent by a conditional UPDATE whose row count says whether
+it was; an overlay address is taken by an INSERT that a UNIQUE index lets win once; a
+ledger event is stored by an INSERT … ON CONFLICT DO NOTHING whose row count says whether
+it was new; lease grants of an account take its row FOR UPDATE first (on SQLite a
+transaction is BEGIN IMMEDIATE, which already lets one writer in at a time)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import json
@@ -13,11 +24,12 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from hub.planning.quota import Budget, LeaseView, Sizing, grant, remaining
+from hub.state import postgres
 from hub.state.migrations import migrations
-from shared import db
+from shared import db, sql
 from shared.keys import (
     ENROLLMENT_TOKEN,
     NODE_TOKEN,
@@ -29,10 +41,13 @@ from shared.keys import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping, Sequence
-    from pathlib import Path
+    from collections.abc import Callable, Iterable, Mapping, Sequence
+
+    from hub.settings import HubSettings
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class TokenProblem(StrEnum):
@@ -152,9 +167,22 @@ class Enrolled:
     node_token: str  # shown once, to the node
 
 
+def open_database(settings: HubSettings) -> sql.Database:
+    """The hub's database, migrated: PostgreSQL at `database_url` when set, otherwise the
+    SQLite file in the data directory."""
+    if settings.database_url is not None:
+        return sql.PostgresDatabase(settings.database_url, postgres.MIGRATIONS)
+    return sql.SQLiteDatabase(settings.db_path, migrations)
+
+
+def open_store(settings: HubSettings) -> HubStore:
+    """The hub's store on the database its settings name."""
+    return HubStore(open_database(settings))
+
+
 class HubStore:
-    def __init__(self, path: Path) -> None:
-        self.db = db.open_database(path, migrations)
+    def __init__(self, database: sql.Database) -> None:
+        self.db = database
 
     def close(self) -> None:
         self.db.close()
@@ -164,18 +192,11 @@ class HubStore:
     def create_token(self, site: str, *, uses: int, expires_in_s: float) -> NewKey:
         now = time.time()
         new = generate_key(ENROLLMENT_TOKEN)
-        with self.db.conn:
-            self.db.table("enrollment_tokens").insert(
-                {
-                    "prefix": new.prefix,
-                    "hash": new.hash,
-                    "site": site,
-                    "uses_left": uses,
-                    "expires_at": now + expires_in_s,
-                    "revoked_at": None,
-                    "created_at": now,
-                }
-            )
+        self.db.execute(
+            "INSERT INTO enrollment_tokens (prefix, hash, site, uses_left, expires_at,"
+            " revoked_at, created_at) VALUES (?, ?, ?, ?, ?, NULL, ?)",
+            [new.prefix, new.hash, site, uses, now + expires_in_s, now],
+        )
         return new
 
     def tokens(self) -> list[EnrollmentToken]:
@@ -183,12 +204,10 @@ class HubStore:
         return [_token(r) for r in rows]
 
     def revoke_token(self, prefix: str) -> EnrollmentToken:
-        with self.db.conn:
-            self.db.execute(
-                "UPDATE enrollment_tokens SET revoked_at = ?"
-                " WHERE prefix = ? AND revoked_at IS NULL",
-                [time.time(), prefix],
-            )
+        self.db.execute(
+            "UPDATE enrollment_tokens SET revoked_at = ? WHERE prefix = ? AND revoked_at IS NULL",
+            [time.time(), prefix],
+        )
         rows = list(self.db.query("SELECT * FROM enrollment_tokens WHERE prefix = ?", [prefix]))
         if not rows:
             raise NotFoundError(f"no enrollment token {prefix!r}")
@@ -196,6 +215,7 @@ class HubStore:
 
     # -- nodes ---------------------------------------------------------------------------
 
+    @sql.retrying()
     def enroll(
         self,
         token: str,
@@ -210,67 +230,74 @@ class HubStore:
         address, in one transaction. Raises TokenRefusedError naming the problem."""
         prefix = parse_prefix(token, ENROLLMENT_TOKEN)
         now = time.time()
-        with self.db.conn:
-            rows = list(self.db.query("SELECT * FROM enrollment_tokens WHERE prefix = ?", [prefix]))
+        with self.db.transaction():
+            rows = self.db.query("SELECT * FROM enrollment_tokens WHERE prefix = ?", [prefix])
             if prefix is None or not rows or not key_matches(token, rows[0]["hash"]):
                 raise TokenRefusedError(TokenProblem.unknown, prefix)
             record = _token(rows[0])
             state = record.state(now)
             if state != "active":
                 raise TokenRefusedError(TokenProblem(state), prefix)
-            self.db.execute(
-                "UPDATE enrollment_tokens SET uses_left = uses_left - 1 WHERE prefix = ?", [prefix]
-            )
+            # Spent only while a use is left, checked by the UPDATE itself: of two replicas
+            # spending the last use at once, the second updates nothing (PostgreSQL makes
+            # it wait for the first, then reads the row again).
+            spent = self.db.execute(
+                "UPDATE enrollment_tokens SET uses_left = uses_left - 1 WHERE prefix = ?"
+                " AND uses_left > 0 AND revoked_at IS NULL AND expires_at > ?",
+                [prefix, now],
+            ).rowcount
+            if spent != 1:
+                raise TokenRefusedError(TokenProblem.used, prefix)
             node_token = generate_key(NODE_TOKEN)
-            node = Node(
-                id=uuid.uuid4().hex,
-                name=name,
-                site=record.site,
-                wg_public_key=wg_public_key,
-                overlay_address=self._next_address(overlay_prefix),
-                enrolled_at=now,
-                last_seen=None,
-                revoked_at=None,
-                labels=dict(labels),
-                versions=dict(versions),
-            )
-            self.db.table("nodes").insert(
-                {
-                    "id": node.id,
-                    "name": node.name,
-                    "site": node.site,
-                    "labels": json.dumps(node.labels),
-                    "wg_public_key": node.wg_public_key,
-                    "overlay_address": node.overlay_address,
-                    "token_prefix": node_token.prefix,
-                    "token_hash": node_token.hash,
-                    "enrolled_with": prefix,
-                    "enrolled_at": now,
-                    "last_seen": None,
-                    "versions": json.dumps(node.versions),
-                    "capacity": "{}",
-                    "revoked_at": None,
-                }
-            )
+            node_id = uuid.uuid4().hex
+            tried: set[str] = set()
+            while True:
+                address = self._next_address(overlay_prefix, tried)
+                # The UNIQUE index on overlay_address lets one node have it; a replica that
+                # lost the race inserts nothing and tries the next address.
+                inserted = self.db.execute(
+                    "INSERT INTO nodes (id, name, site, labels, wg_public_key, overlay_address,"
+                    " token_prefix, token_hash, enrolled_with, enrolled_at, last_seen, versions,"
+                    " capacity, revoked_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, '{}',"
+                    " NULL) ON CONFLICT (overlay_address) DO NOTHING",
+                    [node_id, name, record.site, json.dumps(dict(labels)), wg_public_key, address,
+                     node_token.prefix, node_token.hash, prefix, now, json.dumps(dict(versions))],
+                ).rowcount  # fmt: skip
+                if inserted == 1:
+                    break
+                tried.add(address)
+        node = Node(
+            id=node_id,
+            name=name,
+            site=record.site,
+            wg_public_key=wg_public_key,
+            overlay_address=address,
+            enrolled_at=now,
+            last_seen=None,
+            revoked_at=None,
+            labels=dict(labels),
+            versions=dict(versions),
+        )
         return Enrolled(node, node_token.plaintext)
 
-    def _next_address(self, overlay_prefix: str) -> str:
-        """A free host address of the prefix (the first host is the hub's). Addresses are
-        handed out in order and never reused, so the one after the count of nodes is
-        nearly always free: two index lookups. Otherwise (the prefix changed), the lowest
-        free one."""
+    def _next_address(self, overlay_prefix: str, tried: set[str]) -> str:
+        """A free host address of the prefix (the first host is the hub's), not one of
+        `tried`. Addresses are handed out in order and never reused, so the one after the
+        count of nodes is nearly always free: two index lookups. Otherwise (the prefix
+        changed, or another replica just took it), the lowest free one."""
         network = ipaddress.ip_network(overlay_prefix)
         count = int(self.db.execute("SELECT COUNT(*) FROM nodes").fetchone()[0])
         if count + 2 < network.num_addresses - 1:
             candidate = str(network[count + 2])  # [0] the network, [1] the hub
-            taken = self.db.execute(
-                "SELECT 1 FROM nodes WHERE overlay_address = ?", [candidate]
-            ).fetchone()
-            if taken is None:
-                return candidate
+            if candidate not in tried:
+                taken = self.db.execute(
+                    "SELECT 1 FROM nodes WHERE overlay_address = ?", [candidate]
+                ).fetchone()
+                if taken is None:
+                    return candidate
         taken_all = {
             r["overlay_address"] for r in self.db.query("SELECT overlay_address FROM nodes")
-        }
+        } | tried
         hosts = network.hosts()
         next(hosts)  # the hub
         for address in hosts:
@@ -289,31 +316,32 @@ class HubStore:
         return _node(rows[0])
 
     def heartbeats(self, beats: Sequence[Heartbeat]) -> None:
-        """Record heartbeats (the last of each node), in one transaction."""
-        with self.db.conn:
-            self.db.conn.executemany(
+        """Record heartbeats (the last of each node), in one transaction. In the order of
+        the node ids: two replicas writing the same nodes lock their rows in one order, so
+        neither waits on the other in a cycle."""
+        with self.db.transaction():
+            self.db.executemany(
                 "UPDATE nodes SET last_seen = ?, versions = ?, capacity = ?, address = ?"
                 " WHERE id = ?",
                 [(b.at, json.dumps(b.versions), json.dumps(b.capacity), b.address, b.node_id)
-                 for b in beats],
+                 for b in sorted(beats, key=lambda b: b.node_id)],
             )  # fmt: skip
 
     def nodes(self) -> list[Node]:
         return [_node(r) for r in self.db.query("SELECT * FROM nodes ORDER BY site, name")]
 
     def node(self, node_id: str) -> Node:
-        rows = list(self.db.query("SELECT * FROM nodes WHERE id = ? OR name = ?", [node_id] * 2))
+        rows = self.db.query("SELECT * FROM nodes WHERE id = ? OR name = ?", [node_id] * 2)
         if len(rows) != 1:
             raise NotFoundError(f"no single node {node_id!r}")
         return _node(rows[0])
 
     def revoke_node(self, node_id: str) -> Node:
         node = self.node(node_id)
-        with self.db.conn:
-            self.db.execute(
-                "UPDATE nodes SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
-                [time.time(), node.id],
-            )
+        self.db.execute(
+            "UPDATE nodes SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+            [time.time(), node.id],
+        )
         return self.node(node.id)
 
     # -- desired state: accounts and keys, pushed to nodes ---------------------------------
@@ -323,14 +351,17 @@ class HubStore:
         return 0 if row is None else int(row[0])
 
     def _bump(self) -> int:
-        """Inside a transaction: the next serial of the desired state."""
-        serial = self.desired_serial() + 1
+        """Inside a transaction: the next serial of the desired state. One UPDATE adds one,
+        so changes made at once by two replicas get two serials (the row's lock orders
+        them), never the same one."""
         self.db.execute(
-            "INSERT INTO meta (key, value) VALUES ('desired_serial', ?)"
-            " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-            [str(serial)],
+            "INSERT INTO meta (key, value) VALUES ('desired_serial', '0') ON CONFLICT DO NOTHING"
         )
-        return serial
+        self.db.execute(
+            "UPDATE meta SET value = CAST(CAST(value AS BIGINT) + 1 AS TEXT)"
+            " WHERE key = 'desired_serial'"
+        )
+        return self.desired_serial()
 
     def set_account(
         self,
@@ -343,7 +374,7 @@ class HubStore:
     ) -> int:
         """Create or change an account; the new serial. `budget`: the account's global
         token budget, spent by nodes through leases (None: no global budget)."""
-        with self.db.conn:
+        with self.db.transaction():
             self.db.execute(
                 "INSERT INTO accounts (name, service_class, requests_per_minute, tokens_per_day,"
                 " budget_tokens, budget_period_s, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)"
@@ -412,6 +443,7 @@ class HubStore:
         ).fetchall()
         return {r[0] for r in rows}
 
+    @sql.retrying()
     def renew_leases(
         self,
         node_id: str,
@@ -425,10 +457,22 @@ class HubStore:
     ) -> list[Lease]:
         """One node's lease call, in one transaction: record the final spend of its leases
         it retired (`finals`: lease id -> tokens), then, with `grant_new`, a new lease for
-        each of `accounts` that has a budget, sized by the planner."""
+        each of `accounts` that has a budget, sized by the planner.
+
+        Grants of one account are made one at a time, by any replica: the transaction first
+        locks the accounts' rows (in name order, so two replicas never wait on each other
+        in a cycle; on SQLite, BEGIN IMMEDIATE already admits one writer). Each later read
+        sees every grant committed before, so the leases never sum past the budget. The
+        lease views are read before what was consumed: usage ingested in between is then
+        counted twice (a smaller grant), never missed."""
         granted: list[Lease] = []
-        with self.db.conn:
-            self.db.execute("BEGIN IMMEDIATE")  # grants read, then write: one at a time
+        with self.db.transaction():
+            if grant_new and accounts:
+                for account in sorted(set(accounts)):
+                    self.db.execute(
+                        f"SELECT name FROM accounts WHERE name = ?{self.db.for_update}",  # noqa: S608 - a constant
+                        [account],
+                    ).fetchall()
             for lease_id, spent in finals.items():
                 self.db.execute(
                     "UPDATE leases SET final = ? WHERE id = ? AND node_id = ? AND final IS NULL",
@@ -442,14 +486,9 @@ class HubStore:
                     continue
                 start, end = budget.period(now)
                 views = self.lease_views(account, start)
+                consumed = self.consumed(account, start, end)
                 spenders = {v.node_id for v in views if v.outstanding > 0} | {node_id}
-                tokens = grant(
-                    budget,
-                    self.consumed(account, start, end),
-                    views,
-                    spenders=len(spenders),
-                    sizing=sizing,
-                )
+                tokens = grant(budget, consumed, views, spenders=len(spenders), sizing=sizing)
                 lease = Lease(
                     id=uuid.uuid4().hex,
                     account=account,
@@ -491,26 +530,21 @@ class HubStore:
 
     def create_key(self, account: str, *, admin: bool = False) -> NewKey:
         new = generate_key()
-        with self.db.conn:
-            if not list(self.db.query("SELECT 1 FROM accounts WHERE name = ?", [account])):
+        with self.db.transaction():
+            if not self.db.query("SELECT 1 FROM accounts WHERE name = ?", [account]):
                 raise NotFoundError(
                     f"no account {account!r}; create it with `kvl hub accounts set {account}`"
                 )
-            self.db.table("api_keys").insert(
-                {
-                    "prefix": new.prefix,
-                    "hash": new.hash,
-                    "account": account,
-                    "admin": int(admin),
-                    "created_at": time.time(),
-                    "revoked_at": None,
-                }
+            self.db.execute(
+                "INSERT INTO api_keys (prefix, hash, account, admin, created_at, revoked_at)"
+                " VALUES (?, ?, ?, ?, ?, NULL)",
+                [new.prefix, new.hash, account, int(admin), time.time()],
             )
             self._bump()
         return new
 
     def revoke_key(self, prefix: str) -> int:
-        with self.db.conn:
+        with self.db.transaction():
             self._revoke("api_keys", prefix, "key")
             return self._bump()
 
@@ -574,26 +608,28 @@ class HubStore:
 
     def offload_secret(self, node_id: str) -> str:
         """The secret the hub shows `node_id` when it hands it an offloaded request (made
-        on first use; the node learns it from its desired state, through the tunnel)."""
-        with self.db.conn:
-            row = self.db.execute(
-                "SELECT offload_secret FROM nodes WHERE id = ?", [node_id]
-            ).fetchone()
-            if row is not None and row[0]:
-                return str(row[0])
-            secret = "kvlh_" + secrets.token_urlsafe(32)
-            self.db.execute("UPDATE nodes SET offload_secret = ? WHERE id = ?", [secret, node_id])
-            return secret
+        on first use; the node learns it from its desired state, through the tunnel). Made
+        only where none is: of two replicas making one at once, the first one stays."""
+        row = self.db.execute("SELECT offload_secret FROM nodes WHERE id = ?", [node_id]).fetchone()
+        if row is not None and row[0]:
+            return str(row[0])
+        self.db.execute(
+            "UPDATE nodes SET offload_secret = ? WHERE id = ? AND offload_secret IS NULL",
+            ["kvlh_" + secrets.token_urlsafe(32), node_id],
+        )
+        row = self.db.execute("SELECT offload_secret FROM nodes WHERE id = ?", [node_id]).fetchone()
+        if row is None or not row[0]:
+            raise NotFoundError(f"no node {node_id!r}")
+        return str(row[0])
 
     # -- operators -------------------------------------------------------------------------
 
     def create_operator(self, name: str) -> NewKey:
         new = generate_key(OPERATOR_TOKEN)
-        with self.db.conn:
-            self.db.execute(
-                "INSERT INTO operators (prefix, hash, name, created_at) VALUES (?, ?, ?, ?)",
-                [new.prefix, new.hash, name, time.time()],
-            )
+        self.db.execute(
+            "INSERT INTO operators (prefix, hash, name, created_at) VALUES (?, ?, ?, ?)",
+            [new.prefix, new.hash, name, time.time()],
+        )
         return new
 
     def authenticate_operator(self, token: str) -> str | None:
@@ -609,21 +645,19 @@ class HubStore:
         return str(row[1])
 
     def revoke_operator(self, prefix: str) -> None:
-        with self.db.conn:
-            self._revoke("operators", prefix, "operator token")
+        self._revoke("operators", prefix, "operator token")
 
     # -- models, deployments, placements --------------------------------------------------
 
     def add_model(self, model: ModelArtifact) -> None:
-        with self.db.conn:
-            if self.db.execute("SELECT 1 FROM models WHERE ref = ?", [model.ref]).fetchone():
-                raise ConflictError(f"model {model.ref} is already registered")
-            self.db.execute(
-                "INSERT INTO models (ref, name, version, sha256, size_bytes, format, memory_mib,"
-                " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [model.ref, model.name, model.version, model.sha256, model.size_bytes,
-                 model.format, model.memory_mib, time.time()],
-            )  # fmt: skip
+        added = self.db.execute(
+            "INSERT INTO models (ref, name, version, sha256, size_bytes, format, memory_mib,"
+            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            [model.ref, model.name, model.version, model.sha256, model.size_bytes,
+             model.format, model.memory_mib, time.time()],
+        ).rowcount  # fmt: skip
+        if added == 0:
+            raise ConflictError(f"model {model.ref} is already registered")
 
     def models(self) -> list[ModelArtifact]:
         rows = self.db.execute(
@@ -641,7 +675,7 @@ class HubStore:
 
     def deploy(self, deployment: DeploymentRecord) -> int:
         """Add a deployment; the new serial (the reconciler places it within seconds)."""
-        with self.db.conn:
+        with self.db.transaction():
             if not self.db.execute(
                 "SELECT 1 FROM models WHERE ref = ?", [deployment.model]
             ).fetchone():
@@ -657,7 +691,7 @@ class HubStore:
             return self._bump()
 
     def undeploy(self, deployment_id: str) -> int:
-        with self.db.conn:
+        with self.db.transaction():
             gone = self.db.execute("DELETE FROM deployments WHERE id = ?", [deployment_id])
             if gone.rowcount == 0:
                 raise NotFoundError(f"no deployment {deployment_id!r}")
@@ -680,20 +714,31 @@ class HubStore:
 
     def apply_placements(self, wanted: Iterable[tuple[str, str, int | None]]) -> bool:
         """Make the placements exactly `wanted` (the planner's answer); True when that
-        changed anything (the desired state's serial then moves, so nodes converge)."""
+        changed anything (the desired state's serial then moves, so nodes converge).
+
+        Every replica runs the reconciler: the serial's row, locked first, lets one apply
+        at a time, and each compares with the placements as the one before left them."""
         target = set(wanted)
-        with self.db.conn:
+        with self.db.transaction():
+            self.db.execute(
+                "INSERT INTO meta (key, value) VALUES ('desired_serial', '0')"
+                " ON CONFLICT DO NOTHING"
+            )
+            self.db.execute(
+                f"SELECT value FROM meta WHERE key = 'desired_serial'{self.db.for_update}"  # noqa: S608 - a constant
+            ).fetchall()
             current = set(self.placements())
             if current == target:
                 return False
-            self.db.conn.executemany(
+            self.db.executemany(
                 "DELETE FROM placements WHERE deployment_id = ? AND node_id = ?",
                 sorted((d, n) for d, n, _ in current - target),
             )
             now = time.time()
-            self.db.conn.executemany(
+            self.db.executemany(
                 "INSERT INTO placements (deployment_id, node_id, gpu, created_at)"
-                " VALUES (?, ?, ?, ?)",
+                " VALUES (?, ?, ?, ?) ON CONFLICT (deployment_id, node_id) DO UPDATE SET"
+                " gpu = excluded.gpu",
                 [(d, n, g, now) for d, n, g in sorted(target - current, key=str)],
             )
             self._bump()
@@ -701,57 +746,68 @@ class HubStore:
 
     def set_draining(self, node_id: str, *, draining: bool) -> Node:
         node = self.node(node_id)
-        with self.db.conn:
-            self.db.execute("UPDATE nodes SET draining = ? WHERE id = ?", [int(draining), node.id])
+        self.db.execute("UPDATE nodes SET draining = ? WHERE id = ?", [int(draining), node.id])
         return self.node(node.id)
 
     def placed_models(self, node_id: str) -> list[ModelArtifact]:
         """The models placed on a node, for its desired state."""
         rows = self.db.execute(
-            "SELECT DISTINCT m.name, m.version, m.sha256, m.size_bytes, m.format, m.memory_mib"
-            " FROM placements p JOIN deployments d ON d.id = p.deployment_id"
+            "SELECT DISTINCT m.name, m.version, m.sha256, m.size_bytes, m.format, m.memory_mib,"
+            " m.ref FROM placements p JOIN deployments d ON d.id = p.deployment_id"
             " JOIN models m ON m.ref = d.model WHERE p.node_id = ? ORDER BY m.ref",
             [node_id],
         ).fetchall()
-        return [ModelArtifact(*r) for r in rows]
+        return [ModelArtifact(*r[:6]) for r in rows]
 
     # -- the ledger ----------------------------------------------------------------------
 
     def ingest(self, node_id: str, events: Iterable[Mapping[str, Any]]) -> tuple[list[str], int]:
         """Store a batch of a node's events; (every id acknowledged, how many were new).
-        An event already in the ledger is acknowledged again and not stored twice."""
-        now = time.time()
-        rows = [(str(e["id"]), node_id, str(e["kind"]), json.dumps(e["body"]), now,
-                 *_usage(e["kind"], e["body"], now)) for e in events]  # fmt: skip
-        others = [e for e in events if e["kind"] != "usage"]
-        with self.db.conn:
-            seen = self._seen_events([str(e["id"]) for e in others])
-            before = self.db.conn.total_changes
-            self.db.conn.executemany(
-                "INSERT OR IGNORE INTO ledger (event_id, node_id, kind, body, received_at,"
-                " account, tokens, lease_id, at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                rows,
-            )
-            new = self.db.conn.total_changes - before
-            for event in others:  # each applied once, in the node's order
-                if str(event["id"]) in seen:
-                    continue
-                seen.add(str(event["id"]))
-                try:
-                    self._apply_event(node_id, str(event["kind"]), event["body"], now)
-                except (KeyError, TypeError, ValueError) as err:
-                    # Kept in the ledger, not applied: a malformed report must not stop
-                    # the node's outbox behind it.
-                    log.warning("node %s: %s event %s not applied: %r", node_id,
-                                event["kind"], event["id"], err)  # fmt: skip
-        return [r[0] for r in rows], new
+        An event already in the ledger is acknowledged again and not stored twice: the
+        ledger's key is the event id, an INSERT of one already there changes nothing, and
+        its row count says so, whichever replica got the batch first."""
+        events = list(events)
+        [stored] = self.store_events([(node_id, events, ledger_rows(node_id, events, time.time()))])
+        return stored
 
-    def _seen_events(self, ids: list[str]) -> set[str]:
-        if not ids:
-            return set()
-        marks = ",".join("?" * len(ids))
-        rows = self.db.execute(f"SELECT event_id FROM ledger WHERE event_id IN ({marks})", ids)  # noqa: S608 - placeholders only
-        return {r[0] for r in rows}
+    @sql.retrying()
+    def store_events(
+        self, batches: Sequence[tuple[str, Sequence[Mapping[str, Any]], list[LedgerRow]]]
+    ) -> list[tuple[list[str], int]]:
+        """Several nodes' batches (node id, events, their `ledger_rows`) in one transaction,
+        so in one durable commit; for each, as `ingest` answers."""
+        insert = (
+            "INSERT INTO ledger (event_id, node_id, kind, body, received_at, account, tokens,"
+            " lease_id, at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+        )
+        answers: dict[int, tuple[list[str], int]] = {}
+        with self.db.transaction():
+            # Usage in the order of its ids: two replicas storing overlapping batches lock
+            # the same keys in one order.
+            order = sorted(
+                range(len(batches)), key=lambda i: min((r[0] for r in batches[i][2]), default="")
+            )
+            for index in order:
+                node_id, events, rows = batches[index]
+                new = self.db.executemany(
+                    insert, sorted((r for r in rows if r[2] == "usage"), key=lambda r: r[0])
+                )
+                for event, row in zip(events, rows, strict=True):
+                    if row[2] == "usage":
+                        continue
+                    # Others one by one, in the node's order, each applied if it was new.
+                    if self.db.execute(insert, row).rowcount == 0:
+                        continue
+                    new += 1
+                    try:
+                        self._apply_event(node_id, row[2], event["body"], row[4])
+                    except (KeyError, TypeError, ValueError) as err:
+                        # Kept in the ledger, not applied: a malformed report must not
+                        # stop the node's outbox behind it.
+                        log.warning("node %s: %s event %s not applied: %r", node_id,
+                                    row[2], row[0], err)  # fmt: skip
+                answers[index] = ([r[0] for r in rows], new)
+        return [answers[i] for i in range(len(batches))]
 
     def _apply_event(self, node_id: str, kind: str, body: Mapping[str, Any], now: float) -> None:
         """A node's package report: the package (and its lineage) known to the fleet, held
@@ -760,7 +816,8 @@ class HubStore:
             self._upsert_package(body, origin_node=node_id, now=now)
             self.db.execute(
                 "INSERT INTO package_copies (package_id, version, node_id, reported_at)"
-                " VALUES (?, ?, ?, ?) ON CONFLICT DO UPDATE SET reported_at = excluded.reported_at",
+                " VALUES (?, ?, ?, ?) ON CONFLICT (package_id, version, node_id) DO UPDATE SET"
+                " reported_at = excluded.reported_at",
                 [body["id"], body["version"], node_id, now],
             )
         elif kind == "package_removed":
@@ -788,7 +845,7 @@ class HubStore:
 
     def add_package_bundle(self, summary: Mapping[str, Any], sha256: str, size: int) -> None:
         """The hub now holds this package's archive (to seed it to nodes)."""
-        with self.db.conn:
+        with self.db.transaction():
             self._upsert_package(summary, origin_node=None, now=time.time())
             self.db.execute(
                 "UPDATE packages SET bundle_sha256 = ?, bundle_size = ? WHERE id = ? AND"
@@ -799,24 +856,32 @@ class HubStore:
     def packages(self, query: str | None = None, limit: int = 200) -> list[PackageRecord]:
         """Packages known to the fleet, newest first, with the nodes that hold each."""
         needle = f"%{(query or '').casefold()}%"
-        rows = self.db.execute(
-            "SELECT p.*, s.site AS seed_site, s.created_at AS seeded_at,"
-            " (SELECT group_concat(node_id) FROM package_copies c WHERE c.package_id = p.id"
-            "  AND c.version = p.version) AS nodes"
+        rows = self.db.query(
+            "SELECT p.*, s.site AS seed_site, s.created_at AS seeded_at"
             " FROM packages p LEFT JOIN package_seeds s ON s.package_id = p.id AND"
             " s.version = p.version WHERE lower(p.id || ' ' || p.title || ' ' || p.topic)"
             " LIKE ? ORDER BY p.created_at DESC, p.id LIMIT ?",
             [needle, limit],
         )
-        return [_package(dict(zip([c[0] for c in rows.description], r, strict=True)))
-                for r in rows.fetchall()]  # fmt: skip
+        holders: dict[tuple[str, str], list[str]] = {}
+        if rows:
+            marks = ",".join("?" * len(rows))
+            copies = self.db.execute(
+                "SELECT package_id, version, node_id FROM package_copies"  # noqa: S608 - placeholders only
+                f" WHERE package_id IN ({marks}) ORDER BY node_id",
+                sorted({r["id"] for r in rows}),
+            )
+            for package_id, version, node_id in copies:
+                holders.setdefault((package_id, version), []).append(node_id)
+        return [_package(r, holders.get((r["id"], r["version"]), [])) for r in rows]
 
     def seed_package(self, package_id: str, version: str | None, site: str | None) -> int:
         """Seed a package version (the newest held when None) to every node, or to the
         nodes of ``site``; the new serial. NotFoundError when the hub holds no archive."""
-        with self.db.conn:
+        with self.db.transaction():
             row = self.db.execute(
-                "SELECT version FROM packages WHERE id = ? AND (? IS NULL OR version = ?) AND"
+                "SELECT version FROM packages WHERE id = ? AND (CAST(? AS TEXT) IS NULL OR"
+                " version = ?) AND"
                 " bundle_sha256 IS NOT NULL ORDER BY created_at DESC LIMIT 1",
                 [package_id, version, version],
             ).fetchone()
@@ -828,15 +893,17 @@ class HubStore:
                 )
             self.db.execute(
                 "INSERT INTO package_seeds (package_id, version, site, created_at)"
-                " VALUES (?, ?, ?, ?) ON CONFLICT DO UPDATE SET site = excluded.site",
+                " VALUES (?, ?, ?, ?) ON CONFLICT (package_id, version) DO UPDATE SET"
+                " site = excluded.site",
                 [package_id, row[0], site, time.time()],
             )
             return self._bump()
 
     def unseed_package(self, package_id: str, version: str | None) -> int:
-        with self.db.conn:
+        with self.db.transaction():
             gone = self.db.execute(
-                "DELETE FROM package_seeds WHERE package_id = ? AND (? IS NULL OR version = ?)",
+                "DELETE FROM package_seeds WHERE package_id = ? AND"
+                " (CAST(? AS TEXT) IS NULL OR version = ?)",
                 [package_id, version, version],
             ).rowcount
             if not gone:
@@ -858,7 +925,19 @@ class HubStore:
         sql, params = "SELECT COUNT(*) AS n FROM ledger", []
         if node_id is not None:
             sql, params = sql + " WHERE node_id = ?", [node_id]
-        return int(next(iter(self.db.query(sql, params)))["n"])
+        return int(self.db.query(sql, params)[0]["n"])
+
+
+# A ledger row: event id, node id, kind, body (JSON), received at, account, tokens,
+# lease id, when served (the last four for usage events only).
+LedgerRow = tuple[str, str, str, str, float, str | None, int | None, str | None, float | None]
+
+
+def ledger_rows(node_id: str, events: Iterable[Mapping[str, Any]], now: float) -> list[LedgerRow]:
+    """A node's events as ledger rows; ValueError or TypeError for a usage event whose
+    numbers are not numbers."""
+    return [(str(e["id"]), node_id, str(e["kind"]), json.dumps(e["body"]), now,
+             *_usage(str(e["kind"]), e["body"], now)) for e in events]  # fmt: skip
 
 
 def _usage(
@@ -883,7 +962,7 @@ def _usage(
     )
 
 
-def _package(row: Mapping[str, Any]) -> PackageRecord:
+def _package(row: Mapping[str, Any], nodes: list[str]) -> PackageRecord:
     return PackageRecord(
         id=row["id"],
         version=row["version"],
@@ -899,7 +978,7 @@ def _package(row: Mapping[str, Any]) -> PackageRecord:
         received_at=row["received_at"],
         bundle_sha256=row["bundle_sha256"],
         bundle_size=row["bundle_size"],
-        nodes=sorted((row["nodes"] or "").split(",")) if row["nodes"] else [],
+        nodes=sorted(nodes),
         seeded_to=None if row["seeded_at"] is None else (row["seed_site"] or "*"),
     )
 
@@ -991,9 +1070,115 @@ class Heartbeat:
     address: str | None = None  # the caller's address
 
 
+EventsAnswer = tuple[list[str], int]  # every id acknowledged, how many were new
+GROUP_EVENTS = 20_000  # at most this many events in one group commit
+
+
 class AsyncHubStore(db.AsyncStore[HubStore]):
-    def __init__(self, path: Path) -> None:
-        super().__init__(HubStore, path)
+    """The hub's store on its writer thread, on the database the settings name; and a
+    second connection on a thread of its own for snapshots of the whole fleet (`read`),
+    so the placement reconciler's and the console's reads of ten thousand nodes never
+    hold up the node calls queued on the writer."""
+
+    def __init__(self, settings: HubSettings) -> None:
+        super().__init__(open_store, settings)
+        self._reader = db.AsyncStore(open_store, settings)
+        self._waiting: list[_Batch] = []
+        self._committer: asyncio.Task[None] | None = None
+
+    async def open(self) -> None:
+        await super().open()
+        await self._reader.open()
+
+    async def read(
+        self, fn: Callable[Concatenate[HubStore, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """`fn(store, …)` on the reading connection: reads only (SQLite's WAL and
+        PostgreSQL both let it read what was committed while the writer writes)."""
+        return await self._reader.run(fn, self._reader.sync, *args, **kwargs)
+
+    async def nodes(self) -> list[Node]:
+        """Every node (`HubStore.nodes`), read beside the writer."""
+        return await self.read(HubStore.nodes)
+
+    async def ingest(self, node_id: str, events: Iterable[Mapping[str, Any]]) -> EventsAnswer:
+        """`HubStore.ingest`, committed in groups: the batches that arrive while a commit is
+        being made go together in the next one. A thousand nodes syncing in a second then
+        cost a few durable commits, not a thousand (one writer thread makes them all), and
+        no batch waits on a timer. Each is answered once its commit is durable."""
+        events = list(events)
+        rows = ledger_rows(node_id, events, time.time())  # a malformed batch fails alone
+        future: asyncio.Future[EventsAnswer] = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Batch(node_id, events, rows, future))
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.create_task(self._commit(), name="kvl-hub-ledger")
+        return await future
+
+    async def _commit(self) -> None:
+        while self._waiting:
+            group: list[_Batch] = []
+            size = 0
+            while self._waiting and (
+                not group or size + len(self._waiting[0].rows) <= GROUP_EVENTS
+            ):
+                group.append(self._waiting.pop(0))
+                size += len(group[-1].rows)
+            try:
+                answers = await self.run(self.sync.store_events, [w.stored for w in group])
+            except sql.DatabaseError:
+                # Again one at a time, so only a batch at fault fails.
+                for waiting in group:
+                    await self._commit_one(waiting)
+                continue
+            except Exception as err:  # noqa: BLE001 - handed to every caller waiting on it
+                for waiting in group:
+                    _settle(waiting.answer, error=err)
+                continue
+            for waiting, answer in zip(group, answers, strict=True):
+                _settle(waiting.answer, answer)
+
+    async def _commit_one(self, waiting: _Batch) -> None:
+        try:
+            [answer] = await self.run(self.sync.store_events, [waiting.stored])
+        except Exception as err:  # noqa: BLE001 - handed to the caller waiting on it
+            _settle(waiting.answer, error=err)
+        else:
+            _settle(waiting.answer, answer)
+
+    async def close(self) -> None:
+        if self._committer is not None:
+            with contextlib.suppress(Exception):
+                await self._committer
+        await self._reader.close()
+        await super().close()
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A node's batch of events waiting for the next group commit."""
+
+    node_id: str
+    events: list[Mapping[str, Any]]
+    rows: list[LedgerRow]
+    answer: asyncio.Future[EventsAnswer]
+
+    @property
+    def stored(self) -> tuple[str, list[Mapping[str, Any]], list[LedgerRow]]:
+        return self.node_id, self.events, self.rows
+
+
+def _settle(
+    future: asyncio.Future[EventsAnswer],
+    answer: EventsAnswer | None = None,
+    *,
+    error: BaseException | None = None,
+) -> None:
+    if future.done():  # its caller went away; the events are stored all the same
+        return
+    if error is not None:
+        future.set_exception(error)
+    elif answer is not None:
+        future.set_result(answer)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from appliance.app import create_app
 from appliance.gateway.keys import HOST
 from appliance.state.store import Store
 from hub.app import certificates
-from hub.state.store import HubStore
+from hub.state.store import open_store
 from tests.conftest import free_port, make_settings
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ async def join(
 ) -> FleetNode:
     """An appliance enrolled with the hub through a provisioning file of its own, its
     model loaded."""
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     token = store.create_token("site", uses=1, expires_in_s=600).plaintext
     store.close()
     provisioning = tmp_path / f"{name}.json"

@@ -20,7 +20,7 @@ from appliance.state.store import ModelRecord, Store
 from hub.app import certificates, ssl_context
 from hub.app import create_app as create_hub
 from hub.settings import HubSettings
-from hub.state.store import HubStore
+from hub.state.store import open_store
 from tests.conftest import free_port, spawn_appliance, wait_ready
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ async def test_every_answered_request_survives_kill_9_exactly_once(
         }
     )
     hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
-    hub_store = HubStore(hub.db_path)
+    hub_store = open_store(hub)
     token = hub_store.create_token("site", uses=1, expires_in_s=3600).plaintext
     hub_store.close()
     provisioning = tmp_path / "kovenlab.json"
@@ -142,7 +142,7 @@ async def test_every_answered_request_survives_kill_9_exactly_once(
         mine = [e.id for e in local.usage_events(limit=1_000_000)]
     finally:
         local.close()
-    hub_store = HubStore(hub.db_path)
+    hub_store = open_store(hub)
     try:
         ledger = [r["event_id"] for r in hub_store.db.query("SELECT event_id FROM ledger")]
     finally:

@@ -22,7 +22,7 @@ from appliance.state.store import ModelRecord, Store
 from hub.app import certificates, ssl_context
 from hub.app import create_app as create_hub
 from hub.settings import HubSettings
-from hub.state.store import HubStore
+from hub.state.store import HubStore, open_store
 from shared.provisioning import Provisioning
 from shared.wireguard import read_private_key
 from tests.conftest import free_port, kvl, make_settings
@@ -48,7 +48,7 @@ def hub_settings(tmp_path: Path) -> HubSettings:
 
 
 def provisioning(tmp_path: Path, hub: HubSettings, port: int, uses: int = 1) -> Path:
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         token = store.create_token("school-a", uses=uses, expires_in_s=600).plaintext
     finally:
@@ -125,7 +125,7 @@ async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outa
     link = app[FLEET]
 
     def hub_store() -> HubStore:
-        return HubStore(hub.db_path)
+        return open_store(hub)
 
     async def heard() -> bool:
         s = hub_store()
@@ -285,7 +285,7 @@ async def test_lost_acknowledgements_never_duplicate(
     finally:
         await link.close()
         await store.close()
-    s = HubStore(hub.db_path)
+    s = open_store(hub)
     try:
         assert s.ledger_count() == 5
     finally:
@@ -338,7 +338,7 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
     port = free_port()
     hub_server = await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
     path = provisioning(tmp_path, hub, port)
-    s = HubStore(hub.db_path)
+    s = open_store(hub)
     try:
         s.set_account("school", "S2", requests_per_minute=2)
         fleet_key = s.create_key("school").plaintext
@@ -375,7 +375,7 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
         assert response.status == expected, await response.text()
     assert "requests_per_minute quota (2," in (await response.json())["error"]["message"]
 
-    s = HubStore(hub.db_path)
+    s = open_store(hub)
     try:
         s.revoke_key(fleet_key.split("_")[1])
     finally:
@@ -389,7 +389,7 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
     assert error["code"] == "revoked_api_key"
 
     # With the hub gone, the appliance keeps the last state it applied.
-    s = HubStore(hub.db_path)
+    s = open_store(hub)
     try:
         s.set_account("library", "S1")
         library_key = s.create_key("library").plaintext

@@ -21,7 +21,7 @@ from hub.app import certificates, ssl_context
 from hub.app import create_app as create_hub
 from hub.planning.quota import Budget
 from hub.settings import HubSettings
-from hub.state.store import HubStore
+from hub.state.store import HubStore, open_store
 from shared import pki
 from tests.appliance.test_fleet import fleet_appliance, provisioning, wait_for
 from tests.proxy import CuttableProxy
@@ -78,7 +78,7 @@ async def test_a_partitioned_node_spends_its_lease_then_refuses_and_the_budget_h
                       "max_slice_tokens": 120},
         }
     )  # fmt: skip
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     store.set_account("acme", "S1", budget=Budget(BUDGET, 86_400))
     acme_key = store.create_key("acme").plaintext
     others = []
@@ -171,7 +171,7 @@ async def test_a_partitioned_node_spends_its_lease_then_refuses_and_the_budget_h
     # ledger holds the whole fleet's spend: within the budget plus one request.
     proxy.restore()
     await wait_for(lambda: _synced(app), timeout_s=30)
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         await wait_for(lambda: _final_reported(store, lease.id), timeout_s=30)
         quota = store.quota("acme", time.time())

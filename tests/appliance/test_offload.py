@@ -20,7 +20,7 @@ from hub.app import create_app as create_hub
 from hub.app import ssl_context
 from hub.planning.offload import NodeLoad, candidates
 from hub.settings import HubSettings
-from hub.state.store import HubStore
+from hub.state.store import open_store
 from tests.appliance.fleet_nodes import join
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ async def _appliance(
 async def _ready_in_fleet(hub: HubSettings, names: set[str]) -> None:
     """Until the hub has heard from every node with its model loaded and its secret made."""
     for _ in range(300):
-        store = HubStore(hub.db_path)
+        store = open_store(hub)
         try:
             ready = {
                 n.name

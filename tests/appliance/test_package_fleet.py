@@ -16,7 +16,7 @@ import pytest
 from appliance.gateway.packages import PACKAGES
 from hub.app import create_app as create_hub
 from hub.app import ssl_context
-from hub.state.store import HubStore
+from hub.state.store import open_store
 from tests.appliance.fleet_nodes import join
 from tests.appliance.test_placement_fleet import _hub
 from tests.conftest import kvl
@@ -42,7 +42,7 @@ async def _until(condition: Any, what: str, timeout_s: float = 60.0) -> None:
 
 
 def _nodes_holding(hub: HubSettings, package_id: str) -> list[str]:
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         names = {n.id: n.name for n in store.nodes()}
         found = [p for p in store.packages(package_id) if p.id == package_id]
@@ -73,7 +73,7 @@ async def test_a_package_made_on_one_node_is_reported_and_seeded_to_another(
             return _nodes_holding(hub, package_id) == ["node-a"]
 
         await _until(reported, "node A's package at the hub")
-        store = HubStore(hub.db_path)
+        store = open_store(hub)
         [record] = store.packages(package_id)
         store.close()
         assert record.lineage["model"]["sha256"] == default_model.sha256

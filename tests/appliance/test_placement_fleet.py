@@ -23,7 +23,7 @@ from appliance.state.store import AsyncStore, ModelRecord, Store
 from hub.app import certificates, ssl_context
 from hub.app import create_app as create_hub
 from hub.settings import HubSettings
-from hub.state.store import HubStore
+from hub.state.store import open_store
 from shared import pki
 from tests.appliance.fleet_nodes import join
 from tests.conftest import kvl
@@ -76,7 +76,7 @@ def _served(app: web.Application) -> set[str]:
 
 
 def _placed(hub: HubSettings) -> list[str]:
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         names = {n.id: n.name for n in store.nodes()}
         return sorted(names[n] for _, n, _ in store.placements())
@@ -151,7 +151,7 @@ async def test_a_placed_artifact_is_fetched_resumed_and_checked(
     data = str(hub.data_dir)
     kvl("hub", "models", "add", str(source), "--name", "tiny", "--version", "1", "--data-dir", data)
     kvl("hub", "deploy", "tiny@1", "--data-dir", data)
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     token = store.create_token("s", uses=1, expires_in_s=60).plaintext
     node = store.enroll(token, name="n", wg_public_key=str(WireguardKey.generate().public_key()),
                         overlay_prefix="100.64.0.0/10", labels={}, versions={})  # fmt: skip

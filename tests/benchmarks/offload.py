@@ -29,7 +29,7 @@ import aiohttp
 
 from hub.app import certificates
 from hub.settings import HubSettings
-from hub.state.store import HubStore
+from hub.state.store import open_store
 from tests.benchmarks.concurrency import _percentile
 from tests.benchmarks.serving import HOST, cpu_model, free_port, say
 from tests.benchmarks.sync import wait_for_hub
@@ -62,7 +62,7 @@ def node_env(provisioning: Path) -> dict[str, str]:
 def start_node(
     work: Path, hub: HubSettings, hub_url: str, name: str
 ) -> tuple[subprocess.Popen[bytes], str, str]:
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     token = store.create_token("bench", uses=1, expires_in_s=600).plaintext
     store.close()
     provisioning = work / f"{name}.json"
@@ -86,7 +86,7 @@ def start_node(
 
 
 def in_fleet(hub: HubSettings, names: set[str]) -> bool:
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         ready = {n.name for n in store.nodes()
                  if n.capacity.get("models") and n.api_url and n.offload_secret}  # fmt: skip

@@ -30,7 +30,7 @@ from appliance.settings import FleetSettings
 from appliance.state.store import AsyncStore, Store
 from hub.app import certificates
 from hub.settings import HubSettings
-from hub.state.store import HubStore
+from hub.state.store import open_store
 from shared.db import now_iso
 from shared.provisioning import Provisioning
 from shared.telemetry import Metrics
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 "overlay": {"interface": None},
             }
         )
-        store = HubStore(hub.db_path)
+        store = open_store(hub)
         token = store.create_token("bench", uses=1, expires_in_s=600).plaintext
         store.close()
         config = work / "hub.yaml"
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             process.terminate()
             process.wait(timeout=30)
-        hub_store = HubStore(hub.db_path)
+        hub_store = open_store(hub)
         try:
             stored = hub_store.ledger_count()
             distinct = int(

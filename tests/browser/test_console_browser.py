@@ -23,7 +23,7 @@ from playwright.async_api import Page, async_playwright, expect
 
 from hub.app import create_app, ssl_context
 from hub.settings import HubSettings
-from hub.state.store import HubStore
+from hub.state.store import open_store
 from shared import __version__
 from tests.appliance.fleet_nodes import join
 from tests.conftest import REPO, kvl
@@ -107,7 +107,7 @@ def _create_admin(data: str) -> None:
 
 
 def _tokens(hub: HubSettings) -> list[Any]:
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         return store.tokens()
     finally:

@@ -11,7 +11,7 @@ from wireguard_tools import WireguardKey
 from hub.app import certificates, create_app, ssl_context
 from hub.planning.quota import Budget
 from hub.settings import HubSettings
-from hub.state.store import HubStore, ModelArtifact
+from hub.state.store import ModelArtifact, open_store
 from shared import pki
 from tests.conftest import kvl
 
@@ -20,18 +20,20 @@ if TYPE_CHECKING:
 
     from pytest_aiohttp import AiohttpServer
 
+    from tests.hub.conftest import HubDatabase
+
 
 async def test_the_admin_api_needs_an_operator_token_and_runs_the_fleet(
-    aiohttp_server: AiohttpServer, tmp_path: Path
+    aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
     hub = HubSettings.model_validate(
-        {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False},
+        {"data_dir": tmp_path / "hub", **hub_database, "server": {"require_overlay_source": False},
          "overlay": {"interface": None}}
     )  # fmt: skip
     data = str(hub.data_dir)
     token = kvl("hub", "operators", "create", "--name", "ops", "--data-dir", data).stdout.strip()
     assert token.startswith("kvlo_")
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     store.set_account("acme", "S1", budget=Budget(1_000, 86_400))
     enrollment = store.create_token("lab", uses=1, expires_in_s=60).plaintext
     store.enroll(enrollment, name="node-a", wg_public_key=str(WireguardKey.generate().public_key()),

@@ -11,7 +11,7 @@ from wireguard_tools import WireguardKey
 
 from hub.app import certificates, create_app, ssl_context
 from hub.settings import HubSettings
-from hub.state.store import Enrolled, HubStore, TokenRefusedError
+from hub.state.store import Enrolled, HubStore, TokenRefusedError, open_store
 from shared import pki
 from tests.conftest import kvl
 
@@ -52,7 +52,7 @@ async def test_tokens_and_keys_are_made_listed_and_revoked(
     assert "token" not in listed["data"][0]  # the secret was shown once
     status, revoked = await call("POST", f"/tokens/{made['prefix']}/revoke")
     assert (status, revoked["state"]) == (200, "revoked")
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         with pytest.raises(TokenRefusedError):  # a node cannot enroll with it any more
             _enroll(store, made["token"])
@@ -71,7 +71,7 @@ async def test_tokens_and_keys_are_made_listed_and_revoked(
     assert (status, gone["revoked"]) == (200, True)
     assert (await call("POST", f"/keys/{key['prefix']}/revoke"))[0] == 404
     status, other = await call("POST", "/tokens", {"site": "north"})
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         node = _enroll(store, other["token"]).node
         keys = {k["prefix"]: k for k in store.desired_state(node)["keys"]}

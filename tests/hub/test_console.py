@@ -27,7 +27,7 @@ from hub.console.charts import Series, line_chart, nice_ceiling
 from hub.console.store import create_user
 from hub.planning.quota import Budget
 from hub.settings import HubSettings
-from hub.state.store import HubStore, ModelArtifact
+from hub.state.store import ModelArtifact, open_store
 from shared import pki
 from tests.conftest import REPO, kvl
 
@@ -38,13 +38,16 @@ if TYPE_CHECKING:
     from aiohttp.test_utils import TestServer
     from pytest_aiohttp import AiohttpServer
 
+    from tests.hub.conftest import HubDatabase
+
 PASSWORD = "correct horse battery"
 
 
-def settings_for(tmp_path: Path, **console: Any) -> HubSettings:
+def settings_for(tmp_path: Path, database: HubDatabase, **console: Any) -> HubSettings:
     return HubSettings.model_validate(
         {
             "data_dir": tmp_path / "hub",
+            **database,
             "server": {"require_overlay_source": False},
             "overlay": {"interface": None},
             "fleet": {"stale_after_s": 3, "offline_after_s": 6},
@@ -54,7 +57,7 @@ def settings_for(tmp_path: Path, **console: Any) -> HubSettings:
 
 
 def add_user(hub: HubSettings, name: str = "ops", password: str = PASSWORD) -> None:
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         create_user(store, name, hash_password(password), time.time())
     finally:
@@ -123,8 +126,8 @@ class Console:
 
 
 @pytest.fixture
-async def hub(tmp_path: Path) -> HubSettings:
-    return settings_for(tmp_path)
+async def hub(tmp_path: Path, hub_database: HubDatabase) -> HubSettings:
+    return settings_for(tmp_path, hub_database)
 
 
 async def start(aiohttp_server: AiohttpServer, hub: HubSettings) -> TestServer:
@@ -157,7 +160,7 @@ def set_cookie(response: aiohttp.ClientResponse, name: str) -> str:
 
 async def enroll(console: Console, hub: HubSettings, name: str, site: str = "lab") -> str:
     """A node enrolled over the real API; its node token."""
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     token = store.create_token(site, uses=1, expires_in_s=60).plaintext
     store.close()
     body = {
@@ -213,7 +216,7 @@ async def test_login_sets_a_strict_cookie_whose_session_is_stored_hashed(
         assert attribute in session_cookie
     token = console.cookie(SESSION_COOKIE)
     assert token
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         stored = [tuple(r) for r in store.db.execute("SELECT * FROM console_sessions")]
         hashes = [r[0] for r in store.db.execute("SELECT hash FROM console_users")]
@@ -256,9 +259,9 @@ async def test_a_wrong_password_or_name_is_refused_on_the_login_page(console: Co
 
 
 async def test_failed_logins_are_throttled_per_address(
-    aiohttp_server: AiohttpServer, tmp_path: Path
+    aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
-    hub = settings_for(tmp_path, login_failures_allowed=2)
+    hub = settings_for(tmp_path, hub_database, login_failures_allowed=2)
     add_user(hub)
     server = await start(aiohttp_server, hub)
     async with open_console(server, hub) as console:
@@ -309,9 +312,8 @@ async def test_logout_and_an_expired_session_end_the_login(
 
     assert await console.login() == 303
     assert (await console.get("/console/nodes"))[0] == 200
-    store = HubStore(hub.db_path)
-    with store.db.conn:
-        store.db.execute("UPDATE console_sessions SET expires_at = ?", [time.time() - 1])
+    store = open_store(hub)
+    store.db.execute("UPDATE console_sessions SET expires_at = ?", [time.time() - 1])
     store.close()
     assert (await console.get("/console/nodes"))[0] == 303
 
@@ -320,7 +322,7 @@ async def test_logout_and_an_expired_session_end_the_login(
 
 
 def token_count(hub: HubSettings) -> int:
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         return len(store.tokens())
     finally:
@@ -370,12 +372,12 @@ async def test_cross_site_posts_are_refused_and_change_nothing(
 async def test_every_page_renders_and_every_action_works(
     console: Console, hub: HubSettings
 ) -> None:
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     store.set_account("acme", "S1", requests_per_minute=60, budget=Budget(50_000, 86_400))
     store.set_account("beta", "S2")
     store.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
     store.create_token("<b>bold</b>", uses=1, expires_in_s=60)  # escaped, not markup
-    with store.db.conn:
+    with store.db.transaction():
         store.db.execute(
             "INSERT INTO packages (id, version, title, topic, level, items, size, digest,"
             " lineage, origin_node, created_at, received_at, bundle_sha256) VALUES"
@@ -543,7 +545,7 @@ async def _when(text: Any, check: Callable[[str], bool]) -> str | None:
 
 
 def _node(hub: HubSettings, name: str) -> Any:
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         return store.node(name)
     finally:
@@ -551,7 +553,7 @@ def _node(hub: HubSettings, name: str) -> Any:
 
 
 def _deployments(hub: HubSettings) -> list[Any]:
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         return store.deployments()
     finally:
@@ -559,7 +561,7 @@ def _deployments(hub: HubSettings) -> list[Any]:
 
 
 def _key(hub: HubSettings, prefix: str) -> tuple[Any, ...]:
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         row = store.db.execute(
             "SELECT account, admin, revoked_at FROM api_keys WHERE prefix = ?", [prefix]

@@ -16,7 +16,14 @@ from wireguard_tools import WireguardKey
 from hub.app import certificates, create_app, ssl_context
 from hub.cli import parse_duration
 from hub.settings import HubSettings
-from hub.state.store import HubStore, NodeStatus, TokenProblem, TokenRefusedError, node_status
+from hub.state.store import (
+    AsyncHubStore,
+    NodeStatus,
+    TokenProblem,
+    TokenRefusedError,
+    node_status,
+    open_store,
+)
 from shared import pki
 from shared.errors import ErrorCode
 from tests.conftest import kvl
@@ -26,13 +33,16 @@ if TYPE_CHECKING:
 
     from pytest_aiohttp import AiohttpServer
 
+    from tests.hub.conftest import HubDatabase
+
 PREFIX = "100.64.0.0/10"
 
 
-def settings_for(tmp_path: Path, **server: Any) -> HubSettings:
+def settings_for(tmp_path: Path, database: HubDatabase, **server: Any) -> HubSettings:
     return HubSettings.model_validate(
         {
             "data_dir": tmp_path / "hub",
+            **database,
             "server": {"require_overlay_source": False, **server},
             # Loopback tests: no WireGuard interface on the host (the netns tests make them).
             "overlay": {"interface": None},
@@ -47,8 +57,10 @@ def new_key() -> str:
 # -- tokens and the registry -----------------------------------------------------------------
 
 
-def test_tokens_are_single_use_by_default_and_expire_or_get_revoked(tmp_path: Path) -> None:
-    store = HubStore(tmp_path / "hub.db")
+def test_tokens_are_single_use_by_default_and_expire_or_get_revoked(
+    tmp_path: Path, hub_database: HubDatabase
+) -> None:
+    store = open_store(settings_for(tmp_path, hub_database))
     try:
         token = store.create_token("school-a", uses=1, expires_in_s=3600)
         enrolled = store.enroll(
@@ -142,10 +154,10 @@ def test_durations() -> None:
 
 
 async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sync(
-    aiohttp_server: AiohttpServer, tmp_path: Path
+    aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
-    settings = settings_for(tmp_path)
-    store = HubStore(settings.db_path)
+    settings = settings_for(tmp_path, hub_database)
+    store = open_store(settings)
     token = store.create_token("school-a", uses=1, expires_in_s=3600).plaintext
     store.close()
     server = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
@@ -215,7 +227,7 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
         assert bad.status == 400
         assert (await bad.json())["error"]["param"] == "wg_public_key"
 
-    store = HubStore(settings.db_path)
+    store = open_store(settings)
     try:
         assert store.ledger_count() == 6
         # Heartbeats are written behind, within a second.
@@ -237,10 +249,10 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
 
 
 async def test_node_calls_must_come_from_the_overlay_address(
-    aiohttp_server: AiohttpServer, tmp_path: Path
+    aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
-    settings = settings_for(tmp_path, require_overlay_source=True)
-    store = HubStore(settings.db_path)
+    settings = settings_for(tmp_path, hub_database, require_overlay_source=True)
+    store = open_store(settings)
     token = store.create_token("s", uses=1, expires_in_s=60).plaintext
     node_token = store.enroll(
         token, name="n", wg_public_key=new_key(), overlay_prefix=PREFIX, labels={}, versions={}
@@ -261,7 +273,9 @@ async def test_node_calls_must_come_from_the_overlay_address(
     assert "100.64.0.2" in error["message"]
 
 
-def test_the_cli_creates_lists_and_revokes_tokens_and_lists_nodes(tmp_path: Path) -> None:
+def test_the_cli_creates_lists_and_revokes_tokens_and_lists_nodes(
+    tmp_path: Path, hub_database: HubDatabase
+) -> None:
     data = str(tmp_path / "hub")
     token = kvl("hub", "tokens", "create", "--site", "school-a", "--uses", "3", "--data-dir", data)
     plaintext = token.stdout.strip()
@@ -291,10 +305,10 @@ def test_the_cli_creates_lists_and_revokes_tokens_and_lists_nodes(tmp_path: Path
 
 
 async def test_each_node_reads_only_its_own_desired_state_and_serials_grow(
-    aiohttp_server: AiohttpServer, tmp_path: Path
+    aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
-    settings = settings_for(tmp_path)
-    store = HubStore(settings.db_path)
+    settings = settings_for(tmp_path, hub_database)
+    store = open_store(settings)
     token = store.create_token("s", uses=2, expires_in_s=60).plaintext
     a, b = (
         store.enroll(
@@ -327,7 +341,7 @@ async def test_each_node_reads_only_its_own_desired_state_and_serials_grow(
             assert unchanged.status == 204
 
 
-def test_the_cli_manages_fleet_accounts_and_keys(tmp_path: Path) -> None:
+def test_the_cli_manages_fleet_accounts_and_keys(tmp_path: Path, hub_database: HubDatabase) -> None:
     data = str(tmp_path / "hub")
     assert (
         "serial 1"
@@ -343,13 +357,13 @@ def test_the_cli_manages_fleet_accounts_and_keys(tmp_path: Path) -> None:
 
 
 async def test_provision_writes_a_file_an_appliance_enrolls_with(
-    aiohttp_server: AiohttpServer, tmp_path: Path
+    aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
     from appliance.fleet.identity import FleetFiles  # noqa: PLC0415
     from appliance.fleet.link import enroll  # noqa: PLC0415
     from shared.provisioning import Provisioning  # noqa: PLC0415
 
-    settings = settings_for(tmp_path)
+    settings = settings_for(tmp_path, hub_database)
     data = str(settings.data_dir)
     bad = kvl("hub", "provision", "--site", "s", "--name", "no spaces", "--data-dir", data,
               check=False)  # fmt: skip
@@ -368,13 +382,13 @@ async def test_provision_writes_a_file_an_appliance_enrolls_with(
     assert (identity.name, identity.site) == ("lab-2", "school-b")
 
 
-async def test_the_simulator_enrolls_a_fleet_and_its_heartbeats_land(
-    aiohttp_server: AiohttpServer, tmp_path: Path
+async def test_the_simulator_enrolls_a_fleet_and_its_heartbeats_and_syncs_land(
+    aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
     from hub.simulate import Simulator  # noqa: PLC0415
 
-    settings = settings_for(tmp_path)
-    store = HubStore(settings.db_path)
+    settings = settings_for(tmp_path, hub_database)
+    store = open_store(settings)
     token = store.create_token("simulated", uses=20, expires_in_s=600).plaintext
     store.close()
     server = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
@@ -387,15 +401,21 @@ async def test_the_simulator_enrolls_a_fleet_and_its_heartbeats_land(
         # One more than the token allows: refused, and counted as such.
         _, refused = await sim.enroll(token, 1, prefix="extra")
         assert refused.summary()["failed"] == {"401": 1}
-        beats = await sim.heartbeats(nodes, interval_s=0.5, duration_s=1.5)
-    summary = beats.summary()
-    assert summary["failed"] == {}
-    assert summary["ok"] == 60  # 20 nodes x 3 periods
-    assert summary["p99_ms"] is not None
+        # Three events a sync, and half the syncs sent twice (lost acknowledgements).
+        load = await sim.run(nodes, interval_s=0.5, duration_s=1.5, events=3, resend=0.5)
+    summary = load.summary()
+    assert summary["heartbeats"]["failed"] == {}
+    assert summary["heartbeats"]["ok"] == 60  # 20 nodes x 3 periods
+    assert summary["heartbeats"]["p99_ms"] is not None
+    assert summary["sync"]["failed"] == {}
+    assert summary["sync"]["events"] == 180
+    assert summary["sync"]["resent"] > 0
+    assert summary["sync"]["new"] == 180  # each event new once, resends included
     await server.close()  # the last heartbeats are flushed on the way out
-    store = HubStore(settings.db_path)
+    store = open_store(settings)
     try:
         registered = store.nodes()
+        assert store.ledger_count() == 180
     finally:
         store.close()
     assert len(registered) == 20
@@ -405,10 +425,10 @@ async def test_the_simulator_enrolls_a_fleet_and_its_heartbeats_land(
 
 
 async def test_heartbeat_answers_carry_the_desired_serial(
-    aiohttp_server: AiohttpServer, tmp_path: Path
+    aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
-    settings = settings_for(tmp_path)
-    store = HubStore(settings.db_path)
+    settings = settings_for(tmp_path, hub_database)
+    store = open_store(settings)
     token = store.create_token("s", uses=1, expires_in_s=60).plaintext
     node_token = store.enroll(
         token, name="n", wg_public_key=new_key(), overlay_prefix=PREFIX, labels={}, versions={}
@@ -430,7 +450,7 @@ async def test_heartbeat_answers_carry_the_desired_serial(
             return int((await answer.json())["desired_serial"])
 
     before = await serial()
-    store = HubStore(settings.db_path)
+    store = open_store(settings)
     store.set_account("school", "S1")  # another process's change: the serial moves
     store.close()
     for _ in range(30):  # the hub reads it again within a second
@@ -438,3 +458,50 @@ async def test_heartbeat_answers_carry_the_desired_serial(
             break
         await asyncio.sleep(0.1)
     assert await serial() == before + 1
+
+
+async def test_event_batches_arriving_together_are_committed_together_and_each_answered(
+    tmp_path: Path, hub_database: HubDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = settings_for(tmp_path, hub_database)
+    store = open_store(settings)
+    token = store.create_token("s", uses=3, expires_in_s=60).plaintext
+    nodes = [
+        store.enroll(token, name=f"n{i}", wg_public_key=new_key(), overlay_prefix=PREFIX,
+                     labels={}, versions={}).node.id
+        for i in range(3)
+    ]  # fmt: skip
+    store.close()
+    hub = AsyncHubStore(settings)
+    await hub.open()
+    commits = 0
+    store_events = hub.sync.store_events
+
+    def counted(*args: Any) -> Any:
+        nonlocal commits
+        commits += 1
+        return store_events(*args)
+
+    monkeypatch.setattr(hub.sync, "store_events", counted)  # counts, and does the real work
+    try:
+        # 30 batches of 10 events at once, each event in two batches (a resend).
+        batches = [
+            (nodes[b % 3], [{"id": f"e{(b * 5 + i) % 150}", "kind": "usage",
+                             "body": {"tokens_in": 1}} for i in range(10)])
+            for b in range(30)
+        ]  # fmt: skip
+        bad = [{"id": "bad", "kind": "usage", "body": {"tokens_in": "many"}}]
+        answers = await asyncio.gather(
+            *(hub.ingest(node, events) for node, events in batches),
+            hub.ingest(nodes[0], bad),
+            return_exceptions=True,
+        )
+        assert isinstance(answers[-1], ValueError)  # the malformed batch fails alone
+        for (_, events), answer in zip(batches, answers[:-1], strict=True):
+            assert not isinstance(answer, BaseException), answer
+            assert answer[0] == [e["id"] for e in events]
+        assert sum(a[1] for a in answers[:-1] if isinstance(a, tuple)) == 150
+        assert commits < len(batches)  # grouped: fewer commits than batches
+        assert await hub.run(hub.sync.ledger_count) == 150
+    finally:
+        await hub.close()

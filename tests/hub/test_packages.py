@@ -12,7 +12,7 @@ from wireguard_tools import WireguardKey
 from appliance.packages.cache import PackageCache
 from hub.app import certificates, create_app, ssl_context
 from hub.settings import HubSettings
-from hub.state.store import HubStore, Node
+from hub.state.store import HubStore, Node, open_store
 from shared import pki
 from tests.appliance.test_package_cache import package
 from tests.conftest import kvl
@@ -22,10 +22,12 @@ if TYPE_CHECKING:
 
     from pytest_aiohttp import AiohttpServer
 
+    from tests.hub.conftest import HubDatabase
 
-def _settings(tmp_path: Path) -> HubSettings:
+
+def _settings(tmp_path: Path, database: HubDatabase) -> HubSettings:
     return HubSettings.model_validate(
-        {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False},
+        {"data_dir": tmp_path / "hub", **database, "server": {"require_overlay_source": False},
          "overlay": {"interface": None}}
     )  # fmt: skip
 
@@ -49,8 +51,10 @@ def _report(n: int, event_id: str, kind: str = "package") -> dict[str, Any]:
     return {"id": event_id, "kind": kind, "body": body}
 
 
-def test_package_reports_are_applied_once_and_in_order(tmp_path: Path) -> None:
-    store = HubStore(tmp_path / "hub.db")
+def test_package_reports_are_applied_once_and_in_order(
+    tmp_path: Path, hub_database: HubDatabase
+) -> None:
+    store = open_store(_settings(tmp_path, hub_database))
     a, _ = _enroll(store, "node-a", "north")
     b, _ = _enroll(store, "node-b", "south")
     ids, new = store.ingest(a.id, [_report(1, "e1"), _report(2, "e2")])
@@ -77,12 +81,12 @@ def test_package_reports_are_applied_once_and_in_order(tmp_path: Path) -> None:
 
 
 async def test_archives_are_kept_seeded_by_site_and_served_to_seeded_nodes_only(
-    aiohttp_server: AiohttpServer, tmp_path: Path
+    aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
-    hub = _settings(tmp_path)
+    hub = _settings(tmp_path, hub_database)
     data = str(hub.data_dir)
     operator = kvl("hub", "operators", "create", "--name", "ops", "--data-dir", data).stdout.strip()
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     north, north_token = _enroll(store, "node-n", "north")
     south, south_token = _enroll(store, "node-s", "south")
     serial = store.desired_serial()
@@ -111,7 +115,7 @@ async def test_archives_are_kept_seeded_by_site_and_served_to_seeded_nodes_only(
     assert status == 400
     assert b"not a package archive" in body
 
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         assert store.desired_serial() > serial  # the nodes pull their state again
         seeded = store.desired_state(north)["packages"]
@@ -130,7 +134,7 @@ async def test_archives_are_kept_seeded_by_site_and_served_to_seeded_nodes_only(
     assert f"{manifest.id}@{manifest.version}" in listed
     assert "held by the hub, seeded to north" in listed
     kvl("hub", "packages", "seed", manifest.id, "--data-dir", data)
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     assert len(store.desired_state(south)["packages"]) == 1
     store.close()
     status, body = await call("DELETE", f"/v1/admin/packages/{manifest.id}/seed")

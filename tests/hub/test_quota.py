@@ -15,7 +15,7 @@ from wireguard_tools import WireguardKey
 from hub.app import certificates, create_app, ssl_context
 from hub.planning.quota import Budget, LeaseView, Sizing, grant, remaining
 from hub.settings import HubSettings
-from hub.state.store import HubStore
+from hub.state.store import HubStore, open_store
 from shared import pki
 from tests.conftest import kvl
 
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from pytest_aiohttp import AiohttpServer
+
+    from tests.hub.conftest import HubDatabase
 
 # -- the planner ---------------------------------------------------------------------------
 
@@ -129,10 +131,11 @@ def test_periods_are_aligned_to_the_epoch() -> None:
 # -- the hub's lease API -------------------------------------------------------------------
 
 
-def _hub(tmp_path: Path) -> HubSettings:
+def _hub(tmp_path: Path, database: HubDatabase) -> HubSettings:
     return HubSettings.model_validate(
         {
             "data_dir": tmp_path / "hub",
+            **database,
             "server": {"require_overlay_source": False},
             "overlay": {"interface": None},
             "quota": {"lease_s": 30, "share": 0.5, "min_slice_tokens": 100},
@@ -165,10 +168,10 @@ def _usage(
 
 
 async def test_nodes_lease_slices_of_a_budget_and_the_ledger_reconciles_them(
-    aiohttp_server: AiohttpServer, tmp_path: Path
+    aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
-    hub = _hub(tmp_path)
-    store = HubStore(hub.db_path)
+    hub = _hub(tmp_path, hub_database)
+    store = open_store(hub)
     store.set_account("acme", "S1", budget=Budget(10_000, 86_400))
     store.set_account("free", "S1")  # no budget: no lease
     a, a_token = _enroll(store, "node-a")
@@ -198,7 +201,7 @@ async def test_nodes_lease_slices_of_a_budget_and_the_ledger_reconciles_them(
     # Node A spent 700 and synced 400 of it; it retires its lease with a final of 700.
     await call(a_token, "/v1/node/events", {"events": [_usage("e1", lease_a["lease_id"], 400)]})
     await call(a_token, "/v1/node/leases", {"finals": {lease_a["lease_id"]: 700}})
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         quota = store.quota("acme", time.time())
         assert quota is not None
@@ -211,7 +214,7 @@ async def test_nodes_lease_slices_of_a_budget_and_the_ledger_reconciles_them(
     # The rest of A's usage arrives, and again (a lost acknowledgement): counted once.
     for _ in range(2):
         await call(a_token, "/v1/node/events", {"events": [_usage("e2", lease_a["lease_id"], 300)]})
-    store = HubStore(hub.db_path)
+    store = open_store(hub)
     try:
         quota = store.quota("acme", time.time())
         assert quota is not None

@@ -1,0 +1,219 @@
+"""The hub's schema on PostgreSQL: the SQLite migrations (hub/state/migrations.py), one for
+one and under the same names, as SQL. Append-only like them: a new SQLite migration gets
+its twin here, and tests/hub/test_schema.py fails while the two schemas differ.
+
+Types: TEXT, BIGINT for SQLite's INTEGER, DOUBLE PRECISION for its REAL (PostgreSQL's
+INTEGER and REAL are 32-bit). Index names are the ones sqlite-utils gives.
+"""
+
+from __future__ import annotations
+
+from shared.sql import SQLMigration
+
+MIGRATIONS = (
+    SQLMigration(
+        "m001_fleet",
+        """
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);
+        CREATE TABLE enrollment_tokens (
+            prefix TEXT PRIMARY KEY,
+            hash TEXT NOT NULL,
+            site TEXT NOT NULL,
+            uses_left BIGINT NOT NULL,
+            expires_at DOUBLE PRECISION NOT NULL,
+            revoked_at DOUBLE PRECISION,
+            created_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE TABLE nodes (
+            id TEXT PRIMARY KEY,
+            name TEXT NOT NULL,
+            site TEXT NOT NULL,
+            labels TEXT,
+            wg_public_key TEXT NOT NULL,
+            overlay_address TEXT NOT NULL,
+            token_prefix TEXT NOT NULL,
+            token_hash TEXT NOT NULL,
+            enrolled_with TEXT,
+            enrolled_at DOUBLE PRECISION,
+            last_seen DOUBLE PRECISION,
+            versions TEXT,
+            capacity TEXT,
+            revoked_at DOUBLE PRECISION
+        );
+        CREATE UNIQUE INDEX idx_nodes_overlay_address ON nodes (overlay_address);
+        CREATE UNIQUE INDEX idx_nodes_wg_public_key ON nodes (wg_public_key);
+        CREATE UNIQUE INDEX idx_nodes_token_prefix ON nodes (token_prefix);
+        CREATE TABLE ledger (
+            event_id TEXT PRIMARY KEY,
+            node_id TEXT NOT NULL REFERENCES nodes (id),
+            kind TEXT NOT NULL,
+            body TEXT NOT NULL,
+            received_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE INDEX idx_ledger_node_id_received_at ON ledger (node_id, received_at);
+        """,
+    ),
+    SQLMigration(
+        "m002_desired_state",
+        """
+        CREATE TABLE accounts (
+            name TEXT PRIMARY KEY,
+            service_class TEXT NOT NULL,
+            requests_per_minute BIGINT,
+            tokens_per_day BIGINT,
+            created_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE TABLE api_keys (
+            prefix TEXT PRIMARY KEY,
+            hash TEXT NOT NULL,
+            account TEXT NOT NULL REFERENCES accounts (name),
+            admin BIGINT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            revoked_at DOUBLE PRECISION
+        );
+        """,
+    ),
+    SQLMigration(
+        "m003_quota_leases",
+        """
+        ALTER TABLE accounts ADD COLUMN budget_tokens BIGINT;
+        ALTER TABLE accounts ADD COLUMN budget_period_s DOUBLE PRECISION;
+        ALTER TABLE ledger ADD COLUMN account TEXT;
+        ALTER TABLE ledger ADD COLUMN tokens BIGINT;
+        ALTER TABLE ledger ADD COLUMN lease_id TEXT;
+        ALTER TABLE ledger ADD COLUMN at DOUBLE PRECISION;
+        CREATE INDEX idx_ledger_account_at ON ledger (account, at);
+        CREATE INDEX idx_ledger_lease_id ON ledger (lease_id);
+        CREATE TABLE leases (
+            id TEXT PRIMARY KEY,
+            account TEXT NOT NULL REFERENCES accounts (name),
+            node_id TEXT NOT NULL REFERENCES nodes (id),
+            period_start DOUBLE PRECISION NOT NULL,
+            granted BIGINT NOT NULL,
+            final BIGINT,
+            expires_at DOUBLE PRECISION NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE INDEX idx_leases_account_period_start ON leases (account, period_start);
+        """,
+    ),
+    SQLMigration(
+        "m004_offload",
+        """
+        ALTER TABLE nodes ADD COLUMN address TEXT;
+        ALTER TABLE nodes ADD COLUMN offload_secret TEXT;
+        """,
+    ),
+    SQLMigration(
+        "m005_placement",
+        """
+        CREATE TABLE models (
+            ref TEXT PRIMARY KEY,
+            name TEXT NOT NULL,
+            version TEXT NOT NULL,
+            sha256 TEXT NOT NULL,
+            size_bytes BIGINT NOT NULL,
+            format TEXT NOT NULL,
+            memory_mib BIGINT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE TABLE deployments (
+            id TEXT PRIMARY KEY,
+            model TEXT NOT NULL REFERENCES models (ref),
+            replicas BIGINT NOT NULL,
+            service_class TEXT NOT NULL,
+            isolation TEXT NOT NULL,
+            constraints TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE TABLE placements (
+            deployment_id TEXT,
+            node_id TEXT,
+            gpu BIGINT,
+            created_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (deployment_id, node_id)
+        );
+        ALTER TABLE nodes ADD COLUMN draining BIGINT;
+        """,
+    ),
+    SQLMigration(
+        "m006_operators",
+        """
+        CREATE TABLE operators (
+            prefix TEXT PRIMARY KEY,
+            hash TEXT NOT NULL,
+            name TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            revoked_at DOUBLE PRECISION
+        );
+        """,
+    ),
+    SQLMigration(
+        "m007_packages",
+        """
+        CREATE TABLE packages (
+            id TEXT,
+            version TEXT,
+            title TEXT NOT NULL,
+            topic TEXT NOT NULL,
+            level TEXT NOT NULL,
+            items BIGINT NOT NULL,
+            size BIGINT NOT NULL,
+            digest TEXT NOT NULL,
+            lineage TEXT NOT NULL,
+            origin_node TEXT,
+            created_at TEXT NOT NULL,
+            received_at DOUBLE PRECISION NOT NULL,
+            bundle_sha256 TEXT,
+            bundle_size BIGINT,
+            PRIMARY KEY (id, version)
+        );
+        CREATE TABLE package_copies (
+            package_id TEXT,
+            version TEXT,
+            node_id TEXT,
+            reported_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (package_id, version, node_id)
+        );
+        CREATE TABLE package_seeds (
+            package_id TEXT,
+            version TEXT,
+            site TEXT,
+            created_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (package_id, version)
+        );
+        """,
+    ),
+    SQLMigration(
+        "m008_console",
+        """
+        CREATE TABLE console_users (
+            name TEXT PRIMARY KEY,
+            hash TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            disabled BIGINT NOT NULL
+        );
+        -- "user" is a reserved word in PostgreSQL: quoted here and in every query.
+        CREATE TABLE console_sessions (
+            id_hash TEXT PRIMARY KEY,
+            "user" TEXT NOT NULL REFERENCES console_users (name),
+            csrf TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            expires_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE INDEX idx_console_sessions_expires_at ON console_sessions (expires_at);
+        CREATE TABLE node_samples (
+            node_id TEXT,
+            at DOUBLE PRECISION,
+            cpu_percent DOUBLE PRECISION,
+            memory_used_mib BIGINT,
+            memory_total_mib BIGINT,
+            queue_waiting BIGINT,
+            outbox_lag BIGINT,
+            models BIGINT,
+            PRIMARY KEY (node_id, at)
+        );
+        CREATE INDEX idx_node_samples_at ON node_samples (at);
+        """,
+    ),
+)

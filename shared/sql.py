@@ -1,0 +1,318 @@
+"""One way to run SQL on SQLite or PostgreSQL, for the hub's store.
+
+The store writes its statements once, in the subset both databases run (`?` placeholders,
+`INSERT … ON CONFLICT`, no `group_concat`, no `INSERT OR IGNORE`), and runs them through a
+`Database`: `execute`, `executemany` (its row count), `query` (dict rows) and
+`transaction()`. Outside a transaction each statement commits on its own. Driver errors
+come out as `DatabaseError` (`IntegrityError`, `RetryableError` for a deadlock or a
+serialization failure, which a caller may run again), so callers catch one family whatever
+the backend.
+
+SQLite: one file in WAL mode (shared.db), its own sqlite-utils migrations; a transaction
+is `BEGIN IMMEDIATE`, so writers take turns, also across processes. PostgreSQL: psycopg 3
+in autocommit mode, `?` rewritten to `%s`; a transaction is READ COMMITTED, made correct
+under concurrency by constraints, conditional updates and row locks (`for_update`).
+"""
+
+from __future__ import annotations
+
+import functools
+import sqlite3
+import time
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, ParamSpec, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator, Sequence
+    from pathlib import Path
+
+    import psycopg
+    from sqlite_utils.migrations import Migrations
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class DatabaseError(Exception):
+    """A statement failed (the driver's error is its cause)."""
+
+
+class IntegrityError(DatabaseError):
+    """A constraint refused the change."""
+
+
+class RetryableError(DatabaseError):
+    """A deadlock or a serialization failure: the transaction was rolled back and may be
+    run again as it was."""
+
+
+class Rows(Protocol):
+    """What `execute` answers: a DB-API cursor, read at once."""
+
+    @property
+    def rowcount(self) -> int: ...
+
+    @property
+    def description(self) -> Any: ...
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+
+class Database:
+    """A connection, on one thread (an AsyncStore's), with the calls the store makes."""
+
+    dialect: ClassVar[Literal["sqlite", "postgres"]]
+    # Appended to a SELECT that must lock the rows it reads until the transaction ends.
+    # SQLite has no row locks: its transactions are BEGIN IMMEDIATE, one writer at a time.
+    for_update: ClassVar[str] = ""
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows:
+        raise NotImplementedError
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> int:
+        """Run `sql` once per row; how many rows it changed in all."""
+        raise NotImplementedError
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        """The rows of a SELECT, each a dict by column name."""
+        rows = self.execute(sql, params)
+        names = [c[0] for c in rows.description]
+        return [dict(zip(names, row, strict=True)) for row in rows.fetchall()]
+
+    def transaction(self) -> AbstractContextManager[None]:
+        """Everything inside commits together, or not at all (nested: joins the outer)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class SQLiteDatabase(Database):
+    dialect = "sqlite"
+
+    def __init__(self, path: Path, migrations: Migrations) -> None:
+        from shared.db import open_database  # noqa: PLC0415 - shared.db imports nothing of this
+
+        self.path = path
+        self._conn = open_database(path, migrations).conn
+        # Autocommit: transactions are only the explicit ones (BEGIN IMMEDIATE), never a
+        # write left open by the driver's implicit BEGIN.
+        self._conn.commit()
+        self._conn.isolation_level = None
+        self._depth = 0
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows:
+        try:
+            return self._conn.execute(sql, params)
+        except sqlite3.Error as err:
+            raise _sqlite_error(err) from err
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> int:
+        try:
+            return self._conn.executemany(sql, rows).rowcount
+        except sqlite3.Error as err:
+            raise _sqlite_error(err) from err
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self.execute("BEGIN IMMEDIATE")
+        self._depth = 1
+        try:
+            yield
+        except BaseException:
+            self._depth = 0
+            self._conn.rollback()
+            raise
+        self._depth = 0
+        try:
+            self._conn.commit()
+        except sqlite3.Error as err:
+            self._conn.rollback()
+            raise _sqlite_error(err) from err
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _sqlite_error(err: sqlite3.Error) -> DatabaseError:
+    if isinstance(err, sqlite3.IntegrityError):
+        return IntegrityError(str(err))
+    return DatabaseError(str(err))
+
+
+@functools.lru_cache(maxsize=1024)
+def to_pyformat(sql: str) -> str:
+    """`?` placeholders as psycopg's `%s` (and a literal `%` as `%%`), leaving quoted
+    strings and identifiers alone."""
+    out: list[str] = []
+    quote: str | None = None
+    for char in sql:
+        if quote is not None:
+            if char == quote:
+                quote = None
+            out.append("%%" if char == "%" else char)
+        elif char in "'\"":
+            quote = char
+            out.append(char)
+        elif char == "?":
+            out.append("%s")
+        elif char == "%":
+            out.append("%%")
+        else:
+            out.append(char)
+    return "".join(out)
+
+
+@dataclass(frozen=True)
+class SQLMigration:
+    """A PostgreSQL schema migration: its name (as the SQLite one's) and its statements."""
+
+    name: str
+    sql: str
+
+
+MIGRATIONS_TABLE = "schema_migrations"
+# Held by the replica that migrates, so replicas starting together migrate once.
+_MIGRATION_LOCK = 0x6B766C  # "kvl"
+
+
+class PostgresDatabase(Database):
+    dialect = "postgres"
+    for_update = " FOR UPDATE"
+
+    def __init__(self, url: str, migrations: Sequence[SQLMigration]) -> None:
+        self._url = url
+        self._conn = self._connect()
+        self._depth = 0
+        self.migrate(migrations)
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        import psycopg  # noqa: PLC0415 - only a hub on PostgreSQL loads the driver
+
+        try:
+            return psycopg.connect(self._url, autocommit=True, application_name="kvl-hub")
+        except psycopg.Error as err:
+            raise DatabaseError(f"cannot connect to PostgreSQL: {err}") from err
+
+    def migrate(self, migrations: Sequence[SQLMigration]) -> list[str]:
+        """Apply the migrations not applied yet, in order, each with its record; the names
+        of those applied now."""
+        applied: list[str] = []
+        with self.transaction():
+            self.execute("SELECT pg_advisory_xact_lock(?)", [_MIGRATION_LOCK])
+            self.execute(
+                f"CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE}"
+                " (name TEXT PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)"
+            )
+            done = {r["name"] for r in self.query(f"SELECT name FROM {MIGRATIONS_TABLE}")}  # noqa: S608 - a constant
+            for migration in migrations:
+                if migration.name in done:
+                    continue
+                self._script(migration.sql)
+                self.execute(
+                    f"INSERT INTO {MIGRATIONS_TABLE} (name, applied_at) VALUES (?, ?)",  # noqa: S608 - a constant
+                    [migration.name, time.time()],
+                )
+                applied.append(migration.name)
+        return applied
+
+    def _script(self, sql: str) -> None:
+        """Statements as they are (no parameters: PostgreSQL's simple protocol, which runs
+        several at once)."""
+        import psycopg  # noqa: PLC0415
+
+        try:
+            self._ready().execute(sql.encode())
+        except psycopg.Error as err:
+            raise _postgres_error(err) from err
+
+    def _ready(self) -> psycopg.Connection[Any]:
+        # A connection the server dropped (a restart, a failover) is opened again, between
+        # transactions only: one inside a transaction fails with it.
+        if self._conn.closed and not self._depth:
+            self._conn = self._connect()
+        return self._conn
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows:
+        import psycopg  # noqa: PLC0415
+
+        try:
+            return self._ready().execute(to_pyformat(sql), list(params))
+        except psycopg.Error as err:
+            raise _postgres_error(err) from err
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> int:
+        import psycopg  # noqa: PLC0415
+
+        try:
+            with self._ready().cursor() as cursor:
+                cursor.executemany(to_pyformat(sql), [list(r) for r in rows])
+                return cursor.rowcount
+        except psycopg.Error as err:
+            raise _postgres_error(err) from err
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        import psycopg  # noqa: PLC0415
+
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        try:
+            with self._ready().transaction():
+                self._depth = 1
+                try:
+                    yield
+                finally:
+                    self._depth = 0
+        except psycopg.Error as err:
+            raise _postgres_error(err) from err
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _postgres_error(err: Exception) -> DatabaseError:
+    import psycopg  # noqa: PLC0415
+
+    if isinstance(err, psycopg.errors.SerializationFailure | psycopg.errors.DeadlockDetected):
+        return RetryableError(str(err))
+    if isinstance(err, psycopg.IntegrityError):
+        return IntegrityError(str(err))
+    return DatabaseError(str(err))
+
+
+def retrying(attempts: int = 5) -> Callable[[Callable[P, T]], Callable[P, T]]:
+    """Run a transactional method again when the database rolled it back as retryable."""
+
+    def wrap(fn: Callable[P, T]) -> Callable[P, T]:
+        @functools.wraps(fn)
+        def run(*args: P.args, **kwargs: P.kwargs) -> T:
+            for attempt in range(attempts):
+                try:
+                    return fn(*args, **kwargs)
+                except RetryableError:
+                    if attempt == attempts - 1:
+                        raise
+                    time.sleep(0.01 * 2**attempt)
+            raise AssertionError("unreachable")  # pragma: no cover
+
+        return run
+
+    return wrap

@@ -1,0 +1,154 @@
+"""The hub's two schemas cannot drift: the SQLite migrations (sqlite-utils) and their
+PostgreSQL twins (SQL) make the same tables, columns, types, keys, indexes and references.
+Old SQLite files still open and migrate; PostgreSQL migrates once, also when replicas
+start together."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from contextlib import closing
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from sqlite_utils import Database
+
+from hub.settings import HubSettings
+from hub.state.migrations import migrations
+from hub.state.postgres import MIGRATIONS as POSTGRES_MIGRATIONS
+from hub.state.store import open_store
+from shared.sql import MIGRATIONS_TABLE, PostgresDatabase
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from tests.postgres import Cluster
+
+# SQLite's declared types as PostgreSQL names them (sqlite-utils declares float as REAL).
+TYPES = {"INTEGER": "bigint", "REAL": "double precision", "FLOAT": "double precision",
+         "TEXT": "text"}  # fmt: skip
+
+
+def _sqlite_schema(path: Path) -> dict[str, Any]:
+    with closing(sqlite3.connect(path)) as conn:
+        tables = [r[0] for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+            " AND name != '_sqlite_migrations' ORDER BY name"
+        )]  # fmt: skip
+        columns, keys, indexes, references = {}, {}, set(), set()
+        for table in tables:
+            info = conn.execute(f'PRAGMA table_info("{table}")').fetchall()
+            key = tuple(r[1] for r in sorted((r for r in info if r[5]), key=lambda r: r[5]))
+            keys[table] = key
+            columns[table] = {r[1]: (TYPES[r[2].upper()], bool(r[3]) or r[1] in key) for r in info}
+            for _, name, unique, origin, _ in conn.execute(f'PRAGMA index_list("{table}")'):
+                if origin == "pk":
+                    continue
+                cols = tuple(r[2] for r in conn.execute(f'PRAGMA index_info("{name}")'))
+                indexes.add((table, name, bool(unique), cols))
+            for r in conn.execute(f'PRAGMA foreign_key_list("{table}")'):
+                references.add((table, r[3], r[2], r[4]))
+    return {"columns": columns, "keys": keys, "indexes": indexes, "references": references}
+
+
+def _postgres_schema(db: PostgresDatabase) -> dict[str, Any]:
+    columns: dict[str, dict[str, tuple[str, bool]]] = {}
+    for r in db.query(
+        "SELECT table_name, column_name, data_type, is_nullable FROM information_schema.columns"
+        " WHERE table_schema = 'public' AND table_name != ? ORDER BY table_name, ordinal_position",
+        [MIGRATIONS_TABLE],
+    ):
+        columns.setdefault(r["table_name"], {})[r["column_name"]] = (
+            r["data_type"],
+            r["is_nullable"] == "NO",
+        )
+    keys: dict[str, tuple[str, ...]] = dict.fromkeys(columns, ())
+    indexes = set()
+    for r in db.query(
+        "SELECT t.relname AS tab, i.relname AS name, ix.indisunique AS uniq,"
+        " ix.indisprimary AS pk, array_agg(a.attname ORDER BY k.n) AS cols"
+        " FROM pg_index ix JOIN pg_class i ON i.oid = ix.indexrelid"
+        " JOIN pg_class t ON t.oid = ix.indrelid"
+        " JOIN pg_namespace ns ON ns.oid = t.relnamespace"
+        " CROSS JOIN LATERAL unnest(ix.indkey) WITH ORDINALITY AS k(attnum, n)"
+        " JOIN pg_attribute a ON a.attrelid = t.oid AND a.attnum = k.attnum"
+        " WHERE ns.nspname = 'public' AND t.relname != ? GROUP BY 1, 2, 3, 4",
+        [MIGRATIONS_TABLE],
+    ):
+        if r["pk"]:
+            keys[r["tab"]] = tuple(r["cols"])
+        else:
+            indexes.add((r["tab"], r["name"], r["uniq"], tuple(r["cols"])))
+    references = {
+        (r["tab"], r["col"], r["ref"], r["ref_col"])
+        for r in db.query(
+            "SELECT cl.relname AS tab, a.attname AS col, rcl.relname AS ref,"
+            " ra.attname AS ref_col FROM pg_constraint c"
+            " JOIN pg_class cl ON cl.oid = c.conrelid JOIN pg_class rcl ON rcl.oid = c.confrelid"
+            " JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = c.conkey[1]"
+            " JOIN pg_attribute ra ON ra.attrelid = c.confrelid AND ra.attnum = c.confkey[1]"
+            " WHERE c.contype = 'f'"
+        )
+    }
+    return {"columns": columns, "keys": keys, "indexes": indexes, "references": references}
+
+
+@pytest.mark.postgres
+def test_postgres_and_sqlite_schemas_are_the_same(tmp_path: Path, postgres: Cluster) -> None:
+    open_store(HubSettings.model_validate({"data_dir": tmp_path})).close()
+    pg = PostgresDatabase(postgres.create(), POSTGRES_MIGRATIONS)
+    try:
+        with closing(Database(tmp_path / "hub.db")) as sqlite_db:
+            applied = [m.name for m in migrations.applied(sqlite_db)]
+        assert [m.name for m in POSTGRES_MIGRATIONS] == applied
+        want, got = _sqlite_schema(tmp_path / "hub.db"), _postgres_schema(pg)
+        assert got["columns"] == want["columns"]
+        assert got["keys"] == want["keys"]
+        assert got["indexes"] == want["indexes"]
+        assert got["references"] == want["references"]
+        assert len(want["columns"]) >= 17  # a schema was compared, not two empty ones
+    finally:
+        pg.close()
+
+
+def test_an_old_sqlite_hub_file_opens_and_migrates(tmp_path: Path) -> None:
+    path = tmp_path / "hub.db"
+    old = Database(path)
+    migrations.apply(old, stop_before="m008_console")  # a hub from before the console
+    old.execute("INSERT INTO meta (key, value) VALUES ('desired_serial', '41')")
+    old.conn.commit()
+    old.close()
+    store = open_store(HubSettings.model_validate({"data_dir": tmp_path}))
+    try:
+        assert store.desired_serial() == 41
+        assert store.set_account("acme", "S1") == 42
+        assert store.db.query("SELECT COUNT(*) AS n FROM console_users") == [{"n": 0}]
+    finally:
+        store.close()
+
+
+@pytest.mark.postgres
+def test_replicas_starting_together_migrate_the_database_once(postgres: Cluster) -> None:
+    url = postgres.create()
+    opened: list[PostgresDatabase] = []
+    failures: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            opened.append(PostgresDatabase(url, POSTGRES_MIGRATIONS))
+        except BaseException as err:  # noqa: BLE001 - reported by the assertion below
+            failures.append(err)
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    try:
+        assert failures == []
+        applied = opened[0].query(f"SELECT name FROM {MIGRATIONS_TABLE} ORDER BY name")  # noqa: S608 - a constant
+        assert [r["name"] for r in applied] == [m.name for m in POSTGRES_MIGRATIONS]
+        assert opened[0].migrate(POSTGRES_MIGRATIONS) == []  # nothing left to apply
+    finally:
+        for db in opened:
+            db.close()
