@@ -349,7 +349,9 @@ def project_wheel(paths: Paths) -> Path:
     out = _fresh(paths.work / "project-wheel")
     out.mkdir()
     run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+        # Build isolation: the build backend pyproject.toml asks for (setuptools>=77), not
+        # whatever the environment running the build has (a new venv's is older).
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
          "--wheel-dir", str(out), str(source)],
         paths.log,
     )  # fmt: skip
