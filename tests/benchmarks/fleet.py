@@ -11,7 +11,11 @@ loop, latency from the scheduled time), 1 % of syncs sent again to the other rep
 ``--duration-s`` seconds. A combination holds when no call failed, every event was new
 at the hub exactly once, and heartbeat and sync p99 stay under 100 ms.
 
-Run: ``python -m tests.benchmarks.fleet [--nodes 1000 10000 50000] [--stores sqlite
+50,000 nodes are not in the default matrix: they offer 6,667 calls a second, and on two
+cores the simulator alone cannot send that many (it spends about 0.5 ms of CPU a call,
+so 3.3 cores; the hub as much again). ``--nodes 50000`` runs them all the same.
+
+Run: ``python -m tests.benchmarks.fleet [--nodes 1000 5000 10000] [--stores sqlite
 postgres] [--replicas 1 2]``.
 """
 
@@ -178,7 +182,7 @@ def held(report: dict[str, Any]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Heartbeats and sync from simulated appliances.")
-    parser.add_argument("--nodes", type=int, nargs="+", default=[1000, 10_000, 50_000])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1000, 5000, 10_000])
     parser.add_argument("--stores", nargs="+", choices=["sqlite", "postgres"],
                         default=["sqlite", "postgres"])  # fmt: skip
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])

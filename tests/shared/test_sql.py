@@ -1,0 +1,92 @@
+"""shared.sql: one statement, both databases. Placeholders, transactions (all or nothing,
+nested ones joining the outer), row counts and error families, on a real SQLite file and
+a real PostgreSQL database."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+from sqlite_utils.migrations import Migrations
+
+from shared.sql import (
+    Database,
+    IntegrityError,
+    PostgresDatabase,
+    SQLiteDatabase,
+    SQLMigration,
+    to_pyformat,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
+
+    from sqlite_utils import Database as SqliteUtilsDatabase
+
+    from tests.postgres import Cluster
+
+SCHEMA = "CREATE TABLE items (id TEXT PRIMARY KEY, n BIGINT NOT NULL)"
+sqlite_migrations = Migrations("test-sql")
+
+
+@sqlite_migrations()
+def m001_items(db: SqliteUtilsDatabase) -> None:
+    db.execute(SCHEMA)
+
+
+def test_placeholders_become_pyformat_outside_quotes_only() -> None:
+    assert to_pyformat("SELECT ? WHERE a = ?") == "SELECT %s WHERE a = %s"
+    assert to_pyformat("SELECT '?', \"we?rd\" LIKE '50%' AND ?") == (
+        "SELECT '?', \"we?rd\" LIKE '50%%' AND %s"
+    )
+    assert to_pyformat("SELECT 100 % 7") == "SELECT 100 %% 7"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    opened: Database
+    if request.param == "sqlite":
+        opened = SQLiteDatabase(tmp_path / "t.db", sqlite_migrations)
+    else:
+        cluster: Cluster = request.getfixturevalue("postgres")
+        opened = PostgresDatabase(cluster.create(), [SQLMigration("m001_items", SCHEMA)])
+    yield opened
+    opened.close()
+
+
+def test_a_transaction_commits_all_or_nothing_and_nested_ones_join(database: Database) -> None:
+    with database.transaction():
+        database.execute("INSERT INTO items (id, n) VALUES (?, ?)", ["a", 1])
+        with database.transaction():  # joins: rolled back with the outer below if it fails
+            database.execute("INSERT INTO items (id, n) VALUES (?, ?)", ["b", 2])
+
+    def change_then_fail() -> None:
+        with database.transaction():
+            database.execute("UPDATE items SET n = n + 10")
+            raise RuntimeError("changed my mind")
+
+    with pytest.raises(RuntimeError):
+        change_then_fail()
+    assert database.query("SELECT id, n FROM items ORDER BY id") == [
+        {"id": "a", "n": 1},
+        {"id": "b", "n": 2},
+    ]
+
+
+def test_row_counts_and_conflicts_are_the_same_on_both(database: Database) -> None:
+    insert = "INSERT INTO items (id, n) VALUES (?, ?) ON CONFLICT DO NOTHING"
+    assert database.executemany(insert, [("a", 1), ("b", 2), ("a", 3)]) == 2
+    assert database.execute(insert, ["b", 9]).rowcount == 0
+    assert database.execute("UPDATE items SET n = n + 1 WHERE n > ?", [1]).rowcount == 1
+    with pytest.raises(IntegrityError):
+        database.execute("INSERT INTO items (id, n) VALUES (?, ?)", ["a", 5])
+
+    def insert_twice() -> None:
+        with database.transaction():
+            database.execute("INSERT INTO items (id, n) VALUES (?, ?)", ["c", 1])
+            database.execute("INSERT INTO items (id, n) VALUES (?, ?)", ["c", 2])
+
+    with pytest.raises(IntegrityError):  # a failed transaction leaves nothing behind
+        insert_twice()
+    assert [r["id"] for r in database.query("SELECT id FROM items ORDER BY id")] == ["a", "b"]
