@@ -12,10 +12,10 @@ loop, latency from the scheduled time), 1 % of syncs sent again to the other rep
 at the hub exactly once, and heartbeat and sync p99 stay under 100 ms.
 
 50,000 nodes are not in the default matrix: they offer 6,667 calls a second, and on two
-cores the simulator alone cannot send that many (it spends about 0.5 ms of CPU a call,
-so 3.3 cores; the hub as much again). ``--nodes 50000`` runs them all the same.
+cores the simulator alone cannot send that many (it spends about 0.8 ms of CPU a call,
+so over 5 cores; the hub about as much again). ``--nodes 50000`` runs them all the same.
 
-Run: ``python -m tests.benchmarks.fleet [--nodes 1000 5000 10000] [--stores sqlite
+Run: ``python -m tests.benchmarks.fleet [--nodes 1000 2500 5000 10000] [--stores sqlite
 postgres] [--replicas 1 2]``.
 """
 
@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "fleet.json"
 TARGET = {"p99_ms": 100.0}
+NOT_RUN = (
+    "6,667 calls a second cannot be offered on 2 cores: the simulator spends about 0.8 ms "
+    "of CPU a call (over 5 cores), the hub about as much again"
+)
 CONFIG = "overlay:\n  interface: null\nserver:\n  require_overlay_source: false\n"
 
 
@@ -182,7 +186,7 @@ def held(report: dict[str, Any]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Heartbeats and sync from simulated appliances.")
-    parser.add_argument("--nodes", type=int, nargs="+", default=[1000, 5000, 10_000])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1000, 2500, 5000, 10_000])
     parser.add_argument("--stores", nargs="+", choices=["sqlite", "postgres"],
                         default=["sqlite", "postgres"])  # fmt: skip
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
@@ -232,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "fleets": fleets,
         "largest_held_p99_under_100ms": largest,
+        "not_run": {} if 50_000 in args.nodes else {"50000": NOT_RUN},
         "target": TARGET,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
