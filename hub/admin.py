@@ -119,7 +119,7 @@ async def drain_node(request: web.Request) -> web.Response:
 async def revoke_node(request: web.Request) -> web.Response:
     store, settings = _ctx(request)
     try:
-        node = await store.run(store.sync.revoke_node, request.match_info["node"])
+        node = await store.revoke_node(request.match_info["node"])
     except NotFoundError as err:
         raise ApiError(ErrorCode.not_found, str(err)) from err
     return web.json_response(node_view(node, settings, time.time()))

@@ -43,6 +43,8 @@ class Heartbeats:
     def __init__(self) -> None:
         self._waiting: dict[str, Heartbeat] = {}
         self.desired_serial = 0
+        # Called with each flushed group, once it is written (the console samples them).
+        self.listeners: list[Callable[[list[Heartbeat]], Awaitable[None]]] = []
 
     def add(self, beat: Heartbeat) -> None:
         self._waiting[beat.node_id] = beat
@@ -225,7 +227,7 @@ async def node_auth(request: web.Request, handler: Handler) -> web.StreamRespons
         return await handler(request)
     token = bearer(request)
     store = request.app[STORE]
-    node = await store.run(store.sync.authenticate_node, token) if token else None
+    node = await store.authenticate_node(token) if token else None
     if node is None:
         raise ApiError(
             ErrorCode.invalid_node_token, "send the node token as `Authorization: Bearer`"

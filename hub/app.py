@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import ipaddress
 import logging
 import ssl
@@ -71,6 +72,15 @@ def create_app(settings: HubSettings) -> web.Application:
     return app
 
 
+async def freeze_heap(_: web.Application) -> None:
+    """Once the hub has started: what the process holds by then (modules, settings, the
+    application) is moved out of the garbage collector's reach, so that its full
+    collections scan only what the fleet's calls add. Over the whole startup heap, each
+    held the event loop for 60 to 90 ms under a fleet of 10,000 nodes."""
+    gc.collect()
+    gc.freeze()
+
+
 async def _store(app: web.Application) -> AsyncIterator[None]:
     settings: HubSettings = app[SETTINGS]  # type: ignore[assignment]
     store = AsyncHubStore(settings)  # SQLite, or PostgreSQL at settings.database_url
@@ -84,14 +94,22 @@ async def _heartbeats(app: web.Application) -> AsyncIterator[None]:
     """The write-behind of heartbeats (see hub.api.Heartbeats); a last flush on the way out."""
     store = app[STORE]
     beats = Heartbeats()
-    beats.desired_serial = await store.run(store.sync.desired_serial)
     app[BEATS] = beats
+
+    async def serials() -> None:
+        read = await store.run(store.sync.serials)
+        beats.desired_serial = read[0]
+        store.note_serials(read)
 
     async def flush() -> None:
         waiting = beats.take()
         if waiting:
             await store.run(store.sync.heartbeats, waiting)
-        beats.desired_serial = await store.run(store.sync.desired_serial)
+            for listener in beats.listeners:
+                await listener(waiting)
+        await serials()
+
+    await serials()
 
     async def loop() -> None:
         while True:

@@ -75,12 +75,19 @@ def serve(
 
     from aiohttp import web  # noqa: PLC0415
 
-    from hub.app import certificates, create_app, overlay_address, ssl_context  # noqa: PLC0415
+    from hub.app import (  # noqa: PLC0415
+        certificates,
+        create_app,
+        freeze_heap,
+        overlay_address,
+        ssl_context,
+    )
 
     settings = _settings(config_file, data_dir, host=host, port=port)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
     app = create_app(settings)
+    app.on_startup.append(freeze_heap)  # after the store and the tasks have started
     _, server = certificates(settings)
     click.echo(
         f"kvl hub: serving https://{settings.server.host}:{settings.server.port} "

@@ -23,6 +23,8 @@ HTTPS connections among its nodes, as a proxy in front of the hub would.
 from __future__ import annotations
 
 import asyncio
+import gc
+import heapq
 import json
 import random
 import statistics
@@ -37,9 +39,10 @@ from wireguard_tools import WireguardKey
 from shared import __version__, pki
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Coroutine, Sequence
 
 VERSIONS = {"kvl": __version__}
+_BEAT, _SYNC = 0, 1  # what a node's scheduled call is
 
 
 @dataclass(frozen=True)
@@ -208,40 +211,50 @@ class Simulator:
         load = Load(Latencies(), Latencies())
         start = time.perf_counter() + 0.5
         end = start + duration_s
+        # One schedule for the whole fleet, not a sleeping coroutine per node: ten thousand
+        # sleeps (their futures, timers and contexts) filled the oldest generation of the
+        # garbage collector, and its full collections held this loop for a quarter of a
+        # second, which the latencies then blamed on the hub.
+        headers = [{"Authorization": f"Bearer {node.token}"} for node in nodes]
+        urls = [node.url or self._urls[0] for node in nodes]
+        others = [self._urls[(self._urls.index(url) + 1) % len(self._urls)] for url in urls]
+        batches = [0] * len(nodes)
+        schedule = [(start + rng.uniform(0, interval_s), i, _BEAT) for i in range(len(nodes))]
+        heapq.heapify(schedule)
+        in_flight: set[asyncio.Task[None]] = set()
 
-        async def node_loop(index: int, node: SimulatedNode, phase: float) -> None:
-            headers = {"Authorization": f"Bearer {node.token}"}
-            url = node.url or self._urls[0]
-            other = self._urls[(self._urls.index(url) + 1) % len(self._urls)]
-            due = start + phase
-            calls: list[asyncio.Task[None]] = []
-            batch = 0
-            while due < end:
-                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        def call(coroutine: Coroutine[None, None, None]) -> None:
+            task = asyncio.create_task(coroutine)
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+
+        gc.collect()
+        gc.freeze()  # the fleet's own state, kept out of the collections during the run
+        try:
+            while schedule:
+                due, index, kind = heapq.heappop(schedule)
+                if (wait := due - time.perf_counter()) > 0:
+                    await asyncio.sleep(wait)
                 load.lag.seconds.append(time.perf_counter() - due)
-                body = {"versions": VERSIONS, "capacity": _capacity(rng)}
-                calls.append(asyncio.create_task(self._beat(url, headers, body, due, load)))
-                if events:
-                    sync_due = due + interval_s / 2
-                    await asyncio.sleep(max(0.0, sync_due - time.perf_counter()))
-                    load.lag.seconds.append(time.perf_counter() - sync_due)
-                    sent = _usage(index, batch, events, rng)
-                    batch += 1
-                    load.events_sent += len(sent)
-                    calls.append(
-                        asyncio.create_task(self._sync(url, headers, sent, sync_due, load))
-                    )
-                    if rng.random() < resend:  # the acknowledgement was lost: again
-                        load.events_resent += len(sent)
-                        calls.append(
-                            asyncio.create_task(self._sync(other, headers, sent, sync_due, load))
-                        )
-                due += interval_s
-            await asyncio.gather(*calls)
-
-        await asyncio.gather(
-            *(node_loop(i, n, rng.uniform(0, interval_s)) for i, n in enumerate(nodes))
-        )
+                url = urls[index]
+                if kind == _BEAT:
+                    body = {"versions": VERSIONS, "capacity": _capacity(rng)}
+                    call(self._beat(url, headers[index], body, due, load))
+                    if events:
+                        heapq.heappush(schedule, (due + interval_s / 2, index, _SYNC))
+                    if due + interval_s < end:
+                        heapq.heappush(schedule, (due + interval_s, index, _BEAT))
+                    continue
+                sent = _usage(index, batches[index], events, rng)
+                batches[index] += 1
+                load.events_sent += len(sent)
+                call(self._sync(url, headers[index], sent, due, load))
+                if rng.random() < resend:  # the acknowledgement was lost: again
+                    load.events_resent += len(sent)
+                    call(self._sync(others[index], headers[index], sent, due, load))
+            await asyncio.gather(*list(in_flight))
+        finally:
+            gc.unfreeze()
         return load
 
     async def _beat(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from hub.api import SETTINGS, STORE
+from hub.api import BEATS, SETTINGS, STORE
 from hub.console import store as sql
 from hub.console.auth import LoginThrottle
 from hub.console.pages import console_routes
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
     from hub.settings import HubSettings
-    from hub.state.store import AsyncHubStore
+    from hub.state.store import AsyncHubStore, Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -71,34 +71,33 @@ async def _end_streams(app: web.Application) -> None:
 
 
 async def _sampler(app: web.Application) -> AsyncIterator[None]:
+    """Samples of each node's load for its charts, taken from the heartbeats the flusher
+    writes (a node's first, then one each `console.sample_every_s`); old ones pruned."""
     settings: HubSettings = app[SETTINGS]  # type: ignore[assignment]
-    task = asyncio.create_task(sample_forever(app[STORE], settings), name="kvl-hub-console-samples")
+    store = app[STORE]
+    sampler = sql.Sampler(settings.console.sample_every_s)
+
+    async def record(beats: list[Heartbeat]) -> None:
+        if samples := sampler.due(beats):
+            await store.run(sql.record_samples, store.sync, samples)
+
+    app[BEATS].listeners.append(record)
+    task = asyncio.create_task(prune_forever(store, settings), name="kvl-hub-console-samples")
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
 
 
-async def sample_forever(store: AsyncHubStore, settings: HubSettings) -> None:
-    """Every `console.sample_every_s`: a sample of each node that sent a heartbeat since
-    the last one, and samples older than `console.samples_kept_s` (and expired sessions)
-    deleted."""
-    recorded: dict[str, float] = {}  # node id -> the heartbeat time last sampled
+async def prune_forever(store: AsyncHubStore, settings: HubSettings) -> None:
+    """Every `console.sample_every_s`: samples older than `console.samples_kept_s`, and
+    expired sessions, deleted."""
     while True:
         try:
-            nodes = await store.nodes()
-            fresh = []
-            for node in nodes:
-                sample = sql.sample_of(node)
-                if sample is not None and recorded.get(node.id) != sample.at:
-                    fresh.append((node.id, sample))
-                    recorded[node.id] = sample.at
-            if fresh:
-                await store.run(sql.record_samples, store.sync, fresh)
             now = time.time()
             await store.run(
                 sql.prune, store.sync, now=now, samples_before=now - settings.console.samples_kept_s
             )
         except DatabaseError:
-            log.exception("sampling the nodes' load failed; the next round tries again")
+            log.exception("pruning the console's samples failed; the next round tries again")
         await asyncio.sleep(settings.console.sample_every_s)

@@ -216,7 +216,7 @@ async def node_page(request: web.Request) -> web.StreamResponse:
         events=events,
         models=served_models(node),
         errors=placement_errors(node),
-        sample=sql.sample_of(node),
+        sample=None if node.last_seen is None else sql.sample_of(node.last_seen, node.capacity),
         gpus=[g for g in gpus if isinstance(g, dict)] if isinstance(gpus, list) else [],
         placed=[d for d in deployments if d.id in here],
         samples_kept_h=settings.console.samples_kept_s / 3600,
@@ -240,7 +240,7 @@ async def node_revoke(request: web.Request) -> web.StreamResponse:
     node = await store.run(store.sync.node, request.match_info["node"])
     if request[FORM].get("confirm") != "yes":
         return see_other(f"/console/nodes/{node.id}", "unconfirmed")
-    await store.run(store.sync.revoke_node, node.id)
+    await store.revoke_node(node.id)
     return see_other(f"/console/nodes/{node.id}", "revoked")
 
 

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 from hub.state.store import ConflictError, NotFoundError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Mapping
 
-    from hub.state.store import HubStore, Node, Quota
+    from hub.state.store import Heartbeat, HubStore, Quota
 
 
 @dataclass(frozen=True)
@@ -121,16 +121,13 @@ def delete_session(store: HubStore, id_hash: str) -> None:
 # -- node samples -----------------------------------------------------------------------
 
 
-def sample_of(node: Node) -> Sample | None:
-    """A sample from a node's last heartbeat (None: it never sent one)."""
-    if node.last_seen is None:
-        return None
-    capacity = node.capacity
+def sample_of(at: float, capacity: Mapping[str, Any]) -> Sample:
+    """A sample from a heartbeat: its time and the capacity it reported."""
     total = _int(capacity.get("memory_total_mib"))
     available = _int(capacity.get("memory_available_mib"))
     models = capacity.get("models")
     return Sample(
-        at=node.last_seen,
+        at=at,
         cpu_percent=_float(capacity.get("cpu_percent")),
         memory_used_mib=max(0, total - available),
         memory_total_mib=total,
@@ -138,6 +135,26 @@ def sample_of(node: Node) -> Sample | None:
         outbox_lag=_int(capacity.get("outbox_lag")),
         models=len(models) if isinstance(models, list) else 0,
     )
+
+
+class Sampler:
+    """Which heartbeats become samples: a node's first one here, then one each `every_s`.
+    It sees the heartbeats as the flusher writes them (hub.api.Heartbeats), so sampling
+    never reads the fleet back; each replica samples the nodes that call it."""
+
+    def __init__(self, every_s: float) -> None:
+        self._every_s = every_s
+        self._last: dict[str, float] = {}  # node id -> the time of its last sample
+
+    def due(self, beats: Iterable[Heartbeat]) -> list[tuple[str, Sample]]:
+        taken = []
+        for beat in beats:
+            last = self._last.get(beat.node_id)
+            if last is not None and beat.at - last < self._every_s:
+                continue
+            self._last[beat.node_id] = beat.at
+            taken.append((beat.node_id, sample_of(beat.at, beat.capacity)))
+        return taken
 
 
 def record_samples(store: HubStore, samples: Iterable[tuple[str, Sample]]) -> None:

@@ -36,6 +36,7 @@ from shared.keys import (
     OPERATOR_TOKEN,
     NewKey,
     generate_key,
+    hash_key,
     key_matches,
     parse_prefix,
 )
@@ -48,6 +49,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
 T = TypeVar("T")
+
+# Serials kept in the `meta` table.
+DESIRED_SERIAL = "desired_serial"  # moves with every change to the fleet's desired state
+AUTH_REVISION = "node_auth_revision"  # moves when a node token stops being good
 
 
 class TokenProblem(StrEnum):
@@ -337,31 +342,49 @@ class HubStore:
         return _node(rows[0])
 
     def revoke_node(self, node_id: str) -> Node:
+        """Revoke a node: its token is refused from then on. The revision of node
+        authentication moves in the same transaction, so every replica drops the answers
+        it remembers (`AsyncHubStore.authenticate_node`)."""
         node = self.node(node_id)
-        self.db.execute(
-            "UPDATE nodes SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
-            [time.time(), node.id],
-        )
+        with self.db.transaction():
+            changed = self.db.execute(
+                "UPDATE nodes SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+                [time.time(), node.id],
+            ).rowcount
+            if changed:
+                self._bump(AUTH_REVISION)
         return self.node(node.id)
+
+    def serials(self) -> tuple[int, int]:
+        """(the desired state's serial, the node authentication revision), in one read."""
+        values = {
+            row[0]: int(row[1])
+            for row in self.db.execute(
+                "SELECT key, value FROM meta WHERE key IN (?, ?)", [DESIRED_SERIAL, AUTH_REVISION]
+            ).fetchall()
+        }
+        return values.get(DESIRED_SERIAL, 0), values.get(AUTH_REVISION, 0)
 
     # -- desired state: accounts and keys, pushed to nodes ---------------------------------
 
     def desired_serial(self) -> int:
-        row = self.db.execute("SELECT value FROM meta WHERE key = 'desired_serial'").fetchone()
+        return self._serial(DESIRED_SERIAL)
+
+    def _serial(self, key: str) -> int:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", [key]).fetchone()
         return 0 if row is None else int(row[0])
 
-    def _bump(self) -> int:
-        """Inside a transaction: the next serial of the desired state. One UPDATE adds one,
-        so changes made at once by two replicas get two serials (the row's lock orders
-        them), never the same one."""
+    def _bump(self, key: str = DESIRED_SERIAL) -> int:
+        """Inside a transaction: the next value of a serial (by default the desired
+        state's). One UPDATE adds one, so changes made at once by two replicas get two
+        serials (the row's lock orders them), never the same one."""
         self.db.execute(
-            "INSERT INTO meta (key, value) VALUES ('desired_serial', '0') ON CONFLICT DO NOTHING"
+            "INSERT INTO meta (key, value) VALUES (?, '0') ON CONFLICT DO NOTHING", [key]
         )
         self.db.execute(
-            "UPDATE meta SET value = CAST(CAST(value AS BIGINT) + 1 AS TEXT)"
-            " WHERE key = 'desired_serial'"
+            "UPDATE meta SET value = CAST(CAST(value AS BIGINT) + 1 AS TEXT) WHERE key = ?", [key]
         )
-        return self.desired_serial()
+        return self._serial(key)
 
     def set_account(
         self,
@@ -1080,11 +1103,18 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
     so the placement reconciler's and the console's reads of ten thousand nodes never
     hold up the node calls queued on the writer."""
 
+    _NODES_REMEMBERED = 200_000
+
     def __init__(self, settings: HubSettings) -> None:
         super().__init__(open_store, settings)
         self._reader = db.AsyncStore(open_store, settings)
         self._waiting: list[_Batch] = []
         self._committer: asyncio.Task[None] | None = None
+        # Node tokens already checked, by their hash: the node they belong to. Dropped
+        # whenever the authentication revision moves (a revocation, by any process).
+        self._nodes_by_token: dict[str, Node] = {}
+        self._auth_revision = -1
+        self._auth_epoch = 0  # moves whenever the remembered answers are dropped
 
     async def open(self) -> None:
         await super().open()
@@ -1100,6 +1130,47 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
     async def nodes(self) -> list[Node]:
         """Every node (`HubStore.nodes`), read beside the writer."""
         return await self.read(HubStore.nodes)
+
+    async def authenticate_node(self, token: str) -> Node | None:
+        """`HubStore.authenticate_node`, remembered: a node's heartbeat or sync neither
+        hashes nor looks up its token again, and never waits behind the writer's commits
+        (a miss is read on the reading connection). A revocation holds on the revoking
+        replica's next call; made by another replica or by the CLI, within the second in
+        which the heartbeat flusher reads the authentication revision (`note_serials`).
+        (Checked on every call, the revision cost a read per call: a SQLite file changes
+        with every commit of the fleet's heartbeats and events.)"""
+        if parse_prefix(token, NODE_TOKEN) is None:
+            return None
+        digest = hash_key(token)
+        if (known := self._nodes_by_token.get(digest)) is not None:
+            return known
+        epoch = self._auth_epoch
+        node = await self.read(HubStore.authenticate_node, token)
+        if node is not None and epoch == self._auth_epoch:
+            if len(self._nodes_by_token) >= self._NODES_REMEMBERED:
+                self._nodes_by_token.clear()
+            self._nodes_by_token[digest] = node
+        return node
+
+    async def revoke_node(self, node_id: str) -> Node:
+        """`HubStore.revoke_node`; this replica forgets the node's token at once."""
+        node = await self.run(self.sync.revoke_node, node_id)
+        self._forget_nodes()
+        return node
+
+    def note_serials(self, serials: tuple[int, int]) -> None:
+        """The serials just read (`HubStore.serials`): a moved authentication revision
+        drops the remembered node tokens."""
+        self._note_auth_revision(serials[1])
+
+    def _note_auth_revision(self, revision: int) -> None:
+        if revision != self._auth_revision:
+            self._auth_revision = revision
+            self._forget_nodes()
+
+    def _forget_nodes(self) -> None:
+        self._nodes_by_token.clear()
+        self._auth_epoch += 1
 
     async def ingest(self, node_id: str, events: Iterable[Mapping[str, Any]]) -> EventsAnswer:
         """`HubStore.ingest`, committed in groups: the batches that arrive while a commit is

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from wireguard_tools import WireguardKey
 
-from hub.app import certificates, create_app, ssl_context
+from hub.app import HEARTBEATS_EVERY_S, certificates, create_app, ssl_context
 from hub.planning.quota import Budget
 from hub.settings import HubSettings
 from hub.state.store import open_store
@@ -153,6 +153,45 @@ async def test_the_same_events_through_two_replicas_are_counted_once(
         assert store.consumed("acme", 0, time.time() + 86_400) == 7 * len(events)
     finally:
         store.close()
+
+
+async def test_a_node_revoked_through_one_replica_is_refused_by_both(
+    replicas: Replicas, hub: HubSettings
+) -> None:
+    """Each replica remembers the node tokens it checked. The revoking replica refuses the
+    node on its next call; the other within the second its heartbeat flusher reads the
+    authentication revision in; neither ever accepts it again."""
+    store = open_store(hub)
+    token = store.create_token("lab", uses=1, expires_in_s=600).plaintext
+    node = store.enroll(
+        token, name="n", wg_public_key=_key(), overlay_prefix=hub.overlay.prefix,
+        labels={}, versions={},
+    )  # fmt: skip
+    operator = store.create_operator("ops").plaintext
+    store.close()
+    first, second = replicas.urls
+    for url in replicas.urls:  # both now remember the token
+        assert (await replicas.post("/v1/node/heartbeat", {}, token=node.node_token, url=url))[
+            0
+        ] == 200
+    status, _ = await replicas.post(
+        f"/v1/admin/nodes/{node.node.id}/revoke", {}, token=operator, url=first
+    )
+    assert status == 200
+    status, body = await replicas.post("/v1/node/heartbeat", {}, token=node.node_token, url=first)
+    assert (status, body["error"]["code"]) == (403, "node_revoked")
+    deadline = time.monotonic() + 3 * HEARTBEATS_EVERY_S
+    while True:
+        status, body = await replicas.post(
+            "/v1/node/heartbeat", {}, token=node.node_token, url=second
+        )
+        if status != 200 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert (status, body["error"]["code"]) == (403, "node_revoked")
+    for url in replicas.urls:
+        status, _ = await replicas.post("/v1/node/heartbeat", {}, token=node.node_token, url=url)
+        assert status == 403
 
 
 async def test_concurrent_lease_grants_through_two_replicas_stay_within_the_budget(
