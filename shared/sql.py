@@ -84,8 +84,27 @@ class Database:
         names = [c[0] for c in rows.description]
         return [dict(zip(names, row, strict=True)) for row in rows.fetchall()]
 
-    def transaction(self) -> AbstractContextManager[None]:
+    _depth = 0  # transactions open, the outermost and those nested in it
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
         """Everything inside commits together, or not at all (nested: joins the outer)."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        with self._outermost():
+            self._depth = 1
+            try:
+                yield
+            finally:
+                self._depth = 0
+
+    def _outermost(self) -> AbstractContextManager[None]:
+        """The backend's own transaction: begun, then committed, or rolled back on error."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -104,7 +123,6 @@ class SQLiteDatabase(Database):
         # write left open by the driver's implicit BEGIN.
         self._conn.commit()
         self._conn.isolation_level = None
-        self._depth = 0
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows:
         try:
@@ -119,23 +137,13 @@ class SQLiteDatabase(Database):
             raise _sqlite_error(err) from err
 
     @contextmanager
-    def transaction(self) -> Iterator[None]:
-        if self._depth:
-            self._depth += 1
-            try:
-                yield
-            finally:
-                self._depth -= 1
-            return
+    def _outermost(self) -> Iterator[None]:
         self.execute("BEGIN IMMEDIATE")
-        self._depth = 1
         try:
             yield
         except BaseException:
-            self._depth = 0
             self._conn.rollback()
             raise
-        self._depth = 0
         try:
             self._conn.commit()
         except sqlite3.Error as err:
@@ -195,7 +203,6 @@ class PostgresDatabase(Database):
     def __init__(self, url: str, migrations: Sequence[SQLMigration]) -> None:
         self._url = url
         self._conn = self._connect()
-        self._depth = 0
         self.migrate(migrations)
 
     def _connect(self) -> psycopg.Connection[Any]:
@@ -264,23 +271,12 @@ class PostgresDatabase(Database):
             raise _postgres_error(err) from err
 
     @contextmanager
-    def transaction(self) -> Iterator[None]:
+    def _outermost(self) -> Iterator[None]:
         import psycopg  # noqa: PLC0415
 
-        if self._depth:
-            self._depth += 1
-            try:
-                yield
-            finally:
-                self._depth -= 1
-            return
         try:
             with self._ready().transaction():
-                self._depth = 1
-                try:
-                    yield
-                finally:
-                    self._depth = 0
+                yield
         except psycopg.Error as err:
             raise _postgres_error(err) from err
 
