@@ -1159,11 +1159,12 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         return await self.read(HubStore.nodes)
 
     async def authenticate_node(self, token: str) -> Node | None:
-        """`HubStore.authenticate_node`, remembered: a node's heartbeat or sync neither
-        hashes nor looks up its token again, and never waits behind the writer's commits
-        (a miss is read on the reading connection). A revocation holds on the revoking
-        replica's next call; made by another replica or by the CLI, within the second in
-        which the heartbeat flusher reads the authentication revision (`note_serials`).
+        """`HubStore.authenticate_node`, remembered (by the token's sha256): a node's
+        heartbeat or sync does not look its token up again, and never waits behind the
+        writer's commits (a miss is read on the reading connection). A revocation holds
+        on the revoking replica's next call; made by another replica or by the CLI,
+        within the second in which the heartbeat flusher reads the authentication
+        revision (`note_serials`).
         (Checked on every call, the revision cost a read per call: a SQLite file changes
         with every commit of the fleet's heartbeats and events.)"""
         if parse_prefix(token, NODE_TOKEN) is None:
