@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 import pytest
 from aiohttp import web
@@ -218,3 +218,16 @@ def pytest_sessionfinish() -> None:
 
     llama_utils.outnull_file.close()
     llama_utils.errnull_file.close()
+
+
+class NoModels:
+    """What a fleet link reports of the models when none are served (links tested alone)."""
+
+    def served(self) -> list[Any]:
+        return []
+
+    def deployments(self) -> list[Any]:
+        return []
+
+    def replicas(self) -> list[Any]:
+        return []

@@ -25,7 +25,7 @@ from hub.settings import HubSettings
 from hub.state.store import HubStore, open_store
 from shared.provisioning import Provisioning
 from shared.wireguard import read_private_key
-from tests.conftest import free_port, kvl, make_settings
+from tests.conftest import NoModels, free_port, kvl, make_settings
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -264,16 +264,6 @@ async def test_lost_acknowledgements_never_duplicate(
             store.sync.record_usage,
             UsageEvent(account.id, "kvl", "/v1/completions", "m", i, i, None, 1.0, 200, "stop"),
         )
-
-    class NoModels:
-        def served(self) -> list[Any]:
-            return []
-
-        def deployments(self) -> list[Any]:
-            return []
-
-        def replicas(self) -> list[Any]:
-            return []
 
     link = FleetLink(settings.fleet, FleetFiles(settings.fleet_dir), store, Metrics(), NoModels())  # type: ignore[arg-type]
     try:

@@ -4,7 +4,7 @@ enrolls once (one use of a two-use token, one node at the hub)."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import FleetLink
@@ -14,23 +14,12 @@ from hub.app import ssl_context
 from hub.state.store import open_store
 from shared.telemetry import Metrics
 from tests.appliance.test_fleet import hub_settings, provisioning
-from tests.conftest import make_settings
+from tests.conftest import NoModels, make_settings
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from pytest_aiohttp import AiohttpServer
-
-
-class _NoModels:
-    def served(self) -> list[Any]:
-        return []
-
-    def deployments(self) -> list[Any]:
-        return []
-
-    def replicas(self) -> list[Any]:
-        return []
 
 
 async def test_concurrent_starts_enroll_once(aiohttp_server: AiohttpServer, tmp_path: Path) -> None:
@@ -45,7 +34,7 @@ async def test_concurrent_starts_enroll_once(aiohttp_server: AiohttpServer, tmp_
     )
     store = AsyncStore(settings.db_path)
     await store.open()
-    link = FleetLink(settings.fleet, FleetFiles(settings.fleet_dir), store, Metrics(), _NoModels())  # type: ignore[arg-type]
+    link = FleetLink(settings.fleet, FleetFiles(settings.fleet_dir), store, Metrics(), NoModels())  # type: ignore[arg-type]
     try:
         clients = await asyncio.gather(*(link._ensure() for _ in range(4)))
         assert all(c is clients[0] for c in clients)

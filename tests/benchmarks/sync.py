@@ -22,7 +22,6 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import FleetLink, enroll
@@ -35,20 +34,10 @@ from shared.db import now_iso
 from shared.provisioning import Provisioning
 from shared.telemetry import Metrics
 from tests.benchmarks.serving import HOST, cpu_model, free_port, say
+from tests.conftest import NoModels
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "sync.json"
 TARGET_EVENTS_S = 10_000
-
-
-class _NoModels:
-    def served(self) -> list[Any]:
-        return []
-
-    def deployments(self) -> list[Any]:
-        return []
-
-    def replicas(self) -> list[Any]:
-        return []
 
 
 def fill(store: Store, events: int) -> None:
@@ -101,7 +90,7 @@ def wait_for_hub(url: str, process: subprocess.Popen[bytes]) -> None:
 async def drain(settings: FleetSettings, fleet_dir: Path, db_path: Path) -> tuple[float, int]:
     store = AsyncStore(db_path)
     await store.open()
-    link = FleetLink(settings, FleetFiles(fleet_dir), store, Metrics(), _NoModels())  # type: ignore[arg-type]
+    link = FleetLink(settings, FleetFiles(fleet_dir), store, Metrics(), NoModels())  # type: ignore[arg-type]
     try:
         started = time.perf_counter()
         sent = 0
