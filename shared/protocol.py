@@ -1,0 +1,360 @@
+"""The appliance ↔ hub protocol: every message between a node and the hub, typed and
+bounded. Both sides import this module and nothing else to read or write the wire.
+
+A node is untrusted. Every number a node sends is finite, non-negative and bounded, every
+list and map has a length cap, every string a length cap; a message outside these bounds
+is refused whole (4xx in the error shape) and changes nothing. The JSON Schema of every
+message is kept in `tests/shared/protocol_schema.json` (a test compares): a change to the
+wire shows in review.
+
+Versions. A node names its protocol version in the `Kvl-Protocol` header of every call,
+and the hub answers with its own. The hub serves nodes from `OLDEST_NODE_PROTOCOL` to
+`PROTOCOL_VERSION`, so a fleet is upgraded hub first, then node by node; a node outside
+the window gets 400 `protocol_unsupported` saying which side to upgrade. Version 2 is
+the first versioned protocol (version 1, unversioned, sent capacity as a free map and
+authenticated offloaded requests with a per-node secret); from version 3 on, the hub
+keeps serving the version before its own.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Self
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
+
+PROTOCOL_VERSION = 2
+OLDEST_NODE_PROTOCOL = 2
+PROTOCOL_HEADER = "Kvl-Protocol"
+
+# Offload (hub/offload.py, appliance/gateway/offload.py): the client's own API key travels
+# with the request, so the node that serves it derives account and class from the key it
+# holds the hash of; no node can name another account.
+CLIENT_KEY_HEADER = "X-Kvl-Client-Key"
+ORIGIN_HEADER = "X-Kvl-Origin"  # the node the request came from (informational)
+OFFLOADED_HEADER = "X-Kvl-Offloaded"  # set on a request offloaded once: never again
+SERVED_BY_HEADER = "X-Kvl-Served-By"
+
+MAX_EVENTS = 5000  # events in one sync call
+MAX_LEASE_ACCOUNTS = 10_000
+
+# Bounded scalars. The bounds are far above any real node and far below what overflows
+# a 64-bit column or a float conversion.
+Count = Annotated[int, Field(ge=0, le=1_000_000_000)]
+Tokens = Annotated[int, Field(ge=0, le=100_000_000)]  # one request, or one lease
+Mib = Annotated[int, Field(ge=0, le=1 << 30)]  # up to a pebibyte
+Seconds = Annotated[float, Field(ge=0, le=1e10)]  # unix time, or a duration
+Millis = Annotated[float, Field(ge=0, le=1e9)]
+Percent = Annotated[float, Field(ge=0, le=100)]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+Short = Annotated[str, StringConstraints(max_length=200)]
+Text = Annotated[str, StringConstraints(max_length=2000)]
+Id = Annotated[str, StringConstraints(min_length=1, max_length=100)]
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+NodeName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
+WgKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=$")]
+Labels = Annotated[dict[Annotated[str, StringConstraints(max_length=63)], Short], Field(max_length=32)]
+Versions = Annotated[
+    dict[Annotated[str, StringConstraints(max_length=40)], Short], Field(max_length=32)
+]
+
+
+class Message(BaseModel):
+    """A protocol message: unknown fields, NaN and infinities refused; immutable."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+
+# -- enrollment ----------------------------------------------------------------------------
+
+
+class EnrollRequest(Message):
+    token: str = Field(min_length=1, max_length=200)
+    name: NodeName
+    wg_public_key: WgKey
+    labels: Labels = Field(default_factory=dict)
+    versions: Versions = Field(default_factory=dict)
+    # A signing request for the node's LAN API certificate (the key stays on the node).
+    lan_csr: str | None = Field(None, max_length=20_000)
+
+
+class HubPeer(Message):
+    """The hub as a node's WireGuard peer and API."""
+
+    wg_public_key: WgKey
+    overlay_address: Short
+    endpoint: Short  # host:port of its WireGuard listener
+    api_url: Short  # its API through the tunnel
+    ca_pem: str = Field(max_length=20_000)
+
+
+class EnrollAnswer(Message):
+    node_id: Id
+    node_token: str = Field(max_length=200)
+    name: NodeName
+    site: Short
+    overlay_address: Short
+    overlay_prefix: Short
+    lan_certificate: str | None = Field(None, max_length=20_000)
+    hub: HubPeer
+
+
+# -- heartbeats ----------------------------------------------------------------------------
+
+
+class Gpu(Message):
+    name: Short
+    description: Short = ""
+    memory_total_mib: Mib = 0
+    memory_free_mib: Mib | None = None
+
+
+class LanApi(Message):
+    """Where the hub reaches a node's LAN API (at the address its heartbeats come from)."""
+
+    port: int = Field(ge=1, le=65535)
+    tls: bool = False
+
+
+class Capacity(Message):
+    """What a node has and how loaded it is, as it reports in each heartbeat. None of it
+    can make a node look better than empty: no negative load, no more free memory than
+    it has."""
+
+    cpu_percent: Percent = 0.0
+    cpu_count: int = Field(1, ge=1, le=4096)
+    memory_total_mib: Mib = 0
+    memory_available_mib: Mib = 0
+    models: list[Name] = Field(default_factory=list, max_length=64)  # name@version served
+    model_memory_mib: Mib = 0  # the models' memory budget (0: the hub assumes 3/4 of RAM)
+    placement_errors: dict[Name, Text] = Field(default_factory=dict, max_length=64)
+    gpus: list[Gpu] = Field(default_factory=list, max_length=16)
+    queue_waiting: Count = 0
+    outbox_lag: Count = 0
+    outbox_alarm: bool = False
+    api: LanApi | None = None
+    # The node takes offloaded requests on /v1/offloaded/… with the client's own key.
+    offload: bool = False
+
+    @model_validator(mode="after")
+    def _within_itself(self) -> Self:
+        if self.memory_available_mib > self.memory_total_mib:
+            raise ValueError("memory_available_mib is more than memory_total_mib")
+        for gpu in self.gpus:
+            if gpu.memory_free_mib is not None and gpu.memory_free_mib > gpu.memory_total_mib:
+                raise ValueError(f"GPU {gpu.name}: memory_free_mib is more than its total")
+        if len(set(self.models)) != len(self.models):
+            raise ValueError("models lists a model twice")
+        return self
+
+
+class HeartbeatRequest(Message):
+    versions: Versions = Field(default_factory=dict)
+    capacity: Capacity = Field(default_factory=Capacity)
+
+
+class HeartbeatAnswer(Message):
+    node_id: Id
+    received_at: Seconds
+    # The hub's desired-state serial: a node pulls its state only when it moved.
+    desired_serial: int = Field(ge=0)
+
+
+# -- events (the outbox) ---------------------------------------------------------------------
+
+
+class UsageBody(Message):
+    """One served request, as the node recorded it before answering its client."""
+
+    account: Name  # the hub knows accounts by name
+    account_id: int = Field(0, ge=0, le=1 << 62)  # the node's own row id (kept as sent)
+    key_prefix: Short = ""
+    route: Short = ""
+    model: Short = ""
+    tokens_in: Tokens = 0
+    tokens_out: Tokens = 0
+    ttft_ms: Millis | None = None
+    duration_ms: Millis = 0.0
+    status: int = Field(200, ge=100, le=599)
+    finish_reason: Short | None = None
+    id: Short = ""
+    created_at: Short = ""  # ISO 8601, when it was served
+    lease_id: Id | None = None  # the quota lease it was charged to
+
+
+class PackageBody(Message):
+    """A content package this node now holds (made here, or seeded)."""
+
+    object: Literal["package"] = "package"
+    id: Id
+    version: Id
+    title: Text
+    topic: Text
+    level: Short
+    items: Count
+    created_at: Short
+    size: Count
+    pinned: bool = False
+    digest: Short
+    # What made it (model, voice, template, seed); kept as the node says, depth-bounded
+    # by the JSON reader (`shared.jsonlimits`).
+    lineage: dict[Short, object] = Field(default_factory=dict, max_length=32)
+    origin: Short = ""
+
+
+class PackageRef(Message):
+    id: Id
+    version: Id
+
+
+class UsageEvent(Message):
+    id: Id
+    kind: Literal["usage"]
+    body: UsageBody
+
+
+class PackageEvent(Message):
+    id: Id
+    kind: Literal["package"]
+    body: PackageBody
+
+
+class PackageRemovedEvent(Message):
+    id: Id
+    kind: Literal["package_removed"]
+    body: PackageRef
+
+
+Event = Annotated[UsageEvent | PackageEvent | PackageRemovedEvent, Field(discriminator="kind")]
+
+
+class EventsRequest(Message):
+    events: list[Event] = Field(max_length=MAX_EVENTS)
+
+    @model_validator(mode="after")
+    def _unique(self) -> Self:
+        if len({e.id for e in self.events}) != len(self.events):
+            raise ValueError("an event id appears twice in the batch")
+        return self
+
+
+class EventsAnswer(Message):
+    acknowledged: list[Id]  # every id, duplicates of earlier batches too
+    new: Count  # how many were new to the ledger
+
+
+# -- quota leases ----------------------------------------------------------------------------
+
+
+class LeaseRequest(Message):
+    # The accounts the node wants a new lease for (those it serves that have a budget).
+    accounts: list[Name] = Field(default_factory=list, max_length=MAX_LEASE_ACCOUNTS)
+    # Leases the node retired and will never spend again: their final spend.
+    finals: dict[Id, Tokens] = Field(default_factory=dict, max_length=MAX_LEASE_ACCOUNTS)
+
+    @model_validator(mode="after")
+    def _unique(self) -> Self:
+        if len(set(self.accounts)) != len(self.accounts):
+            raise ValueError("an account appears twice in `accounts`")
+        return self
+
+
+class LeaseGrant(Message):
+    account: Name
+    lease_id: Id
+    granted: Tokens
+    expires_at: Seconds
+    period_ends_at: Seconds
+
+
+class LeaseAnswer(Message):
+    leases: list[LeaseGrant] = Field(max_length=MAX_LEASE_ACCOUNTS)
+    learning: bool = False  # a restarted hub's learning mode: no new leases yet
+    retry_after_s: Seconds | None = None
+
+
+# -- desired state ---------------------------------------------------------------------------
+
+
+class AccountState(Message):
+    name: Name
+    service_class: Literal["S0", "S1", "S2", "S3", "S4"]
+    requests_per_minute: int | None = Field(None, ge=0)
+    tokens_per_day: int | None = Field(None, ge=0)
+    budget_tokens: int | None = Field(None, ge=0)  # spent through leases when set
+
+
+class KeyState(Message):
+    prefix: Short
+    hash: Short
+    account: Name
+    admin: bool = False
+    revoked: bool = False
+
+
+class PlacedModel(Message):
+    """A model placed on the node: fetched through the tunnel by sha256, checked, loaded."""
+
+    name: Name
+    version: Name
+    sha256: Sha256
+    size_bytes: int = Field(ge=0)
+    format: Short
+
+
+class SeededPackage(Message):
+    id: Id
+    version: Id
+    sha256: Sha256
+    size: int = Field(ge=0)
+
+
+class DesiredState(Message):
+    """What a node should hold, read in one transaction with the serial it is at."""
+
+    node_id: Id
+    serial: int = Field(ge=0)
+    accounts: list[AccountState]
+    keys: list[KeyState]
+    models: list[PlacedModel] = Field(default_factory=list)
+    packages: list[SeededPackage] = Field(default_factory=list)
+
+
+# Every message of the protocol, by name: the schema snapshot and the hub's OpenAPI
+# document are made from this list.
+MESSAGES: tuple[type[Message], ...] = (
+    EnrollRequest,
+    EnrollAnswer,
+    HeartbeatRequest,
+    HeartbeatAnswer,
+    EventsRequest,
+    EventsAnswer,
+    LeaseRequest,
+    LeaseAnswer,
+    DesiredState,
+)
+
+
+def json_schema() -> dict[str, object]:
+    """The JSON Schema of every message (with the version), for the snapshot test."""
+    return {
+        "protocol_version": PROTOCOL_VERSION,
+        "oldest_node_protocol": OLDEST_NODE_PROTOCOL,
+        "messages": {m.__name__: m.model_json_schema() for m in MESSAGES},
+    }
+
+
+def node_protocol(header: str | None) -> int | None:
+    """A node's protocol version from its header (None: absent or not a number)."""
+    if header is None or not header.strip().isdigit() or len(header.strip()) > 6:
+        return None
+    return int(header.strip())
+
+
+def supported(version: int | None) -> bool:
+    return version is not None and OLDEST_NODE_PROTOCOL <= version <= PROTOCOL_VERSION
