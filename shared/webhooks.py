@@ -34,6 +34,9 @@ SIGNATURE_HEADER = "Kvl-Signature"
 DELIVERY_HEADER = "Kvl-Delivery"
 SCHEME = "v1"
 DEFAULT_TOLERANCE_S = 300.0
+# Unix seconds of any real clock fit in far fewer digits; a bound keeps `int()` cheap and the
+# arithmetic with a float clock exact (below 2**53), whatever a sender writes.
+MAX_TIMESTAMP_DIGITS = 15
 
 
 class WebhookVerificationError(Exception):
@@ -42,6 +45,11 @@ class WebhookVerificationError(Exception):
 
 class MalformedSignatureError(WebhookVerificationError):
     """The signature header is missing or cannot be read (no `t=`, no `v1=`)."""
+
+
+class MalformedTimestampError(MalformedSignatureError):
+    """The header's `t=` is missing, repeated, or not unix seconds as 1 to 15 ASCII digits
+    (a sign, a fraction, `nan`, a huge number): refused before any arithmetic on it."""
 
 
 class SignatureMismatchError(WebhookVerificationError):
@@ -115,11 +123,18 @@ def _parse(header: str | None) -> tuple[int, list[str]]:
         elif key == SCHEME:
             signatures.append(value)
         # Other schemes (a later v2) are skipped, so senders can add one without breaking us.
-    if len(timestamps) != 1 or not timestamps[0].isascii() or not timestamps[0].isdigit():
-        raise MalformedSignatureError("the header needs exactly one `t=<unix seconds>`")
+    if len(timestamps) != 1:
+        raise MalformedTimestampError("the header needs exactly one `t=<unix seconds>`")
+    text = timestamps[0]
+    # isdigit() alone takes other scripts' digits and superscripts; int() takes signs,
+    # spaces and underscores: only plain ASCII digits are unix seconds here.
+    if not 0 < len(text) <= MAX_TIMESTAMP_DIGITS or not all("0" <= c <= "9" for c in text):
+        raise MalformedTimestampError(
+            f"`t=` must be unix seconds: 1 to {MAX_TIMESTAMP_DIGITS} ASCII digits"
+        )
     if not signatures:
         raise MalformedSignatureError(f"the header has no `{SCHEME}=` signature")
-    return int(timestamps[0]), signatures
+    return int(text), signatures
 
 
 class ReplayGuard:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from shared.webhooks import (
     MalformedSignatureError,
+    MalformedTimestampError,
     ReplayGuard,
     SignatureMismatchError,
     TimestampInFutureError,
@@ -95,9 +96,46 @@ def test_a_malformed_header_is_refused(header: str | None) -> None:
         verify(SECRET, BODY, header, now=NOW)
 
 
+@pytest.mark.parametrize(
+    "timestamp",
+    [
+        None,  # missing
+        "",
+        "soon",
+        "nan",
+        "NaN",
+        "inf",
+        "1e9",
+        "1800000000.5",
+        "+1800000000",
+        "1_800_000_000",
+        " 1800000000",
+        "²",  # a digit to str.isdigit(), not to int()
+        "9" * 16,  # past any clock, and past exact float arithmetic
+        "9" * 5000,  # past int()'s own limit on digits: it would raise ValueError
+    ],
+)
+def test_a_malformed_timestamp_has_its_own_error(timestamp: str | None) -> None:
+    signature = f"v1={'0' * 64}"
+    header = signature if timestamp is None else f"t={timestamp},{signature}"
+    with pytest.raises(MalformedTimestampError):
+        verify(SECRET, BODY, header, now=NOW)
+
+
+def test_a_huge_timestamp_signed_with_the_secret_is_still_malformed() -> None:
+    """A sender holding the secret signs any `t`: a huge one is refused, not an
+    OverflowError from the clock arithmetic."""
+    with pytest.raises(MalformedTimestampError):
+        verify(SECRET, BODY, sign(SECRET, BODY, 10**400), now=NOW)
+    header = sign(SECRET, BODY, NOW)
+    with pytest.raises(MalformedTimestampError):
+        verify(SECRET, BODY, header.replace(f"t={NOW}", f"t={NOW},t={NOW}"), now=NOW)
+
+
 def test_every_failure_is_a_verification_error() -> None:
     for error in (
         MalformedSignatureError,
+        MalformedTimestampError,
         SignatureMismatchError,
         TimestampTooOldError,
         TimestampInFutureError,
