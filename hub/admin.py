@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Self
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hub.loops import report
 from hub.packages import MAX_BUNDLE, keep_bundle
 from hub.state.store import DeploymentRecord, NotFoundError
 from hub.views import deployment_view, node_view, package_view, quota_view, token_view
@@ -315,6 +316,11 @@ async def _package(
     return web.json_response(package_view(match, names), status=status)
 
 
+async def list_loops(request: web.Request) -> web.Response:
+    """The hub's background loops: which run, and each one's failed rounds."""
+    return web.json_response(report(request.app))
+
+
 def admin_routes() -> list[web.RouteDef]:
     return [
         web.get("/v1/admin/nodes", list_nodes),
@@ -335,4 +341,5 @@ def admin_routes() -> list[web.RouteDef]:
         web.post("/v1/admin/packages", add_package),
         web.post("/v1/admin/packages/{id}/seed", seed_package),
         web.delete("/v1/admin/packages/{id}/seed", unseed_package),
+        web.get("/v1/admin/loops", list_loops),
     ]

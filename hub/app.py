@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import ipaddress
 import logging
@@ -28,11 +27,12 @@ from hub.api import (
     routes,
 )
 from hub.console.app import setup_console
+from hub.loops import LOOPS, RUNNING, Running, running
 from hub.offload import Forwarder
 from hub.reconciler import reconcile_forever
 from hub.state.store import AsyncHubStore
 from shared import pki
-from shared.sql import DatabaseError
+from shared.supervise import Failures
 from shared.wireguard import (
     InterfaceConfig,
     KeyPair,
@@ -43,9 +43,10 @@ from shared.wireguard import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Awaitable, Callable
 
     from hub.settings import HubSettings
+    from hub.state.store import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ def create_app(settings: HubSettings) -> web.Application:
         middlewares=[errors, node_auth, operator_auth], client_max_size=16 * 2**20
     )
     app[SETTINGS] = settings
+    # Every background loop of this hub counts its failed rounds here (hub/loops.py).
+    app[LOOPS] = Failures()
+    app[RUNNING] = Running()
     app.add_routes(routes())
     app.add_routes(admin_routes())
     app[IDENTITY] = identity(settings)
@@ -93,6 +97,7 @@ async def _store(app: web.Application) -> AsyncIterator[None]:
 async def _heartbeats(app: web.Application) -> AsyncIterator[None]:
     """The write-behind of heartbeats (see hub.api.Heartbeats); a last flush on the way out."""
     store = app[STORE]
+    failures = app[LOOPS]
     beats = Heartbeats()
     app[BEATS] = beats
 
@@ -102,29 +107,30 @@ async def _heartbeats(app: web.Application) -> AsyncIterator[None]:
         store.note_serials(read)
 
     async def flush() -> None:
+        # A round that fails (the write, the serials) loses only that second's
+        # heartbeats, which the nodes' next ones replace; the loop goes on.
         waiting = beats.take()
         if waiting:
             await store.run(store.sync.heartbeats, waiting)
             for listener in beats.listeners:
-                await listener(waiting)
+                # Each listener on its own: one that raises takes neither the flush
+                # nor the listeners after it down with it.
+                with failures.guard(listener_loop(listener)):
+                    await listener(waiting)
         await serials()
 
     await serials()
+    # The module constant is read each round, so that tests can shorten it.
+    every = failures.forever("heartbeats", flush, lambda: HEARTBEATS_EVERY_S)
+    async with running(app, "heartbeats", every):
+        yield
+    with failures.guard("heartbeats"):  # the last flush, on the way out
+        await flush()
 
-    async def loop() -> None:
-        while True:
-            await asyncio.sleep(HEARTBEATS_EVERY_S)
-            try:
-                await flush()
-            except DatabaseError:
-                log.exception("writing heartbeats failed; the nodes' next ones replace them")
 
-    task = asyncio.create_task(loop(), name="kvl-hub-heartbeats")
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    await flush()
+def listener_loop(listener: Callable[[list[Heartbeat]], Awaitable[None]]) -> str:
+    """The name a heartbeat listener's failures are counted under."""
+    return f"heartbeats.{getattr(listener, '__name__', 'listener')}"
 
 
 async def _forwarder(app: web.Application) -> AsyncIterator[None]:
@@ -138,11 +144,8 @@ async def _forwarder(app: web.Application) -> AsyncIterator[None]:
 async def _placement(app: web.Application) -> AsyncIterator[None]:
     """The placement reconciler (hub/reconciler.py)."""
     settings: HubSettings = app[SETTINGS]  # type: ignore[assignment]
-    task = asyncio.create_task(reconcile_forever(app[STORE], settings), name="kvl-hub-placement")
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    async with running(app, "placement", reconcile_forever(app[STORE], settings, app[LOOPS])):
+        yield
 
 
 def overlay_address(settings: HubSettings) -> ipaddress.IPv4Interface | ipaddress.IPv6Interface:
@@ -200,30 +203,37 @@ async def _tunnel(app: web.Application) -> AsyncIterator[None]:
     )
     await asyncio.to_thread(tunnel.up)
     log.info("WireGuard %s up on UDP %d", tunnel.name, settings.overlay.listen_port)
-    task = asyncio.create_task(_reconcile_peers(app, tunnel), name="kvl-hub-peers")
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    async with running(app, "peers", reconcile_peers(app[STORE], tunnel, app[LOOPS])):
+        yield
     await asyncio.to_thread(tunnel.down)
 
 
-async def _reconcile_peers(app: web.Application, tunnel: Tunnel) -> None:
-    store = app[STORE]
-    while True:
+async def reconcile_peers(store: AsyncHubStore, tunnel: Tunnel, failures: Failures) -> None:
+    """Every PEERS_EVERY_S, the tunnel's peers made the enrolled, unrevoked nodes."""
+
+    async def once() -> None:
         try:
-            nodes = await store.nodes()
-            wanted = {n.wg_public_key: n for n in nodes if not n.revoked}
-            state = await asyncio.to_thread(tunnel.state)
-            present = {p.public_key for p in state.peers}
-            for key in present - wanted.keys():
-                await asyncio.to_thread(tunnel.remove_peer, key)
-                log.info("removed the peer of a revoked node")
-            for key in wanted.keys() - present:
-                node = wanted[key]
-                allowed = (ipaddress.ip_network(f"{node.overlay_address}/32"),)
-                await asyncio.to_thread(tunnel.add_peer, Peer(key, allowed))
-                log.info("added the peer of %s (%s)", node.name, node.overlay_address)
+            await sync_peers(store, tunnel)
         except WireGuardError as err:
+            # The interface refused (wireguard-go restarting, say): said without a
+            # traceback, as it is not the hub's bug, but counted all the same.
             log.warning("peer reconciliation: %s", err)
-        await asyncio.sleep(PEERS_EVERY_S)
+            failures.record("peers", err)
+
+    await failures.forever("peers", once, lambda: PEERS_EVERY_S, wait_first=False)
+
+
+async def sync_peers(store: AsyncHubStore, tunnel: Tunnel) -> None:
+    """One round: peers of revoked or deleted nodes removed, those of new nodes added."""
+    nodes = await store.nodes()
+    wanted = {n.wg_public_key: n for n in nodes if not n.revoked}
+    state = await asyncio.to_thread(tunnel.state)
+    present = {p.public_key for p in state.peers}
+    for key in present - wanted.keys():
+        await asyncio.to_thread(tunnel.remove_peer, key)
+        log.info("removed the peer of a revoked node")
+    for key in wanted.keys() - present:
+        node = wanted[key]
+        allowed = (ipaddress.ip_network(f"{node.overlay_address}/32"),)
+        await asyncio.to_thread(tunnel.add_peer, Peer(key, allowed))
+        log.info("added the peer of %s (%s)", node.name, node.overlay_address)

@@ -14,20 +14,19 @@ models (`model_memory_mib`, the node's model memory budget), GPUs, and the label
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from hub.planning.placement import Assignment, Deployment, Gpu, NodeSnapshot, Plan, plan
-from shared.sql import DatabaseError
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from hub.settings import HubSettings
     from hub.state.store import AsyncHubStore, DeploymentRecord, HubStore, ModelArtifact
+    from shared.supervise import Failures
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +42,13 @@ def _snapshot(
     revoked: bool,
 ) -> NodeSnapshot:
     labels = dict(labels)
-    memory = int(capacity.get("model_memory_mib") or 0) or int(
-        (capacity.get("memory_total_mib") or 0) * 0.75
+    memory = _mib(capacity.get("model_memory_mib")) or int(
+        _mib(capacity.get("memory_total_mib")) * 0.75
     )
+    listed = capacity.get("gpus")
     gpus = tuple(
-        Gpu(str(g.get("name", f"gpu{i}")), int(g.get("memory_total_mib") or 0))
-        for i, g in enumerate(capacity.get("gpus") or ())
+        Gpu(str(g.get("name", f"gpu{i}")), _mib(g.get("memory_total_mib")))
+        for i, g in enumerate(listed if isinstance(listed, list) else ())
         if isinstance(g, dict)
     )
     return NodeSnapshot(
@@ -64,6 +64,18 @@ def _snapshot(
         tenant=labels.get("tenant"),
         private=labels.get("private") == "true",
     )
+
+
+MAX_MIB = 1 << 30  # a pebibyte: the protocol's bound on any memory a node reports
+
+
+def _mib(value: object) -> int:
+    """Memory a node reported, as the planner takes it: a number from 0 to MAX_MIB, or 0.
+    A row written before the protocol bounded heartbeats may hold anything (a negative
+    number, infinity, a string), and one node's row must not fail every node's round."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return 0
+    return int(value) if 0 <= value <= MAX_MIB else 0  # NaN fails both comparisons
 
 
 class FleetSnapshots:
@@ -91,8 +103,10 @@ class FleetSnapshots:
             if was is not None and was[0] == tuple(row):
                 snapshot = was[1]
             else:
+                reported = json.loads(capacity or "{}")
                 snapshot = _snapshot(
-                    node_id, site, json.loads(labels or "{}"), json.loads(capacity or "{}"),
+                    node_id, site, json.loads(labels or "{}"),
+                    reported if isinstance(reported, dict) else {},
                     last_seen=last_seen, draining=bool(draining), revoked=revoked_at is not None,
                 )  # fmt: skip
             kept[node_id] = (tuple(row), snapshot)
@@ -148,27 +162,48 @@ def apply_plan(store: HubStore, decided: Plan) -> bool:
     return store.apply_placements((a.deployment_id, a.node_id, a.gpu) for a in decided.assignments)
 
 
-async def reconcile_forever(store: AsyncHubStore, settings: HubSettings) -> None:
-    unplaced: dict[str, str] = {}
-    fleet = FleetSnapshots()
-    while True:
+class _Reconciler:
+    """One placement round at a time; what it keeps between rounds: the fleet's node
+    snapshots and the unplaced deployments it last warned about."""
+
+    def __init__(self, store: AsyncHubStore, settings: HubSettings, failures: Failures) -> None:
+        self._store = store
+        self._settings = settings
+        self._failures = failures
+        self._fleet = FleetSnapshots()
+        self._unplaced: dict[str, str] = {}
+
+    async def round(self) -> None:
+        store = self._store
         try:
             # The snapshot (every node) is read and planned beside the writer, which then
             # only applies the answer.
-            decided = await store.read(plan_once, settings, time.time(), fleet)
-            changed = await store.run(apply_plan, store.sync, decided)
-            if changed:
-                log.info(
-                    "placements changed: %d replicas placed, %d moved",
-                    len(decided.assignments),
-                    len(decided.moved),
-                )
-            if dict(decided.unplaced) != unplaced:
-                unplaced = dict(decided.unplaced)
-                for deployment, why in unplaced.items():
-                    log.warning("deployment %s is short of replicas: %s", deployment, why)
-        except DatabaseError:
-            log.exception("the placement reconciler failed; it runs again")
+            decided = await store.read(plan_once, self._settings, time.time(), self._fleet)
         except ValueError as err:  # the planner refuses inputs it cannot plan
+            # The operator's deployments, not the hub, are at fault: no traceback, but
+            # counted, so the operator API shows why nothing moves.
             log.error("placement cannot plan the deployments as they are: %s", err)  # noqa: TRY400
-        await asyncio.sleep(settings.fleet.placement_every_s)
+            self._failures.record("placement", err)
+            return
+        changed = await store.run(apply_plan, store.sync, decided)
+        if changed:
+            log.info(
+                "placements changed: %d replicas placed, %d moved",
+                len(decided.assignments),
+                len(decided.moved),
+            )
+        if dict(decided.unplaced) != self._unplaced:
+            self._unplaced = dict(decided.unplaced)
+            for deployment, why in self._unplaced.items():
+                log.warning("deployment %s is short of replicas: %s", deployment, why)
+
+
+async def reconcile_forever(
+    store: AsyncHubStore, settings: HubSettings, failures: Failures
+) -> None:
+    """Every `fleet.placement_every_s`, one round, the first at once; a round that raises
+    (a database error, a bug) is logged and counted in `failures`, and the next runs."""
+    reconciler = _Reconciler(store, settings, failures)
+    await failures.forever(
+        "placement", reconciler.round, settings.fleet.placement_every_s, wait_first=False
+    )

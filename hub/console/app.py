@@ -3,8 +3,6 @@ for the charts, and the end of its live streams when the hub shuts down."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -24,13 +22,14 @@ from hub.console.web import (
     security_headers,
     templates,
 )
-from shared.sql import DatabaseError
+from hub.loops import LOOPS, running
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
     from hub.settings import HubSettings
     from hub.state.store import AsyncHubStore, Heartbeat
+    from shared.supervise import Failures
 
 log = logging.getLogger(__name__)
 
@@ -77,27 +76,26 @@ async def _sampler(app: web.Application) -> AsyncIterator[None]:
     store = app[STORE]
     sampler = sql.Sampler(settings.console.sample_every_s)
 
-    async def record(beats: list[Heartbeat]) -> None:
+    # Its failures are counted by the flusher, which runs each listener under its own
+    # guard (hub/app.py), as `heartbeats.console_samples`.
+    async def console_samples(beats: list[Heartbeat]) -> None:
         if samples := sampler.due(beats):
             await store.run(sql.record_samples, store.sync, samples)
 
-    app[BEATS].listeners.append(record)
-    task = asyncio.create_task(prune_forever(store, settings), name="kvl-hub-console-samples")
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    app[BEATS].listeners.append(console_samples)
+    async with running(app, "console.prune", prune_forever(store, settings, app[LOOPS])):
+        yield
 
 
-async def prune_forever(store: AsyncHubStore, settings: HubSettings) -> None:
-    """Every `console.sample_every_s`: samples older than `console.samples_kept_s`, and
-    expired sessions, deleted."""
-    while True:
-        try:
-            now = time.time()
-            await store.run(
-                sql.prune, store.sync, now=now, samples_before=now - settings.console.samples_kept_s
-            )
-        except DatabaseError:
-            log.exception("pruning the console's samples failed; the next round tries again")
-        await asyncio.sleep(settings.console.sample_every_s)
+async def prune_forever(store: AsyncHubStore, settings: HubSettings, failures: Failures) -> None:
+    """Every `console.sample_every_s`, the first at once: samples older than
+    `console.samples_kept_s`, and expired sessions, deleted. A round that fails is logged
+    and counted; the next tries again."""
+
+    async def once() -> None:
+        now = time.time()
+        await store.run(
+            sql.prune, store.sync, now=now, samples_before=now - settings.console.samples_kept_s
+        )
+
+    await failures.forever("console.prune", once, settings.console.sample_every_s, wait_first=False)

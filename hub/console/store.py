@@ -9,9 +9,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hub.state.store import ConflictError, NotFoundError
+from hub.views import plain_capacity
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
+
+    from pydantic import BaseModel
 
     from hub.state.store import Heartbeat, HubStore, Quota
 
@@ -121,8 +124,10 @@ def delete_session(store: HubStore, id_hash: str) -> None:
 # -- node samples -----------------------------------------------------------------------
 
 
-def sample_of(at: float, capacity: Mapping[str, Any]) -> Sample:
-    """A sample from a heartbeat: its time and the capacity it reported."""
+def sample_of(at: float, reported: Mapping[str, Any] | BaseModel) -> Sample:
+    """A sample from a heartbeat: its time and the capacity it reported. What a node
+    sends is not trusted: a value that is not a finite number counts as 0."""
+    capacity = plain_capacity(reported)
     total = _int(capacity.get("memory_total_mib"))
     available = _int(capacity.get("memory_available_mib"))
     models = capacity.get("models")
@@ -232,9 +237,17 @@ def packages(store: HubStore, limit: int) -> list[dict[str, Any]]:
     return [dict(zip(keys, r, strict=True)) for r in rows]
 
 
+# Far above any real reading, and exact as a float.
+_LARGEST = 1 << 53
+
+
 def _int(value: object) -> int:
-    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0
+    return int(_float(value))
 
 
 def _float(value: object) -> float:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return 0.0
+    # Out of range, infinite (JSON's 1e400 parses as infinity, which int() refuses with
+    # OverflowError) or NaN (no comparison holds): 0, as for any value that is no number.
+    return float(value) if -_LARGEST <= value <= _LARGEST else 0.0
