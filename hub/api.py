@@ -4,22 +4,38 @@ Enrollment is the one call a node makes with an enrollment token, over HTTPS to 
 (the node pins the hub's certificate fingerprint). Every later call carries the node token
 and, with `server.require_overlay_source`, must come from the node's overlay address,
 that is through its WireGuard tunnel.
+
+Every message is one of shared/protocol.py's, validated before anything is done with it:
+a node can break only itself. What a node says of its own load is taken; what it says of
+anything else (another account's usage, another node's lease, another account's request
+to offload) is refused.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from hub.offload import Forwarder
 from hub.planning.quota import Sizing
-from hub.state.store import AsyncHubStore, Heartbeat, Node, TokenRefusedError
-from shared import __version__, pki
+from hub.state.store import (
+    AlreadyEnrolledError,
+    AsyncHubStore,
+    ForeignAccountError,
+    ForeignLeaseError,
+    Heartbeat,
+    HubStore,
+    Node,
+    TokenRefusedError,
+)
+from shared import __version__, jsonlimits, pki, protocol
 from shared.blobs import IMMUTABLE, send_blob
 from shared.errors import ApiError, ErrorCode, error_body
 
@@ -30,6 +46,9 @@ STORE = web.AppKey("hub_store", AsyncHubStore)
 SETTINGS = web.AppKey("hub_settings", object)  # HubSettings; object keeps the import lazy
 IDENTITY = web.AppKey("hub_identity", dict[str, str])  # the hub's public WireGuard key …
 NODE = web.RequestKey("node", Node)
+REQUEST_ID = web.RequestKey("request_id", str)
+M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger(__name__)
 
 
 class Heartbeats:
@@ -83,74 +102,80 @@ class Learning:
 LEARNING = web.AppKey("hub_learning", Learning)
 FORWARDER = web.AppKey("hub_forwarder", Forwarder)
 
-WG_KEY = r"^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=$"  # 32 bytes, base64
-MAX_EVENTS = 5000
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class EnrollRequest(_Body):
-    token: str = Field(min_length=1, max_length=200)
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-    wg_public_key: str = Field(pattern=WG_KEY)
-    labels: dict[str, str] = Field(default_factory=dict, max_length=32)
-    versions: dict[str, str] = Field(default_factory=dict, max_length=32)
-    # A signing request for the node's LAN API certificate (the key stays on the node).
-    lan_csr: str | None = Field(None, max_length=20_000)
-
-
-class HeartbeatRequest(_Body):
-    versions: dict[str, str] = Field(default_factory=dict, max_length=32)
-    capacity: dict[str, Any] = Field(default_factory=dict, max_length=64)
-
-
-class Event(_Body):
-    id: str = Field(min_length=1, max_length=100)
-    kind: str = Field(min_length=1, max_length=50)
-    body: dict[str, Any]
-
-
-class LeaseRequest(_Body):
-    # The accounts the node wants a new lease for (those it serves and that have a budget).
-    accounts: list[str] = Field(default_factory=list, max_length=10_000)
-    # Leases the node retired and will never spend again: their final spend.
-    finals: dict[str, int] = Field(default_factory=dict, max_length=10_000)
-
-
-class EventsRequest(_Body):
-    events: list[Event] = Field(max_length=MAX_EVENTS)
-
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+_HTTP_CODES = {
+    404: ErrorCode.not_found,
+    405: ErrorCode.method_not_allowed,
+    413: ErrorCode.request_too_large,
+}
 
 
 @web.middleware
 async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error in the one error shape, with the request's id (`X-Kvl-Request-Id`,
+    also in the log): ours, aiohttp's, and any other exception, which is a bug, logged
+    with its traceback and answered 500 `internal_error`, never a plain-text page."""
+    request_id = secrets.token_hex(8)
+    request[REQUEST_ID] = request_id
     try:
-        return await handler(request)
+        response = await handler(request)
     except ApiError as err:
-        return web.json_response(err.body(), status=err.status, headers=err.headers())
+        response = web.json_response(err.body(), status=err.status, headers=err.headers())
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = {404: ErrorCode.not_found, 405: ErrorCode.method_not_allowed}.get(
-            exc.status, ErrorCode.bad_request
+        code = _HTTP_CODES.get(exc.status, ErrorCode.bad_request)
+        response = web.json_response(error_body(code, exc.reason), status=code.status)
+    except Exception:
+        log.exception(
+            "unhandled error in %s %s (request %s)", request.method, request.path, request_id
         )
-        return web.json_response(error_body(code, exc.reason), status=code.status)
+        code = ErrorCode.internal_error
+        response = web.json_response(
+            error_body(code, f"internal error; request id {request_id}"), status=code.status
+        )
+    if not response.prepared:
+        response.headers["X-Kvl-Request-Id"] = request_id
+    return response
 
 
-async def parse(request: web.Request, model: type[BaseModel]) -> Any:
+async def parse(request: web.Request, model: type[M]) -> M:
+    """The body as `model`, or 400 in the error shape naming the first bad field (nesting
+    past the JSON reader's depth is refused there too)."""
+    raw = await request.read()
     try:
-        raw = await request.read()
         return model.model_validate_json(raw or b"{}")  # no body: every default
     except ValidationError as err:
         first = err.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
+        if first["type"] == "json_invalid":
+            raise ApiError(ErrorCode.invalid_json, f"the body is not JSON: {first['msg']}") from err
         raise ApiError(
             ErrorCode.invalid_parameter, f"`{param}`: {first['msg']}", param=param
         ) from err
+
+
+def protocol_version(request: web.Request) -> int:
+    """The caller's protocol version (`Kvl-Protocol`), or 400 `protocol_unsupported`
+    saying which side to upgrade."""
+    header = request.headers.get(protocol.PROTOCOL_HEADER)
+    version = protocol.node_protocol(header)
+    if protocol.supported(version):
+        assert version is not None  # noqa: S101 - supported() checked it
+        return version
+    window = f"{protocol.OLDEST_NODE_PROTOCOL}..{protocol.PROTOCOL_VERSION}"
+    if version is not None and version > protocol.PROTOCOL_VERSION:
+        fix = "upgrade the hub (a fleet is upgraded hub first)"
+    else:
+        fix = "upgrade the node"
+    said = "no Kvl-Protocol header" if header is None else f"Kvl-Protocol {header[:20]!r}"
+    raise ApiError(
+        ErrorCode.protocol_unsupported,
+        f"this hub serves node protocol versions {window}; the call has {said}: {fix}",
+        param=protocol.PROTOCOL_HEADER,
+    )
 
 
 def _settings(request: web.Request) -> HubSettings:
@@ -163,19 +188,10 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def enroll(request: web.Request) -> web.Response:
-    req: EnrollRequest = await parse(request, EnrollRequest)
+    protocol_version(request)
+    req = await parse(request, protocol.EnrollRequest)
     settings = _settings(request)
     store = request.app[STORE]
-    lan_certificate = None
-    if req.lan_csr is not None:
-        from hub.app import certificates  # noqa: PLC0415 - the app imports this module
-
-        try:
-            lan_certificate = pki.sign_request(
-                certificates(settings)[0], req.lan_csr.encode()
-            ).decode()
-        except ValueError as err:
-            raise ApiError(ErrorCode.invalid_parameter, str(err), param="lan_csr") from err
     try:
         enrolled = await store.run(
             store.sync.enroll,
@@ -188,29 +204,49 @@ async def enroll(request: web.Request) -> web.Response:
         )
     except TokenRefusedError as err:
         raise ApiError(ErrorCode.invalid_enrollment_token, str(err), param="token") from err
+    except AlreadyEnrolledError as err:
+        raise ApiError(ErrorCode.already_enrolled, str(err), param="wg_public_key") from err
+    # Signed only once the token and the node are checked.
+    lan_certificate = None
+    if req.lan_csr is not None:
+        from hub.app import certificates  # noqa: PLC0415 - the app imports this module
+
+        try:
+            lan_certificate = pki.sign_request(
+                certificates(settings)[0], req.lan_csr.encode()
+            ).decode()
+        except ValueError as err:
+            raise ApiError(ErrorCode.invalid_parameter, str(err), param="lan_csr") from err
     node = enrolled.node
     identity = request.app[IDENTITY]
     endpoint = (
         settings.overlay.endpoint or f"{settings.server.names[0]}:{settings.overlay.listen_port}"
     )
-    return web.json_response(
-        {
-            "node_id": node.id,
-            "node_token": enrolled.node_token,
-            "name": node.name,
-            "site": node.site,
-            "overlay_address": node.overlay_address,
-            "overlay_prefix": settings.overlay.prefix,
-            "lan_certificate": lan_certificate,
-            "hub": {
-                "wg_public_key": identity["wg_public_key"],
-                "overlay_address": identity["overlay_address"],
-                "endpoint": endpoint,
-                "api_url": f"https://{identity['overlay_address']}:{settings.server.port}",
-                "ca_pem": identity["ca_pem"],
-            },
-        },
-        status=201,
+    answer = protocol.EnrollAnswer(
+        node_id=node.id,
+        node_token=enrolled.node_token,
+        name=node.name,
+        site=node.site,
+        overlay_address=node.overlay_address,
+        overlay_prefix=settings.overlay.prefix,
+        lan_certificate=lan_certificate,
+        hub=protocol.HubPeer(
+            wg_public_key=identity["wg_public_key"],
+            overlay_address=identity["overlay_address"],
+            endpoint=endpoint,
+            api_url=f"https://{identity['overlay_address']}:{settings.server.port}",
+            ca_pem=identity["ca_pem"],
+        ),
+    )
+    return _answer(answer, status=201)
+
+
+def _answer(message: protocol.Message, status: int = 200) -> web.Response:
+    return web.Response(
+        body=message.model_dump_json(),
+        status=status,
+        content_type="application/json",
+        headers={protocol.PROTOCOL_HEADER: str(protocol.PROTOCOL_VERSION)},
     )
 
 
@@ -222,7 +258,8 @@ def bearer(request: web.Request) -> str | None:
 
 @web.middleware
 async def node_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Node routes (`/v1/node/…`): the node token, a node not revoked, from its address."""
+    """Node routes (`/v1/node/…`): the node token, a node not revoked, from its address,
+    speaking a protocol version this hub serves."""
     if not request.path.startswith("/v1/node/"):
         return await handler(request)
     token = bearer(request)
@@ -240,67 +277,88 @@ async def node_auth(request: web.Request, handler: Handler) -> web.StreamRespons
             f"node {node.name} must call from its overlay address {node.overlay_address}, "
             f"through its tunnel; this call came from {request.remote}",
         )
+    protocol_version(request)
     request[NODE] = node
     return await handler(request)
 
 
 async def heartbeat(request: web.Request) -> web.Response:
-    req: HeartbeatRequest = await parse(request, HeartbeatRequest)
+    req = await parse(request, protocol.HeartbeatRequest)
     node = request[NODE]
     beats = request.app[BEATS]
     now = time.time()
     beats.add(Heartbeat(node.id, now, req.versions, req.capacity, address=request.remote))
-    return web.json_response(
-        {"node_id": node.id, "received_at": now, "desired_serial": beats.desired_serial}
+    return _answer(
+        protocol.HeartbeatAnswer(
+            node_id=node.id, received_at=now, desired_serial=max(0, beats.desired_serial)
+        )
     )
 
 
 async def events(request: web.Request) -> web.Response:
-    req: EventsRequest = await parse(request, EventsRequest)
+    req = await parse(request, protocol.EventsRequest)
     node = request[NODE]
     store = request.app[STORE]
-    batch = [{"id": e.id, "kind": e.kind, "body": e.body} for e in req.events]
-    ids, new = await store.ingest(node.id, batch)  # committed with others arriving meanwhile
+    usage = [e.body for e in req.events if isinstance(e, protocol.UsageEvent)]
+    try:
+        await store.check_reports(
+            node,
+            accounts={u.account for u in usage},
+            leases={u.lease_id for u in usage if u.lease_id is not None},
+        )
+    except ForeignAccountError as err:
+        raise ApiError(ErrorCode.foreign_account, str(err), param="events") from err
+    except ForeignLeaseError as err:
+        raise ApiError(ErrorCode.foreign_lease, str(err), param="events") from err
+    ids, new = await store.ingest(node.id, req.events)  # committed with others meanwhile
     # Every id is acknowledged, duplicates too: the node may then move its checkpoint.
-    return web.json_response({"acknowledged": ids, "new": new})
+    return _answer(protocol.EventsAnswer(acknowledged=ids, new=new))
 
 
 async def leases(request: web.Request) -> web.Response:
-    """A node reports the final spend of the leases it retired and asks for new ones."""
-    req: LeaseRequest = await parse(request, LeaseRequest)
+    """A node reports the final spend of the leases it retired and asks for new ones:
+    for accounts it serves, each once, and finals of its own leases only."""
+    req = await parse(request, protocol.LeaseRequest)
     node = request[NODE]
     store = request.app[STORE]
+    try:
+        await store.check_reports(node, accounts=req.accounts, leases=())
+    except ForeignAccountError as err:
+        raise ApiError(ErrorCode.foreign_account, str(err), param="accounts") from err
     quota = _settings(request).quota
     learning = request.app[LEARNING]
     learning.heard(node.id)
     now = time.time()
     holders = await store.run(store.sync.lease_holders, now)
     still_learning = learning.active(now, holders)
-    granted = await store.run(
-        store.sync.renew_leases,
-        node.id,
-        req.accounts,
-        req.finals,
-        now=now,
-        lease_s=quota.lease_s,
-        sizing=Sizing(quota.share, quota.min_slice_tokens, quota.max_slice_tokens),
-        grant_new=not still_learning,
-    )
-    return web.json_response(
-        {
-            "leases": [
-                {
-                    "account": lease.account,
-                    "lease_id": lease.id,
-                    "granted": lease.granted,
-                    "expires_at": lease.expires_at,
-                    "period_ends_at": lease.period_ends_at,
-                }
+    try:
+        granted = await store.run(
+            store.sync.renew_leases,
+            node.id,
+            req.accounts,
+            req.finals,
+            now=now,
+            lease_s=quota.lease_s,
+            sizing=Sizing(quota.share, quota.min_slice_tokens, quota.max_slice_tokens),
+            grant_new=not still_learning,
+        )
+    except ForeignLeaseError as err:
+        raise ApiError(ErrorCode.foreign_lease, str(err), param="finals") from err
+    return _answer(
+        protocol.LeaseAnswer(
+            leases=[
+                protocol.LeaseGrant(
+                    account=lease.account,
+                    lease_id=lease.id,
+                    granted=lease.granted,
+                    expires_at=lease.expires_at,
+                    period_ends_at=lease.period_ends_at,
+                )
                 for lease in granted
             ],
-            "learning": still_learning,
-            "retry_after_s": learning.retry_after_s if still_learning else None,
-        }
+            learning=still_learning,
+            retry_after_s=learning.retry_after_s if still_learning else None,
+        )
     )
 
 
@@ -308,18 +366,34 @@ OFFLOAD_ROUTES = {"chat/completions", "completions"}
 
 
 async def offload(request: web.Request) -> web.StreamResponse:
-    """A node hands over a request it had to shed (hub/offload.py)."""
+    """A node hands over a request it had to shed (hub/offload.py), with its client's own
+    API key: the hub checks the key before it bothers another node, and the node that
+    serves the request takes account and class from that key, never from the origin."""
     route = request.match_info["route"]
     if route not in OFFLOAD_ROUTES:
         raise ApiError(ErrorCode.not_found, f"/v1/{route} cannot be offloaded")
+    client_key = request.headers.get(protocol.CLIENT_KEY_HEADER, "").strip()
+    if not client_key:
+        raise ApiError(
+            ErrorCode.missing_api_key,
+            f"an offloaded request carries its client's API key in {protocol.CLIENT_KEY_HEADER}",
+        )
+    store = request.app[STORE]
+    if await store.read(HubStore.key_account, client_key) is None:
+        raise ApiError(ErrorCode.invalid_api_key, "the client's API key is not a valid fleet key")
     body = await request.read()
     try:
-        model = str(json.loads(body)["model"])
+        payload = jsonlimits.loads(body)
+        model = payload["model"]
     except (ValueError, KeyError, TypeError) as err:
+        model = None
+        cause: Exception | None = err
+    else:
+        cause = None
+    if not isinstance(model, str) or not model or len(model) > 200:
         raise ApiError(
             ErrorCode.invalid_parameter, "the offloaded body must name its `model`", param="model"
-        ) from err
-    store = request.app[STORE]
+        ) from cause
     nodes = await store.nodes()
     return await request.app[FORWARDER].forward(
         request,
@@ -327,6 +401,7 @@ async def offload(request: web.Request) -> web.StreamResponse:
         body,
         nodes,
         origin=request[NODE],
+        client_key=client_key,
         model=model,
         now=time.time(),
         stale_after_s=_settings(request).fleet.stale_after_s,
@@ -341,7 +416,7 @@ async def artifact(request: web.Request) -> web.StreamResponse:
     node = request[NODE]
     placed = await store.run(store.sync.placed_models, node.id)
     seeded = await store.run(store.sync.seeded_packages, node)
-    if sha256 not in {m.sha256 for m in placed} | {p["sha256"] for p in seeded}:
+    if sha256 not in {m.sha256 for m in placed} | {p.sha256 for p in seeded}:
         raise ApiError(ErrorCode.not_found, f"no model or package {sha256} is placed on this node")
     try:
         blob = (_settings(request).artifacts_dir / sha256).open("rb")
@@ -362,15 +437,18 @@ async def desired_state(request: web.Request) -> web.Response:
     204 while nothing changed since."""
     node = request[NODE]
     store = request.app[STORE]
+    raw = request.query.get("after", "-1")
     try:
-        after = int(request.query.get("after", "-1"))
-    except ValueError as err:
-        raise ApiError(
-            ErrorCode.invalid_parameter, "`after` must be a serial", param="after"
-        ) from err
+        after = int(raw) if len(raw) <= 20 else None
+    except ValueError:
+        after = None
+    if after is None:
+        raise ApiError(ErrorCode.invalid_parameter, "`after` must be a serial", param="after")
     if after >= 0 and await store.run(store.sync.desired_serial) <= after:
-        return web.Response(status=204)
-    return web.json_response(await store.run(store.sync.desired_state, node))
+        return web.Response(
+            status=204, headers={protocol.PROTOCOL_HEADER: str(protocol.PROTOCOL_VERSION)}
+        )
+    return _answer(await store.run(store.sync.desired_state, node))
 
 
 def routes() -> list[web.RouteDef]:

@@ -495,6 +495,9 @@ def simulate(
     store = _store(settings)
     try:
         token = store.create_token("simulated", uses=count, expires_in_s=3600).plaintext
+        # The account the simulated usage is for: a node may report only the fleet's.
+        if "simulated" not in {a["name"] for a in store.accounts()}:
+            store.set_account("simulated", "S1")
     finally:
         store.close()
 

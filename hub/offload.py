@@ -3,8 +3,11 @@ stream the answer back. The choice of node is pure (hub/planning/offload.py); th
 I/O around it.
 
 The hub calls the chosen node's LAN API (through the tunnel, at the address its
-heartbeats come from) on `/v1/offloaded/…`, with the secret that node got in its desired
-state, the account and class the request runs as, and the name of the node it came from.
+heartbeats come from) on `/v1/offloaded/…` with the client's own API key, which the
+origin node handed over and the hub checked: the serving node authenticates it like any
+key and takes account and class from it, so no node can make another run a request as
+an account it names. Only nodes that say they take offloaded requests this way (protocol
+2, `capacity.offload`) are chosen.
 A node that refuses for load (429, 503) is skipped for the next candidate; when none is
 left the origin gets 429 `overloaded` with `Retry-After`. The response names the node
 that served it (`X-Kvl-Served-By`).
@@ -20,6 +23,7 @@ import aiohttp
 from aiohttp import web
 
 from hub.planning.offload import NodeLoad, candidates
+from shared import protocol
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
@@ -33,17 +37,19 @@ PASSED_HEADERS = ("Content-Type", "X-Kvl-Model", "X-Kvl-Request-Id", "Retry-Afte
 
 
 def load_of(node: Node) -> NodeLoad:
+    """A node's load as its last heartbeat said (validated: no negative queue, no more
+    free memory than it has), so its claims rank it within its own capacity only."""
     capacity = node.capacity
     return NodeLoad(
         id=node.id,
         name=node.name,
-        models=tuple(str(m) for m in capacity.get("models") or ()),
-        queue_waiting=int(capacity.get("queue_waiting") or 0),
-        cpu_percent=float(capacity.get("cpu_percent") or 0.0),
-        memory_available_mib=int(capacity.get("memory_available_mib") or 0),
+        models=tuple(capacity.models),
+        queue_waiting=capacity.queue_waiting,
+        cpu_percent=capacity.cpu_percent,
+        memory_available_mib=capacity.memory_available_mib,
         last_seen=node.last_seen,
         revoked=node.revoked,
-        reachable=node.api_url is not None and node.offload_secret is not None,
+        reachable=node.api_url is not None and capacity.offload,
     )
 
 
@@ -71,6 +77,7 @@ class Forwarder:
         nodes: list[Node],
         *,
         origin: Node,
+        client_key: str,
         model: str,
         now: float,
         stale_after_s: float,
@@ -81,7 +88,7 @@ class Forwarder:
             loads,
             model=model,
             origin=origin.id,
-            offloaded=request.headers.get("X-Kvl-Offloaded") is not None,
+            offloaded=request.headers.get(protocol.OFFLOADED_HEADER) is not None,
             now=now,
             stale_after_s=stale_after_s,
         )[:MAX_TRIES]
@@ -89,7 +96,7 @@ class Forwarder:
         for load in chosen:
             target = by_id[load.id]
             tried.append(target.name)
-            answer = await self._try(request, route, body, target, origin)
+            answer = await self._try(request, route, body, target, origin, client_key=client_key)
             if answer is not None:
                 return answer
         why = (
@@ -100,15 +107,21 @@ class Forwarder:
         raise ApiError(ErrorCode.overloaded, why, retry_after=RETRY_AFTER_S)
 
     async def _try(
-        self, request: web.Request, route: str, body: bytes, target: Node, origin: Node
+        self,
+        request: web.Request,
+        route: str,
+        body: bytes,
+        target: Node,
+        origin: Node,
+        *,
+        client_key: str,
     ) -> web.StreamResponse | None:
         assert target.api_url is not None  # noqa: S101 - candidates are reachable
         headers = {
-            "Authorization": f"Bearer {target.offload_secret}",
+            "Authorization": f"Bearer {client_key}",
             "Content-Type": "application/json",
-            "X-Kvl-Account": request.headers.get("X-Kvl-Account", ""),
-            "X-Kvl-Class": request.headers.get("X-Kvl-Class", ""),
-            "X-Kvl-Origin": origin.name,
+            protocol.ORIGIN_HEADER: origin.name,
+            protocol.OFFLOADED_HEADER: "1",
         }
         url = f"{target.api_url}/v1/offloaded/{route}"
         try:
@@ -124,7 +137,7 @@ class Forwarder:
             for name in PASSED_HEADERS:
                 if name in upstream.headers:
                     response.headers[name] = upstream.headers[name]
-            response.headers["X-Kvl-Served-By"] = target.name
+            response.headers[protocol.SERVED_BY_HEADER] = target.name
             await response.prepare(request)
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)

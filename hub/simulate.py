@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from wireguard_tools import WireguardKey
 
-from shared import __version__, pki
+from shared import __version__, pki, protocol
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine, Sequence
@@ -167,7 +167,7 @@ class Simulator:
                 started = time.perf_counter()
                 try:
                     async with self._session.post(
-                        f"{url}/v1/enroll", json=body, ssl=self._ssl
+                        f"{url}/v1/enroll", json=body, ssl=self._ssl, headers=protocol.HEADERS
                     ) as response:
                         answer = await response.json(content_type=None)
                         if response.status != 201:
@@ -215,7 +215,7 @@ class Simulator:
         # sleeps (their futures, timers and contexts) filled the oldest generation of the
         # garbage collector, and its full collections held this loop for a quarter of a
         # second, which the latencies then blamed on the hub.
-        headers = [{"Authorization": f"Bearer {node.token}"} for node in nodes]
+        headers = [{"Authorization": f"Bearer {node.token}", **protocol.HEADERS} for node in nodes]
         urls = [node.url or self._urls[0] for node in nodes]
         others = [self._urls[(self._urls.index(url) + 1) % len(self._urls)] for url in urls]
         batches = [0] * len(nodes)

@@ -40,6 +40,10 @@ class ErrorCode(StrEnum):
     invalid_operator_token = "invalid_operator_token"  # noqa: S105 - a code, no secret
     node_revoked = "node_revoked"
     wrong_source_address = "wrong_source_address"
+    protocol_unsupported = "protocol_unsupported"
+    already_enrolled = "already_enrolled"
+    foreign_account = "foreign_account"
+    foreign_lease = "foreign_lease"
     not_found = "not_found"
     model_not_found = "model_not_found"
     job_not_found = "job_not_found"
@@ -118,6 +122,26 @@ _KINDS: dict[ErrorCode, _Kind] = {
         403,
         "permission_error",
         "hub: a node call that did not come from the node's overlay address",
+    ),
+    ErrorCode.protocol_unsupported: _Kind(
+        400,
+        _INVALID,
+        "hub: the node's `Kvl-Protocol` version is outside the versions this hub serves "
+        "(the message says which side to upgrade)",
+    ),
+    ErrorCode.already_enrolled: _Kind(
+        409,
+        "conflict_error",
+        "hub: a node with this WireGuard key is enrolled already, and this is not a retry "
+        "of that enrollment (same token and key, within ten minutes)",
+    ),
+    ErrorCode.foreign_account: _Kind(
+        403,
+        "permission_error",
+        "hub: a node reported usage of, or asked a lease for, an account it does not serve",
+    ),
+    ErrorCode.foreign_lease: _Kind(
+        403, "permission_error", "hub: a node reported a lease granted to another node"
     ),
     ErrorCode.not_found: _Kind(404, "not_found_error", "no such route"),
     ErrorCode.model_not_found: _Kind(404, "not_found_error", "no model by that name"),

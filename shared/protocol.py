@@ -18,15 +18,18 @@ keeps serving the version before its own.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     StringConstraints,
+    TypeAdapter,
     model_validator,
 )
+
+from shared import jsonlimits
 
 PROTOCOL_VERSION = 2
 OLDEST_NODE_PROTOCOL = 2
@@ -42,6 +45,7 @@ SERVED_BY_HEADER = "X-Kvl-Served-By"
 
 MAX_EVENTS = 5000  # events in one sync call
 MAX_LEASE_ACCOUNTS = 10_000
+LINEAGE_DEPTH = 8
 
 # Bounded scalars. The bounds are far above any real node and far below what overflows
 # a 64-bit column or a float conversion.
@@ -58,7 +62,9 @@ Id = Annotated[str, StringConstraints(min_length=1, max_length=100)]
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 NodeName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
 WgKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=$")]
-Labels = Annotated[dict[Annotated[str, StringConstraints(max_length=63)], Short], Field(max_length=32)]
+Labels = Annotated[
+    dict[Annotated[str, StringConstraints(max_length=63)], Short], Field(max_length=32)
+]
 Versions = Annotated[
     dict[Annotated[str, StringConstraints(max_length=40)], Short], Field(max_length=32)
 ]
@@ -203,8 +209,14 @@ class PackageBody(Message):
     digest: Short
     # What made it (model, voice, template, seed); kept as the node says, depth-bounded
     # by the JSON reader (`shared.jsonlimits`).
-    lineage: dict[Short, object] = Field(default_factory=dict, max_length=32)
+    lineage: dict[Short, Any] = Field(default_factory=dict, max_length=32)
     origin: Short = ""
+
+    @model_validator(mode="after")
+    def _shallow(self) -> Self:
+        if jsonlimits.depth(self.lineage, LINEAGE_DEPTH) > LINEAGE_DEPTH:
+            raise ValueError(f"lineage nests deeper than {LINEAGE_DEPTH} levels")
+        return self
 
 
 class PackageRef(Message):
@@ -358,3 +370,9 @@ def node_protocol(header: str | None) -> int | None:
 
 def supported(version: int | None) -> bool:
     return version is not None and OLDEST_NODE_PROTOCOL <= version <= PROTOCOL_VERSION
+
+
+EVENTS: TypeAdapter[list[Event]] = TypeAdapter(list[Event])
+
+# What every call of a node carries (the hub answers with its own).
+HEADERS = {PROTOCOL_HEADER: str(PROTOCOL_VERSION)}

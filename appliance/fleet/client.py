@@ -1,10 +1,15 @@
-"""HTTP calls to the hub, with its certificate pinned by fingerprint."""
+"""HTTP calls to the hub, with its certificate pinned by fingerprint. Every message is
+one of shared/protocol.py's, both ways: what the hub answers is validated too, and an
+answer this node cannot read is a HubError (try again later), never a crash."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 import aiohttp
+from pydantic import ValidationError
+
+from shared import jsonlimits, protocol
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -26,11 +31,25 @@ class HubRefusedError(Exception):
         self.code = code
 
 
+M = TypeVar("M", bound=protocol.Message)
+
+
+def _error_of(status: int, raw: bytes) -> HubRefusedError:
+    try:
+        error = jsonlimits.loads(raw)["error"]
+        code, message = str(error["code"]), str(error["message"])[:1000]
+    except (ValueError, KeyError, TypeError):
+        code, message = "unknown", raw[:200].decode("utf-8", "replace")
+    return HubRefusedError(status, code, message)
+
+
 class HubClient:
     def __init__(self, base_url: str, pin: bytes, token: str | None = None) -> None:
         self._base = base_url.rstrip("/")
         self._ssl = aiohttp.Fingerprint(pin)
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = {protocol.PROTOCOL_HEADER: str(protocol.PROTOCOL_VERSION)}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
 
     @classmethod
@@ -51,20 +70,32 @@ class HubClient:
     async def close(self) -> None:
         await self._session.close()
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        answer: type[M],
+        *,
+        body: protocol.Message | None = None,
+        params: dict[str, str] | None = None,
+    ) -> M | None:
+        """One call; its answer as `answer` (None for 204). HubError when the hub cannot
+        be reached, answers 5xx or something unreadable; HubRefusedError for a 4xx."""
+        data = None if body is None else body.model_dump_json().encode()
+        headers = dict(self._headers)
+        if data is not None:
+            headers["Content-Type"] = "application/json"
         try:
-            async with self._session.post(
-                self._base + path, json=body, headers=self._headers, ssl=self._ssl
+            async with self._session.request(
+                method, self._base + path, data=data, params=params, headers=headers, ssl=self._ssl
             ) as response:
+                raw = await response.read()
                 if response.status >= 500:
                     raise HubError(f"the hub answered {response.status} to {path}")
-                payload: dict[str, Any] = await response.json(content_type=None)
                 if response.status >= 400:
-                    error = payload.get("error") or {}
-                    raise HubRefusedError(
-                        response.status, str(error.get("code")), str(error.get("message"))
-                    )
-                return payload
+                    raise _error_of(response.status, raw)
+                if response.status == 204:
+                    return None
         except aiohttp.ServerFingerprintMismatch as err:
             raise HubRefusedError(
                 0,
@@ -73,6 +104,16 @@ class HubClient:
             ) from err
         except (aiohttp.ClientError, TimeoutError) as err:
             raise HubError(f"the hub is unreachable ({type(err).__name__}: {err})") from err
+        try:
+            return answer.model_validate_json(raw)
+        except ValidationError as err:
+            raise HubError(f"the hub's answer to {path} is not a {answer.__name__}: {err}") from err
+
+    async def _post(self, path: str, body: protocol.Message, answer: type[M]) -> M:
+        result = await self._call("POST", path, answer, body=body)
+        if result is None:
+            raise HubError(f"the hub answered {path} with no body")
+        return result
 
     async def enroll(
         self,
@@ -80,49 +121,34 @@ class HubClient:
         wg_public_key: str,
         versions: dict[str, str],
         lan_csr: str | None = None,
-    ) -> dict[str, Any]:
-        return await self._post(
-            "/v1/enroll",
-            {
-                "token": provisioning.token,
-                "name": provisioning.name,
-                "wg_public_key": wg_public_key,
-                "labels": provisioning.labels,
-                "versions": versions,
-                "lan_csr": lan_csr,
-            },
+    ) -> protocol.EnrollAnswer:
+        request = protocol.EnrollRequest(
+            token=provisioning.token,
+            name=provisioning.name,
+            wg_public_key=wg_public_key,
+            labels=provisioning.labels,
+            versions=versions,
+            lan_csr=lan_csr,
+        )
+        return await self._post("/v1/enroll", request, protocol.EnrollAnswer)
+
+    async def heartbeat(
+        self, versions: dict[str, str], capacity: protocol.Capacity
+    ) -> protocol.HeartbeatAnswer:
+        """The hub's answer: `received_at`, and the `desired_serial` it has now."""
+        request = protocol.HeartbeatRequest(versions=versions, capacity=capacity)
+        return await self._post("/v1/node/heartbeat", request, protocol.HeartbeatAnswer)
+
+    async def state(self, after: int) -> protocol.DesiredState | None:
+        """This node's desired state, or None when it has not changed since ``after``."""
+        return await self._call(
+            "GET", "/v1/node/state", protocol.DesiredState, params={"after": str(after)}
         )
 
-    async def heartbeat(self, versions: dict[str, str], capacity: dict[str, Any]) -> dict[str, Any]:
-        """The hub's answer: `received_at`, and the `desired_serial` it has now."""
-        return await self._post("/v1/node/heartbeat", {"versions": versions, "capacity": capacity})
-
-    async def state(self, after: int) -> dict[str, Any] | None:
-        """This node's desired state, or None when it has not changed since ``after``."""
-        try:
-            async with self._session.get(
-                f"{self._base}/v1/node/state",
-                params={"after": str(after)},
-                headers=self._headers,
-                ssl=self._ssl,
-            ) as response:
-                if response.status == 204:
-                    return None
-                if response.status >= 500:
-                    raise HubError(f"the hub answered {response.status} to /v1/node/state")
-                payload: dict[str, Any] = await response.json(content_type=None)
-                if response.status >= 400:
-                    error = payload.get("error") or {}
-                    raise HubRefusedError(
-                        response.status, str(error.get("code")), str(error.get("message"))
-                    )
-                return payload
-        except (aiohttp.ClientError, TimeoutError) as err:
-            raise HubError(f"the hub is unreachable ({type(err).__name__}: {err})") from err
-
-    async def leases(self, accounts: list[str], finals: dict[str, int]) -> dict[str, Any]:
+    async def leases(self, accounts: list[str], finals: dict[str, int]) -> protocol.LeaseAnswer:
         """Report retired leases' final spend and ask for new ones (hub/api.py `leases`)."""
-        return await self._post("/v1/node/leases", {"accounts": accounts, "finals": finals})
+        request = protocol.LeaseRequest(accounts=accounts, finals=finals)
+        return await self._post("/v1/node/leases", request, protocol.LeaseAnswer)
 
     async def offload(
         self, route: str, body: bytes, headers: dict[str, str]
@@ -157,7 +183,9 @@ class HubClient:
         except (aiohttp.ClientError, TimeoutError) as err:
             raise HubError(f"the hub is unreachable ({type(err).__name__}: {err})") from err
 
-    async def push(self, events: list[dict[str, Any]]) -> list[str]:
+    async def push(self, events: list[protocol.Event]) -> list[str]:
         """Send events to the ledger; the ids the hub acknowledged."""
-        answer = await self._post("/v1/node/events", {"events": events})
-        return [str(i) for i in answer.get("acknowledged", [])]
+        answer = await self._post(
+            "/v1/node/events", protocol.EventsRequest(events=events), protocol.EventsAnswer
+        )
+        return list(answer.acknowledged)

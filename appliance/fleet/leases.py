@@ -30,6 +30,8 @@ from shared.errors import ApiError, ErrorCode
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from shared import protocol
+
 MINUTE_S = 60.0
 RENEW_AT = 0.5  # renew when this share of a lease's time or tokens is gone
 FINAL_GRACE_S = (
@@ -190,7 +192,7 @@ class LeaseBook:
                 finals[lease.id] = lease.spent
         return LeaseCall(tuple(sorted(accounts)), finals)
 
-    def apply(self, call: LeaseCall, answer: dict[str, Any], now: float) -> None:
+    def apply(self, call: LeaseCall, answer: protocol.LeaseAnswer, now: float) -> None:
         """The hub answered `call`."""
         self.reachable = True
         for lease_id in call.finals:
@@ -198,30 +200,30 @@ class LeaseBook:
             for account, held in list(self.current.items()):
                 if held.id == lease_id:
                     del self.current[account]
-        if answer.get("learning"):
-            self.learning_until = now + float(answer.get("retry_after_s") or 5.0)
+        if answer.learning:
+            self.learning_until = now + (answer.retry_after_s or 5.0)
             return
-        for granted in answer.get("leases", []):
-            account = str(granted["account"])
+        for granted in answer.leases:
+            account = granted.account
             self._wanted.discard(account)
-            if int(granted["granted"]) <= 0:
-                self._exhausted[account] = float(granted["period_ends_at"])
+            if granted.granted <= 0:
+                self._exhausted[account] = granted.period_ends_at
                 continue
             self._exhausted.pop(account, None)
             old = self.current.get(account)
             if old is not None:
                 self.retired[old.id] = old
             self.current[account] = HeldLease(
-                id=str(granted["lease_id"]),
+                id=granted.lease_id,
                 account=account,
-                granted=int(granted["granted"]),
+                granted=granted.granted,
                 granted_at=now,
-                expires_at=float(granted["expires_at"]),
-                period_ends_at=float(granted["period_ends_at"]),
+                expires_at=granted.expires_at,
+                period_ends_at=granted.period_ends_at,
             )
         # Accounts the hub knows no budget for need no lease.
         asked = set(call.accounts)
-        answered = {str(g["account"]) for g in answer.get("leases", [])}
+        answered = {g.account for g in answer.leases}
         self._wanted -= asked - answered
 
     def failed(self) -> None:

@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from pydantic import TypeAdapter
 
 from appliance.fleet.client import HubClient, HubError, HubRefusedError
 from appliance.fleet.identity import FleetFiles, HubPeer, Identity
 from appliance.fleet.leases import HeldLease
 from appliance.fleet.placement import Converger
-from shared import __version__
+from shared import __version__, protocol
 from shared.provisioning import Provisioning
 from shared.wireguard import Endpoint, InterfaceConfig, Peer, Tunnel, WireGuardError
 
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 VERSIONS = {"kvl": __version__}
+_EVENT: TypeAdapter[protocol.Event] = TypeAdapter(protocol.Event)
 
 
 async def enroll(files: FleetFiles, provisioning: Provisioning) -> Identity:
@@ -56,16 +58,16 @@ async def enroll(files: FleetFiles, provisioning: Provisioning) -> Identity:
     csr = files.lan_request(provisioning.name)
     async with HubClient(provisioning.hub_url, provisioning.pin()) as client:
         answer = await client.enroll(provisioning, keys.public_key, VERSIONS, csr)
-    if answer.get("lan_certificate"):
-        files.save_lan_certificate(str(answer["lan_certificate"]))
+    if answer.lan_certificate:
+        files.save_lan_certificate(answer.lan_certificate)
     identity = Identity(
-        node_id=answer["node_id"],
-        name=answer["name"],
-        site=answer["site"],
-        node_token=answer["node_token"],
-        overlay_address=answer["overlay_address"],
-        overlay_prefix=answer["overlay_prefix"],
-        hub=HubPeer.model_validate(answer["hub"]),
+        node_id=answer.node_id,
+        name=answer.name,
+        site=answer.site,
+        node_token=answer.node_token,
+        overlay_address=answer.overlay_address,
+        overlay_prefix=answer.overlay_prefix,
+        hub=HubPeer.model_validate(answer.hub.model_dump()),
         hub_url=provisioning.hub_url,
         hub_fingerprint=provisioning.hub_fingerprint,
     )
@@ -256,11 +258,7 @@ class FleetLink:
             answer = await client.heartbeat(VERSIONS, await self.capacity())
             applied = int(await self._store.run(self._store.sync.meta, "desired_serial") or -1)
             # The answer names the hub's serial: the state is pulled only when it moved.
-            serial = answer.get("desired_serial")
-            if isinstance(serial, int) and serial <= applied:
-                state = None
-            else:
-                state = await client.state(applied)
+            state = None if answer.desired_serial <= applied else await client.state(applied)
             if state is not None:
                 serial = await self._store.run(self._store.sync.apply_desired_state, state)
                 log.info("applied the hub's desired state %d", serial)
@@ -277,7 +275,7 @@ class FleetLink:
             self._leases.reachable = True
         await self._store.run(self._store.sync.set_meta, "last_heartbeat_at", str(time.time()))
 
-    async def capacity(self) -> dict[str, Any]:
+    async def capacity(self) -> protocol.Capacity:
         memory = psutil.virtual_memory()
         lag = await self._store.run(self._store.sync.outbox_lag)
         self._metrics.outbox_lag.set(lag)
@@ -286,38 +284,42 @@ class FleetLink:
             self._on_lag(lag, lag >= self._settings.outbox_limit_events)
         if alarm:
             log.warning("the outbox holds %d events not yet synced to the hub", lag)
-        return {
-            "cpu_percent": psutil.cpu_percent(None),
-            "cpu_count": psutil.cpu_count(),
-            "memory_total_mib": memory.total >> 20,
-            "memory_available_mib": memory.available >> 20,
-            "models": [r.ref for r in self._registry.served()],
-            "model_memory_mib": int(getattr(self._registry, "budget_mb", 0)),
-            "placement_errors": self._converger.errors if self._converger else {},
-            "gpus": self.gpus(),
-            "queue_waiting": sum(d.waiting for d in self._registry.deployments()),
-            "outbox_lag": lag,
-            "outbox_alarm": alarm,
+        errors = self._converger.errors if self._converger else {}
+        return protocol.Capacity(
+            cpu_percent=min(100.0, max(0.0, psutil.cpu_percent(None))),
+            cpu_count=psutil.cpu_count() or 1,
+            memory_total_mib=memory.total >> 20,
+            memory_available_mib=min(memory.available, memory.total) >> 20,
+            # One entry per model (a model with several replicas is one ref).
+            models=list(dict.fromkeys(r.ref for r in self._registry.served()))[:64],
+            model_memory_mib=int(getattr(self._registry, "budget_mb", 0)),
+            placement_errors={k[:200]: v[:2000] for k, v in list(errors.items())[:64]},
+            gpus=self.gpus()[:16],
+            queue_waiting=sum(d.waiting for d in self._registry.deployments()),
+            outbox_lag=lag,
+            outbox_alarm=alarm,
             # Where the hub reaches this node's LAN API (at the address heartbeats come
-            # from), for requests other nodes offload.
-            "api": self._api,
-        }
+            # from), for requests other nodes offload (with their clients' keys).
+            api=protocol.LanApi(**self._api) if self._api else None,
+            offload=bool(self._api),
+        )
 
-    def gpus(self) -> list[dict[str, Any]]:
+    def gpus(self) -> list[protocol.Gpu]:
         """The GPUs the model workers see (ggml's device list, as of their last report):
         name, hardware, memory total and free. Empty on a CPU-only node."""
-        seen: dict[str, dict[str, Any]] = {}
+        seen: dict[str, protocol.Gpu] = {}
         for replica in self._registry.replicas():
             if replica.placement is None:
                 continue
             for device in replica.placement.devices:
                 if device.kind in {"gpu", "igpu"}:
-                    seen[device.name] = {
-                        "name": device.name,
-                        "description": device.description,
-                        "memory_total_mib": device.memory_total_mib,
-                        "memory_free_mib": device.memory_free_mib,
-                    }
+                    total = max(0, device.memory_total_mib)
+                    seen[device.name] = protocol.Gpu(
+                        name=device.name[:200],
+                        description=device.description[:200],
+                        memory_total_mib=total,
+                        memory_free_mib=min(total, max(0, device.memory_free_mib)),
+                    )
         return list(seen.values())
 
     async def sync(self) -> int:
@@ -340,22 +342,30 @@ class FleetLink:
             await self._store.run(self._store.sync.set_meta, "last_sync_at", str(time.time()))
         return sent
 
-    async def _usage_batch(self) -> list[tuple[int, dict[str, Any]]]:
+    async def _usage_batch(self) -> list[tuple[int, protocol.Event]]:
         batch = await self._store.run(self._store.sync.outbox, self._settings.sync_batch)
         # vars(), not dataclasses.asdict(): the fields are flat, and asdict's deep copy was
-        # most of a sync's time.
+        # most of a sync's time. model_construct: the store wrote these rows itself.
         return [
-            (rowid, {"id": event.id, "kind": "usage", "body": {**vars(event), "account": account}})
+            (
+                rowid,
+                protocol.UsageEvent.model_construct(
+                    id=event.id,
+                    kind="usage",
+                    body=protocol.UsageBody.model_construct(**vars(event), account=account),
+                ),
+            )
             for rowid, event, account in batch
         ]
 
-    async def _events_batch(self) -> list[tuple[int, dict[str, Any]]]:
-        return await self._store.run(self._store.sync.events_outbox, self._settings.sync_batch)
+    async def _events_batch(self) -> list[tuple[int, protocol.Event]]:
+        batch = await self._store.run(self._store.sync.events_outbox, self._settings.sync_batch)
+        return [(rowid, _EVENT.validate_python(event)) for rowid, event in batch]
 
     async def _drain(
         self,
         client: HubClient,
-        batch: Callable[[], Awaitable[list[tuple[int, dict[str, Any]]]]],
+        batch: Callable[[], Awaitable[list[tuple[int, protocol.Event]]]],
         acknowledge: Callable[[int], None],
     ) -> int:
         """Push one stream of the outbox until it is empty; the checkpoint moves past the
@@ -365,7 +375,7 @@ class FleetLink:
             acknowledged = set(await client.push([e for _, e in events]))
             last = 0
             for rowid, event in events:
-                if event["id"] not in acknowledged:
+                if event.id not in acknowledged:
                     break
                 last = rowid
             if last == 0:

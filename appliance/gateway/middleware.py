@@ -13,7 +13,6 @@ from aiohttp.web_protocol import RequestPayloadError
 from opentelemetry.trace import SpanKind
 
 from appliance.gateway.keys import ADMISSION, METRICS, REQUEST_ID, REQUEST_KEY, STORE, TRACING
-from appliance.gateway.offload import OFFLOADED_PREFIX, offloaded_key
 from shared.errors import ApiError, ErrorCode, error_body
 
 if TYPE_CHECKING:
@@ -117,29 +116,11 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
     if not request.path.startswith("/v1/") and request.path != "/v1":
         return await handler(request)
     with request.app[TRACING].span("auth"):
-        # Only a route the hub calls takes the hub's secret; other paths there are 404/405
-        # for whoever asks, as everywhere.
-        hub_route = request.match_info.http_exception is None
-        if request.path.startswith(OFFLOADED_PREFIX) and hub_route:
-            key = await _from_the_hub(request)
-        else:
-            key = await _authenticated(request)
+        # Offloaded requests (/v1/offloaded/…) carry their client's own key: the same
+        # check as every route.
+        key = await _authenticated(request)
     request[REQUEST_KEY] = key
     return await handler(request)
-
-
-async def _from_the_hub(request: web.Request) -> ApiKey:
-    """An offloaded request: the hub's secret, throttled like API keys when wrong."""
-    admission = request.app[ADMISSION]
-    address = request.remote or "unknown"
-    if admission.auth_throttled(address) > 0:
-        raise ApiError(ErrorCode.too_many_auth_failures, f"too many failures from {address}")
-    try:
-        return await offloaded_key(request, request.app[STORE])
-    except ApiError as err:
-        if err.code in {ErrorCode.invalid_api_key, ErrorCode.missing_api_key}:
-            admission.auth_failed(address)
-        raise
 
 
 async def _authenticated(request: web.Request) -> ApiKey:

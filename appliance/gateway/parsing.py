@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from shared import jsonlimits
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
@@ -36,7 +37,9 @@ async def read_json(request: web.Request) -> dict[str, Any]:
 
 def decode_json(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
+        body = jsonlimits.loads(raw)
+    except jsonlimits.JsonLimitError as err:
+        raise ApiError(ErrorCode.invalid_json, f"the body is JSON this API refuses: {err}") from err
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ApiError(ErrorCode.invalid_json, f"the body is not valid JSON: {err}") from err
     if not isinstance(body, dict):

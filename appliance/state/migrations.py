@@ -217,3 +217,13 @@ def m007_outbox_events(db: Database) -> None:
         pk="id",
         not_null={"kind", "body", "created_at"},
     )
+
+
+@migrations()
+def m008_fleet_accounts(db: Database) -> None:
+    # Accounts the hub's desired state gives this node (1) and accounts made here (0):
+    # only the fleet's usage goes to the hub, which refuses usage of accounts it did not
+    # give the node. The per-node offload secret is retired (offloaded requests carry
+    # their client's own key).
+    db.table("accounts").add_column("fleet", int, not_null_default=0)
+    db.execute("DELETE FROM meta WHERE key = 'offload_secret'")

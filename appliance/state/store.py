@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
     from sqlite_utils import Database
 
+    from shared import protocol
+
 
 class StoreError(Exception):
     """A documented failure of a store operation; the CLI and gateway translate it."""
@@ -230,12 +232,13 @@ class Store:
         return int(self.meta("sync_checkpoint") or 0)
 
     def outbox(self, limit: int) -> list[tuple[int, UsageEvent, str]]:
-        """Usage events after the checkpoint, oldest first: (rowid, event, account name;
-        the hub knows accounts by name)."""
+        """Usage events of the fleet's accounts after the checkpoint, oldest first: (rowid,
+        event, account name; the hub knows accounts by name). Accounts made here keep
+        their usage here."""
         rows = self.db.query(
             "SELECT e.rowid AS _rowid, a.name AS _account, e.* FROM usage_events e"
             " JOIN accounts a ON a.id = e.account_id"
-            " WHERE e.rowid > ? ORDER BY e.rowid LIMIT ?",
+            " WHERE e.rowid > ? AND a.fleet = 1 ORDER BY e.rowid LIMIT ?",
             [self.sync_checkpoint(), limit],
         )
         return [
@@ -252,7 +255,8 @@ class Store:
     def outbox_lag(self) -> int:
         """Events committed here and not yet acknowledged by the hub."""
         row = self.db.execute(
-            "SELECT (SELECT COUNT(*) FROM usage_events WHERE rowid > ?)"
+            "SELECT (SELECT COUNT(*) FROM usage_events e JOIN accounts a ON a.id = e.account_id"
+            " WHERE e.rowid > ? AND a.fleet = 1)"
             " + (SELECT COUNT(*) FROM outbox_events WHERE rowid > ?)",
             [self.sync_checkpoint(), self._events_checkpoint()],
         ).fetchone()
@@ -284,43 +288,46 @@ class Store:
     def _events_checkpoint(self) -> int:
         return int(self.meta("events_checkpoint") or 0)
 
-    def apply_desired_state(self, state: dict[str, Any]) -> int:
+    def apply_desired_state(self, state: protocol.DesiredState) -> int:
         """Apply the hub's accounts and keys atomically (all or nothing) and remember the
         serial; a state older than the one applied is ignored. Keys are never deleted: one
-        the hub revoked is revoked here; keys made locally stay as they are."""
-        serial = int(state["serial"])
+        the hub revoked is revoked here; keys made locally stay as they are. The accounts
+        it gives are marked as the fleet's: their usage goes to the hub."""
+        serial = state.serial
         with self.db.conn:
             if serial <= int(self.meta("desired_serial") or -1):
                 return serial
-            for account in state["accounts"]:
+            for account in state.accounts:
                 self.db.execute(
                     "INSERT INTO accounts (name, service_class, created_at, requests_per_minute,"
-                    " tokens_per_day, budget_tokens) VALUES (?, ?, ?, ?, ?, ?)"
+                    " tokens_per_day, budget_tokens, fleet) VALUES (?, ?, ?, ?, ?, ?, 1)"
                     " ON CONFLICT(name) DO UPDATE SET"
                     " service_class = excluded.service_class,"
                     " requests_per_minute = excluded.requests_per_minute,"
                     " tokens_per_day = excluded.tokens_per_day,"
-                    " budget_tokens = excluded.budget_tokens",
+                    " budget_tokens = excluded.budget_tokens, fleet = 1",
                     [
-                        account["name"],
-                        account["service_class"],
+                        account.name,
+                        account.service_class,
                         now_iso(),
-                        account.get("requests_per_minute"),
-                        account.get("tokens_per_day"),
-                        account.get("budget_tokens"),
+                        account.requests_per_minute,
+                        account.tokens_per_day,
+                        account.budget_tokens,
                     ],
                 )
-            for key in state["keys"]:
+            for key in state.keys:
                 row = self.db.execute(
-                    "SELECT id FROM accounts WHERE name = ?", [key["account"]]
+                    "SELECT id FROM accounts WHERE name = ?", [key.account]
                 ).fetchone()
-                revoked = now_iso() if key["revoked"] else None
+                if row is None:
+                    continue  # a key of an account the state does not give this node
+                revoked = now_iso() if key.revoked else None
                 self.db.execute(
                     "INSERT INTO api_keys (prefix, hash, account_id, created_at, admin, revoked_at)"
                     " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(prefix) DO UPDATE SET"
                     " revoked_at = COALESCE(api_keys.revoked_at, excluded.revoked_at),"
                     " admin = excluded.admin",
-                    [key["prefix"], key["hash"], row[0], now_iso(), int(key["admin"]), revoked],
+                    [key.prefix, key.hash, row[0], now_iso(), int(key.admin), revoked],
                 )
             self.db.execute(
                 "INSERT INTO meta (key, value) VALUES ('desired_serial', ?)"
@@ -329,19 +336,11 @@ class Store:
             )
             # The models the hub places here and the packages it seeds here; the fleet
             # link converges on them.
-            for part in ("models", "packages"):
-                if part in state:
-                    self.db.execute(
-                        "INSERT INTO meta (key, value) VALUES (?, ?)"
-                        " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                        [f"desired_{part}", json.dumps(state[part])],
-                    )
-            if state.get("offload_secret"):
-                # What the hub shows when it hands this node another node's request.
+            for part, items in (("models", state.models), ("packages", state.packages)):
                 self.db.execute(
-                    "INSERT INTO meta (key, value) VALUES ('offload_secret', ?)"
+                    "INSERT INTO meta (key, value) VALUES (?, ?)"
                     " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                    [str(state["offload_secret"])],
+                    [f"desired_{part}", json.dumps([i.model_dump(mode="json") for i in items])],
                 )
         return serial
 

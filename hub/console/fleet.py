@@ -45,7 +45,7 @@ def fleet_row(node: Node, settings: HubSettings, now: float) -> dict[str, Any]:
     """One node as the fleet table shows it (JSON values: the stream sends it as is)."""
     view = node_view(node, settings, now)
     capacity = node.capacity
-    lag = capacity.get("outbox_lag")
+    heard = node.last_seen is not None  # before its first heartbeat a node has no load
     return {
         "id": node.id,
         "name": node.name,
@@ -53,10 +53,10 @@ def fleet_row(node: Node, settings: HubSettings, now: float) -> dict[str, Any]:
         "status": view["status"],
         "draining": node.draining,
         "version": node.versions.get("kvl", "-"),
-        "load": _percent(capacity.get("cpu_percent")),
-        "queue": _count(capacity.get("queue_waiting")),
-        "outbox_lag": _count(lag),
-        "outbox_alarm": bool(capacity.get("outbox_alarm")),
+        "load": f"{capacity.cpu_percent:.0f} %" if heard else "-",
+        "queue": str(capacity.queue_waiting) if heard else "-",
+        "outbox_lag": str(capacity.outbox_lag) if heard else "-",
+        "outbox_alarm": capacity.outbox_alarm,
         "last_seen": ago(node.last_seen, now),
     }
 
@@ -87,27 +87,11 @@ def ago(at: float | None, now: float) -> str:
     return f"{seconds // 86_400} d ago"
 
 
-def _percent(value: object) -> str:
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return f"{value:.0f} %"
-    return "-"
-
-
-def _count(value: object) -> str:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    return "-"
-
-
 def served_models(node: Node) -> list[str]:
     """The models the node's last heartbeat said it serves."""
-    models = node.capacity.get("models")
-    return [m for m in models if isinstance(m, str)] if isinstance(models, list) else []
+    return list(node.capacity.models)
 
 
 def placement_errors(node: Node) -> dict[str, str]:
     """Why the node could not load what was placed on it, by model (its last heartbeat)."""
-    errors = node.capacity.get("placement_errors")
-    if not isinstance(errors, dict):
-        return {}
-    return {str(k): str(v) for k, v in errors.items()}
+    return dict(node.capacity.placement_errors)

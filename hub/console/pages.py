@@ -205,7 +205,6 @@ async def node_page(request: web.Request) -> web.StreamResponse:
               Series("queue", [(s.at, float(s.queue_waiting)) for s in samples]),
               Series("outbox lag", [(s.at, float(s.outbox_lag)) for s in samples])),
     ]  # fmt: skip
-    gpus = node.capacity.get("gpus")
     return render(
         request,
         "node.html",
@@ -217,7 +216,7 @@ async def node_page(request: web.Request) -> web.StreamResponse:
         models=served_models(node),
         errors=placement_errors(node),
         sample=None if node.last_seen is None else sql.sample_of(node.last_seen, node.capacity),
-        gpus=[g for g in gpus if isinstance(g, dict)] if isinstance(gpus, list) else [],
+        gpus=[g.model_dump() for g in node.capacity.gpus],
         placed=[d for d in deployments if d.id in here],
         samples_kept_h=settings.console.samples_kept_s / 3600,
         charts_from=start,

@@ -254,3 +254,10 @@ def m008_console(db: Database) -> None:
         pk=("node_id", "at"),
     )
     db.table("node_samples").create_index(["at"])
+
+
+@migrations()
+def m009_retire_offload_secrets(db: Database) -> None:
+    # Offloaded requests now carry the client's own key (protocol 2): the per-node secrets,
+    # master credentials kept in plain text, are wiped. The column stays (append-only).
+    db.execute("UPDATE nodes SET offload_secret = NULL")

@@ -216,4 +216,10 @@ MIGRATIONS = (
         CREATE INDEX idx_node_samples_at ON node_samples (at);
         """,
     ),
+    SQLMigration(
+        "m009_retire_offload_secrets",
+        """
+        UPDATE nodes SET offload_secret = NULL;
+        """,
+    ),
 )

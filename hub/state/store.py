@@ -18,7 +18,6 @@ import contextlib
 import ipaddress
 import json
 import logging
-import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 from hub.planning.quota import Budget, LeaseView, Sizing, grant, remaining
 from hub.state import postgres
 from hub.state.migrations import migrations
-from shared import db, sql
+from shared import db, protocol, sql
 from shared.keys import (
     ENROLLMENT_TOKEN,
     NODE_TOKEN,
@@ -77,6 +76,22 @@ class TokenRefusedError(Exception):
             "`kvl hub tokens create --site SITE`".replace("  ", " ")
         )
         self.problem = problem
+
+
+class ForeignAccountError(Exception):
+    """A node reported usage of, or asked a lease for, an account it does not serve."""
+
+    def __init__(self, message: str, account: str) -> None:
+        super().__init__(message)
+        self.account = account
+
+
+class ForeignLeaseError(Exception):
+    """A node reported a lease the hub granted to another node."""
+
+    def __init__(self, message: str, lease_id: str) -> None:
+        super().__init__(message)
+        self.lease_id = lease_id
 
 
 class AddressPoolExhaustedError(Exception):
@@ -147,19 +162,18 @@ class Node:
     revoked_at: float | None
     labels: dict[str, str] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
-    capacity: dict[str, Any] = field(default_factory=dict)
+    capacity: protocol.Capacity = field(default_factory=protocol.Capacity)
     address: str | None = None  # where its heartbeats come from
-    offload_secret: str | None = None
     draining: bool = False  # the operator drains it: its replicas move away
 
     @property
     def api_url(self) -> str | None:
         """The node's LAN API as the hub reaches it (its heartbeats name port and TLS)."""
-        api = self.capacity.get("api")
-        if self.address is None or not isinstance(api, dict) or "port" not in api:
+        api = self.capacity.api
+        if self.address is None or api is None:
             return None
         host = f"[{self.address}]" if ":" in self.address else self.address
-        return f"{'https' if api.get('tls') else 'http'}://{host}:{int(api['port'])}"
+        return f"{'https' if api.tls else 'http'}://{host}:{api.port}"
 
     @property
     def revoked(self) -> bool:
@@ -170,6 +184,16 @@ class Node:
 class Enrolled:
     node: Node
     node_token: str  # shown once, to the node
+
+
+class AlreadyEnrolledError(Exception):
+    """A node with this WireGuard key is enrolled already, and this is not a retry of
+    that enrollment (another token, or too late)."""
+
+
+# An enrollment whose answer was lost may be sent again, with the same token and key, for
+# this long: it gets the same node, with a new node token (the first was never received).
+ENROLL_RETRY_S = 600.0
 
 
 def open_database(settings: HubSettings) -> sql.Database:
@@ -240,6 +264,9 @@ class HubStore:
             if prefix is None or not rows or not key_matches(token, rows[0]["hash"]):
                 raise TokenRefusedError(TokenProblem.unknown, prefix)
             record = _token(rows[0])
+            again = self._enrolled_again(record, wg_public_key, name, now)
+            if again is not None:
+                return again
             state = record.state(now)
             if state != "active":
                 raise TokenRefusedError(TokenProblem(state), prefix)
@@ -285,6 +312,37 @@ class HubStore:
         )
         return Enrolled(node, node_token.plaintext)
 
+    def _enrolled_again(
+        self, token: EnrollmentToken, wg_public_key: str, name: str, now: float
+    ) -> Enrolled | None:
+        """Inside enroll's transaction: the node this key enrolled, when this is a retry of
+        that enrollment (the same token, the same name, within ENROLL_RETRY_S, neither
+        revoked), with a new node token in place of the lost one; None when the key is
+        new. AlreadyEnrolledError when the key belongs to another enrollment."""
+        rows = self.db.query("SELECT * FROM nodes WHERE wg_public_key = ?", [wg_public_key])
+        if not rows:
+            return None
+        row = rows[0]
+        node = _node(row)
+        if (
+            row["enrolled_with"] != token.prefix
+            or node.name != name
+            or node.revoked
+            or token.revoked_at is not None
+            or now - node.enrolled_at > ENROLL_RETRY_S
+        ):
+            raise AlreadyEnrolledError(
+                f"a node with this WireGuard key is enrolled already ({node.name}, {node.id});"
+                " a node enrolls once: revoke it and enroll with a new key"
+            )
+        node_token = generate_key(NODE_TOKEN)
+        self.db.execute(
+            "UPDATE nodes SET token_prefix = ?, token_hash = ? WHERE id = ?",
+            [node_token.prefix, node_token.hash, node.id],
+        )
+        self._bump(AUTH_REVISION)  # the token it replaces is good no more, anywhere
+        return Enrolled(node, node_token.plaintext)
+
     def _next_address(self, overlay_prefix: str, tried: set[str]) -> str:
         """A free host address of the prefix (the first host is the hub's), not one of
         `tried`. Addresses are handed out in order and never reused, so the one after the
@@ -328,8 +386,8 @@ class HubStore:
             self.db.executemany(
                 "UPDATE nodes SET last_seen = ?, versions = ?, capacity = ?, address = ?"
                 " WHERE id = ?",
-                [(b.at, json.dumps(b.versions), json.dumps(b.capacity), b.address, b.node_id)
-                 for b in sorted(beats, key=lambda b: b.node_id)],
+                [(b.at, json.dumps(b.versions), b.capacity.model_dump_json(), b.address,
+                  b.node_id) for b in sorted(beats, key=lambda b: b.node_id)],
             )  # fmt: skip
 
     def nodes(self) -> list[Node]:
@@ -496,6 +554,13 @@ class HubStore:
                         f"SELECT name FROM accounts WHERE name = ?{self.db.for_update}",  # noqa: S608 - a constant
                         [account],
                     ).fetchall()
+            foreign = {
+                lease for lease, owner in self.lease_owners(finals).items() if owner != node_id
+            }
+            if foreign:
+                raise ForeignLeaseError(
+                    f"lease {min(foreign)} was not granted to this node", min(foreign)
+                )
             for lease_id, spent in finals.items():
                 self.db.execute(
                     "UPDATE leases SET final = ? WHERE id = ? AND node_id = ? AND final IS NULL",
@@ -584,66 +649,93 @@ class HubStore:
     def accounts(self) -> list[dict[str, Any]]:
         return list(self.db.query("SELECT * FROM accounts ORDER BY name"))
 
-    def desired_state(self, node: Node) -> dict[str, Any]:
-        """What ``node`` should hold, with the serial it is at. Only the node's own."""
-        accounts = [
-            {
-                "name": r["name"],
-                "service_class": r["service_class"],
-                "requests_per_minute": r["requests_per_minute"],
-                "tokens_per_day": r["tokens_per_day"],
-                # Spent through leases (POST /v1/node/leases) when set.
-                "budget_tokens": r["budget_tokens"],
-            }
-            for r in self.db.query("SELECT * FROM accounts ORDER BY name")
-        ]
-        keys = [
-            {
-                "prefix": r["prefix"],
-                "hash": r["hash"],
-                "account": r["account"],
-                "admin": bool(r["admin"]),
-                "revoked": r["revoked_at"] is not None,
-            }
-            for r in self.db.query("SELECT * FROM api_keys ORDER BY prefix")
-        ]
-        return {
-            "node_id": node.id,
-            "serial": self.desired_serial(),
-            "accounts": accounts,
-            "keys": keys,
-            "offload_secret": self.offload_secret(node.id),
-            # The models placed on this node: it fetches each artifact through the tunnel
-            # (GET /v1/node/artifacts/SHA256), checks its sha256, loads it, reports it.
-            "models": [
-                {
-                    "name": m.name,
-                    "version": m.version,
-                    "sha256": m.sha256,
-                    "size_bytes": m.size_bytes,
-                    "format": m.format,
-                }
-                for m in self.placed_models(node.id)
-            ],
-            # The content packages seeded to this node: fetched the same way, then pinned.
-            "packages": self.seeded_packages(node),
-        }
+    def desired_state(self, node: Node) -> protocol.DesiredState:
+        """What ``node`` should hold, with the serial it is at. Only the node's own.
 
-    def offload_secret(self, node_id: str) -> str:
-        """The secret the hub shows `node_id` when it hands it an offloaded request (made
-        on first use; the node learns it from its desired state, through the tunnel). Made
-        only where none is: of two replicas making one at once, the first one stays."""
-        row = self.db.execute("SELECT offload_secret FROM nodes WHERE id = ?", [node_id]).fetchone()
-        if row is not None and row[0]:
-            return str(row[0])
-        self.db.execute(
-            "UPDATE nodes SET offload_secret = ? WHERE id = ? AND offload_secret IS NULL",
-            ["kvlh_" + secrets.token_urlsafe(32), node_id],
-        )
-        row = self.db.execute("SELECT offload_secret FROM nodes WHERE id = ?", [node_id]).fetchone()
-        if row is None or not row[0]:
-            raise NotFoundError(f"no node {node_id!r}")
-        return str(row[0])
+        One transaction, and the serial read first: a change committed while this reads
+        (on PostgreSQL each statement sees the latest commit) can then only give the node
+        newer accounts and keys under an older serial, which it pulls again at its next
+        heartbeat; never an older state under the newer serial, which it would keep."""
+        with self.db.transaction():
+            serial = self.desired_serial()
+            names = self.node_accounts(node)
+            accounts = [
+                protocol.AccountState(
+                    name=r["name"],
+                    service_class=r["service_class"],
+                    requests_per_minute=r["requests_per_minute"],
+                    tokens_per_day=r["tokens_per_day"],
+                    # Spent through leases (POST /v1/node/leases) when set.
+                    budget_tokens=r["budget_tokens"],
+                )
+                for r in self.db.query("SELECT * FROM accounts ORDER BY name")
+                if r["name"] in names
+            ]
+            keys = [
+                protocol.KeyState(
+                    prefix=r["prefix"],
+                    hash=r["hash"],
+                    account=r["account"],
+                    admin=bool(r["admin"]),
+                    revoked=r["revoked_at"] is not None,
+                )
+                for r in self.db.query("SELECT * FROM api_keys ORDER BY prefix")
+                if r["account"] in names
+            ]
+            return protocol.DesiredState(
+                node_id=node.id,
+                serial=serial,
+                accounts=accounts,
+                keys=keys,
+                # The models placed on this node: it fetches each artifact through the
+                # tunnel (GET /v1/node/artifacts/SHA256), checks its sha256, loads it.
+                models=[
+                    protocol.PlacedModel(
+                        name=m.name,
+                        version=m.version,
+                        sha256=m.sha256,
+                        size_bytes=m.size_bytes,
+                        format=m.format,
+                    )
+                    for m in self.placed_models(node.id)
+                ],
+                # The content packages seeded to this node: fetched the same way, pinned.
+                packages=self.seeded_packages(node),
+            )
+
+    def node_accounts(self, node: Node) -> set[str]:
+        """The accounts ``node`` serves: those its desired state gives it, the only ones it
+        may report usage or ask leases for. Today every account of the fleet."""
+        del node  # every node serves every account until accounts are bound to tenants
+        return {str(r[0]) for r in self.db.execute("SELECT name FROM accounts").fetchall()}
+
+    def lease_owners(self, lease_ids: Iterable[str]) -> dict[str, str]:
+        """The node each of these leases was granted to (ids the hub never stored, such
+        as a grant of nothing, are absent)."""
+        ids = sorted(set(lease_ids))
+        owners: dict[str, str] = {}
+        for start in range(0, len(ids), 500):
+            chunk = ids[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            for lease_id, node_id in self.db.execute(
+                f"SELECT id, node_id FROM leases WHERE id IN ({marks})",  # noqa: S608 - placeholders only
+                chunk,
+            ).fetchall():
+                owners[str(lease_id)] = str(node_id)
+        return owners
+
+    def key_account(self, key: str) -> str | None:
+        """The account of an active API key (a client's, as a node hands it over with an
+        offloaded request); None for a key unknown or revoked."""
+        prefix = parse_prefix(key)
+        if prefix is None:
+            return None
+        row = self.db.execute(
+            "SELECT hash, account, revoked_at FROM api_keys WHERE prefix = ?", [prefix]
+        ).fetchone()
+        if row is None or row[2] is not None or not key_matches(key, row[0]):
+            return None
+        return str(row[1])
 
     # -- operators -------------------------------------------------------------------------
 
@@ -784,7 +876,7 @@ class HubStore:
 
     # -- the ledger ----------------------------------------------------------------------
 
-    def ingest(self, node_id: str, events: Iterable[Mapping[str, Any]]) -> tuple[list[str], int]:
+    def ingest(self, node_id: str, events: Iterable[protocol.Event]) -> tuple[list[str], int]:
         """Store a batch of a node's events; (every id acknowledged, how many were new).
         An event already in the ledger is acknowledged again and not stored twice: the
         ledger's key is the event id, an INSERT of one already there changes nothing, and
@@ -795,7 +887,7 @@ class HubStore:
 
     @sql.retrying()
     def store_events(
-        self, batches: Sequence[tuple[str, Sequence[Mapping[str, Any]], list[LedgerRow]]]
+        self, batches: Sequence[tuple[str, Sequence[protocol.Event], list[LedgerRow]]]
     ) -> list[tuple[list[str], int]]:
         """Several nodes' batches (node id, events, their `ledger_rows`) in one transaction,
         so in one durable commit; for each, as `ingest` answers."""
@@ -828,13 +920,7 @@ class HubStore:
                     if self.db.execute(insert, row).rowcount == 0:
                         continue
                     new += 1
-                    try:
-                        self._apply_event(node_id, row[2], event["body"], row[4])
-                    except (KeyError, TypeError, ValueError) as err:
-                        # Kept in the ledger, not applied: a malformed report must not
-                        # stop the node's outbox behind it.
-                        log.warning("node %s: %s event %s not applied: %r", node_id,
-                                    row[2], row[0], err)  # fmt: skip
+                    self._apply_event(node_id, event, row[4])
                 answers[index] = ([r[0] for r in rows], new)
         return [answers[i] for i in range(len(batches))]
 
@@ -859,21 +945,22 @@ class HubStore:
             )
         return inserted
 
-    def _apply_event(self, node_id: str, kind: str, body: Mapping[str, Any], now: float) -> None:
+    def _apply_event(self, node_id: str, event: protocol.Event, now: float) -> None:
         """A node's package report: the package (and its lineage) known to the fleet, held
-        by that node; or no longer held. Other kinds are kept in the ledger only."""
-        if kind == "package":
-            self._upsert_package(body, origin_node=node_id, now=now)
+        by that node; or no longer held. Usage is kept in the ledger only."""
+        if isinstance(event, protocol.PackageEvent):
+            body = event.body
+            self._upsert_package(body.model_dump(mode="json"), origin_node=node_id, now=now)
             self.db.execute(
                 "INSERT INTO package_copies (package_id, version, node_id, reported_at)"
                 " VALUES (?, ?, ?, ?) ON CONFLICT (package_id, version, node_id) DO UPDATE SET"
                 " reported_at = excluded.reported_at",
-                [body["id"], body["version"], node_id, now],
+                [body.id, body.version, node_id, now],
             )
-        elif kind == "package_removed":
+        elif isinstance(event, protocol.PackageRemovedEvent):
             self.db.execute(
                 "DELETE FROM package_copies WHERE package_id = ? AND version = ? AND node_id = ?",
-                [body["id"], body["version"], node_id],
+                [event.body.id, event.body.version, node_id],
             )
 
     def _upsert_package(
@@ -960,7 +1047,7 @@ class HubStore:
                 raise NotFoundError(f"{package_id} is not seeded")
             return self._bump()
 
-    def seeded_packages(self, node: Node) -> list[dict[str, Any]]:
+    def seeded_packages(self, node: Node) -> list[protocol.SeededPackage]:
         """The package archives seeded to ``node`` (all nodes, or its site)."""
         rows = self.db.execute(
             "SELECT p.id, p.version, p.bundle_sha256, p.bundle_size FROM package_seeds s"
@@ -969,7 +1056,7 @@ class HubStore:
             " ORDER BY p.id, p.version",
             [node.site],
         ).fetchall()
-        return [{"id": r[0], "version": r[1], "sha256": r[2], "size": r[3]} for r in rows]
+        return [protocol.SeededPackage(id=r[0], version=r[1], sha256=r[2], size=r[3]) for r in rows]
 
     def ledger_count(self, node_id: str | None = None) -> int:
         sql, params = "SELECT COUNT(*) AS n FROM ledger", []
@@ -983,33 +1070,24 @@ class HubStore:
 LedgerRow = tuple[str, str, str, str, float, str | None, int | None, str | None, float | None]
 
 
-def ledger_rows(node_id: str, events: Iterable[Mapping[str, Any]], now: float) -> list[LedgerRow]:
-    """A node's events as ledger rows; ValueError or TypeError for a usage event whose
-    numbers are not numbers."""
-    return [(str(e["id"]), node_id, str(e["kind"]), json.dumps(e["body"]), now,
-             *_usage(str(e["kind"]), e["body"], now)) for e in events]  # fmt: skip
+def ledger_rows(node_id: str, events: Iterable[protocol.Event], now: float) -> list[LedgerRow]:
+    """A node's events (validated: bounded, non-negative numbers) as ledger rows."""
+    return [(e.id, node_id, e.kind, e.body.model_dump_json(), now, *_usage(e, now))
+            for e in events]  # fmt: skip
 
 
 def _usage(
-    kind: str, body: Mapping[str, Any], received_at: float
+    event: protocol.Event, received_at: float
 ) -> tuple[str | None, int | None, str | None, float | None]:
     """(account, tokens, lease id, when) of a usage event; Nones for other kinds."""
-    if kind != "usage":
+    if not isinstance(event, protocol.UsageEvent):
         return None, None, None, None
+    body = event.body
     at = received_at
-    created = body.get("created_at")
-    if isinstance(created, str):
-        with contextlib.suppress(ValueError):
-            at = datetime.fromisoformat(created).timestamp()
-    tokens = int(body.get("tokens_in") or 0) + int(body.get("tokens_out") or 0)
-    account = body.get("account")
-    lease = body.get("lease_id")
-    return (
-        str(account) if account is not None else None,
-        tokens,
-        str(lease) if lease is not None else None,
-        at,
-    )
+    if body.created_at:
+        with contextlib.suppress(ValueError, OverflowError, OSError):
+            at = datetime.fromisoformat(body.created_at).timestamp()
+    return body.account, body.tokens_in + body.tokens_out, body.lease_id, at
 
 
 def _package(row: Mapping[str, Any], nodes: list[str]) -> PackageRecord:
@@ -1044,6 +1122,18 @@ def _token(row: Mapping[str, Any]) -> EnrollmentToken:
     )
 
 
+def capacity_of(stored: str | None) -> protocol.Capacity:
+    """A node's last reported capacity as stored (validated when it arrived). A row an
+    older hub wrote, in the free-form capacity of protocol 1, reads as empty until the
+    node's next heartbeat."""
+    if not stored:
+        return protocol.Capacity()
+    try:
+        return protocol.Capacity.model_validate_json(stored)
+    except ValueError:
+        return protocol.Capacity()
+
+
 def _node(row: Mapping[str, Any]) -> Node:
     return Node(
         id=row["id"],
@@ -1056,9 +1146,8 @@ def _node(row: Mapping[str, Any]) -> Node:
         revoked_at=row["revoked_at"],
         labels=json.loads(row["labels"] or "{}"),
         versions=json.loads(row["versions"] or "{}"),
-        capacity=json.loads(row["capacity"] or "{}"),
+        capacity=capacity_of(row["capacity"]),
         address=row.get("address"),
-        offload_secret=row.get("offload_secret"),
         draining=bool(row.get("draining")),
     )
 
@@ -1116,7 +1205,7 @@ class Heartbeat:
     node_id: str
     at: float  # unix seconds
     versions: Mapping[str, str]
-    capacity: Mapping[str, Any]
+    capacity: protocol.Capacity
     address: str | None = None  # the caller's address
 
 
@@ -1142,6 +1231,12 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         self._nodes_by_token: dict[str, Node] = {}
         self._auth_revision = -1
         self._auth_epoch = 0  # moves whenever the remembered answers are dropped
+        # The fleet's account names as of a desired serial (dropped when it moves), and
+        # which node each lease seen was granted to (None: never stored): what a node may
+        # report usage for is checked without a read per sync.
+        self._accounts: frozenset[str] | None = None
+        self._desired_serial = -1
+        self._lease_owner: dict[str, str | None] = {}
 
     async def open(self) -> None:
         await super().open()
@@ -1188,8 +1283,51 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
 
     def note_serials(self, serials: tuple[int, int]) -> None:
         """The serials just read (`HubStore.serials`): a moved authentication revision
-        drops the remembered node tokens."""
+        drops the remembered node tokens, a moved desired serial the account names."""
+        if serials[0] != self._desired_serial:
+            self._desired_serial = serials[0]
+            self._accounts = None
         self._note_auth_revision(serials[1])
+
+    async def node_accounts(self, node: Node, names: Iterable[str] = ()) -> frozenset[str]:
+        """`HubStore.node_accounts`, remembered until the desired serial moves; read again
+        when one of `names` is not among them (an account made a moment ago, on another
+        replica, before this one's flusher saw the serial move)."""
+        known = self._accounts
+        if known is None or not known.issuperset(names):
+            known = frozenset(await self.read(HubStore.node_accounts, node))
+            self._accounts = known
+        return known
+
+    async def check_reports(
+        self, node: Node, accounts: Iterable[str], leases: Iterable[str]
+    ) -> None:
+        """What a node reports (usage of `accounts`, spends under `leases`) is its own:
+        accounts its desired state gives it, leases granted to it. ForeignAccountError or
+        ForeignLeaseError otherwise."""
+        accounts = set(accounts)
+        if accounts:
+            foreign = accounts - await self.node_accounts(node, accounts)
+            if foreign:
+                raise ForeignAccountError(
+                    f"account {min(foreign)!r} is not one this node serves", min(foreign)
+                )
+        leases = set(leases)
+        unknown = leases - self._lease_owner.keys()
+        if unknown:
+            owners = await self.read(HubStore.lease_owners, unknown)
+            if len(self._lease_owner) >= self._NODES_REMEMBERED:
+                self._lease_owner.clear()
+            # A lease id the hub never stored stays unknown: ids are made by the hub when
+            # it grants, and a node learns one only after the grant committed.
+            self._lease_owner.update({lease: owners.get(lease) for lease in unknown})
+        foreign_leases = sorted(
+            lease for lease in leases if self._lease_owner.get(lease) not in {None, node.id}
+        )
+        if foreign_leases:
+            raise ForeignLeaseError(
+                f"lease {foreign_leases[0]} was not granted to this node", foreign_leases[0]
+            )
 
     def _note_auth_revision(self, revision: int) -> None:
         if revision != self._auth_revision:
@@ -1200,7 +1338,7 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         self._nodes_by_token.clear()
         self._auth_epoch += 1
 
-    async def ingest(self, node_id: str, events: Iterable[Mapping[str, Any]]) -> EventsAnswer:
+    async def ingest(self, node_id: str, events: Iterable[protocol.Event]) -> EventsAnswer:
         """`HubStore.ingest`, committed in groups: the batches that arrive while a commit is
         being made go together in the next one. A thousand nodes syncing in a second then
         cost a few durable commits, not a thousand (one writer thread makes them all), and
@@ -1257,12 +1395,12 @@ class _Batch:
     """A node's batch of events waiting for the next group commit."""
 
     node_id: str
-    events: list[Mapping[str, Any]]
+    events: list[protocol.Event]
     rows: list[LedgerRow]
     answer: asyncio.Future[EventsAnswer]
 
     @property
-    def stored(self) -> tuple[str, list[Mapping[str, Any]], list[LedgerRow]]:
+    def stored(self) -> tuple[str, list[protocol.Event], list[LedgerRow]]:
         return self.node_id, self.events, self.rows
 
 

@@ -23,6 +23,7 @@ from hub.app import certificates, ssl_context
 from hub.app import create_app as create_hub
 from hub.settings import HubSettings
 from hub.state.store import HubStore, open_store
+from shared import protocol
 from shared.provisioning import Provisioning
 from shared.wireguard import read_private_key
 from tests.conftest import NoModels, free_port, kvl, make_settings
@@ -130,7 +131,7 @@ async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outa
     async def heard() -> bool:
         s = hub_store()
         try:
-            return any(n.capacity.get("models") for n in s.nodes())
+            return any(n.capacity.models for n in s.nodes())
         finally:
             s.close()
 
@@ -141,7 +142,7 @@ async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outa
     s = hub_store()
     (node,) = s.nodes()
     s.close()
-    assert node.capacity["models"] == [default_model.ref]
+    assert node.capacity.models == [default_model.ref]
     assert node.wg_public_key == (
         read_private_key(tmp_path / "data" / "fleet" / "wireguard.key").public_key
     )
@@ -525,16 +526,16 @@ async def test_heartbeats_name_the_gpus_the_workers_see(tmp_path: Path) -> None:
     link = FleetLink(FleetSettings(), FleetFiles(tmp_path / "fleet"), store, Metrics(), Registry())  # type: ignore[arg-type]
     try:
         capacity = await link.capacity()
-        assert capacity["gpus"] == [
-            {
-                "name": "CUDA0",
-                "description": "NVIDIA H200",
-                "memory_total_mib": 143_000,
-                "memory_free_mib": 140_000,
-            }
+        assert capacity.gpus == [
+            protocol.Gpu(
+                name="CUDA0",
+                description="NVIDIA H200",
+                memory_total_mib=143_000,
+                memory_free_mib=140_000,
+            )
         ]
         placements[:] = [Placement(gpu_offload=False, n_gpu_layers=0, devices=(cpu,))]
-        assert (await link.capacity())["gpus"] == []
+        assert (await link.capacity()).gpus == []
     finally:
         await link.close()
         await store.close()

@@ -22,7 +22,7 @@ from hub.app import create_app as create_hub
 from hub.planning.quota import Budget
 from hub.settings import HubSettings
 from hub.state.store import HubStore, open_store
-from shared import pki
+from shared import pki, protocol
 from tests.appliance.test_fleet import fleet_appliance, provisioning, wait_for
 from tests.proxy import CuttableProxy
 
@@ -44,7 +44,7 @@ MAX_TOKENS = 4
 async def _ask(client: Any, key: str) -> tuple[int, dict[str, Any]]:
     response = await client.post(
         "/v1/completions",
-        headers={"Authorization": f"Bearer {key}"},
+        headers={"Authorization": f"Bearer {key}", **protocol.HEADERS},
         json={"model": "gemma-3-270m", "prompt": PROMPT, "max_tokens": MAX_TOKENS},
     )
     return response.status, await response.json()
@@ -104,7 +104,7 @@ async def test_a_partitioned_node_spends_its_lease_then_refuses_and_the_budget_h
             answer = await session.post(
                 f"https://127.0.0.1:{hub_server.port}{path}",
                 json=body,
-                headers={"Authorization": f"Bearer {token}"},
+                headers={"Authorization": f"Bearer {token}", **protocol.HEADERS},
                 ssl=pin,
             )
             assert answer.status == 200, await answer.text()

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance.fleet.leases import LeaseBook, LeaseCall
+from shared import protocol
 from shared.errors import ApiError, ErrorCode
 
 NOW = 1_000_000.0
@@ -29,9 +30,9 @@ def grant(
     call = leases.call(now)
     leases.apply(
         call,
-        {"leases": [{"account": account, "lease_id": lease_id, "granted": tokens,
-                     "expires_at": now + 60, "period_ends_at": now + 86_400}],
-         "learning": False},
+        protocol.LeaseAnswer.model_validate(
+            {"leases": [{"account": account, "lease_id": lease_id, "granted": tokens,
+                         "expires_at": now + 60, "period_ends_at": now + 86_400}]}),
         now,
     )  # fmt: skip
 
@@ -83,7 +84,7 @@ def test_a_lease_half_used_is_renewed_ahead_and_the_old_one_reported_final() -> 
     leases.settle("L1", "r2", 30)
     call = leases.call(NOW)
     assert call.finals == {"L1": 40}
-    leases.apply(call, {"leases": [], "learning": False}, NOW)
+    leases.apply(call, protocol.LeaseAnswer(leases=[]), NOW)
     assert leases.retired == {}
 
 
@@ -120,7 +121,7 @@ def test_partitioned_the_node_spends_its_lease_then_only_safe_capacity() -> None
 def test_a_learning_hub_is_waited_for() -> None:
     leases, _ = book()
     call = leases.call(NOW)
-    leases.apply(call, {"leases": [], "learning": True, "retry_after_s": 30}, NOW)
+    leases.apply(call, protocol.LeaseAnswer(leases=[], learning=True, retry_after_s=30), NOW)
     with pytest.raises(ApiError) as caught:
         leases.take("acme", "S1", "r1", 10, NOW)
     assert caught.value.retry_after == pytest.approx(30)
@@ -131,7 +132,7 @@ def test_an_account_without_a_budget_on_the_hub_is_not_asked_again() -> None:
     leases, _ = book()
     refused(leases)
     call = leases.call(NOW)
-    leases.apply(call, {"leases": [], "learning": False}, NOW)
+    leases.apply(call, protocol.LeaseAnswer(leases=[]), NOW)
     assert leases.call(NOW) == LeaseCall((), {})
 
 

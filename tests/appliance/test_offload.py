@@ -118,14 +118,14 @@ async def _appliance(
 
 
 async def _ready_in_fleet(hub: HubSettings, names: set[str]) -> None:
-    """Until the hub has heard from every node with its model loaded and its secret made."""
+    """Until the hub has heard from every node with its model loaded, taking offloaded requests."""
     for _ in range(300):
         store = open_store(hub)
         try:
             ready = {
                 n.name
                 for n in store.nodes()
-                if n.capacity.get("models") and n.api_url and n.offload_secret
+                if n.capacity.models and n.api_url and n.capacity.offload
             }
         finally:
             store.close()

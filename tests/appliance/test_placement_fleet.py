@@ -24,7 +24,7 @@ from hub.app import certificates, ssl_context
 from hub.app import create_app as create_hub
 from hub.settings import HubSettings
 from hub.state.store import open_store
-from shared import pki
+from shared import pki, protocol
 from tests.appliance.fleet_nodes import join
 from tests.conftest import kvl
 
@@ -160,13 +160,13 @@ async def test_a_placed_artifact_is_fetched_resumed_and_checked(
     pin = pki.fingerprint_bytes(certificates(hub)[1].fingerprint)
     client = HubClient(f"https://127.0.0.1:{server.port}", pin, node.node_token)
     # The node's heartbeat makes it placeable (memory from its model budget).
-    await client.heartbeat({}, {"model_memory_mib": 10_000})
+    await client.heartbeat({}, protocol.Capacity(model_memory_mib=10_000))
     await _until(lambda: bool(_placed(hub)), "the placement")
     state = await client.state(-1)
     assert state is not None
-    [placed] = state["models"]
+    [placed] = state.models
     sha256 = hashlib.sha256(blob).hexdigest()
-    assert (placed["name"], placed["sha256"]) == ("tiny", sha256)
+    assert (placed.name, placed.sha256) == ("tiny", sha256)
 
     local = AsyncStore(tmp_path / "node" / "appliance.db")
     await local.open()
@@ -190,10 +190,10 @@ async def test_a_placed_artifact_is_fetched_resumed_and_checked(
         kvl("hub", "models", "add", str(source), "--name", "tiny", "--version", "2",
             "--data-dir", data)  # fmt: skip
         (hub.artifacts_dir / sha256).write_bytes(blob[:-1] + b"\0")
-        await local.run(local.sync.apply_desired_state, {
-            **state, "serial": state["serial"] + 1,
-            "models": [{**placed, "version": "2", "sha256": sha256}],
-        })  # fmt: skip
+        await local.run(local.sync.apply_desired_state, state.model_copy(update={
+            "serial": state.serial + 1,
+            "models": [placed.model_copy(update={"version": "2", "sha256": sha256})],
+        }))  # fmt: skip
         (models / f"tiny-1-{sha256[:12]}.gguf").unlink()
         await local.run(_forget_models, local.sync)
         await converger.converge(client)

@@ -89,7 +89,7 @@ def in_fleet(hub: HubSettings, names: set[str]) -> bool:
     store = open_store(hub)
     try:
         ready = {n.name for n in store.nodes()
-                 if n.capacity.get("models") and n.api_url and n.offload_secret}  # fmt: skip
+                 if n.capacity.models and n.api_url and n.capacity.offload}  # fmt: skip
     finally:
         store.close()
     return names <= ready

@@ -74,10 +74,10 @@ async def test_tokens_and_keys_are_made_listed_and_revoked(
     store = open_store(hub)
     try:
         node = _enroll(store, other["token"]).node
-        keys = {k["prefix"]: k for k in store.desired_state(node)["keys"]}
+        keys = {k.prefix: k for k in store.desired_state(node).keys}
     finally:
         store.close()
-    assert keys[key["prefix"]]["revoked"]  # every node refuses it at its next state pull
+    assert keys[key["prefix"]].revoked  # every node refuses it at its next state pull
 
 
 def _enroll(store: HubStore, token: str) -> Enrolled:

@@ -28,7 +28,7 @@ from hub.console.store import create_user
 from hub.planning.quota import Budget
 from hub.settings import HubSettings
 from hub.state.store import ModelArtifact, open_store
-from shared import pki
+from shared import pki, protocol
 from tests.conftest import REPO, kvl
 
 if TYPE_CHECKING:
@@ -168,7 +168,9 @@ async def enroll(console: Console, hub: HubSettings, name: str, site: str = "lab
         "name": name,
         "wg_public_key": str(WireguardKey.generate().public_key()),
     }
-    async with console.session.post(console.base + "/v1/enroll", json=body) as response:
+    async with console.session.post(
+        console.base + "/v1/enroll", json=body, headers=protocol.HEADERS
+    ) as response:
         assert response.status == 201, await response.text()
         return str((await response.json())["node_token"])
 
@@ -181,7 +183,7 @@ async def heartbeat(console: Console, node_token: str, **capacity: Any) -> None:
     async with console.session.post(
         console.base + "/v1/node/heartbeat",
         json=body,
-        headers={"Authorization": f"Bearer {node_token}"},
+        headers={"Authorization": f"Bearer {node_token}", **protocol.HEADERS},
     ) as response:
         assert response.status == 200, await response.text()
 
@@ -394,7 +396,7 @@ async def test_every_page_renders_and_every_action_works(
     async with console.session.post(
         console.base + "/v1/node/events",
         json={"events": events},
-        headers={"Authorization": f"Bearer {node_a}"},
+        headers={"Authorization": f"Bearer {node_a}", **protocol.HEADERS},
     ) as response:
         assert response.status == 200
     assert await console.login() == 303
@@ -458,7 +460,7 @@ async def test_every_page_renders_and_every_action_works(
     async with console.session.post(
         console.base + "/v1/node/heartbeat",
         json={},
-        headers={"Authorization": f"Bearer {node_a}"},
+        headers={"Authorization": f"Bearer {node_a}", **protocol.HEADERS},
     ) as response:
         assert response.status == 403  # the API refuses it too
 
@@ -472,7 +474,9 @@ async def test_every_page_renders_and_every_action_works(
     assert plaintext[1] not in await page("/console/tokens")
     body = {"token": html.unescape(plaintext[1]), "name": "node-c",
             "wg_public_key": str(WireguardKey.generate().public_key())}  # fmt: skip
-    async with console.session.post(console.base + "/v1/enroll", json=body) as response:
+    async with console.session.post(
+        console.base + "/v1/enroll", json=body, headers=protocol.HEADERS
+    ) as response:
         assert response.status == 201
     status, created, _ = await console.post(
         "/console/tokens", {"site": "east", "uses": "2", "expires": "7d"}
@@ -483,7 +487,9 @@ async def test_every_page_renders_and_every_action_works(
     status, _, response = await console.post(f"/console/tokens/{prefix}/revoke", {})
     assert (status, response.headers["Location"]) == (303, "/console/tokens?notice=token-revoked")
     async with console.session.post(
-        console.base + "/v1/enroll", json={**body, "token": second[1], "name": "node-d"}
+        console.base + "/v1/enroll",
+        json={**body, "token": second[1], "name": "node-d"},
+        headers=protocol.HEADERS,
     ) as response:
         assert response.status == 401
     bad = await console.post("/console/tokens", {"site": "", "uses": "1", "expires": "1h"})

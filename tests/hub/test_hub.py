@@ -24,8 +24,10 @@ from hub.state.store import (
     node_status,
     open_store,
 )
-from shared import pki
+from shared import pki, protocol
 from shared.errors import ErrorCode
+from shared.protocol import EVENTS
+from shared.sql import DatabaseError
 from tests.conftest import kvl
 
 if TYPE_CHECKING:
@@ -159,6 +161,7 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
     settings = settings_for(tmp_path, hub_database)
     store = open_store(settings)
     token = store.create_token("school-a", uses=1, expires_in_s=3600).plaintext
+    store.set_account("pupils", "S1")
     store.close()
     server = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
     _, cert = certificates(settings)
@@ -169,11 +172,16 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
         enroll = {"token": token, "name": "lab-server", "wg_public_key": key}
         # A signing request that is not one: refused before the token is spent.
         bad_csr = await client.post(
-            f"{base}/v1/enroll", json={**enroll, "lan_csr": "not a request"}, ssl=pinned
+            f"{base}/v1/enroll",
+            json={**enroll, "lan_csr": "not a request"},
+            ssl=pinned,
+            headers=protocol.HEADERS,
         )
         assert bad_csr.status == 400
         assert (await bad_csr.json())["error"]["param"] == "lan_csr"
-        response = await client.post(f"{base}/v1/enroll", json=enroll, ssl=pinned)
+        response = await client.post(
+            f"{base}/v1/enroll", json=enroll, ssl=pinned, headers=protocol.HEADERS
+        )
         assert response.status == 201, await response.text()
         enrolled = await response.json()
         assert enrolled["overlay_address"] == "100.64.0.2"
@@ -183,7 +191,10 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
 
         # The same token again: refused, naming the problem.
         again = await client.post(
-            f"{base}/v1/enroll", json={**enroll, "wg_public_key": new_key()}, ssl=pinned
+            f"{base}/v1/enroll",
+            json={**enroll, "wg_public_key": new_key()},
+            ssl=pinned,
+            headers=protocol.HEADERS,
         )
         assert again.status == 401
         error = (await again.json())["error"]
@@ -194,9 +205,9 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
         other = pki.issue_server(pki.new_ca("impostor"), "kovenlab-hub", ["127.0.0.1"])
         wrong = aiohttp.Fingerprint(pki.fingerprint_bytes(other.fingerprint))
         with pytest.raises(aiohttp.ServerFingerprintMismatch):
-            await client.post(f"{base}/v1/enroll", json=enroll, ssl=wrong)
+            await client.post(f"{base}/v1/enroll", json=enroll, ssl=wrong, headers=protocol.HEADERS)
 
-        node = {"Authorization": f"Bearer {enrolled['node_token']}"}
+        node = {"Authorization": f"Bearer {enrolled['node_token']}", **protocol.HEADERS}
         beat = await client.post(
             f"{base}/v1/node/heartbeat",
             json={"versions": {"kvl": "0.1.0"}, "capacity": {"cpu_percent": 12.5}},
@@ -204,7 +215,10 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
             ssl=pinned,
         )
         assert beat.status == 200, await beat.text()
-        events = [{"id": f"e{i}", "kind": "usage", "body": {"tokens": i}} for i in range(5)]
+        events = [
+            {"id": f"e{i}", "kind": "usage", "body": {"account": "pupils", "tokens_in": i}}
+            for i in range(5)
+        ]
         first = await client.post(
             f"{base}/v1/node/events", json={"events": events}, headers=node, ssl=pinned
         )
@@ -212,7 +226,12 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
         # A resend (the acknowledgement was lost) is acknowledged and stored once.
         resend = await client.post(
             f"{base}/v1/node/events",
-            json={"events": [*events[3:], {"id": "e5", "kind": "usage", "body": {}}]},
+            json={
+                "events": [
+                    *events[3:],
+                    {"id": "e5", "kind": "usage", "body": {"account": "pupils"}},
+                ]
+            },
             headers=node,
             ssl=pinned,
         )
@@ -222,7 +241,10 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
         assert missing.status == 401
         assert (await missing.json())["error"]["code"] == ErrorCode.invalid_node_token
         bad = await client.post(
-            f"{base}/v1/enroll", json={**enroll, "wg_public_key": "nope"}, ssl=pinned
+            f"{base}/v1/enroll",
+            json={**enroll, "wg_public_key": "nope"},
+            ssl=pinned,
+            headers=protocol.HEADERS,
         )
         assert bad.status == 400
         assert (await bad.json())["error"]["param"] == "wg_public_key"
@@ -237,7 +259,7 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
                 break
             await asyncio.sleep(0.1)
         assert registered.versions == {"kvl": "0.1.0"}
-        assert registered.capacity == {"cpu_percent": 12.5}
+        assert registered.capacity == protocol.Capacity(cpu_percent=12.5)
         assert registered.wg_public_key == key
         store.revoke_node("lab-server")  # by another process, as `kvl hub nodes revoke`
     finally:
@@ -273,7 +295,7 @@ async def test_node_calls_must_come_from_the_overlay_address(
         response = await client.post(
             f"https://127.0.0.1:{server.port}/v1/node/heartbeat",
             json={},
-            headers={"Authorization": f"Bearer {node_token}"},
+            headers={"Authorization": f"Bearer {node_token}", **protocol.HEADERS},
             ssl=context,  # the hub's CA also verifies it, as a LAN client would
         )
     assert response.status == 403
@@ -336,7 +358,7 @@ async def test_each_node_reads_only_its_own_desired_state_and_serials_grow(
     url = f"https://127.0.0.1:{server.port}/v1/node/state"
     async with aiohttp.ClientSession() as client:
         for node in (a, b):
-            headers = {"Authorization": f"Bearer {node.node_token}"}
+            headers = {"Authorization": f"Bearer {node.node_token}", **protocol.HEADERS}
             # Asking for another node's state is not a thing: the token says whose it is.
             response = await client.get(
                 url, params={"node": b.node.id}, headers=headers, ssl=pinned
@@ -399,6 +421,7 @@ async def test_the_simulator_enrolls_a_fleet_and_its_heartbeats_and_syncs_land(
     settings = settings_for(tmp_path, hub_database)
     store = open_store(settings)
     token = store.create_token("simulated", uses=20, expires_in_s=600).plaintext
+    store.set_account("simulated", "S1")  # the account its usage events are for
     store.close()
     server = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
     url = f"https://127.0.0.1:{server.port}"
@@ -430,7 +453,7 @@ async def test_the_simulator_enrolls_a_fleet_and_its_heartbeats_and_syncs_land(
     assert len(registered) == 20
     assert len({n.overlay_address for n in registered}) == 20
     assert all(n.last_seen is not None for n in registered)
-    assert all(n.capacity["models"] == ["gemma-3-270m@1.0.0"] for n in registered)
+    assert all(n.capacity.models == ["gemma-3-270m@1.0.0"] for n in registered)
 
 
 async def test_heartbeat_answers_carry_the_desired_serial(
@@ -445,7 +468,7 @@ async def test_heartbeat_answers_carry_the_desired_serial(
     store.close()
     server = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
     pinned = aiohttp.Fingerprint(pki.fingerprint_bytes(certificates(settings)[1].fingerprint))
-    headers = {"Authorization": f"Bearer {node_token}"}
+    headers = {"Authorization": f"Bearer {node_token}", **protocol.HEADERS}
 
     async def serial() -> int:
         async with aiohttp.ClientSession() as client:
@@ -495,23 +518,29 @@ async def test_event_batches_arriving_together_are_committed_together_and_each_a
     try:
         # 30 batches of 10 events at once, each event in two batches (a resend).
         batches = [
-            (nodes[b % 3], [{"id": f"e{(b * 5 + i) % 150}", "kind": "usage",
-                             "body": {"tokens_in": 1}} for i in range(10)])
+            (nodes[b % 3], EVENTS.validate_python(
+                [{"id": f"e{(b * 5 + i) % 150}", "kind": "usage",
+                  "body": {"account": "a", "tokens_in": 1}} for i in range(10)]))
             for b in range(30)
         ]  # fmt: skip
-        bad = [{"id": "bad", "kind": "usage", "body": {"tokens_in": "many"}}]
         answers = await asyncio.gather(
-            *(hub.ingest(node, events) for node, events in batches),
-            hub.ingest(nodes[0], bad),
-            return_exceptions=True,
+            *(hub.ingest(node, events) for node, events in batches), return_exceptions=True
         )
-        assert isinstance(answers[-1], ValueError)  # the malformed batch fails alone
-        for (_, events), answer in zip(batches, answers[:-1], strict=True):
+        for (_, events), answer in zip(batches, answers, strict=True):
             assert not isinstance(answer, BaseException), answer
-            assert answer[0] == [e["id"] for e in events]
-        assert sum(a[1] for a in answers[:-1] if isinstance(a, tuple)) == 150
+            assert answer[0] == [e.id for e in events]
+        assert sum(a[1] for a in answers if isinstance(a, tuple)) == 150
         assert commits < len(batches)  # grouped: fewer commits than batches
         assert await hub.run(hub.sync.ledger_count) == 150
+        # A batch the database refuses (its node is not registered) fails alone: the
+        # group is committed again one batch at a time.
+        bad = EVENTS.validate_python([{"id": "bad", "kind": "usage", "body": {"account": "a"}}])
+        good = EVENTS.validate_python([{"id": "good", "kind": "usage", "body": {"account": "a"}}])
+        refused, stored = await asyncio.gather(
+            hub.ingest("no-such-node", bad), hub.ingest(nodes[0], good), return_exceptions=True
+        )
+        assert isinstance(refused, DatabaseError)
+        assert stored == (["good"], 1)
     finally:
         await hub.close()
 

@@ -7,13 +7,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import pytest
+from pydantic import ValidationError
 from wireguard_tools import WireguardKey
 
 from appliance.packages.cache import PackageCache
 from hub.app import certificates, create_app, ssl_context
 from hub.settings import HubSettings
 from hub.state.store import HubStore, Node, open_store
-from shared import pki
+from shared import pki, protocol
+from shared.protocol import EVENTS
 from tests.appliance.test_package_cache import package
 from tests.conftest import kvl
 
@@ -57,9 +60,9 @@ def test_package_reports_are_applied_once_and_in_order(
     store = open_store(_settings(tmp_path, hub_database))
     a, _ = _enroll(store, "node-a", "north")
     b, _ = _enroll(store, "node-b", "south")
-    ids, new = store.ingest(a.id, [_report(1, "e1"), _report(2, "e2")])
+    ids, new = store.ingest(a.id, EVENTS.validate_python([_report(1, "e1"), _report(2, "e2")]))
     assert (ids, new) == (["e1", "e2"], 2)
-    store.ingest(b.id, [_report(1, "e3")])
+    store.ingest(b.id, EVENTS.validate_python([_report(1, "e3")]))
     found = {p.id: p for p in store.packages()}
     one = found[package(1)[0].id]
     assert (one.origin_node, one.nodes, one.lineage["model"]["name"]) == (
@@ -67,16 +70,18 @@ def test_package_reports_are_applied_once_and_in_order(
     assert store.packages("topic 2")[0].id == package(2)[0].id
 
     # Removed by node A, then the same report resent (an ack lost): still removed.
-    store.ingest(a.id, [_report(1, "e4", "package_removed")])
-    store.ingest(a.id, [_report(1, "e1")])
+    removed = {
+        "id": "e4",
+        "kind": "package_removed",
+        "body": {"id": one.id, "version": one.version},
+    }
+    store.ingest(a.id, EVENTS.validate_python([removed]))
+    store.ingest(a.id, EVENTS.validate_python([_report(1, "e1")]))
     assert {p.id: p for p in store.packages()}[one.id].nodes == [b.id]
 
-    # A malformed report is kept in the ledger, not applied, and blocks nothing after it.
-    ids, new = store.ingest(a.id, [{"id": "e5", "kind": "package", "body": {"id": "x"}},
-                                   _report(3, "e6")])  # fmt: skip
-    assert (ids, new) == (["e5", "e6"], 2)
-    assert package(3)[0].id in {p.id for p in store.packages()}
-    assert "x" not in {p.id for p in store.packages()}
+    # A malformed report never reaches the store: the protocol refuses it whole.
+    with pytest.raises(ValidationError):
+        EVENTS.validate_python([{"id": "e5", "kind": "package", "body": {"id": "x"}}])
     store.close()
 
 
@@ -101,7 +106,7 @@ async def test_archives_are_kept_seeded_by_site_and_served_to_seeded_nodes_only(
     base = f"https://127.0.0.1:{server.port}"
 
     async def call(method: str, path: str, token: str = operator, **kw: Any) -> Any:
-        headers = {"Authorization": f"Bearer {token}"}
+        headers = {"Authorization": f"Bearer {token}", **protocol.HEADERS}
         async with (
             aiohttp.ClientSession() as session,
             session.request(method, base + path, headers=headers, ssl=pin, **kw) as response,
@@ -118,12 +123,12 @@ async def test_archives_are_kept_seeded_by_site_and_served_to_seeded_nodes_only(
     store = open_store(hub)
     try:
         assert store.desired_serial() > serial  # the nodes pull their state again
-        seeded = store.desired_state(north)["packages"]
-        assert [(p["id"], p["version"]) for p in seeded] == [(manifest.id, manifest.version)]
-        assert store.desired_state(south)["packages"] == []
+        seeded = store.desired_state(north).packages
+        assert [(p.id, p.version) for p in seeded] == [(manifest.id, manifest.version)]
+        assert store.desired_state(south).packages == []
     finally:
         store.close()
-    sha256 = seeded[0]["sha256"]
+    sha256 = seeded[0].sha256
     status, body = await call("GET", f"/v1/node/artifacts/{sha256}", north_token)
     assert (status, body) == (200, archive)
     status, _ = await call("GET", f"/v1/node/artifacts/{sha256}", south_token)
@@ -135,7 +140,7 @@ async def test_archives_are_kept_seeded_by_site_and_served_to_seeded_nodes_only(
     assert "held by the hub, seeded to north" in listed
     kvl("hub", "packages", "seed", manifest.id, "--data-dir", data)
     store = open_store(hub)
-    assert len(store.desired_state(south)["packages"]) == 1
+    assert len(store.desired_state(south).packages) == 1
     store.close()
     status, body = await call("DELETE", f"/v1/admin/packages/{manifest.id}/seed")
     assert status == 200, body

@@ -19,7 +19,7 @@ from hub.app import HEARTBEATS_EVERY_S, certificates, create_app, ssl_context
 from hub.planning.quota import Budget
 from hub.settings import HubSettings
 from hub.state.store import open_store
-from shared import pki
+from shared import pki, protocol
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -60,7 +60,9 @@ class Replicas:
     async def post(
         self, path: str, body: dict[str, Any], *, token: str | None = None, url: str | None = None
     ) -> tuple[int, Any]:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = (
+            {"Authorization": f"Bearer {token}", **protocol.HEADERS} if token else protocol.HEADERS
+        )
         async with self.session.post(
             (url or next(self._next)) + path, json=body, headers=headers
         ) as response:

@@ -16,7 +16,7 @@ from hub.app import certificates, create_app, ssl_context
 from hub.planning.quota import Budget, LeaseView, Sizing, grant, remaining
 from hub.settings import HubSettings
 from hub.state.store import HubStore, open_store
-from shared import pki
+from shared import pki, protocol
 from tests.conftest import kvl
 
 if TYPE_CHECKING:
@@ -184,7 +184,10 @@ async def test_nodes_lease_slices_of_a_budget_and_the_ledger_reconciles_them(
     async def call(token: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         async with aiohttp.ClientSession() as client:
             answer = await client.post(
-                url + path, json=body, headers={"Authorization": f"Bearer {token}"}, ssl=pin
+                url + path,
+                json=body,
+                headers={"Authorization": f"Bearer {token}", **protocol.HEADERS},
+                ssl=pin,
             )
             assert answer.status == 200, await answer.text()
             result: dict[str, Any] = await answer.json()

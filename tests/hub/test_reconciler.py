@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from hub.reconciler import FleetSnapshots
 from hub.state.store import Heartbeat, open_store
+from shared import protocol
 from tests.hub.test_hub import PREFIX, new_key, settings_for
 
 if TYPE_CHECKING:
@@ -31,7 +32,9 @@ def test_fleet_snapshots_rebuild_only_the_nodes_that_changed(
         ]  # fmt: skip
         now = time.time()
         store.heartbeats(
-            [Heartbeat(i, now, {}, {"memory_total_mib": 8000}) for i in ids]  # 6000 for models
+            [
+                Heartbeat(i, now, {}, protocol.Capacity(memory_total_mib=8000)) for i in ids
+            ]  # 6000 for models
         )
         fleet = FleetSnapshots()
         first = {n.id: n for n in fleet.read(store)}
@@ -43,7 +46,9 @@ def test_fleet_snapshots_rebuild_only_the_nodes_that_changed(
         assert all(again[i] is first[i] for i in ids)
 
         # A heartbeat with new capacity, a drain, a revocation: those three rebuilt.
-        store.heartbeats([Heartbeat(ids[0], now + 15, {}, {"model_memory_mib": 12_000})])
+        store.heartbeats(
+            [Heartbeat(ids[0], now + 15, {}, protocol.Capacity(model_memory_mib=12_000))]
+        )
         store.set_draining(ids[1], draining=True)
         store.revoke_node(ids[2])
         changed = {n.id: n for n in fleet.read(store)}
