@@ -4,8 +4,10 @@ appliance's cache, the hub and other appliances (image-spec ``image-layout.md``)
 The archive holds ``oci-layout``, ``index.json`` and ``blobs/sha256/<hex>``, nothing else.
 ``write_layout`` is deterministic (sorted members, fixed owner, mode and time), so the same
 package always makes the same archive and the same digest. ``read_layout`` fails closed:
-any other member, a link, a duplicate, a blob that does not match its name, a size above
-the limit, or an index that names a missing blob raises LayoutError.
+any other member, a link, a device, a sparse member, a name that escapes, a duplicate, a
+member that declares more bytes than the archive holds (all refused from the headers,
+before any member is read), a blob that does not match its name, a size above the limit,
+or an index that names a missing blob raises LayoutError.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import re
 import tarfile
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any
 
 LAYOUT = b'{"imageLayoutVersion":"1.0.0"}'
@@ -133,25 +136,60 @@ def package_summary(layout: Layout) -> dict[str, Any]:
 
 
 def _members(data: bytes) -> dict[str, bytes]:
-    """Every file of the archive by name, each blob checked against its name."""
+    """Every file of the archive by name, each blob checked against its name.
+
+    Every header is checked before any member is read: an archive with one bad member is
+    refused without a byte of another decompressed, copied or hashed."""
     members: dict[str, bytes] = {}
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-        for member in tar:
-            name = member.name.removeprefix("./")
-            if member.isdir() and name.rstrip("/") in {"", "blobs", "blobs/sha256"}:
+        files: dict[str, tarfile.TarInfo] = {}
+        # getmembers() reads headers only, seeking past each member's data.
+        for member in tar.getmembers():
+            if not _admitted(member, len(data)):
                 continue
-            if not member.isfile():
-                raise LayoutError(f"{name}: only regular files belong in a layout")
-            blob = _BLOB.match(name)
-            if name not in {"oci-layout", "index.json"} and blob is None:
-                raise LayoutError(f"{name}: not part of an OCI layout")
-            if name in members:
+            name = member.name.removeprefix("./")
+            if name in files:
                 raise LayoutError(f"{name} appears twice")
+            files[name] = member
+        for name, member in files.items():
+            blob = _BLOB.match(name)
             content = _read(tar, member)
             if blob is not None and hashlib.sha256(content).hexdigest() != blob.group(1):
                 raise LayoutError(f"{name} does not match its digest")
             members[name] = content
     return members
+
+
+def _admitted(member: tarfile.TarInfo, archive_bytes: int) -> bool:
+    """Whether a member is a file of the layout (False: one of its directories); raises
+    LayoutError for anything else, from its header alone."""
+    name = member.name.removeprefix("./")
+    path = PurePosixPath(name)
+    if name.startswith("/") or ".." in path.parts or "\\" in name or "\0" in name:
+        raise LayoutError(f"{name!r}: a name that escapes the layout")
+    # isfile() is True for GNU sparse members, whose holes read back as zeros: a few
+    # bytes of archive could stand for terabytes. Only plain files and the layout's own
+    # directories belong here.
+    if member.issparse():
+        raise LayoutError(f"{name}: a sparse member")
+    if member.islnk() or member.issym():
+        raise LayoutError(f"{name}: a link (only regular files belong in a layout)")
+    if member.ischr() or member.isblk() or member.isfifo():
+        raise LayoutError(f"{name}: a device (only regular files belong in a layout)")
+    if member.isdir() and name.rstrip("/") in {"", "blobs", "blobs/sha256"}:
+        return False
+    if member.type not in {tarfile.REGTYPE, tarfile.AREGTYPE}:
+        raise LayoutError(f"{name}: only regular files belong in a layout")
+    # A plain member's bytes lie in the archive: a header that says otherwise is a lie
+    # about how much a read would produce.
+    if member.size < 0 or member.offset_data + member.size > archive_bytes:
+        raise LayoutError(
+            f"{name}: declares {member.size} bytes, more than the {archive_bytes}-byte "
+            "archive holds"
+        )
+    if name not in {"oci-layout", "index.json"} and _BLOB.match(name) is None:
+        raise LayoutError(f"{name}: not part of an OCI layout")
+    return True
 
 
 def _read(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:

@@ -32,6 +32,7 @@ from appliance.packages.model import (
     ValidationReport,
     VoiceLineage,
 )
+from tests.shared.test_oci import sparse_member, with_last_member
 
 BIG = 10**9
 REF = "org.opencontainers.image.ref.name"
@@ -598,6 +599,25 @@ def test_a_package_travels_as_an_archive_to_another_cache(tmp_path: Path) -> Non
         PackageCache(tmp_path / "c", max_bytes=BIG).import_bundle(spoiled)
     with pytest.raises(CacheError):
         target.import_bundle(b"not an archive")
+
+
+def test_an_archive_with_a_sparse_member_is_refused_and_nothing_is_cached(
+    tmp_path: Path,
+) -> None:
+    """A sparse member (a few bytes that read back as 64 GiB) at the end of a genuine
+    package archive: the import is refused from the headers, and the cache stays empty."""
+    source = PackageCache(tmp_path / "a", max_bytes=BIG)
+    manifest, files = package(1)
+    source.put(manifest, files, key(1))
+    archive = source.bundle(manifest.id)
+    hostile = with_last_member(
+        archive, sparse_member(f"blobs/sha256/{'b' * 64}", b"zero", 64 << 30)
+    )
+    target = PackageCache(tmp_path / "b", max_bytes=BIG)
+    with pytest.raises(CacheError, match="sparse"):
+        target.import_bundle(hostile)
+    assert target.list() == []
+    assert target.import_bundle(archive).ref == f"{manifest.id}@{manifest.version}"
 
 
 def test_removed_refs_are_taken_once(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import tarfile
+from typing import IO
 
 import pytest
 
@@ -97,3 +98,117 @@ def test_an_archive_above_the_limit_is_refused_unread() -> None:
     data = write_layout(*_layout())
     with pytest.raises(LayoutError, match="above the limit"):
         read_layout(data, max_bytes=len(data) - 1)
+
+
+# -- hostile archives: refused from their headers, before any member is read -------------------
+
+
+def _octal(value: int, width: int = 12) -> bytes:
+    return f"{value:0{width - 1}o}\0".encode()
+
+
+def _header(info: tarfile.TarInfo) -> bytearray:
+    return bytearray(info.tobuf(tarfile.GNU_FORMAT))
+
+
+def _sealed(header: bytearray) -> bytes:
+    """The header with its checksum made again (after fields were written by hand)."""
+    header[148:156] = b" " * 8
+    header[148:156] = f"{sum(header):06o}\0 ".encode()
+    return bytes(header)
+
+
+def _padded(data: bytes) -> bytes:
+    return data + b"\0" * (-len(data) % tarfile.BLOCKSIZE)
+
+
+def sparse_member(name: str, stored: bytes, real_size: int) -> bytes:
+    """A GNU sparse member (type S): `stored` at offset 0, then a hole up to `real_size`,
+    which reads back as zeros. tarfile reads these but cannot write them."""
+    info = tarfile.TarInfo(name)
+    info.type, info.size = tarfile.GNUTYPE_SPARSE, len(stored)
+    header = _header(info)
+    header[386:398] = _octal(0)  # the first (offset, numbytes) of the sparse map
+    header[398:410] = _octal(len(stored))
+    header[483:495] = _octal(real_size)  # the size the member expands to
+    return _sealed(header) + _padded(stored)
+
+
+def _lying(name: str, stored: bytes, declared: int) -> bytes:
+    """A plain member whose header declares more bytes than follow it."""
+    info = tarfile.TarInfo(name)
+    info.size = len(stored)
+    header = _header(info)
+    header[124:136] = _octal(declared)
+    return _sealed(header) + _padded(stored)
+
+
+def _special(name: str, kind: bytes, linkname: str = "") -> bytes:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, linkname
+    if kind in {tarfile.CHRTYPE, tarfile.BLKTYPE}:
+        info.devmajor, info.devminor = 1, 3
+    return bytes(_header(info))
+
+
+def with_last_member(valid: bytes, last: bytes) -> bytes:
+    """A well-formed archive, then one hand-made member, then the end of the archive."""
+    with tarfile.open(fileobj=io.BytesIO(valid)) as tar:
+        final = tar.getmembers()[-1]
+    # write_layout's end-of-archive blocks are cut off: the hostile member goes last, so
+    # that a reader going member by member would have read every good one before it.
+    members = valid[: final.offset_data + len(_padded(b"x" * final.size))]
+    return members + last + b"\0" * (2 * tarfile.BLOCKSIZE)
+
+
+def _archive(last: bytes) -> bytes:
+    return with_last_member(write_layout(*_layout()), last)
+
+
+BLOB_NAME = f"blobs/sha256/{'a' * 64}"
+HOSTILE: dict[str, tuple[bytes, str]] = {
+    "sparse, expanding to 64 GiB": (sparse_member(BLOB_NAME, b"x" * 10, 64 << 30), "sparse"),
+    "sparse, even a small one": (sparse_member(BLOB_NAME, b"x" * 10, 100), "sparse"),
+    # tarfile itself notices that the data ends early; the reader checks it too.
+    "declared size above the archive": (
+        _lying(BLOB_NAME, b"x" * 10, 8 << 20),
+        "declares|unexpected end of data",
+    ),
+    "hard link": (_special(BLOB_NAME, tarfile.LNKTYPE, "oci-layout"), "link"),
+    "symbolic link": (_special(BLOB_NAME, tarfile.SYMTYPE, "/etc/passwd"), "link"),
+    "character device": (_special(BLOB_NAME, tarfile.CHRTYPE), "device"),
+    "block device": (_special(BLOB_NAME, tarfile.BLKTYPE), "device"),
+    "fifo": (_special(BLOB_NAME, tarfile.FIFOTYPE), "device"),
+    "parent escape": (_lying("../../etc/cron.d/x", b"", 0), "escapes"),
+    "escape inside blobs": (_lying(f"blobs/sha256/../../{'a' * 64}", b"", 0), "escapes"),
+    "absolute name": (_lying("/etc/passwd", b"", 0), "escapes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_member_is_refused_before_any_member_is_read(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    member, reason = HOSTILE[case]
+    data = _archive(member)
+    read: list[str] = []
+    extractfile = tarfile.TarFile.extractfile
+
+    def spy(self: tarfile.TarFile, member: str | tarfile.TarInfo) -> IO[bytes] | None:
+        read.append(member if isinstance(member, str) else member.name)
+        return extractfile(self, member)
+
+    monkeypatch.setattr(tarfile.TarFile, "extractfile", spy)
+    with pytest.raises(LayoutError, match=reason):
+        read_layout(data, max_bytes=1 << 20)
+    assert read == [], "members were read before the hostile one was refused"
+
+
+def test_the_hand_made_archives_are_otherwise_well_formed() -> None:
+    """The same construction with a good last member reads: the refusals above are the
+    hostile member's, not the construction's."""
+    extra = b"extra blob"
+    name = f"blobs/sha256/{_hex(extra)}"
+    layout = read_layout(_archive(_lying(name, extra, len(extra))), max_bytes=1 << 20)
+    assert layout.blobs[_hex(extra)] == extra
+    assert layout.blobs[_hex(LAYER)] == LAYER
