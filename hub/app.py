@@ -29,6 +29,7 @@ from hub.api import (
 from hub.console.app import setup_console
 from hub.loops import LOOPS, RUNNING, Running, running
 from hub.offload import Forwarder
+from hub.openapi import openapi_route
 from hub.reconciler import reconcile_forever
 from hub.state.store import AsyncHubStore
 from shared import pki
@@ -64,6 +65,7 @@ def create_app(settings: HubSettings) -> web.Application:
     app[RUNNING] = Running()
     app.add_routes(routes())
     app.add_routes(admin_routes())
+    app.add_routes([openapi_route()])
     app[IDENTITY] = identity(settings)
     app[LEARNING] = Learning(time.time(), settings.quota.lease_s)
     app.cleanup_ctx.append(_store)
