@@ -8,7 +8,7 @@ import functools
 import hashlib
 import hmac
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -104,7 +104,13 @@ class LoginThrottle:
     """Failed logins per address: after `allowed` of them the address waits
     `first_wait_s`, doubled with each further failure up to `max_wait_s`. A success clears
     the address. In memory: a restarted hub forgets, which costs an attacker a restart
-    they cannot cause."""
+    they cannot cause.
+
+    An attempt is counted from the moment it is let through, not from when its password
+    check (argon2, in a thread) says it failed: `wait_s` answering 0 admits one attempt,
+    which `failed` or `succeeded` then settles. Otherwise many attempts sent at once would
+    all pass the check before the first of them was recorded. An admitted attempt that is
+    never settled (its request died) counts as failed after `settle_s`."""
 
     def __init__(
         self,
@@ -113,27 +119,59 @@ class LoginThrottle:
         first_wait_s: float = 30.0,
         max_wait_s: float = 900.0,
         max_addresses: int = 10_000,
+        settle_s: float = 60.0,
     ) -> None:
         self._allowed = allowed
         self._first = first_wait_s
         self._max = max_wait_s
         self._max_addresses = max_addresses
-        self._failures: dict[str, tuple[int, float]] = {}  # address -> (count, blocked until)
+        self._settle_s = settle_s
+        self._addresses: dict[str, _Attempts] = {}  # oldest first
 
     def wait_s(self, address: str, now: float) -> float:
-        """Seconds the address must still wait before it may try again (0: it may)."""
-        _, until = self._failures.get(address, (0, 0.0))
-        return max(0.0, until - now)
+        """Seconds the address must still wait before it may try again; 0: it may, and
+        this attempt is admitted (settle it with `failed` or `succeeded`)."""
+        state = self._addresses.get(address)
+        if state is None:
+            state = self._remember(address, _Attempts())
+        while state.trying and state.trying[0] <= now - self._settle_s:
+            state.trying.pop(0)
+            self._fail(state, now)  # admitted long ago and never settled: a failure
+        if state.blocked_until > now:
+            return state.blocked_until - now
+        # What is left of the allowance, and past it one try at a time once each wait is
+        # over: the attempts still being checked use it up as if they had failed already.
+        if len(state.trying) >= max(1, self._allowed - state.failures):
+            pending = state.failures + len(state.trying) - self._allowed
+            return min(self._max, self._first * 2.0 ** max(0, pending))
+        state.trying.append(now)
+        return 0.0
 
     def failed(self, address: str, now: float) -> None:
-        count, _ = self._failures.pop(address, (0, 0.0))
-        count += 1
-        until = 0.0
-        if count >= self._allowed:
-            until = now + min(self._max, self._first * 2 ** (count - self._allowed))
-        self._failures[address] = (count, until)  # re-inserted: the dict stays oldest first
-        while len(self._failures) > self._max_addresses:
-            del self._failures[next(iter(self._failures))]
+        state = self._addresses.pop(address, None) or _Attempts()
+        if state.trying:
+            state.trying.pop(0)
+        self._fail(state, now)
+        self._remember(address, state)  # re-inserted: the dict stays oldest first
 
     def succeeded(self, address: str) -> None:
-        self._failures.pop(address, None)
+        self._addresses.pop(address, None)
+
+    def _fail(self, state: _Attempts, now: float) -> None:
+        state.failures += 1
+        if state.failures >= self._allowed:
+            wait = min(self._max, self._first * 2.0 ** (state.failures - self._allowed))
+            state.blocked_until = max(state.blocked_until, now + wait)
+
+    def _remember(self, address: str, state: _Attempts) -> _Attempts:
+        self._addresses[address] = state
+        while len(self._addresses) > self._max_addresses:
+            del self._addresses[next(iter(self._addresses))]
+        return state
+
+
+@dataclass
+class _Attempts:
+    failures: int = 0
+    blocked_until: float = 0.0
+    trying: list[float] = field(default_factory=list)  # when each unsettled one was let in
