@@ -9,7 +9,9 @@ Server frames, each naming the request:
     {"id": ..., "event": "cancelled", "usage": {...}}     after a cancel
     {"id": ..., "event": "error", "error": {the error shape}}
 A frame that cannot be understood gets an error event with its id (or null); the
-connection stays open. The server closes with 1001 when it shuts down.
+connection stays open. The server closes with 1001 when it shuts down, and with 1008
+(policy violation) within a second of the connection's API key being revoked, after a last
+`{"id": null, "event": "error", "error": {revoked_api_key}}` frame.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ import json
 import logging
 from typing import Any
 
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from appliance.gateway.completions import Prepared, chunk_body, invalid_output, usage
-from appliance.gateway.keys import COMPLETIONS, SETTINGS, api_key
+from appliance.gateway.keys import COMPLETIONS, SETTINGS, STORE, api_key
 from appliance.gateway.middleware import route_label
 from appliance.gateway.parsing import parse_body
 from appliance.gateway.schemas import (
@@ -39,6 +41,10 @@ log = logging.getLogger(__name__)
 
 # Usage status of a request cancelled by its client (nginx's "client closed request").
 CANCELLED = 499
+# How often an open connection looks at its API key again. A connection outlives any one
+# request, so the check at the upgrade is not enough: a revoked key must stop its streams.
+# Cheap while nothing changed: the store answers from memory until the database moves.
+KEY_CHECK_S = 0.25
 
 
 class _FrameError(Exception):
@@ -91,6 +97,7 @@ class _Connection:
         self.ws = ws
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.cancels: dict[str, asyncio.Event] = {}
+        self.ending = False  # the server is closing it (the key was revoked)
 
     async def send(self, frame: dict[str, Any]) -> None:
         with contextlib.suppress(ConnectionResetError, RuntimeError):
@@ -182,6 +189,35 @@ class _Connection:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def end(self, error: ApiError) -> None:
+        """Stop every request, say why in a last frame, and close as a policy violation."""
+        self.ending = True
+        await self.close()
+        await self.error(None, error)
+        await self.ws.close(code=WSCloseCode.POLICY_VIOLATION, message=error.code.value.encode())
+
+    async def watch_key(self) -> None:
+        """End the connection once its key is revoked (or gone), while it is open."""
+        store = self.request.app[STORE]
+        # The middleware authenticated this very header at the upgrade.
+        token = self.request.headers.get("Authorization", "").partition(" ")[2].strip()
+        while True:
+            await asyncio.sleep(KEY_CHECK_S)
+            try:
+                key = await store.authenticate(token)
+            except Exception:
+                # The database failed us for a moment: the key stands until it answers.
+                log.exception("could not check the API key of a WebSocket again")
+                continue
+            if key is None:
+                error = ApiError(ErrorCode.invalid_api_key, "the API key is no longer valid")
+                break
+            if key.revoked:
+                error = ApiError(ErrorCode.revoked_api_key, f"the API key {key.prefix} was revoked")
+                break
+        log.info("closing a WebSocket: %s", error.message)
+        await self.end(error)
+
 
 async def stream(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(
@@ -194,6 +230,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
         )
     await ws.prepare(request)
     connection = _Connection(request, ws)
+    watcher = asyncio.create_task(connection.watch_key(), name="kvl-ws-key")
     try:
         async for message in ws:
             if message.type == WSMsgType.TEXT:
@@ -203,5 +240,10 @@ async def stream(request: web.Request) -> web.StreamResponse:
                     None, ApiError(ErrorCode.invalid_json, "send JSON in text frames, not binary")
                 )
     finally:
+        # A watcher that is closing the connection finishes its close handshake; otherwise
+        # the client left (or the server stops) and the watcher has nothing left to do.
+        if not connection.ending:
+            watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
         await connection.close()
     return ws

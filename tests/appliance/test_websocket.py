@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import aiohttp
@@ -9,6 +11,7 @@ import aiohttp
 from appliance.settings import ApplianceSettings
 from appliance.state.store import Store
 from shared.errors import ErrorCode
+from shared.keys import parse_prefix
 from tests.conftest import Client
 
 MODEL = "gemma-3-270m"
@@ -146,3 +149,41 @@ async def test_upgrade_needs_a_key_and_plain_get_is_refused(client: Client, api_
     plain = await client.get("/v1/ws", headers={"Authorization": f"Bearer {api_key}"})
     assert plain.status == 400
     assert (await plain.json())["error"]["code"] == ErrorCode.bad_request.value
+
+
+async def test_a_key_revoked_while_the_socket_is_open_ends_it_within_a_second(
+    client: Client, api_key: str, settings: ApplianceSettings
+) -> None:
+    ws = await connect(client, api_key)
+    await ws.send_json(
+        {
+            "type": "completions",
+            "id": "long",
+            "body": {"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 300},
+        }
+    )
+    assert (await ws.receive_json(timeout=60))["event"] == "chunk"  # it streams
+    prefix = parse_prefix(api_key)
+    assert prefix is not None
+    store = Store(settings.db_path)  # as `kvl appliance keys revoke` does, from outside
+    try:
+        store.revoke_key(prefix)
+    finally:
+        store.close()
+    revoked_at = time.monotonic()
+    frames: list[dict[str, Any]] = []
+    async with asyncio.timeout(1.0):  # the bound: within a second of the revocation
+        while True:
+            message = await ws.receive()
+            if message.type != aiohttp.WSMsgType.TEXT:
+                break
+            frames.append(message.json())
+    took = time.monotonic() - revoked_at
+    assert message.type in {aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED}, message
+    assert ws.close_code == aiohttp.WSCloseCode.POLICY_VIOLATION, (ws.close_code, took)
+    last = frames[-1]
+    assert (last["id"], last["event"]) == (None, "error")
+    assert last["error"]["code"] == ErrorCode.revoked_api_key.value
+    assert set(last["error"]) == {"message", "type", "param", "code"}  # the error shape
+    # The stream stopped with the connection: nothing of it came after the error.
+    assert all(f["event"] == "chunk" for f in frames[:-1])
