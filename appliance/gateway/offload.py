@@ -79,9 +79,15 @@ class Offload:
             self._metrics.offloads.labels("sent", "hub_unreachable").inc()
             raise shed from None
         try:
-            if upstream.status >= 400:
+            if upstream.status == 429:  # the fleet has no room either: its answer, and when
                 self._metrics.offloads.labels("sent", "refused").inc()
                 raise _error_of(upstream.status, await upstream.read(), upstream.headers)
+            if upstream.status >= 400:
+                # Refused for another reason (a key of this node's own, not the fleet's;
+                # a hub of another protocol): the local refusal stands.
+                self._metrics.offloads.labels("sent", "refused").inc()
+                log.info("offload of %s refused by the hub (%d)", prepared.id, upstream.status)
+                raise shed
             response = web.StreamResponse(status=upstream.status)
             for name in PASSED_HEADERS:
                 if name in upstream.headers:

@@ -52,6 +52,9 @@ def provisioning(tmp_path: Path, hub: HubSettings, port: int, uses: int = 1) -> 
     store = open_store(hub)
     try:
         token = store.create_token("school-a", uses=uses, expires_in_s=600).plaintext
+        # The account of the appliances' LAN key (`fleet_appliance`): a fleet account, so
+        # its usage goes to the hub (a node's own accounts keep theirs).
+        store.set_account("lan-user", "S1")
     finally:
         store.close()
     _, cert = certificates(hub)
@@ -223,7 +226,7 @@ async def test_lost_acknowledgements_never_duplicate(
                 headers={
                     k: v
                     for k, v in request.headers.items()
-                    if k.lower() in {"authorization", "content-type"}
+                    if k.lower() in {"authorization", "content-type", "kvl-protocol"}
                 },
                 ssl=False,
             ) as upstream,
@@ -259,7 +262,13 @@ async def test_lost_acknowledgements_never_duplicate(
 
     store = AsyncStore(settings.db_path)
     await store.open()
-    account = await store.run(store.sync.ensure_account, "a")
+    # A fleet account, as the hub's desired state gives it: its usage is synced.
+    fleet_account = protocol.AccountState(name="lan-user", service_class="S1")
+    await store.run(
+        store.sync.apply_desired_state,
+        protocol.DesiredState(node_id="-", serial=0, accounts=[fleet_account], keys=[]),
+    )
+    account = await store.run(store.sync.ensure_account, "lan-user")
     for i in range(5):
         await store.run(
             store.sync.record_usage,

@@ -165,9 +165,31 @@ async def test_an_overloaded_node_offloads_to_a_peer_with_room(
     )
     await _ready_in_fleet(hub, {"node-a", "node-b"})
     ask = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    # A fleet key (made on the hub, known to every node by its hash): what an offloaded
+    # request runs as on the node that serves it. A node's own LAN key stays on that node.
+    store = open_store(hub)
+    try:
+        fleet_key = store.create_key("lan-user").plaintext
+    finally:
+        store.close()
 
     async with aiohttp.ClientSession() as session:
+        for url in (a_url, b_url):  # until both nodes pulled the state with the key
+            for _ in range(300):
+                models = await session.get(
+                    f"{url}/v1/models", headers={"Authorization": f"Bearer {fleet_key}"}
+                )
+                if models.status == 200:
+                    break
+                await asyncio.sleep(0.1)
         holding = await _hold(session, a_url, a_key)
+        # A node's own key is not the fleet's: with A full, its local refusal stands.
+        mine = await session.post(
+            f"{a_url}/v1/completions", headers={"Authorization": f"Bearer {a_key}"}, json=ask
+        )
+        assert mine.status == 429, await mine.text()
+        assert "X-Kvl-Served-By" not in mine.headers
+        a_key = fleet_key
         # A has no room: the request is served by B, through the hub, in one answer.
         answer = await session.post(
             f"{a_url}/v1/completions", headers={"Authorization": f"Bearer {a_key}"}, json=ask
@@ -203,10 +225,11 @@ async def test_an_overloaded_node_offloads_to_a_peer_with_room(
         holding.close()
         holding_b.close()
 
-        # The hub's secret is needed to hand a node a request.
+        # An offloaded request runs as its key's account: a key B does not hold is refused,
+        # and an account named in a header is not taken.
         forged = await session.post(
             f"{b_url}/v1/offloaded/completions",
-            headers={"Authorization": f"Bearer {a_key}", "X-Kvl-Account": "x",
+            headers={"Authorization": "Bearer kvl_notakey_000", "X-Kvl-Account": "x",
                      "X-Kvl-Class": "S1"},
             json=ask,
         )  # fmt: skip
