@@ -9,6 +9,8 @@ from prometheus_client.openmetrics.exposition import (
 )
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
+from shared.supervise import Failures
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -219,6 +221,15 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.background_failures = Counter(
+            "kvl_background_failures",
+            "Exceptions a background loop survived (logged with their traceback; the loop "
+            "went on with its next round), by loop.",
+            ["loop"],
+            registry=r,
+        )
+        # The application's one record of its loops' failures, counted above.
+        self.failures = Failures(self.background_failures)
 
     def render(self, accept: str) -> tuple[bytes, str]:
         """The exposition body and its content type: OpenMetrics unless only the classic

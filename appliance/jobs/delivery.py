@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 # Deliveries in flight at once: one slow receiver does not hold up the others.
 MAX_PARALLEL = 8
+LOOP = "jobs.webhooks"  # its name among the background loops' failures
 
 
 class WebhookSender:
@@ -72,11 +73,11 @@ class WebhookSender:
     async def _loop(self) -> None:
         while True:
             self._wake.clear()
-            try:
+            # The schedule could not be read (the database, a bug): the guard logs and
+            # counts it, and the loop looks again after a pause instead of stopping.
+            timeout: float | None = self._settings.webhook_backoff_max_s
+            with self._metrics.failures.guard(LOOP):
                 timeout = await self._launch_due()
-            except Exception:
-                log.exception("webhook delivery could not read its schedule")
-                timeout = self._settings.webhook_backoff_max_s
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
@@ -101,12 +102,14 @@ class WebhookSender:
         self._wake.set()
 
     async def _deliver(self, delivery: Delivery) -> None:
-        try:
+        attempted = False
+        with self._metrics.failures.guard(LOOP):
             await self._attempt(delivery)
-        except Exception:
+            attempted = True
+        if not attempted:
             # Not the receiver's failure (the database, a bug): the row stays due, and the
             # loop tries again after a pause.
-            log.exception("webhook delivery %s could not be attempted", delivery.id)
+            log.warning("webhook delivery %s could not be attempted", delivery.id)
             await asyncio.sleep(self._settings.webhook_backoff_initial_s)
 
     async def _attempt(self, delivery: Delivery) -> None:

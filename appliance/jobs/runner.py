@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROUTE = "/v1/jobs"  # the route usage events of job items are recorded under
+LOOP = "jobs.runner"  # its name among the background loops' failures
 CHAT_URL = "/v1/chat/completions"
 TEXT_URL = "/v1/completions"
 
@@ -157,12 +158,12 @@ class JobRunner:
             if pause > 0:
                 timeout = pause
             else:
-                try:
+                # The database failed us (disk full, locked), or a bug: the guard logs and
+                # counts it, and the runner tries again after a pause instead of stopping.
+                timeout = self._settings.retry_max_s
+                with self._metrics.failures.guard(LOOP):
                     await self._launch_pending()
-                except Exception:
-                    # The database failed us (disk full, locked): log, wait, try again.
-                    log.exception("the job runner could not read pending items")
-                    timeout = self._settings.retry_max_s
+                    timeout = None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
@@ -190,12 +191,14 @@ class JobRunner:
 
     async def _run(self, running: _Running) -> None:
         item = running.item
-        try:
+        recorded = False
+        with self._metrics.failures.guard(LOOP):
             await self._run_item(running)
-        except Exception as err:
+            recorded = True
+        if not recorded:
             # The database failed us (disk full): the item stays pending and runs again.
-            log.exception("job item %s/%d could not be recorded", item.job_id, item.index)
-            self._pause(str(err))
+            log.warning("job item %s/%d could not be recorded", item.job_id, item.index)
+            self._pause(f"job item {item.job_id}/{item.index} could not be recorded")
 
     async def _run_item(self, running: _Running) -> None:
         item = running.item

@@ -481,6 +481,57 @@ async def test_a_failing_receiver_gets_retries_of_one_delivery_with_one_effect(
     assert 'kvl_webhook_deliveries_total{outcome="delivered"} 1.0' in metrics
 
 
+def metric(text: str, sample: str) -> float:
+    """The value of one sample (`name{labels}`) in a /metrics answer; 0 when absent."""
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def test_the_runner_and_the_webhook_loop_survive_their_own_exceptions(
+    client: Client,
+    api_key: str,
+    settings: ApplianceSettings,
+    receiver: Receiver,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each loop's body raises once (a bug, a database error): it is counted, and the same
+    loop still runs the job and delivers its webhook."""
+    receiver.secret = webhook_secret(settings.db_path, "tester")
+    assert client.app is not None
+    service = client.app[JOBS]
+    failed: list[str] = []
+
+    def once(name: str, real: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
+        async def flaky() -> Any:
+            if name not in failed:
+                failed.append(name)
+                raise RuntimeError(f"{name}: a bug, once")
+            return await real()
+
+        return flaky
+
+    monkeypatch.setattr(
+        service.runner, "_launch_pending", once("runner", service.runner._launch_pending)
+    )
+    monkeypatch.setattr(service.sender, "_launch_due", once("webhooks", service.sender._launch_due))
+    status, created = await create_job(
+        client, api_key, {"requests": [text_item("a")], "webhook_url": receiver.url}
+    )
+    assert status == 202, created
+    job = await wait_job(
+        client, api_key, created["id"], lambda j: j["webhook"]["status"] == "delivered"
+    )
+    assert job["progress"] == {"total": 1, "completed": 1, "failed": 0}
+    assert failed == ["runner", "webhooks"]
+    await receiver.wait(1)
+    assert [e["data"]["id"] for e in receiver.effects] == [job["id"]]
+    text = await (await client.get("/metrics")).text()
+    for loop in ("jobs.runner", "jobs.webhooks"):
+        assert metric(text, f'kvl_background_failures_total{{loop="{loop}"}}') == 1.0, loop
+
+
 async def test_a_full_queue_is_retried_not_the_items_result(
     aiohttp_client: AiohttpClient, settings: ApplianceSettings, api_key: str
 ) -> None:
