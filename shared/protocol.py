@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -55,18 +56,34 @@ Mib = Annotated[int, Field(ge=0, le=1 << 30)]  # up to a pebibyte
 Seconds = Annotated[float, Field(ge=0, le=1e10)]  # unix time, or a duration
 Millis = Annotated[float, Field(ge=0, le=1e9)]
 Percent = Annotated[float, Field(ge=0, le=100)]
-Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
-Short = Annotated[str, StringConstraints(max_length=200)]
-Text = Annotated[str, StringConstraints(max_length=2000)]
-Id = Annotated[str, StringConstraints(min_length=1, max_length=100)]
+
+
+def _text(value: str) -> str:
+    """Text a database can keep: no NUL (PostgreSQL's text refuses it) and no lone UTF-16
+    surrogate (not Unicode, so not UTF-8 either)."""
+    if "\x00" in value:
+        raise ValueError("a string holds a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError("a string holds a lone UTF-16 surrogate") from err
+    return value
+
+
+Clean = AfterValidator(_text)
+Name = Annotated[str, StringConstraints(min_length=1, max_length=200), Clean]
+Short = Annotated[str, StringConstraints(max_length=200), Clean]
+Text = Annotated[str, StringConstraints(max_length=2000), Clean]
+Id = Annotated[str, StringConstraints(min_length=1, max_length=100), Clean]
+Blob = Annotated[str, StringConstraints(max_length=20_000), Clean]  # a PEM, a CSR
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 NodeName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
 WgKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=$")]
 Labels = Annotated[
-    dict[Annotated[str, StringConstraints(max_length=63)], Short], Field(max_length=32)
+    dict[Annotated[str, StringConstraints(max_length=63), Clean], Short], Field(max_length=32)
 ]
 Versions = Annotated[
-    dict[Annotated[str, StringConstraints(max_length=40)], Short], Field(max_length=32)
+    dict[Annotated[str, StringConstraints(max_length=40), Clean], Short], Field(max_length=32)
 ]
 
 
@@ -80,13 +97,13 @@ class Message(BaseModel):
 
 
 class EnrollRequest(Message):
-    token: str = Field(min_length=1, max_length=200)
+    token: Name
     name: NodeName
     wg_public_key: WgKey
     labels: Labels = Field(default_factory=dict)
     versions: Versions = Field(default_factory=dict)
     # A signing request for the node's LAN API certificate (the key stays on the node).
-    lan_csr: str | None = Field(None, max_length=20_000)
+    lan_csr: Blob | None = None
 
 
 class HubPeer(Message):
@@ -96,17 +113,17 @@ class HubPeer(Message):
     overlay_address: Short
     endpoint: Short  # host:port of its WireGuard listener
     api_url: Short  # its API through the tunnel
-    ca_pem: str = Field(max_length=20_000)
+    ca_pem: Blob
 
 
 class EnrollAnswer(Message):
     node_id: Id
-    node_token: str = Field(max_length=200)
+    node_token: Short
     name: NodeName
     site: Short
     overlay_address: Short
     overlay_prefix: Short
-    lan_certificate: str | None = Field(None, max_length=20_000)
+    lan_certificate: Blob | None = None
     hub: HubPeer
 
 

@@ -264,10 +264,13 @@ class HubStore:
             if prefix is None or not rows or not key_matches(token, rows[0]["hash"]):
                 raise TokenRefusedError(TokenProblem.unknown, prefix)
             record = _token(rows[0])
+            state = record.state(now)
+            if state == "revoked":
+                raise TokenRefusedError(TokenProblem.revoked, prefix)
+            # A retry may find its token used up (by itself) or just expired.
             again = self._enrolled_again(record, wg_public_key, name, now)
             if again is not None:
                 return again
-            state = record.state(now)
             if state != "active":
                 raise TokenRefusedError(TokenProblem(state), prefix)
             # Spent only while a use is left, checked by the UPDATE itself: of two replicas

@@ -252,6 +252,7 @@ async def test_a_simulated_fleet_spread_over_two_replicas_lands_once(
 
     store = open_store(hub)
     token = store.create_token("simulated", uses=30, expires_in_s=600).plaintext
+    store.set_account("simulated", "S1")  # the account its usage events are for
     store.close()
     fingerprint = certificates(hub)[1].fingerprint
     async with Simulator(replicas.urls, fingerprint, connections=8) as sim:

@@ -1,0 +1,387 @@
+"""A node can break only itself: a real hub (SQLite and PostgreSQL) under every malformed,
+extreme, non-finite, negative, duplicated, oversized and foreign message a hostile node
+can send, each refused with a 4xx in the error shape, while in the same run an honest
+node's heartbeats keep landing, its syncs are accepted, a revocation made by another
+process still reaches the running hub, placement keeps converging, and the accounts'
+budgets stay exact."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from hub.app import create_app
+from hub.planning.quota import Budget
+from hub.state.store import DeploymentRecord, HubStore, ModelArtifact, open_store
+from shared import protocol
+from shared.errors import ErrorCode
+from tests.hub.test_hub import PREFIX, new_key, settings_for
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from aiohttp.test_utils import TestClient
+    from pytest_aiohttp import AiohttpClient
+
+    from hub.settings import HubSettings
+    from tests.hub.conftest import HubDatabase
+
+DEEP = "[" * 5000 + "]" * 5000
+
+
+def _enroll(store: HubStore, name: str) -> tuple[str, str]:
+    token = store.create_token("site", uses=1, expires_in_s=60).plaintext
+    enrolled = store.enroll(
+        token, name=name, wg_public_key=new_key(), overlay_prefix=PREFIX, labels={}, versions={}
+    )
+    return enrolled.node.id, enrolled.node_token
+
+
+def _usage(event_id: str, **body: Any) -> dict[str, Any]:
+    return {"id": event_id, "kind": "usage", "body": {"account": "acme", **body}}
+
+
+def _capacity(**fields: Any) -> dict[str, Any]:
+    return {"memory_total_mib": 16_000, "memory_available_mib": 8_000, **fields}
+
+
+def _hostile_calls(honest_lease: str) -> list[tuple[str, str, str | bytes]]:
+    """(method, path, body) of every hostile call; bodies as raw text where Python's json
+    would not write them (NaN, Infinity, huge numbers)."""
+    beat = "/v1/node/heartbeat"
+    sync = "/v1/node/events"
+    lease = "/v1/node/leases"
+    calls: list[tuple[str, str, str | bytes]] = [
+        # Non-finite, extreme and negative capacity.
+        ("POST", beat, '{"capacity": {"cpu_percent": Infinity}}'),
+        ("POST", beat, '{"capacity": {"cpu_percent": NaN}}'),
+        ("POST", beat, '{"capacity": {"memory_total_mib": 1e300}}'),
+        ("POST", beat, '{"capacity": {"model_memory_mib": NaN}}'),
+        ("POST", beat, json.dumps({"capacity": {"gpus": 5}})),
+        ("POST", beat, json.dumps({"capacity": {"gpus": [{"name": "g", "memory_total_mib": -1}]}})),
+        ("POST", beat, json.dumps({"capacity": {"queue_waiting": -100}})),
+        ("POST", beat, json.dumps({"capacity": {"cpu_percent": -5}})),
+        ("POST", beat, json.dumps({"capacity": _capacity(memory_available_mib=99_000)})),
+        ("POST", beat, json.dumps({"capacity": {"models": [f"m{i}@1" for i in range(500)]}})),
+        ("POST", beat, json.dumps({"capacity": {"models": ["a@1", "a@1"]}})),
+        ("POST", beat, json.dumps({"capacity": {"api": {"port": 0}}})),
+        ("POST", beat, json.dumps({"capacity": {"placement_errors": {"m": "x" * 10_000}}})),
+        ("POST", beat, json.dumps({"capacity": {"surprise": 1}})),
+        ("POST", beat, json.dumps({"versions": {f"k{i}": "v" for i in range(100)}})),
+        ("POST", beat, '{"capacity": ' + DEEP + "}"),
+        ("POST", beat, "[1, 2"),
+        ("POST", beat, b"\xff\xfe not text"),
+        # Usage: overflowing, negative, non-finite, another account's, another node's lease.
+        ("POST", sync, '{"events": [' + json.dumps(_usage("h1"))[:-2] + ', "tokens_in": 1e300}}]}'),
+        ("POST", sync, json.dumps({"events": [_usage("h2", tokens_in=-1_000_000)]})),
+        ("POST", sync, '{"events": [' + json.dumps(_usage("h3"))[:-2] + ', "ttft_ms": NaN}}]}'),
+        ("POST", sync, json.dumps({"events": [_usage("h5", account="nobody", tokens_in=5)]})),
+        ("POST", sync, json.dumps({"events": [_usage("h6", tokens_in=5, lease_id=honest_lease)]})),
+        ("POST", sync, json.dumps({"events": [_usage("h7"), _usage("h7")]})),
+        ("POST", sync, json.dumps({"events": [_usage(f"n{i}") for i in range(5001)]})),
+        ("POST", sync, json.dumps({"events": [{"id": "h8", "kind": "surprise", "body": {}}]})),
+        ("POST", sync, json.dumps({"events": [{"id": "h9", "kind": "usage", "body": []}]})),
+        (
+            "POST",
+            sync,
+            json.dumps(
+                {"events": [{"id": "x" * 1000, "kind": "usage", "body": {"account": "acme"}}]}
+            ),
+        ),
+        (
+            "POST",
+            sync,
+            '{"events": [{"id": "h10", "kind": "package", "body": {"lineage": ' + DEEP + "}}]}",
+        ),
+        # Leases: repeated, foreign, another node's, negative, overflowing.
+        ("POST", lease, json.dumps({"accounts": ["acme"] * 10_000})),
+        ("POST", lease, json.dumps({"accounts": ["nobody"]})),
+        ("POST", lease, json.dumps({"finals": {honest_lease: 0}})),
+        ("POST", lease, json.dumps({"finals": {"mine": -5}})),
+        ("POST", lease, '{"finals": {"mine": 1e300}}'),
+        ("POST", lease, json.dumps({"accounts": [f"a{i}" for i in range(10_001)]})),
+        # Desired state, offload and artifacts with nonsense.
+        ("GET", "/v1/node/state?after=1e300", ""),
+        ("GET", "/v1/node/state?after=" + "9" * 400, ""),
+        ("GET", "/v1/node/state?after=abc", ""),
+        ("POST", "/v1/node/offload/chat/completions", json.dumps({"model": "m"})),
+        ("POST", "/v1/node/offload/completions", DEEP),
+        ("POST", "/v1/node/offload/embeddings", "{}"),
+        ("GET", "/v1/node/artifacts/" + "0" * 64, ""),
+    ]
+    return calls
+
+
+async def _call(
+    client: TestClient,
+    method: str,
+    path: str,
+    token: str,
+    body: str | bytes = "",
+    *,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
+    response = await client.request(
+        method,
+        path,
+        data=body or None,
+        headers={
+            "Authorization": f"Bearer {token}",
+            "Content-Type": "application/json",
+            **protocol.HEADERS,
+            **(headers or {}),
+        },
+    )
+    raw = await response.read()
+    return response.status, json.loads(raw) if raw else None
+
+
+def _assert_refused(status: int, body: Any, what: str) -> None:
+    assert 400 <= status < 500, f"{what}: {status} {body}"
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, what
+    assert ErrorCode(error["code"]).status == status, what
+
+
+async def _until(condition: Any, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not in time: {what}")
+        await asyncio.sleep(0.05)
+
+
+def _fleet(tmp_path: Path, hub_database: HubDatabase) -> tuple[HubSettings, dict[str, Any]]:
+    settings = settings_for(tmp_path, hub_database)
+    settings = settings.model_copy(
+        update={"fleet": settings.fleet.model_copy(update={"placement_every_s": 0.2})}
+    )
+    store = open_store(settings)
+    try:
+        store.set_account("acme", "S1", budget=Budget(100_000, 86_400.0))
+        store.set_account("globex", "S1", budget=Budget(100_000, 86_400.0))
+        honest, honest_token = _enroll(store, "honest")
+        hostile, hostile_token = _enroll(store, "hostile")
+        store.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
+    finally:
+        store.close()
+    return settings, {
+        "honest": honest,
+        "honest_token": honest_token,
+        "hostile": hostile,
+        "hostile_token": hostile_token,
+    }
+
+
+async def test_a_hostile_node_is_refused_everything_and_the_fleet_goes_on(
+    aiohttp_client: AiohttpClient, tmp_path: Path, hub_database: HubDatabase
+) -> None:
+    settings, ids = _fleet(tmp_path, hub_database)
+    client = await aiohttp_client(create_app(settings))
+    honest, hostile = ids["honest_token"], ids["hostile_token"]
+
+    # The honest node: a heartbeat, a lease for acme, usage under it.
+    status, _ = await _call(client, "POST", "/v1/node/heartbeat", honest,
+                            json.dumps({"capacity": _capacity()}))  # fmt: skip
+    assert status == 200
+    status, answer = await _call(client, "POST", "/v1/node/leases", honest,
+                                 json.dumps({"accounts": ["acme"]}))  # fmt: skip
+    assert status == 200, answer
+    [lease] = answer["leases"]
+    granted = lease["granted"]
+    assert granted > 0
+    usage = [_usage("ok-1", tokens_in=100, tokens_out=20, lease_id=lease["lease_id"])]
+    status, answer = await _call(client, "POST", "/v1/node/events", honest,
+                                 json.dumps({"events": usage}))  # fmt: skip
+    assert (status, answer["new"]) == (200, 1)
+
+    def quotas() -> tuple[Any, Any]:
+        store = open_store(settings)
+        try:
+            now = time.time()
+            return store.quota("acme", now), store.quota("globex", now)
+        finally:
+            store.close()
+
+    before = quotas()
+
+    # The hostile node: every call refused, in the error shape.
+    for method, path, body in _hostile_calls(lease["lease_id"]):
+        status, answer = await _call(client, method, path, hostile, body)
+        _assert_refused(status, answer, f"{method} {path} {str(body)[:80]!r}")
+
+    # Offload: no client key, a forged key, an account in a header: refused at the hub.
+    ask = json.dumps({"model": "m@1", "prompt": "hi"})
+    for headers in ({}, {protocol.CLIENT_KEY_HEADER: "kvl_forged_000000"},
+                    {"X-Kvl-Account": "globex", "X-Kvl-Class": "S0"}):  # fmt: skip
+        status, answer = await _call(
+            client, "POST", "/v1/node/offload/completions", hostile, ask, headers=headers
+        )
+        _assert_refused(status, answer, f"offload {headers}")
+        assert answer["error"]["code"] in {"missing_api_key", "invalid_api_key"}
+
+    # Versions outside the window: a clear error, naming the side to upgrade.
+    for version, fix in (("1", "upgrade the node"), ("3", "upgrade the hub"), ("x", "node")):
+        status, answer = await _call(client, "POST", "/v1/node/heartbeat", hostile, "{}",
+                                     headers={protocol.PROTOCOL_HEADER: version})  # fmt: skip
+        _assert_refused(status, answer, f"protocol {version}")
+        assert answer["error"]["code"] == "protocol_unsupported"
+        assert fix in answer["error"]["message"]
+
+    # Nothing changed: the budgets are exactly as before (no usage, no final, no lease).
+    after = quotas()
+    assert after == before
+    assert after[0].consumed == 120
+    assert after[0].leased == {ids["honest"]: granted - 120}
+    assert after[1].consumed == 0
+    assert after[1].leased == {}
+    store = open_store(settings)
+    try:
+        assert store.ledger_count(ids["hostile"]) == 0
+        hostile_node = store.node(ids["hostile"])
+        assert hostile_node.capacity == protocol.Capacity()  # no heartbeat of it landed
+    finally:
+        store.close()
+
+    # The honest node goes on: its heartbeat lands (the flusher still runs), its sync is
+    # accepted, placement converges on it.
+    status, _ = await _call(client, "POST", "/v1/node/heartbeat", honest,
+                            json.dumps({"capacity": _capacity(cpu_percent=42.0)}))  # fmt: skip
+    assert status == 200
+
+    async def landed() -> bool:
+        store = open_store(settings)
+        try:
+            return store.node(ids["honest"]).capacity.cpu_percent == 42.0
+        finally:
+            store.close()
+
+    await _until(landed, "the honest heartbeat written")
+    status, answer = await _call(client, "POST", "/v1/node/events", honest,
+                                 json.dumps({"events": [_usage("ok-2", tokens_in=1)]}))  # fmt: skip
+    assert (status, answer["new"]) == (200, 1)
+
+    store = open_store(settings)
+    try:
+        store.deploy(DeploymentRecord("d1", "m@1", 1, "S1", "I1", {}))
+    finally:
+        store.close()
+
+    async def placed() -> bool:
+        store = open_store(settings)
+        try:
+            return (ids["honest"]) in {node for _, node, _ in store.placements()}
+        finally:
+            store.close()
+
+    await _until(placed, "the deployment placed on the honest node")
+
+    # A revocation made by another process reaches the running hub within its bound.
+    store = open_store(settings)
+    try:
+        store.revoke_node(ids["hostile"])
+    finally:
+        store.close()
+
+    async def revoked() -> bool:
+        status, answer = await _call(client, "POST", "/v1/node/heartbeat", hostile, "{}")
+        return status == 403 and answer["error"]["code"] == "node_revoked"
+
+    await _until(revoked, "the revocation seen", timeout_s=3 * 1.0 + 2)
+
+
+async def test_a_node_cannot_read_as_another_or_steal_its_key(
+    aiohttp_client: AiohttpClient, tmp_path: Path, hub_database: HubDatabase
+) -> None:
+    """Enrollment: a retry of the same enrollment (answer lost) gets the same node and a
+    new token; the same key with another token is a 409, not a 500."""
+    settings = settings_for(tmp_path, hub_database)
+    store = open_store(settings)
+    try:
+        token = store.create_token("site", uses=1, expires_in_s=60).plaintext
+        other = store.create_token("site", uses=1, expires_in_s=60).plaintext
+    finally:
+        store.close()
+    client = await aiohttp_client(create_app(settings))
+    key = new_key()
+    body = {"token": token, "name": "n1", "wg_public_key": key}
+
+    async def enroll(payload: dict[str, Any]) -> tuple[int, Any]:
+        response = await client.post("/v1/enroll", json=payload, headers=protocol.HEADERS)
+        return response.status, await response.json()
+
+    status, first = await enroll(body)
+    assert status == 201, first
+    status, again = await enroll(body)  # the first answer was lost: the same call again
+    assert status == 201, again
+    assert again["node_id"] == first["node_id"]
+    assert again["overlay_address"] == first["overlay_address"]
+    assert again["node_token"] != first["node_token"]
+    # The lost token is good no more; the new one is.
+    beat = {"Authorization": f"Bearer {first['node_token']}", **protocol.HEADERS}
+    assert (await client.post("/v1/node/heartbeat", json={}, headers=beat)).status == 401
+    beat = {"Authorization": f"Bearer {again['node_token']}", **protocol.HEADERS}
+    assert (await client.post("/v1/node/heartbeat", json={}, headers=beat)).status == 200
+
+    status, refused = await enroll({**body, "token": other})
+    _assert_refused(status, refused, "the same key, another token")
+    assert refused["error"]["code"] == "already_enrolled"
+    status, refused = await enroll({**body, "name": "n2"})
+    assert refused["error"]["code"] == "already_enrolled"
+    store = open_store(settings)
+    try:
+        assert len(store.nodes()) == 1
+        assert store.tokens()[0].uses_left + store.tokens()[1].uses_left == 1  # one spent
+    finally:
+        store.close()
+
+
+async def test_nesting_and_surprises_are_refused_in_the_error_shape(
+    aiohttp_client: AiohttpClient, tmp_path: Path
+) -> None:
+    settings = settings_for(tmp_path, {})
+    store = open_store(settings)
+    try:
+        _, node = _enroll(store, "n")
+        operator = store.create_operator("ops").plaintext
+    finally:
+        store.close()
+    client = await aiohttp_client(create_app(settings))
+    calls = [
+        ("/v1/enroll", {}),
+        ("/v1/node/heartbeat", {"Authorization": f"Bearer {node}"}),
+        ("/v1/admin/tokens", {"Authorization": f"Bearer {operator}"}),
+    ]
+    for path, auth in calls:
+        for body in (DEEP, "{" * 3000, '{"a": ' * 3000, '{"a": NaN}'):
+            response = await client.post(path, data=body, headers={**auth, **protocol.HEADERS})
+            answer = await response.json()
+            _assert_refused(response.status, answer, f"{path} {body[:20]}")
+
+
+async def test_an_unexpected_error_is_a_500_in_the_error_shape_with_a_request_id(
+    aiohttp_client: AiohttpClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = settings_for(tmp_path, {})
+    store = open_store(settings)
+    try:
+        _, token = _enroll(store, "n")
+    finally:
+        store.close()
+    client = await aiohttp_client(create_app(settings))
+
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(HubStore, "desired_serial", broken)
+    response = await client.get(
+        "/v1/node/state?after=1", headers={"Authorization": f"Bearer {token}", **protocol.HEADERS}
+    )
+    assert response.status == 500
+    error = (await response.json())["error"]
+    assert error["code"] == "internal_error"
+    assert response.headers["X-Kvl-Request-Id"] in error["message"]
