@@ -9,7 +9,9 @@ id made from the item, so it is charged once however often it ran.
 Refusals for now are not results: a 429 (a full queue, an overload, a quota) or a 503 (the
 model loading, restarting, out of memory, the outbox full). The item stays pending and the
 runner pauses, with exponential backoff, before it starts anything again: S0 work yields to
-the traffic that caused them. A 429 is retried for as long as it lasts, and so is a full
+the traffic that caused them. A quota is one account's, not the node's: its refusal pauses
+that account's jobs alone (with a backoff of its own), and other accounts' jobs run
+meanwhile. A 429 is retried for as long as it lasts, and so is a full
 outbox (the hub will come back; the job must not fail for it); after
 `jobs.item_max_attempts` other 503s, the error becomes the item's result (a model that
 never comes back).
@@ -21,7 +23,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-from dataclasses import dataclass, replace
+from collections.abc import Collection
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from appliance.gateway.completions import (
@@ -45,7 +48,7 @@ from shared.classes import ServiceClass
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable, Callable, Iterator
 
     from appliance.serving.engine import Finished
     from appliance.settings import JobSettings
@@ -87,6 +90,37 @@ class _Running:
     cancelled: bool = False
 
 
+@dataclass
+class _AccountPause:
+    """An account over a quota: none of its items starts before `until` (loop time)."""
+
+    until: float = 0.0
+    refusals: int = 0  # quota refusals since its last result: its backoff's exponent
+    jobs: set[str] = field(default_factory=set)  # its jobs seen while paused: passed over
+
+
+class _PassOver(Collection[tuple[str, int]]):
+    """The items `JobStore.pending_items` is to pass over: those running, and every item of
+    the jobs of accounts waiting out a quota, however many. Its size is that of the running
+    ones, which is what `pending_items` reads beyond its limit per job; a job passed over
+    has all its rows passed, whatever their number, and the next job's are read."""
+
+    def __init__(self, running: set[tuple[str, int]], jobs: set[str]) -> None:
+        self._running = running
+        self._jobs = jobs
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, tuple) or len(key) != 2:
+            return False
+        return key in self._running or key[0] in self._jobs
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        return iter(self._running)
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+
 class JobRunner:
     def __init__(
         self,
@@ -110,6 +144,7 @@ class JobRunner:
         self._wake = asyncio.Event()
         self._paused_until = 0.0  # loop time; no item starts before it
         self._failures = 0  # transient failures in a row: the backoff's exponent
+        self._accounts: dict[str, _AccountPause] = {}  # by name: accounts over a quota
         self._task: asyncio.Task[None] | None = None
         # Items of other routes (a package job's `/v1/packages`): url -> what runs one, given
         # the job's key and the item's body, answering (status, body).
@@ -162,27 +197,58 @@ class JobRunner:
                 # counts it, and the runner tries again after a pause instead of stopping.
                 timeout = self._settings.retry_max_s
                 with self._metrics.failures.guard(LOOP):
-                    await self._launch_pending()
-                    timeout = None
+                    timeout = await self._launch_pending()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
-    async def _launch_pending(self) -> None:
+    async def _launch_pending(self) -> float | None:
+        """Start the items that may run now; seconds until an account's pause ends that
+        holds back items (None: nothing to wait for but a wake)."""
+        now = asyncio.get_running_loop().time()
+        waiting = self._waiting_accounts(now)
         free = self._settings.max_concurrent_items - len(self._running)
-        if free <= 0:
-            return
         self._cancelled.clear()
-        items = await self._store.run(self._jobs.pending_items, free, set(self._running))
-        for item in items:
-            if item.job_id in self._cancelled:
-                continue  # read just before its job's cancel was committed
-            running = _Running(item)
-            self._running[item.key] = running
-            running.task = asyncio.create_task(
-                self._run(running), name=f"kvl-job-{item.job_id}-{item.index}"
-            )
-            running.task.add_done_callback(functools.partial(self._forget, item.key))
+        while free > 0:
+            passed = {job for name in waiting for job in self._accounts[name].jobs}
+            skip = _PassOver(set(self._running), passed)
+            items = await self._store.run(self._jobs.pending_items, free, skip)
+            seen_more = False
+            for item in items:
+                if item.account in waiting:
+                    # A job of a paused account read for the first time: passed over from
+                    # now on, and the places it took are read again.
+                    seen_more |= item.job_id not in passed
+                    self._accounts[item.account].jobs.add(item.job_id)
+                    continue
+                if item.job_id in self._cancelled:
+                    continue  # read just before its job's cancel was committed
+                self._launch(item)
+                free -= 1
+            if not seen_more:
+                break
         self._metrics.job_items_running.set(len(self._running))
+        holding = [self._accounts[n].until - now for n in waiting if self._accounts[n].jobs]
+        return max(0.0, min(holding)) if holding else None
+
+    def _launch(self, item: PendingItem) -> None:
+        running = _Running(item)
+        self._running[item.key] = running
+        running.task = asyncio.create_task(
+            self._run(running), name=f"kvl-job-{item.job_id}-{item.index}"
+        )
+        running.task.add_done_callback(functools.partial(self._forget, item.key))
+
+    def _waiting_accounts(self, now: float) -> set[str]:
+        """Accounts whose pause still runs; those whose pause is over are read again."""
+        waiting: set[str] = set()
+        for name, pause in list(self._accounts.items()):
+            if pause.until > now:
+                waiting.add(name)
+            elif pause.refusals == 0:
+                del self._accounts[name]  # over, and a result since: forgotten
+            else:
+                pause.jobs.clear()  # over: its jobs are read again (its backoff stays)
+        return waiting
 
     def _forget(self, key: tuple[str, int], _task: asyncio.Task[None]) -> None:
         self._running.pop(key, None)
@@ -221,7 +287,10 @@ class JobRunner:
             waits = error.status == RETRY_LATER or error.code is ErrorCode.outbox_full
             if waits or attempts < self._settings.item_max_attempts:
                 self._metrics.job_items.labels("retried").inc()
-                self._pause(error.message, error.retry_after)
+                if error.code is ErrorCode.quota_exceeded:
+                    self._pause_account(item, error)  # the account's limit, not the node's
+                else:
+                    self._pause(error.message, error.retry_after)
                 return
             log.warning(
                 "job item %s/%d gives up after %d tries: %s",
@@ -232,6 +301,8 @@ class JobRunner:
             )
             outcome = _Result(error.status, error.body())
         self._failures = 0
+        if (pause := self._accounts.get(item.account)) is not None:
+            pause.refusals = 0  # within its quota again: its next refusal starts afresh
         ended = await self._store.run(
             self._jobs.finish_item, item.job_id, item.index, outcome.status_code, outcome.body
         )
@@ -308,6 +379,18 @@ class JobRunner:
             return await self._completions.prepare_chat(chat, key, ROUTE)
         text = parse_body(CompletionRequest, item.body, UNSUPPORTED_COMPLETION)
         return await self._completions.prepare_text(text, key, ROUTE)
+
+    def _pause_account(self, item: PendingItem, error: ApiError) -> None:
+        """Start none of the account's items for a while; other accounts' still run."""
+        pause = self._accounts.setdefault(item.account, _AccountPause())
+        pause.refusals += 1
+        s = self._settings
+        wait = backoff_s(pause.refusals, s.retry_initial_s, s.retry_max_s)
+        if error.retry_after is not None:
+            wait = max(wait, min(error.retry_after, s.retry_max_s))
+        pause.until = max(pause.until, asyncio.get_running_loop().time() + wait)
+        pause.jobs.add(item.job_id)
+        log.info("jobs of account %s wait %.1f s: %s", item.account, wait, error.message)
 
     def _pause(self, reason: str, retry_after: float | None = None) -> None:
         """Start nothing for a while: the next step of the backoff, or the server's hint."""

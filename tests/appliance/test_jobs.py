@@ -532,6 +532,45 @@ async def test_the_runner_and_the_webhook_loop_survive_their_own_exceptions(
         assert metric(text, f'kvl_background_failures_total{{loop="{loop}"}}') == 1.0, loop
 
 
+async def test_an_account_over_its_quota_does_not_hold_up_another_accounts_jobs(
+    aiohttp_client: AiohttpClient, settings: ApplianceSettings, api_key: str
+) -> None:
+    """One request a minute per account: the first account's job is refused (429
+    quota_exceeded) from its second item on, for a minute. Its items wait; the other
+    account's job, created after it, runs meanwhile."""
+    strict = make_settings(
+        settings.data_dir, jobs=FAST_JOBS, classes={"s1": {"requests_per_minute": 1}}
+    )
+    store = Store(strict.db_path)
+    other = store.create_key("other").plaintext
+    store.close()
+    app = create_app(strict)
+    client: Client = await aiohttp_client(app)
+    await app[HOST].wait_loaded()
+    # More items than run at once, so that a runner stuck on this job has no free place.
+    items = [text_item(str(i)) for i in range(2 * strict.jobs.max_concurrent_items + 1)]
+    status, first = await create_job(client, api_key, {"requests": items})
+    assert status == 202, first
+
+    async def refused() -> bool:
+        text = await (await client.get("/metrics")).text()
+        return metric(text, 'kvl_quota_refusals_total{class="S1",quota="requests_per_minute"}') > 0
+
+    await until(refused, 60)
+    status, second = await create_job(client, other, {"requests": [text_item("b")]})
+    assert status == 202, second
+    job = await wait_for(lambda: get_job(client, other, second["id"]), timeout_s=30)
+    assert job["status"] == "completed", job
+    assert job["progress"] == {"total": 1, "completed": 1, "failed": 0}
+    # The first job waits its quota out: one item done (its one request of the minute), no
+    # item failed for it.
+    waiting = await get_job(client, api_key, first["id"])
+    assert waiting["status"] == "running", waiting
+    assert waiting["progress"] == {"total": len(items), "completed": 1, "failed": 0}
+    cancelled = await client.delete(f"/v1/jobs/{first['id']}", headers=auth(api_key))
+    assert cancelled.status == 200
+
+
 async def test_a_full_queue_is_retried_not_the_items_result(
     aiohttp_client: AiohttpClient, settings: ApplianceSettings, api_key: str
 ) -> None:
