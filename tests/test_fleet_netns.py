@@ -105,6 +105,7 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
     fingerprint = certificates(hub)[1].fingerprint  # the hub process loads these same files
     hub_store = open_store(hub)
     token = hub_store.create_token("school", uses=1, expires_in_s=600).plaintext
+    hub_store.set_account("lan", "S1")  # the LAN key's account is the fleet's: usage syncs
     hub_store.close()
     provisioning = tmp_path / "kovenlab.json"
     provisioning.write_text(

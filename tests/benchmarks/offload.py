@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,10 @@ def start_node(
 ) -> tuple[subprocess.Popen[bytes], str, str]:
     store = open_store(hub)
     token = store.create_token("bench", uses=1, expires_in_s=600).plaintext
+    # A fleet key: offloaded requests run as their client's key on the node that serves
+    # them, which knows only the fleet's keys (from its desired state).
+    store.set_account("bench", "S1")
+    key = store.create_key("bench").plaintext
     store.close()
     provisioning = work / f"{name}.json"
     provisioning.write_text(json.dumps({
@@ -72,10 +77,6 @@ def start_node(
     }))  # fmt: skip
     data = work / name
     env = node_env(provisioning)
-    key = subprocess.run(
-        kvl("appliance", "keys", "create", "--account", "bench", "--data-dir", str(data)),
-        check=True, capture_output=True, text=True, env=env,
-    ).stdout.strip()  # fmt: skip
     port = free_port()
     with (work / f"{name}.log").open("wb") as log:
         process = subprocess.Popen(
@@ -85,14 +86,27 @@ def start_node(
     return process, f"http://{HOST}:{port}", key
 
 
-def in_fleet(hub: HubSettings, names: set[str]) -> bool:
+def in_fleet(hub: HubSettings, nodes: dict[str, tuple[str, str]]) -> bool:
+    """Every node heard from, serving, and holding its key (from its desired state)."""
     store = open_store(hub)
     try:
         ready = {n.name for n in store.nodes()
                  if n.capacity.models and n.api_url and n.capacity.offload}  # fmt: skip
     finally:
         store.close()
-    return names <= ready
+    if not nodes.keys() <= ready:
+        return False
+    for url, key in nodes.values():
+        request = urllib.request.Request(
+            f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                if response.status != 200:
+                    return False
+        except OSError:
+            return False
+    return True
 
 
 async def hold(session: aiohttp.ClientSession, base: str, key: str, stop: asyncio.Event) -> None:
@@ -179,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             b_proc, b_url, b_key = start_node(work, hub, url, "node-b")
             processes += [a_proc, b_proc]
             deadline = time.monotonic() + 600
-            while not in_fleet(hub, {"node-a", "node-b"}):
+            while not in_fleet(hub, {"node-a": (a_url, a_key), "node-b": (b_url, b_key)}):
                 if time.monotonic() > deadline or any(p.poll() is not None for p in processes):
                     raise RuntimeError(f"the nodes did not report in; logs in {work}")
                 time.sleep(0.5)

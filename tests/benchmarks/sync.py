@@ -42,6 +42,8 @@ TARGET_EVENTS_S = 10_000
 
 def fill(store: Store, events: int) -> None:
     account = store.ensure_account("bench")
+    # A fleet account (as the hub's desired state marks it), so the link sends its usage.
+    store.db.execute("UPDATE accounts SET fleet = 1 WHERE id = ?", [account.id])
     rows = [
         (
             uuid.uuid4().hex,
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         store = open_store(hub)
         token = store.create_token("bench", uses=1, expires_in_s=600).plaintext
+        store.set_account("bench", "S1")  # the account the events are for
         store.close()
         config = work / "hub.yaml"
         config.write_text("overlay:\n  interface: null\nserver:\n  require_overlay_source: false\n")
