@@ -32,7 +32,7 @@ from shared.provisioning import Provisioning
 from shared.wireguard import Endpoint, InterfaceConfig, Peer, Tunnel, WireGuardError
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable, Callable, Coroutine
     from pathlib import Path
 
     from appliance.fleet.leases import LeaseBook
@@ -96,7 +96,9 @@ class FleetLink:
         self._api = api or {}
         # Models the hub places here are fetched into `models_dir` (None: placement off).
         self._converger = (
-            Converger(store, registry, models_dir, packages) if models_dir is not None else None
+            Converger(store, registry, models_dir, packages, failures=metrics.failures)
+            if models_dir is not None
+            else None
         )
         self._leases = leases
         self._lease_call: asyncio.Task[None] | None = None
@@ -121,9 +123,12 @@ class FleetLink:
         return self.identity.hub.api_url if self._settings.tunnel else self.identity.hub_url
 
     def start(self) -> None:
+        """The link's three loops on the scheduler, each round under the appliance's
+        loop guard (a failure is logged, counted in kvl_background_failures_total, and the
+        next round comes as scheduled)."""
         s = self._settings
         self._scheduler.add_job(
-            self.tick,
+            self._guarded("fleet.heartbeat", self.tick),
             "interval",
             seconds=s.heartbeat_s,
             jitter=s.heartbeat_s / 5,
@@ -132,7 +137,7 @@ class FleetLink:
             next_run_time=_now_dt(),
         )
         self._scheduler.add_job(
-            self.sync,
+            self._guarded("fleet.sync", self.sync),
             "interval",
             seconds=s.sync_interval_s,
             jitter=s.sync_interval_s / 2,
@@ -141,13 +146,22 @@ class FleetLink:
         )
         if self._leases is not None:
             self._scheduler.add_job(
-                self.renew_leases,
+                self._guarded("fleet.leases", self.renew_leases),
                 "interval",
                 seconds=s.lease_check_s,
                 max_instances=1,
                 coalesce=True,
             )
         self._scheduler.start()
+
+    def _guarded(
+        self, loop: str, body: Callable[[], Awaitable[object]]
+    ) -> Callable[[], Coroutine[Any, Any, None]]:
+        async def round_() -> None:
+            with self._metrics.failures.guard(loop):
+                await body()
+
+        return round_
 
     async def restore_leases(self) -> None:
         """The leases kept before a restart, with what was spent under them since."""
@@ -161,7 +175,9 @@ class FleetLink:
     def _lease_now(self) -> None:
         """A lease ran out or is due: ask the hub now, not at the next check."""
         if self._lease_call is None or self._lease_call.done():
-            self._lease_call = asyncio.get_running_loop().create_task(self.renew_leases())
+            self._lease_call = asyncio.get_running_loop().create_task(
+                self._guarded("fleet.leases", self.renew_leases)()
+            )
 
     async def renew_leases(self) -> None:
         book = self._leases

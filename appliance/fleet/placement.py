@@ -29,6 +29,7 @@ from appliance.serving.registry import (
     UnknownModelError,
 )
 from appliance.state.store import ModelRecord, now_iso
+from shared.supervise import Failures
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -64,8 +65,11 @@ class Converger:
         registry: ModelRegistry,
         models_dir: Path,
         packages: PackageService | None = None,
+        *,
+        failures: Failures | None = None,
     ) -> None:
         self._packages = packages
+        self._failures = failures or Failures()
         self._store = store
         self._registry = registry
         self._models_dir = models_dir
@@ -75,7 +79,11 @@ class Converger:
     def kick(self, client: HubClient) -> None:
         """Converge in the background (downloads take a while); one run at a time."""
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self.converge(client))
+            self._task = asyncio.get_running_loop().create_task(self._guarded(client))
+
+    async def _guarded(self, client: HubClient) -> None:
+        with self._failures.guard("fleet.placement"):
+            await self.converge(client)
 
     async def close(self) -> None:
         if self._task is not None:

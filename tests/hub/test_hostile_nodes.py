@@ -117,7 +117,7 @@ def _hostile_calls(honest_lease: str) -> list[tuple[str, str, str | bytes]]:
 
 
 async def _call(
-    client: TestClient,
+    client: TestClient[Any, Any],
     method: str,
     path: str,
     token: str,

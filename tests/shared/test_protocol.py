@@ -1,0 +1,84 @@
+"""The appliance↔hub wire: its JSON Schema is kept in protocol_schema.json beside this
+file, so every change to a message shows in review as a change to that file. After a
+deliberate change, write it again with `KVL_WRITE_PROTOCOL_SCHEMA=1 pytest THIS_FILE`
+(and move PROTOCOL_VERSION when an older peer could not read the new message)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from shared import protocol
+
+SNAPSHOT = Path(__file__).with_name("protocol_schema.json")
+
+
+def test_the_wire_schema_is_the_reviewed_one() -> None:
+    current = json.dumps(protocol.json_schema(), indent=1, sort_keys=True) + "\n"
+    if os.environ.get("KVL_WRITE_PROTOCOL_SCHEMA") == "1":
+        SNAPSHOT.write_text(current)
+    assert SNAPSHOT.read_text() == current, (
+        "the protocol changed: review the change, then write the snapshot again "
+        "(KVL_WRITE_PROTOCOL_SCHEMA=1)"
+    )
+
+
+def test_versions_outside_the_window_are_named() -> None:
+    assert protocol.supported(protocol.PROTOCOL_VERSION)
+    assert protocol.supported(protocol.OLDEST_NODE_PROTOCOL)
+    for header in (None, "", "1", "x", "2.0", "-2", "9" * 40, str(protocol.PROTOCOL_VERSION + 1)):
+        assert not protocol.supported(protocol.node_protocol(header)), header
+
+
+@pytest.mark.parametrize(
+    "capacity",
+    [
+        {"cpu_percent": float("inf")},
+        {"cpu_percent": float("nan")},
+        {"cpu_percent": 101},
+        {"queue_waiting": -1},
+        {"memory_total_mib": 10**300},
+        {"memory_total_mib": 100, "memory_available_mib": 101},
+        {"gpus": [{"name": "g", "memory_total_mib": 10, "memory_free_mib": 11}]},
+        {"models": ["a@1"] * 2},
+        {"models": [f"m{i}@1" for i in range(65)]},
+        {"placement_errors": {"m": "\x00"}},
+        {"extra": True},
+    ],
+)
+def test_a_capacity_cannot_say_the_impossible(capacity: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        protocol.Capacity.model_validate(capacity)
+
+
+def test_what_an_honest_node_sends_round_trips() -> None:
+    beat = protocol.HeartbeatRequest(
+        versions={"kvl": "0.1.0"},
+        capacity=protocol.Capacity(
+            cpu_percent=12.5,
+            cpu_count=8,
+            memory_total_mib=32_000,
+            memory_available_mib=16_000,
+            models=["gemma-3-270m@1.0.0"],
+            gpus=[protocol.Gpu(name="CUDA0", memory_total_mib=80_000, memory_free_mib=70_000)],
+            api=protocol.LanApi(port=8080),
+            offload=True,
+        ),
+    )
+    assert protocol.HeartbeatRequest.model_validate_json(beat.model_dump_json()) == beat
+    events = protocol.EVENTS.validate_python(
+        [
+            {"id": "e1", "kind": "usage", "body": {"account": "acme", "tokens_in": 3}},
+            {"id": "e2", "kind": "package_removed", "body": {"id": "p", "version": "v"}},
+        ]
+    )
+    request = protocol.EventsRequest(events=events)
+    assert protocol.EventsRequest.model_validate_json(request.model_dump_json()) == request
+    with pytest.raises(ValidationError, match="twice"):
+        protocol.EventsRequest(events=[events[0], events[0]])
+    with pytest.raises(ValidationError, match="twice"):
+        protocol.LeaseRequest(accounts=["a", "a"])
