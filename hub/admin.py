@@ -9,15 +9,16 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Annotated, Any, Self
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from hub.loops import report
 from hub.packages import MAX_BUNDLE, keep_bundle
 from hub.state.store import DeploymentRecord, NotFoundError
 from hub.views import deployment_view, node_view, package_view, quota_view, token_view
+from shared import protocol
 from shared.errors import ApiError, ErrorCode
 from shared.oci import LayoutError
 
@@ -26,6 +27,19 @@ if TYPE_CHECKING:
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPERATOR = web.RequestKey("operator", str)
+
+# Any text an operator sends the store: neither NUL nor a lone surrogate, which
+# PostgreSQL's text cannot hold (SQLite's can), so that the driver's refusal (a 500) is a
+# 400 here, on either store; the protocol's rule for what nodes send.
+Text = Annotated[str, StringConstraints(max_length=200), protocol.Clean]
+
+
+def _storable(text: str) -> bool:
+    try:
+        text.encode("utf-8")  # a lone surrogate is not UTF-8
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in text
 
 
 @web.middleware
@@ -44,21 +58,29 @@ async def operator_auth(request: web.Request, handler: Handler) -> web.StreamRes
             "`kvl hub operators create --name NAME`",
         )
     request[OPERATOR] = name
+    # The same for the path's values and the query's (a node name, `?q=`).
+    if not all(
+        _storable(t) for t in (request.path, *request.query.keys(), *request.query.values())
+    ):
+        raise ApiError(
+            ErrorCode.invalid_parameter,
+            "a NUL character or a lone surrogate in the path or the query",
+        )
     return await handler(request)
 
 
 class DeploymentRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(pattern=r"^[^@\s]+@[^@\s]+$", description="name@version")
+    model: Text = Field(pattern=r"^[^@\s]+@[^@\s]+$", description="name@version")
     replicas: int = Field(1, ge=0, le=10_000)
     service_class: str = Field("S1", pattern=r"^S[0-4]$")
-    sites: list[str] = Field(default_factory=list, max_length=100)
-    regions: list[str] = Field(default_factory=list, max_length=100)
-    labels: dict[str, str] = Field(default_factory=dict, max_length=32)
+    sites: list[Text] = Field(default_factory=list, max_length=100)
+    regions: list[Text] = Field(default_factory=list, max_length=100)
+    labels: dict[Text, Text] = Field(default_factory=dict, max_length=32)
     gpu: bool = False
     gpu_memory_mib: int = Field(0, ge=0)
-    tenant: str | None = None
+    tenant: Text | None = None
 
     def record(self) -> DeploymentRecord:
         """The deployment to store, with a new id."""
@@ -183,7 +205,7 @@ async def list_models(request: web.Request) -> web.Response:
 class TokenRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    site: str = Field(min_length=1, max_length=200)
+    site: Text = Field(min_length=1)
     uses: int = Field(1, ge=1, le=100_000)
     expires_in_s: float = Field(86_400, gt=0, le=366 * 86_400)
 
@@ -191,7 +213,7 @@ class TokenRequest(BaseModel):
 class KeyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    account: str = Field(min_length=1, max_length=200)
+    account: Text = Field(min_length=1)
     admin: bool = False
 
 
@@ -250,8 +272,8 @@ async def revoke_key(request: web.Request) -> web.Response:
 class SeedRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: str | None = Field(None, max_length=100, description="the newest held if unset")
-    site: str | None = Field(None, max_length=200, description="every node if unset")
+    version: Text | None = Field(None, max_length=100, description="the newest held if unset")
+    site: Text | None = Field(None, description="every node if unset")
 
 
 async def list_packages(request: web.Request) -> web.Response:

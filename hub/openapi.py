@@ -86,6 +86,14 @@ _AFTER = Param(
     "the serial the node holds: 204 while the state is still at it",
     {"type": "integer"},
 )
+_CLIENT_KEY = Param(
+    protocol.CLIENT_KEY_HEADER,
+    "header",
+    "the API key of the client whose request this is: the serving node takes account and "
+    "class from it",
+    {"type": "string", "minLength": 1, "maxLength": 200},
+    required=True,
+)
 _SHA256 = {"type": "string", "pattern": "^[0-9a-fA-F]{64}$"}
 _OFFLOADED = {
     "type": "object",
@@ -153,7 +161,14 @@ NODE_ROUTES: tuple[Route, ...] = (
             "with the most headroom, streamed back.",
             Auth.node,
             answer_types=("application/json", "text/event-stream"),
-            errors=(ErrorCode.not_found, ErrorCode.overloaded),
+            errors=(
+                ErrorCode.missing_api_key,
+                ErrorCode.invalid_api_key,
+                ErrorCode.invalid_json,
+                ErrorCode.invalid_parameter,
+                ErrorCode.overloaded,
+            ),
+            params=(_CLIENT_KEY,),
             router_path="/v1/node/offload/{route}",
         )
         for route in ("chat/completions", "completions")
@@ -314,7 +329,7 @@ _AUTH_ERRORS = {
     ),
     Auth.operator: (ErrorCode.invalid_operator_token,),
 }
-_BODY_ERRORS = (ErrorCode.invalid_parameter,)
+_BODY_ERRORS = (ErrorCode.invalid_json, ErrorCode.invalid_parameter, ErrorCode.request_too_large)
 _SECURITY = {Auth.node: "nodeToken", Auth.operator: "operatorToken"}
 _PATH_PARAM = re.compile(r"\{([^}]+)\}")
 
@@ -414,8 +429,11 @@ def _operation(route: Route, refs: Refs) -> Any:
         if status == 206:
             responses[str(status)]["content"] = content
     codes: dict[int, list[str]] = {}
-    body = _BODY_ERRORS if route.request is not None or route.params else ()
-    for code in (*_AUTH_ERRORS[route.auth], *body, *route.errors, ErrorCode.internal_error):
+    body: tuple[ErrorCode, ...] = _BODY_ERRORS if route.request is not None else ()
+    if route.params and not body:
+        body = (ErrorCode.invalid_parameter,)
+    every = (*_AUTH_ERRORS[route.auth], *body, *route.errors, ErrorCode.internal_error)
+    for code in dict.fromkeys(every):  # each once, in order
         codes.setdefault(code.status, []).append(code.value)
     for status, names in sorted(codes.items()):
         responses[str(status)] = {
