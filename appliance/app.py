@@ -146,7 +146,16 @@ async def _jobs(app: web.Application) -> AsyncIterator[None]:
     # After the models: jobs resume at start (the first items wait for the model to load)
     # and stop before the models close, so an item cut short stays pending and runs again.
     settings = app[SETTINGS]
-    service = JobService(app[STORE], app[COMPLETIONS], settings.jobs, app[METRICS])
+    fleet_files = FleetFiles(settings.fleet_dir)
+
+    def overlay_prefix() -> str | None:
+        # Webhooks never go into the fleet's overlay; the node learns it when it enrolls.
+        identity = fleet_files.identity()
+        return None if identity is None else identity.overlay_prefix
+
+    service = JobService(
+        app[STORE], app[COMPLETIONS], settings.jobs, app[METRICS], overlay_prefix=overlay_prefix
+    )
     app[JOBS] = service
     # Content packages run as jobs too (one item each), so they resume after a restart.
     cache = PackageCache(settings.packages_dir, max_bytes=settings.packages.cache_max_mb << 20)

@@ -8,6 +8,8 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from appliance.jobs.destinations import parse_allow
+
 EXAMPLE_HEADER = """
 Kovenlab Edge appliance: every setting, at its default.
 Use with `kvl appliance serve --config FILE` (or $KVL_CONFIG). Each setting can also be set
@@ -334,6 +336,26 @@ class JobSettings(_Section):
             "signed with the previous secret too, so receivers can switch without a gap."
         ),
     )
+    webhook_allow: list[str] = Field(
+        default_factory=list,
+        max_length=1000,
+        description=(
+            "Webhook destinations allowed beyond public addresses: CIDR networks "
+            "(`10.20.0.0/16`, `127.0.0.1/8`) and host names (`hooks.school.lan`). Without "
+            "them, a webhook URL whose host is or resolves to a loopback, private (RFC 1918, "
+            "fc00::/7), link-local, unspecified, multicast or shared (100.64.0.0/10) address, "
+            "or one in the node's overlay, is refused: when the job is created (400) and at "
+            "each delivery, against the address connected to. In the environment: a JSON "
+            'list, `["10.20.0.0/16", "hooks.school.lan"]`.'
+        ),
+    )
+
+    @field_validator("webhook_allow")
+    @classmethod
+    def _destinations(cls, value: list[str]) -> list[str]:
+        # Each entry as the check reads it: a network in its own notation, a name in lower
+        # case without the final dot; anything else is refused at start.
+        return [str(parse_allow(entry)) for entry in value]
 
     @model_validator(mode="after")
     def _backoff_order(self) -> Self:

@@ -3,6 +3,13 @@
 Deliveries are rows (made in the transaction that ends their job), so they survive
 restarts. The body is fixed at the first attempt and the delivery id never changes, so every
 retry is the same event to the receiver; only the signature's timestamp is new each time.
+
+Every attempt checks its destination again (appliance.jobs.destinations): the connector
+resolves names through a resolver that keeps only allowed addresses, so the address checked
+is the address connected to. What an attempt records for the job's owner is only a class
+of failure (refused, timeout, the status code): never what answered, its body or headers,
+which would make the appliance a probe of the network it sits in. The operator's log has
+the details.
 """
 
 from __future__ import annotations
@@ -10,19 +17,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import ipaddress
 import json
 import logging
+import socket
 import time
 from typing import TYPE_CHECKING
 
 import aiohttp
+from aiohttp.abc import AbstractResolver
+from aiohttp.resolver import ThreadedResolver
 
 from appliance.jobs.backoff import backoff_s
 from appliance.jobs.bodies import event_body
+from appliance.jobs.destinations import WebhookDestinationError, ip_literal, url_host
 from shared import __version__
 from shared.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, sign
 
 if TYPE_CHECKING:
+    from aiohttp.abc import ResolveResult
+
+    from appliance.jobs.destinations import WebhookDestinations
     from appliance.settings import JobSettings
     from appliance.state.jobs import Delivery, JobStore
     from appliance.state.store import AsyncStore
@@ -33,16 +48,26 @@ log = logging.getLogger(__name__)
 # Deliveries in flight at once: one slow receiver does not hold up the others.
 MAX_PARALLEL = 8
 LOOP = "jobs.webhooks"  # its name among the background loops' failures
+# What a failed attempt records, whatever the detail: the class of failure, nothing of what
+# answered (or that something did).
+REFUSED = "refused: no connection to an allowed address of the webhook URL"
+TIMEOUT = "timeout: no answer within jobs.webhook_timeout_s"
 
 
 class WebhookSender:
     def __init__(
-        self, store: AsyncStore, jobs: JobStore, settings: JobSettings, metrics: Metrics
+        self,
+        store: AsyncStore,
+        jobs: JobStore,
+        settings: JobSettings,
+        metrics: Metrics,
+        destinations: WebhookDestinations,
     ) -> None:
         self._store = store
         self._jobs = jobs
         self._settings = settings
         self._metrics = metrics
+        self._destinations = destinations
         self._wake = asyncio.Event()
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -50,6 +75,11 @@ class WebhookSender:
 
     def start(self) -> None:
         self._session = aiohttp.ClientSession(
+            # Names resolved at each attempt, through the check: no address is remembered
+            # from an earlier answer of the name's DNS.
+            connector=aiohttp.TCPConnector(
+                resolver=_CheckingResolver(self._destinations), use_dns_cache=False
+            ),
             timeout=aiohttp.ClientTimeout(total=self._settings.webhook_timeout_s),
             headers={"User-Agent": f"kovenlab-edge/{__version__}"},
         )
@@ -133,15 +163,19 @@ class WebhookSender:
         }
         status: int | None = None
         error: str | None = None
+        detail = ""  # for the operator's log only
         try:
+            self._check_literal(delivery.url)
             async with session.post(
                 delivery.url, data=body, headers=headers, allow_redirects=False
             ) as response:
-                status = response.status
+                status = response.status  # and nothing else of the answer is kept
             if not 200 <= status < 300:
-                error = f"the receiver answered HTTP {status}"
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as err:
-            error = (f"{type(err).__name__}: {err}" if str(err) else type(err).__name__)[:500]
+                error = f"non-2xx: the receiver answered HTTP {status}"
+        except TimeoutError as err:  # aiohttp's timeouts are TimeoutErrors too
+            error, detail = TIMEOUT, repr(err)
+        except (aiohttp.ClientError, OSError, ValueError) as err:
+            error, detail = REFUSED, repr(err)
         s = self._settings
         updated = await self._store.run(
             self._jobs.delivery_attempted,
@@ -158,12 +192,57 @@ class WebhookSender:
         self._metrics.webhook_deliveries.labels(outcome[updated.status]).inc()
         if updated.status == "failed":
             log.warning(
-                "webhook %s of %s to %s given up after %d attempts: %s",
+                "webhook %s of %s to %s given up after %d attempts: %s %s",
                 delivery.id,
                 delivery.job_id,
                 delivery.url,
                 updated.attempts,
                 error,
+                detail,
             )
         elif error is not None:
-            log.info("webhook %s to %s failed (%s); retrying", delivery.id, delivery.url, error)
+            log.info(
+                "webhook %s to %s failed (%s %s); retrying",
+                delivery.id,
+                delivery.url,
+                error,
+                detail,
+            )
+
+    def _check_literal(self, url: str) -> None:
+        """An IP address in the URL reaches no resolver: it is checked here."""
+        host = url_host(url)
+        if self._destinations.allows_host(host):
+            return
+        address = ip_literal(host)
+        if address is None:
+            return  # a name: the resolver checks what it resolves to
+        if (why := self._destinations.refusal(address)) is not None:
+            raise WebhookDestinationError(f"{host} is {why}")
+
+
+class _CheckingResolver(AbstractResolver):
+    """The default resolver, keeping only the addresses webhooks may go to: the connector
+    connects to what it returns, so what was checked is what is reached."""
+
+    def __init__(self, destinations: WebhookDestinations) -> None:
+        self._destinations = destinations
+        self._inner = ThreadedResolver()
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        results = await self._inner.resolve(host, port, family)
+        if self._destinations.allows_host(host):
+            return results
+        allowed = [
+            r
+            for r in results
+            if self._destinations.refusal(ipaddress.ip_address(r["host"].partition("%")[0])) is None
+        ]
+        if not allowed:
+            raise WebhookDestinationError(f"{host} resolves to no address webhooks may go to")
+        return allowed
+
+    async def close(self) -> None:
+        await self._inner.close()

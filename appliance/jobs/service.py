@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from appliance.jobs.delivery import WebhookSender
+from appliance.jobs.destinations import ALLOW_SETTING, WebhookDestinations
 from appliance.jobs.runner import JobRunner
 from appliance.serving.registry import split_ref
 from appliance.state.jobs import JobFinishedError, JobNotFoundError, JobStore
@@ -17,6 +18,8 @@ from appliance.state.store import NotFoundError
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from appliance.gateway.completions import CompletionService
     from appliance.settings import JobSettings
     from appliance.state.jobs import ItemResult, Job, NewItem
@@ -31,11 +34,20 @@ class JobService:
         completions: CompletionService,
         settings: JobSettings,
         metrics: Metrics,
+        *,
+        overlay_prefix: Callable[[], str | None] = lambda: None,
     ) -> None:
+        """`overlay_prefix`: the node's overlay network once it enrolled (webhooks never
+        go there)."""
         self._store = store
         self._jobs = JobStore(store.sync.db)
         self._metrics = metrics
-        self.sender = WebhookSender(store, self._jobs, settings, metrics)
+        self._destinations = WebhookDestinations(
+            settings.webhook_allow,
+            overlay_prefix=overlay_prefix,
+            resolve_timeout_s=settings.webhook_timeout_s,
+        )
+        self.sender = WebhookSender(store, self._jobs, settings, metrics, self._destinations)
         self.runner = JobRunner(
             store, self._jobs, completions, settings=settings, metrics=metrics, on_end=self._ended
         )
@@ -60,6 +72,8 @@ class JobService:
     ) -> Job:
         """Queue a job of validated items; `models` maps each model named to the `param` of
         its first use, so an unknown one is refused before anything is queued."""
+        if webhook_url is not None:
+            await self._check_destination(webhook_url)
         for model, param in models.items():
             name, version = split_ref(model)
             if await self._store.run(self._store.sync.get_model, name, version) is None:
@@ -107,6 +121,17 @@ class JobService:
         self._metrics.jobs.labels("cancelled").inc()
         self._ended(job)
         return job
+
+    async def _check_destination(self, url: str) -> None:
+        why = await self._destinations.check_url(url)
+        if why is not None:
+            raise ApiError(
+                ErrorCode.invalid_parameter,
+                f"webhooks may not go to this URL: its host is, or resolves to, an address "
+                f"that is {why}; they go to public addresses, and to those the operator "
+                f"names in `{ALLOW_SETTING}`",
+                param="webhook_url",
+            )
 
     def _ended(self, job: Job) -> None:
         if job.delivery is not None:

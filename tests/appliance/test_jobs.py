@@ -52,6 +52,8 @@ FAST_JOBS: dict[str, object] = {
     "retry_max_s": 0.5,
     "webhook_backoff_initial_s": 0.05,
     "webhook_backoff_max_s": 0.2,
+    # The receivers are on loopback, where webhooks go only when the operator says so.
+    "webhook_allow": ["127.0.0.1/8"],
 }
 
 
@@ -339,6 +341,22 @@ BAD_JOBS: list[tuple[dict[str, Any], ErrorCode | None, str]] = [
     ({"requests": [text_item("a")], "webhook_url": "ftp://example.org/hook"}, None, "webhook_url"),
     ({"requests": [text_item("a")], "webhook_url": "http://"}, None, "webhook_url"),
     ({"requests": [text_item("a")], "webhook_url": "http://h:99999/"}, None, "webhook_url"),
+    # Addresses webhooks may not go to (the tests' allow-list names 127.0.0.1/8 alone).
+    *(
+        ({"requests": [text_item("a")], "webhook_url": url}, None, "webhook_url")
+        for url in (
+            "http://10.1.2.3/hook",
+            "https://192.168.0.10:8443/hook",
+            "http://169.254.169.254/latest/meta-data/",
+            "http://100.64.0.1/hook",
+            "http://0.0.0.0:8080/",
+            "http://224.0.0.1/",
+            "http://[fd00::1]/hook",
+            "http://[fe80::1]/hook",
+            "http://[::1]/hook",
+            "http://[::ffff:192.168.0.1]/hook",
+        )
+    ),
     ({"requests": [text_item("a")], "metadata": {"k": "v" * 513}}, None, "metadata.k"),
     ({"requests": [text_item("a")], "priority": 1}, ErrorCode.unknown_parameter, "priority"),
 ]
@@ -832,6 +850,7 @@ async def test_a_job_survives_kill_9_and_completes_each_item_once(
         "KVL_MODEL__N_THREADS": "1",
         "KVL_JOBS__WEBHOOK_BACKOFF_INITIAL_S": "0.1",
         "KVL_JOBS__WEBHOOK_BACKOFF_MAX_S": "1",
+        "KVL_JOBS__WEBHOOK_ALLOW": '["127.0.0.1/8"]',  # the receiver is on loopback
     }
     db_path = data_dir / "appliance.db"
     total = 8
