@@ -1,7 +1,8 @@
 """Fuzzing the hub against its own OpenAPI document (hub/openapi.py), as
 tests/appliance/test_fuzz.py fuzzes the appliance: a real hub (its aiohttp application on
-a real socket, SQLite in a temporary data directory) on an event loop of its own thread,
-and schemathesis loading the document it serves at `/openapi.json`.
+a real socket, SQLite in a temporary data directory; under the `postgres` mark, a
+database of its own on the session's PostgreSQL cluster) on an event loop of its own
+thread, and schemathesis loading the document it serves at `/openapi.json`.
 
 Every operation gets schema-valid requests (positive) and, where it takes a body or
 parameters, schema-violating ones (negative): a bounded, derandomized number of each,
@@ -14,7 +15,10 @@ Schema-valid requests mostly name what the hub holds (a node, an account, a depl
 a seeded package, the client's key, the protocol version the hub speaks), so that they
 reach the handlers' work and not only the 404 or the refusal in front of it.
 
-Runs in about a minute on a 2-core machine.
+Text no database can keep (NUL, lone surrogates), which the generator sends only now and
+then, has hand-written cases for every place a client's text goes.
+
+Runs in about 35 s on a 2-core machine, and as long again on PostgreSQL.
 """
 
 from __future__ import annotations
