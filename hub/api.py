@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from hub.loops import LOOPS
 from hub.offload import Forwarder
 from hub.planning.quota import Sizing
 from hub.state.store import (
@@ -184,7 +185,17 @@ def _settings(request: web.Request) -> HubSettings:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "alive", "version": __version__})
+    """Liveness, with how often each background loop has failed (counts only: the errors
+    themselves are behind the operator's `/v1/admin/loops`)."""
+    failures = request.app[LOOPS].report() if LOOPS in request.app else {}
+    return web.json_response(
+        {
+            "status": "alive",
+            "version": __version__,
+            "protocol": protocol.PROTOCOL_VERSION,
+            "loop_failures": {name: f["failures"] for name, f in failures.items()},
+        }
+    )
 
 
 async def enroll(request: web.Request) -> web.Response:

@@ -292,6 +292,10 @@ async def test_a_hostile_node_is_refused_everything_and_the_fleet_goes_on(
         return status == 403 and answer["error"]["code"] == "node_revoked"
 
     await _until(revoked, "the revocation seen", timeout_s=3 * 1.0 + 2)
+    # No background loop of the hub failed on anything the hostile node sent.
+    health = await (await client.get("/healthz")).json()
+    assert health["loop_failures"] == {}
+    assert health["protocol"] == protocol.PROTOCOL_VERSION
 
 
 async def test_a_node_cannot_read_as_another_or_steal_its_key(
