@@ -16,8 +16,13 @@ and replica count are not run (``--every-size`` runs them all the same), and the
 says so. Each fleet also records the CPU each call cost under the load: in the hub, in
 PostgreSQL, and in the simulator, which shares the cores.
 
+With ``--baseline REF`` the same load also runs against hubs of an earlier commit (its
+files from ``git archive``, run by this interpreter, driven by today's simulator) at the
+``--baseline-nodes`` sizes, so the hub's CPU per call before and after a change is
+measured in one run on one machine.
+
 Run: ``python -m tests.benchmarks.fleet [--nodes 1000 10000 20000 50000] [--stores sqlite
-postgres] [--replicas 1 2] [--every-size]``.
+postgres] [--replicas 1 2] [--every-size] [--baseline REF [--baseline-nodes 10000]]``.
 """
 
 from __future__ import annotations
@@ -59,9 +64,14 @@ Hub = tuple[str, "subprocess.Popen[bytes]"]  # a replica's URL and process
 
 
 @contextlib.contextmanager
-def replicas(work: Path, common: list[str], count: int, env: dict[str, str]) -> Iterator[list[Hub]]:
+def replicas(
+    work: Path, common: list[str], count: int, env: dict[str, str], code: Path | None = None
+) -> Iterator[list[Hub]]:
     """`count` hub processes on one store, ready; their URLs. The first makes the data
-    directory's certificate authority and keys, which the others then share."""
+    directory's certificate authority and keys, which the others then share. `code`: a
+    checkout whose hub runs instead of this one's."""
+    if code is not None:
+        env = {**env, "PYTHONPATH": str(code)}
     started: list[Hub] = []
     try:
         for index in range(count):
@@ -72,6 +82,7 @@ def replicas(work: Path, common: list[str], count: int, env: dict[str, str]) -> 
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=env,
+                    cwd=code,
                 )
             url = f"https://{HOST}:{port}"
             started.append((url, process))
@@ -92,6 +103,7 @@ def one_fleet(
     *,
     interval_s: float,
     duration_s: float,
+    baseline: tuple[str, Path] | None = None,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvl-bench-fleet-") as tmp:
         work = Path(tmp)
@@ -105,8 +117,10 @@ def one_fleet(
         common = ["--config", str(config), "--data-dir", str(work / "hub")]
         # Other work on these cores shows in the figures: the load at the start says so.
         load_before = round(os.getloadavg()[0], 2)
-        with replicas(work, common, count, env) as hubs:
-            say(f"fleet: {nodes} nodes on {store}, {count} replica(s)")
+        code = None if baseline is None else baseline[1]
+        with replicas(work, common, count, env, code) as hubs:
+            said = f" (hub of {baseline[0]})" if baseline else ""
+            say(f"fleet: {nodes} nodes on {store}, {count} replica(s){said}")
             urls = [arg for url, _ in hubs for arg in ("--url", url)]
             processes = [psutil.Process(p.pid) for _, p in hubs]
             cpu_before = sum(sum(p.cpu_times()[:2]) for p in processes)
@@ -157,6 +171,7 @@ def one_fleet(
             raise RuntimeError(f"kvl hub simulate exited with {simulator.returncode}")
     report: dict[str, Any] = json.loads(out)
     report["store"] = store
+    report["hub_commit"] = commit() if baseline is None else baseline[0]
     report["wall_s"] = round(wall, 1)  # the simulator's run: enrollment, then the load
     report["load_average_before"] = load_before
     # The hub processes' CPU over the whole run (enrollment included), in cores.
@@ -187,6 +202,31 @@ def one_fleet(
     return report
 
 
+def commit(ref: str = "HEAD") -> str:
+    """The commit `ref` names (with `+changes` when it is HEAD and the tree differs)."""
+    root = Path(__file__).resolve().parents[2]
+    sha = subprocess.run(["git", "rev-parse", "--short=12", ref], cwd=root, check=True,
+                         capture_output=True, text=True).stdout.strip()  # fmt: skip
+    if ref == "HEAD":
+        status = ["git", "status", "--porcelain", "--untracked-files=no"]
+        dirty = subprocess.run(status, cwd=root, check=True, capture_output=True, text=True).stdout
+        if dirty.strip():
+            sha += "+changes"
+    return sha
+
+
+@contextlib.contextmanager
+def checkout(ref: str) -> Iterator[tuple[str, Path]]:
+    """The files of commit `ref` in a temporary folder: (its short sha, the folder)."""
+    root = Path(__file__).resolve().parents[2]
+    sha = commit(ref)
+    with tempfile.TemporaryDirectory(prefix="kvl-bench-baseline-") as tmp:
+        archive = subprocess.run(["git", "archive", sha], cwd=root, check=True,
+                                 capture_output=True).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        yield sha, Path(tmp)
+
+
 def database_cpu(postgres: Cluster | None) -> float:
     """CPU seconds of the PostgreSQL cluster's processes so far (the postmaster and its
     backends; those that already exited are not counted)."""
@@ -198,6 +238,25 @@ def database_cpu(postgres: Cluster | None) -> float:
         with contextlib.suppress(psutil.Error):
             total += sum(process.cpu_times()[:2])
     return total
+
+
+def compare(fleets: list[dict[str, Any]], baselines: list[dict[str, Any]]) -> dict[str, Any]:
+    """Hub CPU per call today and with the baseline's hub, for each fleet run both ways."""
+    out: dict[str, Any] = {}
+    for before in baselines:
+        same = [f for f in fleets if (f["store"], f["replicas"], f["nodes"]) ==
+                (before["store"], before["replicas"], before["nodes"])]  # fmt: skip
+        if not same or "hub_cpu_ms_per_call" not in before or "hub_cpu_ms_per_call" not in same[0]:
+            continue
+        now, then = same[0]["hub_cpu_ms_per_call"], before["hub_cpu_ms_per_call"]
+        name = (f"{before['store']}, {before['replicas']} replica"
+                f"{'s' if before['replicas'] > 1 else ''}, {before['nodes']} nodes")  # fmt: skip
+        out[name] = {
+            "baseline": then,
+            "today": now,
+            "ratio": round(now / then, 3) if then else None,
+        }
+    return out
 
 
 def held(report: dict[str, Any]) -> bool:
@@ -226,12 +285,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the larger fleets of a combination even once a smaller one was not held",
     )
+    parser.add_argument(
+        "--baseline", help="also run hubs of this commit (before a change), same load"
+    )
+    parser.add_argument("--baseline-nodes", type=int, nargs="+", default=[10_000])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
     args = parser.parse_args(argv)
     fleets: list[dict[str, Any]] = []
+    baselines: list[dict[str, Any]] = []
     not_run: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         postgres = stack.enter_context(cluster(durable=True)) if "postgres" in args.stores else None
+        baseline = stack.enter_context(checkout(args.baseline)) if args.baseline else None
         for store in args.stores:
             for count in args.replicas:
                 missed: int | None = None
@@ -245,6 +310,13 @@ def main(argv: list[str] | None = None) -> int:
                         interval_s=args.interval_s, duration_s=args.duration_s,
                     )  # fmt: skip
                     fleets.append(fleet)
+                    if baseline is not None and nodes in args.baseline_nodes:
+                        before = one_fleet(
+                            nodes, store, count, postgres,
+                            interval_s=args.interval_s, duration_s=args.duration_s,
+                            baseline=baseline,
+                        )  # fmt: skip
+                        baselines.append(before)
                     if not fleet["held"] and not args.every_size:
                         missed = nodes
     largest = {
@@ -258,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": commit(),
         "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count()},
         "settings": {
             "hub": "kvl hub serve per replica, HTTPS on loopback, no tunnel; SQLite WAL with "
@@ -270,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": args.duration_s,
         },
         "fleets": fleets,
+        "baseline": baselines,
+        "hub_cpu_ms_per_call_vs_baseline": compare(fleets, baselines),
         "largest_held_p99_under_100ms": largest,
         "not_run": not_run,
         "target": TARGET,
