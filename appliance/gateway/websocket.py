@@ -35,6 +35,7 @@ from appliance.gateway.schemas import (
     CompletionRequest,
 )
 from appliance.serving.engine import Finished, TextDelta
+from shared import jsonlimits
 from shared.errors import ApiError, ErrorCode
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,8 @@ _KINDS = ("chat.completions", "completions", "cancel")
 def _parse_frame(text: str) -> tuple[str, str, dict[str, Any]]:
     """(id, type, body) of a client frame; body is empty for a cancel."""
     try:
-        frame = json.loads(text)
-    except json.JSONDecodeError as err:
+        frame = jsonlimits.loads(text)  # standard JSON, nesting bounded, as every body
+    except ValueError as err:
         raise _FrameError(
             None, ApiError(ErrorCode.invalid_json, f"the frame is not JSON: {err}")
         ) from err
