@@ -1,4 +1,11 @@
-"""Docs are tests: the README and the example configs cannot drift from the code."""
+"""Docs are tests: README.md, docs/*.md and the example configs cannot drift from the code.
+
+Each kind of material is checked where it lives: the LAN API's routes and the error codes
+in docs/api.md, the hub's routes in docs/hub.md, the command line in docs/operations.md,
+the layout of the code in docs/README.md, the two commands in README.md. Across all of
+them: every relative link leads to a file (and heading) that exists, no doc names a file
+outside the repository, and every path, module and setting a doc names exists.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from pydantic_settings import BaseSettings
 from appliance.gateway.routes import ROUTES
 from appliance.settings import EXAMPLE_HEADER as APPLIANCE_HEADER
 from appliance.settings import ApplianceSettings
+from hub.api.openapi import ROUTES as HUB_ROUTES
 from hub.settings import EXAMPLE_HEADER as HUB_HEADER
 from hub.settings import HubSettings
 from shared.cli import main
@@ -20,17 +28,133 @@ from shared.config import example_yaml, iter_fields
 from shared.errors import ErrorCode
 
 REPO = Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text()
+DOCS_DIR = REPO / "docs"
+DOC_FILES = [REPO / "README.md", *sorted(DOCS_DIR.glob("*.md"))]
+TEXT = {path: path.read_text() for path in DOC_FILES}
+
+README_MD = TEXT[REPO / "README.md"]
+API_DOC = (DOCS_DIR / "api.md").read_text()
+HUB_DOC = (DOCS_DIR / "hub.md").read_text()
+OPERATIONS_DOC = (DOCS_DIR / "operations.md").read_text()
+LAYOUT_DOC = (DOCS_DIR / "README.md").read_text()
+# Every doc, one after the other. tests/hub/test_openapi.py imports this as README.
+DOCS = "\n".join(TEXT.values())
+README = DOCS
+
+# Build and test outputs the docs name (ignored by git): they exist once made.
+OUTPUTS = ("image/build/", "tests/browser/artifacts/")
+# File names that end a dotted name which is a file, not a module: `appliance.db`.
+SUFFIXES = {"db", "img", "json", "md", "py", "toml", "yaml"}
+# Dotted names in the docs that look like settings and are not: background loops.
+NOT_SETTINGS = {"jobs.runner", "jobs.webhooks", "console.prune"}
+
+# The top-level packages (a folder with __init__.py), and every package inside them.
+TOP_PACKAGES = sorted(
+    p.name for p in REPO.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"
+)
+# The repository's own top-level folders: a path a doc names starts with one of them
+# (`.kvl/demo/` or `.venv/bin/kvl` are made by running it).
+TOP_FOLDERS = {*TOP_PACKAGES, "tests", "docs", ".ci"}
+PACKAGE_DIRS = sorted(
+    init.parent.relative_to(REPO).as_posix()
+    for top in TOP_PACKAGES
+    for init in (REPO / top).rglob("__init__.py")
+    if "__pycache__" not in init.parts
+)
+
+FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)
+INLINE_CODE = re.compile(r"(`+)(.+?)\1", re.DOTALL)
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
+REPO_PATH = re.compile(r"[\w.-]+(?:/[\w.-]+)*/?")
+MODULE = re.compile(rf"(?<![\w/.@:-])((?:{'|'.join(TOP_PACKAGES)}|tests)(?:\.[a-z_]\w*)+)")
+SETTING = re.compile(r"[a-z_]+(?:\.[a-z0-9_]+)+")
 
 
-def test_readme_lists_every_route() -> None:
+def _prose(text: str) -> str:
+    """The text outside fenced code blocks."""
+    return FENCE.sub("", text)
+
+
+def _code_spans(text: str) -> list[str]:
+    """What every `code span` outside fenced blocks holds."""
+    return [m.group(2).strip() for m in INLINE_CODE.finditer(_prose(text))]
+
+
+def _code_lines(text: str) -> list[str]:
+    """The lines of the fenced code blocks."""
+    return [
+        line.strip() for block in FENCE.finditer(text) for line in block.group(0).splitlines()[1:-1]
+    ]
+
+
+def _modules(text: str) -> list[str]:
+    """Dotted module names in code spans, and in the imports and `python -m` lines of code
+    blocks (not their other lines: in `hub.up()` the hub is a variable)."""
+    spans = _code_spans(text) + [
+        line
+        for line in _code_lines(text)
+        if line.startswith(("from ", "import ")) or "python -m " in line
+    ]
+    names = [m.group(1) for span in spans for m in MODULE.finditer(span)]
+    return [name for name in names if name.rsplit(".", 1)[1] not in SUFFIXES]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = INLINE_CODE.sub(lambda m: m.group(2), heading).lower()
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(text: str) -> set[str]:
+    seen: dict[str, int] = {}
+    anchors = set()
+    for match in HEADING.finditer(_prose(text)):
+        slug = _slug(match.group(1))
+        anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def _named_paths(text: str) -> list[str]:
+    """Code spans that are a path in the repository: `hub/planning/`, `docs/api.md`."""
+    return [
+        span
+        for span in _code_spans(text)
+        if "/" in span and REPO_PATH.fullmatch(span) and span.split("/")[0] in TOP_FOLDERS
+    ]
+
+
+def _doc_id(path: Path) -> str:
+    return path.relative_to(REPO).as_posix()
+
+
+def test_api_doc_lists_every_route() -> None:
     for route in ROUTES:
-        assert f"`{route.method} {route.path}`" in README, route.path
+        assert f"`{route.method} {route.path}`" in API_DOC, route.path
 
 
-def test_readme_lists_every_error_code_with_its_status() -> None:
+def _hub_route_documented(method: str, path: str) -> bool:
+    # `GET /v1/node/state[?after=SERIAL]`: a query may follow the path
+    if re.search(rf"`{method} {re.escape(path)}(\[\?[^`\]]*\])?`", HUB_DOC):
+        return True
+    # `POST /v1/node/offload/{chat/completions,completions}`: one route per alternative
+    for match in re.finditer(rf"`{method} ([^`{{]*)\{{([^}}`]*)\}}`", HUB_DOC):
+        prefix, alternatives = match.groups()
+        if any(path == prefix + a for a in alternatives.split(",")):
+            return True
+    return False
+
+
+def test_hub_doc_lists_every_route() -> None:
+    for route in HUB_ROUTES:
+        assert _hub_route_documented(route.method, route.path), route.path
+
+
+def test_api_doc_lists_every_error_code_with_its_status() -> None:
     for code in ErrorCode:
-        assert f"| {code.status} | `{code.value}` |" in README, code
+        assert f"| {code.status} | `{code.value}` |" in API_DOC, code
 
 
 @pytest.mark.parametrize(
@@ -82,11 +206,93 @@ def test_every_command_takes_config_and_data_dir_and_is_documented() -> None:
         if path.startswith("kvl image "):
             wanted = set()
         assert wanted <= options, path
-        assert f"`{path}" in README, f"{path} is not in the README's command table"
+        assert f"`{path}" in OPERATIONS_DOC, f"{path} is not in docs/operations.md's command table"
 
 
 def test_ci_runs_the_readmes_test_command() -> None:
-    commands = re.findall(r"^(python3 -m venv .*just test)$", README, flags=re.MULTILINE)
+    commands = re.findall(r"^(python3 -m venv .*just test)$", README_MD, flags=re.MULTILINE)
     assert len(commands) == 1
     assert commands[0] in (REPO / ".ci" / "run").read_text()
-    assert re.search(r"^python3 -m venv .*just demo$", README, flags=re.MULTILINE)
+    assert re.search(r"^python3 -m venv .*just demo$", README_MD, flags=re.MULTILINE)
+
+
+def test_the_docs_are_there() -> None:
+    names = {_doc_id(path) for path in DOC_FILES}
+    wanted = {"api", "hub", "image", "operations", "benchmarks", "README"}
+    assert {f"docs/{name}.md" for name in wanted} | {"README.md"} <= names
+    for name in sorted(names - {"README.md"}):
+        assert f"]({name})" in README_MD, f"README.md does not link to {name}"
+
+
+def test_layout_note_names_every_package_and_shared_module() -> None:
+    assert {"appliance", "hub", "shared"} <= set(TOP_PACKAGES)
+    named = set(_named_paths(LAYOUT_DOC))
+    for package in PACKAGE_DIRS:
+        assert f"{package}/" in named, f"docs/README.md does not name `{package}/`"
+    modules = sorted(p for p in (REPO / "shared").glob("*.py") if p.name != "__init__.py")
+    assert modules
+    for module in modules:
+        path = module.relative_to(REPO).as_posix()
+        assert path in named, f"docs/README.md does not name `{path}`"
+
+
+def test_layout_note_names_only_paths_that_exist() -> None:
+    named = _named_paths(LAYOUT_DOC)
+    assert named
+    for path in named:
+        assert (REPO / path).exists(), f"docs/README.md names `{path}`, which does not exist"
+
+
+@pytest.mark.parametrize("doc", DOC_FILES, ids=_doc_id)
+def test_every_path_and_module_a_doc_names_exists(doc: Path) -> None:
+    text = TEXT[doc]
+    for path in _named_paths(text):
+        if not path.startswith(OUTPUTS):
+            assert (REPO / path).exists(), f"{_doc_id(doc)} names `{path}`, which does not exist"
+    for name in _modules(text):
+        module = REPO.joinpath(*name.split("."))
+        assert module.with_suffix(".py").is_file() or (module / "__init__.py").is_file(), (
+            f"{_doc_id(doc)} names the module {name}, which does not exist"
+        )
+
+
+@pytest.mark.parametrize("doc", DOC_FILES, ids=_doc_id)
+def test_every_setting_a_doc_names_exists(doc: Path) -> None:
+    keys = {key for cls in (ApplianceSettings, HubSettings) for key, _ in iter_fields(cls)}
+    sections = {key.split(".")[0] for key in keys}
+    prefixes = {key.rsplit(".", n)[0] for key in keys for n in range(key.count(".") + 1)}
+    for span in _code_spans(TEXT[doc]):
+        if SETTING.fullmatch(span) and span.split(".")[0] in sections:
+            assert span in prefixes or span in NOT_SETTINGS, (
+                f"{_doc_id(doc)} names the setting `{span}`, which does not exist"
+            )
+
+
+@pytest.mark.parametrize("doc", DOC_FILES, ids=_doc_id)
+def test_every_relative_link_leads_to_a_file_and_heading_that_exist(doc: Path) -> None:
+    prose = INLINE_CODE.sub("", _prose(TEXT[doc]))
+    for target in LINK.findall(prose):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+            continue
+        where, _, anchor = target.partition("#")
+        assert not where.startswith("/"), f"{_doc_id(doc)}: {target} is not relative"
+        file = (doc.parent / where).resolve() if where else doc
+        assert file.is_relative_to(REPO), f"{_doc_id(doc)}: {target} leaves the repository"
+        assert file.exists(), f"{_doc_id(doc)}: {target} leads to no file"
+        if anchor and file.suffix == ".md":
+            assert anchor in _anchors(file.read_text()), (
+                f"{_doc_id(doc)}: {target}: no such heading in {_doc_id(file)}"
+            )
+
+
+@pytest.mark.parametrize("doc", DOC_FILES, ids=_doc_id)
+def test_no_doc_names_a_file_outside_the_repository(doc: Path) -> None:
+    text = TEXT[doc]
+    assert "../" not in text, f"{_doc_id(doc)} names a file outside its folder (`../`)"
+    # A document it names (`ARCHITECTURE.md`) is one of the repository's, from the doc's
+    # folder or from the top.
+    for span in _code_spans(text) + _code_lines(text):
+        for name in re.findall(r"(?<![\w/.-])([\w./-]+\.md)\b", span):
+            assert (doc.parent / name).is_file() or (REPO / name).is_file(), (
+                f"{_doc_id(doc)} names `{name}`, which is not in the repository"
+            )
