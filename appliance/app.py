@@ -31,13 +31,13 @@ from appliance.gateway.offload import Offload
 from appliance.gateway.packages import PACKAGES, PACKAGES_URL
 from appliance.gateway.routes import ROUTES
 from appliance.jobs.service import JobService
+from appliance.observability.metrics import Metrics
+from appliance.observability.tracing import Tracing
 from appliance.packages.cache import PackageCache
 from appliance.packages.service import PackageService
 from appliance.serving.registry import ModelRegistry
 from appliance.state.store import AsyncStore
 from shared import __version__
-from shared.telemetry import Metrics
-from shared.tracing import Tracing
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator

@@ -23,9 +23,9 @@ from pytest_aiohttp import AiohttpClient
 from appliance.app import create_app
 from appliance.gateway.keys import EMBEDDINGS, HOST
 from appliance.serving.catalog import ensure_default_model
+from appliance.serving.progress import ProgressBar
 from appliance.settings import ApplianceSettings
 from appliance.state.store import ModelRecord, Store
-from shared.progress import ProgressBar
 from tests.postgres import MISSING, Cluster, cluster, server_bin
 
 if TYPE_CHECKING:

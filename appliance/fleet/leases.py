@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shared.buckets import TokenBucket
+from appliance.quotas.buckets import TokenBucket
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:

@@ -36,11 +36,11 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from appliance.fleet.leases import LeaseBook
+    from appliance.observability.metrics import Metrics
     from appliance.packages.service import PackageService
     from appliance.serving.registry import ModelRegistry
     from appliance.settings import FleetSettings
     from appliance.state.store import AsyncStore
-    from shared.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 

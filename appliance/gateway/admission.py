@@ -15,17 +15,17 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 from appliance.fleet.leases import LeaseBook
+from appliance.quotas.buckets import TokenBucket
 from appliance.serving.admission import Capacity, InFlight, Objectives, Rates, decide
-from shared.buckets import TokenBucket
 from shared.classes import ServiceClass
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
+    from appliance.observability.metrics import Metrics
     from appliance.serving.engine import Finished
     from appliance.serving.registry import Deployment
     from appliance.settings import ClassObjectives, ClassSettings
     from appliance.state.store import ApiKey, AsyncStore
-    from shared.telemetry import Metrics
 
 DAY_S = 86_400.0
 MINUTE_S = 60.0

@@ -45,9 +45,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from appliance.gateway.admission import AdmissionControl
+    from appliance.observability.metrics import Metrics
+    from appliance.observability.tracing import Tracing
     from shared.classes import ServiceClass
-    from shared.telemetry import Metrics
-    from shared.tracing import Tracing
 
 Kind = Literal["chat", "text"]
 

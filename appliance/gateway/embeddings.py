@@ -36,9 +36,9 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from appliance.gateway.schemas import EmbeddingRequest
+    from appliance.observability.metrics import Metrics
     from appliance.settings import EmbeddingSettings
     from appliance.state.store import ApiKey, AsyncStore
-    from shared.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -8,11 +8,11 @@ from appliance.gateway.admission import AdmissionControl
 from appliance.gateway.completions import CompletionService
 from appliance.gateway.embeddings import EmbeddingService
 from appliance.gateway.offload import Offload
+from appliance.observability.metrics import Metrics
+from appliance.observability.tracing import Tracing
 from appliance.serving.registry import ModelRegistry
 from appliance.settings import ApplianceSettings
 from appliance.state.store import ApiKey, AsyncStore
-from shared.telemetry import Metrics
-from shared.tracing import Tracing
 
 SETTINGS = web.AppKey("settings", ApplianceSettings)
 STORE = web.AppKey("store", AsyncStore)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from appliance.fleet.link import FleetLink
     from appliance.gateway.admission import AdmissionControl
     from appliance.gateway.completions import Prepared
-    from shared.telemetry import Metrics
+    from appliance.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -38,10 +38,10 @@ if TYPE_CHECKING:
     from aiohttp.abc import ResolveResult
 
     from appliance.jobs.destinations import WebhookDestinations
+    from appliance.observability.metrics import Metrics
     from appliance.settings import JobSettings
     from appliance.state.jobs import Delivery, JobStore
     from appliance.state.store import AsyncStore
-    from shared.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
     # Runs one item of another route: (the job's key, the item's body) -> (status, body).
     ItemHandler = Callable[[ApiKey, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
-    from shared.telemetry import Metrics
+    from appliance.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

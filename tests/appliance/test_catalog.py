@@ -13,8 +13,8 @@ from appliance.serving.catalog import (
     verify,
 )
 from appliance.serving.chat import GEMMA_TEMPLATE, ChatTemplateError, select_template
+from appliance.serving.progress import ProgressBar
 from appliance.state.store import ConflictError, ModelRecord, Store
-from shared.progress import ProgressBar
 
 
 def test_default_model_is_assembled_verified_and_registered(default_model: ModelRecord) -> None:

@@ -257,8 +257,8 @@ async def test_lost_acknowledgements_never_duplicate(
     )
     # The link alone, over a store with usage events and no model.
     from appliance.fleet.link import FleetLink  # noqa: PLC0415
+    from appliance.observability.metrics import Metrics  # noqa: PLC0415
     from appliance.state.store import AsyncStore, UsageEvent  # noqa: PLC0415
-    from shared.telemetry import Metrics  # noqa: PLC0415
 
     store = AsyncStore(settings.db_path)
     await store.open()
@@ -507,10 +507,10 @@ async def test_heartbeats_name_the_gpus_the_workers_see(tmp_path: Path) -> None:
     from types import SimpleNamespace  # noqa: PLC0415
 
     from appliance.fleet.link import FleetLink  # noqa: PLC0415
+    from appliance.observability.metrics import Metrics  # noqa: PLC0415
     from appliance.serving.devices import Device, Placement  # noqa: PLC0415
     from appliance.settings import FleetSettings  # noqa: PLC0415
     from appliance.state.store import AsyncStore  # noqa: PLC0415
-    from shared.telemetry import Metrics  # noqa: PLC0415
 
     cpu = Device("CPU", "AMD EPYC", "cpu", 64_000, 60_000)
     gpu = Device("CUDA0", "NVIDIA H200", "gpu", 143_000, 140_000)

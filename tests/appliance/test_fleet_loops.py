@@ -13,12 +13,12 @@ import pytest
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import FleetLink
 from appliance.fleet.placement import Converger
+from appliance.observability.metrics import Metrics
 from appliance.state.store import AsyncStore, UsageEvent
 from hub.app import create_app as create_hub
 from hub.app import ssl_context
 from hub.state.store import open_store
 from shared import protocol
-from shared.telemetry import Metrics
 from tests.appliance.test_fleet import hub_settings, provisioning
 from tests.conftest import NoModels, make_settings
 

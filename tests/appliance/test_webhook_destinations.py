@@ -20,10 +20,10 @@ from pytest_aiohttp import AiohttpServer
 
 from appliance.jobs.delivery import REFUSED, TIMEOUT, WebhookSender
 from appliance.jobs.destinations import WebhookDestinations
+from appliance.observability.metrics import Metrics
 from appliance.settings import JobSettings
 from appliance.state.jobs import Delivery, JobStore, NewItem
 from appliance.state.store import AsyncStore
-from shared.telemetry import Metrics
 
 SECRET_BODY = "stack trace of the internal service at 10.9.8.7"
 SERVER_HEADER = "internal-billing/4.2 (do-not-expose)"

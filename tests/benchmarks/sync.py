@@ -25,6 +25,7 @@ from pathlib import Path
 
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import FleetLink, enroll
+from appliance.observability.metrics import Metrics
 from appliance.settings import FleetSettings
 from appliance.state.store import AsyncStore, Store
 from hub.app import certificates
@@ -32,7 +33,6 @@ from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared.db import now_iso
 from shared.provisioning import Provisioning
-from shared.telemetry import Metrics
 from tests.benchmarks.serving import HOST, cpu_model, free_port, say
 from tests.conftest import NoModels
 

@@ -1,0 +1,1 @@
+"""What the appliance tells its operators: OpenMetrics, and OpenTelemetry spans."""
