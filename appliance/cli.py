@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import logging
+import socket
 import ssl
 from pathlib import Path
 from typing import Any
@@ -322,14 +325,36 @@ def enroll(config_file: Path | None, data_dir: Path | None, provisioning_file: P
     )
 
 
-def _tunnel_state(settings: ApplianceSettings) -> str:
+def _tunnel_state(settings: ApplianceSettings, overlay_address: str | None) -> str:
     if not settings.fleet.tunnel:
         return "off (fleet.tunnel: false)"
-    name = settings.fleet.interface
+    name = _interface_holding(overlay_address) or settings.fleet.interface
     state = Path("/sys/class/net") / name / "operstate"
     if not state.parent.exists():
         return f"down ({name} does not exist)"
     return f"up ({name})"
+
+
+def _interface_holding(address: str | None) -> str | None:
+    """The interface that holds the node's overlay address: the tunnel the running
+    appliance brought up, whatever `fleet.interface` this command's own settings say (the
+    serving process may have had another, from its environment or its config file)."""
+    if address is None:
+        return None
+    import psutil  # noqa: PLC0415
+
+    try:
+        wanted = ipaddress.ip_address(address)
+    except ValueError:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        for found in addresses:
+            if found.family not in {socket.AF_INET, socket.AF_INET6}:
+                continue
+            with contextlib.suppress(ValueError):
+                if ipaddress.ip_address(found.address.partition("%")[0]) == wanted:
+                    return name
+    return None
 
 
 @appliance.command()
@@ -362,7 +387,7 @@ def status(config_file: Path | None, data_dir: Path | None, as_json: bool) -> No
         "site": identity.site if identity else None,
         "overlay_address": identity.overlay_address if identity else None,
         "hub": identity.hub_url if identity else None,
-        "tunnel": _tunnel_state(settings),
+        "tunnel": _tunnel_state(settings, identity.overlay_address if identity else None),
         "last_heartbeat": ago(heartbeat),
         "last_sync": ago(sync),
         "outbox_lag": lag,

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import psutil
+
+from appliance.fleet.identity import FleetFiles, HubPeer, Identity
 from appliance.state.store import ModelRecord, Store
 from tests.conftest import kvl
 
@@ -134,3 +137,57 @@ def test_config_prints_effective_settings(tmp_path: Path) -> None:
         "hub", "config", "--data-dir", str(tmp_path), env={"KVL_HUB_SERVER__PORT": "9443"}
     ).stdout
     assert "port: 9443" in hub
+
+
+def _loopback() -> str:
+    """The name of the interface holding 127.0.0.1 (`lo` on Linux)."""
+    return next(
+        name
+        for name, addresses in psutil.net_if_addrs().items()
+        if any(a.address == "127.0.0.1" for a in addresses)
+    )
+
+
+def test_status_reports_the_tunnel_by_the_interface_holding_the_overlay_address(
+    tmp_path: Path,
+) -> None:
+    """`kvl appliance status` without the serving process's settings (as the demo prints
+    it, whose appliance ran with `fleet.interface` kvd0-wg): the tunnel is the interface
+    that holds the node's overlay address, whatever `fleet.interface` the command reads."""
+    data = str(tmp_path)
+    status = ["appliance", "status", "--json", "--data-dir", data]
+    absent = {"KVL_FLEET__INTERFACE": "kvl-absent9"}
+    alone = json.loads(kvl(*status, env=absent).stdout)
+    assert alone["enrolled"] is False
+    assert alone["tunnel"] == "down (kvl-absent9 does not exist)"
+    # Not enrolled: the configured interface is the one looked at.
+    configured = json.loads(kvl(*status, env={"KVL_FLEET__INTERFACE": _loopback()}).stdout)
+    assert configured["tunnel"] == f"up ({_loopback()})"
+    hub = HubPeer(
+        wg_public_key="A" * 43 + "=",
+        overlay_address="10.99.0.1",
+        endpoint="192.0.2.1:51820",
+        api_url="https://10.99.0.1:8443",
+        ca_pem="",
+    )
+    FleetFiles(tmp_path / "fleet").save(
+        Identity(
+            node_id="node-1",
+            name="edge-1",
+            site="lab",
+            node_token="kvln_test",
+            overlay_address="127.0.0.1",  # held by loopback, as a tunnel's would be by it
+            overlay_prefix="127.0.0.0/8",
+            hub=hub,
+            hub_url="https://192.0.2.1:8443",
+            hub_fingerprint="sha256:" + "ab" * 32,
+        )
+    )
+    enrolled = json.loads(kvl(*status).stdout)
+    assert enrolled["enrolled"] is True
+    assert enrolled["overlay_address"] == "127.0.0.1"
+    assert enrolled["tunnel"] == f"up ({_loopback()})"
+    elsewhere = json.loads(kvl(*status, env=absent).stdout)
+    assert elsewhere["tunnel"] == f"up ({_loopback()})"
+    off = json.loads(kvl(*status, env={"KVL_FLEET__TUNNEL": "false"}).stdout)
+    assert off["tunnel"] == "off (fleet.tunnel: false)"
