@@ -45,8 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from shared import __version__
-from shared.image import (
+from image.configure import (
     DATA_LABEL,
     ESP_LABEL,
     ESP_TYPE,
@@ -56,6 +55,7 @@ from shared.image import (
     ROOT_X86_64_TYPE,
     SECTOR,
 )
+from shared import __version__
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from shared import netns
+from image import netns
 
 if TYPE_CHECKING:
     from collections.abc import Callable

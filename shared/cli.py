@@ -21,9 +21,9 @@ _GROUPS = {
         "The appliance: serve the LAN API, keys, models, discovery.",
     ),
     "hub": ("hub.cli", "hub", "The hub of the fleet."),
-    "image": ("shared.image", "image", "The appliance image: its provisioning file."),
+    "image": ("image.configure", "image", "The appliance image: its provisioning file."),
     "demo": (
-        "shared.demo",
+        "image.demo",
         "demo",
         "A hub and an appliance on this machine, joined over WireGuard.",
     ),

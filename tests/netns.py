@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from shared import netns
-from shared.netns import ip, pids_in
+from image import netns
+from image.netns import ip, pids_in
 
 __all__ = ["A_ADDR", "B_ADDR", "Link", "ip", "linked_namespaces", "pids_in", "require_netns"]
 

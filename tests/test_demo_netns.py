@@ -21,7 +21,7 @@ import pytest
 from appliance.state.store import ModelRecord, Store
 from hub.settings import HubSettings
 from hub.state.store import open_store
-from shared import netns
+from image import netns
 from tests.netns import require_netns
 
 if TYPE_CHECKING:

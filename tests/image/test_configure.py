@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from shared.cli import main
-from shared.image import (
+from image.configure import (
     ESP_TYPE,
     LINUX_DATA_TYPE,
     SECTOR,
@@ -26,6 +25,7 @@ from shared.image import (
     partitions,
     read_provisioning,
 )
+from shared.cli import main
 from shared.provisioning import Provisioning
 
 FINGERPRINT = "sha256:" + "ab" * 32

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shared import netns
-from shared.image import DATA_LABEL, ROOT_A_LABEL, partitions
+from image import netns
+from image.configure import DATA_LABEL, ROOT_A_LABEL, partitions
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
