@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from hub.state.store import node_status
+from hub.planning.health import node_status
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

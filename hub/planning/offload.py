@@ -2,9 +2,10 @@
 
 A node that must refuse a request for load (429 `overloaded` or `queue_full`) forwards
 it through the tunnel to the hub, which hands it to another node. The candidates are the
-nodes that serve the model, are online (a heartbeat within `stale_after_s`) and are not
-the node the request came from; the one with the most headroom first (the shortest
-queue, then the idlest CPU, then the most free memory), as the last heartbeats tell.
+nodes that serve the model, are online (seen within `stale_after_s`, as
+hub/planning/health.py defines it) and are not the node the request came from; the one
+with the most headroom first (the shortest queue, then the idlest CPU, then the most free
+memory), as the last heartbeats tell.
 An offloaded request carries a mark and is never offloaded again, whatever happens at
 its second node: at most one hop, so no loop.
 """
@@ -12,6 +13,8 @@ its second node: at most one hop, so no loop.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from hub.planning.health import seen_within
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,7 @@ def candidates(
         if n.id != origin
         and not n.revoked
         and n.reachable
-        and n.last_seen is not None
-        and now - n.last_seen < stale_after_s
+        and seen_within(n.last_seen, now, stale_after_s)
         and serves(n, model)
     ]
     return sorted(

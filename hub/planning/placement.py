@@ -8,8 +8,9 @@ records what changed, and every rule below is tested without a fleet
 Rules, in the order they apply:
 
 - **Health.** A node is *up* when it is not revoked and was seen within `offline_grace_s`
-  of `now` (never seen: not up), and *online* when seen within `stale_after_s`. New
-  replicas go only to nodes that are up, online and not draining.
+  of `now` (never seen: not up), and *online* when seen within `stale_after_s`, as
+  hub/planning/health.py defines it for the whole hub (at the window's end exactly: not
+  within). New replicas go only to nodes that are up, online and not draining.
 - **Stickiness (no storms).** A replica in `current` stays where it is while its
   deployment exists and still wants that many replicas, its node is up (an outage shorter
   than the grace period moves nothing) and not draining, the node still meets every
@@ -52,6 +53,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, TypeVar
 
+from hub.planning.health import seen_within
 from shared.classes import ServiceClass
 
 if TYPE_CHECKING:
@@ -256,14 +258,10 @@ class _Health:
 
     def up(self, node: NodeSnapshot) -> bool:
         """Keeps its replicas: a short outage moves nothing."""
-        return (
-            not node.revoked
-            and node.last_seen is not None
-            and self.now - node.last_seen <= self.offline_grace_s
-        )
+        return not node.revoked and seen_within(node.last_seen, self.now, self.offline_grace_s)
 
     def online(self, node: NodeSnapshot) -> bool:
-        return node.last_seen is not None and self.now - node.last_seen <= self.stale_after_s
+        return seen_within(node.last_seen, self.now, self.stale_after_s)
 
     def takes_new(self, node: NodeSnapshot) -> bool:
         """A stale node may be on its way out; new work goes where heartbeats are fresh."""

@@ -125,31 +125,6 @@ class EnrollmentToken:
         return "active"
 
 
-class NodeStatus(StrEnum):
-    online = "online"
-    stale = "stale"
-    offline = "offline"
-    revoked = "revoked"
-
-
-def node_status(
-    last_seen: float | None,
-    now: float,
-    *,
-    revoked: bool,
-    stale_after_s: float,
-    offline_after_s: float,
-) -> NodeStatus:
-    """A node's state from its last heartbeat: a state, never an eviction."""
-    if revoked:
-        return NodeStatus.revoked
-    if last_seen is None or now - last_seen >= offline_after_s:
-        return NodeStatus.offline
-    if now - last_seen >= stale_after_s:
-        return NodeStatus.stale
-    return NodeStatus.online
-
-
 @dataclass(frozen=True)
 class Node:
     id: str

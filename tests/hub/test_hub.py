@@ -15,15 +15,9 @@ from wireguard_tools import WireguardKey
 
 from hub.app import HEARTBEATS_EVERY_S, certificates, create_app, ssl_context
 from hub.cli import parse_duration
+from hub.planning.health import NodeStatus, node_status
 from hub.settings import HubSettings
-from hub.state.store import (
-    AsyncHubStore,
-    NodeStatus,
-    TokenProblem,
-    TokenRefusedError,
-    node_status,
-    open_store,
-)
+from hub.state.store import AsyncHubStore, TokenProblem, TokenRefusedError, open_store
 from shared import pki, protocol
 from shared.errors import ErrorCode
 from shared.protocol import EVENTS
