@@ -10,9 +10,6 @@ from aiohttp import web
 from appliance.discovery.mdns import Announcement, Announcer, lan_addresses
 from appliance.fleet.identity import FleetFiles, lan_tls_files
 from appliance.fleet.link import FleetLink
-from appliance.gateway.admission import AdmissionControl
-from appliance.gateway.completions import CompletionService
-from appliance.gateway.embeddings import EmbeddingService
 from appliance.gateway.jobs import JOBS
 from appliance.gateway.keys import (
     ADMISSION,
@@ -30,6 +27,9 @@ from appliance.gateway.middleware import authenticate, errors_and_metrics
 from appliance.gateway.offload import Offload
 from appliance.gateway.packages import PACKAGES, PACKAGES_URL
 from appliance.gateway.routes import ROUTES
+from appliance.inference.admission import AdmissionControl
+from appliance.inference.completions import CompletionService
+from appliance.inference.embeddings import EmbeddingService
 from appliance.jobs.service import JobService
 from appliance.observability.metrics import Metrics
 from appliance.observability.tracing import Tracing

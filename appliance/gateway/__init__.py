@@ -1,1 +1,3 @@
-"""The LAN API: aiohttp routes, middleware, OpenAI-compatible handlers, SSE streaming."""
+"""The LAN API over HTTP: aiohttp routes, middleware, the OpenAI-compatible handlers, SSE and
+WebSocket streaming, the OpenAPI document. HTTP only: the services the handlers call are
+`appliance.inference`."""

@@ -13,8 +13,9 @@ import psutil
 from aiohttp import web
 
 from appliance.gateway.keys import EMBEDDINGS, HOST, STORE
-from appliance.gateway.parsing import parse_body, read_json
+from appliance.gateway.parsing import read_json
 from appliance.gateway.schemas import AdminModelRequest
+from appliance.inference.schemas import parse_body
 from appliance.serving.registry import (
     InsufficientMemoryError,
     ModelNotReadyError,

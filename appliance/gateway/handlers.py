@@ -6,46 +6,23 @@ import asyncio
 import contextlib
 import json
 import logging
-import sys
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from appliance.gateway import sse
-from appliance.gateway.completions import (
-    CLIENT_CLOSED,
-    Generation,
-    Prepared,
-    chunk_body,
-    drain,
-    invalid_output,
-    response_body,
-)
-from appliance.gateway.embeddings import response_body as embeddings_body
-from appliance.gateway.keys import (
-    COMPLETIONS,
-    EMBEDDINGS,
-    HOST,
-    METRICS,
-    NODE_ID,
-    OFFLOAD,
-    TRACING,
-    api_key,
-)
+from appliance.gateway.keys import COMPLETIONS, EMBEDDINGS, HOST, METRICS, NODE_ID, OFFLOAD, api_key
 from appliance.gateway.middleware import route_label
-from appliance.gateway.parsing import parse_body, read_json
-from appliance.gateway.schemas import (
-    UNSUPPORTED_CHAT,
-    UNSUPPORTED_COMPLETION,
-    ChatCompletionRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-)
-from appliance.serving.engine import Event, Finished, TextDelta
+from appliance.gateway.parsing import read_json
+from appliance.inference.completions import Prepared, Sink, invalid_output
+from appliance.inference.embeddings import response_body as embeddings_body
+from appliance.inference.responses import chunk_body, response_body
+from appliance.inference.schemas import EmbeddingRequest, completion_request, parse_body
 from shared import __version__
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
+    from appliance.serving.engine import Event
     from appliance.serving.supervisor import Replica
 
 log = logging.getLogger(__name__)
@@ -131,20 +108,17 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request)
-    req = parse_body(ChatCompletionRequest, body, UNSUPPORTED_CHAT)
-    prepared = await request.app[COMPLETIONS].prepare_chat(
-        req, api_key(request), route_label(request)
-    )
-    return await _respond_or_offload(request, prepared, body, stream=req.stream)
+    return await _completion(request, chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, chat=False)
+
+
+async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse:
     body = await read_json(request)
-    req = parse_body(CompletionRequest, body, UNSUPPORTED_COMPLETION)
-    prepared = await request.app[COMPLETIONS].prepare_text(
-        req, api_key(request), route_label(request)
-    )
+    req = completion_request(body, chat=chat)
+    prepared = await request.app[COMPLETIONS].prepare(req, api_key(request), route_label(request))
     return await _respond_or_offload(request, prepared, body, stream=req.stream)
 
 
@@ -152,17 +126,11 @@ async def offloaded(request: web.Request) -> web.StreamResponse:
     """A request another node shed, handed over by the hub: served here like any of the
     account's requests, never offloaded again."""
     body = await read_json(request)
-    service = request.app[COMPLETIONS]
-    key, label = api_key(request), route_label(request)
-    if request.path.endswith("/chat/completions"):
-        chat = parse_body(ChatCompletionRequest, body, UNSUPPORTED_CHAT)
-        prepared, stream = await service.prepare_chat(chat, key, label), chat.stream
-    else:
-        text = parse_body(CompletionRequest, body, UNSUPPORTED_COMPLETION)
-        prepared, stream = await service.prepare_text(text, key, label), text.stream
+    req = completion_request(body, chat=request.path.endswith("/chat/completions"))
+    prepared = await request.app[COMPLETIONS].prepare(req, api_key(request), route_label(request))
     metrics = request.app[METRICS]
     try:
-        response = await _respond(request, prepared, stream=stream)
+        response = await _respond(request, prepared, stream=req.stream)
     except ApiError:
         metrics.offloads.labels("served", "refused").inc()
         raise
@@ -200,59 +168,68 @@ async def embeddings(request: web.Request) -> web.Response:
 async def _respond(request: web.Request, prepared: Prepared, *, stream: bool) -> web.StreamResponse:
     service = request.app[COMPLETIONS]
     headers = {"X-Kvl-Model": prepared.model}
-    async with contextlib.aclosing(service.start(prepared)) as generation:
-        # Wait for the first event before answering, so a grammar the engine refuses is
-        # still a proper status code rather than an error inside a 200 stream.
-        first = await anext(generation)
-        if not stream:
-            finished = first if isinstance(first, Finished) else await drain(generation)
-            problems = service.problems(prepared, finished)
-            status = ErrorCode.output_validation_failed.status if problems else 200
-            await service.record(prepared, finished, status)
-            if problems:
-                raise invalid_output(problems)
-            return web.json_response(response_body(prepared, finished), headers=headers)
-        return await _stream(request, prepared, first, generation, headers)
+    if stream:
+        return await _stream(request, prepared, headers)
+    completed = await service.complete(prepared)
+    if completed.problems:
+        raise invalid_output(completed.problems)
+    return web.json_response(response_body(prepared, completed.finished), headers=headers)
+
+
+class _EventStream(Sink):
+    """A completion as server-sent events: the stream opens with the first event."""
+
+    stream_span = True
+    record_when_gone = True
+
+    def __init__(self, request: web.Request, prepared: Prepared, headers: dict[str, str]) -> None:
+        self._request = request
+        self._prepared = prepared
+        self._headers = headers
+        self.response: web.StreamResponse | None = None  # once it has begun
+
+    async def first(self, event: Event) -> None:
+        self.response = await sse.open_stream(self._request, self._headers)
+
+    async def streaming(self) -> None:
+        if self._prepared.kind == "chat":
+            await self.send(chunk_body(self._prepared, role=True))
+
+    async def text(self, text: str) -> None:
+        await self.send(chunk_body(self._prepared, text=text))
+
+    async def send(self, data: dict[str, Any]) -> None:
+        if self.response is not None:
+            await sse.send(self.response, data)
 
 
 async def _stream(
-    request: web.Request,
-    prepared: Prepared,
-    first: Event,
-    generation: Generation,
-    headers: dict[str, str],
+    request: web.Request, prepared: Prepared, headers: dict[str, str]
 ) -> web.StreamResponse:
-    service = request.app[COMPLETIONS]
-    response = await sse.open_stream(request, headers)
+    events = _EventStream(request, prepared, headers)
     try:
-        with request.app[TRACING].span("stream", {"kvl.model": prepared.model}):
-            if prepared.kind == "chat":
-                await sse.send(response, chunk_body(prepared, role=True))
-            event = first
-            while isinstance(event, TextDelta):
-                await sse.send(response, chunk_body(prepared, text=event.text))
-                event = await anext(generation)
-            finished = event
+        completed = await request.app[COMPLETIONS].complete(prepared, events)
     except ApiError as err:
+        if events.response is None:
+            raise  # before the stream began: a status code of its own
         # Failed after the stream began (the worker died): the error is the last event.
         # The tokens it spent died with it; nothing reached the client as a finished answer.
         with contextlib.suppress(ConnectionResetError):
-            await sse.send(response, err.body())
-            await response.write_eof()
-        return response
-    except (ConnectionResetError, asyncio.CancelledError):
-        # The client went away: stop the sequence and still count the tokens it spent.
-        generation.cancel()
-        finished = await asyncio.shield(drain(generation))
-        await asyncio.shield(service.record(prepared, finished, CLIENT_CLOSED))
-        if isinstance(sys.exc_info()[1], asyncio.CancelledError):
+            await events.send(err.body())
+            await events.response.write_eof()
+        return events.response
+    except ConnectionResetError:
+        if events.response is None:
             raise
+        # The client went away; the tokens it spent are recorded.
         log.info("client closed the stream of %s", prepared.id)
-        return response
-    problems = service.problems(prepared, finished)
-    await service.record(prepared, finished, 422 if problems else 200)
-    if problems:
-        await sse.send(response, invalid_output(problems).body())
+        return events.response
+    response = events.response
+    if response is None:  # pragma: no cover - the first event opens it
+        raise AssertionError("a completed stream has begun")
+    finished = completed.finished
+    if completed.problems:
+        await sse.send(response, invalid_output(completed.problems).body())
     else:
         await sse.send(response, chunk_body(prepared, finished=finished))
         if prepared.include_usage:

@@ -21,13 +21,14 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from appliance.gateway.keys import SETTINGS, api_key
-from appliance.gateway.parsing import parse_body, read_json
-from appliance.gateway.schemas import (
+from appliance.gateway.parsing import read_json
+from appliance.inference.schemas import (
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
     ChatCompletionRequest,
     CompletionRequest,
     ResponseFormatJsonSchema,
+    parse_body,
 )
 from appliance.jobs.bodies import job_object, result_object
 from appliance.jobs.runner import CHAT_URL, TEXT_URL

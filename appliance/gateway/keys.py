@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from appliance.gateway.admission import AdmissionControl
-from appliance.gateway.completions import CompletionService
-from appliance.gateway.embeddings import EmbeddingService
 from appliance.gateway.offload import Offload
+from appliance.inference.admission import AdmissionControl
+from appliance.inference.completions import CompletionService
+from appliance.inference.embeddings import EmbeddingService
 from appliance.observability.metrics import Metrics
 from appliance.observability.tracing import Tracing
 from appliance.serving.registry import ModelRegistry

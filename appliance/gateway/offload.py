@@ -33,8 +33,8 @@ from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
     from appliance.fleet.link import FleetLink
-    from appliance.gateway.admission import AdmissionControl
-    from appliance.gateway.completions import Prepared
+    from appliance.inference.admission import AdmissionControl
+    from appliance.inference.completions import Prepared
     from appliance.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,6 @@ def _error_of(status: int, raw: bytes, headers: Any) -> ApiError:
         code = ErrorCode(error["code"])
         message = str(error["message"])
     except (ValueError, KeyError, TypeError):
-        code, message = ErrorCode.overloaded, f"the fleet refused the request ({status})"
+        code, message = (ErrorCode.overloaded, f"the fleet refused the request ({status})")
     retry = headers.get("Retry-After")
     return ApiError(code, message, retry_after=float(retry) if retry else None)

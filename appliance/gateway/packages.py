@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict
 
 from appliance.gateway.jobs import JOBS
 from appliance.gateway.keys import api_key
-from appliance.gateway.parsing import parse_body, read_json
+from appliance.gateway.parsing import read_json
+from appliance.inference.schemas import parse_body
 from appliance.jobs.bodies import job_object
 from appliance.packages.cache import CorruptBlobError, NotCachedError
 from appliance.packages.exports import ExportError, export_h5p, export_moodle_xml, export_qti3

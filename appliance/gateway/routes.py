@@ -10,12 +10,8 @@ from aiohttp import web
 
 from appliance.gateway import admin, handlers, jobs, packages, websocket
 from appliance.gateway.jobs import JobRequest
-from appliance.gateway.schemas import (
-    AdminModelRequest,
-    ChatCompletionRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-)
+from appliance.gateway.schemas import AdminModelRequest
+from appliance.inference.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from appliance.packages.model import PackageRequest
 from shared.errors import ErrorCode
 

@@ -20,28 +20,20 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from appliance.gateway.completions import Prepared, chunk_body, invalid_output, usage
 from appliance.gateway.keys import COMPLETIONS, SETTINGS, STORE, api_key
 from appliance.gateway.middleware import route_label
-from appliance.gateway.parsing import parse_body
-from appliance.gateway.schemas import (
-    UNSUPPORTED_CHAT,
-    UNSUPPORTED_COMPLETION,
-    ChatCompletionRequest,
-    CompletionRequest,
-)
-from appliance.serving.engine import Finished, TextDelta
+from appliance.inference.completions import Completed, Generation, Prepared, Sink, invalid_output
+from appliance.inference.responses import chunk_body, usage
+from appliance.inference.schemas import completion_request
 from shared import jsonlimits
 from shared.errors import ApiError, ErrorCode
 
 log = logging.getLogger(__name__)
 
-# Usage status of a request cancelled by its client (nginx's "client closed request").
-CANCELLED = 499
 # How often an open connection looks at its API key again. A connection outlives any one
 # request, so the check at the upgrade is not enough: a revoked key must stop its streams.
 # Cheap while nothing changed: the store answers from memory until the database moves.
@@ -136,50 +128,30 @@ class _Connection:
         service = self.request.app[COMPLETIONS]
         key, route = api_key(self.request), route_label(self.request)
         try:
-            prepared: Prepared
-            if kind == "chat.completions":
-                req = parse_body(ChatCompletionRequest, body, UNSUPPORTED_CHAT)
-                prepared = await service.prepare_chat(req, key, route)
-            else:
-                text_req = parse_body(CompletionRequest, body, UNSUPPORTED_COMPLETION)
-                prepared = await service.prepare_text(text_req, key, route)
-            await self._stream(request_id, prepared)
+            req = completion_request(body, chat=kind == "chat.completions")
+            prepared = await service.prepare(req, key, route)
+            frames = _Frames(self, request_id, prepared)
+            try:
+                completed = await service.complete(prepared, frames)
+            finally:
+                frames.close()
         except ApiError as err:
             await self.error(request_id, err)
+            return
+        await self._finish(request_id, completed)
 
-    async def _stream(self, request_id: str, prepared: Prepared) -> None:
-        service = self.request.app[COMPLETIONS]
-        cancel = self.cancels[request_id]
-        async with contextlib.aclosing(service.start(prepared)) as generation:
-            if prepared.kind == "chat":
-                await self._chunk(request_id, chunk_body(prepared, role=True))
-            watcher = asyncio.create_task(cancel.wait())
-            try:
-                async for event in generation:
-                    if isinstance(event, TextDelta):
-                        await self._chunk(request_id, chunk_body(prepared, text=event.text))
-                        if watcher.done():
-                            generation.cancel()
-                        continue
-                    await self._finish(request_id, prepared, event)
-            finally:
-                watcher.cancel()
-
-    async def _finish(self, request_id: str, prepared: Prepared, finished: Finished) -> None:
-        service = self.request.app[COMPLETIONS]
-        if finished.finish_reason == "cancelled":
-            await service.record(prepared, finished, CANCELLED)
+    async def _finish(self, request_id: str, completed: Completed) -> None:
+        finished = completed.finished
+        if completed.cancelled:
             await self.send({"id": request_id, "event": "cancelled", "usage": usage(finished)})
             return
-        problems = service.problems(prepared, finished)
-        await service.record(prepared, finished, 422 if problems else 200)
-        if problems:
-            await self.error(request_id, invalid_output(problems))
+        if completed.problems:
+            await self.error(request_id, invalid_output(completed.problems))
             return
-        await self._chunk(request_id, chunk_body(prepared, finished=finished))
+        await self.chunk(request_id, chunk_body(completed.prepared, finished=finished))
         await self.send({"id": request_id, "event": "done", "usage": usage(finished)})
 
-    async def _chunk(self, request_id: str, data: dict[str, Any]) -> None:
+    async def chunk(self, request_id: str, data: dict[str, Any]) -> None:
         await self.send({"id": request_id, "event": "chunk", "data": data})
 
     async def close(self) -> None:
@@ -218,6 +190,33 @@ class _Connection:
                 break
         log.info("closing a WebSocket: %s", error.message)
         await self.end(error)
+
+
+class _Frames(Sink):
+    """One request's events as chunk frames; its cancel frame stops the generation at its
+    next token."""
+
+    def __init__(self, connection: _Connection, request_id: str, prepared: Prepared) -> None:
+        self._connection = connection
+        self._id = request_id
+        self._prepared = prepared
+        self._generation: Generation | None = None
+        self._watcher: asyncio.Task[Literal[True]] | None = None
+
+    async def started(self, generation: Generation) -> None:
+        self._generation = generation
+        if self._prepared.kind == "chat":
+            await self._connection.chunk(self._id, chunk_body(self._prepared, role=True))
+        self._watcher = asyncio.create_task(self._connection.cancels[self._id].wait())
+
+    async def text(self, text: str) -> None:
+        await self._connection.chunk(self._id, chunk_body(self._prepared, text=text))
+        if self._watcher is not None and self._watcher.done() and self._generation is not None:
+            self._generation.cancel()
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
 
 
 async def stream(request: web.Request) -> web.StreamResponse:

@@ -24,25 +24,12 @@ import contextlib
 import functools
 import logging
 from collections.abc import Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from appliance.gateway.completions import (
-    CLIENT_CLOSED,
-    CompletionService,
-    Generation,
-    Prepared,
-    drain,
-    invalid_output,
-    response_body,
-)
-from appliance.gateway.parsing import parse_body
-from appliance.gateway.schemas import (
-    UNSUPPORTED_CHAT,
-    UNSUPPORTED_COMPLETION,
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from appliance.inference.completions import CompletionService, Generation, Sink, invalid_output
+from appliance.inference.responses import response_body
+from appliance.inference.schemas import completion_request
 from appliance.jobs.backoff import backoff_s
 from shared.classes import ServiceClass
 from shared.errors import ApiError, ErrorCode
@@ -50,6 +37,7 @@ from shared.errors import ApiError, ErrorCode
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterator
 
+    from appliance.inference.completions import Prepared
     from appliance.serving.engine import Finished
     from appliance.settings import JobSettings
     from appliance.state.jobs import Job, JobStore, PendingItem
@@ -83,11 +71,19 @@ class _Retry:
 
 
 @dataclass
-class _Running:
+class _Running(Sink):
+    """An item in flight; as the sink of its completion, it keeps the generation, so a
+    cancel of its job can stop it."""
+
     item: PendingItem
     task: asyncio.Task[None] | None = None
     generation: Generation | None = None
     cancelled: bool = False
+
+    async def started(self, generation: Generation) -> None:
+        self.generation = generation
+        if self.cancelled:
+            generation.cancel()
 
 
 @dataclass
@@ -323,29 +319,29 @@ class JobRunner:
             return await self._handled(handler, item)
         try:
             key = await self._key(item)
-            prepared = await self._prepare(item, key)
+            # The body was validated at creation; parsing it again gives the request model.
+            req = completion_request(item.body, chat=item.url == CHAT_URL)
             # A job's completions are S0 (the lowest slot priority); the id makes the usage
             # event the item's own, the same on every run of it.
-            prepared = replace(prepared, service_class=ServiceClass.S0, id=item.usage_id)
-            async with contextlib.aclosing(service.start(prepared)) as generation:
-                running.generation = generation
-                if running.cancelled:
-                    generation.cancel()
-                finished = await drain(generation)
+            completed = await service.run(
+                req,
+                key,
+                ROUTE,
+                running,
+                service_class=ServiceClass.S0,
+                request_id=item.usage_id,
+                record=self._record,
+            )
         except ApiError as err:
             if err.status in {RETRY_LATER, UNAVAILABLE}:
                 return _Retry(err)
             return _Result(err.status, err.body())
-        if finished.finish_reason == "cancelled":
-            await self._record(prepared, finished, CLIENT_CLOSED)
+        if completed.cancelled:
             return None
-        problems = service.problems(prepared, finished)
-        if problems:
-            error = invalid_output(problems)
-            await self._record(prepared, finished, error.status)
+        if completed.problems:
+            error = invalid_output(completed.problems)
             return _Result(error.status, error.body())
-        await self._record(prepared, finished, 200)
-        return _Result(200, response_body(prepared, finished))
+        return _Result(200, response_body(completed.prepared, completed.finished))
 
     async def _handled(self, handler: ItemHandler, item: PendingItem) -> _Result | _Retry:
         try:
@@ -371,14 +367,6 @@ class JobRunner:
             # Revoking a key stops the work it started.
             raise ApiError(ErrorCode.revoked_api_key, f"the API key {key.prefix} was revoked")
         return key
-
-    async def _prepare(self, item: PendingItem, key: ApiKey) -> Prepared:
-        # The body was validated at creation; parsing it again gives the request model.
-        if item.url == CHAT_URL:
-            chat = parse_body(ChatCompletionRequest, item.body, UNSUPPORTED_CHAT)
-            return await self._completions.prepare_chat(chat, key, ROUTE)
-        text = parse_body(CompletionRequest, item.body, UNSUPPORTED_COMPLETION)
-        return await self._completions.prepare_text(text, key, ROUTE)
 
     def _pause_account(self, item: PendingItem, error: ApiError) -> None:
         """Start none of the account's items for a while; other accounts' still run."""

@@ -20,7 +20,7 @@ from shared.errors import ApiError, ErrorCode
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from appliance.gateway.completions import CompletionService
+    from appliance.inference.completions import CompletionService
     from appliance.observability.metrics import Metrics
     from appliance.settings import JobSettings
     from appliance.state.jobs import ItemResult, Job, NewItem

@@ -13,20 +13,17 @@ calls it), writing 16-bit PCM WAV; its output is byte-identical run to run.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import html
 import json
 from typing import TYPE_CHECKING, Any
 
-from appliance.gateway.completions import drain
-from appliance.gateway.parsing import parse_body
-from appliance.gateway.schemas import UNSUPPORTED_CHAT, ChatCompletionRequest
+from appliance.inference.schemas import UNSUPPORTED_CHAT, ChatCompletionRequest, parse_body
 from appliance.packages.model import Choice, Feedback, Item, ItemType, Level
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
-    from appliance.gateway.completions import CompletionService
+    from appliance.inference.completions import CompletionService
     from appliance.state.store import ApiKey
 
 TEMPLATE_VERSION = "2"
@@ -244,14 +241,10 @@ async def generate_item(
         },
     }
     req = parse_body(ChatCompletionRequest, body, UNSUPPORTED_CHAT)
-    prepared = await completions.prepare_chat(req, key, ROUTE, max_tokens_limit=max_tokens)
-    async with contextlib.aclosing(completions.start(prepared)) as generation:
-        finished = await drain(generation)
-    problems = completions.problems(prepared, finished)
-    await completions.record(prepared, finished, 422 if problems else 200)
-    if problems:
-        raise ApiError(ErrorCode.output_validation_failed, "; ".join(problems))
-    return to_item(kind, json.loads(finished.text), n, language)
+    completed = await completions.run(req, key, ROUTE, max_tokens_limit=max_tokens)
+    if completed.problems:
+        raise ApiError(ErrorCode.output_validation_failed, "; ".join(completed.problems))
+    return to_item(kind, json.loads(completed.finished.text), n, language)
 
 
 def cover_svg(title: str, subtitle: str) -> bytes:

@@ -57,7 +57,7 @@ from shared.errors import ApiError, ErrorCode
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
-    from appliance.gateway.completions import CompletionService
+    from appliance.inference.completions import CompletionService
     from appliance.packages.cache import CachedPackage, PackageCache
     from appliance.serving.registry import ModelRegistry
     from appliance.settings import PackageSettings

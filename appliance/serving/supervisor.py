@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 import psutil
 
 from appliance.serving import ipc
-from appliance.serving.admission import InFlight
 from appliance.serving.devices import Placement
 from appliance.serving.engine import (
     EngineError,
@@ -36,6 +35,7 @@ from appliance.serving.engine import (
     Run,
     Vocabulary,
 )
+from appliance.serving.predictor import InFlight
 from appliance.serving.sampling import GrammarError
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance.quotas.buckets import TokenBucket
-from appliance.serving.admission import (
+from appliance.serving.predictor import (
     Capacity,
     InFlight,
     Objectives,

@@ -35,7 +35,7 @@ from shared.errors import ApiError, ErrorCode
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from appliance.gateway.schemas import EmbeddingRequest
+    from appliance.inference.schemas import EmbeddingRequest
     from appliance.observability.metrics import Metrics
     from appliance.settings import EmbeddingSettings
     from appliance.state.store import ApiKey, AsyncStore

@@ -1,18 +1,24 @@
 """The completion service: an API request → a generation, its events, its usage record.
 
-No aiohttp here; the handlers and the SSE writer call this. Domain failures from the engine,
-the model host and the chat template become ApiErrors at this boundary.
+`CompletionService.complete` is the one drive of a completion (admit → generate →
+validate → record), and `run` puts `prepare` in front of it: the HTTP and SSE handlers,
+the WebSocket handler, the job runner and the package generator all run their completions
+through it, each passing what it does with the events as a :class:`Sink`.
+
+No aiohttp here. Domain failures from the engine, the model host and the chat template
+become ApiErrors at this boundary.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from appliance.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from appliance.inference.schemas import ChatCompletionRequest, CompletionRequest
 from appliance.serving.chat import ChatTemplateError
 from appliance.serving.engine import (
     EngineError,
@@ -22,6 +28,7 @@ from appliance.serving.engine import (
     NotLoadedError,
     QueueFullError,
     Run,
+    TextDelta,
 )
 from appliance.serving.registry import (
     Deployment,
@@ -42,12 +49,15 @@ from appliance.validation.structured import (
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
-    from appliance.gateway.admission import AdmissionControl
+    from appliance.inference.admission import AdmissionControl
     from appliance.observability.metrics import Metrics
     from appliance.observability.tracing import Tracing
     from shared.classes import ServiceClass
+
+    # Commits a finished completion's usage: (prepared, finished, status).
+    Recorder = Callable[["Prepared", Finished, int], Awaitable[None]]
 
 Kind = Literal["chat", "text"]
 
@@ -80,6 +90,47 @@ class Prepared:
         return self.service_class or self.key.account.service_class
 
 
+@dataclass(frozen=True)
+class Completed:
+    """A completion that ran to its end, its usage recorded."""
+
+    prepared: Prepared
+    finished: Finished
+    # Why the output fails its `response_format` (empty when it holds, or when cancelled).
+    problems: list[str]
+    status: int  # the status its usage event was recorded with
+
+    @property
+    def cancelled(self) -> bool:
+        """Its generation was cancelled (by its caller) before it ended."""
+        return self.finished.finish_reason == "cancelled"
+
+
+class Sink:
+    """What a caller does with a completion's events while `CompletionService.complete`
+    drives it. Every hook does nothing here; a caller overrides those it needs."""
+
+    # Its text is traced as the `stream` span (the SSE stream's).
+    stream_span = False
+    # Its client can go away mid-stream (its connection reset, its handler cancelled):
+    # the sequence is stopped, and the tokens it spent are still recorded (as
+    # CLIENT_CLOSED) before the exception goes on.
+    record_when_gone = False
+
+    async def started(self, generation: Generation) -> None:
+        """The generation is submitted (admitted, its lease taken); no event yet."""
+
+    async def first(self, event: Event) -> None:
+        """Its first event came: a refusal before this one is still an ApiError raised
+        from `complete`, to answer with a status code of its own."""
+
+    async def streaming(self) -> None:
+        """Before its first text is passed on (inside the `stream` span)."""
+
+    async def text(self, text: str) -> None:
+        """A piece of generated text, in order."""
+
+
 class CompletionService:
     def __init__(
         self,
@@ -98,7 +149,31 @@ class CompletionService:
         self._admission = admission
         self._tracing = tracing
 
-    async def prepare_chat(
+    async def prepare(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        key: ApiKey,
+        route: str,
+        *,
+        max_tokens_limit: int | None = None,
+        service_class: ServiceClass | None = None,
+        request_id: str | None = None,
+    ) -> Prepared:
+        """A chat or text request ready to generate. `service_class`: the class it runs in
+        in place of its account's (a job's completions run as S0); `request_id`: the id of
+        its usage event in place of a fresh one (a job item's own, the same on every run
+        of it)."""
+        if isinstance(req, ChatCompletionRequest):
+            prepared = await self._prepare_chat(req, key, route, max_tokens_limit=max_tokens_limit)
+        else:
+            prepared = await self._prepare_text(req, key, route, max_tokens_limit=max_tokens_limit)
+        if service_class is not None:
+            prepared = replace(prepared, service_class=service_class)
+        if request_id is not None:
+            prepared = replace(prepared, id=request_id)
+        return prepared
+
+    async def _prepare_chat(
         self,
         req: ChatCompletionRequest,
         key: ApiKey,
@@ -139,7 +214,14 @@ class CompletionService:
             structured=structured,
         )
 
-    async def prepare_text(self, req: CompletionRequest, key: ApiKey, route: str) -> Prepared:
+    async def _prepare_text(
+        self,
+        req: CompletionRequest,
+        key: ApiKey,
+        route: str,
+        *,
+        max_tokens_limit: int | None = None,
+    ) -> Prepared:
         await self._quota(key)
         engine = await self._engine(req.model)
         if isinstance(req.prompt, list):
@@ -162,6 +244,7 @@ class CompletionService:
             param="max_tokens",
             req=req,
             structured=None,
+            limit=max_tokens_limit,
         )
         return self._prepared(
             "text", route=route, key=key, engine=engine, request=request, req=req, structured=None
@@ -246,8 +329,8 @@ class CompletionService:
             grammar=structured.grammar if structured is not None else None,
         )
 
-    def start(self, prepared: Prepared) -> Generation:
-        """Submit the generation; iterate the result for its events."""
+    def _start(self, prepared: Prepared) -> Generation:
+        """Admit and submit the generation; iterate the result for its events."""
         klass = prepared.klass
         request = replace(prepared.request, priority=klass.priority)
         with self._tracing.span("admission", {"kvl.class": klass.value}):
@@ -278,6 +361,71 @@ class CompletionService:
             on_close=lambda: self._admission.settle_lease(prepared.lease_id, prepared.id, 0),
         )
 
+    async def run(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        key: ApiKey,
+        route: str,
+        sink: Sink | None = None,
+        *,
+        max_tokens_limit: int | None = None,
+        service_class: ServiceClass | None = None,
+        request_id: str | None = None,
+        record: Recorder | None = None,
+    ) -> Completed:
+        """A completion end to end: `prepare`, then `complete`."""
+        prepared = await self.prepare(
+            req,
+            key,
+            route,
+            max_tokens_limit=max_tokens_limit,
+            service_class=service_class,
+            request_id=request_id,
+        )
+        return await self.complete(prepared, sink, record=record)
+
+    async def complete(
+        self, prepared: Prepared, sink: Sink | None = None, *, record: Recorder | None = None
+    ) -> Completed:
+        """The one drive of a prepared completion: admit and submit it, pass its events to
+        `sink`, validate its output, record its usage (`record`, or the caller's own
+        recorder). Refusals and failures are ApiErrors; a generation its caller cancelled
+        is recorded as CLIENT_CLOSED, without validation."""
+        sink = sink if sink is not None else Sink()
+        record = record if record is not None else self.record
+        async with contextlib.aclosing(self._start(prepared)) as generation:
+            await sink.started(generation)
+            # The first event before anything is answered, so a grammar the engine refuses
+            # (or a shed) is still a proper status code rather than an error in a stream.
+            event = await anext(generation)
+            await sink.first(event)
+            try:
+                with contextlib.ExitStack() as stack:
+                    if sink.stream_span:
+                        stack.enter_context(
+                            self._tracing.span("stream", {"kvl.model": prepared.model})
+                        )
+                    await sink.streaming()
+                    while isinstance(event, TextDelta):
+                        await sink.text(event.text)
+                        event = await anext(generation)
+            except (ConnectionResetError, asyncio.CancelledError):
+                if sink.record_when_gone:
+                    # The client went away: stop the sequence, still count what it spent.
+                    generation.cancel()
+                    finished = await asyncio.shield(drain(generation))
+                    await asyncio.shield(record(prepared, finished, CLIENT_CLOSED))
+                raise
+            finished = event
+            problems: list[str] = []
+            if finished.finish_reason == "cancelled":
+                status = CLIENT_CLOSED
+            else:
+                problems = self._problems(prepared, finished)
+                status = ErrorCode.output_validation_failed.status if problems else 200
+            await record(prepared, finished, status)
+        return Completed(prepared, finished, problems, status)
+
     def _trace_generation(self, prepared: Prepared, finished: Finished) -> None:
         """The worker's side as spans, from its own timings: waiting for a batch slot, then
         prefill and decode in the slot."""
@@ -299,11 +447,11 @@ class CompletionService:
             },
         )
 
-    def problems(self, prepared: Prepared, finished: Finished) -> list[str]:
-        with self._tracing.span("validation", {"kvl.structured": prepared.structured is not None}):
-            return self._problems(prepared, finished)
-
     def _problems(self, prepared: Prepared, finished: Finished) -> list[str]:
+        with self._tracing.span("validation", {"kvl.structured": prepared.structured is not None}):
+            return self._output_problems(prepared, finished)
+
+    def _output_problems(self, prepared: Prepared, finished: Finished) -> list[str]:
         """Why the output fails its structured-output contract (empty when it holds)."""
         if prepared.structured is None or finished.finish_reason == "cancelled":
             return []
@@ -422,95 +570,6 @@ def _structured(req: ChatCompletionRequest) -> StructuredOutput | None:
         raise ApiError(
             ErrorCode.invalid_schema, str(err), param="response_format.json_schema.schema"
         ) from err
-
-
-# -- OpenAI response shapes ---------------------------------------------------------------
-
-
-def usage(finished: Finished) -> dict[str, int]:
-    return {
-        "prompt_tokens": finished.prompt_tokens,
-        "completion_tokens": finished.completion_tokens,
-        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
-    }
-
-
-def finish_reason(finished: Finished) -> str:
-    return "length" if finished.finish_reason == "length" else "stop"
-
-
-def response_body(prepared: Prepared, finished: Finished) -> dict[str, Any]:
-    if prepared.kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": finished.text},
-            "finish_reason": finish_reason(finished),
-            "logprobs": None,
-        }
-        obj, prefix = "chat.completion", "chatcmpl-"
-    else:
-        choice = {
-            "index": 0,
-            "text": finished.text,
-            "finish_reason": finish_reason(finished),
-            "logprobs": None,
-        }
-        obj, prefix = "text_completion", "cmpl-"
-    return {
-        "id": prefix + prepared.id,
-        "object": obj,
-        "created": prepared.created,
-        "model": prepared.model,
-        "choices": [choice],
-        "usage": usage(finished),
-    }
-
-
-def chunk_body(
-    prepared: Prepared,
-    *,
-    text: str | None = None,
-    role: bool = False,
-    finished: Finished | None = None,
-    usage_only: bool = False,
-) -> dict[str, Any]:
-    """One streamed chunk in OpenAI's format.
-
-    The chunk carrying `finish_reason` also carries `usage` (as llama-server does), so every
-    client sees the token counts; with `stream_options.include_usage` OpenAI's separate final
-    chunk (empty `choices`) follows as well.
-    """
-    chat = prepared.kind == "chat"
-    body: dict[str, Any] = {
-        "id": ("chatcmpl-" if chat else "cmpl-") + prepared.id,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": prepared.created,
-        "model": prepared.model,
-    }
-    if usage_only and finished is not None:
-        body["choices"] = []
-        body["usage"] = usage(finished)
-        return body
-    reason = finish_reason(finished) if finished is not None else None
-    if chat:
-        delta: dict[str, Any] = {}
-        if role:
-            delta["role"] = "assistant"
-            delta["content"] = ""
-        if text is not None:
-            delta["content"] = text
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": delta,
-            "finish_reason": reason,
-            "logprobs": None,
-        }
-    else:
-        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
-    body["choices"] = [choice]
-    if finished is not None:
-        body["usage"] = usage(finished)
-    return body
 
 
 # The status recorded for a request whose client went away before it ended (nginx's).

@@ -1,12 +1,13 @@
-"""Admission at the door: predict a request's wait and first token, refuse it now if its
-service class's objectives cannot be met.
+"""The admission predictor: a request's wait and first token predicted from the batch slots,
+and the decision to refuse it now if its service class's objectives cannot be met.
 
-Pure: no clock, no I/O. The gateway keeps, per model, the measured service rates
-(:class:`Rates`, smoothed) and what is in flight (:class:`InFlight`), and asks
-:func:`decide` before it submits a request. The prediction replays the batch slots: each
-running sequence frees its slot after its expected remaining tokens; the requests queued
-ahead (higher priority first, then arrival) take slots as they free; the new request takes
-the first slot left. Its first token follows its prefill and one decode step.
+Pure: no clock, no I/O. The admission control (appliance.inference.admission) keeps, per
+model, the measured service rates (:class:`Rates`, smoothed) and what is in flight
+(:class:`InFlight`), and asks :func:`decide` before it submits a request. The prediction
+replays the batch slots: each running sequence frees its slot after its expected
+remaining tokens; the requests queued ahead (higher priority first, then arrival) take
+slots as they free; the new request takes the first slot left. Its first token follows
+its prefill and one decode step.
 
 Priority rules (the service classes of ../ARCHITECTURE.md §2): slots reserved for S2 are
 not counted for lower classes; running S0 sequences are preemptible, so for S1 and above

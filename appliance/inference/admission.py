@@ -1,7 +1,8 @@
 """Admission control at the door: service-class objectives, per-account quotas, and the
-throttle on failed authentication. No aiohttp here; the completion service calls it.
+throttle on failed authentication. No aiohttp here; the completion service (and the
+gateway's authentication) calls it.
 
-The prediction itself is pure (appliance.serving.admission); this service keeps what it
+The prediction itself is pure (appliance.serving.predictor); this service keeps what it
 needs between requests: each model's smoothed service rates, each account's buckets, and
 the metrics of every decision.
 """
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from appliance.fleet.leases import LeaseBook
 from appliance.quotas.buckets import TokenBucket
-from appliance.serving.admission import Capacity, InFlight, Objectives, Rates, decide
+from appliance.serving.predictor import Capacity, InFlight, Objectives, Rates, decide
 from shared.classes import ServiceClass
 from shared.errors import ApiError, ErrorCode
 
