@@ -237,9 +237,3 @@ async def _stream(
         await sse.send_done(response)
     await response.write_eof()
     return response
-
-
-async def openapi(request: web.Request) -> web.Response:
-    from appliance.gateway.openapi import build_openapi  # noqa: PLC0415 - the route table imports this module
-
-    return web.json_response(build_openapi())

@@ -1,12 +1,39 @@
-"""The OpenAPI 3.1 document of the LAN API, built from the route table and request models."""
+"""A route of the LAN API as its table describes it, and the OpenAPI 3.1 document built from
+a route table (`appliance.gateway.routes`) and its request models."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from appliance.gateway.routes import ROUTES
+from aiohttp import web
+
 from shared import __version__
 from shared.errors import ErrorCode
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    handler: Handler
+    summary: str
+    auth: bool
+    body: type[BaseModel] | None = None
+    errors: tuple[ErrorCode, ...] = ()
+    streams: bool = False
+    status: int = 200  # of a success
+    # "hub": only the fleet's hub calls it (with the node's offload secret, not an API key)
+    caller: str = "client"
+    # The router's pattern where it differs from the documented path (a slash in a value).
+    router_path: str | None = None
+
 
 _ERROR_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -26,10 +53,10 @@ _ERROR_SCHEMA: dict[str, Any] = {
 }
 
 
-def build_openapi() -> dict[str, Any]:
+def build_openapi(routes: Iterable[Route]) -> dict[str, Any]:
     components: dict[str, Any] = {"Error": _ERROR_SCHEMA}
     paths: dict[str, Any] = {}
-    for route in ROUTES:
+    for route in routes:
         op: dict[str, Any] = {
             "summary": route.summary,
             "operationId": route.handler.__name__,

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from aiohttp import web
 
 from appliance.gateway import admin, handlers, jobs, packages, websocket
 from appliance.gateway.jobs import JobRequest
+from appliance.gateway.openapi import Route, build_openapi
 from appliance.gateway.schemas import AdminModelRequest
 from appliance.inference.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from appliance.packages.model import PackageRequest
 from shared.errors import ErrorCode
-
-if TYPE_CHECKING:
-    from pydantic import BaseModel
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _AUTH = (ErrorCode.missing_api_key, ErrorCode.invalid_api_key, ErrorCode.revoked_api_key)
 _BODY = (
@@ -40,21 +32,9 @@ _GENERATE = (
 _ADMIN = (*_AUTH, ErrorCode.permission_denied)
 
 
-@dataclass(frozen=True)
-class Route:
-    method: str
-    path: str
-    handler: Handler
-    summary: str
-    auth: bool
-    body: type[BaseModel] | None = None
-    errors: tuple[ErrorCode, ...] = ()
-    streams: bool = False
-    status: int = 200  # of a success
-    # "hub": only the fleet's hub calls it (with the node's offload secret, not an API key)
-    caller: str = "client"
-    # The router's pattern where it differs from the documented path (a slash in a value).
-    router_path: str | None = None
+async def openapi(request: web.Request) -> web.Response:
+    """The OpenAPI document of the table below."""
+    return web.json_response(build_openapi(ROUTES))
 
 
 ROUTES: tuple[Route, ...] = (
@@ -68,7 +48,7 @@ ROUTES: tuple[Route, ...] = (
         errors=(ErrorCode.model_not_ready,),
     ),
     Route("GET", "/metrics", handlers.metrics, "OpenMetrics exposition.", auth=False),
-    Route("GET", "/openapi.json", handlers.openapi, "This API's OpenAPI 3.1 document.", auth=False),
+    Route("GET", "/openapi.json", openapi, "This API's OpenAPI 3.1 document.", auth=False),
     Route(
         "GET",
         "/v1/models",
