@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from appliance.jobs.destinations import parse_allow
 
 EXAMPLE_HEADER = """
 Kovenlab Edge appliance: every setting, at its default.
@@ -263,6 +262,33 @@ class PackageSettings(_Section):
         description="A Piper voice file (.onnx, its .onnx.json beside it); unset: the "
         "en_US voice the `voice` extra installs.",
     )
+
+
+def parse_allow(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | str:
+    """One `jobs.webhook_allow` entry: a network (`127.0.0.1/8`, host bits allowed) or a
+    host name, lower case, without a final dot. ValueError for anything else. (The webhook
+    check, appliance.jobs.destinations, reads the entries the same way.)"""
+    text = entry.strip()
+    try:
+        return ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        pass
+    name = text.lower().removesuffix(".")
+    labels = name.split(".")
+    if (
+        not name
+        or len(name) > 253
+        or not all(
+            0 < len(label) <= 63
+            and label.isascii()
+            and all(c.isalnum() or c == "-" for c in label)
+            and not label.startswith("-")
+            and not label.endswith("-")
+            for label in labels
+        )
+    ):
+        raise ValueError(f"{entry!r} is neither a CIDR network nor a host name")
+    return name
 
 
 class JobSettings(_Section):

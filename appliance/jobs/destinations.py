@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import yarl
 
+from appliance.settings import parse_allow
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
@@ -40,32 +42,6 @@ class WebhookDestinationError(OSError):
     """The webhook URL's host is, or resolves to, an address webhooks may not go to.
 
     An OSError, so that aiohttp's connector reports it as the connection error it is."""
-
-
-def parse_allow(entry: str) -> Network | str:
-    """One `jobs.webhook_allow` entry: a network (`127.0.0.1/8`, host bits allowed) or a
-    host name, lower case, without a final dot. ValueError for anything else."""
-    text = entry.strip()
-    try:
-        return ipaddress.ip_network(text, strict=False)
-    except ValueError:
-        pass
-    name = text.lower().removesuffix(".")
-    labels = name.split(".")
-    if (
-        not name
-        or len(name) > 253
-        or not all(
-            0 < len(label) <= 63
-            and label.isascii()
-            and all(c.isalnum() or c == "-" for c in label)
-            and not label.startswith("-")
-            and not label.endswith("-")
-            for label in labels
-        )
-    ):
-        raise ValueError(f"{entry!r} is neither a CIDR network nor a host name")
-    return name
 
 
 def url_host(url: str) -> str:
