@@ -1,0 +1,147 @@
+"""Model files, the deployments of them, and where the placement reconciler put each
+replica (hub/reconciler.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hub.state.base import ConflictError, NotFoundError, StoreBase
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
+
+@dataclass(frozen=True)
+class ModelArtifact:
+    name: str
+    version: str
+    sha256: str
+    size_bytes: int
+    format: str
+    memory_mib: int
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+@dataclass(frozen=True)
+class DeploymentRecord:
+    id: str
+    model: str  # name@version
+    replicas: int
+    service_class: str
+    isolation: str
+    constraints: Mapping[str, Any]  # sites, regions, labels, gpu, gpu_memory_mib, tenant
+
+
+class DeploymentsMixin(StoreBase):
+    """The `models`, `deployments` and `placements` tables."""
+
+    def add_model(self, model: ModelArtifact) -> None:
+        added = self.db.execute(
+            "INSERT INTO models (ref, name, version, sha256, size_bytes, format, memory_mib,"
+            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            [model.ref, model.name, model.version, model.sha256, model.size_bytes,
+             model.format, model.memory_mib, self.clock()],
+        ).rowcount  # fmt: skip
+        if added == 0:
+            raise ConflictError(f"model {model.ref} is already registered")
+
+    def models(self) -> list[ModelArtifact]:
+        rows = self.db.execute(
+            "SELECT name, version, sha256, size_bytes, format, memory_mib FROM models ORDER BY ref"
+        ).fetchall()
+        return [ModelArtifact(*r) for r in rows]
+
+    def model_by_sha256(self, sha256: str) -> ModelArtifact | None:
+        row = self.db.execute(
+            "SELECT name, version, sha256, size_bytes, format, memory_mib FROM models"
+            " WHERE sha256 = ? LIMIT 1",
+            [sha256],
+        ).fetchone()
+        return None if row is None else ModelArtifact(*row)
+
+    def deploy(self, deployment: DeploymentRecord) -> int:
+        """Add a deployment; the new serial (the reconciler places it within seconds)."""
+        with self.db.transaction():
+            if not self.db.execute(
+                "SELECT 1 FROM models WHERE ref = ?", [deployment.model]
+            ).fetchone():
+                raise NotFoundError(
+                    f"no model {deployment.model!r}; add it with `kvl hub models add`",
+                    param="model",
+                )
+            self.db.execute(
+                "INSERT INTO deployments (id, model, replicas, service_class, isolation,"
+                " constraints, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [deployment.id, deployment.model, deployment.replicas, deployment.service_class,
+                 deployment.isolation, json.dumps(deployment.constraints), self.clock()],
+            )  # fmt: skip
+            return self._bump()
+
+    def undeploy(self, deployment_id: str) -> int:
+        with self.db.transaction():
+            gone = self.db.execute("DELETE FROM deployments WHERE id = ?", [deployment_id])
+            if gone.rowcount == 0:
+                raise NotFoundError(f"no deployment {deployment_id!r}")
+            self.db.execute("DELETE FROM placements WHERE deployment_id = ?", [deployment_id])
+            return self._bump()
+
+    def deployments(self) -> list[DeploymentRecord]:
+        rows = self.db.execute(
+            "SELECT id, model, replicas, service_class, isolation, constraints FROM deployments"
+            " ORDER BY created_at, id"
+        ).fetchall()
+        return [DeploymentRecord(r[0], r[1], int(r[2]), r[3], r[4], json.loads(r[5])) for r in rows]
+
+    def placements(self) -> list[tuple[str, str, int | None]]:
+        """(deployment id, node id, GPU index or None) of every replica placed."""
+        rows = self.db.execute(
+            "SELECT deployment_id, node_id, gpu FROM placements ORDER BY deployment_id, node_id"
+        ).fetchall()
+        return [(r[0], r[1], r[2]) for r in rows]
+
+    def apply_placements(self, wanted: Iterable[tuple[str, str, int | None]]) -> bool:
+        """Make the placements exactly `wanted` (the planner's answer); True when that
+        changed anything (the desired state's serial then moves, so nodes converge).
+
+        Every replica runs the reconciler: the serial's row, locked first, lets one apply
+        at a time, and each compares with the placements as the one before left them."""
+        target = set(wanted)
+        with self.db.transaction():
+            self.db.execute(
+                "INSERT INTO meta (key, value) VALUES ('desired_serial', '0')"
+                " ON CONFLICT DO NOTHING"
+            )
+            self.db.execute(
+                f"SELECT value FROM meta WHERE key = 'desired_serial'{self.db.for_update}"  # noqa: S608 - a constant
+            ).fetchall()
+            current = set(self.placements())
+            if current == target:
+                return False
+            self.db.executemany(
+                "DELETE FROM placements WHERE deployment_id = ? AND node_id = ?",
+                sorted((d, n) for d, n, _ in current - target),
+            )
+            now = self.clock()
+            self.db.executemany(
+                "INSERT INTO placements (deployment_id, node_id, gpu, created_at)"
+                " VALUES (?, ?, ?, ?) ON CONFLICT (deployment_id, node_id) DO UPDATE SET"
+                " gpu = excluded.gpu",
+                [(d, n, g, now) for d, n, g in sorted(target - current, key=str)],
+            )
+            self._bump()
+            return True
+
+    def placed_models(self, node_id: str) -> list[ModelArtifact]:
+        """The models placed on a node, for its desired state."""
+        rows = self.db.execute(
+            "SELECT DISTINCT m.name, m.version, m.sha256, m.size_bytes, m.format, m.memory_mib,"
+            " m.ref FROM placements p JOIN deployments d ON d.id = p.deployment_id"
+            " JOIN models m ON m.ref = d.model WHERE p.node_id = ? ORDER BY m.ref",
+            [node_id],
+        ).fetchall()
+        return [ModelArtifact(*r[:6]) for r in rows]

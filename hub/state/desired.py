@@ -1,0 +1,73 @@
+"""The desired state of a node: what it should hold, from several aggregates (accounts,
+keys, placed models, seeded packages), under the serial it is at."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hub.state.accounts import AccountsMixin
+from hub.state.api_keys import ApiKeysMixin
+from hub.state.deployments import DeploymentsMixin
+from hub.state.packages import PackagesMixin
+from shared import protocol
+
+if TYPE_CHECKING:
+    from hub.state.nodes import Node
+
+
+class DesiredStateMixin(AccountsMixin, ApiKeysMixin, DeploymentsMixin, PackagesMixin):
+    """What a node pulls (`GET /v1/node/state`), read across aggregates."""
+
+    def desired_state(self, node: Node) -> protocol.DesiredState:
+        """What ``node`` should hold, with the serial it is at. Only the node's own.
+
+        One transaction, and the serial read first: a change committed while this reads
+        (on PostgreSQL each statement sees the latest commit) can then only give the node
+        newer accounts and keys under an older serial, which it pulls again at its next
+        heartbeat; never an older state under the newer serial, which it would keep."""
+        with self.db.transaction():
+            serial = self.desired_serial()
+            names = self.node_accounts(node)
+            accounts = [
+                protocol.AccountState(
+                    name=r["name"],
+                    service_class=r["service_class"],
+                    requests_per_minute=r["requests_per_minute"],
+                    tokens_per_day=r["tokens_per_day"],
+                    # Spent through leases (POST /v1/node/leases) when set.
+                    budget_tokens=r["budget_tokens"],
+                )
+                for r in self.db.query("SELECT * FROM accounts ORDER BY name")
+                if r["name"] in names
+            ]
+            keys = [
+                protocol.KeyState(
+                    prefix=r["prefix"],
+                    hash=r["hash"],
+                    account=r["account"],
+                    admin=bool(r["admin"]),
+                    revoked=r["revoked_at"] is not None,
+                )
+                for r in self.db.query("SELECT * FROM api_keys ORDER BY prefix")
+                if r["account"] in names
+            ]
+            return protocol.DesiredState(
+                node_id=node.id,
+                serial=serial,
+                accounts=accounts,
+                keys=keys,
+                # The models placed on this node: it fetches each artifact through the
+                # tunnel (GET /v1/node/artifacts/SHA256), checks its sha256, loads it.
+                models=[
+                    protocol.PlacedModel(
+                        name=m.name,
+                        version=m.version,
+                        sha256=m.sha256,
+                        size_bytes=m.size_bytes,
+                        format=m.format,
+                    )
+                    for m in self.placed_models(node.id)
+                ],
+                # The content packages seeded to this node: fetched the same way, pinned.
+                packages=self.seeded_packages(node),
+            )

@@ -1,0 +1,299 @@
+"""The node registry: enrollment (a token spent, a node and its overlay address, in one
+transaction), node tokens, heartbeats, drains and revocations. Every read of node rows
+goes through `_node_rows` and `node_of`."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hub.state.base import AUTH_REVISION, NotFoundError, StoreBase
+from hub.state.tokens import EnrollmentToken, TokenProblem, TokenRefusedError, token_of
+from shared import protocol, sql
+from shared.keys import ENROLLMENT_TOKEN, NODE_TOKEN, generate_key, key_matches, parse_prefix
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+
+class AddressPoolExhaustedError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Node:
+    id: str
+    name: str
+    site: str
+    wg_public_key: str
+    overlay_address: str
+    enrolled_at: float
+    last_seen: float | None
+    revoked_at: float | None
+    labels: dict[str, str] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+    capacity: protocol.Capacity = field(default_factory=protocol.Capacity)
+    address: str | None = None  # where its heartbeats come from
+    draining: bool = False  # the operator drains it: its replicas move away
+
+    @property
+    def api_url(self) -> str | None:
+        """The node's LAN API as the hub reaches it (its heartbeats name port and TLS)."""
+        api = self.capacity.api
+        if self.address is None or api is None:
+            return None
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{'https' if api.tls else 'http'}://{host}:{api.port}"
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+
+@dataclass(frozen=True)
+class Enrolled:
+    node: Node
+    node_token: str  # shown once, to the node
+
+
+class AlreadyEnrolledError(Exception):
+    """A node with this WireGuard key is enrolled already, and this is not a retry of
+    that enrollment (another token, or too late)."""
+
+
+# An enrollment whose answer was lost may be sent again, with the same token and key, for
+# this long: it gets the same node, with a new node token (the first was never received).
+ENROLL_RETRY_S = 600.0
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    node_id: str
+    at: float  # unix seconds
+    versions: Mapping[str, str]
+    capacity: protocol.Capacity
+    address: str | None = None  # the caller's address
+
+
+def capacity_of(stored: str | None) -> protocol.Capacity:
+    """A node's last reported capacity as stored (validated when it arrived). A row an
+    older hub wrote, in the free-form capacity of protocol 1, reads as empty until the
+    node's next heartbeat."""
+    if not stored:
+        return protocol.Capacity()
+    try:
+        return protocol.Capacity.model_validate_json(stored)
+    except ValueError:
+        return protocol.Capacity()
+
+
+def node_of(row: Mapping[str, Any]) -> Node:
+    return Node(
+        id=row["id"],
+        name=row["name"],
+        site=row["site"],
+        wg_public_key=row["wg_public_key"],
+        overlay_address=row["overlay_address"],
+        enrolled_at=row["enrolled_at"],
+        last_seen=row["last_seen"],
+        revoked_at=row["revoked_at"],
+        labels=json.loads(row["labels"] or "{}"),
+        versions=json.loads(row["versions"] or "{}"),
+        capacity=capacity_of(row["capacity"]),
+        address=row.get("address"),
+        draining=bool(row.get("draining")),
+    )
+
+
+class NodesMixin(StoreBase):
+    """The `nodes` table."""
+
+    @sql.retrying()
+    def enroll(
+        self,
+        token: str,
+        *,
+        name: str,
+        wg_public_key: str,
+        overlay_prefix: str,
+        labels: Mapping[str, str],
+        versions: Mapping[str, str],
+    ) -> Enrolled:
+        """Spend one use of ``token`` and register a node with the next free overlay
+        address, in one transaction. Raises TokenRefusedError naming the problem."""
+        prefix = parse_prefix(token, ENROLLMENT_TOKEN)
+        now = self.clock()
+        with self.db.transaction():
+            rows = self.db.query("SELECT * FROM enrollment_tokens WHERE prefix = ?", [prefix])
+            if prefix is None or not rows or not key_matches(token, rows[0]["hash"]):
+                raise TokenRefusedError(TokenProblem.unknown, prefix)
+            record = token_of(rows[0])
+            state = record.state(now)
+            if state == "revoked":
+                raise TokenRefusedError(TokenProblem.revoked, prefix)
+            # A retry may find its token used up (by itself) or just expired.
+            again = self._enrolled_again(record, wg_public_key, name, now)
+            if again is not None:
+                return again
+            if state != "active":
+                raise TokenRefusedError(TokenProblem(state), prefix)
+            # Spent only while a use is left, checked by the UPDATE itself: of two replicas
+            # spending the last use at once, the second updates nothing (PostgreSQL makes
+            # it wait for the first, then reads the row again).
+            spent = self.db.execute(
+                "UPDATE enrollment_tokens SET uses_left = uses_left - 1 WHERE prefix = ?"
+                " AND uses_left > 0 AND revoked_at IS NULL AND expires_at > ?",
+                [prefix, now],
+            ).rowcount
+            if spent != 1:
+                raise TokenRefusedError(TokenProblem.used, prefix)
+            node_token = generate_key(NODE_TOKEN)
+            node_id = uuid.uuid4().hex
+            tried: set[str] = set()
+            while True:
+                address = self._next_address(overlay_prefix, tried)
+                # The UNIQUE index on overlay_address lets one node have it; a replica that
+                # lost the race inserts nothing and tries the next address.
+                inserted = self.db.execute(
+                    "INSERT INTO nodes (id, name, site, labels, wg_public_key, overlay_address,"
+                    " token_prefix, token_hash, enrolled_with, enrolled_at, last_seen, versions,"
+                    " capacity, revoked_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, '{}',"
+                    " NULL) ON CONFLICT (overlay_address) DO NOTHING",
+                    [node_id, name, record.site, json.dumps(dict(labels)), wg_public_key, address,
+                     node_token.prefix, node_token.hash, prefix, now, json.dumps(dict(versions))],
+                ).rowcount  # fmt: skip
+                if inserted == 1:
+                    break
+                tried.add(address)
+        node = Node(
+            id=node_id,
+            name=name,
+            site=record.site,
+            wg_public_key=wg_public_key,
+            overlay_address=address,
+            enrolled_at=now,
+            last_seen=None,
+            revoked_at=None,
+            labels=dict(labels),
+            versions=dict(versions),
+        )
+        return Enrolled(node, node_token.plaintext)
+
+    def _enrolled_again(
+        self, token: EnrollmentToken, wg_public_key: str, name: str, now: float
+    ) -> Enrolled | None:
+        """Inside enroll's transaction: the node this key enrolled, when this is a retry of
+        that enrollment (the same token, the same name, within ENROLL_RETRY_S, neither
+        revoked), with a new node token in place of the lost one; None when the key is
+        new. AlreadyEnrolledError when the key belongs to another enrollment."""
+        rows = self._node_rows(" WHERE wg_public_key = ?", [wg_public_key])
+        if not rows:
+            return None
+        row = rows[0]
+        node = node_of(row)
+        if (
+            row["enrolled_with"] != token.prefix
+            or node.name != name
+            or node.revoked
+            or token.revoked_at is not None
+            or now - node.enrolled_at > ENROLL_RETRY_S
+        ):
+            raise AlreadyEnrolledError(
+                f"a node with this WireGuard key is enrolled already ({node.name}, {node.id});"
+                " a node enrolls once: revoke it and enroll with a new key"
+            )
+        node_token = generate_key(NODE_TOKEN)
+        self.db.execute(
+            "UPDATE nodes SET token_prefix = ?, token_hash = ? WHERE id = ?",
+            [node_token.prefix, node_token.hash, node.id],
+        )
+        self._bump(AUTH_REVISION)  # the token it replaces is good no more, anywhere
+        return Enrolled(node, node_token.plaintext)
+
+    def _next_address(self, overlay_prefix: str, tried: set[str]) -> str:
+        """A free host address of the prefix (the first host is the hub's), not one of
+        `tried`. Addresses are handed out in order and never reused, so the one after the
+        count of nodes is nearly always free: two index lookups. Otherwise (the prefix
+        changed, or another replica just took it), the lowest free one."""
+        network = ipaddress.ip_network(overlay_prefix)
+        count = int(self.db.execute("SELECT COUNT(*) FROM nodes").fetchone()[0])
+        if count + 2 < network.num_addresses - 1:
+            candidate = str(network[count + 2])  # [0] the network, [1] the hub
+            if candidate not in tried:
+                taken = self.db.execute(
+                    "SELECT 1 FROM nodes WHERE overlay_address = ?", [candidate]
+                ).fetchone()
+                if taken is None:
+                    return candidate
+        taken_all = {
+            r["overlay_address"] for r in self.db.query("SELECT overlay_address FROM nodes")
+        } | tried
+        hosts = network.hosts()
+        next(hosts)  # the hub
+        for address in hosts:
+            if str(address) not in taken_all:
+                return str(address)
+        raise AddressPoolExhaustedError(f"no free address left in {overlay_prefix}")
+
+    def authenticate_node(self, token: str) -> Node | None:
+        """The node a node token belongs to (revoked ones included), or None."""
+        prefix = parse_prefix(token, NODE_TOKEN)
+        if prefix is None:
+            return None
+        rows = self._node_rows(" WHERE token_prefix = ?", [prefix])
+        if not rows or not key_matches(token, rows[0]["token_hash"]):
+            return None
+        return node_of(rows[0])
+
+    def heartbeats(self, beats: Sequence[Heartbeat]) -> None:
+        """Record heartbeats (the last of each node), in one transaction. In the order of
+        the node ids: two replicas writing the same nodes lock their rows in one order, so
+        neither waits on the other in a cycle."""
+        with self.db.transaction():
+            self.db.executemany(
+                "UPDATE nodes SET last_seen = ?, versions = ?, capacity = ?, address = ?"
+                " WHERE id = ?",
+                [(b.at, json.dumps(b.versions), b.capacity.model_dump_json(), b.address,
+                  b.node_id) for b in sorted(beats, key=lambda b: b.node_id)],
+            )  # fmt: skip
+
+    def _node_rows(self, where: str = "", params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        """Whole rows of the nodes table: the one query every read of nodes goes through
+        (`node_of` makes a row a Node). `where`: a constant of this module, never input."""
+        return self.db.query(f"SELECT * FROM nodes{where}", params)  # noqa: S608
+
+    def nodes(self) -> list[Node]:
+        return [node_of(r) for r in self._node_rows(" ORDER BY site, name")]
+
+    def node_names(self) -> dict[str, str]:
+        """Each node's name by its id: how views show the nodes that records name by id."""
+        rows = self.db.execute("SELECT id, name FROM nodes").fetchall()
+        return {str(node_id): str(name) for node_id, name in rows}
+
+    def node(self, node_id: str) -> Node:
+        rows = self._node_rows(" WHERE id = ? OR name = ?", [node_id] * 2)
+        if len(rows) != 1:
+            raise NotFoundError(f"no single node {node_id!r}")
+        return node_of(rows[0])
+
+    def revoke_node(self, node_id: str) -> Node:
+        """Revoke a node: its token is refused from then on. The revision of node
+        authentication moves in the same transaction, so every replica drops the answers
+        it remembers (`AsyncHubStore.authenticate_node`)."""
+        node = self.node(node_id)
+        with self.db.transaction():
+            changed = self.db.execute(
+                "UPDATE nodes SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+                [self.clock(), node.id],
+            ).rowcount
+            if changed:
+                self._bump(AUTH_REVISION)
+        return self.node(node.id)
+
+    def set_draining(self, node_id: str, *, draining: bool) -> Node:
+        node = self.node(node_id)
+        self.db.execute("UPDATE nodes SET draining = ? WHERE id = ?", [int(draining), node.id])
+        return self.node(node.id)
