@@ -75,13 +75,8 @@ def serve(
 
     from aiohttp import web  # noqa: PLC0415
 
-    from hub.app import (  # noqa: PLC0415
-        certificates,
-        create_app,
-        freeze_heap,
-        overlay_address,
-        ssl_context,
-    )
+    from hub.app import create_app, freeze_heap  # noqa: PLC0415
+    from hub.identity import certificates, overlay_address, ssl_context  # noqa: PLC0415
 
     settings = _settings(config_file, data_dir, host=host, port=port)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -161,7 +156,7 @@ def provision(
     hub's URL and the fingerprint of its certificate, which the node pins."""
     from pydantic import ValidationError  # noqa: PLC0415
 
-    from hub.app import certificates  # noqa: PLC0415
+    from hub.identity import certificates  # noqa: PLC0415
     from shared.files import write_private  # noqa: PLC0415
     from shared.provisioning import Provisioning  # noqa: PLC0415
 
@@ -486,7 +481,7 @@ def simulate(
     from any address (server.require_overlay_source: false)."""
     import asyncio  # noqa: PLC0415
 
-    from hub.app import certificates  # noqa: PLC0415
+    from hub.identity import certificates  # noqa: PLC0415
     from hub.simulate import Simulator  # noqa: PLC0415
 
     settings = _settings(config_file, data_dir)

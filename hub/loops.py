@@ -4,8 +4,8 @@ rounds under the application's one `Failures` (shared.supervise): a round that r
 logged with its traceback and counted under the loop's name, and the loop goes on. The
 operator API shows the count (`GET /v1/admin/loops`).
 
-A module of its own, with nothing of the hub's imported, so that hub/app.py, hub/admin.py
-and the console can all name the application's key without an import circle.
+Nothing of the hub's is imported here: the application's keys (hub/keys.py) name
+`Running`, and every loop is handed what it runs under.
 """
 
 from __future__ import annotations
@@ -15,16 +15,12 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-
-from shared.supervise import Failures
-
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Coroutine
 
-log = logging.getLogger(__name__)
+    from shared.supervise import Failures
 
-LOOPS = web.AppKey("hub_loops", Failures)
+log = logging.getLogger(__name__)
 
 
 class Running:
@@ -41,9 +37,6 @@ class Running:
         return sorted(name for name, task in self.tasks.items() if task.done())
 
 
-RUNNING = web.AppKey("hub_running_loops", Running)
-
-
 def _ended(name: str, task: asyncio.Task[None]) -> None:
     # A supervised loop ends only when cancelled; anything else is a bug worth shouting.
     if task.cancelled():
@@ -54,13 +47,13 @@ def _ended(name: str, task: asyncio.Task[None]) -> None:
 
 @contextlib.asynccontextmanager
 async def running(
-    app: web.Application, name: str, loop: Coroutine[object, object, None]
+    tasks: Running, name: str, loop: Coroutine[object, object, None]
 ) -> AsyncIterator[asyncio.Task[None]]:
     """Run `loop` as a task while the context lasts (an application's cleanup context),
-    then cancel it and wait for it to end."""
+    listed in `tasks`, then cancel it and wait for it to end."""
     task = asyncio.create_task(loop, name=f"kvl-hub-{name}")
     task.add_done_callback(lambda done: _ended(name, done))
-    app[RUNNING].tasks[name] = task
+    tasks.tasks[name] = task
     try:
         yield task
     finally:
@@ -69,8 +62,7 @@ async def running(
             await task
 
 
-def report(app: web.Application) -> dict[str, object]:
+def report(tasks: Running, failures: Failures) -> dict[str, object]:
     """What the operator API answers: the loops that run, any that stopped, and each
     loop's failures (count, last error, when)."""
-    run = app[RUNNING]
-    return {"running": run.names(), "stopped": run.stopped(), "failures": app[LOOPS].report()}
+    return {"running": tasks.names(), "stopped": tasks.stopped(), "failures": failures.report()}

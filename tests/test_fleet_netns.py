@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from appliance.state.store import ModelRecord, Store
-from hub.app import certificates
+from hub.identity import certificates
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from tests.netns import A_ADDR, Link, ip, linked_namespaces

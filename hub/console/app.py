@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from hub.api import BEATS, SETTINGS, STORE
 from hub.console import store as sql
 from hub.console.auth import LoginThrottle
 from hub.console.pages import console_routes
@@ -22,7 +21,8 @@ from hub.console.web import (
     security_headers,
     templates,
 )
-from hub.loops import LOOPS, running
+from hub.keys import BEATS, LOOPS, RUNNING, SETTINGS, STORE
+from hub.loops import running
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -38,7 +38,7 @@ STATIC = {"console.css": "text/css", "console.js": "text/javascript"}
 
 def setup_console(app: web.Application) -> None:
     """Add the console to the hub's application (after its store's cleanup context)."""
-    settings: HubSettings = app[SETTINGS]  # type: ignore[assignment]
+    settings = app[SETTINGS]
     app[CONSOLE] = ConsoleState(
         settings=settings,
         templates=templates(),
@@ -72,18 +72,18 @@ async def _end_streams(app: web.Application) -> None:
 async def _sampler(app: web.Application) -> AsyncIterator[None]:
     """Samples of each node's load for its charts, taken from the heartbeats the flusher
     writes (a node's first, then one each `console.sample_every_s`); old ones pruned."""
-    settings: HubSettings = app[SETTINGS]  # type: ignore[assignment]
+    settings = app[SETTINGS]
     store = app[STORE]
     sampler = sql.Sampler(settings.console.sample_every_s)
 
     # Its failures are counted by the flusher, which runs each listener under its own
-    # guard (hub/app.py), as `heartbeats.console_samples`.
+    # guard (hub/fleet/heartbeats.py), as `heartbeats.console_samples`.
     async def console_samples(beats: list[Heartbeat]) -> None:
         if samples := sampler.due(beats):
             await store.run(sql.record_samples, store.sync, samples)
 
     app[BEATS].listeners.append(console_samples)
-    async with running(app, "console.prune", prune_forever(store, settings, app[LOOPS])):
+    async with running(app[RUNNING], "console.prune", prune_forever(store, settings, app[LOOPS])):
         yield
 
 

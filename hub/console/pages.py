@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from hub.admin import DeploymentRequest
+from hub.api.requests import DeploymentRequest
 from hub.console import store as sql
 from hub.console.auth import (
     LOGIN_COOKIE,
@@ -160,7 +160,7 @@ async def logout(request: web.Request) -> web.StreamResponse:
 @page
 async def nodes_page(request: web.Request) -> web.StreamResponse:
     store = hub_store(request)
-    nodes = await store.run(store.sync.nodes)
+    nodes = await store.nodes()
     filters = Filters.from_query(request.query)
     table = fleet_table(nodes, hub_settings(request), time.time(), filters)
     return render(
@@ -299,7 +299,7 @@ async def _accounts(
     store = hub_store(request)
     accounts = await store.run(sql.accounts_with_quota, store.sync, time.time())
     keys = await store.run(sql.api_keys, store.sync)
-    names = {n.id: n.name for n in await store.run(store.sync.nodes)}
+    names = await store.node_names()
     return render(
         request,
         "accounts.html",
@@ -347,10 +347,10 @@ async def _placements(
     settings = hub_settings(request)
     deployments = await store.run(store.sync.deployments)
     placed = await store.run(store.sync.placements)
-    nodes = {n.id: n for n in await store.run(store.sync.nodes)}
+    nodes = {n.id: n for n in await store.nodes()}
+    names = await store.node_names()
     models = await store.run(store.sync.models)
     now = time.time()
-    names = {i: n.name for i, n in nodes.items()}
     shown = []
     for d in deployments:
         replicas = []
@@ -413,7 +413,7 @@ async def undeploy(request: web.Request) -> web.StreamResponse:
 async def packages_page(request: web.Request) -> web.StreamResponse:
     store = hub_store(request)
     rows = await store.run(sql.packages, store.sync, PACKAGES_SHOWN)
-    names = {n.id: n.name for n in await store.run(store.sync.nodes)}
+    names = await store.node_names()
     return render(request, "packages.html", packages=rows, names=names, limit=PACKAGES_SHOWN)
 
 

@@ -144,7 +144,7 @@ def sample_of(at: float, reported: Mapping[str, Any] | BaseModel) -> Sample:
 
 class Sampler:
     """Which heartbeats become samples: a node's first one here, then one each `every_s`.
-    It sees the heartbeats as the flusher writes them (hub.api.Heartbeats), so sampling
+    It sees the heartbeats as the flusher writes them (hub/fleet/heartbeats.py), so sampling
     never reads the fleet back; each replica samples the nodes that call it."""
 
     def __init__(self, every_s: float) -> None:

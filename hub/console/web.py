@@ -17,9 +17,9 @@ from urllib.parse import quote
 import jinja2
 from aiohttp import web
 
-from hub.api import SETTINGS, STORE
 from hub.console import store as sql
 from hub.console.auth import SESSION_COOKIE, LoginThrottle, same_origin, same_token, session_hash
+from hub.keys import SETTINGS, STORE
 from hub.state.store import ConflictError, NotFoundError
 
 if TYPE_CHECKING:
@@ -123,8 +123,7 @@ def hub_store(request: web.Request) -> AsyncHubStore:
 
 
 def hub_settings(request: web.Request) -> HubSettings:
-    settings: HubSettings = request.app[SETTINGS]  # type: ignore[assignment]
-    return settings
+    return request.app[SETTINGS]
 
 
 def render(

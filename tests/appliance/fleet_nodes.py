@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from appliance.app import create_app
 from appliance.gateway.keys import HOST
 from appliance.state.store import Store
-from hub.app import certificates
+from hub.identity import certificates
 from hub.state.store import open_store
 from tests.conftest import free_port, make_settings
 

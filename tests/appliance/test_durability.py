@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 
 from appliance.state.store import ModelRecord, Store
-from hub.app import certificates, ssl_context
 from hub.app import create_app as create_hub
+from hub.identity import certificates, ssl_context
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from tests.conftest import free_port, spawn_appliance, wait_ready

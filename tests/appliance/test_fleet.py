@@ -19,8 +19,8 @@ from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import enroll
 from appliance.gateway.keys import HOST, SETTINGS, STORE
 from appliance.state.store import ModelRecord, Store
-from hub.app import certificates, ssl_context
 from hub.app import create_app as create_hub
+from hub.identity import certificates, ssl_context
 from hub.settings import HubSettings
 from hub.state.store import HubStore, open_store
 from shared import protocol

@@ -16,7 +16,7 @@ from appliance.fleet.placement import Converger
 from appliance.observability.metrics import Metrics
 from appliance.state.store import AsyncStore, UsageEvent
 from hub.app import create_app as create_hub
-from hub.app import ssl_context
+from hub.identity import ssl_context
 from hub.state.store import open_store
 from shared import protocol
 from tests.appliance.test_fleet import hub_settings, provisioning

@@ -17,8 +17,8 @@ from wireguard_tools import WireguardKey
 
 from appliance.app import FLEET
 from appliance.gateway.keys import ADMISSION, STORE
-from hub.app import certificates, ssl_context
 from hub.app import create_app as create_hub
+from hub.identity import certificates, ssl_context
 from hub.planning.quota import Budget
 from hub.settings import HubSettings
 from hub.state.store import HubStore, open_store

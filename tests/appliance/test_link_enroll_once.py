@@ -11,7 +11,7 @@ from appliance.fleet.link import FleetLink
 from appliance.observability.metrics import Metrics
 from appliance.state.store import AsyncStore
 from hub.app import create_app as create_hub
-from hub.app import ssl_context
+from hub.identity import ssl_context
 from hub.state.store import open_store
 from tests.appliance.test_fleet import hub_settings, provisioning
 from tests.conftest import NoModels, make_settings

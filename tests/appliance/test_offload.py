@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from appliance.gateway.keys import STORE
 from appliance.state.store import ModelRecord
 from hub.app import create_app as create_hub
-from hub.app import ssl_context
+from hub.identity import ssl_context
 from hub.planning.offload import NodeLoad, candidates
 from hub.settings import HubSettings
 from hub.state.store import open_store

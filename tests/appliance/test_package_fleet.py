@@ -15,7 +15,7 @@ import pytest
 
 from appliance.gateway.packages import PACKAGES
 from hub.app import create_app as create_hub
-from hub.app import ssl_context
+from hub.identity import ssl_context
 from hub.state.store import open_store
 from tests.appliance.fleet_nodes import join
 from tests.appliance.test_placement_fleet import _hub

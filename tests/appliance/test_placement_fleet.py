@@ -20,8 +20,8 @@ from appliance.fleet.placement import Converger
 from appliance.gateway.keys import HOST
 from appliance.serving.registry import ModelNotReadyError
 from appliance.state.store import AsyncStore, ModelRecord, Store
-from hub.app import certificates, ssl_context
 from hub.app import create_app as create_hub
+from hub.identity import certificates, ssl_context
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared import pki, protocol

@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from hub.app import certificates
+from hub.identity import certificates
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from tests.benchmarks.concurrency import _percentile

@@ -28,7 +28,7 @@ from appliance.fleet.link import FleetLink, enroll
 from appliance.observability.metrics import Metrics
 from appliance.settings import FleetSettings
 from appliance.state.store import AsyncStore, Store
-from hub.app import certificates
+from hub.identity import certificates
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared.db import now_iso

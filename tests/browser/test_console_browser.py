@@ -21,7 +21,8 @@ import pytest
 from aiohttp import web
 from playwright.async_api import Page, async_playwright, expect
 
-from hub.app import create_app, ssl_context
+from hub.app import create_app
+from hub.identity import ssl_context
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared import __version__

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from wireguard_tools import WireguardKey
 
-from hub.app import certificates, create_app, ssl_context
+from hub.app import create_app
+from hub.identity import certificates, ssl_context
 from hub.planning.quota import Budget
 from hub.settings import HubSettings
 from hub.state.store import ModelArtifact, open_store

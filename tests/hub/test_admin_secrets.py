@@ -9,7 +9,8 @@ import aiohttp
 import pytest
 from wireguard_tools import WireguardKey
 
-from hub.app import certificates, create_app, ssl_context
+from hub.app import create_app
+from hub.identity import certificates, ssl_context
 from hub.settings import HubSettings
 from hub.state.store import Enrolled, HubStore, TokenRefusedError, open_store
 from shared import pki

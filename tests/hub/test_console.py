@@ -21,10 +21,11 @@ import pytest
 from wireguard_tools import WireguardKey
 from yarl import URL
 
-from hub.app import certificates, create_app, ssl_context
+from hub.app import create_app
 from hub.console.auth import LOGIN_COOKIE, SESSION_COOKIE, LoginThrottle, hash_password
 from hub.console.charts import Series, line_chart, nice_ceiling
 from hub.console.store import create_user
+from hub.identity import certificates, ssl_context
 from hub.planning.quota import Budget
 from hub.settings import HubSettings
 from hub.state.store import ModelArtifact, open_store

@@ -1,4 +1,4 @@
-"""Fuzzing the hub against its own OpenAPI document (hub/openapi.py), as
+"""Fuzzing the hub against its own OpenAPI document (hub/api/openapi.py), as
 tests/appliance/test_fuzz.py fuzzes the appliance: a real hub (its aiohttp application on
 a real socket, SQLite in a temporary data directory; under the `postgres` mark, a
 database of its own on the session's PostgreSQL cluster) on an event loop of its own
@@ -44,9 +44,9 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.errors import FailureGroup
 
 from appliance.packages.cache import PackageCache
-from hub.admin import DeploymentRequest, KeyRequest
+from hub.api.openapi import ROUTES, Auth, Route
+from hub.api.requests import DeploymentRequest, KeyRequest
 from hub.app import create_app
-from hub.openapi import ROUTES, Auth, Route
 from hub.packages import add_bundle
 from hub.planning.quota import Budget
 from hub.state.store import DeploymentRecord, ModelArtifact, open_store

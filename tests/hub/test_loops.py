@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import pytest
 
-import hub.app
+import hub.fleet.heartbeats
+import hub.fleet.peers
 import hub.reconciler
-from hub.api import BEATS, STORE
-from hub.app import create_app, reconcile_peers
+from hub.app import create_app
 from hub.console import store as console_sql
-from hub.loops import LOOPS
+from hub.fleet.peers import reconcile_peers
+from hub.keys import BEATS, LOOPS, STORE
 from hub.reconciler import FleetSnapshots
 from hub.state.store import AsyncHubStore, DeploymentRecord, ModelArtifact, open_store
 from shared import protocol
@@ -100,7 +101,7 @@ async def test_the_heartbeat_flusher_survives_its_write_and_its_listeners_failin
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.ERROR, logger="shared.supervise")
-    monkeypatch.setattr(hub.app, "HEARTBEATS_EVERY_S", 0.05)
+    monkeypatch.setattr(hub.fleet.heartbeats, "HEARTBEATS_EVERY_S", 0.05)
     hub_settings = settings(tmp_path, console={"sample_every_s": 0.5})
     node_id, node_token, operator = enroll(hub_settings)
     server = await aiohttp_server(create_app(hub_settings))
@@ -208,7 +209,7 @@ async def test_the_placement_reconciler_places_after_a_failed_round(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.ERROR, logger="shared.supervise")
-    monkeypatch.setattr(hub.app, "HEARTBEATS_EVERY_S", 0.05)
+    monkeypatch.setattr(hub.fleet.heartbeats, "HEARTBEATS_EVERY_S", 0.05)
     hub_settings = settings(tmp_path, fleet={"placement_every_s": 0.1})
     node_id, node_token, _ = enroll(hub_settings)
     store = open_store(hub_settings)
@@ -287,7 +288,7 @@ async def test_the_peer_reconciler_goes_on_after_a_failed_round(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING)
-    monkeypatch.setattr(hub.app, "PEERS_EVERY_S", 0.01)
+    monkeypatch.setattr(hub.fleet.peers, "PEERS_EVERY_S", 0.01)
     store = AsyncHubStore(settings(tmp_path))
     await store.open()
     # Never brought up: its rounds are replaced below (the netns tests run real ones).
@@ -308,7 +309,7 @@ async def test_the_peer_reconciler_goes_on_after_a_failed_round(
             raise WireGuardError("wireguard-go is restarting")
         third.set()
 
-    monkeypatch.setattr(hub.app, "sync_peers", sync_peers)
+    monkeypatch.setattr(hub.fleet.peers, "sync_peers", sync_peers)
     failures = Failures()
     task = asyncio.create_task(reconcile_peers(store, tunnel, failures))
     try:

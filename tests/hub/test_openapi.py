@@ -1,4 +1,4 @@
-"""The hub's OpenAPI document (hub/openapi.py): its route table is every route the hub
+"""The hub's OpenAPI document (hub/api/openapi.py): its route table is every route the hub
 registers but the console's pages, the document it serves is valid OpenAPI 3.1, and the
 README lists every route."""
 
@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 import schemathesis
 
+from hub.api.openapi import ROUTES, build_openapi
 from hub.app import create_app
-from hub.openapi import ROUTES, build_openapi
 from tests.hub.test_hub import settings_for
 from tests.test_docs import README
 

@@ -12,7 +12,8 @@ from pydantic import ValidationError
 from wireguard_tools import WireguardKey
 
 from appliance.packages.cache import PackageCache
-from hub.app import certificates, create_app, ssl_context
+from hub.app import create_app
+from hub.identity import certificates, ssl_context
 from hub.settings import HubSettings
 from hub.state.store import HubStore, Node, open_store
 from shared import pki, protocol

@@ -15,7 +15,9 @@ import aiohttp
 import pytest
 from wireguard_tools import WireguardKey
 
-from hub.app import HEARTBEATS_EVERY_S, certificates, create_app, ssl_context
+from hub.app import create_app
+from hub.fleet.heartbeats import HEARTBEATS_EVERY_S
+from hub.identity import certificates, ssl_context
 from hub.planning.quota import Budget
 from hub.settings import HubSettings
 from hub.state.store import open_store

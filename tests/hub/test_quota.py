@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from wireguard_tools import WireguardKey
 
-from hub.app import certificates, create_app, ssl_context
+from hub.app import create_app
+from hub.identity import certificates, ssl_context
 from hub.planning.quota import Budget, LeaseView, Sizing, grant, remaining
 from hub.settings import HubSettings
 from hub.state.store import HubStore, open_store

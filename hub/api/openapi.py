@@ -1,7 +1,7 @@
 """The hub's OpenAPI 3.1 document (`GET /openapi.json`): its node API (`/v1/enroll`,
 `/v1/node/…`) and its operator API (`/v1/admin/…`), made from one route table and the
 pydantic models the handlers parse and answer with: the protocol's messages
-(shared.protocol) for the node API, the operator request models of hub/admin.py.
+(shared.protocol) for the node API, the operator request models (hub/api/requests.py).
 
 The table is checked against the routes the hub registers (tests/hub/test_openapi.py),
 and the document drives the hub's fuzzing (tests/hub/test_fuzz.py): a route the table
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from aiohttp import web
 from pydantic.json_schema import models_json_schema
 
-from hub.admin import (
+from hub.api.requests import (
     DeploymentRequest,
     DrainRequest,
     KeyRequest,
@@ -400,7 +400,7 @@ def _operation(route: Route, refs: Refs) -> Any:
         op["parameters"] = params
     if route.request is not None:
         schema = refs[(route.request, "validation")]
-        # No body is every default (hub.api's parse): required only where a field is.
+        # No body is every default (hub.http's parse): required only where a field is.
         required = bool(route.request.model_json_schema().get("required"))
         op["requestBody"] = {
             "required": required,

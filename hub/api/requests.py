@@ -1,0 +1,88 @@
+"""The operator API's request models (hub/api/operator.py), which the console's forms are
+checked against too (hub/console/pages.py), and the OpenAPI document describes
+(hub/api/openapi.py)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Self
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from hub.state.store import DeploymentRecord
+from shared import protocol
+
+# Any text an operator sends the store: neither NUL nor a lone surrogate, which
+# PostgreSQL's text cannot hold (SQLite's can), so that the driver's refusal (a 500) is a
+# 400 here, on either store; the protocol's rule for what nodes send.
+Text = Annotated[str, StringConstraints(max_length=200), protocol.Clean]
+
+
+def storable(text: str) -> bool:
+    """Whether `text` passes `Text`'s rule (for the path and the query, which no model
+    parses)."""
+    try:
+        text.encode("utf-8")  # a lone surrogate is not UTF-8
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in text
+
+
+class DeploymentRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text = Field(pattern=r"^[^@\s]+@[^@\s]+$", description="name@version")
+    replicas: int = Field(1, ge=0, le=10_000)
+    service_class: str = Field("S1", pattern=r"^S[0-4]$")
+    sites: list[Text] = Field(default_factory=list, max_length=100)
+    regions: list[Text] = Field(default_factory=list, max_length=100)
+    labels: dict[Text, Text] = Field(default_factory=dict, max_length=32)
+    gpu: bool = False
+    gpu_memory_mib: int = Field(0, ge=0)
+    tenant: Text | None = None
+
+    def record(self) -> DeploymentRecord:
+        """The deployment to store, with a new id."""
+        return DeploymentRecord(
+            id=uuid.uuid4().hex[:12],
+            model=self.model,
+            replicas=self.replicas,
+            service_class=self.service_class,
+            isolation="I1",
+            constraints=self.model_dump(include={"sites", "regions", "labels", "gpu",
+                                                 "gpu_memory_mib", "tenant"}),
+        )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _dedicated(self) -> Self:
+        if self.service_class == "S3" and not self.tenant:
+            raise ValueError("an S3 (dedicated) deployment names its tenant")
+        return self
+
+
+class DrainRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    draining: bool = True
+
+
+class TokenRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    site: Text = Field(min_length=1)
+    uses: int = Field(1, ge=1, le=100_000)
+    expires_in_s: float = Field(86_400, gt=0, le=366 * 86_400)
+
+
+class KeyRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    account: Text = Field(min_length=1)
+    admin: bool = False
+
+
+class SeedRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: Text | None = Field(None, max_length=100, description="the newest held if unset")
+    site: Text | None = Field(None, description="every node if unset")

@@ -1,0 +1,30 @@
+"""The keys of what the hub's application holds (aiohttp's typed AppKey and RequestKey):
+one module, importing the types it names and nothing that imports it, so that the API,
+the console and the wiring all name them without an import circle."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from hub.fleet.heartbeats import Heartbeats
+from hub.fleet.learning import Learning
+from hub.loops import Running
+from hub.offload import Forwarder
+from hub.settings import HubSettings
+from hub.state.store import AsyncHubStore, Node
+from shared.supervise import Failures
+
+SETTINGS = web.AppKey("hub_settings", HubSettings)
+STORE = web.AppKey("hub_store", AsyncHubStore)
+BEATS = web.AppKey("hub_heartbeats", Heartbeats)
+LEARNING = web.AppKey("hub_learning", Learning)
+FORWARDER = web.AppKey("hub_forwarder", Forwarder)
+# The hub's public WireGuard key, its overlay address and its CA (hub/identity.py).
+IDENTITY = web.AppKey("hub_identity", dict[str, str])
+# Every background loop of this hub counts its failed rounds here (hub/loops.py).
+LOOPS = web.AppKey("hub_loops", Failures)
+RUNNING = web.AppKey("hub_running_loops", Running)
+
+NODE = web.RequestKey("node", Node)  # the calling node, on node routes
+OPERATOR = web.RequestKey("operator", str)  # the calling operator's name, on operator routes
+REQUEST_ID = web.RequestKey("request_id", str)
