@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from pytest_aiohttp import AiohttpClient, AiohttpServer
 
+    from appliance.state.store import Account, AsyncStore
     from tests.conftest import Client
 
 pytestmark = pytest.mark.model
@@ -87,6 +88,17 @@ async def wait_for(condition: Any, timeout_s: float = 30.0) -> None:
             return
         await asyncio.sleep(0.1)
     raise AssertionError("condition not met in time")
+
+
+async def fleet_account(store: AsyncStore, name: str = "lan-user") -> Account:
+    """An account of the fleet on a node's store, as the hub's desired state gives it
+    (accounts made on the node keep their usage there; the fleet's is synced)."""
+    given = protocol.AccountState(name=name, service_class="S1")
+    await store.run(
+        store.sync.apply_desired_state,
+        protocol.DesiredState(node_id="-", serial=0, accounts=[given], keys=[]),
+    )
+    return await store.run(store.sync.ensure_account, name)
 
 
 async def fleet_appliance(
@@ -262,13 +274,7 @@ async def test_lost_acknowledgements_never_duplicate(
 
     store = AsyncStore(settings.db_path)
     await store.open()
-    # A fleet account, as the hub's desired state gives it: its usage is synced.
-    fleet_account = protocol.AccountState(name="lan-user", service_class="S1")
-    await store.run(
-        store.sync.apply_desired_state,
-        protocol.DesiredState(node_id="-", serial=0, accounts=[fleet_account], keys=[]),
-    )
-    account = await store.run(store.sync.ensure_account, "lan-user")
+    account = await fleet_account(store)
     for i in range(5):
         await store.run(
             store.sync.record_usage,

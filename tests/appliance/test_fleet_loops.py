@@ -18,8 +18,7 @@ from appliance.state.store import AsyncStore, UsageEvent
 from hub.app import create_app as create_hub
 from hub.identity import ssl_context
 from hub.state.store import open_store
-from shared import protocol
-from tests.appliance.test_fleet import hub_settings, provisioning
+from tests.appliance.test_fleet import fleet_account, hub_settings, provisioning
 from tests.conftest import NoModels, make_settings
 
 if TYPE_CHECKING:
@@ -53,12 +52,7 @@ async def test_each_link_loop_fails_once_and_goes_on(
     )  # fmt: skip
     store = AsyncStore(settings.db_path)
     await store.open()
-    fleet_account = protocol.AccountState(name="lan-user", service_class="S1")
-    await store.run(
-        store.sync.apply_desired_state,
-        protocol.DesiredState(node_id="-", serial=0, accounts=[fleet_account], keys=[]),
-    )
-    account = await store.run(store.sync.ensure_account, "lan-user")
+    account = await fleet_account(store)
     await store.run(
         store.sync.record_usage,
         UsageEvent(account.id, "kvl", "/v1/completions", "m", 1, 1, None, 1.0, 200, "stop"),
