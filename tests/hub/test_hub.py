@@ -14,7 +14,7 @@ import pytest
 from wireguard_tools import WireguardKey
 
 from hub.app import create_app
-from hub.cli import parse_duration
+from hub.cli.common import parse_duration
 from hub.fleet.heartbeats import HEARTBEATS_EVERY_S
 from hub.identity import certificates, ssl_context
 from hub.planning.health import NodeStatus, node_status

@@ -8,21 +8,13 @@ from typing import TYPE_CHECKING
 
 import click
 
-from hub.settings import HubSettings
-from shared.cli import common_options, config_errors_exit, settings_from
+from hub.cli.common import hub_settings, opened_store
+from shared.cli import common_options, config_errors_exit
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from hub.state.store import HubStore
-
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,99}$"
-
-
-def _store(config_file: Path | None, data_dir: Path | None) -> HubStore:
-    from hub.state.store import open_store  # noqa: PLC0415 - keep `kvl hub` light
-
-    return open_store(settings_from(HubSettings, config_file, data_dir))
 
 
 def _password(from_stdin: bool) -> str:
@@ -60,18 +52,12 @@ def admin_create(
     import re  # noqa: PLC0415
 
     from hub.console.store import create_user  # noqa: PLC0415
-    from hub.state.store import ConflictError  # noqa: PLC0415
 
     if not re.match(NAME, name):
         raise click.BadParameter("1 to 100 letters, digits, dots, @, dashes or underscores")
     hashed = _hash(_password(password_stdin))
-    store = _store(config_file, data_dir)
-    try:
+    with opened_store(hub_settings(config_file, data_dir)) as store:
         create_user(store, name, hashed, time.time())
-    except ConflictError as err:
-        raise click.ClickException(str(err)) from err
-    finally:
-        store.close()
     click.echo(f"console user {name} created; log in at https://HUB:PORT/console/")
 
 
@@ -87,16 +73,10 @@ def admin_password(
 ) -> None:
     """Set a console user's password; their logins end."""
     from hub.console.store import set_password_hash  # noqa: PLC0415
-    from hub.state.store import NotFoundError  # noqa: PLC0415
 
     hashed = _hash(_password(password_stdin))
-    store = _store(config_file, data_dir)
-    try:
+    with opened_store(hub_settings(config_file, data_dir)) as store:
         set_password_hash(store, name, hashed, end_sessions=True)
-    except NotFoundError as err:
-        raise click.ClickException(str(err)) from err
-    finally:
-        store.close()
     click.echo(f"password of {name} changed; their logins ended")
 
 
@@ -107,11 +87,8 @@ def admin_list(config_file: Path | None, data_dir: Path | None) -> None:
     """List console users: name, created."""
     from hub.console.store import users  # noqa: PLC0415
 
-    store = _store(config_file, data_dir)
-    try:
+    with opened_store(hub_settings(config_file, data_dir)) as store:
         rows = users(store)
-    finally:
-        store.close()
     for user in rows:
         created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(user.created_at))
         click.echo(f"{user.name:<24} created {created}{'  disabled' if user.disabled else ''}")
@@ -124,13 +101,7 @@ def admin_list(config_file: Path | None, data_dir: Path | None) -> None:
 def admin_delete(config_file: Path | None, data_dir: Path | None, name: str) -> None:
     """Delete a console user; their logins end at once."""
     from hub.console.store import delete_user  # noqa: PLC0415
-    from hub.state.store import NotFoundError  # noqa: PLC0415
 
-    store = _store(config_file, data_dir)
-    try:
+    with opened_store(hub_settings(config_file, data_dir)) as store:
         delete_user(store, name)
-    except NotFoundError as err:
-        raise click.ClickException(str(err)) from err
-    finally:
-        store.close()
     click.echo(f"deleted console user {name}")

@@ -1,0 +1,34 @@
+"""`kvl hub …`: serve the hub, and manage its enrollment tokens, nodes, accounts, keys,
+models and deployments, packages, operators and console users. One module per command
+group; each opens the store the one way (`common.opened_store`)."""
+
+from __future__ import annotations
+
+import click
+
+from hub.cli import accounts, admin, keys, models, nodes, operators, packages, serve, tokens
+
+
+@click.group("hub")
+def hub() -> None:
+    """The hub of the fleet."""
+
+
+for command in (
+    serve.show_config,
+    serve.serve,
+    serve.simulate,
+    tokens.tokens,
+    tokens.provision,
+    nodes.nodes,
+    accounts.accounts,
+    keys.keys,
+    models.models,
+    models.deploy,
+    models.undeploy,
+    models.deployments,
+    packages.packages,
+    operators.operators,
+    admin.admin,  # `kvl hub admin …`: the console's users
+):
+    hub.add_command(command)

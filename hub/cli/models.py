@@ -1,0 +1,169 @@
+"""`kvl hub models …`, `kvl hub deploy`, `kvl hub undeploy` and `kvl hub deployments`: the
+model files the hub places, and the deployments of them across the fleet."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from hub.cli.common import hub_settings, opened_store
+from shared.cli import common_options, config_errors_exit
+
+
+@click.group("models")
+def models() -> None:
+    """Model files the hub places on nodes (stored by sha256, fetched through the tunnel)."""
+
+
+@models.command("add")
+@common_options
+@click.argument("file", type=click.Path(path_type=Path, dir_okay=False, exists=True))
+@click.option("--name", required=True, help="Model name (as clients ask for it).")
+@click.option("--version", required=True, help="Its version: deployments name `name@version`.")
+@click.option(
+    "--memory-mib",
+    type=click.IntRange(1),
+    default=None,
+    help="What one replica needs on a node (default: the file's size plus 512 MiB).",
+)
+@config_errors_exit
+def models_add(
+    config_file: Path | None,
+    data_dir: Path | None,
+    file: Path,
+    *,
+    name: str,
+    version: str,
+    memory_mib: int | None,
+) -> None:
+    """Register a GGUF file: copied into the hub's data directory under its sha256."""
+    import hashlib  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    from hub.state.store import ModelArtifact  # noqa: PLC0415
+
+    settings = hub_settings(config_file, data_dir)
+    digest = hashlib.sha256()
+    with file.open("rb") as source:
+        while chunk := source.read(1 << 20):
+            digest.update(chunk)
+    sha256 = digest.hexdigest()
+    size = file.stat().st_size
+    settings.artifacts_dir.mkdir(parents=True, exist_ok=True)
+    target = settings.artifacts_dir / sha256
+    if not target.exists():
+        partial = target.with_suffix(".part")
+        shutil.copyfile(file, partial)
+        partial.replace(target)
+    model = ModelArtifact(name, version, sha256, size, "gguf", memory_mib or (size >> 20) + 512)
+    with opened_store(settings) as store:
+        store.add_model(model)
+    click.echo(
+        f"model {model.ref}: sha256 {sha256}, {size >> 20} MiB, {model.memory_mib} MiB a replica"
+    )
+
+
+@models.command("list")
+@common_options
+@config_errors_exit
+def models_list(config_file: Path | None, data_dir: Path | None) -> None:
+    """List the models: ref, sha256, size, memory a replica."""
+    with opened_store(hub_settings(config_file, data_dir)) as store:
+        rows = store.models()
+    for m in rows:
+        click.echo(
+            f"{m.ref:<32} {m.sha256[:16]}  {m.size_bytes >> 20} MiB  {m.memory_mib} MiB/replica"
+        )
+
+
+@click.command("deploy")
+@common_options
+@click.argument("model")
+@click.option("--replicas", type=click.IntRange(0, 10_000), default=1, help="Across the fleet (1).")
+@click.option(
+    "--class", "service_class", type=click.Choice(["S0", "S1", "S2", "S3", "S4"]), default="S1"
+)
+@click.option("--site", "sites", multiple=True, help="Only these sites (repeat).")
+@click.option("--region", "regions", multiple=True, help="Only these regions (repeat).")
+@click.option("--label", "labels", multiple=True, help="KEY=VALUE a node must carry (repeat).")
+@click.option("--gpu", is_flag=True, help="Needs a GPU.")
+@click.option("--gpu-memory-mib", type=click.IntRange(0), default=0, help="GPU memory needed.")
+@click.option("--tenant", default=None, help="S3: only nodes dedicated to this tenant.")
+@config_errors_exit
+def deploy(
+    config_file: Path | None,
+    data_dir: Path | None,
+    model: str,
+    *,
+    replicas: int,
+    service_class: str,
+    sites: tuple[str, ...],
+    regions: tuple[str, ...],
+    labels: tuple[str, ...],
+    gpu: bool,
+    gpu_memory_mib: int,
+    tenant: str | None,
+) -> None:
+    """Deploy MODEL (name@version) on the fleet; the placement reconciler picks the nodes.
+    Prints the deployment's id."""
+    import uuid  # noqa: PLC0415
+
+    from hub.state.store import DeploymentRecord  # noqa: PLC0415
+
+    if service_class == "S3" and not tenant:
+        raise click.BadParameter("an S3 (dedicated) deployment names its --tenant")
+    pairs = {}
+    for label in labels:
+        key, sep, value = label.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{label!r} is not KEY=VALUE", param_hint="--label")
+        pairs[key] = value
+    record = DeploymentRecord(
+        id=uuid.uuid4().hex[:12],
+        model=model,
+        replicas=replicas,
+        service_class=service_class,
+        isolation="I1",
+        constraints={"sites": list(sites), "regions": list(regions), "labels": pairs,
+                     "gpu": gpu, "gpu_memory_mib": gpu_memory_mib, "tenant": tenant},
+    )  # fmt: skip
+    with opened_store(hub_settings(config_file, data_dir)) as store:
+        store.deploy(record)
+    click.echo(record.id)
+
+
+@click.command("undeploy")
+@common_options
+@click.argument("deployment")
+@config_errors_exit
+def undeploy(config_file: Path | None, data_dir: Path | None, deployment: str) -> None:
+    """Remove a deployment: its replicas are unloaded from the nodes."""
+    with opened_store(hub_settings(config_file, data_dir)) as store:
+        serial = store.undeploy(deployment)
+    click.echo(f"undeployed {deployment}; desired state serial {serial}")
+
+
+@click.command("deployments")
+@common_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
+@config_errors_exit
+def deployments(config_file: Path | None, data_dir: Path | None, as_json: bool) -> None:
+    """List deployments: model, replicas wanted and where they run."""
+    from hub.views import deployment_view  # noqa: PLC0415
+
+    with opened_store(hub_settings(config_file, data_dir)) as store:
+        rows = store.deployments()
+        placed = store.placements()
+        names = store.node_names()
+    for d in rows:
+        view = deployment_view(d, placed, names)
+        nodes = view["nodes"]
+        if as_json:
+            click.echo(json.dumps(view))
+        else:
+            click.echo(
+                f"{d.id:<14} {d.model:<28} {d.service_class} {len(nodes)}/{d.replicas}  "
+                f"{', '.join(nodes) or '-'}"
+            )
