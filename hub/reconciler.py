@@ -20,12 +20,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from hub.planning.placement import Assignment, Deployment, Gpu, NodeSnapshot, Plan, plan
+from hub.state.store import capacity_of
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from hub.settings import HubSettings
     from hub.state.store import AsyncHubStore, DeploymentRecord, HubStore, ModelArtifact
+    from shared import protocol
     from shared.supervise import Failures
 
 log = logging.getLogger(__name__)
@@ -35,22 +37,17 @@ def _snapshot(
     node_id: str,
     site: str,
     labels: Mapping[str, str],
-    capacity: Mapping[str, Any],
+    capacity: protocol.Capacity,
     *,
     last_seen: float | None,
     draining: bool,
     revoked: bool,
 ) -> NodeSnapshot:
+    """A node as the planner sees it, from its last heartbeat's capacity (validated, so
+    bounded, when it arrived; a row an older hub wrote reads as empty)."""
     labels = dict(labels)
-    memory = _mib(capacity.get("model_memory_mib")) or int(
-        _mib(capacity.get("memory_total_mib")) * 0.75
-    )
-    listed = capacity.get("gpus")
-    gpus = tuple(
-        Gpu(str(g.get("name", f"gpu{i}")), _mib(g.get("memory_total_mib")))
-        for i, g in enumerate(listed if isinstance(listed, list) else ())
-        if isinstance(g, dict)
-    )
+    memory = capacity.model_memory_mib or int(capacity.memory_total_mib * 0.75)
+    gpus = tuple(Gpu(g.name, g.memory_total_mib) for g in capacity.gpus)
     return NodeSnapshot(
         id=node_id,
         site=site,
@@ -64,18 +61,6 @@ def _snapshot(
         tenant=labels.get("tenant"),
         private=labels.get("private") == "true",
     )
-
-
-MAX_MIB = 1 << 30  # a pebibyte: the protocol's bound on any memory a node reports
-
-
-def _mib(value: object) -> int:
-    """Memory a node reported, as the planner takes it: a number from 0 to MAX_MIB, or 0.
-    A row written before the protocol bounded heartbeats may hold anything (a negative
-    number, infinity, a string), and one node's row must not fail every node's round."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return 0
-    return int(value) if 0 <= value <= MAX_MIB else 0  # NaN fails both comparisons
 
 
 class FleetSnapshots:
@@ -103,10 +88,8 @@ class FleetSnapshots:
             if was is not None and was[0] == tuple(row):
                 snapshot = was[1]
             else:
-                reported = json.loads(capacity or "{}")
                 snapshot = _snapshot(
-                    node_id, site, json.loads(labels or "{}"),
-                    reported if isinstance(reported, dict) else {},
+                    node_id, site, json.loads(labels or "{}"), capacity_of(capacity),
                     last_seen=last_seen, draining=bool(draining), revoked=revoked_at is not None,
                 )  # fmt: skip
             kept[node_id] = (tuple(row), snapshot)

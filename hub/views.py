@@ -5,8 +5,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
-
 from hub.planning.health import node_status
 
 if TYPE_CHECKING:
@@ -33,16 +31,10 @@ def node_view(node: Node, settings: HubSettings, now: float) -> dict[str, Any]:
         "overlay_address": node.overlay_address,
         "last_seen": node.last_seen,
         "versions": node.versions,
-        "capacity": plain_capacity(node.capacity),
+        "capacity": node.capacity.model_dump(mode="json"),
         "labels": node.labels,
         "draining": node.draining,
     }
-
-
-def plain_capacity(capacity: Mapping[str, Any] | BaseModel) -> dict[str, Any]:
-    """A node's capacity as plain JSON values, whether the protocol's model (a heartbeat's)
-    or the map a row written before it holds."""
-    return capacity.model_dump(mode="json") if isinstance(capacity, BaseModel) else dict(capacity)
 
 
 def quota_view(quota: Quota, names: dict[str, str]) -> dict[str, Any]:

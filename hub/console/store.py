@@ -9,14 +9,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hub.state.store import ConflictError, NotFoundError
-from hub.views import plain_capacity
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
-
-    from pydantic import BaseModel
+    from collections.abc import Iterable
 
     from hub.state.store import Heartbeat, HubStore, Quota
+    from shared import protocol
 
 
 @dataclass(frozen=True)
@@ -124,21 +122,17 @@ def delete_session(store: HubStore, id_hash: str) -> None:
 # -- node samples -----------------------------------------------------------------------
 
 
-def sample_of(at: float, reported: Mapping[str, Any] | BaseModel) -> Sample:
-    """A sample from a heartbeat: its time and the capacity it reported. What a node
-    sends is not trusted: a value that is not a finite number counts as 0."""
-    capacity = plain_capacity(reported)
-    total = _int(capacity.get("memory_total_mib"))
-    available = _int(capacity.get("memory_available_mib"))
-    models = capacity.get("models")
+def sample_of(at: float, capacity: protocol.Capacity) -> Sample:
+    """A sample from a heartbeat: its time and the capacity it reported (validated when it
+    arrived: finite, bounded, non-negative numbers)."""
     return Sample(
         at=at,
-        cpu_percent=_float(capacity.get("cpu_percent")),
-        memory_used_mib=max(0, total - available),
-        memory_total_mib=total,
-        queue_waiting=_int(capacity.get("queue_waiting")),
-        outbox_lag=_int(capacity.get("outbox_lag")),
-        models=len(models) if isinstance(models, list) else 0,
+        cpu_percent=capacity.cpu_percent,
+        memory_used_mib=capacity.memory_total_mib - capacity.memory_available_mib,
+        memory_total_mib=capacity.memory_total_mib,
+        queue_waiting=capacity.queue_waiting,
+        outbox_lag=capacity.outbox_lag,
+        models=len(capacity.models),
     )
 
 
@@ -235,19 +229,3 @@ def packages(store: HubStore, limit: int) -> list[dict[str, Any]]:
     keys = ("id", "version", "title", "topic", "level", "items", "size", "origin_node",
             "created_at", "received_at", "bundle_sha256", "copies")  # fmt: skip
     return [dict(zip(keys, r, strict=True)) for r in rows]
-
-
-# Far above any real reading, and exact as a float.
-_LARGEST = 1 << 53
-
-
-def _int(value: object) -> int:
-    return int(_float(value))
-
-
-def _float(value: object) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return 0.0
-    # Out of range, infinite (JSON's 1e400 parses as infinity, which int() refuses with
-    # OverflowError) or NaN (no comparison holds): 0, as for any value that is no number.
-    return float(value) if -_LARGEST <= value <= _LARGEST else 0.0

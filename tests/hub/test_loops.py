@@ -25,7 +25,13 @@ from hub.console import store as console_sql
 from hub.fleet.peers import reconcile_peers
 from hub.keys import BEATS, LOOPS, STORE
 from hub.reconciler import FleetSnapshots
-from hub.state.store import AsyncHubStore, DeploymentRecord, ModelArtifact, open_store
+from hub.state.store import (
+    AsyncHubStore,
+    DeploymentRecord,
+    ModelArtifact,
+    capacity_of,
+    open_store,
+)
 from shared import protocol
 from shared.supervise import Failures
 from shared.wireguard import InterfaceConfig, Tunnel, WireGuardError, generate_keypair
@@ -191,15 +197,13 @@ async def test_the_heartbeat_flusher_survives_its_write_and_its_listeners_failin
     assert report["failures"]["heartbeats.boom"]["last_error"].startswith("OverflowError")
 
 
-def test_the_console_sampler_takes_a_hostile_number_as_zero() -> None:
-    """1e400 is valid JSON and parses as infinity, which int() refuses: a heartbeat that
-    holds one is sampled as 0, and the sampler's listener does not fail."""
-    sample = console_sql.sample_of(
-        1.0,
-        {"memory_total_mib": float("inf"), "memory_available_mib": float("nan"),
-         "cpu_percent": 1e300, "queue_waiting": 10**400, "outbox_lag": True, "models": [1, 2]},
-    )  # fmt: skip
-    assert sample == console_sql.Sample(1.0, 0.0, 0, 0, 0, 0, 2)
+def test_a_stored_capacity_the_protocol_refuses_is_sampled_as_empty() -> None:
+    """1e400 is valid JSON and parses as infinity, which int() refuses. The protocol
+    refuses such a heartbeat; a row an older hub stored with one reads as an empty
+    capacity, and the sampler's listener does not fail on it."""
+    stored = '{"memory_total_mib": 1e400, "cpu_percent": NaN, "queue_waiting": -3}'
+    sample = console_sql.sample_of(1.0, capacity_of(stored))
+    assert sample == console_sql.Sample(1.0, 0.0, 0, 0, 0, 0, 0)
 
 
 async def test_the_placement_reconciler_places_after_a_failed_round(
@@ -353,5 +357,4 @@ def test_one_hostile_row_does_not_fail_the_fleets_placement(tmp_path: Path) -> N
     finally:
         store.close()
     assert [snapshots[i].memory_mib for i in ids] == [0, 0, 0]
-    assert [len(snapshots[i].gpus) for i in ids] == [0, 1, 0]
-    assert snapshots[ids[1]].gpus[0].memory_mib == 0
+    assert [len(snapshots[i].gpus) for i in ids] == [0, 0, 0]
