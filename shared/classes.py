@@ -1,4 +1,4 @@
-"""Service classes S0-S4 (../ARCHITECTURE.md §2): every account has one."""
+"""Service classes S0-S4 (docs/api.md, "Service classes"): every account has one."""
 
 from enum import StrEnum
 

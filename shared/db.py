@@ -29,7 +29,8 @@ def open_database(path: Path, migrations: Migrations) -> Database:
     conn = sqlite3.connect(str(path), check_same_thread=False, timeout=30.0)
     db = Database(conn)
     db.execute("PRAGMA journal_mode=WAL")
-    # FULL makes every commit durable before the client is answered (ARCHITECTURE §5).
+    # FULL makes every commit durable before the client is answered: an acknowledged
+    # event survives a crash.
     db.execute("PRAGMA synchronous=FULL")
     db.execute("PRAGMA foreign_keys=ON")
     migrations.apply(db)

@@ -20,7 +20,7 @@ class _Kind:
 
 
 class ErrorCode(StrEnum):
-    """Every error code the APIs return. The README lists each one (a test checks)."""
+    """Every error code the APIs return. docs/api.md lists each one (a test checks)."""
 
     bad_request = "bad_request"
     invalid_json = "invalid_json"

@@ -146,7 +146,7 @@ class HubClient:
         )
 
     async def leases(self, accounts: list[str], finals: dict[str, int]) -> protocol.LeaseAnswer:
-        """Report retired leases' final spend and ask for new ones (hub/api.py `leases`)."""
+        """Report retired leases' final spend and ask for new ones (hub/api/node.py `leases`)."""
         request = protocol.LeaseRequest(accounts=accounts, finals=finals)
         return await self._post("/v1/node/leases", request, protocol.LeaseAnswer)
 

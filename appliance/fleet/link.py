@@ -25,8 +25,8 @@ from pydantic import TypeAdapter
 
 from appliance.fleet.client import HubClient, HubError, HubRefusedError
 from appliance.fleet.identity import FleetFiles, HubPeer, Identity
-from appliance.fleet.leases import HeldLease
 from appliance.fleet.placement import Converger
+from appliance.quotas.leases import HeldLease
 from shared import __version__, protocol
 from shared.provisioning import Provisioning
 from shared.wireguard import Endpoint, InterfaceConfig, Peer, Tunnel, WireGuardError
@@ -35,9 +35,9 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine
     from pathlib import Path
 
-    from appliance.fleet.leases import LeaseBook
     from appliance.observability.metrics import Metrics
     from appliance.packages.service import PackageService
+    from appliance.quotas.leases import LeaseBook
     from appliance.serving.registry import ModelRegistry
     from appliance.settings import FleetSettings
     from appliance.state.store import AsyncStore

@@ -76,7 +76,7 @@ class JobRequest(_Body):
         pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://",
         description=(
             "http(s) URL that gets a signed POST when the job ends (completed, failed or "
-            "cancelled); see the README for verifying it."
+            "cancelled); see docs/api.md for verifying it."
         ),
     )
     metadata: (

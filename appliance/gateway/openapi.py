@@ -29,7 +29,7 @@ class Route:
     errors: tuple[ErrorCode, ...] = ()
     streams: bool = False
     status: int = 200  # of a success
-    # "hub": only the fleet's hub calls it (with the node's offload secret, not an API key)
+    # "hub": the fleet's hub calls it (handing over a request another node shed)
     caller: str = "client"
     # The router's pattern where it differs from the documented path (a slash in a value).
     router_path: str | None = None

@@ -88,8 +88,8 @@ ROUTES: tuple[Route, ...] = (
         "POST",
         "/v1/offloaded/chat/completions",
         handlers.offloaded,
-        "The hub hands this node a chat completion another node shed (burst offload); "
-        "authenticated by the node's offload secret, not an API key.",
+        "The hub hands this node a chat completion another node shed (burst offload), with "
+        "its client's own fleet key: account and class come from the key.",
         auth=True,
         body=ChatCompletionRequest,
         errors=(*_AUTH, *_BODY, *_GENERATE),
@@ -128,7 +128,7 @@ ROUTES: tuple[Route, ...] = (
         "/v1/ws",
         websocket.stream,
         "WebSocket streaming: several chat and text completions on one connection, each "
-        "with its own id, cancellable by message (see the README).",
+        "with its own id, cancellable by message (see docs/api.md).",
         auth=True,
         errors=(*_AUTH, ErrorCode.bad_request),
     ),

@@ -15,8 +15,8 @@ from collections import OrderedDict
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
-from appliance.fleet.leases import LeaseBook
 from appliance.quotas.buckets import TokenBucket
+from appliance.quotas.leases import LeaseBook
 from appliance.serving.predictor import Capacity, InFlight, Objectives, Rates, decide
 from shared.classes import ServiceClass
 from shared.errors import ApiError, ErrorCode

@@ -9,7 +9,7 @@ remaining tokens; the requests queued ahead (higher priority first, then arrival
 slots as they free; the new request takes the first slot left. Its first token follows
 its prefill and one decode step.
 
-Priority rules (the service classes of ../ARCHITECTURE.md §2): slots reserved for S2 are
+Priority rules (the service classes, shared/classes.py): slots reserved for S2 are
 not counted for lower classes; running S0 sequences are preemptible, so for S1 and above
 their slots count as free now. A request is refused when the predicted admission is later
 than its class's SLO.A or its first token later than SLO.B; ``Retry-After`` is when the

@@ -1,7 +1,7 @@
 """The console's SQL: its users and sessions, the node samples its charts draw, and the
 reads of hub tables the pages show. Functions of the hub's store (`store.db`), run on its
 one writer thread: `await store.run(users_create, store.sync, ...)`. The SQL is the subset
-SQLite and PostgreSQL both run (shared.sql); `"user"` is quoted, as PostgreSQL reserves it."""
+SQLite and PostgreSQL both run (hub.state.sql); `"user"` is quoted, as PostgreSQL reserves it."""
 
 from __future__ import annotations
 

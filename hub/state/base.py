@@ -1,4 +1,4 @@
-"""What every aggregate of the hub's store works on: the database connection (shared.sql:
+"""What every aggregate of the hub's store works on: the database connection (hub.state.sql:
 SQLite or PostgreSQL), the clock, the serials kept in the `meta` table, and the errors
 that any aggregate raises."""
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from shared import sql
+    from hub.state import sql
 
 # Serials kept in the `meta` table.
 DESIRED_SERIAL = "desired_serial"  # moves with every change to the fleet's desired state

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hub.planning.quota import Budget, LeaseView, Sizing, grant, remaining
+from hub.state import sql
 from hub.state.accounts import AccountsMixin
-from shared import sql
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence

@@ -7,8 +7,9 @@ import contextlib
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from hub.state import sql
 from hub.state.packages import PackagesMixin
-from shared import protocol, sql
+from shared import protocol
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence

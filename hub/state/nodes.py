@@ -10,9 +10,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hub.state import sql
 from hub.state.base import AUTH_REVISION, NotFoundError, StoreBase
 from hub.state.tokens import EnrollmentToken, TokenProblem, TokenRefusedError, token_of
-from shared import protocol, sql
+from shared import protocol
 from shared.keys import ENROLLMENT_TOKEN, NODE_TOKEN, generate_key, key_matches, parse_prefix
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ INTEGER and REAL are 32-bit). Index names are the ones sqlite-utils gives.
 
 from __future__ import annotations
 
-from shared.sql import SQLMigration
+from hub.state.sql import SQLMigration
 
 MIGRATIONS = (
     SQLMigration(

@@ -6,7 +6,7 @@ with a second connection for reads of the whole fleet. The aggregates' modules a
 console's (hub/console/store.py) are the only hub modules that write SQL.
 
 The same statements run on SQLite (the default: one file, one writer) and on PostgreSQL
-(`database_url`: several hub replicas on one database) through shared.sql. What must stay
+(`database_url`: several hub replicas on one database) through hub.state.sql. What must stay
 right when replicas write at once is made so by the database, never by a lock in this
 process: a single-use token is spent by a conditional UPDATE whose row count says whether
 it was; an overlay address is taken by an INSERT that a UNIQUE index lets win once; a
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
-from hub.state import postgres
+from hub.state import postgres, sql
 from hub.state.accounts import ForeignAccountError
 from hub.state.base import (
     AUTH_REVISION,
@@ -49,7 +49,7 @@ from hub.state.nodes import (
 from hub.state.operators import OperatorsMixin
 from hub.state.packages import PackageRecord
 from hub.state.tokens import EnrollmentToken, TokenProblem, TokenRefusedError, TokensMixin
-from shared import db, protocol, sql
+from shared import db, protocol
 from shared.keys import NODE_TOKEN, hash_key, parse_prefix
 
 if TYPE_CHECKING:

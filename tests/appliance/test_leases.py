@@ -1,4 +1,4 @@
-"""The node's side of quota leases (appliance/fleet/leases.py), without I/O: what is
+"""The node's side of quota leases (appliance/quotas/leases.py), without I/O: what is
 admitted under a lease, what is asked of the hub, and what a partition allows."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.fleet.leases import LeaseBook, LeaseCall
+from appliance.quotas.leases import LeaseBook, LeaseCall
 from shared import protocol
 from shared.errors import ApiError, ErrorCode
 

@@ -19,11 +19,11 @@ from hub.fleet.heartbeats import HEARTBEATS_EVERY_S
 from hub.identity import certificates, ssl_context
 from hub.planning.health import NodeStatus, node_status
 from hub.settings import HubSettings
+from hub.state.sql import DatabaseError
 from hub.state.store import AsyncHubStore, TokenProblem, TokenRefusedError, open_store
 from shared import pki, protocol
 from shared.errors import ErrorCode
 from shared.protocol import EVENTS
-from shared.sql import DatabaseError
 from tests.conftest import kvl
 
 if TYPE_CHECKING:

@@ -16,8 +16,8 @@ from sqlite_utils import Database
 from hub.settings import HubSettings
 from hub.state.migrations import migrations
 from hub.state.postgres import MIGRATIONS as POSTGRES_MIGRATIONS
+from hub.state.sql import MIGRATIONS_TABLE, PostgresDatabase
 from hub.state.store import open_store
-from shared.sql import MIGRATIONS_TABLE, PostgresDatabase
 
 if TYPE_CHECKING:
     from pathlib import Path

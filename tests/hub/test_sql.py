@@ -1,4 +1,4 @@
-"""shared.sql: one statement, both databases. Placeholders, transactions (all or nothing,
+"""hub.state.sql: one statement, both databases. Placeholders, transactions (all or nothing,
 nested ones joining the outer), row counts and error families, on a real SQLite file and
 a real PostgreSQL database."""
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 from sqlite_utils.migrations import Migrations
 
-from shared.sql import (
+from hub.state.sql import (
     Database,
     IntegrityError,
     PostgresDatabase,
