@@ -18,7 +18,7 @@ import pytest
 from appliance.state.store import ModelRecord, Store
 from hub.identity import certificates
 from hub.settings import HubSettings
-from hub.state.store import open_store
+from hub.state.store import Node, open_store
 from tests.netns import A_ADDR, Link, ip, linked_namespaces
 
 if TYPE_CHECKING:
@@ -155,10 +155,10 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
         tmp_path / "node.log",
     )
 
-    def hub_nodes() -> list[dict[str, object]]:
+    def hub_nodes() -> list[Node]:
         s = open_store(hub)
         try:
-            return [{"capacity": n.capacity, "last_seen": n.last_seen} for n in s.nodes()]
+            return s.nodes()
         finally:
             s.close()
 
@@ -180,12 +180,12 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
         # Heartbeats reach the hub only from the node's overlay address (the hub refuses
         # node calls from anywhere else): seen means through the tunnel.
         wait(
-            lambda: any(n["capacity"].get("models") for n in hub_nodes()),  # type: ignore[attr-defined]
+            lambda: any(n.capacity.models for n in hub_nodes()),
             "a heartbeat through the tunnel, once the model is loaded",
         )
         nodes = hub_nodes()
         assert len(nodes) == 1
-        assert nodes[0]["capacity"]["models"] == [default_model.ref]  # type: ignore[index]
+        assert nodes[0].capacity.models == [default_model.ref]
 
         status = subprocess.run(
             link.argv(
