@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import ssl
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, NoReturn
 import click
 
 from image import netns
+from shared.files import write_private
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -43,6 +45,7 @@ HUB_PORT = 8443
 WG_PORT = 51820
 ACCOUNT = "demo"
 NODE_NAME = "demo-appliance"
+CONSOLE_USER = "demo"  # the console user the demo makes (a password of its own)
 
 
 class DemoError(Exception):
@@ -101,6 +104,10 @@ class Layout:
         return self.data / "kovenlab.json"
 
     @property
+    def console_password(self) -> Path:
+        return self.data / "console.password"
+
+    @property
     def hub_log(self) -> Path:
         return self.data / "hub.log"
 
@@ -157,10 +164,11 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return {**env, **extra}
 
 
-def _kvl(*args: str, env: dict[str, str]) -> str:
+def _kvl(*args: str, env: dict[str, str], stdin: str | None = None) -> str:
     result = subprocess.run(  # noqa: S603 - our own command line
-        [*KVL, *args], capture_output=True, text=True, check=False, env=env, timeout=300
-    )
+        [*KVL, *args], capture_output=True, text=True, check=False, env=env, timeout=300,
+        input=stdin,
+    )  # fmt: skip
     if result.returncode != 0:
         raise DemoError(f"`kvl {' '.join(args[:2])}` failed:\n{result.stderr.strip()}")
     return result.stdout
@@ -259,9 +267,16 @@ class Demo:
                 "hub", "keys", "create", "--account", ACCOUNT, "--data-dir", str(layout.hub),
                 env=self.hub_env,
             ).strip()  # fmt: skip
-            from shared.files import write_private  # noqa: PLC0415
-
             write_private(layout.key, key + "\n")
+        if not layout.console_password.is_file():
+            # A console user for the demo, with a password made here and kept beside the
+            # key: the console is part of what the demo shows.
+            password = secrets.token_urlsafe(12)
+            _kvl(
+                "hub", "admin", "create", "--name", CONSOLE_USER, "--password-stdin",
+                "--data-dir", str(layout.hub), env=self.hub_env, stdin=password + "\n",
+            )  # fmt: skip
+            write_private(layout.console_password, password + "\n")
         enrolled = (layout.appliance / "fleet" / "identity.json").is_file()
         if not enrolled:
             _kvl(
@@ -355,6 +370,13 @@ Try it{" (the appliance's certificate is signed by the hub's CA)" if tls else ""
     -d '{body}'
 Any OpenAI client works with base URL {base}/v1 and the key above.
 
+The hub's console (its certificate is signed by the hub's CA, {layout.ca}: import it
+into the browser, or accept the warning once):
+  https://{HUB_ADDR}:{HUB_PORT}/console/
+  user "{CONSOLE_USER}", password {layout.console_password.read_text().strip()}
+  (kept in {layout.console_password}; more users: {kvl} hub admin create --name NAME
+  --data-dir {layout.hub})
+
 The fleet as the hub sees it, and the link as the appliance sees it:
   {kvl} hub nodes list --data-dir {layout.hub}
   {kvl} appliance status --data-dir {layout.appliance}
@@ -380,8 +402,6 @@ def serve_alone(data: Path, port: int) -> int:
             "appliance", "keys", "create", "--account", ACCOUNT,
             "--data-dir", str(layout.appliance), env=env,
         ).strip()  # fmt: skip
-        from shared.files import write_private  # noqa: PLC0415
-
         write_private(key_file, key + "\n")
     key = key_file.read_text().strip()
     serve = ["appliance", "serve", "--data-dir", str(layout.appliance), "--port", str(port)]

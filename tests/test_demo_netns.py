@@ -123,6 +123,36 @@ def chat(machine: str, ca: Path, key: str) -> tuple[int, str]:
     return int(status or 0), kind or out.stderr[-500:]
 
 
+def console_login(machine: str, ca: Path, password: str) -> tuple[int, str]:
+    """What a person does with the printed console lines, from the machine: the login
+    page, then its form with the demo user's password; (status, where it sends them)."""
+    code = (
+        "import http.client, re, ssl, urllib.parse\n"
+        f"ctx = ssl.create_default_context(cafile={str(ca)!r})\n"
+        "c = http.client.HTTPSConnection('198.18.0.2', 8443, context=ctx, timeout=60)\n"
+        "c.request('GET', '/console/login')\n"
+        "r = c.getresponse(); r.read()\n"
+        "cookie = r.getheader('Set-Cookie').split(';')[0]\n"
+        "csrf = cookie.split('=', 1)[1]\n"
+        "form = urllib.parse.urlencode({'csrf': csrf, 'name': 'demo', "
+        f"'password': {password!r}}})\n"
+        "c.request('POST', '/console/login', body=form, headers={'Cookie': cookie, "
+        "'Content-Type': 'application/x-www-form-urlencoded', "
+        "'Origin': 'https://198.18.0.2:8443'})\n"
+        "r = c.getresponse(); r.read()\n"
+        "print(r.status, r.getheader('Location'))\n"
+    )
+    out = subprocess.run(
+        netns.argv(machine, sys.executable, "-c", code),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    status, _, where = out.stdout.strip().partition(" ")
+    return int(status or 0), where or out.stderr[-500:]
+
+
 def links(machine: str) -> str:
     out = subprocess.run(
         ["ip", "-n", machine, "-o", "link"], capture_output=True, text=True, check=True
@@ -152,6 +182,11 @@ def test_demo_runs_a_hub_and_an_appliance_enrolled_over_wireguard(
         # The key was made on the hub; the appliance accepts it, over TLS the hub's CA signed.
         assert chat(name, ca, key) == (200, "chat.completion")
         assert f"kvd{suffix}-wg" in links(name)
+        # The console, as printed: its address and the demo user's password, which logs in.
+        password = (data / "console.password").read_text().strip()
+        assert "https://198.18.0.2:8443/console/" in first.output
+        assert f'user "demo", password {password}' in first.output
+        assert console_login(name, ca, password) == (303, "/console/nodes")  # logged in
     finally:
         assert first.stop() == 0, first.output
         assert "Traceback" not in first.output
