@@ -20,22 +20,14 @@ from hub.identity import certificates
 from hub.settings import HubSettings
 from hub.state.store import Node, open_store
 from tests.netns import A_ADDR, Link, ip, linked_namespaces
+from tests.waiting import until_sync
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
 
 pytestmark = [pytest.mark.netns, pytest.mark.model]
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def wait(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -179,7 +171,7 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
     try:
         # Heartbeats reach the hub only from the node's overlay address (the hub refuses
         # node calls from anywhere else): seen means through the tunnel.
-        wait(
+        until_sync(
             lambda: any(n.capacity.models for n in hub_nodes()),
             "a heartbeat through the tunnel, once the model is loaded",
         )
@@ -219,13 +211,13 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
         s.close()
         prefix = fleet_key.split("_")[1]
         assert prefix.isalnum()
-        wait(
+        until_sync(
             lambda: local(f"SELECT COUNT(*) FROM api_keys WHERE prefix = '{prefix}'") == 1,  # noqa: S608 - alphanumeric
             "the desired state on the node",
         )
 
         assert complete_in(link, 8080, lan_key) == 200
-        wait(lambda: ledger() == 1, "the first event at the hub")
+        until_sync(lambda: ledger() == 1, "the first event at the hub")
 
         # The link is cut: LAN clients are still served, events wait in the outbox.
         ip("-n", link.b, "link", "set", link.veth_b, "down")
@@ -236,7 +228,7 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
         assert ledger() == 1
         # Back: every event arrives, once.
         ip("-n", link.b, "link", "set", link.veth_b, "up")
-        wait(lambda: ledger() == 4, "the outbox to drain after the cut")
+        until_sync(lambda: ledger() == 4, "the outbox to drain after the cut")
         time.sleep(1.5)
         assert ledger() == 4
     finally:

@@ -27,6 +27,7 @@ from shared import protocol
 from shared.provisioning import Provisioning
 from shared.wireguard import read_private_key
 from tests.conftest import NoModels, free_port, kvl, make_settings
+from tests.waiting import until
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -80,14 +81,6 @@ async def complete(client: Any, key: str) -> None:
         json={"model": "gemma-3-270m", "prompt": "Hi", "max_tokens": 2},
     )
     assert response.status == 200, await response.text()
-
-
-async def wait_for(condition: Any, timeout_s: float = 30.0) -> None:
-    for _ in range(int(timeout_s * 10)):
-        if await condition():
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("condition not met in time")
 
 
 async def fleet_account(store: AsyncStore, name: str = "lan-user") -> Account:
@@ -150,7 +143,7 @@ async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outa
         finally:
             s.close()
 
-    await wait_for(heard)
+    await until(heard, timeout_s=30)
     assert link.identity is not None
     assert (tmp_path / "data" / "fleet" / "identity.json").stat().st_mode & 0o777 == 0o600
     assert (tmp_path / "data" / "fleet" / "wireguard.key").stat().st_mode & 0o777 == 0o600
@@ -172,7 +165,7 @@ async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outa
         finally:
             s.close()
 
-    await wait_for(lambda: ledger(3))
+    await until(lambda: ledger(3), timeout_s=30)
 
     # The hub goes away: LAN clients are still served, events wait in the outbox.
     await hub_server.close()
@@ -182,8 +175,8 @@ async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outa
     assert await appliance_store.run(appliance_store.sync.outbox_lag) == 4
     # It comes back on the same address: every event arrives, none twice.
     await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
-    await wait_for(lambda: ledger(7))
-    await wait_for(lambda: _lag_zero(appliance_store))
+    await until(lambda: ledger(7), timeout_s=30)
+    await until(lambda: _lag_zero(appliance_store), timeout_s=30)
     s = hub_store()
     try:
         usage = [
@@ -363,7 +356,7 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
         return await status() == 200
 
     # A key made on the hub reaches the appliance with the desired state.
-    await wait_for(accepted)
+    await until(accepted, timeout_s=30)
     local = Store(settings.db_path)
     try:
         (key,) = [k for k in local.list_keys() if k.account.name == "school"]
@@ -390,7 +383,7 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
     async def refused() -> bool:
         return await status() == 401
 
-    await wait_for(refused)
+    await until(refused, timeout_s=30)
     error = (await (await client.get("/v1/models", headers=headers)).json())["error"]
     assert error["code"] == "revoked_api_key"
 
@@ -406,7 +399,7 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
         r = await client.get("/v1/models", headers={"Authorization": f"Bearer {library_key}"})
         return r.status == 200
 
-    await wait_for(library)
+    await until(library, timeout_s=30)
     await hub_server.close()
     await asyncio.sleep(1.5)  # a heartbeat fails meanwhile
     assert await library()
@@ -433,7 +426,7 @@ async def test_the_outbox_is_bounded_and_takes_work_again_once_the_hub_is_back(
         outbox_limit_events=2,
     )
     link = app[FLEET]
-    await wait_for(lambda: _enrolled(link))
+    await until(lambda: _enrolled(link), timeout_s=30)
     await hub_server.close()
     for _ in range(2):
         await complete(client, key)
@@ -452,10 +445,10 @@ async def test_the_outbox_is_bounded_and_takes_work_again_once_the_hub_is_back(
         return True
 
     # Once a heartbeat has counted the two unsynced events, new work waits for the hub.
-    await wait_for(refused)
+    await until(refused, timeout_s=30)
     assert await app[STORE].run(app[STORE].sync.outbox_lag) >= 2
     await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
-    await wait_for(lambda: _lag_zero(app[STORE]))
+    await until(lambda: _lag_zero(app[STORE]), timeout_s=30)
 
     async def accepted() -> bool:
         response = await client.post(
@@ -465,7 +458,7 @@ async def test_the_outbox_is_bounded_and_takes_work_again_once_the_hub_is_back(
         )
         return response.status == 200
 
-    await wait_for(accepted)
+    await until(accepted, timeout_s=30)
 
 
 async def _enrolled(link: Any) -> bool:

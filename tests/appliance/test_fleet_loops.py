@@ -4,8 +4,6 @@ and the scheduler's next round does the work."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -20,19 +18,12 @@ from hub.identity import ssl_context
 from hub.state.store import open_store
 from tests.appliance.test_fleet import fleet_account, hub_settings, provisioning
 from tests.conftest import NoModels, make_settings
+from tests.waiting import until
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from pytest_aiohttp import AiohttpServer
-
-
-async def _until(condition: Any, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not in time: {what}")
-        await asyncio.sleep(0.05)
 
 
 async def test_each_link_loop_fails_once_and_goes_on(
@@ -89,8 +80,8 @@ async def test_each_link_loop_fails_once_and_goes_on(
 
     link.start()
     try:
-        await _until(lambda: ledger() == 1, "the next sync round")
-        await _until(heard, "the next heartbeat round")
+        await until(lambda: ledger() == 1, "the next sync round", timeout_s=20)
+        await until(heard, "the next heartbeat round", timeout_s=20)
     finally:
         await link.close()
         await store.close()
@@ -120,7 +111,11 @@ async def test_a_placement_round_that_raises_is_counted_and_the_next_one_runs(
     try:
         for _ in range(2):  # two heartbeats, each kicking a round
             converger.kick(None)  # type: ignore[arg-type]
-            await _until(lambda: converger._task is not None and converger._task.done(), "a round")
+            await until(
+                lambda: converger._task is not None and converger._task.done(),
+                "a round",
+                timeout_s=20,
+            )
         assert converger._task is not None
         assert converger._task.exception() is None  # the failure stayed inside its round
     finally:

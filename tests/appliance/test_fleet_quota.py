@@ -23,8 +23,9 @@ from hub.planning.quota import Budget
 from hub.settings import HubSettings
 from hub.state.store import HubStore, open_store
 from shared import pki, protocol
-from tests.appliance.test_fleet import fleet_appliance, provisioning, wait_for
+from tests.appliance.test_fleet import fleet_appliance, provisioning
 from tests.proxy import CuttableProxy
+from tests.waiting import until
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -128,7 +129,7 @@ async def test_a_partitioned_node_spends_its_lease_then_refuses_and_the_budget_h
         lease_check_s=0.2,
     )
     local = app[STORE]
-    await wait_for(  # the hub's key for acme, as desired state
+    await until(  # the hub's key for acme, as desired state
         lambda: _key_known(app, acme_key)
     )
     first = await _served(client, acme_key)
@@ -170,10 +171,10 @@ async def test_a_partitioned_node_spends_its_lease_then_refuses_and_the_budget_h
     # The link is back: the outbox drains, the lease's final spend is reported, and the
     # ledger holds the whole fleet's spend: within the budget plus one request.
     proxy.restore()
-    await wait_for(lambda: _synced(app), timeout_s=30)
+    await until(lambda: _synced(app), timeout_s=30)
     store = open_store(hub)
     try:
-        await wait_for(lambda: _final_reported(store, lease.id), timeout_s=30)
+        await until(lambda: _final_reported(store, lease.id), timeout_s=30)
         quota = store.quota("acme", time.time())
         assert quota is not None
         assert quota.consumed == 240 + spent
@@ -182,7 +183,7 @@ async def test_a_partitioned_node_spends_its_lease_then_refuses_and_the_budget_h
         store.close()
 
     # A lease with room left that expires while the node is cut off admits nothing more.
-    await wait_for(lambda: _has_fresh_lease(app), timeout_s=20)
+    await until(lambda: _has_fresh_lease(app), timeout_s=20)
     proxy.sever()
     fresh = book.current["acme"]
     assert fresh.room() > cost

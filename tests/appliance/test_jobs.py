@@ -38,6 +38,7 @@ from shared.webhooks import (
 )
 from tests.appliance.test_gateway import MODEL, assert_error, auth
 from tests.conftest import Client, free_port, kvl, make_settings, spawn_appliance, wait_ready
+from tests.waiting import until
 
 ENDED = frozenset({"completed", "failed", "cancelled"})
 
@@ -95,13 +96,6 @@ async def get_job(client: Client, key: str, job_id: str) -> dict[str, Any]:
     return job
 
 
-async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 120.0) -> None:
-    """Wait on a condition held elsewhere (the database, another process): poll it."""
-    async with asyncio.timeout(timeout_s):
-        while not await check():  # noqa: ASYNC110 - there is no event to wait on
-            await asyncio.sleep(0.05)
-
-
 async def wait_for(
     fetch: Callable[[], Awaitable[dict[str, Any]]],
     done: Callable[[dict[str, Any]], bool] = ended,
@@ -115,7 +109,7 @@ async def wait_for(
         job = await fetch()
         return done(job)
 
-    await until(check, timeout_s)
+    await until(check, timeout_s=timeout_s)
     return job
 
 
@@ -427,7 +421,7 @@ async def test_cancel_stops_the_job_keeps_its_results_and_tells_the_webhook(
     async def idle() -> bool:
         return runner.running(job_id) == 0
 
-    await until(idle, 30)
+    await until(idle, timeout_s=30)
     job = await get_job(client, api_key, job_id)
     assert job["status"] == "cancelled"
     # An item in flight may have finished while the cancel went through: its result stays.
@@ -574,7 +568,7 @@ async def test_an_account_over_its_quota_does_not_hold_up_another_accounts_jobs(
         text = await (await client.get("/metrics")).text()
         return metric(text, 'kvl_quota_refusals_total{class="S1",quota="requests_per_minute"}') > 0
 
-    await until(refused, 60)
+    await until(refused, timeout_s=60)
     status, second = await create_job(client, other, {"requests": [text_item("b")]})
     assert status == 202, second
     job = await wait_for(lambda: get_job(client, other, second["id"]), timeout_s=30)
@@ -620,7 +614,7 @@ async def test_a_full_queue_is_retried_not_the_items_result(
         text = await (await client.get("/metrics")).text()
         return 'kvl_job_items_total{outcome="retried"}' in text
 
-    await until(retried, 60)
+    await until(retried, timeout_s=60)
     live.close()  # the live request ends; its slot frees
     job = await wait_job(client, api_key, created["id"])
     assert job["progress"] == {"total": 1, "completed": 1, "failed": 0}
@@ -661,7 +655,7 @@ async def test_a_full_outbox_is_waited_out_however_long_not_the_items_result(
         )
         return line is not None and float(line.split()[-1]) >= 3
 
-    await until(retried_thrice, 60)
+    await until(retried_thrice, timeout_s=60)
     job = await (await client.get(f"/v1/jobs/{created['id']}", headers=auth(api_key))).json()
     assert job["status"] in {"queued", "running"}
     assert job["progress"]["completed"] == job["progress"]["failed"] == 0
@@ -870,7 +864,7 @@ async def test_a_job_survives_kill_9_and_completes_each_item_once(
                 async def one_done() -> bool:
                     return bool(_items_done(db_path, job_id))
 
-                await until(one_done)
+                await until(one_done, timeout_s=120)
             process.send_signal(signal.SIGKILL)
             await asyncio.to_thread(process.wait)
             before = _items_done(db_path, job_id)

@@ -6,9 +6,8 @@ B unpins it."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import aiohttp
 import pytest
@@ -20,6 +19,7 @@ from hub.state.store import open_store
 from tests.appliance.fleet_nodes import join
 from tests.appliance.test_placement_fleet import _hub
 from tests.conftest import kvl
+from tests.waiting import until
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -31,14 +31,6 @@ if TYPE_CHECKING:
 
 ASK = {"topic": "volcanoes", "level": "beginner", "wait": True,
        "spec": {"items": 2, "item_types": ["true_false"], "narration": False}}  # fmt: skip
-
-
-async def _until(condition: Any, what: str, timeout_s: float = 60.0) -> None:
-    for _ in range(int(timeout_s * 10)):
-        if await condition():
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _nodes_holding(hub: HubSettings, package_id: str) -> list[str]:
@@ -72,7 +64,7 @@ async def test_a_package_made_on_one_node_is_reported_and_seeded_to_another(
         async def reported() -> bool:
             return _nodes_holding(hub, package_id) == ["node-a"]
 
-        await _until(reported, "node A's package at the hub")
+        await until(reported, "node A's package at the hub", timeout_s=60)
         store = open_store(hub)
         [record] = store.packages(package_id)
         store.close()
@@ -96,7 +88,7 @@ async def test_a_package_made_on_one_node_is_reported_and_seeded_to_another(
             held = [p for p in cache_b.list() if p.id == package_id]
             return bool(held) and held[0].pinned
 
-        await _until(seeded, "the package seeded to node B")
+        await until(seeded, "the package seeded to node B", timeout_s=60)
         for entry in made["manifest"]["files"]:
             url = f"{b.base_url}/v1/packages/{package_id}/files/{entry['path']}"
             async with session.get(url, headers={"Authorization": f"Bearer {b.key}"}) as got:
@@ -107,11 +99,11 @@ async def test_a_package_made_on_one_node_is_reported_and_seeded_to_another(
         async def both() -> bool:
             return _nodes_holding(hub, package_id) == ["node-a", "node-b"]
 
-        await _until(both, "node B's copy reported to the hub")
+        await until(both, "node B's copy reported to the hub", timeout_s=60)
 
         kvl("hub", "packages", "unseed", package_id, "--data-dir", data)
 
         async def unpinned() -> bool:
             return not cache_b.get(package_id, version).pinned
 
-        await _until(unpinned, "node B unpinning it")
+        await until(unpinned, "node B unpinning it", timeout_s=60)

@@ -27,6 +27,7 @@ from hub.state.store import open_store
 from shared import pki, protocol
 from tests.appliance.fleet_nodes import join
 from tests.conftest import kvl
+from tests.waiting import until
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -63,14 +64,6 @@ async def _join(
     return node.app, node.server
 
 
-async def _until(condition: Any, what: str, timeout_s: float = 60.0) -> None:
-    for _ in range(int(timeout_s * 10)):
-        if condition():
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _served(app: web.Application) -> set[str]:
     return {r.ref for r in app[HOST].served()}
 
@@ -101,7 +94,7 @@ async def test_a_deployment_follows_nodes_that_join_leave_and_drain(
 
     a, a_server = await _join(aiohttp_server, tmp_path, default_model, hub, hub_server.port,
                               name="node-a")  # fmt: skip
-    await _until(lambda: "placed@1" in _served(a), "the replica on the first node")
+    await until(lambda: "placed@1" in _served(a), "the replica on the first node", timeout_s=60)
     assert _placed(hub) == ["node-a"]
 
     b, _ = await _join(aiohttp_server, tmp_path, default_model, hub, hub_server.port,
@@ -111,14 +104,16 @@ async def test_a_deployment_follows_nodes_that_join_leave_and_drain(
     assert "placed@1" not in _served(b)
 
     await a_server.close()  # node A goes away: past the grace period its replica moves
-    await _until(lambda: "placed@1" in _served(b), "the replica on the second node")
+    await until(lambda: "placed@1" in _served(b), "the replica on the second node", timeout_s=60)
     assert _placed(hub) == ["node-b"]
     listed = kvl("hub", "deployments", "--data-dir", data).stdout
     assert f"{deployment_id}" in listed
     assert "1/1  node-b" in listed
 
     kvl("hub", "nodes", "drain", "node-b", "--data-dir", data)  # nowhere else to go
-    await _until(lambda: "placed@1" not in _served(b), "the replica off the drained node")
+    await until(
+        lambda: "placed@1" not in _served(b), "the replica off the drained node", timeout_s=60
+    )
     assert _placed(hub) == []
     assert "gemma-3-270m@1.0.0" in _served(b)  # its own default model stays
 
@@ -161,7 +156,7 @@ async def test_a_placed_artifact_is_fetched_resumed_and_checked(
     client = HubClient(f"https://127.0.0.1:{server.port}", pin, node.node_token)
     # The node's heartbeat makes it placeable (memory from its model budget).
     await client.heartbeat({}, protocol.Capacity(model_memory_mib=10_000))
-    await _until(lambda: bool(_placed(hub)), "the placement")
+    await until(lambda: bool(_placed(hub)), "the placement", timeout_s=60)
     state = await client.state(-1)
     assert state is not None
     [placed] = state.models

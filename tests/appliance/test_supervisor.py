@@ -20,6 +20,7 @@ from appliance.settings import ApplianceSettings
 from appliance.state.store import ModelRecord, Store
 from shared.errors import ErrorCode
 from tests.conftest import Client
+from tests.waiting import until
 
 MODEL = "gemma-3-270m"
 LONG = {"model": MODEL, "prompt": "Tell a very long story.", "max_tokens": 400, "temperature": 0}
@@ -27,14 +28,6 @@ LONG = {"model": MODEL, "prompt": "Tell a very long story.", "max_tokens": 400, 
 
 def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-async def wait_for(condition: Any, timeout_s: float = 120.0) -> None:
-    """Wait on a condition, polling; no fixed sleeps."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 async def test_kill_9_mid_stream(
@@ -55,7 +48,7 @@ async def test_kill_9_mid_stream(
     assert stream.status == 200
     await stream.content.readline()  # it is generating
     whole = asyncio.create_task(client.post("/v1/completions", headers=auth(api_key), json=LONG))
-    await wait_for(lambda: replica.outstanding == 2)
+    await until(lambda: replica.outstanding == 2, timeout_s=120)
 
     os.kill(first_pid, signal.SIGKILL)
 
@@ -74,7 +67,7 @@ async def test_kill_9_mid_stream(
 
     # The gateway never went down, and the worker comes back with a new process.
     assert (await client.get("/healthz")).status == 200
-    await wait_for(lambda: replica.ready and replica.pid != first_pid)
+    await until(lambda: replica.ready and replica.pid != first_pid, timeout_s=120)
     ok = await client.post("/v1/completions", headers=auth(api_key), json={**LONG, "max_tokens": 4})
     assert ok.status == 200, await ok.text()
 
@@ -114,7 +107,7 @@ async def test_a_frozen_worker_is_detected_and_replaced(default_model: ModelReco
         with pytest.raises(WorkerUnavailableError) as stopped:
             await drain(run)
         assert stopped.value.retry_after > 0
-        await wait_for(lambda: replica.ready and replica.pid != frozen)
+        await until(lambda: replica.ready and replica.pid != frozen, timeout_s=120)
         assert [r.kind for r in restarts] == ["heartbeat"]
         again = replica.submit(GenerationRequest(prompt_tokens=(2, 818), max_tokens=2))
         events = [event async for event in again]

@@ -31,6 +31,7 @@ from hub.settings import HubSettings
 from hub.state.store import ModelArtifact, open_store
 from shared import pki, protocol
 from tests.conftest import REPO, kvl
+from tests.waiting import until
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -69,19 +70,6 @@ def csrf_of(page: str) -> str:
     found = re.search(r'name="csrf" value="([^"]+)"', page)
     assert found, page
     return found.group(1)
-
-
-async def until(condition: Callable[[], Any], what: str, timeout_s: float = 20.0) -> Any:
-    """Wait on a condition (async or not), polling; its first truthy value."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Console:

@@ -7,7 +7,6 @@ budgets stay exact."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import TYPE_CHECKING, Any
@@ -20,6 +19,7 @@ from hub.state.store import DeploymentRecord, HubStore, ModelArtifact, open_stor
 from shared import protocol
 from shared.errors import ErrorCode
 from tests.hub.test_hub import PREFIX, new_key, settings_for
+from tests.waiting import until
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -147,14 +147,6 @@ def _assert_refused(status: int, body: Any, what: str) -> None:
     assert ErrorCode(error["code"]).status == status, what
 
 
-async def _until(condition: Any, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not in time: {what}")
-        await asyncio.sleep(0.05)
-
-
 def _fleet(tmp_path: Path, hub_database: HubDatabase) -> tuple[HubSettings, dict[str, Any]]:
     settings = settings_for(tmp_path, hub_database)
     settings = settings.model_copy(
@@ -260,7 +252,7 @@ async def test_a_hostile_node_is_refused_everything_and_the_fleet_goes_on(
         finally:
             store.close()
 
-    await _until(landed, "the honest heartbeat written")
+    await until(landed, "the honest heartbeat written", timeout_s=10)
     status, answer = await _call(client, "POST", "/v1/node/events", honest,
                                  json.dumps({"events": [_usage("ok-2", tokens_in=1)]}))  # fmt: skip
     assert (status, answer["new"]) == (200, 1)
@@ -278,7 +270,7 @@ async def test_a_hostile_node_is_refused_everything_and_the_fleet_goes_on(
         finally:
             store.close()
 
-    await _until(placed, "the deployment placed on the honest node")
+    await until(placed, "the deployment placed on the honest node", timeout_s=10)
 
     # A revocation made by another process reaches the running hub within its bound.
     store = open_store(settings)
@@ -291,7 +283,7 @@ async def test_a_hostile_node_is_refused_everything_and_the_fleet_goes_on(
         status, answer = await _call(client, "POST", "/v1/node/heartbeat", hostile, "{}")
         return status == 403 and answer["error"]["code"] == "node_revoked"
 
-    await _until(revoked, "the revocation seen", timeout_s=3 * 1.0 + 2)
+    await until(revoked, "the revocation seen", timeout_s=3 * 1.0 + 2)
     # No background loop of the hub failed on anything the hostile node sent.
     health = await (await client.get("/healthz")).json()
     assert health["loop_failures"] == {}

@@ -36,9 +36,9 @@ from shared import protocol
 from shared.supervise import Failures
 from shared.wireguard import InterfaceConfig, Tunnel, WireGuardError, generate_keypair
 from tests.hub.test_hub import PREFIX, new_key, settings_for
+from tests.waiting import until
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
     from pathlib import Path
 
     from aiohttp.test_utils import TestServer
@@ -50,15 +50,6 @@ if TYPE_CHECKING:
 DEADLINE_S = 10.0
 NODE_HEADERS = {protocol.PROTOCOL_HEADER: str(protocol.PROTOCOL_VERSION)}
 CAPACITY = {"cpu_percent": 12.5, "memory_total_mib": 8000, "memory_available_mib": 4000}
-
-
-async def until(condition: Callable[[], Awaitable[bool]], what: str) -> None:
-    """Wait for `condition`, checking every 20 ms, failing after DEADLINE_S."""
-    deadline = time.monotonic() + DEADLINE_S
-    while not await condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {DEADLINE_S} s: {what}")
-        await asyncio.sleep(0.02)
 
 
 def settings(tmp_path: Path, **more: Any) -> HubSettings:
@@ -151,7 +142,7 @@ async def test_the_heartbeat_flusher_survives_its_write_and_its_listeners_failin
     async def write_failed() -> bool:
         return failures.count("heartbeats") == 1
 
-    await until(write_failed, "the failed write counted")
+    await until(write_failed, "the failed write counted", timeout_s=DEADLINE_S)
     assert await last_seen() is None  # lost with its round
     assert len(logged(caplog, "heartbeats")) == 1
 
@@ -160,7 +151,9 @@ async def test_the_heartbeat_flusher_survives_its_write_and_its_listeners_failin
     async def written() -> bool:
         return await last_seen() is not None and len(after) == 1
 
-    await until(written, "a later heartbeat written, and the last listener called")
+    await until(
+        written, "a later heartbeat written, and the last listener called", timeout_s=DEADLINE_S
+    )
     assert failures.count("heartbeats.boom") == 1
     assert len(logged(caplog, "heartbeats.boom")) == 1
 
@@ -169,7 +162,7 @@ async def test_the_heartbeat_flusher_survives_its_write_and_its_listeners_failin
         taken = await store.run(console_sql.samples, store.sync, node_id, 0.0)
         return [s.cpu_percent for s in taken] == [50.0]
 
-    await until(sampled, "the console's sample of the written heartbeat")
+    await until(sampled, "the console's sample of the written heartbeat", timeout_s=DEADLINE_S)
 
     # And the rounds go on: the next heartbeat is written, every listener called.
     first = await last_seen()
@@ -178,7 +171,7 @@ async def test_the_heartbeat_flusher_survives_its_write_and_its_listeners_failin
     async def again() -> bool:
         return await last_seen() != first and len(after) == 2
 
-    await until(again, "the next heartbeat written")
+    await until(again, "the next heartbeat written", timeout_s=DEADLINE_S)
     assert (len(writes), boomed[-1], failures.count("heartbeats")) == (3, 1, 1)
 
     # The operator API shows the loops and their failures.
@@ -239,14 +232,16 @@ async def test_the_placement_reconciler_places_after_a_failed_round(
     async def failed() -> bool:
         return failures.count("placement") == 1
 
-    await until(failed, "the failed round counted")  # the first round runs at start
+    await until(
+        failed, "the failed round counted", timeout_s=DEADLINE_S
+    )  # the first round runs at start
     assert len(logged(caplog, "placement")) == 1
     await heartbeat(server, node_token)  # the node is seen: now it can be given the model
 
     async def placed() -> bool:
         return await running.run(running.sync.placements) == [("d1", node_id, None)]
 
-    await until(placed, "the deployment placed by a later round")
+    await until(placed, "the deployment placed by a later round", timeout_s=DEADLINE_S)
     assert failures.count("placement") == 1
     assert len(rounds) >= 2
 
@@ -282,7 +277,7 @@ async def test_the_console_pruner_prunes_after_a_failed_round(
     async def pruned() -> bool:
         return await running.run(console_sql.samples, running.sync, node_id, 0.0) == []
 
-    await until(pruned, "the old sample deleted by a later round")
+    await until(pruned, "the old sample deleted by a later round", timeout_s=DEADLINE_S)
     assert failures.count("console.prune") == 1
     assert len(logged(caplog, "console.prune")) == 1
     assert len(calls) >= 2
