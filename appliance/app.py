@@ -15,10 +15,10 @@ from appliance.gateway.keys import (
     ADMISSION,
     COMPLETIONS,
     EMBEDDINGS,
-    HOST,
     METRICS,
     NODE_ID,
     OFFLOAD,
+    REGISTRY,
     SETTINGS,
     STORE,
     TRACING,
@@ -93,7 +93,7 @@ async def _tracing(app: web.Application) -> AsyncIterator[None]:
 async def _models(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     host = ModelRegistry(app[STORE], settings, app[METRICS])
-    app[HOST] = host
+    app[REGISTRY] = host
     admission = AdmissionControl(settings.classes, app[STORE], app[METRICS])
     app[ADMISSION] = admission
     app[OFFLOAD] = Offload(admission, app[METRICS])
@@ -123,7 +123,7 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
         files,
         app[STORE],
         app[METRICS],
-        app[HOST],
+        app[REGISTRY],
         on_lag=on_lag,
         leases=admission.leases,
         api={"port": settings.server.port, "tls": lan_tls_files(settings) is not None},
@@ -161,7 +161,7 @@ async def _jobs(app: web.Application) -> AsyncIterator[None]:
     cache = PackageCache(settings.packages_dir, max_bytes=settings.packages.cache_max_mb << 20)
     packages = PackageService(
         app[COMPLETIONS],
-        app[HOST],
+        app[REGISTRY],
         cache,
         settings.packages,
         model=settings.packages.model or settings.model.default,

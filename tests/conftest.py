@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestClient
 from pytest_aiohttp import AiohttpClient
 
 from appliance.app import create_app
-from appliance.gateway.keys import EMBEDDINGS, HOST
+from appliance.gateway.keys import EMBEDDINGS, REGISTRY
 from appliance.serving.catalog import ensure_default_model
 from appliance.serving.progress import ProgressBar
 from appliance.settings import ApplianceSettings
@@ -93,8 +93,8 @@ async def client(aiohttp_client: AiohttpClient, settings: ApplianceSettings) -> 
     """An in-process appliance (real aiohttp server on loopback) with the models loaded."""
     app = create_app(settings)
     test_client = await aiohttp_client(app)
-    await app[HOST].wait_loaded()
-    assert app[HOST].ready, app[HOST].load_error
+    await app[REGISTRY].wait_loaded()
+    assert app[REGISTRY].ready, app[REGISTRY].load_error
     await app[EMBEDDINGS].wait_loaded()
     assert app[EMBEDDINGS].ready, app[EMBEDDINGS].load_error
     return test_client
@@ -226,7 +226,7 @@ class NoModels:
     def served(self) -> list[Any]:
         return []
 
-    def deployments(self) -> list[Any]:
+    def loaded_models(self) -> list[Any]:
         return []
 
     def replicas(self) -> list[Any]:

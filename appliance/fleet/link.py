@@ -311,7 +311,7 @@ class FleetLink:
             model_memory_mib=int(getattr(self._registry, "budget_mb", 0)),
             placement_errors={k[:200]: v[:2000] for k, v in list(errors.items())[:64]},
             gpus=self.gpus()[:16],
-            queue_waiting=sum(d.waiting for d in self._registry.deployments()),
+            queue_waiting=sum(d.waiting for d in self._registry.loaded_models()),
             outbox_lag=lag,
             outbox_alarm=alarm,
             # Where the hub reaches this node's LAN API (at the address heartbeats come
@@ -325,9 +325,9 @@ class FleetLink:
         name, hardware, memory total and free. Empty on a CPU-only node."""
         seen: dict[str, protocol.Gpu] = {}
         for replica in self._registry.replicas():
-            if replica.placement is None:
+            if replica.layout is None:
                 continue
-            for device in replica.placement.devices:
+            for device in replica.layout.devices:
                 if device.kind in {"gpu", "igpu"}:
                     total = max(0, device.memory_total_mib)
                     seen[device.name] = protocol.Gpu(

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 from aiohttp import web
 
-from appliance.gateway.keys import EMBEDDINGS, HOST, STORE
+from appliance.gateway.keys import EMBEDDINGS, REGISTRY, STORE
 from appliance.gateway.parsing import read_json
 from appliance.gateway.schemas import AdminModelRequest
 from appliance.inference.schemas import parse_body
@@ -26,16 +26,16 @@ from appliance.serving.registry import (
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
-    from appliance.serving.registry import Deployment, ModelRegistry
+    from appliance.serving.registry import LoadedModel, ModelRegistry
     from appliance.state.store import ModelRecord
 
 
 async def list_models(request: web.Request) -> web.Response:
-    registry = request.app[HOST]
+    registry = request.app[REGISTRY]
     store = request.app[STORE]
     records = await store.run(store.sync.list_models)
     pinned = {r.ref for r in await store.run(store.sync.pinned_models)}
-    loaded = {d.record.ref: d for d in registry.deployments()}
+    loaded = {d.record.ref: d for d in registry.loaded_models()}
     data = [_entry(r, loaded.get(r.ref), r.ref in pinned) for r in records]
     data += [
         {
@@ -57,7 +57,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def load_model(request: web.Request) -> web.Response:
     req = parse_body(AdminModelRequest, await read_json(request))
-    registry = request.app[HOST]
+    registry = request.app[REGISTRY]
     _refuse_embedding_model(request, req.model)
     try:
         deployment = await registry.load(req.model, replicas=req.replicas, pinned=req.pinned)
@@ -79,7 +79,7 @@ async def load_model(request: web.Request) -> web.Response:
 async def unload_model(request: web.Request) -> web.Response:
     model = request.match_info["model"]
     _refuse_embedding_model(request, model)
-    registry = request.app[HOST]
+    registry = request.app[REGISTRY]
     try:
         deployment = await registry.unload(model)
     except UnknownModelError as err:
@@ -99,7 +99,7 @@ def _refuse_embedding_model(request: web.Request, model: str) -> None:
         )
 
 
-def _entry(record: ModelRecord, deployment: Deployment | None, pinned: bool) -> dict[str, Any]:
+def _entry(record: ModelRecord, deployment: LoadedModel | None, pinned: bool) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "ref": record.ref,
         "name": record.name,
@@ -133,7 +133,7 @@ def _entry(record: ModelRecord, deployment: Deployment | None, pinned: bool) -> 
                     "busy_slots": r.busy_slots,
                     "slots": r.options.n_slots,
                     "restarts": r.restarts,
-                    "device": r.placement.device if r.placement is not None else None,
+                    "device": r.layout.device if r.layout is not None else None,
                 }
                 for i, r in enumerate(deployment.replicas)
             ],

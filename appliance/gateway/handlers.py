@@ -11,7 +11,15 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from appliance.gateway import sse
-from appliance.gateway.keys import COMPLETIONS, EMBEDDINGS, HOST, METRICS, NODE_ID, OFFLOAD, api_key
+from appliance.gateway.keys import (
+    COMPLETIONS,
+    EMBEDDINGS,
+    METRICS,
+    NODE_ID,
+    OFFLOAD,
+    REGISTRY,
+    api_key,
+)
 from appliance.gateway.middleware import route_label
 from appliance.gateway.parsing import read_json
 from appliance.inference.completions import Prepared, Sink, invalid_output
@@ -36,7 +44,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    host = request.app[HOST]
+    host = request.app[REGISTRY]
     embedder = request.app[EMBEDDINGS]
     if host.load_error is not None:
         raise ApiError(ErrorCode.model_not_ready, f"the model failed to load: {host.load_error}")
@@ -51,17 +59,17 @@ async def readyz(request: web.Request) -> web.Response:
     if embedder.enabled and not embedder.ready:
         raise ApiError(ErrorCode.model_not_ready, "the embedding model is loading", retry_after=2)
     models = [r.ref for r in host.served()] + [m.ref for m in embedder.served()]
-    devices = {replica.record.ref: _placement(replica) for replica in host.replicas()}
+    devices = {replica.record.ref: _layout(replica) for replica in host.replicas()}
     devices.update(
         {m.ref: {"device": "onnxruntime", "provider": m.provider} for m in embedder.served()}
     )
     return web.json_response({"status": "ready", "models": models, "devices": devices})
 
 
-def _placement(replica: Replica) -> dict[str, Any]:
-    if replica.placement is None:
+def _layout(replica: Replica) -> dict[str, Any]:
+    if replica.layout is None:
         return {"device": "unknown"}
-    return replica.placement.to_json()
+    return replica.layout.to_json()
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -70,7 +78,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    host = request.app[HOST]
+    host = request.app[REGISTRY]
     data = [
         {
             "id": replica.record.name,
@@ -84,7 +92,7 @@ async def list_models(request: web.Request) -> web.Response:
             "sha256": replica.record.sha256,
             "context_length": replica.options.n_ctx,
             "slots": replica.options.n_slots,
-            "device": replica.placement.device if replica.placement is not None else "unknown",
+            "device": replica.layout.device if replica.layout is not None else "unknown",
         }
         for replica in host.replicas()
     ]

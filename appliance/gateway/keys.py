@@ -17,7 +17,7 @@ from appliance.state.store import ApiKey, AsyncStore
 SETTINGS = web.AppKey("settings", ApplianceSettings)
 STORE = web.AppKey("store", AsyncStore)
 METRICS = web.AppKey("metrics", Metrics)
-HOST = web.AppKey("host", ModelRegistry)
+REGISTRY = web.AppKey("model_registry", ModelRegistry)
 COMPLETIONS = web.AppKey("completions", CompletionService)
 ADMISSION = web.AppKey("admission", AdmissionControl)
 EMBEDDINGS = web.AppKey("embeddings", EmbeddingService)

@@ -24,7 +24,7 @@ from shared.errors import ApiError, ErrorCode
 if TYPE_CHECKING:
     from appliance.observability.metrics import Metrics
     from appliance.serving.engine import Finished
-    from appliance.serving.registry import Deployment
+    from appliance.serving.registry import LoadedModel
     from appliance.settings import ClassObjectives, ClassSettings
     from appliance.state.store import ApiKey, AsyncStore
 
@@ -146,7 +146,7 @@ class AdmissionControl:
     # -- admission ---------------------------------------------------------------------------
 
     def admit(
-        self, deployment: Deployment, klass: ServiceClass, prompt_tokens: int, max_tokens: int
+        self, deployment: LoadedModel, klass: ServiceClass, prompt_tokens: int, max_tokens: int
     ) -> None:
         """Refuse now (429 ``overloaded``) a request that the prediction says cannot hold a
         slot within its class's SLO.A or see its first token within SLO.B."""

@@ -31,8 +31,8 @@ from appliance.serving.engine import (
     TextDelta,
 )
 from appliance.serving.registry import (
-    Deployment,
     InsufficientMemoryError,
+    LoadedModel,
     ModelNotReadyError,
     ModelRegistry,
     UnknownModelError,
@@ -69,7 +69,7 @@ class Prepared:
     kind: Kind
     route: str
     key: ApiKey
-    engine: Deployment
+    engine: LoadedModel
     request: GenerationRequest
     structured: StructuredOutput | None
     include_usage: bool
@@ -256,7 +256,7 @@ class CompletionService:
         *,
         route: str,
         key: ApiKey,
-        engine: Deployment,
+        engine: LoadedModel,
         request: GenerationRequest,
         req: ChatCompletionRequest | CompletionRequest,
         structured: StructuredOutput | None,
@@ -276,7 +276,7 @@ class CompletionService:
         with self._tracing.span("quota", {"kvl.class": klass.value}):
             await self._admission.check_quota(key, klass)
 
-    async def _engine(self, model: str) -> Deployment:
+    async def _engine(self, model: str) -> LoadedModel:
         try:
             with self._tracing.span("router", {"kvl.model": model}):
                 return await self._host.resolve(model)
@@ -291,7 +291,7 @@ class CompletionService:
 
     def _generation(
         self,
-        engine: Deployment,
+        engine: LoadedModel,
         *,
         tokens: list[int],
         max_tokens: int | None,

@@ -203,15 +203,15 @@ class BatchEngine:
     def _admit(self, job: Job) -> None:
         request = job.request
         seq_id = self._state.next_id  # the id submit() gives it
-        placement = self._prefix.place(seq_id, request.prompt_tokens, self._unstarted())
-        if isinstance(placement, px.Build):
+        where = self._prefix.place(seq_id, request.prompt_tokens, self._unstarted())
+        if isinstance(where, px.Build):
             llama_cpp.llama_memory_seq_rm(self._memory, self._store, -1, -1)
-        if isinstance(placement, px.Park) or (
-            isinstance(placement, px.Build) and placement.builder is not None
+        if isinstance(where, px.Park) or (
+            isinstance(where, px.Build) and where.builder is not None
         ):
             self._parked.append(job)
             return
-        cached = placement.cached if isinstance(placement, px.Reuse) else 0
+        cached = where.cached if isinstance(where, px.Reuse) else 0
         self._state, result = sched.submit(
             self._state,
             len(request.prompt_tokens),

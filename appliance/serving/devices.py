@@ -30,7 +30,7 @@ class Device:
 
 
 @dataclass(frozen=True)
-class Placement:
+class DeviceLayout:
     """Where a model's layers run."""
 
     gpu_offload: bool  # llama.cpp was built with a GPU backend
@@ -54,7 +54,7 @@ class Placement:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Placement:
+    def from_json(cls, data: dict[str, Any]) -> DeviceLayout:
         return cls(
             gpu_offload=bool(data["gpu_offload"]),
             n_gpu_layers=int(data["n_gpu_layers"]),
@@ -103,7 +103,8 @@ def devices() -> tuple[Device, ...]:
     return tuple(found)
 
 
-def placement(n_gpu_layers: int) -> Placement:
+def layout(n_gpu_layers: int) -> DeviceLayout:
+    """Where this process puts a model's layers: on the GPUs llama.cpp sees, or the CPU."""
     import llama_cpp  # noqa: PLC0415
 
-    return Placement(bool(llama_cpp.llama_supports_gpu_offload()), n_gpu_layers, devices())
+    return DeviceLayout(bool(llama_cpp.llama_supports_gpu_offload()), n_gpu_layers, devices())

@@ -50,7 +50,7 @@ class Alone:
     """Nothing to share: prefill the whole prompt."""
 
 
-Placement = Reuse | Build | Park | Alone
+PrefixPlan = Reuse | Build | Park | Alone
 
 
 def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -85,25 +85,23 @@ class PrefixShare:
     def enabled(self) -> bool:
         return self.min_tokens > 0 and self.max_tokens >= self.min_tokens
 
-    def place(self, seq_id: int, prompt: tuple[int, ...], unstarted: set[int]) -> Placement:
+    def place(self, seq_id: int, prompt: tuple[int, ...], unstarted: set[int]) -> PrefixPlan:
         """Decide for an arriving prompt. ``unstarted``: sequences that have not prefilled a
         token yet (one of them may become the builder instead of the newcomer). Call
         :meth:`admitted`, :meth:`ended` and :meth:`progress` as the engine goes on."""
         if not self.enabled:
             return Alone()
-        placement = self._place(seq_id, prompt, unstarted)
-        if isinstance(placement, Park) or (
-            isinstance(placement, Build) and placement.builder is not None
-        ):
+        where = self._place(seq_id, prompt, unstarted)
+        if isinstance(where, Park) or (isinstance(where, Build) and where.builder is not None):
             # It waits, so it is not remembered: a waiting prompt gets no sequence id until
             # it is placed again.
-            return placement
+            return where
         self._remember(seq_id, prompt)
-        if isinstance(placement, Reuse):
+        if isinstance(where, Reuse):
             self.readers.add(seq_id)
-        return placement
+        return where
 
-    def _place(self, seq_id: int, prompt: tuple[int, ...], unstarted: set[int]) -> Placement:
+    def _place(self, seq_id: int, prompt: tuple[int, ...], unstarted: set[int]) -> PrefixPlan:
         if self.tokens:
             n = min(common_prefix(prompt, self.tokens), len(prompt) - 1)
             if n >= self.min_tokens:
@@ -114,7 +112,7 @@ class PrefixShare:
             return Alone()
         return self._build(seq_id, prompt, unstarted)
 
-    def _build(self, seq_id: int, prompt: tuple[int, ...], unstarted: set[int]) -> Placement:
+    def _build(self, seq_id: int, prompt: tuple[int, ...], unstarted: set[int]) -> PrefixPlan:
         """Start a store for the longest prefix this prompt shares with a recent one."""
         best, partner = 0, None
         for other_id, other in self._recent:

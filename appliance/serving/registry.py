@@ -153,7 +153,7 @@ def estimate_mb(record: ModelRecord, options: EngineOptions) -> float:
 
 
 @dataclass
-class Deployment:
+class LoadedModel:
     """One model version and its replicas."""
 
     record: ModelRecord
@@ -223,7 +223,7 @@ class ModelRegistry:
         self._store = store
         self._settings = settings
         self._metrics = metrics
-        self._deployments: dict[str, Deployment] = {}
+        self._deployments: dict[str, LoadedModel] = {}
         self._default_ref: str | None = None  # model.default, once resolved to a record
         self._start_error: str | None = None
         self._task: asyncio.Task[None] | None = None
@@ -280,7 +280,7 @@ class ModelRegistry:
     # -- state -------------------------------------------------------------------------------
 
     @property
-    def _default(self) -> Deployment | None:
+    def _default(self) -> LoadedModel | None:
         return None if self._default_ref is None else self._deployments.get(self._default_ref)
 
     @property
@@ -297,7 +297,7 @@ class ModelRegistry:
         default = self._default
         return default.error if default is not None else None
 
-    def deployments(self) -> list[Deployment]:
+    def loaded_models(self) -> list[LoadedModel]:
         return list(self._deployments.values())
 
     def served(self) -> list[ModelRecord]:
@@ -311,7 +311,7 @@ class ModelRegistry:
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def resolve(self, model: str) -> Deployment:
+    async def resolve(self, model: str) -> LoadedModel:
         """The deployment to serve a request for ``model`` (its ``submit`` picks the
         replica), loading the model if it must."""
         deployment = await self._find(model)
@@ -331,7 +331,7 @@ class ModelRegistry:
         deployment.last_used = time.monotonic()
         return deployment
 
-    async def _find(self, model: str) -> Deployment | None:
+    async def _find(self, model: str) -> LoadedModel | None:
         name, version = split_ref(model)
         if version is not None:
             return self._deployments.get(f"{name}@{version}")
@@ -352,7 +352,7 @@ class ModelRegistry:
 
     # -- admin -------------------------------------------------------------------------------
 
-    async def load(self, model: str, *, replicas: int | None, pinned: bool | None) -> Deployment:
+    async def load(self, model: str, *, replicas: int | None, pinned: bool | None) -> LoadedModel:
         """Load ``model`` (or change its replicas or pin) and wait until it serves."""
         record = await self._registered(model)
         deployment = self._deployments.get(record.ref)
@@ -370,7 +370,7 @@ class ModelRegistry:
         await deployment.loaded.wait()
         return deployment
 
-    async def unload(self, model: str, *, force: bool = False) -> Deployment:
+    async def unload(self, model: str, *, force: bool = False) -> LoadedModel:
         """Unload a model, after the requests in flight finished (or a drain timeout)."""
         record = await self._registered(model)
         deployment = self._deployments.get(record.ref)
@@ -407,7 +407,7 @@ class ModelRegistry:
             preemption=self._settings.classes.preemption,
         )
 
-    async def _deploy(self, record: ModelRecord, *, replicas: int, pinned: bool) -> Deployment:
+    async def _deploy(self, record: ModelRecord, *, replicas: int, pinned: bool) -> LoadedModel:
         """Reserve memory (unloading idle models if needed) and start loading. Returns at
         once with the deployment loading; its ``loaded`` event says when it is done."""
         if record.format != "gguf":
@@ -430,7 +430,7 @@ class ModelRegistry:
                 log.info("unloading %s (least recently used) to make room for %s", ref, record.ref)
                 victim = self._deployments.pop(ref)
                 await self._close(victim, drain_s=0)
-            deployment = Deployment(record, options, need, pinned)
+            deployment = LoadedModel(record, options, need, pinned)
             self._deployments[record.ref] = deployment
         deployment.task = asyncio.create_task(
             self._bring_up(deployment, replicas), name=f"kvl-load-{record.ref}"
@@ -447,7 +447,7 @@ class ModelRegistry:
             f"{self.budget_mb:.0f} MiB and {held or 'nothing'} cannot be unloaded now"
         )
 
-    async def _bring_up(self, deployment: Deployment, count: int) -> None:
+    async def _bring_up(self, deployment: LoadedModel, count: int) -> None:
         ref = deployment.record.ref
         try:
             for _ in range(count):
@@ -477,7 +477,7 @@ class ModelRegistry:
         finally:
             deployment.loaded.set()
 
-    def _watch(self, deployment: Deployment) -> None:
+    def _watch(self, deployment: LoadedModel) -> None:
         m, ref = self._metrics, deployment.record.ref
         m.model_ready.labels(ref).set_function(
             lambda: 1.0 if any(r.ready for r in deployment.replicas) else 0.0
@@ -490,7 +490,7 @@ class ModelRegistry:
             lambda: sum(r.tokens_per_second for r in deployment.replicas)
         )
 
-    async def _close(self, deployment: Deployment, *, drain_s: float) -> None:
+    async def _close(self, deployment: LoadedModel, *, drain_s: float) -> None:
         deadline = time.monotonic() + drain_s
         # Polled: the count sums over replicas, and an unload is rare.
         while deployment.outstanding and time.monotonic() < deadline:  # noqa: ASYNC110

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from appliance.serving import ipc
-from appliance.serving.devices import Placement
+from appliance.serving.devices import DeviceLayout
 from appliance.serving.engine import (
     EngineError,
     EngineOptions,
@@ -131,7 +131,7 @@ class Replica:
         self._on_stats = on_stats
         self.busy_slots = 0
         self._counts = (0, 0, 0)  # tokens generated, prefix tokens reused, preemptions
-        self.placement: Placement | None = None  # where the worker put the model
+        self.layout: DeviceLayout | None = None  # where the worker put the model
         self.tokens_per_second = 0.0  # generated, over the last heartbeat
         self.submitted = 0  # requests routed here
         self._flights: dict[str, _Flight] = {}
@@ -338,7 +338,7 @@ class Replica:
         if kind == "ready":
             found = message.get("placement")
             if isinstance(found, dict):
-                self.placement = Placement.from_json(found)
+                self.layout = DeviceLayout.from_json(found)
             self._last_heartbeat = self._last_progress = now
             self._ready.set()
             return

@@ -135,7 +135,7 @@ def main() -> None:
             "type": "ready",
             "pid": os.getpid(),
             "model": record.ref,
-            "placement": devices.placement(engine.options.n_gpu_layers).to_json(),
+            "placement": devices.layout(engine.options.n_gpu_layers).to_json(),
         }
     )
     threading.Thread(target=worker.heartbeat_forever, name="kvl-heartbeat", daemon=True).start()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from appliance.app import create_app
-from appliance.gateway.keys import HOST
+from appliance.gateway.keys import REGISTRY
 from appliance.state.store import Store
 from hub.identity import certificates
 from hub.state.store import open_store
@@ -70,5 +70,5 @@ async def join(
     local.close()
     app = create_app(settings)
     server = await aiohttp_server(app, port=port)
-    await app[HOST].wait_loaded()
+    await app[REGISTRY].wait_loaded()
     return FleetNode(app, server, f"http://127.0.0.1:{port}", key)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from appliance.app import create_app
-from appliance.gateway.keys import HOST
+from appliance.gateway.keys import REGISTRY
 from appliance.state.store import ModelRecord, Store
 from shared.classes import ServiceClass
 from shared.errors import ErrorCode
@@ -52,7 +52,7 @@ async def appliance(
         store.close()
     app = create_app(settings)
     client = await aiohttp_client(app)
-    await app[HOST].wait_loaded()
+    await app[REGISTRY].wait_loaded()
     return client, keys
 
 

@@ -17,7 +17,7 @@ from aiohttp import web
 from appliance.app import FLEET, create_app
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import enroll
-from appliance.gateway.keys import HOST, SETTINGS, STORE
+from appliance.gateway.keys import REGISTRY, SETTINGS, STORE
 from appliance.state.store import ModelRecord, Store
 from hub.app import create_app as create_hub
 from hub.identity import certificates, ssl_context
@@ -114,7 +114,7 @@ async def fleet_appliance(
     store.close()
     app = create_app(settings)
     client = await aiohttp_client(app)
-    await app[HOST].wait_loaded()
+    await app[REGISTRY].wait_loaded()
     return app, client, key
 
 
@@ -507,15 +507,15 @@ async def test_heartbeats_name_the_gpus_the_workers_see(tmp_path: Path) -> None:
 
     from appliance.fleet.link import FleetLink  # noqa: PLC0415
     from appliance.observability.metrics import Metrics  # noqa: PLC0415
-    from appliance.serving.devices import Device, Placement  # noqa: PLC0415
+    from appliance.serving.devices import Device, DeviceLayout  # noqa: PLC0415
     from appliance.settings import FleetSettings  # noqa: PLC0415
     from appliance.state.store import AsyncStore  # noqa: PLC0415
 
     cpu = Device("CPU", "AMD EPYC", "cpu", 64_000, 60_000)
     gpu = Device("CUDA0", "NVIDIA H200", "gpu", 143_000, 140_000)
     placements = [
-        Placement(gpu_offload=True, n_gpu_layers=-1, devices=(cpu, gpu)),
-        Placement(gpu_offload=True, n_gpu_layers=-1, devices=(cpu, gpu)),
+        DeviceLayout(gpu_offload=True, n_gpu_layers=-1, devices=(cpu, gpu)),
+        DeviceLayout(gpu_offload=True, n_gpu_layers=-1, devices=(cpu, gpu)),
         None,
     ]
 
@@ -523,11 +523,11 @@ async def test_heartbeats_name_the_gpus_the_workers_see(tmp_path: Path) -> None:
         def served(self) -> list[Any]:
             return []
 
-        def deployments(self) -> list[Any]:
+        def loaded_models(self) -> list[Any]:
             return []
 
         def replicas(self) -> list[Any]:
-            return [SimpleNamespace(placement=p) for p in placements]
+            return [SimpleNamespace(layout=p) for p in placements]
 
     store = AsyncStore(tmp_path / "appliance.db")
     await store.open()
@@ -542,7 +542,7 @@ async def test_heartbeats_name_the_gpus_the_workers_see(tmp_path: Path) -> None:
                 memory_free_mib=140_000,
             )
         ]
-        placements[:] = [Placement(gpu_offload=False, n_gpu_layers=0, devices=(cpu,))]
+        placements[:] = [DeviceLayout(gpu_offload=False, n_gpu_layers=0, devices=(cpu,))]
         assert (await link.capacity()).gpus == []
     finally:
         await link.close()

@@ -11,7 +11,7 @@ import pytest
 from pytest_aiohttp import AiohttpClient
 
 from appliance.app import create_app
-from appliance.gateway.keys import EMBEDDINGS, HOST, STORE
+from appliance.gateway.keys import EMBEDDINGS, REGISTRY, STORE
 from appliance.gateway.routes import ROUTES
 from appliance.settings import ApplianceSettings
 from appliance.state.store import Store
@@ -71,11 +71,11 @@ async def test_readyz_is_503_until_the_model_is_loaded(
     client: Client = await aiohttp_client(app)
     # The model loads in a background task; right after start-up it cannot be ready yet.
     early = await client.get("/readyz")
-    if not app[HOST].ready:
+    if not app[REGISTRY].ready:
         assert early.status == 503
         assert early.headers["Retry-After"]
         assert_error(await early.json(), ErrorCode.model_not_ready)
-    await app[HOST].wait_loaded()
+    await app[REGISTRY].wait_loaded()
     await app[EMBEDDINGS].wait_loaded()
     ready = await client.get("/readyz")
     assert ready.status == 200
@@ -563,7 +563,7 @@ async def test_queue_full_is_429_with_retry_after(
     )
     app = create_app(strict)
     client: Client = await aiohttp_client(app)
-    await app[HOST].wait_loaded()
+    await app[REGISTRY].wait_loaded()
     # One long streaming request occupies the model; with max_queue 0 the next is refused.
     long = await client.post(
         "/v1/completions",

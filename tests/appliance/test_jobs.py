@@ -23,7 +23,7 @@ from pytest_aiohttp import AiohttpClient, AiohttpServer
 
 from appliance.app import create_app
 from appliance.gateway.jobs import JOBS
-from appliance.gateway.keys import ADMISSION, HOST
+from appliance.gateway.keys import ADMISSION, REGISTRY
 from appliance.settings import ApplianceSettings
 from appliance.state.jobs import JobFinishedError, JobNotFoundError, JobStore, NewItem
 from appliance.state.store import ModelRecord, NotFoundError, Store
@@ -558,7 +558,7 @@ async def test_an_account_over_its_quota_does_not_hold_up_another_accounts_jobs(
     store.close()
     app = create_app(strict)
     client: Client = await aiohttp_client(app)
-    await app[HOST].wait_loaded()
+    await app[REGISTRY].wait_loaded()
     # More items than run at once, so that a runner stuck on this job has no free place.
     items = [text_item(str(i)) for i in range(2 * strict.jobs.max_concurrent_items + 1)]
     status, first = await create_job(client, api_key, {"requests": items})
@@ -593,7 +593,7 @@ async def test_a_full_queue_is_retried_not_the_items_result(
     )
     app = create_app(strict)
     client: Client = await aiohttp_client(app)
-    await app[HOST].wait_loaded()
+    await app[REGISTRY].wait_loaded()
     live = await client.post(
         "/v1/completions",
         headers=auth(api_key),
@@ -638,7 +638,7 @@ async def test_a_full_outbox_is_waited_out_however_long_not_the_items_result(
     )
     app = create_app(quick)
     client: Client = await aiohttp_client(app)
-    await app[HOST].wait_loaded()
+    await app[REGISTRY].wait_loaded()
     app[ADMISSION].outbox_full = True  # what the fleet link sets at the bound
     status, created = await create_job(client, api_key, {"requests": [text_item("a")]})
     assert status == 202

@@ -16,7 +16,7 @@ from xml.etree import ElementTree as ET
 import pytest
 
 from appliance.app import create_app
-from appliance.gateway.keys import HOST
+from appliance.gateway.keys import REGISTRY
 from appliance.gateway.packages import PACKAGES
 from appliance.packages.voice import Espeak
 from tests.appliance.test_gateway import auth
@@ -62,7 +62,7 @@ async def _client(
     store.close()
     app = create_app(settings)
     client: Client = await aiohttp_client(app)
-    await app[HOST].wait_loaded()
+    await app[REGISTRY].wait_loaded()
     return client, key, app
 
 

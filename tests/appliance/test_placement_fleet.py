@@ -17,7 +17,7 @@ from wireguard_tools import WireguardKey
 
 from appliance.fleet.client import HubClient
 from appliance.fleet.placement import Converger
-from appliance.gateway.keys import HOST
+from appliance.gateway.keys import REGISTRY
 from appliance.serving.registry import ModelNotReadyError
 from appliance.state.store import AsyncStore, ModelRecord, Store
 from hub.app import create_app as create_hub
@@ -65,7 +65,7 @@ async def _join(
 
 
 def _served(app: web.Application) -> set[str]:
-    return {r.ref for r in app[HOST].served()}
+    return {r.ref for r in app[REGISTRY].served()}
 
 
 def _placed(hub: HubSettings) -> list[str]:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance.app import create_app
-from appliance.gateway.keys import HOST
+from appliance.gateway.keys import REGISTRY
 from appliance.serving.engine import EngineOptions
 from appliance.serving.registry import Resident, estimate_mb, plan_eviction
 from appliance.state.store import ModelRecord, Store
@@ -130,7 +130,7 @@ async def test_models_load_on_demand_within_the_budget_lru_first_and_pins_hold(
     app, keys = registry_app(tmp_path, default_model, memory_budget_mb=int(2 * each) + 1)
     key, user_key = keys.split()
     client = await aiohttp_client(app)
-    await app[HOST].wait_loaded()
+    await app[REGISTRY].wait_loaded()
     v = default_model.version
     b, c = f"{MODEL}@b", f"{MODEL}@c"
 
@@ -190,7 +190,7 @@ async def test_the_router_spreads_requests_over_replicas(
     app, keys = registry_app(tmp_path, default_model, n_threads=None)
     key, user_key = keys.split()
     client = await aiohttp_client(app)
-    await app[HOST].wait_loaded()
+    await app[REGISTRY].wait_loaded()
     b = f"{MODEL}@b"
     loaded = await client.post(
         "/v1/admin/models", headers=admin(key), json={"model": b, "replicas": 2}

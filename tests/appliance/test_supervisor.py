@@ -12,7 +12,7 @@ import pytest
 from pytest_aiohttp import AiohttpClient
 
 from appliance.app import create_app
-from appliance.gateway.keys import HOST
+from appliance.gateway.keys import REGISTRY
 from appliance.serving.engine import EngineOptions, GenerationRequest
 from appliance.serving.sampling import Sampling
 from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, WorkerUnavailableError
@@ -35,7 +35,7 @@ async def test_kill_9_mid_stream(
 ) -> None:
     app = create_app(settings)
     client: Client = await aiohttp_client(app)
-    host = app[HOST]
+    host = app[REGISTRY]
     await host.wait_loaded()
     (replica,) = host.replicas()
     assert replica is not None

@@ -13,7 +13,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from appliance.app import create_app
-from appliance.gateway.keys import HOST, TRACING
+from appliance.gateway.keys import REGISTRY, TRACING
 from appliance.state.store import ModelRecord, Store
 from tests.conftest import make_settings
 
@@ -63,7 +63,7 @@ async def test_every_stage_of_a_request_is_a_span_of_one_trace(
         store.close()
     app = create_app(settings)
     client = await aiohttp_client(app)
-    await app[HOST].wait_loaded()
+    await app[REGISTRY].wait_loaded()
 
     response = await client.post(
         "/v1/chat/completions",
