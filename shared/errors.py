@@ -245,3 +245,22 @@ class ApiError(Exception):
 def error_body(code: ErrorCode, message: str, *, param: str | None = None) -> dict[str, Any]:
     """The error shape. Every error response body in the project comes from here."""
     return {"error": {"message": message, "type": code.type, "param": param, "code": code.value}}
+
+
+# The error shape as JSON Schema, for the OpenAPI documents of both APIs.
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "string", "enum": [c.value for c in ErrorCode]},
+            },
+        }
+    },
+}

@@ -100,6 +100,20 @@ class Running:
         return self.process.returncode
 
 
+def _in_machine(machine: str, code: str) -> tuple[int, str]:
+    """Run Python `code` on the machine; (the status it prints first, the rest of its
+    line, or its error's end)."""
+    out = subprocess.run(
+        netns.argv(machine, sys.executable, "-c", code),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    status, _, rest = out.stdout.strip().partition(" ")
+    return int(status or 0), rest or out.stderr[-500:]
+
+
 def chat(machine: str, ca: Path, key: str) -> tuple[int, str]:
     """What the printed curl line does, from the machine: HTTPS verified by the hub's CA."""
     code = (
@@ -112,15 +126,7 @@ def chat(machine: str, ca: Path, key: str) -> tuple[int, str]:
         "a = urllib.request.urlopen(r, timeout=60, context=ctx)\n"
         "print(a.status, json.load(a)['object'])\n"
     )
-    out = subprocess.run(
-        netns.argv(machine, sys.executable, "-c", code),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    status, _, kind = out.stdout.strip().partition(" ")
-    return int(status or 0), kind or out.stderr[-500:]
+    return _in_machine(machine, code)
 
 
 def console_login(machine: str, ca: Path, password: str) -> tuple[int, str]:
@@ -142,15 +148,7 @@ def console_login(machine: str, ca: Path, password: str) -> tuple[int, str]:
         "r = c.getresponse(); r.read()\n"
         "print(r.status, r.getheader('Location'))\n"
     )
-    out = subprocess.run(
-        netns.argv(machine, sys.executable, "-c", code),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    status, _, where = out.stdout.strip().partition(" ")
-    return int(status or 0), where or out.stderr[-500:]
+    return _in_machine(machine, code)
 
 
 def links(machine: str) -> str:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from shared import __version__
-from shared.errors import ErrorCode
+from shared.errors import ERROR_SCHEMA, ErrorCode
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -35,26 +35,8 @@ class Route:
     router_path: str | None = None
 
 
-_ERROR_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": "string", "enum": [c.value for c in ErrorCode]},
-            },
-        }
-    },
-}
-
-
 def build_openapi(routes: Iterable[Route]) -> dict[str, Any]:
-    components: dict[str, Any] = {"Error": _ERROR_SCHEMA}
+    components: dict[str, Any] = {"Error": ERROR_SCHEMA}
     paths: dict[str, Any] = {}
     for route in routes:
         op: dict[str, Any] = {

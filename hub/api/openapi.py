@@ -27,7 +27,7 @@ from hub.api.requests import (
     TokenRequest,
 )
 from shared import __version__, protocol
-from shared.errors import ErrorCode
+from shared.errors import ERROR_SCHEMA, ErrorCode
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -333,23 +333,6 @@ _BODY_ERRORS = (ErrorCode.invalid_json, ErrorCode.invalid_parameter, ErrorCode.r
 _SECURITY = {Auth.node: "nodeToken", Auth.operator: "operatorToken"}
 _PATH_PARAM = re.compile(r"\{([^}]+)\}")
 
-_ERROR_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": "string", "enum": [c.value for c in ErrorCode]},
-            },
-        }
-    },
-}
-
 
 def _schemas() -> tuple[Refs, dict[str, Any]]:
     """Every model's schema, in one set of components (a model used both ways, parsed and
@@ -464,7 +447,7 @@ def build_openapi() -> dict[str, Any]:
         },
         "paths": paths,
         "components": {
-            "schemas": {**components, "Error": _ERROR_SCHEMA},
+            "schemas": {**components, "Error": ERROR_SCHEMA},
             "securitySchemes": {
                 "nodeToken": {
                     "type": "http",
