@@ -7,7 +7,8 @@ that changed anything the desired state's serial moves, the nodes pull it with t
 next heartbeat and converge (fetch the artifact, load it, report it in their heartbeats).
 
 What a node offers the planner comes from its heartbeat and its labels: memory for
-models (`model_memory_mib`, the node's model memory budget), GPUs, and the labels
+models (`model_memory_mib`, the node's model memory budget), GPUs, the isolation level it
+can run replicas at (`isolation_max`), and the labels
 `region`, `tenant` (a node dedicated to one tenant, class S3) and `private`
 ("true": a node on a tenant's private site, class S4).
 """
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from hub.planning.placement import Assignment, Deployment, Gpu, NodeSnapshot, Plan, plan
 from hub.state.store import capacity_of
+from shared.classes import IsolationLevel
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -60,6 +62,7 @@ def _snapshot(
         revoked=revoked,
         tenant=labels.get("tenant"),
         private=labels.get("private") == "true",
+        isolation=IsolationLevel(capacity.isolation_max),
     )
 
 
@@ -115,7 +118,7 @@ def deployment_of(record: DeploymentRecord, models: dict[str, ModelArtifact]) ->
         regions=tuple(c.get("regions") or ()),
         labels=dict(c.get("labels") or {}),
         tenant=c.get("tenant"),
-        isolation=record.isolation,
+        isolation=IsolationLevel(record.isolation),
     )
 
 

@@ -1,4 +1,5 @@
-"""Service classes S0-S4 (docs/api.md, "Service classes"): every account has one."""
+"""Service classes S0-S4 (docs/api.md, "Service classes"): every account has one. Isolation
+levels I1-I3 (docs/hub.md, "Tenancy and isolation"): every deployment states one."""
 
 from enum import StrEnum
 
@@ -39,3 +40,25 @@ _PRIORITIES = {
     ServiceClass.S3: 1,
     ServiceClass.S4: 1,
 }
+
+
+class IsolationLevel(StrEnum):
+    """How far a model replica is kept from everything else on its node; each level holds
+    the ones below it.
+
+    - I1: its own worker process (every replica).
+    - I2: I1, in a cgroup v2 of its own with `memory.max` and `cpu.max` set, where the
+      node can make one (a cgroup v2 hierarchy with the memory and cpu controllers,
+      writable by the appliance).
+    - I3: I2, on a node dedicated to the deployment's tenant (label `tenant=T`): no other
+      tenant's work or keys on that machine.
+    """
+
+    I1 = "I1"
+    I2 = "I2"
+    I3 = "I3"
+
+    @property
+    def rank(self) -> int:
+        """1, 2 or 3: a node that runs a level runs every lower one."""
+        return int(self.value[1])

@@ -163,6 +163,12 @@ class Capacity(Message):
     api: LanApi | None = None
     # The node takes offloaded requests on /v1/offloaded/… with the client's own key.
     offload: bool = False
+    # The highest isolation level the node can run a replica at (I2: it can give a
+    # worker a cgroup v2 with memory.max and cpu.max; I3 is I2 on a node the hub knows is
+    # dedicated), and the level each model it serves runs at now, as it checked it (a
+    # worker's cgroup, read back): shared.classes.IsolationLevel.
+    isolation_max: Literal["I1", "I2", "I3"] = "I1"
+    isolation: dict[Name, Literal["I1", "I2", "I3"]] = Field(default_factory=dict, max_length=64)
 
     @model_validator(mode="after")
     def _within_itself(self) -> Self:

@@ -24,6 +24,7 @@ from hub.api.requests import (
     DrainRequest,
     KeyRequest,
     SeedRequest,
+    TenancyRequest,
     TokenRequest,
 )
 from shared import __version__, protocol
@@ -210,6 +211,14 @@ ADMIN_ROUTES: tuple[Route, ...] = (
         "/v1/admin/accounts/{name}/quota",
         "An account's budget this period: consumed, leased per node, remaining.",
         Auth.operator,
+        errors=_NOT_FOUND,
+    ),
+    Route(
+        "PUT",
+        "/v1/admin/accounts/{name}/tenancy",
+        "Bind an account to a tenant and sites, or to none (a shared account).",
+        Auth.operator,
+        TenancyRequest,
         errors=_NOT_FOUND,
     ),
     Route("GET", "/v1/admin/models", "The model files the hub can place.", Auth.operator),

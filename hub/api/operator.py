@@ -16,6 +16,7 @@ from hub.api.requests import (
     DrainRequest,
     KeyRequest,
     SeedRequest,
+    TenancyRequest,
     TokenRequest,
     storable,
 )
@@ -82,6 +83,16 @@ async def list_accounts(request: web.Request) -> web.Response:
     store = request.app[STORE]
     rows = await store.run(store.sync.accounts)
     return web.json_response({"data": [dict(r) for r in rows]})
+
+
+async def set_tenancy(request: web.Request) -> web.Response:
+    """Bind an account to a tenant and sites, or to none; the account as it now is."""
+    store = request.app[STORE]
+    name = request.match_info["name"]
+    req = await parse(request, TenancyRequest)
+    await store.run(store.sync.set_tenancy, name, req.tenancy())
+    rows = await store.run(store.sync.accounts)
+    return web.json_response(next(dict(r) for r in rows if r["name"] == name))
 
 
 async def account_quota(request: web.Request) -> web.Response:
@@ -236,6 +247,7 @@ def operator_routes() -> list[web.RouteDef]:
         web.post("/v1/admin/nodes/{node}/revoke", revoke_node),
         web.get("/v1/admin/accounts", list_accounts),
         web.get("/v1/admin/accounts/{name}/quota", account_quota),
+        web.put("/v1/admin/accounts/{name}/tenancy", set_tenancy),
         web.get("/v1/admin/models", list_models),
         web.get("/v1/admin/deployments", list_deployments),
         web.post("/v1/admin/deployments", create_deployment),

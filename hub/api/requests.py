@@ -9,8 +9,10 @@ from typing import Annotated, Self
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from hub.state.accounts import Tenancy
 from hub.state.store import DeploymentRecord
 from shared import protocol
+from shared.classes import IsolationLevel
 
 # Any text an operator sends the store: neither NUL nor a lone surrogate, which
 # PostgreSQL's text cannot hold (SQLite's can), so that the driver's refusal (a 500) is a
@@ -40,6 +42,9 @@ class DeploymentRequest(BaseModel):
     gpu: bool = False
     gpu_memory_mib: int = Field(0, ge=0)
     tenant: Text | None = None
+    isolation: IsolationLevel = Field(
+        IsolationLevel.I1, description="I1, I2 or I3 (docs/hub.md#tenancy-and-isolation)"
+    )
 
     def record(self) -> DeploymentRecord:
         """The deployment to store, with a new id."""
@@ -48,7 +53,7 @@ class DeploymentRequest(BaseModel):
             model=self.model,
             replicas=self.replicas,
             service_class=self.service_class,
-            isolation="I1",
+            isolation=self.isolation.value,
             constraints=self.model_dump(include={"sites", "regions", "labels", "gpu",
                                                  "gpu_memory_mib", "tenant"}),
         )  # fmt: skip
@@ -57,7 +62,30 @@ class DeploymentRequest(BaseModel):
     def _dedicated(self) -> Self:
         if self.service_class == "S3" and not self.tenant:
             raise ValueError("an S3 (dedicated) deployment names its tenant")
+        if self.isolation == IsolationLevel.I3 and not self.tenant:
+            raise ValueError("an I3 deployment names its tenant (it runs on its nodes only)")
         return self
+
+
+class TenancyRequest(BaseModel):
+    """An account's binding, set whole: `{}` makes it a shared account on every site."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: Text | None = Field(None, min_length=1, description="None: a shared account")
+    sites: list[Annotated[Text, Field(min_length=1)]] = Field(
+        default_factory=list, max_length=100, description="only nodes of these (empty: any)"
+    )
+    dedicated: bool = Field(default=False, description="only its tenant's dedicated nodes serve it")
+
+    @model_validator(mode="after")
+    def _dedicated_needs_tenant(self) -> Self:
+        if self.dedicated and not self.tenant:
+            raise ValueError("an account restricted to dedicated nodes names its tenant")
+        return self
+
+    def tenancy(self) -> Tenancy:
+        return Tenancy(self.tenant, tuple(dict.fromkeys(self.sites)), self.dedicated)
 
 
 class DrainRequest(BaseModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 @click.group("accounts")
 def accounts() -> None:
-    """Accounts of the fleet: service class and quotas, pushed to every node."""
+    """Accounts of the fleet: service class, quotas and tenancy, pushed to their nodes."""
 
 
 @accounts.command("set")
@@ -64,6 +64,60 @@ def accounts_set(
     click.echo(f"account {name} ({service_class}); desired state serial {serial}")
 
 
+@accounts.command("bind")
+@common_options
+@click.argument("name")
+@click.option("--tenant", default=None, help="The tenant it belongs to (unset: a shared account).")
+@click.option("--site", "sites", multiple=True, help="Only nodes of this site (repeat).")
+@click.option(
+    "--dedicated", is_flag=True, help="Only its tenant's dedicated nodes serve it (needs --tenant)."
+)
+@config_errors_exit
+def accounts_bind(
+    config_file: Path | None,
+    data_dir: Path | None,
+    name: str,
+    *,
+    tenant: str | None,
+    sites: tuple[str, ...],
+    dedicated: bool,
+) -> None:
+    """Bind an account to a tenant and sites, exactly as given (what is not given is
+    cleared): the nodes whose desired state gives it follow
+    (docs/hub.md#tenancy-and-isolation)."""
+    from hub.state.accounts import Tenancy  # noqa: PLC0415
+
+    if dedicated and not tenant:
+        raise click.BadParameter("an account restricted to dedicated nodes names its --tenant")
+    if any(not s for s in sites) or tenant == "":
+        raise click.BadParameter("a tenant or a site is not empty")
+    tenancy = Tenancy(tenant, tuple(dict.fromkeys(sites)), dedicated)
+    with opened_store(hub_settings(config_file, data_dir)) as store:
+        serial = store.set_tenancy(name, tenancy)
+    click.echo(f"account {name}: {_tenancy_text(tenancy)}; desired state serial {serial}")
+
+
+@accounts.command("unbind")
+@common_options
+@click.argument("name")
+@config_errors_exit
+def accounts_unbind(config_file: Path | None, data_dir: Path | None, name: str) -> None:
+    """Make an account shared again: no tenant, every site."""
+    from hub.state.accounts import Tenancy  # noqa: PLC0415
+
+    with opened_store(hub_settings(config_file, data_dir)) as store:
+        serial = store.set_tenancy(name, Tenancy())
+    click.echo(f"account {name}: shared, every site; desired state serial {serial}")
+
+
+def _tenancy_text(tenancy: Any) -> str:
+    who = f"tenant {tenancy.tenant}" if tenancy.tenant else "shared"
+    if tenancy.dedicated:
+        who += " (its dedicated nodes only)"
+    where = f"sites {', '.join(tenancy.sites)}" if tenancy.sites else "every site"
+    return f"{who}, {where}"
+
+
 @accounts.command("list")
 @common_options
 @config_errors_exit
@@ -75,9 +129,14 @@ def accounts_list(config_file: Path | None, data_dir: Path | None) -> None:
         budget = "-"
         if row["budget_tokens"] is not None:
             budget = f"{row['budget_tokens']} per {row['budget_period_s']:g} s"
+        tenancy = row["tenant"] or "shared"
+        if row["dedicated"]:
+            tenancy += " (dedicated)"
+        if row["sites"]:
+            tenancy += f" at {','.join(row['sites'])}"
         click.echo(
             f"{row['name']:<24} {row['service_class']}  rpm {row['requests_per_minute'] or '-'}  "
-            f"tokens/day {row['tokens_per_day'] or '-'}  budget {budget}"
+            f"tokens/day {row['tokens_per_day'] or '-'}  budget {budget}  tenancy {tenancy}"
         )
 
 

@@ -91,6 +91,12 @@ def models_list(config_file: Path | None, data_dir: Path | None) -> None:
 @click.option("--gpu", is_flag=True, help="Needs a GPU.")
 @click.option("--gpu-memory-mib", type=click.IntRange(0), default=0, help="GPU memory needed.")
 @click.option("--tenant", default=None, help="S3: only nodes dedicated to this tenant.")
+@click.option(
+    "--isolation",
+    type=click.Choice(["I1", "I2", "I3"]),
+    default="I1",
+    help="I1 its own process, I2 and a cgroup with limits, I3 I2 on its tenant's nodes (I1).",
+)
 @config_errors_exit
 def deploy(
     config_file: Path | None,
@@ -105,6 +111,7 @@ def deploy(
     gpu: bool,
     gpu_memory_mib: int,
     tenant: str | None,
+    isolation: str,
 ) -> None:
     """Deploy MODEL (name@version) on the fleet; the placement reconciler picks the nodes.
     Prints the deployment's id."""
@@ -114,6 +121,8 @@ def deploy(
 
     if service_class == "S3" and not tenant:
         raise click.BadParameter("an S3 (dedicated) deployment names its --tenant")
+    if isolation == "I3" and not tenant:
+        raise click.BadParameter("an I3 deployment names its --tenant")
     pairs = {}
     for label in labels:
         key, sep, value = label.partition("=")
@@ -125,7 +134,7 @@ def deploy(
         model=model,
         replicas=replicas,
         service_class=service_class,
-        isolation="I1",
+        isolation=isolation,
         constraints={"sites": list(sites), "regions": list(regions), "labels": pairs,
                      "gpu": gpu, "gpu_memory_mib": gpu_memory_mib, "tenant": tenant},
     )  # fmt: skip

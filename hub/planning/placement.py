@@ -32,8 +32,9 @@ Rules, in the order they apply:
   move; replicas already pinned to a GPU are admitted before ones that need a GPU chosen.
   When a deployment has more replicas than it wants, it keeps those on online nodes first,
   then by node id.
-- **Isolation.** Every replica runs in its own worker process today (I1);
-  `Deployment.isolation` is carried as data for the classes that will need more.
+- **Isolation.** A deployment at I2 goes only to nodes that report they can confine a
+  worker in a cgroup (`NodeSnapshot.isolation`), at I3 only to such nodes dedicated to
+  its tenant; I1 (its own worker process) runs anywhere (`NodeSnapshot.runs`).
 
 Snapshots (hub/planning/snapshots.py) validate themselves when built (`ValueError`); `plan`
 raises `ValueError` for two nodes or two deployments with one id, or a deployment
@@ -215,7 +216,11 @@ def _memory_ok(node: NodeSnapshot, d: Deployment) -> bool:
     return node.memory_mib >= d.memory_mib
 
 
-_CONSTRAINTS = (_tenancy_ok, _site_ok, _region_ok, _labels_ok, _gpu_ok, _memory_ok)
+def _isolation_ok(node: NodeSnapshot, d: Deployment) -> bool:
+    return node.runs(d.isolation)
+
+
+_CONSTRAINTS = (_tenancy_ok, _site_ok, _region_ok, _labels_ok, _isolation_ok, _gpu_ok, _memory_ok)
 
 
 def _admits(node: NodeSnapshot, d: Deployment) -> bool:
@@ -416,6 +421,7 @@ class _Reasons:
         steps: list[tuple[Callable[[NodeSnapshot], bool], Callable[[int], str]]] = [
             (lambda n: _region_ok(n, d), _worded("is", "in region " + " or ".join(d.regions))),
             (lambda n: _labels_ok(n, d), _worded("has", "the labels " + labels)),
+            (lambda n: _isolation_ok(n, d), _worded("runs", f"isolation {d.isolation}")),
             (
                 lambda n: _gpu_ok(n, d),
                 _worded("has", f"a GPU with {d.gpu_memory_mib} MiB or more"),
@@ -437,7 +443,7 @@ class _Reasons:
 
 def _worded(verb: str, rest: str) -> Callable[[int], str]:
     """`verb rest`, the verb agreeing with a count of nodes ("is"/"are", "has"/"have")."""
-    plural = {"is": "are", "has": "have"}[verb]
+    plural = {"is": "are", "has": "have", "runs": "run"}[verb]
     return lambda count: f"{plural if count > 1 else verb} {rest}"
 
 

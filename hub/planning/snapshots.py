@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from shared.classes import ServiceClass
+from shared.classes import IsolationLevel, ServiceClass
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -51,11 +51,25 @@ class NodeSnapshot:
     revoked: bool = False  # never eligible
     tenant: str | None = None  # dedicated to this tenant (S3)
     private: bool = False  # on a tenant's private site (S4)
+    # The highest level it reports it can run a replica at (its heartbeat's
+    # `isolation_max`; I3 counts as I2: dedication is the hub's to know, from `tenant`).
+    isolation: IsolationLevel = IsolationLevel.I1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "labels", _frozen(self.labels))
+        object.__setattr__(self, "isolation", IsolationLevel(self.isolation))
         if self.memory_mib < 0:
             raise ValueError(f"node {self.id}: memory_mib must be >= 0, not {self.memory_mib}")
+
+    def runs(self, level: IsolationLevel) -> bool:
+        """Whether a replica of a deployment at `level` may run here: I2 needs a node that
+        can confine a worker in a cgroup; I3 that too, on a node dedicated to a tenant
+        (that it is the deployment's own, tenancy checks)."""
+        if level == IsolationLevel.I1:
+            return True
+        return self.isolation.rank >= IsolationLevel.I2.rank and (
+            level == IsolationLevel.I2 or self.tenant is not None
+        )
 
     @property
     def tenancy(self) -> tuple[str | None, bool]:
@@ -79,10 +93,18 @@ class Deployment:
     regions: tuple[str, ...] = ()  # empty: any region
     labels: Mapping[str, str] = field(default_factory=dict, hash=False)  # all must match
     tenant: str | None = None  # only nodes dedicated to this tenant
-    isolation: str = "I1"  # I1: its own worker process (every placement today)
+    # I1: its own worker process; I2: and a cgroup with limits; I3: I2 on a node
+    # dedicated to its tenant (shared.classes.IsolationLevel).
+    isolation: IsolationLevel = IsolationLevel.I1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "labels", _frozen(self.labels))
+        try:
+            object.__setattr__(self, "isolation", IsolationLevel(self.isolation))
+        except ValueError:
+            raise ValueError(
+                f"deployment {self.id}: unknown isolation level {self.isolation!r} (I1 to I3)"
+            ) from None
         problems = [
             f"{name} must be >= 0, not {value}"
             for name, value in (
@@ -96,6 +118,8 @@ class Deployment:
             problems.append(f"unknown service class {self.service_class!r} (S0 to S4)")
         elif self.service_class == ServiceClass.S3 and self.tenant is None:
             problems.append("an S3 (dedicated) deployment needs a tenant")
+        if self.isolation == IsolationLevel.I3 and self.tenant is None:
+            problems.append("an I3 deployment needs a tenant (it runs on its nodes only)")
         if problems:
             raise ValueError(f"deployment {self.id}: " + "; ".join(problems))
 

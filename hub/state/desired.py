@@ -27,7 +27,7 @@ class DesiredStateMixin(AccountsMixin, ApiKeysMixin, DeploymentsMixin, PackagesM
         heartbeat; never an older state under the newer serial, which it would keep."""
         with self.db.transaction():
             serial = self.desired_serial()
-            names = self.node_accounts(node)
+            names = self.served_accounts(node)
             accounts = [
                 protocol.AccountState(
                     name=r["name"],

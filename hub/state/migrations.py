@@ -261,3 +261,23 @@ def m009_retire_offload_secrets(db: Database) -> None:
     # Offloaded requests now carry the client's own key (protocol 2): the per-node secrets,
     # master credentials kept in plain text, are wiped. The column stays (append-only).
     db.execute("UPDATE nodes SET offload_secret = NULL")
+
+
+@migrations()
+def m010_tenancy(db: Database) -> None:
+    # An account bound to a tenant (None: a shared account), to sites (a JSON list; empty:
+    # every site), and restricted to its tenant's dedicated nodes (`dedicated`): which
+    # nodes' desired states give it (hub/state/accounts.py has the rule).
+    db.table("accounts").add_column("tenant", str)
+    db.table("accounts").add_column("sites", str)
+    db.table("accounts").add_column("dedicated", int)
+    db.table("accounts").add_column("tenancy_at", float)  # when it was bound (None: made)
+    # Nodes an account was withdrawn from when its binding changed (nodes that called the
+    # hub while it reached them, so may have served it): usage they served before is
+    # still theirs to report (never a foreign account), until the account reaches them
+    # again.
+    db.table("account_departures").create(
+        {"account": str, "node_id": str, "at": float},
+        pk=("account", "node_id"),
+        not_null={"at"},
+    )

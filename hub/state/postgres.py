@@ -222,4 +222,19 @@ MIGRATIONS = (
         UPDATE nodes SET offload_secret = NULL;
         """,
     ),
+    SQLMigration(
+        "m010_tenancy",
+        """
+        ALTER TABLE accounts ADD COLUMN tenant TEXT;
+        ALTER TABLE accounts ADD COLUMN sites TEXT;
+        ALTER TABLE accounts ADD COLUMN dedicated BIGINT;
+        ALTER TABLE accounts ADD COLUMN tenancy_at DOUBLE PRECISION;
+        CREATE TABLE account_departures (
+            account TEXT,
+            node_id TEXT,
+            at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (account, node_id)
+        );
+        """,
+    ),
 )

@@ -137,10 +137,11 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         self._nodes_by_token: dict[str, Node] = {}
         self._auth_revision = -1
         self._auth_epoch = 0  # moves whenever the remembered answers are dropped
-        # The fleet's account names as of a desired serial (dropped when it moves), and
-        # which node each lease seen was granted to (None: never stored): what a node may
-        # report usage for is checked without a read per sync.
-        self._accounts: frozenset[str] | None = None
+        # Each node's account names as of a desired serial (all dropped when it moves: a
+        # binding change moves it), and which node each lease seen was granted to (None:
+        # never stored): what a node may report usage for is checked without a read per
+        # sync.
+        self._accounts: dict[str, frozenset[str]] = {}
         self._desired_serial = -1
         self._lease_owner: dict[str, str | None] = {}
 
@@ -197,17 +198,21 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         drops the remembered node tokens, a moved desired serial the account names."""
         if serials[0] != self._desired_serial:
             self._desired_serial = serials[0]
-            self._accounts = None
+            self._accounts = {}
         self._note_auth_revision(serials[1])
 
     async def node_accounts(self, node: Node, names: Iterable[str] = ()) -> frozenset[str]:
-        """`HubStore.node_accounts`, remembered until the desired serial moves; read again
-        when one of `names` is not among them (an account made a moment ago, on another
-        replica, before this one's flusher saw the serial move)."""
-        known = self._accounts
+        """`HubStore.node_accounts`, each node's remembered until the desired serial moves;
+        read again when one of `names` is not among them (an account made a moment ago, on
+        another replica, before this one's flusher saw the serial move)."""
+        known = self._accounts.get(node.id)
         if known is None or not known.issuperset(names):
+            accounts = self._accounts
             known = frozenset(await self.read(HubStore.node_accounts, node))
-            self._accounts = known
+            if accounts is self._accounts:  # not dropped while this read
+                if len(accounts) >= self._NODES_REMEMBERED:
+                    accounts.clear()
+                accounts[node.id] = known
         return known
 
     async def check_reports(
