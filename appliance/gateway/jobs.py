@@ -2,6 +2,7 @@
 
     POST   /v1/jobs                {"requests": [{"custom_id", "url", "body"}, ...],
                                     "webhook_url"?, "metadata"?}          → 202, the job
+    GET    /v1/jobs                the account's jobs, newest first (paged; admin: all)
     GET    /v1/jobs/{id}           the job: status, progress, webhook delivery
     GET    /v1/jobs/{id}/results   the items' results so far, in request order (paged)
     DELETE /v1/jobs/{id}           cancel it
@@ -44,6 +45,7 @@ _ROUTES: dict[str, tuple[type[ChatCompletionRequest | CompletionRequest], frozen
     TEXT_URL: (CompletionRequest, UNSUPPORTED_COMPLETION),
 }
 RESULTS_PAGE = 100
+JOBS_PAGE = 20
 RESULTS_PAGE_MAX = 1000
 
 
@@ -139,6 +141,25 @@ async def get_job(request: web.Request) -> web.Response:
     return web.json_response(job_object(job))
 
 
+async def list_jobs(request: web.Request) -> web.Response:
+    """The caller's account's jobs, newest first (an admin key: every account's), paged by
+    `limit` and `after` (a job id) like the results."""
+    limit = _limit(request.query.get("limit"), JOBS_PAGE)
+    jobs, more = await request.app[JOBS].list_jobs(
+        api_key(request), after=request.query.get("after"), limit=limit
+    )
+    data = [job_object(j) for j in jobs]
+    return web.json_response(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+        }
+    )
+
+
 async def job_results(request: web.Request) -> web.Response:
     limit = _limit(request.query.get("limit"))
     after = request.query.get("after")
@@ -162,9 +183,9 @@ async def cancel_job(request: web.Request) -> web.Response:
     return web.json_response(job_object(job))
 
 
-def _limit(raw: str | None) -> int:
+def _limit(raw: str | None, default: int = RESULTS_PAGE) -> int:
     if raw is None:
-        return RESULTS_PAGE
+        return default
     if not raw.isascii() or not raw.isdigit() or not 1 <= int(raw) <= RESULTS_PAGE_MAX:
         raise ApiError(
             ErrorCode.invalid_parameter,

@@ -2,11 +2,13 @@
 `"wait": true`), list and search the package cache, fetch a package's manifest, its files
 (ETag and Range, verified against their sha256 first) and its LMS exports; pin one.
 
-The cache serves on the LAN whether or not the hub is reachable."""
+The cache serves on the LAN whether or not the hub is reachable. A key sees the packages
+its account asked for and the ones the hub seeded; an admin key sees them all."""
 
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -55,10 +57,15 @@ def _cache(request: web.Request) -> PackageCache:
 
 
 async def _get(request: web.Request) -> CachedPackage:
+    """The package the path names (the newest version the caller's account may see, unless
+    `?version=`); another account's is not found (404), never forbidden."""
     cache = _cache(request)
+    visible = await _service(request).visible(api_key(request))
     try:
         return await asyncio.to_thread(
-            cache.get, request.match_info["id"], request.query.get("version")
+            partial(cache.get, visible=visible),
+            request.match_info["id"],
+            request.query.get("version"),
         )
     except NotCachedError as err:
         raise ApiError(ErrorCode.package_not_found, str(err)) from err
@@ -86,8 +93,14 @@ async def list_packages(request: web.Request) -> web.Response:
         raise ApiError(
             ErrorCode.invalid_parameter, "limit and offset are integers", param="limit"
         ) from err
+    # A key sees its account's packages and those the hub seeded; an admin key, all.
+    visible = await _service(request).visible(api_key(request))
     found = await asyncio.to_thread(
-        _cache(request).list, query=request.query.get("q"), limit=limit, offset=offset
+        _cache(request).list,
+        query=request.query.get("q"),
+        limit=limit,
+        offset=offset,
+        visible=visible,
     )
     return web.json_response({"object": "list", "data": [package_summary(p) for p in found]})
 
@@ -105,7 +118,9 @@ async def package_file(request: web.Request) -> web.StreamResponse:
     case (a blob already known good) is answered on the loop; the rest waits on a thread."""
     cache = _cache(request)
     package_id, path = request.match_info["id"], request.match_info["path"]
-    version = request.query.get("version")
+    version = asked = request.query.get("version")
+    if not api_key(request).admin:  # the version the caller's account may see, or a 404
+        version = (await _get(request)).version
     try:
         opened = cache.try_open_blob(package_id, version, path)
         if opened is None:
@@ -122,7 +137,7 @@ async def package_file(request: web.Request) -> web.StreamResponse:
             blob,
             sha256=entry.sha256,
             media_type=entry.media_type,
-            cache_control=IMMUTABLE if version else REVALIDATE,
+            cache_control=IMMUTABLE if asked else REVALIDATE,
         )
 
 

@@ -147,7 +147,8 @@ ROUTES: tuple[Route, ...] = (
         "GET",
         "/v1/packages",
         packages.list_packages,
-        "The package cache, newest first; `q` searches id, title and topic; `limit`, `offset`.",
+        "The packages this key's account asked for and those the hub seeded (an admin key: "
+        "the whole cache), newest first; `q` searches id, title and topic; `limit`, `offset`.",
         auth=True,
         errors=(*_AUTH, ErrorCode.invalid_parameter),
     ),
@@ -202,6 +203,15 @@ ROUTES: tuple[Route, ...] = (
         body=JobRequest,
         errors=(*_AUTH, *_BODY, ErrorCode.model_not_found, ErrorCode.invalid_schema),
         status=202,
+    ),
+    Route(
+        "GET",
+        "/v1/jobs",
+        jobs.list_jobs,
+        "This account's jobs, newest first (an admin key: every account's); `?limit=` "
+        "(20) and `?after=<job id>`.",
+        auth=True,
+        errors=(*_AUTH, ErrorCode.invalid_parameter),
     ),
     Route(
         "GET",

@@ -1,7 +1,8 @@
 """The jobs service behind `/v1/jobs`: create, look up, list results, cancel.
 
 Every lookup is scoped to the caller's account: another account's job is not found (404),
-never forbidden, so job ids reveal nothing. State-layer failures become ApiErrors here, as
+never forbidden, so job ids reveal nothing. The listing too, but for an admin key, which
+lists every account's jobs. State-layer failures become ApiErrors here, as
 the completion service does for the engine's.
 """
 
@@ -97,6 +98,16 @@ class JobService:
             return await self._store.run(self._jobs.get, job_id, key.account.id)
         except JobNotFoundError as err:
             raise ApiError(ErrorCode.job_not_found, str(err)) from err
+
+    async def list_jobs(
+        self, key: ApiKey, *, after: str | None, limit: int
+    ) -> tuple[list[Job], bool]:
+        """The caller's account's jobs, newest first (an admin key: every account's)."""
+        account_id = None if key.admin else key.account.id
+        try:
+            return await self._store.run(self._jobs.list_jobs, account_id, after=after, limit=limit)
+        except JobNotFoundError as err:
+            raise ApiError(ErrorCode.invalid_parameter, str(err), param="after") from err
 
     async def results(
         self, key: ApiKey, job_id: str, *, after: str | None, limit: int

@@ -20,9 +20,10 @@ directory). Errors: CacheError, and its CorruptBlobError and NotCachedError.
   package, then evicts, never the package just put. A version is immutable: the same ref
   with other content or another key raises CacheError; identical content writes nothing.
 - ``by_key(key)`` the hit path: the newest package stored under ``key`` (marked used) or None.
-- ``get(id, version=None)`` a package, the newest version when None.
-- ``list(query=, limit=, offset=)`` newest first; ``query`` matches id, title or topic,
-  ignoring case.
+- ``get(id, version=None, visible=None)`` a package, the newest version when None.
+- ``list(query=, limit=, offset=, visible=None)`` newest first; ``query`` matches id,
+  title or topic, ignoring case. ``visible``: only those (id, version) pairs (the ones the
+  caller's account may see), for both.
 - ``open_file(id, version, path)`` the FileEntry and blob path to serve (marked used). The
   blob is checked first and CorruptBlobError raised rather than a damaged or missing one
   served; it is hashed again only when its (size, mtime_ns) changed since it last passed.
@@ -78,7 +79,7 @@ from shared.oci import (
 
 if TYPE_CHECKING:
     import builtins
-    from collections.abc import Callable, Iterable, Mapping
+    from collections.abc import Callable, Collection, Iterable, Mapping
     from io import BufferedReader
     from pathlib import Path
 
@@ -232,13 +233,38 @@ class PackageCache:
             self._touch(entry)
             return self._public(entry)
 
-    def get(self, package_id: str, version: str | None = None) -> CachedPackage:
+    def get(
+        self,
+        package_id: str,
+        version: str | None = None,
+        *,
+        visible: Collection[tuple[str, str]] | None = None,
+    ) -> CachedPackage:
+        """A package; `visible` (None: all): only these (id, version), the newest of them
+        when `version` is None (NotCachedError for the others, as if not cached)."""
         with self._lock:
-            return self._public(self._find(package_id, version))
+            if visible is None:
+                return self._public(self._find(package_id, version))
+            mine = [
+                e
+                for e in self._entries.values()
+                if e.manifest.id == package_id
+                and (e.manifest.id, e.manifest.version) in visible
+                and version in {None, e.manifest.version}
+            ]
+            if not mine:
+                raise NotCachedError(f"package {package_id!r} is not cached")
+            return self._public(max(mine, key=_newest))
 
     def list(
-        self, *, query: str | None = None, limit: int = 50, offset: int = 0
+        self,
+        *,
+        query: str | None = None,
+        limit: int = 50,
+        offset: int = 0,
+        visible: Collection[tuple[str, str]] | None = None,
     ) -> builtins.list[CachedPackage]:
+        """Newest first; `visible` (None: all): only these (id, version)."""
         if limit < 0 or offset < 0:
             raise ValueError("limit and offset must not be negative")
         needle = (query or "").casefold()
@@ -247,6 +273,7 @@ class PackageCache:
                 e
                 for e in self._entries.values()
                 if needle in f"{e.manifest.id}\n{e.manifest.title}\n{e.manifest.topic}".casefold()
+                and (visible is None or (e.manifest.id, e.manifest.version) in visible)
             ]
             found.sort(key=_newest, reverse=True)
             return [self._public(e) for e in found[offset : offset + limit]]

@@ -16,6 +16,9 @@ kept in the local package cache.
 
 Two identical requests at once generate once (a lock per cache key). The tokens each
 item's generation used are charged to the requesting key's account, as any completion.
+
+Who sees a package: the accounts that asked for it (made, or a cache hit) and, for one the
+hub seeded, every account; an admin key sees all (`visible`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from appliance.packages.model import (
     VoiceLineage,
 )
 from appliance.packages.voice import Voice, Voices
+from appliance.state.store import EVERY_ACCOUNT
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
@@ -144,14 +148,28 @@ class PackageService:
             hit = await asyncio.to_thread(self.cache.by_key, cache_key)
             if hit is not None:
                 log.info("package %s@%s from the cache", hit.id, hit.version)
+                await self._own(hit, key.account.id)  # asked for: now its account's too
                 return hit
             manifest, files = await self._make(
                 req, key, record, digest, cache_key, (narrator, voice)
             )
             stored = await asyncio.to_thread(self.cache.put, manifest, files, cache_key)
+            await self._own(stored, key.account.id)
             await self._tell_hub(stored, origin="made")
         self._locks.pop(cache_key, None)
         return stored
+
+    async def visible(self, key: ApiKey) -> set[tuple[str, str]] | None:
+        """The (id, version) of the packages `key` may see: its account's and the ones the
+        hub seeded; None (all of them) for an admin key."""
+        if key.admin:
+            return None
+        return await self._store.run(self._store.sync.visible_packages, key.account.id)
+
+    async def _own(self, cached: CachedPackage, account_id: int) -> None:
+        await self._store.run(
+            self._store.sync.add_package_owner, cached.id, cached.version, account_id
+        )
 
     async def import_bundle(self, data: bytes, *, pinned: bool) -> CachedPackage:
         """Put a package archive (``PackageCache.bundle``) into the cache, pinned or not
@@ -159,6 +177,7 @@ class PackageService:
         stored = await asyncio.to_thread(self.cache.import_bundle, data)
         if stored.pinned != pinned:
             stored = await asyncio.to_thread(self.cache.pin, stored.id, stored.version, pinned)
+        await self._own(stored, EVERY_ACCOUNT)  # the hub seeds a package for every account
         await self._tell_hub(stored, origin="seeded")
         return stored
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Literal
 
 import psutil
 
+from appliance.serving import isolation
 from appliance.serving.catalog import DEFAULT_MODEL_NAME, ensure_default_model
 from appliance.serving.engine import (
     EngineOptions,
@@ -49,8 +50,14 @@ if TYPE_CHECKING:
     from appliance.observability.metrics import Metrics
     from appliance.settings import ApplianceSettings
     from appliance.state.store import AsyncStore, ModelRecord
+    from shared.classes import IsolationLevel
 
 log = logging.getLogger(__name__)
+
+
+def _rank(level: IsolationLevel) -> int:
+    return level.rank
+
 
 # Python, llama.cpp's compute buffers and the gateway-side vocabulary of one worker: an
 # upper bound measured on the default model (about 300 MiB resident beyond weights and KV).
@@ -230,6 +237,10 @@ class ModelRegistry:
         self._lock = asyncio.Lock()  # one memory plan at a time
         budget = settings.model.memory_budget_mb
         self.budget_mb = float(budget or psutil.virtual_memory().total / 2**20 * 0.75)
+        # Where workers get cgroups with limits (I2), found once; I1 where nowhere.
+        self.cgroups = isolation.find_cgroups()
+        if self.cgroups.base is None:
+            log.info("model workers run at isolation I1: %s", self.cgroups.why_not)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -302,6 +313,20 @@ class ModelRegistry:
 
     def served(self) -> list[ModelRecord]:
         return [d.record for d in self._deployments.values() if d.state == "ready"]
+
+    @property
+    def isolation_max(self) -> IsolationLevel:
+        """The highest level this node can run a worker at (I2 with cgroups, else I1)."""
+        return self.cgroups.level
+
+    def isolation_levels(self) -> dict[str, IsolationLevel]:
+        """The level each served model runs at now: its least isolated replica's, each read
+        back from the system (for the heartbeat's `Capacity.isolation`)."""
+        levels: dict[str, IsolationLevel] = {}
+        for d in self._deployments.values():
+            if d.state == "ready" and d.replicas:
+                levels[d.record.ref] = min((r.isolation for r in d.replicas), key=_rank)
+        return levels
 
     def replicas(self) -> list[Replica]:
         return [r for d in self._deployments.values() if d.state == "ready" for r in d.replicas]
@@ -457,6 +482,8 @@ class ModelRegistry:
                     SupervisorOptions(
                         memory_limit_mb=self._settings.model.worker_memory_limit_mb,
                         hang_timeout_s=self._settings.model.worker_hang_timeout_s,
+                        cgroups=self.cgroups,
+                        limits=self._limits(deployment, count),
                     ),
                     on_restart=self._restarted,
                     on_stats=lambda stats: self._observe(ref, stats),
@@ -476,6 +503,15 @@ class ModelRegistry:
             log.info("model %s ready: %d replica(s)", ref, len(deployment.replicas))
         finally:
             deployment.loaded.set()
+
+    def _limits(self, deployment: LoadedModel, count: int) -> isolation.Limits:
+        """A worker's cgroup limits: `model.worker_memory_limit_mb`, else half again its
+        share of the estimate and 256 MiB; its threads' worth of CPU."""
+        memory = self._settings.model.worker_memory_limit_mb or int(
+            deployment.memory_mb / max(1, count) * 1.5 + 256
+        )
+        threads = deployment.options.n_threads or default_threads()
+        return isolation.Limits(memory_mib=memory, cpus=float(threads))
 
     def _watch(self, deployment: LoadedModel) -> None:
         m, ref = self._metrics, deployment.record.ref

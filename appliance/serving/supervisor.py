@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from appliance.serving import ipc
+from appliance.serving import ipc, isolation
 from appliance.serving.devices import DeviceLayout
 from appliance.serving.engine import (
     EngineError,
@@ -39,7 +39,10 @@ from appliance.serving.predictor import InFlight
 from appliance.serving.sampling import GrammarError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from appliance.state.store import ModelRecord
+    from shared.classes import IsolationLevel
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,9 @@ class SupervisorOptions:
     backoff_max_s: float = 30.0
     # A worker that ran this long without trouble resets the backoff.
     stable_after_s: float = 60.0
+    # Where each worker gets a cgroup of its own with these limits (I2), if anywhere.
+    cgroups: isolation.Cgroups | None = None
+    limits: isolation.Limits | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,7 @@ class Replica:
         self.restarts = 0
         self.pid: int | None = None
         self._process: asyncio.subprocess.Process | None = None
+        self._cgroup: Path | None = None  # the running worker's own cgroup (I2)
         self._ready = asyncio.Event()
         self._runs: dict[str, Run] = {}
         self._last_heartbeat = 0.0
@@ -187,6 +194,12 @@ class Replica:
         self._fail_all("the appliance is shutting down", retry_after=5)
         if self.vocab is not None:
             self.vocab.close()
+
+    @property
+    def isolation(self) -> IsolationLevel:
+        """The level its worker runs at now, read back from the system (I1 when none runs)."""
+        running = self._process is not None and self._process.returncode is None
+        return isolation.level_of(self.pid if running else None, self._cgroup)
 
     @property
     def kill_reason(self) -> tuple[str, str] | None:
@@ -290,6 +303,9 @@ class Replica:
         )
         self._process = process
         self.pid = process.pid
+        s = self.supervision
+        if s.cgroups is not None and s.limits is not None:
+            self._cgroup = isolation.confine(s.cgroups, process.pid, s.limits)
         now = time.monotonic()
         self._last_heartbeat = self._last_progress = now
         self._events_seen = -1
@@ -308,6 +324,8 @@ class Replica:
                 process.kill()
         code = await process.wait()
         self._process = None
+        isolation.release(self._cgroup)
+        self._cgroup = None
         kind, detail = self.kill_reason or ("exited", f"exit status {code}")
         return Restart(self.record.ref, kind, detail, code)
 

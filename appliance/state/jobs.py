@@ -186,6 +186,30 @@ class JobStore:
             raise JobNotFoundError(f"no job {job_id!r} in this account")
         return self._job(rows[0])
 
+    def list_jobs(
+        self, account_id: int | None, *, after: str | None, limit: int
+    ) -> tuple[list[Job], bool]:
+        """Jobs newest first, `limit` of them after the job `after` (None: from the
+        newest), and whether there are more; with `account_id`, only that account's (an
+        `after` it does not own is not found)."""
+        where = ""
+        params: list[Any] = []
+        if account_id is not None:
+            where, params = " WHERE j.account_id = ?", [account_id]
+        if after is not None:
+            ref = self.get(after, account_id)
+            where += (" AND" if where else " WHERE") + (
+                " (j.created_at < ? OR (j.created_at = ? AND j.id < ?))"
+            )
+            params += [ref.created_at, ref.created_at, ref.id]
+        rows = list(
+            self.db.query(
+                _JOB_SELECT + where + " ORDER BY j.created_at DESC, j.id DESC LIMIT ?",
+                [*params, limit + 1],
+            )
+        )
+        return [self._job(r) for r in rows[:limit]], len(rows) > limit
+
     def results(
         self, job_id: str, account_id: int, *, after: str | None, limit: int
     ) -> tuple[list[ItemResult], bool]:

@@ -227,3 +227,19 @@ def m008_fleet_accounts(db: Database) -> None:
     # their client's own key).
     db.table("accounts").add_column("fleet", int, not_null_default=0)
     db.execute("DELETE FROM meta WHERE key = 'offload_secret'")
+
+
+@migrations()
+def m009_tenancy(db: Database) -> None:
+    # A fleet account the hub's desired state no longer gives this node (its binding to a
+    # tenant or to sites changed): its keys are refused here (1), until a state gives it
+    # again (0). Its usage served before still syncs.
+    db.table("accounts").add_column("withdrawn", int, not_null_default=0)
+    # Which accounts may see a cached package version: the accounts that asked for it
+    # (made, or a cache hit), and every account for one the hub seeded (account 0).
+    # A package cached before this migration has no row: only admin keys see it.
+    db.table("package_owners").create(
+        {"package_id": str, "version": str, "account_id": int, "created_at": str},
+        not_null={"package_id", "version", "account_id", "created_at"},
+    )
+    db.table("package_owners").create_index(["package_id", "version", "account_id"], unique=True)

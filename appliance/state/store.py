@@ -99,6 +99,7 @@ class ModelRecord:
 
 
 now_iso = db.now_iso
+EVERY_ACCOUNT = 0  # a package_owners row every account may see (account ids start at 1)
 
 
 class Store:
@@ -185,7 +186,11 @@ class Store:
         prefix = parse_prefix(plaintext)
         if prefix is None:
             return None
-        rows = list(self.db.query(_KEY_SELECT + " WHERE k.prefix = ?", [prefix]))
+        # A key of an account the hub withdrew from this node is unknown here, as if
+        # never received (its binding to a tenant or to sites no longer reaches here).
+        rows = list(
+            self.db.query(_KEY_SELECT + " WHERE k.prefix = ? AND a.withdrawn = 0", [prefix])
+        )
         if not rows or not key_matches(plaintext, rows[0]["hash"]):
             return None
         return _api_key(rows[0])
@@ -292,11 +297,19 @@ class Store:
         """Apply the hub's accounts and keys atomically (all or nothing) and remember the
         serial; a state older than the one applied is ignored. Keys are never deleted: one
         the hub revoked is revoked here; keys made locally stay as they are. The accounts
-        it gives are marked as the fleet's: their usage goes to the hub."""
+        it gives are marked as the fleet's: their usage goes to the hub. A fleet account
+        it no longer gives is withdrawn: its keys are refused until a state gives it again
+        (its usage served before still syncs)."""
         serial = state.serial
         with self.db.conn:
             if serial <= int(self.meta("desired_serial") or -1):
                 return serial
+            given = [a.name for a in state.accounts]
+            self.db.execute(
+                "UPDATE accounts SET withdrawn = 1 WHERE fleet = 1 AND withdrawn = 0"
+                " AND name NOT IN (SELECT value FROM json_each(?))",
+                [json.dumps(given)],
+            )
             for account in state.accounts:
                 self.db.execute(
                     "INSERT INTO accounts (name, service_class, created_at, requests_per_minute,"
@@ -305,7 +318,7 @@ class Store:
                     " service_class = excluded.service_class,"
                     " requests_per_minute = excluded.requests_per_minute,"
                     " tokens_per_day = excluded.tokens_per_day,"
-                    " budget_tokens = excluded.budget_tokens, fleet = 1",
+                    " budget_tokens = excluded.budget_tokens, fleet = 1, withdrawn = 0",
                     [
                         account.name,
                         account.service_class,
@@ -374,6 +387,27 @@ class Store:
             [account_id, since],
         )
         return int(next(iter(rows))["used"])
+
+    # -- who sees which package ------------------------------------------------------------
+
+    def add_package_owner(self, package_id: str, version: str, account_id: int) -> None:
+        """`account_id` may see the cached package version (EVERY_ACCOUNT: one the hub
+        seeded)."""
+        with self.db.conn:
+            self.db.execute(
+                "INSERT INTO package_owners (package_id, version, account_id, created_at)"
+                " VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                [package_id, version, account_id, now_iso()],
+            )
+
+    def visible_packages(self, account_id: int) -> set[tuple[str, str]]:
+        """(id, version) of every package version `account_id` may see: its own and the
+        hub's seeded ones."""
+        rows = self.db.execute(
+            "SELECT package_id, version FROM package_owners WHERE account_id IN (?, ?)",
+            [account_id, EVERY_ACCOUNT],
+        ).fetchall()
+        return {(str(r[0]), str(r[1])) for r in rows}
 
     def usage_events(self, account: str | None = None, limit: int = 100) -> list[UsageEvent]:
         sql = "SELECT e.* FROM usage_events e"
