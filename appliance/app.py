@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from appliance.discovery.mdns import Announcement, Announcer, lan_addresses
+from appliance.fleet.certificates import NodeCertificate
 from appliance.fleet.identity import FleetFiles, lan_tls_files
 from appliance.fleet.link import FleetLink
 from appliance.gateway.jobs import JOBS
 from appliance.gateway.keys import (
     ADMISSION,
+    CERTIFICATE,
     COMPLETIONS,
     EMBEDDINGS,
     METRICS,
@@ -27,6 +30,7 @@ from appliance.gateway.middleware import authenticate, errors_and_metrics
 from appliance.gateway.offload import Offload
 from appliance.gateway.packages import PACKAGES, PACKAGES_URL
 from appliance.gateway.routes import ROUTES
+from appliance.gateway.server import FleetListener
 from appliance.inference.admission import AdmissionControl
 from appliance.inference.completions import CompletionService
 from appliance.inference.embeddings import EmbeddingService
@@ -44,6 +48,7 @@ if TYPE_CHECKING:
 
     from appliance.settings import ApplianceSettings
 
+log = logging.getLogger(__name__)
 ANNOUNCER = web.AppKey("announcer", Announcer)
 FLEET = web.AppKey("fleet", FleetLink)
 
@@ -55,6 +60,7 @@ def create_app(settings: ApplianceSettings) -> web.Application:
     )
     app[SETTINGS] = settings
     app[METRICS] = Metrics()
+    app[CERTIFICATE] = NodeCertificate(settings.fleet_dir)
     for route in ROUTES:
         app.router.add_route(route.method, route.router_path or route.path, route.handler)
     app.cleanup_ctx.append(_store)
@@ -118,6 +124,26 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
     def on_lag(lag: int, full: bool) -> None:
         admission.outbox_full = full
 
+    certificate = app[CERTIFICATE]
+    files.certificate = certificate  # one object: its renewals reach every server
+    listener: FleetListener | None = None
+
+    async def on_certificate() -> None:
+        """The fleet listener, once this node has its certificate (and its tunnel): the
+        hub's calls come there, over mutual TLS. Its TLS follows renewals."""
+        nonlocal listener
+        if listener is not None or not certificate.present or link.identity is None:
+            return
+        host = link.identity.overlay_address if settings.fleet.tunnel else settings.server.host
+        started = FleetListener(app, host, settings.fleet.listen_port)
+        try:
+            link.fleet_port = await started.start(certificate.server(require_client=True).outer)
+        except OSError as err:
+            log.error("the fleet listener cannot listen on %s: %s", host, err)  # noqa: TRY400
+            return
+        listener = started
+        log.info("fleet listener on %s:%d (mutual TLS)", host, link.fleet_port)
+
     link = FleetLink(
         settings.fleet,
         files,
@@ -130,6 +156,7 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
         models_dir=settings.models_dir,
         packages=app[PACKAGES],
     )
+    link.on_certificate = on_certificate
     await link.restore_leases()
     app[FLEET] = link
     # Only a node that is, or is to be, in a fleet talks to a hub.
@@ -138,6 +165,8 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
         app[OFFLOAD].link = link
         link.start()
     yield
+    if listener is not None:
+        await listener.stop()
     if active:
         await link.close()
 

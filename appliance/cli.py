@@ -52,16 +52,20 @@ def serve(
     )
     # Every scheduled heartbeat and sync would be two INFO lines: only its problems.
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
-    ssl_context = None
-    from appliance.fleet.identity import lan_tls_files  # noqa: PLC0415
+    from appliance.gateway.keys import CERTIFICATE  # noqa: PLC0415
 
-    tls = lan_tls_files(settings)
-    if tls is not None:
+    app = create_app(settings)
+    ssl_context = None
+    certificate = app[CERTIFICATE]
+    if settings.server.tls_cert_file is not None and settings.server.tls_key_file is not None:
         ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ssl_context.load_cert_chain(*tls)
+        ssl_context.load_cert_chain(settings.server.tls_cert_file, settings.server.tls_key_file)
+    elif settings.fleet.lan_tls and certificate.present:
+        # The hub's certificate for this node, served as it is renewed.
+        ssl_context = certificate.server(require_client=False).outer
     scheme = "https" if ssl_context else "http"
     server.run(
-        create_app(settings),
+        app,
         settings.server.host,
         settings.server.port,
         ssl_context,

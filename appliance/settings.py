@@ -530,7 +530,18 @@ class FleetSettings(_Section):
         default=True,
         description=(
             "Serve the LAN API over HTTPS with the certificate the hub's CA issued at "
-            "enrollment (from the next start), unless server.tls_cert_file is set."
+            "enrollment (from the next start; renewals are served at once), unless "
+            "server.tls_cert_file is set."
+        ),
+    )
+    listen_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description=(
+            "TCP port of the fleet listener, where the hub's calls (offload) come over "
+            "mutual TLS, on the node's overlay address; 0: any free port (heartbeats "
+            "tell the hub which)."
         ),
     )
     heartbeat_s: float = Field(15.0, ge=1.0, le=3600, description="Seconds between heartbeats.")

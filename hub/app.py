@@ -3,6 +3,7 @@ order they depend on each other."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import time
 from typing import TYPE_CHECKING
@@ -12,6 +13,7 @@ from aiohttp import web
 from hub.api.node import node_auth, node_routes
 from hub.api.openapi import openapi_route
 from hub.api.operator import operator_auth, operator_routes
+from hub.certificates import HubTls
 from hub.console.app import setup_console
 from hub.fleet.heartbeats import Heartbeats, flushing
 from hub.fleet.learning import Learning
@@ -27,6 +29,7 @@ from hub.keys import (
     RUNNING,
     SETTINGS,
     STORE,
+    TLS,
 )
 from hub.loops import Running, running
 from hub.offload import Forwarder
@@ -52,10 +55,12 @@ def create_app(settings: HubSettings) -> web.Application:
     app.add_routes(operator_routes())
     app.add_routes([openapi_route()])
     app[IDENTITY] = identity(settings)
+    app[TLS] = HubTls(settings)  # the CA and the hub's certificate, made on first start
     app[LEARNING] = Learning(time.time(), settings.quota.lease_s)
     app.cleanup_ctx.append(_store)
     app.cleanup_ctx.append(_heartbeats)
     app.cleanup_ctx.append(_forwarder)
+    app.cleanup_ctx.append(_pki)
     app.cleanup_ctx.append(_placement)
     if settings.overlay.interface is not None:
         app.cleanup_ctx.append(_tunnel)
@@ -90,10 +95,23 @@ async def _heartbeats(app: web.Application) -> AsyncIterator[None]:
 
 async def _forwarder(app: web.Application) -> AsyncIterator[None]:
     """The client session burst offload forwards requests with."""
-    forwarder = Forwarder(app[IDENTITY]["ca_pem"])
+    forwarder = Forwarder(app[TLS])
     app[FORWARDER] = forwarder
     yield
     await forwarder.close()
+
+
+async def _pki(app: web.Application) -> AsyncIterator[None]:
+    """Follow the CA files: a rotation step or a certificate issued again is served from
+    the next handshake on (hub/certificates.py)."""
+    hub_tls = app[TLS]
+
+    async def refresh() -> None:
+        await asyncio.to_thread(hub_tls.refresh)
+
+    loop = app[LOOPS].forever("pki", refresh, app[SETTINGS].pki.reload_s)
+    async with running(app[RUNNING], "pki", loop):
+        yield
 
 
 async def _placement(app: web.Application) -> AsyncIterator[None]:

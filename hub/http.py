@@ -98,10 +98,13 @@ def protocol_version(request: web.Request) -> int:
     )
 
 
-def answer(message: protocol.Message, status: int = 200) -> web.Response:
-    """A protocol message, with the protocol version this hub speaks."""
+def answer(
+    message: protocol.Message, status: int = 200, *, version: int = protocol.PROTOCOL_VERSION
+) -> web.Response:
+    """A protocol message, with the protocol version this hub speaks; for a node of an
+    older ``version``, without the fields that version does not know."""
     return web.Response(
-        body=message.model_dump_json(),
+        body=protocol.dump_for(message, version),
         status=status,
         content_type="application/json",
         headers=protocol_header(),

@@ -1,24 +1,25 @@
-"""The hub's identity: its PKI (a CA, pinned by appliances, and its TLS server certificate)
-and its WireGuard key pair and overlay address. Made on first start, kept in the data
-directory."""
+"""The hub's identity: its PKI (hub/certificates.py: a CA, which appliances trust, and its
+own certificate) and its WireGuard key pair and overlay address. Made on first start,
+kept in the data directory."""
 
 from __future__ import annotations
 
-import ipaddress
-import ssl
 from typing import TYPE_CHECKING
 
-from shared import pki
+from hub.certificates import Authority
 from shared.wireguard import KeyPair, ensure_keypair
 
 if TYPE_CHECKING:
+    import ipaddress
+    import ssl
+
     from hub.settings import HubSettings
+    from shared import pki
 
 
 def overlay_address(settings: HubSettings) -> ipaddress.IPv4Interface | ipaddress.IPv6Interface:
     """The hub's address on the overlay: the prefix's first host, with the prefix length."""
-    network = ipaddress.ip_network(settings.overlay.prefix)
-    return ipaddress.ip_interface(f"{next(network.hosts())}/{network.prefixlen}")
+    return settings.overlay.hub_interface
 
 
 def hub_keys(settings: HubSettings) -> KeyPair:
@@ -29,25 +30,20 @@ def hub_keys(settings: HubSettings) -> KeyPair:
 
 
 def identity(settings: HubSettings) -> dict[str, str]:
-    """The hub's WireGuard public key, its overlay address and its CA certificate."""
-    ca, _ = certificates(settings)
+    """The hub's WireGuard public key and its overlay address."""
     keys = hub_keys(settings)
     return {
         "wg_public_key": keys.public_key,
         "overlay_address": str(overlay_address(settings).ip),
-        "ca_pem": ca.cert_pem.decode(),
     }
 
 
 def certificates(settings: HubSettings) -> tuple[pki.Issued, pki.Issued]:
-    """The hub's CA and its TLS server certificate, for its names and its overlay address
-    (made on first start, again when the names change)."""
-    names = [*settings.server.names, str(overlay_address(settings).ip)]
-    return pki.load_or_create(settings.pki_dir, "kovenlab-hub", sorted(set(names)))
+    """The hub's signing CA and its own certificate, for its names and its overlay
+    address (made on first start, again when due: hub/certificates.py)."""
+    authority = Authority(settings)
+    return authority.phase().signing, authority.hub_certificate()
 
 
 def ssl_context(settings: HubSettings) -> ssl.SSLContext:
-    certificates(settings)
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(settings.pki_dir / "server.crt", settings.pki_dir / "server.key")
-    return context
+    return Authority(settings).server_context()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from hub.certificates import HubTls
 from hub.fleet.heartbeats import Heartbeats
 from hub.fleet.learning import Learning
 from hub.loops import Running
@@ -19,12 +20,15 @@ STORE = web.AppKey("hub_store", AsyncHubStore)
 BEATS = web.AppKey("hub_heartbeats", Heartbeats)
 LEARNING = web.AppKey("hub_learning", Learning)
 FORWARDER = web.AppKey("hub_forwarder", Forwarder)
-# The hub's public WireGuard key, its overlay address and its CA (hub/identity.py).
+# The hub's CA, certificates and TLS contexts (hub/certificates.py).
+TLS = web.AppKey("hub_tls", HubTls)
+# The hub's public WireGuard key and its overlay address (hub/identity.py).
 IDENTITY = web.AppKey("hub_identity", dict[str, str])
 # Every background loop of this hub counts its failed rounds here (hub/loops.py).
 LOOPS = web.AppKey("hub_loops", Failures)
 RUNNING = web.AppKey("hub_running_loops", Running)
 
 NODE = web.RequestKey("node", Node)  # the calling node, on node routes
+NODE_PROTOCOL = web.RequestKey("node_protocol", int)  # the version it speaks
 OPERATOR = web.RequestKey("operator", str)  # the calling operator's name, on operator routes
 REQUEST_ID = web.RequestKey("request_id", str)

@@ -7,7 +7,8 @@ heartbeats come from) on `/v1/offloaded/…` with the client's own API key, whic
 origin node handed over and the hub checked: the serving node authenticates it like any
 key and takes account and class from it, so no node can make another run a request as
 an account it names. Only nodes that say they take offloaded requests this way (protocol
-2, `capacity.offload`) are chosen.
+2, `capacity.offload`) are chosen. The call goes to the node's fleet listener, over
+mutual TLS (protocol 3): each side proves who it is with its certificate.
 A node that refuses for load (429, 503) is skipped for the next candidate; when none is
 left the origin gets 429 `overloaded` with `Retry-After`. The response names the node
 that served it (`X-Kvl-Served-By`).
@@ -16,7 +17,6 @@ that served it (`X-Kvl-Served-By`).
 from __future__ import annotations
 
 import logging
-import ssl
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -27,6 +27,9 @@ from shared import protocol
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from hub.certificates import HubTls
     from hub.state.store import Node
 
 log = logging.getLogger(__name__)
@@ -54,14 +57,13 @@ def load_of(node: Node) -> NodeLoad:
 
 
 class Forwarder:
-    """One client session for every forwarded request; nodes' LAN certificates are
-    checked against the hub's own CA (a node's overlay address is not in its certificate,
-    so the name is not checked: the CA and the node's secret are)."""
+    """One client session for every forwarded request, over mutual TLS: the node's
+    certificate must chain to the fleet's CA bundle and name the address called (its
+    overlay address, which is its alone), and the hub presents its own certificate,
+    which the node's fleet listener requires."""
 
-    def __init__(self, ca_pem: str) -> None:
-        context = ssl.create_default_context(cadata=ca_pem)
-        context.check_hostname = False
-        self._ssl = context
+    def __init__(self, hub_tls: HubTls) -> None:
+        self._tls = hub_tls
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=300)
         )
@@ -81,20 +83,28 @@ class Forwarder:
         model: str,
         now: float,
         stale_after_s: float,
+        serves: Callable[[Node], Awaitable[bool]],
     ) -> web.StreamResponse:
+        """``serves(node)``: whether the node holds the client's account (a node
+        dedicated to another tenant does not: it would only refuse the key)."""
         by_id = {n.id: n for n in nodes}
         loads = [load_of(n) for n in nodes]
-        chosen = candidates(
+        ranked = candidates(
             loads,
             model=model,
             origin=origin.id,
             offloaded=request.headers.get(protocol.OFFLOADED_HEADER) is not None,
             now=now,
             stale_after_s=stale_after_s,
-        )[:MAX_TRIES]
+        )
+        chosen: list[Node] = []
+        for load in ranked:
+            if len(chosen) == MAX_TRIES:
+                break
+            if await serves(by_id[load.id]):
+                chosen.append(by_id[load.id])
         tried: list[str] = []
-        for load in chosen:
-            target = by_id[load.id]
+        for target in chosen:
             tried.append(target.name)
             answer = await self._try(request, route, body, target, origin, client_key=client_key)
             if answer is not None:
@@ -125,7 +135,9 @@ class Forwarder:
         }
         url = f"{target.api_url}/v1/offloaded/{route}"
         try:
-            upstream = await self._session.post(url, data=body, headers=headers, ssl=self._ssl)
+            upstream = await self._session.post(
+                url, data=body, headers=headers, ssl=self._tls.client
+            )
         except (aiohttp.ClientError, TimeoutError) as err:
             log.warning("offload to %s failed: %s", target.name, err)
             return None

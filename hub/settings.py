@@ -27,8 +27,18 @@ class HubServerSettings(BaseModel):
         min_length=1,
         max_length=32,
         description=(
-            "DNS names and addresses in the hub's TLS certificate (appliances pin its "
-            "fingerprint, which `kvl hub serve` prints)."
+            "DNS names and addresses in the hub's TLS certificate (appliances trust the "
+            "hub's CA, whose fingerprint `kvl hub serve` prints; a change here reissues "
+            "the certificate, and nodes keep working)."
+        ),
+    )
+    require_node_certificates: bool = Field(
+        default=False,
+        description=(
+            "Enroll and serve only nodes with a certificate (mutual TLS on every call). "
+            "Off, a node enrolled without a signing request (before protocol 3) is served "
+            "on its node token until it asks for a certificate; any node holding one must "
+            "present it either way."
         ),
     )
     require_overlay_source: bool = Field(
@@ -64,6 +74,12 @@ class OverlaySettings(BaseModel):
         description="`host:port` appliances reach the hub's WireGuard at; unset: server.names[0].",
     )
 
+    @property
+    def hub_interface(self) -> ipaddress.IPv4Interface | ipaddress.IPv6Interface:
+        """The hub's address on the overlay: the prefix's first host, with its length."""
+        network = ipaddress.ip_network(self.prefix)
+        return ipaddress.ip_interface(f"{next(network.hosts())}/{network.prefixlen}")
+
     @field_validator("prefix")
     @classmethod
     def _network(cls, value: str) -> str:
@@ -71,6 +87,44 @@ class OverlaySettings(BaseModel):
         if network.num_addresses < 4:
             raise ValueError(f"{value} is too small for a hub and a node")
         return str(network)
+
+
+class PkiSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    fleet_domain: str = Field(
+        "kvl.internal",
+        max_length=200,
+        pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)+$",
+        description=(
+            "The fleet's DNS domain: a node's certificate names NAME.<domain>, and the "
+            "identities in certificates are spiffe://<domain>/hub and …/node/ID."
+        ),
+    )
+    node_certificate_days: int = Field(
+        7,
+        ge=1,
+        le=90,
+        description=(
+            "Lifetime of a node's certificate. Nodes renew through the tunnel with a third "
+            "of it left; a revoked node is renewed no more, so its certificate dies within it."
+        ),
+    )
+    hub_certificate_days: int = Field(
+        90,
+        ge=1,
+        le=825,
+        description="Lifetime of the hub's own certificate (issued again with a third left).",
+    )
+    reload_s: float = Field(
+        10.0,
+        ge=0.5,
+        le=3600.0,
+        description=(
+            "Seconds between the hub's looks at its pki/ folder: a rotated CA or a new "
+            "certificate is served from then on, without a restart."
+        ),
+    )
 
 
 class FleetSettings(BaseModel):
@@ -185,6 +239,9 @@ class HubSettings(BaseSettings):
         default_factory=OverlaySettings, description="The WireGuard overlay of the fleet."
     )
     fleet: FleetSettings = Field(default_factory=FleetSettings, description="Node states.")
+    pki: PkiSettings = Field(
+        default_factory=PkiSettings, description="The fleet's CA and its certificates."
+    )
     quota: QuotaSettings = Field(
         default_factory=QuotaSettings, description="Global budgets, spent through leases."
     )

@@ -2,8 +2,10 @@
 a schedule, from one process. `kvl hub simulate` drives it; `just bench fleet` measures
 with it.
 
-Each simulated node enrolls as an appliance does (a WireGuard public key of its own, the
-hub's certificate pinned) and then sends a heartbeat every `interval_s` at a random phase
+Each simulated node enrolls as an appliance does (a WireGuard public key of its own and a
+signing request, the hub verified by its CA) and then calls with its own certificate
+(mutual TLS) over a connection of its own, kept alive, as an appliance's link does. It
+sends a heartbeat every `interval_s` at a random phase
 of its own, so a fleet of N sends N / interval_s heartbeats a second, evenly; with
 `events`, half an interval after each heartbeat it syncs that many new usage events from
 its outbox (`POST /v1/node/events`). The load is open loop: a call is sent at its time
@@ -16,8 +18,10 @@ calling one; a share of syncs (`resend`) is sent a second time to another replic
 node does when an acknowledgement was lost, and the hub must count those events once.
 
 The simulator is not the appliance's client: it skips the tunnel (the hub must accept
-node calls from any address, `server.require_overlay_source: false`) and shares a pool of
-HTTPS connections among its nodes, as a proxy in front of the hub would.
+node calls from any address, `server.require_overlay_source: false`). Without
+certificates (`certificates=False`: nodes as they were before protocol 3, token only,
+the hub's own certificate pinned) its nodes share a pool of HTTPS connections, as a proxy
+in front of the hub would; that is how a hub of an earlier commit is measured.
 """
 
 from __future__ import annotations
@@ -27,21 +31,26 @@ import gc
 import heapq
 import json
 import random
+import ssl
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from wireguard_tools import WireguardKey
 
-from shared import __version__, pki, protocol
+from shared import __version__, pki, protocol, tls
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine, Sequence
 
 VERSIONS = {"kvl": __version__}
+Verification = ssl.SSLContext | aiohttp.Fingerprint
+Caller = tuple[dict[str, str], Verification]  # a node's headers and TLS
 _BEAT, _SYNC = 0, 1  # what a node's scheduled call is
 
 
@@ -50,6 +59,7 @@ class SimulatedNode:
     node_id: str
     token: str
     url: str = ""  # the hub replica it calls
+    tls: ssl.SSLContext | aiohttp.Fingerprint | None = None  # its own certificate
 
 
 @dataclass
@@ -125,18 +135,55 @@ def _capacity(rng: random.Random) -> dict[str, Any]:
 
 
 class Simulator:
+    """``trust``: the hub's CA certificate (PEM: nodes with certificates, strictly
+    verified), or the fingerprint of the hub's own certificate (`sha256:…`: nodes
+    without certificates, as before protocol 3). ``connections``: how many the nodes
+    may hold at once (0: no limit; each node with a certificate keeps its own);
+    ``reconnect``: none kept, a TLS handshake for every call (the cost of one)."""
+
     def __init__(
-        self, urls: str | Sequence[str], fingerprint: str, *, connections: int = 100
+        self,
+        urls: str | Sequence[str],
+        trust: bytes | str,
+        *,
+        connections: int = 100,
+        reconnect: bool = False,
     ) -> None:
         self._urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
-        self._ssl = aiohttp.Fingerprint(pki.fingerprint_bytes(fingerprint))
+        self._trust = trust if isinstance(trust, bytes) else None
+        self._ssl: ssl.SSLContext | aiohttp.Fingerprint = (
+            tls.client_context(trust)
+            if isinstance(trust, bytes)
+            else aiohttp.Fingerprint(pki.fingerprint_bytes(trust))
+        )
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=connections, keepalive_timeout=60),
+            # `reconnect`: a new connection (a full handshake) for every call.
+            connector=aiohttp.TCPConnector(
+                limit=connections, keepalive_timeout=60, force_close=reconnect
+            ),
             timeout=aiohttp.ClientTimeout(total=30),
         )
+        self._files = tempfile.TemporaryDirectory(prefix="kvl-simulated-")
+
+    @property
+    def certificates(self) -> bool:
+        return self._trust is not None
+
+    def _node_tls(self, index: int, key_pem: bytes, cert_pem: str) -> ssl.SSLContext:
+        """A node's client context: Python loads a certificate from files only."""
+        assert self._trust is not None  # noqa: S101 - with certificates only
+        folder = Path(self._files.name)
+        pki.write_issued(folder, f"n{index}", pki.Issued(cert_pem.encode(), key_pem))
+        context = tls.client_context(
+            self._trust, (folder / f"n{index}.crt", folder / f"n{index}.key")
+        )
+        (folder / f"n{index}.crt").unlink()
+        (folder / f"n{index}.key").unlink()
+        return context
 
     async def close(self) -> None:
         await self._session.close()
+        self._files.cleanup()
 
     async def __aenter__(self) -> Simulator:
         return self
@@ -157,13 +204,18 @@ class Simulator:
             async with gate:
                 # The key is made inside the gate: made up front for every node, the keys
                 # would hold the loop while the first calls' clocks ran.
+                name = f"{prefix}-{index:06d}"
                 body = {
                     "token": token,
-                    "name": f"{prefix}-{index:06d}",
+                    "name": name,
                     "wg_public_key": str(WireguardKey.generate().public_key()),
                     "labels": {"simulated": "true"},
                     "versions": VERSIONS,
                 }
+                key_pem = b""
+                if self.certificates:
+                    key_pem, csr = pki.new_request([name])
+                    body["lan_csr"] = csr.decode()
                 started = time.perf_counter()
                 try:
                     async with self._session.post(
@@ -177,7 +229,12 @@ class Simulator:
                     latencies.fail(type(err).__name__)
                     return
                 latencies.seconds.append(time.perf_counter() - started)
-                nodes.append(SimulatedNode(answer["node_id"], answer["node_token"], url))
+                context = (
+                    self._node_tls(index, key_pem, answer["lan_certificate"])
+                    if self.certificates
+                    else None
+                )
+                nodes.append(SimulatedNode(answer["node_id"], answer["node_token"], url, context))
 
         await asyncio.gather(*(one(i) for i in range(count)))
         return nodes, latencies
@@ -216,6 +273,7 @@ class Simulator:
         # garbage collector, and its full collections held this loop for a quarter of a
         # second, which the latencies then blamed on the hub.
         headers = [{"Authorization": f"Bearer {node.token}", **protocol.HEADERS} for node in nodes]
+        callers = [(h, node.tls or self._ssl) for h, node in zip(headers, nodes, strict=True)]
         urls = [node.url or self._urls[0] for node in nodes]
         others = [self._urls[(self._urls.index(url) + 1) % len(self._urls)] for url in urls]
         batches = [0] * len(nodes)
@@ -239,7 +297,7 @@ class Simulator:
                 url = urls[index]
                 if kind == _BEAT:
                     body = {"versions": VERSIONS, "capacity": _capacity(rng)}
-                    call(self._beat(url, headers[index], body, due, load))
+                    call(self._beat(url, callers[index], body, due, load))
                     if events:
                         heapq.heappush(schedule, (due + interval_s / 2, index, _SYNC))
                     if due + interval_s < end:
@@ -248,30 +306,35 @@ class Simulator:
                 sent = _usage(index, batches[index], events, rng)
                 batches[index] += 1
                 load.events_sent += len(sent)
-                call(self._sync(url, headers[index], sent, due, load))
+                call(self._sync(url, callers[index], sent, due, load))
                 if rng.random() < resend:  # the acknowledgement was lost: again
                     load.events_resent += len(sent)
-                    call(self._sync(others[index], headers[index], sent, due, load))
+                    call(self._sync(others[index], callers[index], sent, due, load))
             await asyncio.gather(*list(in_flight))
         finally:
             gc.unfreeze()
         return load
 
     async def _beat(
-        self, url: str, headers: dict[str, str], body: dict[str, Any], due: float, load: Load
+        self,
+        url: str,
+        caller: Caller,
+        body: dict[str, Any],
+        due: float,
+        load: Load,
     ) -> None:
-        await self._call(f"{url}/v1/node/heartbeat", headers, body, due, load.heartbeats)
+        await self._call(f"{url}/v1/node/heartbeat", caller, body, due, load.heartbeats)
 
     async def _sync(
         self,
         url: str,
-        headers: dict[str, str],
+        caller: Caller,
         events: list[dict[str, Any]],
         due: float,
         load: Load,
     ) -> None:
         answer = await self._call(
-            f"{url}/v1/node/events", headers, {"events": events}, due, load.sync
+            f"{url}/v1/node/events", caller, {"events": events}, due, load.sync
         )
         if answer is not None:
             load.events_new += int(answer["new"])
@@ -279,16 +342,15 @@ class Simulator:
     async def _call(
         self,
         url: str,
-        headers: dict[str, str],
+        caller: Caller,
         body: dict[str, Any],
         due: float,
         latencies: Latencies,
     ) -> Any:
         """POST `body`; its JSON answer (None: it failed, counted in `latencies`)."""
+        headers, context = caller
         try:
-            async with self._session.post(
-                url, json=body, headers=headers, ssl=self._ssl
-            ) as response:
+            async with self._session.post(url, json=body, headers=headers, ssl=context) as response:
                 raw = await response.read()
                 if response.status != 200:
                     latencies.fail(str(response.status))

@@ -43,6 +43,10 @@ class ErrorCode(StrEnum):
     protocol_unsupported = "protocol_unsupported"
     already_enrolled = "already_enrolled"
     foreign_account = "foreign_account"
+    client_certificate_required = "client_certificate_required"
+    certificate_mismatch = "certificate_mismatch"
+    certificate_name_refused = "certificate_name_refused"
+    certificate_name_taken = "certificate_name_taken"
     foreign_lease = "foreign_lease"
     not_found = "not_found"
     model_not_found = "model_not_found"
@@ -139,6 +143,30 @@ _KINDS: dict[ErrorCode, _Kind] = {
         403,
         "permission_error",
         "hub: a node reported usage of, or asked a lease for, an account it does not serve",
+    ),
+    ErrorCode.client_certificate_required: _Kind(
+        401,
+        "authentication_error",
+        "a call that must present a client certificate of the fleet (mutual TLS) came "
+        "without one: a node the hub has issued a certificate, or the hub calling a node",
+    ),
+    ErrorCode.certificate_mismatch: _Kind(
+        403,
+        "permission_error",
+        "the client certificate speaks for someone else: another node than the node "
+        "token's, or not the hub",
+    ),
+    ErrorCode.certificate_name_refused: _Kind(
+        403,
+        "permission_error",
+        "hub: a node asked for a name in its certificate that is not its own to have "
+        "(the hub's, an overlay address not its own, a DNS name the hub did not give it)",
+    ),
+    ErrorCode.certificate_name_taken: _Kind(
+        409,
+        "conflict_error",
+        "hub: a node asked for a name (an address, a DNS name) that another live node's "
+        "certificate holds",
     ),
     ErrorCode.foreign_lease: _Kind(
         403, "permission_error", "hub: a node reported a lease granted to another node"

@@ -13,7 +13,15 @@ and the hub answers with its own. The hub serves nodes from `OLDEST_NODE_PROTOCO
 the window gets 400 `protocol_unsupported` saying which side to upgrade. Version 2 is
 the first versioned protocol (version 1, unversioned, sent capacity as a free map and
 authenticated offloaded requests with a per-node secret); from version 3 on, the hub
-keeps serving the version before its own.
+keeps serving the version before its own. A field a version added names it in
+`ADDED_IN`; the hub leaves such fields out of what it answers an older node, whose
+models refuse fields they do not know.
+
+Version 3 is mutual TLS: a node presents its certificate (issued at enrollment, renewed
+through `POST /v1/node/certificate`) on every call, and trusts the hub through its CA
+bundle (`GET /v1/trust`) instead of pinning the hub's certificate. A node the hub has
+issued a certificate must present one whatever version it names; a version-2 node,
+enrolled before certificates, is served on its node token until it upgrades.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from pydantic import (
 
 from shared import jsonlimits
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 OLDEST_NODE_PROTOCOL = 2
 PROTOCOL_HEADER = "Kvl-Protocol"
 
@@ -102,7 +110,8 @@ class EnrollRequest(Message):
     wg_public_key: WgKey
     labels: Labels = Field(default_factory=dict)
     versions: Versions = Field(default_factory=dict)
-    # A signing request for the node's LAN API certificate (the key stays on the node).
+    # A signing request for the node's certificate (its LAN API, and its side of mutual
+    # TLS); the key stays on the node, the hub decides the names (hub/certificates.py).
     lan_csr: Blob | None = None
 
 
@@ -123,8 +132,10 @@ class EnrollAnswer(Message):
     site: Short
     overlay_address: Short
     overlay_prefix: Short
-    lan_certificate: Blob | None = None
+    lan_certificate: Blob | None = None  # the node's certificate
     hub: HubPeer
+    trust: Blob | None = None  # the CA bundle (protocol 3)
+    renew_at: Seconds | None = None  # when to renew the certificate (protocol 3)
 
 
 # -- heartbeats ----------------------------------------------------------------------------
@@ -138,10 +149,13 @@ class Gpu(Message):
 
 
 class LanApi(Message):
-    """Where the hub reaches a node's LAN API (at the address its heartbeats come from)."""
+    """Where the hub reaches a node's API (at the address its heartbeats come from): its
+    LAN API, and (protocol 3) its fleet listener, where the node serves the hub's calls
+    over mutual TLS only."""
 
     port: int = Field(ge=1, le=65535)
     tls: bool = False
+    fleet_port: int | None = Field(None, ge=1, le=65535)
 
 
 class Capacity(Message):
@@ -163,6 +177,9 @@ class Capacity(Message):
     api: LanApi | None = None
     # The node takes offloaded requests on /v1/offloaded/… with the client's own key.
     offload: bool = False
+    # The digest of the CA bundle the node trusts the hub by (protocol 3): a CA rotation
+    # switches only once every node holds the staged CA (`kvl hub ca rotate`).
+    trust_digest: Short | None = None
     # The highest isolation level the node can run a replica at (I2: it can give a
     # worker a cgroup v2 with memory.max and cpu.max; I3 is I2 on a node the hub knows is
     # dedicated), and the level each model it serves runs at now, as it checked it (a
@@ -192,6 +209,35 @@ class HeartbeatAnswer(Message):
     received_at: Seconds
     # The hub's desired-state serial: a node pulls its state only when it moved.
     desired_serial: int = Field(ge=0)
+    # The digest of the hub's CA bundle: a node fetches the bundle (`GET /v1/trust`) when
+    # it changed (a CA rotation). Protocol 3.
+    trust_digest: Short | None = None
+    # The node's certificate is due: signed by a CA that signs no more, or not presented.
+    renew_certificate: bool = False
+
+
+# -- certificates (protocol 3) ---------------------------------------------------------------
+
+
+class CertificateRequest(Message):
+    """A node asks for its certificate again (before a third of its lifetime is left, or
+    when its LAN addresses changed): a new key's signing request."""
+
+    csr: Blob
+
+
+class CertificateAnswer(Message):
+    certificate: Blob
+    trust: Blob  # the CA bundle the hub trusts now
+    renew_at: Seconds
+    not_after: Seconds
+
+
+class TrustAnswer(Message):
+    """The fleet's CA bundle (public: certificates only), with its digest."""
+
+    bundle: Blob
+    digest: Short
 
 
 # -- events (the outbox) ---------------------------------------------------------------------
@@ -367,6 +413,9 @@ MESSAGES: tuple[type[Message], ...] = (
     EnrollAnswer,
     HeartbeatRequest,
     HeartbeatAnswer,
+    CertificateRequest,
+    CertificateAnswer,
+    TrustAnswer,
     EventsRequest,
     EventsAnswer,
     LeaseRequest,
@@ -375,11 +424,26 @@ MESSAGES: tuple[type[Message], ...] = (
 )
 
 
+# The fields a version added to a message the hub answers: an older node is answered
+# without them (its models forbid fields they do not know).
+ADDED_IN: dict[type[Message], dict[str, int]] = {
+    EnrollAnswer: {"trust": 3, "renew_at": 3},
+    HeartbeatAnswer: {"trust_digest": 3, "renew_certificate": 3},
+}
+
+
+def dump_for(message: Message, version: int) -> str:
+    """``message`` as JSON for a node that speaks ``version``."""
+    added = ADDED_IN.get(type(message), {})
+    return message.model_dump_json(exclude={f for f, v in added.items() if v > version})
+
+
 def json_schema() -> dict[str, object]:
     """The JSON Schema of every message (with the version), for the snapshot test."""
     return {
         "protocol_version": PROTOCOL_VERSION,
         "oldest_node_protocol": OLDEST_NODE_PROTOCOL,
+        "added_in": {m.__name__: added for m, added in ADDED_IN.items()},
         "messages": {m.__name__: m.model_json_schema() for m in MESSAGES},
     }
 

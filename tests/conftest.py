@@ -26,6 +26,7 @@ from appliance.serving.catalog import ensure_default_model
 from appliance.serving.progress import ProgressBar
 from appliance.settings import ApplianceSettings
 from appliance.state.store import ModelRecord, Store
+from shared.classes import IsolationLevel
 from tests.postgres import MISSING, Cluster, cluster, server_bin
 
 if TYPE_CHECKING:
@@ -231,3 +232,10 @@ class NoModels:
 
     def replicas(self) -> list[Any]:
         return []
+
+    @property
+    def isolation_max(self) -> IsolationLevel:
+        return IsolationLevel.I1
+
+    def isolation_levels(self) -> dict[str, IsolationLevel]:
+        return {}

@@ -1,7 +1,8 @@
 """The fleet end to end: a hub and an appliance, each in its own network namespace joined
 by a veth pair, the appliance enrolled over HTTPS and then talking to the hub only through
-a real wireguard-go tunnel: heartbeats seen, desired state applied, and a cut link that
-loses nothing once it is back."""
+a real wireguard-go tunnel: heartbeats seen, desired state applied, a cut link that loses
+nothing once it is back, and the trust chain changed under it (the CA rotated, the hub's
+certificate issued again for new names) with no call lost."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from typing import TYPE_CHECKING
 import pytest
 
 from appliance.state.store import ModelRecord, Store
+from hub.certificates import Authority
 from hub.identity import certificates
 from hub.settings import HubSettings
 from hub.state.store import Node, open_store
+from shared import pki
 from tests.netns import A_ADDR, Link, ip, linked_namespaces
 from tests.waiting import until_sync
 
@@ -86,6 +89,7 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
         "KVL_HUB_SERVER__NAMES": json.dumps([A_ADDR]),
         "KVL_HUB_OVERLAY__ENDPOINT": f"{A_ADDR}:51820",
         "KVL_HUB_OVERLAY__INTERFACE": f"kvh{link.suffix}",
+        "KVL_HUB_PKI__RELOAD_S": "0.5",
     }
     hub = HubSettings.model_validate(
         {
@@ -94,7 +98,7 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
             "overlay": {"endpoint": f"{A_ADDR}:51820", "interface": f"kvh{link.suffix}"},
         }
     )
-    fingerprint = certificates(hub)[1].fingerprint  # the hub process loads these same files
+    fingerprint = certificates(hub)[0].fingerprint  # the CA: the hub process loads its files
     hub_store = open_store(hub)
     token = hub_store.create_token("school", uses=1, expires_in_s=600).plaintext
     hub_store.set_account("lan", "S1")  # the LAN key's account is the fleet's: usage syncs
@@ -231,6 +235,68 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
         until_sync(lambda: ledger() == 4, "the outbox to drain after the cut")
         time.sleep(1.5)
         assert ledger() == 4
+
+        # The CA rotated under a running fleet: staged, switched (the hub's certificate
+        # issued again under the new CA, the node's renewed), retired. Not one call of
+        # the node fails meanwhile.
+        mark = (tmp_path / "node.log").stat().st_size
+        hub_args = ["--data-dir", str(hub_dir)]
+        env = {**os.environ, **hub_env}
+
+        def rotate() -> None:
+            subprocess.run(
+                [sys.executable, "-m", "shared.cli", "hub", "ca", "rotate", *hub_args],
+                check=True, cwd=REPO, env=env, capture_output=True, timeout=60,
+            )  # fmt: skip
+
+        def trust_reported() -> str | None:
+            return hub_nodes()[0].capacity.trust_digest
+
+        rotate()  # staged
+        staged = Authority(hub).phase().digest
+        until_sync(lambda: trust_reported() == staged, "the node to hold the staged CA")
+        rotate()  # switched: the node renews under the new CA
+        new_ca = Authority(hub).phase().signing
+        node_cert = node_dir / "fleet" / "node.crt"
+        until_sync(
+            lambda: (
+                pki.load_certificate(node_cert.read_bytes()).issuer == new_ca.certificate.subject
+            ),
+            "the node's certificate renewed under the new CA",
+        )
+        subprocess.run(
+            [sys.executable, "-m", "shared.cli", "hub", "ca", "rotate", "--force", *hub_args],
+            check=True, cwd=REPO, env=env, capture_output=True, timeout=60,
+        )  # fmt: skip
+        retired = Authority(hub).phase().digest
+        until_sync(lambda: trust_reported() == retired, "the node to drop the old CA")
+        assert complete_in(link, 8080, lan_key) == 200
+        until_sync(lambda: ledger() == 5, "an event after the rotation")
+        log = (tmp_path / "node.log").read_bytes()[mark:].decode(errors="replace")
+        assert "heartbeat failed" not in log, log
+        assert "sync stopped" not in log, log
+
+        # New names for the hub (a restart with new settings): its certificate is issued
+        # again, with a new key; the node trusts the CA, so it keeps its hub.
+        def served() -> bytes:  # read, never issued again by this process's settings
+            issued = pki.read_issued(hub.pki_dir, "server")
+            assert issued is not None
+            return issued.cert_pem
+
+        before = served()
+        stop(hub_process)
+        renamed = {**hub_env, "KVL_HUB_SERVER__NAMES": json.dumps([A_ADDR, "hub.example"])}
+        hub_process = spawn(
+            link, link.a, ["hub", "serve", "--data-dir", str(hub_dir), "--host", A_ADDR],
+            renamed, tmp_path / "hub.log",
+        )  # fmt: skip
+        assert complete_in(link, 8080, lan_key) == 200
+        until_sync(lambda: ledger() == 6, "an event after the hub's new certificate")
+        assert served() != before
+        assert "hub.example" in pki.names_of(served())
+        log = (tmp_path / "node.log").read_bytes()[mark:].decode(errors="replace")
+        assert "certificate_untrusted" not in log, log
+        assert "fingerprint_mismatch" not in log, log
     finally:
         stop(node_process)
         stop(hub_process)

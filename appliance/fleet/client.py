@@ -1,19 +1,29 @@
-"""HTTP calls to the hub, with its certificate pinned by fingerprint. Every message is
-one of shared/protocol.py's, both ways: what the hub answers is validated too, and an
-answer this node cannot read is a HubError (try again later), never a crash."""
+"""HTTP calls to the hub over mutual TLS: the hub's certificate must chain to the fleet's
+CA bundle and name the hub's address, and this node's certificate goes with each call.
+Every message is one of shared/protocol.py's, both ways: what the hub answers is
+validated too, and an answer this node cannot read is a HubError (try again later),
+never a crash.
+
+Before enrollment the node has no bundle, only its provisioning file's pin: `bootstrap`
+fetches the hub's bundle (`GET /v1/trust`) and keeps, of it, the CA the pin names, and
+enrollment goes over a connection that CA verifies. A pin of the hub's own certificate
+(a provisioning file of protocol 2) is still honoured, by fingerprint."""
 
 from __future__ import annotations
 
+import ssl
 from typing import TYPE_CHECKING, TypeVar
 
 import aiohttp
 from pydantic import ValidationError
 
-from shared import jsonlimits, protocol
+from shared import jsonlimits, pki, protocol, tls
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import TracebackType
 
+    from appliance.fleet.certificates import NodeCertificate
     from appliance.fleet.identity import Identity
     from shared.provisioning import Provisioning
 
@@ -43,18 +53,60 @@ def _error_of(status: int, raw: bytes) -> HubRefusedError:
     return HubRefusedError(status, code, message)
 
 
+Verification = ssl.SSLContext | aiohttp.Fingerprint
+
+
+async def bootstrap(hub_url: str, pin: bytes) -> Verification:
+    """How to verify the hub before this node trusts anything else: the CA of the hub's
+    bundle whose fingerprint is ``pin`` (the hub's certificate must chain to it and name
+    the hub), or, where no CA of the bundle matches, the hub's own certificate by its
+    fingerprint. The bundle is fetched without verification, and only a CA it holds
+    that the pin names is used: the pin is what is trusted."""
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session,
+            session.get(f"{hub_url.rstrip('/')}/v1/trust", ssl=False) as response,
+        ):
+            raw = await response.read() if response.status == 200 else b""
+    except (aiohttp.ClientError, TimeoutError) as err:
+        raise HubError(f"the hub is unreachable ({type(err).__name__}: {err})") from err
+    try:
+        bundle = protocol.TrustAnswer.model_validate_json(raw).bundle.encode() if raw else b""
+        cas = pki.split_bundle(bundle) if bundle else []
+    except ValueError:
+        cas = []
+    for ca in cas:
+        if pki.fingerprint_bytes(pki.fingerprint(ca)) == pin:
+            return tls.client_context(ca)
+    return aiohttp.Fingerprint(pin)
+
+
 class HubClient:
-    def __init__(self, base_url: str, pin: bytes, token: str | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        verification: Verification | Callable[[], Verification],
+        token: str | None = None,
+    ) -> None:
         self._base = base_url.rstrip("/")
-        self._ssl = aiohttp.Fingerprint(pin)
+        self._verification = verification
         self._headers = {protocol.PROTOCOL_HEADER: str(protocol.PROTOCOL_VERSION)}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
 
     @classmethod
-    def for_node(cls, identity: Identity, base_url: str) -> HubClient:
-        return cls(base_url, identity.pin(), identity.node_token)
+    def for_node(cls, identity: Identity, base_url: str, certificate: NodeCertificate) -> HubClient:
+        """The node's client: the trust bundle, its certificate (both as they are at
+        each call: a renewal or a rotation takes effect on the next connection)."""
+        return cls(base_url, certificate.client_context, identity.node_token)
+
+    @property
+    def _ssl(self) -> Verification:
+        verification = self._verification
+        if isinstance(verification, (ssl.SSLContext, aiohttp.Fingerprint)):
+            return verification
+        return verification()
 
     async def __aenter__(self) -> HubClient:
         return self
@@ -101,6 +153,11 @@ class HubClient:
                 0,
                 "fingerprint_mismatch",
                 "the hub's certificate does not match the pinned fingerprint",
+            ) from err
+        except aiohttp.ClientConnectorCertificateError as err:
+            # Not the fleet's hub, or not by the name called: trying again will not help.
+            raise HubRefusedError(
+                0, "certificate_untrusted", f"the hub's certificate does not verify: {err}"
             ) from err
         except (aiohttp.ClientError, TimeoutError) as err:
             raise HubError(f"the hub is unreachable ({type(err).__name__}: {err})") from err
@@ -182,6 +239,18 @@ class HubClient:
             )
         except (aiohttp.ClientError, TimeoutError) as err:
             raise HubError(f"the hub is unreachable ({type(err).__name__}: {err})") from err
+
+    async def certificate(self, csr: str) -> protocol.CertificateAnswer:
+        """This node's certificate issued again for a new key (hub/api/node.py)."""
+        request = protocol.CertificateRequest(csr=csr)
+        return await self._post("/v1/node/certificate", request, protocol.CertificateAnswer)
+
+    async def trust(self) -> protocol.TrustAnswer:
+        """The fleet's CA bundle, over a connection the bundle held so far verified."""
+        answer = await self._call("GET", "/v1/trust", protocol.TrustAnswer)
+        if answer is None:
+            raise HubError("the hub answered /v1/trust with no body")
+        return answer
 
     async def push(self, events: list[protocol.Event]) -> list[str]:
         """Send events to the ledger; the ids the hub acknowledged."""

@@ -4,12 +4,11 @@ identity enrollment gave it (kept in the data directory, so a restart does not r
 from __future__ import annotations
 
 import json
-import socket
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
-from appliance.discovery.mdns import lan_addresses
+from appliance.fleet.certificates import NodeCertificate
 from shared import pki
 from shared.files import write_private
 from shared.wireguard import KeyPair, ensure_keypair
@@ -51,35 +50,17 @@ class Identity(BaseModel):
 
 class FleetFiles:
     """The fleet files in the data directory: the WireGuard private key (never leaves the
-    node) and the identity."""
+    node), the identity, and the node's certificate (appliance/fleet/certificates.py)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.key_path = directory / "wireguard.key"
         self.identity_path = directory / "identity.json"
-        # The LAN API's TLS key and the certificate the hub's CA signed for it.
-        self.lan_key_path = directory / "lan.key"
-        self.lan_cert_path = directory / "lan.crt"
-
-    def lan_request(self, name: str) -> str:
-        """A signing request for this node's LAN certificate; its key (mode 0600) is kept
-        for the certificate the hub sends back."""
-        names = sorted(
-            {name, socket.gethostname(), "localhost", "127.0.0.1", *lan_addresses("0.0.0.0")}  # noqa: S104 - every address, not a bind
-        )
-        key_pem, csr_pem = pki.new_request(name, names)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        write_private(self.lan_key_path, key_pem.decode())
-        return csr_pem.decode()
-
-    def save_lan_certificate(self, cert_pem: str) -> None:
-        self.lan_cert_path.write_text(cert_pem)
+        self.certificate = NodeCertificate(directory)
 
     def lan_tls(self) -> tuple[Path, Path] | None:
-        """(certificate, key) when the hub issued this node a LAN certificate."""
-        if self.lan_cert_path.is_file() and self.lan_key_path.is_file():
-            return self.lan_cert_path, self.lan_key_path
-        return None
+        """(certificate, key) when the hub issued this node its certificate."""
+        return self.certificate.files if self.certificate.present else None
 
     def wireguard_key(self) -> KeyPair:
         """This node's WireGuard key pair, made on first use (the private key, mode 0600,
@@ -90,7 +71,11 @@ class FleetFiles:
     def identity(self) -> Identity | None:
         if not self.identity_path.is_file():
             return None
-        return Identity.model_validate(json.loads(self.identity_path.read_text()))
+        identity = Identity.model_validate(json.loads(self.identity_path.read_text()))
+        if self.certificate.trust() is None:
+            # Enrolled before trust bundles (protocol 2): the CA it was given then.
+            self.certificate.save_trust(identity.hub.ca_pem.encode())
+        return identity
 
     def save(self, identity: Identity) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)

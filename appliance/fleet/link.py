@@ -23,7 +23,8 @@ import psutil
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from pydantic import TypeAdapter
 
-from appliance.fleet.client import HubClient, HubError, HubRefusedError
+from appliance.fleet.certificates import lan_addresses
+from appliance.fleet.client import HubClient, HubError, HubRefusedError, bootstrap
 from appliance.fleet.identity import FleetFiles, HubPeer, Identity
 from appliance.fleet.placement import Converger
 from appliance.quotas.leases import HeldLease
@@ -50,16 +51,34 @@ _EVENT: TypeAdapter[protocol.Event] = TypeAdapter(protocol.Event)
 
 async def enroll(files: FleetFiles, provisioning: Provisioning) -> Identity:
     """Enroll with the hub (once): the WireGuard private key stays here, the public key
-    goes to the hub, and the identity it answers is kept for every later start."""
+    goes to the hub, and the identity it answers is kept for every later start. The
+    hub is verified by the CA the provisioning file pins; the node's certificate comes
+    back with the answer."""
     existing = files.identity()
     if existing is not None:
         return existing
     keys = files.wireguard_key()
-    csr = files.lan_request(provisioning.name)
-    async with HubClient(provisioning.hub_url, provisioning.pin()) as client:
-        answer = await client.enroll(provisioning, keys.public_key, VERSIONS, csr)
+    certificate = files.certificate
+    verification = await bootstrap(provisioning.hub_url, provisioning.pin())
+    async with HubClient(provisioning.hub_url, verification) as client:
+        addresses = lan_addresses(None)
+        csr = certificate.request(provisioning.name, addresses)
+        try:
+            answer = await client.enroll(provisioning, keys.public_key, VERSIONS, csr)
+        except HubRefusedError as err:
+            if err.code != "certificate_name_taken":
+                raise
+            # Another node's certificate names one of this machine's addresses (nodes
+            # side by side on one host, say): enroll with the hub's names only.
+            log.warning("enrolling without LAN addresses: %s", err)
+            certificate.refused |= set(addresses)
+            csr = certificate.request(provisioning.name, [])
+            answer = await client.enroll(provisioning, keys.public_key, VERSIONS, csr)
+    trust = answer.trust or answer.hub.ca_pem
     if answer.lan_certificate:
-        files.save_lan_certificate(answer.lan_certificate)
+        certificate.save(answer.lan_certificate, trust)
+    else:
+        certificate.save_trust(trust.encode())
     identity = Identity(
         node_id=answer.node_id,
         name=answer.name,
@@ -105,6 +124,10 @@ class FleetLink:
         if leases is not None:
             leases.on_demand = self._lease_now
         self._files = files
+        self.certificate = files.certificate
+        # Called with each certificate this node is issued (the app starts the fleet
+        # listener on the first).
+        self.on_certificate: Callable[[], Awaitable[None]] | None = None
         self._store = store
         self._metrics = metrics
         self._registry = registry
@@ -112,6 +135,8 @@ class FleetLink:
         self._scheduler = AsyncIOScheduler()
         self.identity: Identity | None = files.identity()
         self.error: str | None = None
+        self.fleet_port: int | None = None  # where the fleet listener serves the hub
+        self.clock: Callable[[], float] = time.time  # when certificates are due
         self._client: HubClient | None = None
         self.tunnel: Tunnel | None = None
 
@@ -238,11 +263,13 @@ class FleetLink:
                 return None
         if self._settings.tunnel and self.tunnel is None:
             self.tunnel = await asyncio.to_thread(self._tunnel_up, self.identity)
+        if self.on_certificate is not None:
+            await self.on_certificate()  # the fleet listener, on the tunnel's address
         if self._client is None:
             url = self.hub_url
             if url is None:  # pragma: no cover - the identity is set above
                 return None
-            self._client = HubClient.for_node(self.identity, url)
+            self._client = HubClient.for_node(self.identity, url, self.certificate)
         return self._client
 
     def _tunnel_up(self, identity: Identity) -> Tunnel:
@@ -278,6 +305,7 @@ class FleetLink:
             if state is not None:
                 serial = await self._store.run(self._store.sync.apply_desired_state, state)
                 log.info("applied the hub's desired state %d", serial)
+            await self._keep_certificate(client, answer)
             if self._converger is not None:
                 self._converger.kick(client)  # also retries what failed the last time
         except (HubError, HubRefusedError, WireGuardError) as err:
@@ -290,6 +318,46 @@ class FleetLink:
         if self._leases is not None:
             self._leases.reachable = True
         await self._store.run(self._store.sync.set_meta, "last_heartbeat_at", str(time.time()))
+
+    async def _keep_certificate(self, client: HubClient, answer: protocol.HeartbeatAnswer) -> None:
+        """The trust bundle the hub names, and this node's certificate renewed when due
+        (a third of its lifetime left, new LAN addresses, or the hub says so)."""
+        certificate = self.certificate
+        if answer.trust_digest and answer.trust_digest != certificate.trust_digest():
+            trust = await client.trust()
+            certificate.save_trust(trust.bundle.encode())
+            log.info("keeping the hub's CA bundle %s", trust.digest)
+        addresses = [a for a in self.addresses() if a not in certificate.refused]
+        why = (
+            "the hub says it is due"
+            if answer.renew_certificate
+            else certificate.due(self.clock(), addresses)
+        )
+        if why is not None:
+            await self.renew_certificate(client, addresses, why)
+
+    def addresses(self) -> list[str]:
+        """This machine's LAN addresses, for its certificate."""
+        overlay = ipaddress.ip_network(self.identity.overlay_prefix) if self.identity else None
+        return lan_addresses(overlay)
+
+    async def renew_certificate(self, client: HubClient, addresses: list[str], why: str) -> None:
+        """A new key, and the hub's certificate for it (HubRefusedError when the hub
+        refuses: a revoked node, say, whose last certificate then runs out)."""
+        assert self.identity is not None  # noqa: S101 - a client exists
+        name = self.identity.name
+        try:
+            answer = await client.certificate(self.certificate.request(name, addresses))
+        except HubRefusedError as err:
+            if err.code != "certificate_name_taken":
+                raise
+            log.warning("renewing without LAN addresses: %s", err)
+            self.certificate.refused |= set(addresses)
+            answer = await client.certificate(self.certificate.request(name, []))
+        self.certificate.save(answer.certificate, answer.trust)
+        log.info("renewed this node's certificate (%s); valid until %s", why, answer.not_after)
+        if self.on_certificate is not None:
+            await self.on_certificate()
 
     async def capacity(self) -> protocol.Capacity:
         memory = psutil.virtual_memory()
@@ -316,8 +384,14 @@ class FleetLink:
             outbox_alarm=alarm,
             # Where the hub reaches this node's LAN API (at the address heartbeats come
             # from), for requests other nodes offload (with their clients' keys).
-            api=protocol.LanApi(**self._api) if self._api else None,
+            api=protocol.LanApi(**self._api, fleet_port=self.fleet_port) if self._api else None,
             offload=bool(self._api),
+            trust_digest=self.certificate.trust_digest(),
+            # The isolation each model runs at, as the registry read it back.
+            isolation_max=self._registry.isolation_max.value,
+            isolation={
+                k[:200]: v.value for k, v in list(self._registry.isolation_levels().items())[:64]
+            },
         )
 
     def gpus(self) -> list[protocol.Gpu]:

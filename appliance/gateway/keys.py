@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from appliance.fleet.certificates import NodeCertificate
 from appliance.gateway.offload import Offload
 from appliance.inference.admission import AdmissionControl
 from appliance.inference.completions import CompletionService
@@ -24,6 +25,8 @@ EMBEDDINGS = web.AppKey("embeddings", EmbeddingService)
 NODE_ID = web.AppKey("node_id", str)
 TRACING = web.AppKey("tracing", Tracing)
 OFFLOAD = web.AppKey("offload", Offload)
+# This node's certificate and trust (appliance/fleet/certificates.py): who the hub is.
+CERTIFICATE = web.AppKey("certificate", NodeCertificate)
 
 # Per request: the authenticated key (set by the auth middleware on /v1 routes).
 REQUEST_KEY = web.RequestKey("key", ApiKey)

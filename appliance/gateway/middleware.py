@@ -12,7 +12,17 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from opentelemetry.trace import SpanKind
 
-from appliance.gateway.keys import ADMISSION, METRICS, REQUEST_ID, REQUEST_KEY, STORE, TRACING
+from appliance.gateway.keys import (
+    ADMISSION,
+    CERTIFICATE,
+    METRICS,
+    REQUEST_ID,
+    REQUEST_KEY,
+    STORE,
+    TRACING,
+)
+from appliance.gateway.offload import OFFLOADED_PREFIX
+from shared import tls
 from shared.errors import ApiError, ErrorCode, error_body
 
 if TYPE_CHECKING:
@@ -116,11 +126,30 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
     if not request.path.startswith("/v1/") and request.path != "/v1":
         return await handler(request)
     with request.app[TRACING].span("auth"):
+        if request.path.startswith(OFFLOADED_PREFIX):
+            _from_the_hub(request)
         # Offloaded requests (/v1/offloaded/…) carry their client's own key: the same
         # check as every route.
         key = await _authenticated(request)
     request[REQUEST_KEY] = key
     return await handler(request)
+
+
+def _from_the_hub(request: web.Request) -> None:
+    """An offloaded request comes from the hub, over mutual TLS: the fleet listener
+    verified a certificate of the fleet, and it must be the hub's."""
+    transport = request.transport
+    peercert = transport.get_extra_info("peercert") if transport is not None else None
+    if not peercert:
+        raise ApiError(
+            ErrorCode.client_certificate_required,
+            "offloaded requests come from the hub, over mutual TLS on the fleet listener",
+        )
+    hub = request.app[CERTIFICATE].hub_uri() if CERTIFICATE in request.app else None
+    if hub is None or hub not in tls.peer_uris(peercert):
+        raise ApiError(
+            ErrorCode.certificate_mismatch, "the client certificate is not the fleet hub's"
+        )
 
 
 async def _authenticated(request: web.Request) -> ApiKey:

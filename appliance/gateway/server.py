@@ -60,6 +60,52 @@ class ApplianceRunner(web.AppRunner):
         return server
 
 
+class _ListenerRunner(web.BaseRunner):
+    """Serves an application that another runner started (and cleans up): a second
+    listener of the same application, with TLS of its own."""
+
+    def __init__(self, app: web.Application) -> None:
+        super().__init__(handle_signals=False)
+        self._app = app
+
+    async def shutdown(self) -> None:
+        return None
+
+    async def _make_server(self) -> web.Server:
+        # aiohttp makes a Server for an application with `_make_handler`; the
+        # application is started already, by its own runner.
+        server = self._app._make_handler(loop=asyncio.get_running_loop(), access_log=None)  # noqa: SLF001
+        server.__class__ = _Server
+        return server
+
+    async def _cleanup_server(self) -> None:
+        return None
+
+
+class FleetListener:
+    """The fleet listener: the appliance's application on a second address (its overlay
+    address, through the tunnel), over mutual TLS only: a handshake without a client
+    certificate of the fleet fails. The hub's calls (offload) come here."""
+
+    def __init__(self, app: web.Application, host: str, port: int) -> None:
+        self._runner = _ListenerRunner(app)
+        self._host = host
+        self._port = port
+        self.port: int | None = None
+
+    async def start(self, context: ssl.SSLContext) -> int:
+        """Listen; the port listened on (``port`` 0: a free one)."""
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port, ssl_context=context)
+        await site.start()
+        addresses = self._runner.addresses  # with port 0, the one the system chose
+        self.port = int(addresses[0][1]) if addresses else self._port
+        return self.port
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+
 def run(
     app: web.Application,
     host: str,

@@ -2,9 +2,12 @@
 the desired state. Thin handlers over the store.
 
 Enrollment is the one call a node makes with an enrollment token, over HTTPS to the hub
-(the node pins the hub's certificate fingerprint). Every later call carries the node token
-and, with `server.require_overlay_source`, must come from the node's overlay address,
-that is through its WireGuard tunnel.
+(the node trusts the CA bundle of `GET /v1/trust` when it holds the CA its provisioning
+file pins). With it the node sends a signing request, and gets its certificate: the
+names in it are the hub's decision (hub/certificates.py). Every later call carries the
+node token and the node's certificate (mutual TLS), and, with
+`server.require_overlay_source`, must come from the node's overlay address, that is
+through its WireGuard tunnel.
 
 Every message is one of shared/protocol.py's, validated before anything is done with it:
 a node can break only itself. What a node says of its own load is taken; what it says of
@@ -18,9 +21,20 @@ import time
 
 from aiohttp import web
 
+from hub.certificates import NameRefusedError, certify, issuer_name
 from hub.http import Handler, answer, bearer, parse, protocol_header, protocol_version
-from hub.identity import certificates
-from hub.keys import BEATS, FORWARDER, IDENTITY, LEARNING, LOOPS, NODE, SETTINGS, STORE
+from hub.keys import (
+    BEATS,
+    FORWARDER,
+    IDENTITY,
+    LEARNING,
+    LOOPS,
+    NODE,
+    NODE_PROTOCOL,
+    SETTINGS,
+    STORE,
+    TLS,
+)
 from hub.planning.quota import Sizing
 from hub.state.store import (
     AlreadyEnrolledError,
@@ -28,6 +42,9 @@ from hub.state.store import (
     ForeignLeaseError,
     Heartbeat,
     HubStore,
+    IssuedCertificate,
+    NameTakenError,
+    Node,
     TokenRefusedError,
 )
 from shared import __version__, jsonlimits, pki, protocol
@@ -50,10 +67,25 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def enroll(request: web.Request) -> web.Response:
-    protocol_version(request)
+    version = protocol_version(request)
     req = await parse(request, protocol.EnrollRequest)
     settings = request.app[SETTINGS]
     store = request.app[STORE]
+    hub_tls = request.app[TLS]
+    # The request is read and checked here; it is signed only once the token and the
+    # node are, inside the enrollment's transaction (hub/certificates.py `certify`).
+    csr = _request_of(req.lan_csr, "lan_csr")
+    if csr is None and settings.server.require_node_certificates:
+        raise ApiError(
+            ErrorCode.missing_parameter,
+            "this hub enrolls only nodes with a certificate: send `lan_csr`",
+            param="lan_csr",
+        )
+
+    def certified(node: Node) -> IssuedCertificate:
+        assert csr is not None  # noqa: S101 - only passed with a request
+        return certify(store.sync, hub_tls.authority, csr, node)
+
     try:
         enrolled = await store.run(
             store.sync.enroll,
@@ -63,25 +95,20 @@ async def enroll(request: web.Request) -> web.Response:
             overlay_prefix=settings.overlay.prefix,
             labels=req.labels,
             versions=req.versions,
+            certify=None if csr is None else certified,
         )
     except TokenRefusedError as err:
         raise ApiError(ErrorCode.invalid_enrollment_token, str(err), param="token") from err
     except AlreadyEnrolledError as err:
         raise ApiError(ErrorCode.already_enrolled, str(err), param="wg_public_key") from err
-    # Signed only once the token and the node are checked.
-    lan_certificate = None
-    if req.lan_csr is not None:
-        try:
-            lan_certificate = pki.sign_request(
-                certificates(settings)[0], req.lan_csr.encode()
-            ).decode()
-        except ValueError as err:
-            raise ApiError(ErrorCode.invalid_parameter, str(err), param="lan_csr") from err
+    except (NameRefusedError, NameTakenError) as err:
+        raise _name_error(err, "lan_csr") from err
     node = enrolled.node
     identity = request.app[IDENTITY]
     endpoint = (
         settings.overlay.endpoint or f"{settings.server.names[0]}:{settings.overlay.listen_port}"
     )
+    issued = enrolled.certificate
     reply = protocol.EnrollAnswer(
         node_id=node.id,
         node_token=enrolled.node_token,
@@ -89,22 +116,78 @@ async def enroll(request: web.Request) -> web.Response:
         site=node.site,
         overlay_address=node.overlay_address,
         overlay_prefix=settings.overlay.prefix,
-        lan_certificate=lan_certificate,
+        lan_certificate=issued.pem if issued else None,
         hub=protocol.HubPeer(
             wg_public_key=identity["wg_public_key"],
             overlay_address=identity["overlay_address"],
             endpoint=endpoint,
             api_url=f"https://{identity['overlay_address']}:{settings.server.port}",
-            ca_pem=identity["ca_pem"],
+            ca_pem=hub_tls.phase.signing.cert_pem.decode(),
         ),
+        trust=hub_tls.phase.bundle.decode(),
+        renew_at=_renew_at(issued) if issued else None,
     )
-    return answer(reply, status=201)
+    return answer(reply, status=201, version=version)
+
+
+def _request_of(pem: str | None, param: str) -> pki.Request | None:
+    if pem is None:
+        return None
+    try:
+        return pki.read_request(pem.encode())
+    except pki.RequestError as err:
+        raise ApiError(ErrorCode.invalid_parameter, str(err), param=param) from err
+
+
+def _name_error(err: NameRefusedError | NameTakenError, param: str) -> ApiError:
+    if isinstance(err, NameTakenError):
+        return ApiError(ErrorCode.certificate_name_taken, str(err), param=param)
+    return ApiError(ErrorCode.certificate_name_refused, str(err), param=param)
+
+
+def _renew_at(issued: IssuedCertificate) -> float:
+    # With a third of its lifetime left (shared/pki.py renew_at).
+    return issued.not_after - (issued.not_after - issued.issued_at) / 3
+
+
+async def trust(request: web.Request) -> web.Response:
+    """The fleet's CA bundle: public (certificates only). A node enrolling fetches it
+    first and keeps it when it holds the CA its provisioning file pins."""
+    hub_tls = request.app[TLS]
+    return answer(protocol.TrustAnswer(bundle=hub_tls.phase.bundle.decode(), digest=hub_tls.digest))
+
+
+async def certificate(request: web.Request) -> web.Response:
+    """A node's certificate issued again, for a new key: before a third of its lifetime
+    is left, or when its LAN addresses changed. A revoked node never gets here (the
+    middleware refuses it), so its last certificate dies within its lifetime."""
+    req = await parse(request, protocol.CertificateRequest)
+    csr = _request_of(req.csr, "csr")
+    assert csr is not None  # noqa: S101 - csr is required
+    node = request[NODE]
+    store = request.app[STORE]
+    hub_tls = request.app[TLS]
+    try:
+        issued = await store.run(certify, store.sync, hub_tls.authority, csr, node)
+    except (NameRefusedError, NameTakenError) as err:
+        raise _name_error(err, "csr") from err
+    store.note_certificate(node.id)
+    return answer(
+        protocol.CertificateAnswer(
+            certificate=issued.pem,
+            trust=hub_tls.phase.bundle.decode(),
+            renew_at=_renew_at(issued),
+            not_after=issued.not_after,
+        ),
+        version=request[NODE_PROTOCOL],
+    )
 
 
 @web.middleware
 async def node_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Node routes (`/v1/node/…`): the node token, a node not revoked, from its address,
-    speaking a protocol version this hub serves."""
+    speaking a protocol version this hub serves, with its own client certificate (mutual
+    TLS) once the hub has issued it one."""
     if not request.path.startswith("/v1/node/"):
         return await handler(request)
     token = bearer(request)
@@ -116,18 +199,41 @@ async def node_auth(request: web.Request, handler: Handler) -> web.StreamRespons
         )
     if node.revoked:
         raise ApiError(ErrorCode.node_revoked, f"node {node.name} ({node.id}) was revoked")
-    if (
-        request.app[SETTINGS].server.require_overlay_source
-        and request.remote != node.overlay_address
-    ):
+    settings = request.app[SETTINGS]
+    if settings.server.require_overlay_source and request.remote != node.overlay_address:
         raise ApiError(
             ErrorCode.wrong_source_address,
             f"node {node.name} must call from its overlay address {node.overlay_address}, "
             f"through its tunnel; this call came from {request.remote}",
         )
-    protocol_version(request)
+    request[NODE_PROTOCOL] = protocol_version(request)
+    peer = request.app[TLS].node_of(_peercert(request))
+    if peer is None:
+        # A node without a certificate yet (enrolled before protocol 3) is served on its
+        # token, and may ask for its first; once it has one, it must present it.
+        first = request.path == "/v1/node/certificate"
+        if (settings.server.require_node_certificates and not first) or (
+            await store.node_has_certificate(node.id)
+        ):
+            raise ApiError(
+                ErrorCode.client_certificate_required,
+                f"node {node.name} must present its certificate (mutual TLS)",
+            )
+    elif peer != node.id:
+        raise ApiError(
+            ErrorCode.certificate_mismatch,
+            f"the client certificate is not node {node.name}'s ({node.id})",
+        )
     request[NODE] = node
     return await handler(request)
+
+
+def _peercert(request: web.Request) -> dict[str, object] | None:
+    transport = request.transport
+    if transport is None:
+        return None
+    peercert = transport.get_extra_info("peercert")
+    return peercert if isinstance(peercert, dict) else None
 
 
 async def heartbeat(request: web.Request) -> web.Response:
@@ -136,10 +242,18 @@ async def heartbeat(request: web.Request) -> web.Response:
     beats = request.app[BEATS]
     now = time.time()
     beats.add(Heartbeat(node.id, now, req.versions, req.capacity, address=request.remote))
+    hub_tls = request.app[TLS]
+    issuer = issuer_name(_peercert(request))
     return answer(
         protocol.HeartbeatAnswer(
-            node_id=node.id, received_at=now, desired_serial=max(0, beats.desired_serial)
-        )
+            node_id=node.id,
+            received_at=now,
+            desired_serial=max(0, beats.desired_serial),
+            trust_digest=hub_tls.digest,
+            # Signed by a CA that signs no more (a rotation switched), or none at all.
+            renew_certificate=issuer != hub_tls.signing_name,
+        ),
+        version=request[NODE_PROTOCOL],
     )
 
 
@@ -160,7 +274,7 @@ async def events(request: web.Request) -> web.Response:
         raise ApiError(ErrorCode.foreign_lease, str(err), param="events") from err
     ids, new = await store.ingest(node.id, req.events)  # committed with others meanwhile
     # Every id is acknowledged, duplicates too: the node may then move its checkpoint.
-    return answer(protocol.EventsAnswer(acknowledged=ids, new=new))
+    return answer(protocol.EventsAnswer(acknowledged=ids, new=new), version=request[NODE_PROTOCOL])
 
 
 async def leases(request: web.Request) -> web.Response:
@@ -206,7 +320,8 @@ async def leases(request: web.Request) -> web.Response:
             ],
             learning=still_learning,
             retry_after_s=learning.retry_after_s if still_learning else None,
-        )
+        ),
+        version=request[NODE_PROTOCOL],
     )
 
 
@@ -227,8 +342,13 @@ async def offload(request: web.Request) -> web.StreamResponse:
             f"an offloaded request carries its client's API key in {protocol.CLIENT_KEY_HEADER}",
         )
     store = request.app[STORE]
-    if await store.read(HubStore.key_account, client_key) is None:
+    account = await store.read(HubStore.key_account, client_key)
+    if account is None:
         raise ApiError(ErrorCode.invalid_api_key, "the client's API key is not a valid fleet key")
+
+    async def serves(node: Node) -> bool:
+        return account in await store.node_accounts(node)
+
     body = await request.read()
     try:
         payload = jsonlimits.loads(body)
@@ -253,6 +373,7 @@ async def offload(request: web.Request) -> web.StreamResponse:
         model=model,
         now=time.time(),
         stale_after_s=request.app[SETTINGS].fleet.stale_after_s,
+        serves=serves,
     )
 
 
@@ -294,13 +415,16 @@ async def desired_state(request: web.Request) -> web.Response:
         raise ApiError(ErrorCode.invalid_parameter, "`after` must be a serial", param="after")
     if after >= 0 and await store.run(store.sync.desired_serial) <= after:
         return web.Response(status=204, headers=protocol_header())
-    return answer(await store.run(store.sync.desired_state, node))
+    state = await store.run(store.sync.desired_state, node)
+    return answer(state, version=request[NODE_PROTOCOL])
 
 
 def node_routes() -> list[web.RouteDef]:
     return [
         web.get("/healthz", health),
         web.post("/v1/enroll", enroll),
+        web.get("/v1/trust", trust),
+        web.post("/v1/node/certificate", certificate),
         web.post("/v1/node/heartbeat", heartbeat),
         web.post("/v1/node/events", events),
         web.get("/v1/node/state", desired_state),

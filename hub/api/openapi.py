@@ -107,15 +107,40 @@ NODE_ROUTES: tuple[Route, ...] = (
     Route("GET", "/healthz", "Liveness: the process is up.", Auth.none),
     Route("GET", "/openapi.json", "This document.", Auth.none),
     Route(
+        "GET",
+        "/v1/trust",
+        "The fleet's CA bundle (certificates only) and its digest: what a node trusts the "
+        "hub by.",
+        Auth.none,
+        answer=protocol.TrustAnswer,
+    ),
+    Route(
         "POST",
         "/v1/enroll",
         "Enroll a node with an enrollment token: one use of the token spent, the node "
-        "registered with the next free overlay address; its node token is in this answer only.",
+        "registered with the next free overlay address and its certificate signed for the "
+        "names the hub decides; its node token is in this answer only.",
         Auth.enrollment,
         protocol.EnrollRequest,
         protocol.EnrollAnswer,
         status=201,
-        errors=(ErrorCode.invalid_enrollment_token, ErrorCode.already_enrolled),
+        errors=(
+            ErrorCode.invalid_enrollment_token,
+            ErrorCode.already_enrolled,
+            ErrorCode.missing_parameter,
+            ErrorCode.certificate_name_refused,
+            ErrorCode.certificate_name_taken,
+        ),
+    ),
+    Route(
+        "POST",
+        "/v1/node/certificate",
+        "The node's certificate issued again for a new key (before a third of its lifetime "
+        "is left, when its addresses changed, or when the hub says it is due).",
+        Auth.node,
+        protocol.CertificateRequest,
+        protocol.CertificateAnswer,
+        errors=(ErrorCode.certificate_name_refused, ErrorCode.certificate_name_taken),
     ),
     Route(
         "POST",
@@ -335,6 +360,8 @@ _AUTH_ERRORS = {
         ErrorCode.invalid_node_token,
         ErrorCode.node_revoked,
         ErrorCode.wrong_source_address,
+        ErrorCode.client_certificate_required,
+        ErrorCode.certificate_mismatch,
     ),
     Auth.operator: (ErrorCode.invalid_operator_token,),
 }

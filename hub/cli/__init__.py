@@ -6,7 +6,18 @@ from __future__ import annotations
 
 import click
 
-from hub.cli import accounts, admin, keys, models, nodes, operators, packages, serve, tokens
+from hub.cli import (
+    accounts,
+    admin,
+    ca,
+    keys,
+    models,
+    nodes,
+    operators,
+    packages,
+    serve,
+    tokens,
+)
 
 
 @click.group("hub")
@@ -30,5 +41,6 @@ for command in (
     packages.packages,
     operators.operators,
     admin.admin,  # `kvl hub admin …`: the console's users
+    ca.ca,
 ):
     hub.add_command(command)

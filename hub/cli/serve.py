@@ -40,23 +40,25 @@ def show_config(config_file: Path | None, data_dir: Path | None, example: bool) 
 def serve(
     config_file: Path | None, data_dir: Path | None, host: str | None, port: int | None
 ) -> None:
-    """Serve the hub API over HTTPS; prints the certificate fingerprint appliances pin."""
+    """Serve the hub API over HTTPS; prints the fingerprint of the hub's CA, which
+    provisioning files pin."""
     import logging  # noqa: PLC0415
 
     from aiohttp import web  # noqa: PLC0415
 
     from hub.app import create_app, freeze_heap  # noqa: PLC0415
-    from hub.identity import certificates, overlay_address, ssl_context  # noqa: PLC0415
+    from hub.identity import overlay_address  # noqa: PLC0415
+    from hub.keys import TLS  # noqa: PLC0415
 
     settings = hub_settings(config_file, data_dir, host=host, port=port)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
     app = create_app(settings)
     app.on_startup.append(freeze_heap)  # after the store and the tasks have started
-    _, server = certificates(settings)
+    hub_tls = app[TLS]
     click.echo(
         f"kvl hub: serving https://{settings.server.host}:{settings.server.port} "
-        f"(certificate {server.fingerprint}; data in {settings.data_dir})",
+        f"(CA {hub_tls.phase.signing.fingerprint}; data in {settings.data_dir})",
         err=True,
     )
     # Nodes reach the API through the tunnel too, at the hub's overlay address.
@@ -67,7 +69,7 @@ def serve(
         app,
         host=hosts,
         port=settings.server.port,
-        ssl_context=ssl_context(settings),
+        ssl_context=hub_tls.server.outer,  # its certificate and trust follow pki/
         print=None,
         access_log=None,
     )
@@ -90,8 +92,15 @@ def serve(
 @click.option("--resend", type=click.FloatRange(0, 1), default=0.01,
               help="Share of syncs sent again to another replica, as after a lost "
                    "acknowledgement (0.01).")  # fmt: skip
-@click.option("--connections", type=click.IntRange(1, 10_000), default=100,
-              help="HTTPS connections the nodes share (100).")  # fmt: skip
+@click.option("--connections", type=click.IntRange(0, 1_000_000), default=None,
+              help="HTTPS connections the nodes may hold at once (0: no limit). Default: "
+                   "each node its own (with certificates), 100 shared (without).")  # fmt: skip
+@click.option("--reconnect", is_flag=True,
+              help="A new connection, so a full TLS handshake, for every call.")  # fmt: skip
+@click.option("--certificates/--no-certificates", default=True,
+              help="Nodes enroll with a signing request and call with their certificates "
+                   "(mutual TLS, protocol 3); without, token only, as before (a hub of an "
+                   "earlier commit).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @config_errors_exit
 def simulate(
@@ -104,7 +113,9 @@ def simulate(
     duration: float,
     events: int,
     resend: float,
-    connections: int,
+    connections: int | None,
+    certificates: bool,
+    reconnect: bool,
     as_json: bool,
 ) -> None:
     """Enroll simulated appliances with a running hub (one or several replicas), then
@@ -113,12 +124,22 @@ def simulate(
     from any address (server.require_overlay_source: false)."""
     import asyncio  # noqa: PLC0415
 
-    from hub.identity import certificates  # noqa: PLC0415
     from hub.simulate import Simulator  # noqa: PLC0415
+    from shared import pki  # noqa: PLC0415
 
     settings = hub_settings(config_file, data_dir)
     targets = list(urls) or [f"https://{settings.server.names[0]}:{settings.server.port}"]
-    _, server = certificates(settings)
+    # As the running hub made them (read, never issued again here: a hub of an earlier
+    # commit keeps serving the certificate it loaded).
+    ca, served = (
+        pki.read_issued(settings.pki_dir, "ca"),
+        pki.read_issued(settings.pki_dir, "server"),
+    )
+    if ca is None or served is None:
+        raise click.ClickException(f"no hub has made its CA in {settings.pki_dir} yet")
+    trust: bytes | str = ca.cert_pem if certificates else served.fingerprint
+    if connections is None:
+        connections = 0 if certificates else 100
     with opened_store(settings) as store:
         token = store.create_token("simulated", uses=count, expires_in_s=3600).plaintext
         # The account the simulated usage is for: a node may report only the fleet's.
@@ -126,7 +147,7 @@ def simulate(
             store.set_account("simulated", "S1")
 
     async def run() -> dict[str, Any]:
-        async with Simulator(targets, server.fingerprint, connections=connections) as sim:
+        async with Simulator(targets, trust, connections=connections, reconnect=reconnect) as sim:
             started = time.perf_counter()
             nodes, enrolled = await sim.enroll(token, count)
             enroll_s = time.perf_counter() - started
@@ -145,6 +166,8 @@ def simulate(
             "interval_s": interval,
             "duration_s": duration,
             "connections": connections,
+            "certificates": certificates,
+            "reconnect": reconnect,
             "enrollment": {**enrolled.summary(), "seconds": round(enroll_s, 2)},
             "send_lag_ms": measured["send_lag_ms"],
             "heartbeats": {**measured["heartbeats"], "per_s": round(count / interval, 1)},

@@ -104,7 +104,7 @@ def provision(
     output: Path | None,
 ) -> None:
     """Make a provisioning file (kovenlab.json) for a node: a new enrollment token, the
-    hub's URL and the fingerprint of its certificate, which the node pins."""
+    hub's URL and the fingerprint of its CA, which the node pins."""
     from pydantic import ValidationError  # noqa: PLC0415
 
     from hub.identity import certificates  # noqa: PLC0415
@@ -114,12 +114,12 @@ def provision(
     settings = hub_settings(config_file, data_dir)
     url = url or f"https://{settings.server.names[0]}:{settings.server.port}"
     seconds = parse_duration(expires)
-    _, server = certificates(settings)
+    ca, _ = certificates(settings)
     try:  # checked before a token is made for it
         document = Provisioning(
             hub_url=url,
             token="-",  # noqa: S106 - a placeholder, replaced below
-            hub_fingerprint=server.fingerprint,
+            hub_fingerprint=ca.fingerprint,
             name=name,
         )
     except ValidationError as err:

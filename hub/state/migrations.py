@@ -281,3 +281,29 @@ def m010_tenancy(db: Database) -> None:
         pk=("account", "node_id"),
         not_null={"at"},
     )
+
+
+@migrations()
+def m011_node_certificates(db: Database) -> None:
+    # Every certificate the hub's CA issued a node (short-lived; renewed through the
+    # tunnel), and the names each one holds: a name (DNS or address) is one live node's
+    # at a time, so no node can get a certificate for another's.
+    db.table("node_certificates").create(
+        {
+            "serial": str,  # hex
+            "node_id": str,
+            "ca": str,  # the issuing CA's fingerprint
+            "names": str,  # JSON list
+            "issued_at": float,
+            "not_after": float,
+        },
+        pk="serial",
+        not_null={"node_id", "ca", "names", "issued_at", "not_after"},
+    )
+    db.table("node_certificates").create_index(["node_id", "not_after"])
+    db.table("node_names").create(
+        {"name": str, "node_id": str, "until": float},
+        pk="name",
+        not_null={"node_id", "until"},
+    )
+    db.table("node_names").create_index(["node_id"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from hub.state import sql
@@ -17,7 +17,9 @@ from shared import protocol
 from shared.keys import ENROLLMENT_TOKEN, NODE_TOKEN, generate_key, key_matches, parse_prefix
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
+
+    from hub.state.certificates import IssuedCertificate
 
 
 class AddressPoolExhaustedError(Exception):
@@ -42,11 +44,14 @@ class Node:
 
     @property
     def api_url(self) -> str | None:
-        """The node's LAN API as the hub reaches it (its heartbeats name port and TLS)."""
+        """The node's API as the hub reaches it: its fleet listener (mutual TLS) where it
+        has one, else its LAN API (its heartbeats name ports and TLS)."""
         api = self.capacity.api
         if self.address is None or api is None:
             return None
         host = f"[{self.address}]" if ":" in self.address else self.address
+        if api.fleet_port is not None:
+            return f"https://{host}:{api.fleet_port}"
         return f"{'https' if api.tls else 'http'}://{host}:{api.port}"
 
     @property
@@ -58,6 +63,10 @@ class Node:
 class Enrolled:
     node: Node
     node_token: str  # shown once, to the node
+    certificate: IssuedCertificate | None = None
+
+    def certified(self, certificate: IssuedCertificate) -> Enrolled:
+        return replace(self, certificate=certificate)
 
 
 class AlreadyEnrolledError(Exception):
@@ -122,9 +131,13 @@ class NodesMixin(StoreBase):
         overlay_prefix: str,
         labels: Mapping[str, str],
         versions: Mapping[str, str],
+        certify: Callable[[Node], IssuedCertificate] | None = None,
     ) -> Enrolled:
         """Spend one use of ``token`` and register a node with the next free overlay
-        address, in one transaction. Raises TokenRefusedError naming the problem."""
+        address, in one transaction. Raises TokenRefusedError naming the problem.
+        ``certify(node)`` issues the node's first certificate inside that transaction,
+        after the token and the node are checked; what it raises undoes the enrollment
+        (the token's use is not spent)."""
         prefix = parse_prefix(token, ENROLLMENT_TOKEN)
         now = self.clock()
         with self.db.transaction():
@@ -138,7 +151,7 @@ class NodesMixin(StoreBase):
             # A retry may find its token used up (by itself) or just expired.
             again = self._enrolled_again(record, wg_public_key, name, now)
             if again is not None:
-                return again
+                return again if certify is None else again.certified(certify(again.node))
             if state != "active":
                 raise TokenRefusedError(TokenProblem(state), prefix)
             # Spent only while a use is left, checked by the UPDATE itself: of two replicas
@@ -169,19 +182,20 @@ class NodesMixin(StoreBase):
                 if inserted == 1:
                     break
                 tried.add(address)
-        node = Node(
-            id=node_id,
-            name=name,
-            site=record.site,
-            wg_public_key=wg_public_key,
-            overlay_address=address,
-            enrolled_at=now,
-            last_seen=None,
-            revoked_at=None,
-            labels=dict(labels),
-            versions=dict(versions),
-        )
-        return Enrolled(node, node_token.plaintext)
+            node = Node(
+                id=node_id,
+                name=name,
+                site=record.site,
+                wg_public_key=wg_public_key,
+                overlay_address=address,
+                enrolled_at=now,
+                last_seen=None,
+                revoked_at=None,
+                labels=dict(labels),
+                versions=dict(versions),
+            )
+            enrolled = Enrolled(node, node_token.plaintext)
+            return enrolled if certify is None else enrolled.certified(certify(node))
 
     def _enrolled_again(
         self, token: EnrollmentToken, wg_public_key: str, name: str, now: float

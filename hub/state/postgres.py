@@ -237,4 +237,25 @@ MIGRATIONS = (
         );
         """,
     ),
+    SQLMigration(
+        "m011_node_certificates",
+        """
+        CREATE TABLE node_certificates (
+            serial TEXT PRIMARY KEY,
+            node_id TEXT NOT NULL,
+            ca TEXT NOT NULL,
+            names TEXT NOT NULL,
+            issued_at DOUBLE PRECISION NOT NULL,
+            not_after DOUBLE PRECISION NOT NULL
+        );
+        CREATE INDEX idx_node_certificates_node_id_not_after
+            ON node_certificates (node_id, not_after);
+        CREATE TABLE node_names (
+            name TEXT PRIMARY KEY,
+            node_id TEXT NOT NULL,
+            until DOUBLE PRECISION NOT NULL
+        );
+        CREATE INDEX idx_node_names_node_id ON node_names (node_id);
+        """,
+    ),
 )

@@ -31,6 +31,7 @@ from hub.state.base import (
     NotFoundError,
     StoreBase,
 )
+from hub.state.certificates import CertificatesMixin, IssuedCertificate, NameTakenError
 from hub.state.deployments import DeploymentRecord, ModelArtifact
 from hub.state.desired import DesiredStateMixin
 from hub.state.leases import ForeignLeaseError, Lease, LeasesMixin, Quota
@@ -74,9 +75,11 @@ __all__ = [
     "ForeignLeaseError",
     "Heartbeat",
     "HubStore",
+    "IssuedCertificate",
     "Lease",
     "LedgerRow",
     "ModelArtifact",
+    "NameTakenError",
     "Node",
     "NotFoundError",
     "PackageRecord",
@@ -108,7 +111,13 @@ def open_store(settings: HubSettings, *, clock: Callable[[], float] = time.time)
 
 
 class HubStore(
-    TokensMixin, NodesMixin, OperatorsMixin, LeasesMixin, LedgerMixin, DesiredStateMixin
+    TokensMixin,
+    NodesMixin,
+    CertificatesMixin,
+    OperatorsMixin,
+    LeasesMixin,
+    LedgerMixin,
+    DesiredStateMixin,
 ):
     """Every aggregate's methods on one connection (`store.sync.<method>` on the writer
     thread). A transaction (`self.db.transaction()`) spans aggregates where one change
@@ -135,6 +144,7 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         # Node tokens already checked, by their hash: the node they belong to. Dropped
         # whenever the authentication revision moves (a revocation, by any process).
         self._nodes_by_token: dict[str, Node] = {}
+        self._certified: set[str] = set()  # nodes issued a certificate (node_has_certificate)
         self._auth_revision = -1
         self._auth_epoch = 0  # moves whenever the remembered answers are dropped
         # Each node's account names as of a desired serial (all dropped when it moves: a
@@ -186,6 +196,22 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
                 self._nodes_by_token.clear()
             self._nodes_by_token[digest] = node
         return node
+
+    async def node_has_certificate(self, node_id: str) -> bool:
+        """Whether the hub has issued ``node_id`` a certificate (then every call of it
+        must present one). Remembered once true: a certificate, once issued, stays on
+        record."""
+        if node_id in self._certified:
+            return True
+        if await self.read(HubStore.has_certificate, node_id):
+            self.note_certificate(node_id)
+            return True
+        return False
+
+    def note_certificate(self, node_id: str) -> None:
+        if len(self._certified) >= self._NODES_REMEMBERED:
+            self._certified.clear()
+        self._certified.add(node_id)
 
     async def revoke_node(self, node_id: str) -> Node:
         """`HubStore.revoke_node`; this replica forgets the node's token at once."""

@@ -53,7 +53,7 @@ async def join(
     provisioning = tmp_path / f"{name}.json"
     provisioning.write_text(json.dumps({
         "hub_url": f"https://127.0.0.1:{hub_port}", "token": token,
-        "hub_fingerprint": certificates(hub)[1].fingerprint, "name": name,
+        "hub_fingerprint": certificates(hub)[0].fingerprint, "name": name,
     }))  # fmt: skip
     port = free_port()
     settings = make_settings(

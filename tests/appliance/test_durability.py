@@ -71,7 +71,7 @@ async def test_every_answered_request_survives_kill_9_exactly_once(
             {
                 "hub_url": f"https://127.0.0.1:{hub_server.port}",
                 "token": token,
-                "hub_fingerprint": certificates(hub)[1].fingerprint,
+                "hub_fingerprint": certificates(hub)[0].fingerprint,
                 "name": "durable",
             }
         )

@@ -59,14 +59,14 @@ def provisioning(tmp_path: Path, hub: HubSettings, port: int, uses: int = 1) -> 
         store.set_account("lan-user", "S1")
     finally:
         store.close()
-    _, cert = certificates(hub)
+    ca, _ = certificates(hub)
     path = tmp_path / "kovenlab.json"
     path.write_text(
         json.dumps(
             {
                 "hub_url": f"https://127.0.0.1:{port}",
                 "token": token,
-                "hub_fingerprint": cert.fingerprint,
+                "hub_fingerprint": ca.fingerprint,
                 "name": "lab-server",
             }
         )
@@ -216,24 +216,32 @@ async def test_lost_acknowledgements_never_duplicate(
 ) -> None:
     """A proxy in front of the hub forwards each sync, then cuts the connection before the
     answer for the first two: the hub committed, the node never heard. It resends; the
-    ledger holds each event once and the checkpoint only moves on an answer."""
+    ledger holds each event once and the checkpoint only moves on an answer. (The proxy
+    ends TLS, so it calls the hub with the node's certificate, as the node would.)"""
     hub = hub_settings(tmp_path)
     hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     cut = {"left": 2}
+    node_files = FleetFiles(tmp_path / "data" / "fleet")
 
     async def forward(request: web.Request) -> web.StreamResponse:
         body = await request.read()
+        upstream_tls = ssl.create_default_context()
+        upstream_tls.check_hostname = False
+        upstream_tls.verify_mode = ssl.CERT_NONE
+        if node_files.certificate.present:
+            upstream_tls.load_cert_chain(*node_files.certificate.files)
         async with (
             aiohttp.ClientSession() as session,
-            session.post(
-                f"https://127.0.0.1:{hub_server.port}{request.path}",
+            session.request(
+                request.method,
+                f"https://127.0.0.1:{hub_server.port}{request.path_qs}",
                 data=body,
                 headers={
                     k: v
                     for k, v in request.headers.items()
                     if k.lower() in {"authorization", "content-type", "kvl-protocol"}
                 },
-                ssl=False,
+                ssl=upstream_tls,
             ) as upstream,
         ):
             answer = await upstream.read()
@@ -246,7 +254,7 @@ async def test_lost_acknowledgements_never_duplicate(
         return web.Response(body=answer, status=status, content_type="application/json")
 
     proxy_app = web.Application()
-    proxy_app.router.add_route("POST", "/{tail:.*}", forward)
+    proxy_app.router.add_route("*", "/{tail:.*}", forward)
     proxy = await aiohttp_server(proxy_app, ssl=ssl_context(hub))
     assert proxy.port is not None
     path = provisioning(tmp_path, hub, proxy.port)

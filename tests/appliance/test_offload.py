@@ -14,13 +14,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.gateway.keys import STORE
+from appliance.app import FLEET
+from appliance.gateway.keys import CERTIFICATE, STORE
 from appliance.state.store import ModelRecord
 from hub.app import create_app as create_hub
 from hub.identity import ssl_context
 from hub.planning.offload import NodeLoad, candidates
 from hub.settings import HubSettings
 from hub.state.store import open_store
+from shared import tls
 from tests.appliance.fleet_nodes import join
 
 if TYPE_CHECKING:
@@ -225,15 +227,29 @@ async def test_an_overloaded_node_offloads_to_a_peer_with_room(
         holding.close()
         holding_b.close()
 
-        # An offloaded request runs as its key's account: a key B does not hold is refused,
-        # and an account named in a header is not taken.
+        # Offloaded requests come from the hub only, over mutual TLS on B's fleet
+        # listener: on the LAN API, even with a fleet key, they are refused.
         forged = await session.post(
             f"{b_url}/v1/offloaded/completions",
-            headers={"Authorization": "Bearer kvl_notakey_000", "X-Kvl-Account": "x",
+            headers={"Authorization": f"Bearer {fleet_key}", "X-Kvl-Account": "x",
                      "X-Kvl-Class": "S1"},
             json=ask,
         )  # fmt: skip
         assert forged.status == 401
+        assert (await forged.json())["error"]["code"] == "client_certificate_required"
+        # The fleet listener: no handshake without a certificate of the fleet, and node A's
+        # certificate is not the hub's.
+        listener = f"https://127.0.0.1:{b[FLEET].fleet_port}/v1/offloaded/completions"
+        trust = b[CERTIFICATE].trust()
+        assert trust is not None
+        with pytest.raises(aiohttp.ClientError):
+            await session.post(listener, json=ask, ssl=tls.client_context(trust))
+        as_a = tls.client_context(trust, a[CERTIFICATE].files)
+        impostor = await session.post(
+            listener, json=ask, ssl=as_a, headers={"Authorization": f"Bearer {fleet_key}"}
+        )
+        assert impostor.status == 403
+        assert (await impostor.json())["error"]["code"] == "certificate_mismatch"
 
     # Charged once: the two offloaded requests are B's usage, under A's account name.
     def usage(app: web.Application) -> list[Any]:

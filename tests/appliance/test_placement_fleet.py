@@ -12,6 +12,7 @@ import hashlib
 import os
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import pytest
 from wireguard_tools import WireguardKey
 
@@ -152,7 +153,7 @@ async def test_a_placed_artifact_is_fetched_resumed_and_checked(
                         overlay_prefix="100.64.0.0/10", labels={}, versions={})  # fmt: skip
     store.close()
     server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
-    pin = pki.fingerprint_bytes(certificates(hub)[1].fingerprint)
+    pin = aiohttp.Fingerprint(pki.fingerprint_bytes(certificates(hub)[1].fingerprint))
     client = HubClient(f"https://127.0.0.1:{server.port}", pin, node.node_token)
     # The node's heartbeat makes it placeable (memory from its model budget).
     await client.heartbeat({}, protocol.Capacity(model_memory_mib=10_000))

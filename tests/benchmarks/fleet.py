@@ -104,7 +104,15 @@ def one_fleet(
     interval_s: float,
     duration_s: float,
     baseline: tuple[str, Path] | None = None,
+    mode: str = "mtls",
 ) -> dict[str, Any]:
+    """One fleet. `mode`: "mtls" (nodes with certificates, a connection each, kept
+    alive, as appliances keep theirs), "handshakes" (the same, a new connection and full
+    handshake for every call), "token" (no certificates, shared connections: a hub of an
+    earlier commit)."""
+    simulate_mode = {
+        "mtls": [], "handshakes": ["--reconnect"], "token": ["--no-certificates"],
+    }[mode]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kvl-bench-fleet-") as tmp:
         work = Path(tmp)
         config = work / "hub.yaml"
@@ -129,7 +137,7 @@ def one_fleet(
             simulator = subprocess.Popen(
                 kvl("hub", "simulate", *common, *urls, "--nodes", str(nodes),
                     "--interval", str(interval_s), "--duration", str(duration_s),
-                    "--events", "1", "--resend", "0.01", "--json"),
+                    "--events", "1", "--resend", "0.01", "--json", *simulate_mode),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -171,6 +179,7 @@ def one_fleet(
             raise RuntimeError(f"kvl hub simulate exited with {simulator.returncode}")
     report: dict[str, Any] = json.loads(out)
     report["store"] = store
+    report["mode"] = mode
     report["hub_commit"] = commit() if baseline is None else baseline[0]
     report["wall_s"] = round(wall, 1)  # the simulator's run: enrollment, then the load
     report["load_average_before"] = load_before
@@ -289,10 +298,19 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline", help="also run hubs of this commit (before a change), same load"
     )
     parser.add_argument("--baseline-nodes", type=int, nargs="+", default=[10_000])
+    parser.add_argument(
+        "--baseline-token", action="store_true",
+        help="the baseline's nodes have no certificates (a hub before protocol 3)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--handshakes", action="store_true",
+        help="also run the --baseline-nodes sizes with a full TLS handshake for every call",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
     args = parser.parse_args(argv)
     fleets: list[dict[str, Any]] = []
     baselines: list[dict[str, Any]] = []
+    handshakes: list[dict[str, Any]] = []
     not_run: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         postgres = stack.enter_context(cluster(durable=True)) if "postgres" in args.stores else None
@@ -314,9 +332,15 @@ def main(argv: list[str] | None = None) -> int:
                         before = one_fleet(
                             nodes, store, count, postgres,
                             interval_s=args.interval_s, duration_s=args.duration_s,
-                            baseline=baseline,
+                            baseline=baseline, mode="token" if args.baseline_token else "mtls",
                         )  # fmt: skip
                         baselines.append(before)
+                    if args.handshakes and nodes in args.baseline_nodes:
+                        handshakes.append(one_fleet(
+                            nodes, store, count, postgres,
+                            interval_s=args.interval_s, duration_s=args.duration_s,
+                            mode="handshakes",
+                        ))  # fmt: skip
                     if not fleet["held"] and not args.every_size:
                         missed = nodes
     largest = {
@@ -336,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
             "hub": "kvl hub serve per replica, HTTPS on loopback, no tunnel; SQLite WAL with "
             "synchronous=FULL, or PostgreSQL (Debian's server, fsync and synchronous_commit "
             "on) over its unix socket",
-            "simulator": "one process, 100 pooled HTTPS connections, nodes spread over the "
+            "simulator": "one process; each node enrolls with a signing request and calls "
+            "with its own certificate (mutual TLS) over its own kept-alive connection (a "
+            "baseline without certificates: 100 shared connections); nodes spread over the "
             "replicas; one usage event synced per node and interval, 1 % resent to another "
             "replica",
             "interval_s": args.interval_s,
@@ -345,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         "fleets": fleets,
         "baseline": baselines,
         "hub_cpu_ms_per_call_vs_baseline": compare(fleets, baselines),
+        "handshakes": handshakes,
+        "hub_cpu_ms_per_call_with_a_handshake_each": compare(handshakes, fleets),
         "largest_held_p99_under_100ms": largest,
         "not_run": not_run,
         "target": TARGET,

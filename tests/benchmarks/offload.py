@@ -73,7 +73,7 @@ def start_node(
     provisioning = work / f"{name}.json"
     provisioning.write_text(json.dumps({
         "hub_url": hub_url, "token": token, "name": name,
-        "hub_fingerprint": certificates(hub)[1].fingerprint,
+        "hub_fingerprint": certificates(hub)[0].fingerprint,
     }))  # fmt: skip
     data = work / name
     env = node_env(provisioning)

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             provisioning = Provisioning(
                 hub_url=url,
                 token=token,
-                hub_fingerprint=certificates(hub)[1].fingerprint,
+                hub_fingerprint=certificates(hub)[0].fingerprint,
                 name="bench-node",
             )
             fleet_dir = work / "node" / "fleet"

@@ -217,7 +217,8 @@ async def test_a_hostile_node_is_refused_everything_and_the_fleet_goes_on(
         assert answer["error"]["code"] in {"missing_api_key", "invalid_api_key"}
 
     # Versions outside the window: a clear error, naming the side to upgrade.
-    for version, fix in (("1", "upgrade the node"), ("3", "upgrade the hub"), ("x", "node")):
+    newer = str(protocol.PROTOCOL_VERSION + 1)
+    for version, fix in (("1", "upgrade the node"), (newer, "upgrade the hub"), ("x", "node")):
         status, answer = await _call(client, "POST", "/v1/node/heartbeat", hostile, "{}",
                                      headers={protocol.PROTOCOL_HEADER: version})  # fmt: skip
         _assert_refused(status, answer, f"protocol {version}")

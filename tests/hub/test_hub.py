@@ -5,6 +5,7 @@ the WireGuard tunnel between hub and node has its own netns tests."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import ssl
 import time
 from typing import TYPE_CHECKING, Any
@@ -198,7 +199,13 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
         assert "already used" in error["message"]
 
         # A hub with another certificate is refused by the pin, before any token is sent.
-        other = pki.issue_server(pki.new_ca("impostor"), "kovenlab-hub", ["127.0.0.1"])
+        other = pki.issue_with_key(
+            pki.new_ca("impostor"),
+            common_name="kovenlab-hub",
+            names=["127.0.0.1"],
+            uri="spiffe://kvl.internal/hub",
+            lifetime=datetime.timedelta(days=1),
+        )
         wrong = aiohttp.Fingerprint(pki.fingerprint_bytes(other.fingerprint))
         with pytest.raises(aiohttp.ServerFingerprintMismatch):
             await client.post(f"{base}/v1/enroll", json=enroll, ssl=wrong, headers=protocol.HEADERS)
@@ -404,14 +411,25 @@ async def test_provision_writes_a_file_an_appliance_enrolls_with(
         "--url", f"https://127.0.0.1:{server.port}", "--output", str(path))  # fmt: skip
     assert path.stat().st_mode & 0o777 == 0o600  # it holds a token
     provisioning = Provisioning.load(path)
-    assert provisioning.hub_fingerprint == certificates(settings)[1].fingerprint
-    identity = await enroll(FleetFiles(tmp_path / "node"), provisioning)
+    # The CA's fingerprint: the hub's own certificate may be issued again at will.
+    assert provisioning.hub_fingerprint == certificates(settings)[0].fingerprint
+    files = FleetFiles(tmp_path / "node")
+    identity = await enroll(files, provisioning)
     assert (identity.name, identity.site) == ("lab-2", "school-b")
+    # Its certificate came with the answer, and the bundle it trusts the hub by.
+    assert files.certificate.present
+    assert files.certificate.trust() == certificates(settings)[0].cert_pem
 
 
+@pytest.mark.parametrize("with_certificates", [True, False])
 async def test_the_simulator_enrolls_a_fleet_and_its_heartbeats_and_syncs_land(
-    aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
+    aiohttp_server: AiohttpServer,
+    tmp_path: Path,
+    hub_database: HubDatabase,
+    with_certificates: bool,
 ) -> None:
+    """With certificates (mutual TLS, a connection per node), and without (token only,
+    shared connections: how a hub of an earlier commit is measured)."""
     from hub.simulate import Simulator  # noqa: PLC0415
 
     settings = settings_for(tmp_path, hub_database)
@@ -421,8 +439,9 @@ async def test_the_simulator_enrolls_a_fleet_and_its_heartbeats_and_syncs_land(
     store.close()
     server = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
     url = f"https://127.0.0.1:{server.port}"
-    fingerprint = certificates(settings)[1].fingerprint
-    async with Simulator(url, fingerprint, connections=4) as sim:
+    ca, served = certificates(settings)
+    trust = ca.cert_pem if with_certificates else served.fingerprint
+    async with Simulator(url, trust, connections=0 if with_certificates else 4) as sim:
         nodes, enrolled = await sim.enroll(token, 20)
         assert len(nodes) == 20
         assert enrolled.summary()["failed"] == {}

@@ -82,3 +82,19 @@ def test_what_an_honest_node_sends_round_trips() -> None:
         protocol.EventsRequest(events=[events[0], events[0]])
     with pytest.raises(ValidationError, match="twice"):
         protocol.LeaseRequest(accounts=["a", "a"])
+
+
+def test_an_older_node_is_answered_without_the_fields_its_version_does_not_know() -> None:
+    """A node of protocol 2 forbids fields it does not know: the hub leaves out what
+    version 3 added (ADDED_IN), and gives a version-3 node all of it."""
+    answer = protocol.HeartbeatAnswer(
+        node_id="n", received_at=1.0, desired_serial=3, trust_digest="sha256:ab",
+        renew_certificate=True,
+    )  # fmt: skip
+    assert json.loads(protocol.dump_for(answer, 2)) == {
+        "node_id": "n", "received_at": 1.0, "desired_serial": 3,
+    }  # fmt: skip
+    assert json.loads(protocol.dump_for(answer, 3))["trust_digest"] == "sha256:ab"
+    for message, added in protocol.ADDED_IN.items():
+        assert set(added) <= set(message.model_fields), message.__name__
+        assert all(2 < v <= protocol.PROTOCOL_VERSION for v in added.values())

@@ -1,0 +1,248 @@
+"""A node's certificate over its life, with a real hub over HTTPS on loopback and the
+node's fleet link: enrolled with one, renewed before it expires and when the node's
+addresses change, served by the node's TLS server without a restart; the CA rotated with
+an overlap and the hub's certificate issued again, with no failed call."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from aiohttp import web
+from cryptography import x509
+
+from appliance.fleet.identity import FleetFiles
+from appliance.fleet.link import FleetLink
+from appliance.observability.metrics import Metrics
+from appliance.state.store import AsyncStore
+from hub.app import create_app as create_hub
+from hub.certificates import Authority, HubTls
+from hub.identity import certificates
+from hub.keys import TLS
+from hub.settings import HubSettings
+from hub.state.store import open_store
+from shared import pki
+from tests.conftest import NoModels, free_port, kvl, make_settings
+from tests.waiting import until
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+    from pathlib import Path
+
+    from aiohttp.test_utils import TestServer
+    from pytest_aiohttp import AiohttpServer
+
+
+def hub_settings(tmp_path: Path, names: list[str] | None = None) -> HubSettings:
+    return HubSettings.model_validate(
+        {
+            "data_dir": tmp_path / "hub",
+            "server": {
+                "require_overlay_source": False,
+                "names": names or ["localhost", "127.0.0.1"],
+                "require_node_certificates": True,
+            },
+            "overlay": {"interface": None},
+            "pki": {"reload_s": 0.5},
+        }
+    )
+
+
+async def serve_hub(aiohttp_server: AiohttpServer, hub: HubSettings, port: int) -> TestServer:
+    app = create_hub(hub)
+    return await aiohttp_server(app, port=port, ssl=app[TLS].server.outer)
+
+
+def provisioning(tmp_path: Path, hub: HubSettings, port: int) -> Path:
+    store = open_store(hub)
+    try:
+        token = store.create_token("school-a", uses=1, expires_in_s=600).plaintext
+    finally:
+        store.close()
+    ca, _ = certificates(hub)
+    path = tmp_path / "kovenlab.json"
+    path.write_text(json.dumps({
+        "hub_url": f"https://127.0.0.1:{port}", "token": token,
+        "hub_fingerprint": ca.fingerprint, "name": "lab-server",
+    }))  # fmt: skip
+    return path
+
+
+class Node:
+    """A fleet link alone (no models), over a real store, and a TLS server on its
+    certificate as the LAN API serves it."""
+
+    def __init__(self, link: FleetLink, store: AsyncStore, files: FleetFiles) -> None:
+        self.link = link
+        self.store = store
+        self.files = files
+        self.failures = 0
+
+    async def tick(self) -> None:
+        await self.link.tick()
+        if self.link.error is not None:
+            self.failures += 1
+
+    async def sync(self) -> None:
+        await self.link.sync()
+        if self.link.error is not None:
+            self.failures += 1
+
+
+@pytest.fixture
+async def node(tmp_path: Path) -> AsyncIterator[Node]:
+    settings = make_settings(tmp_path / "data", embeddings={"enabled": False})
+    store = AsyncStore(settings.db_path)
+    await store.open()
+    files = FleetFiles(settings.fleet_dir)
+    node = Node(None, store, files)  # type: ignore[arg-type]
+    yield node
+    if node.link is not None:
+        await node.link.close()
+    await store.close()
+
+
+def link_for(node: Node, tmp_path: Path, provisioning_file: Path) -> FleetLink:
+    settings = make_settings(
+        tmp_path / "data",
+        embeddings={"enabled": False},
+        fleet={"provisioning_file": str(provisioning_file), "tunnel": False,
+               "heartbeat_s": 3600, "sync_interval_s": 3600},
+    )  # fmt: skip
+    return FleetLink(settings.fleet, node.files, node.store, Metrics(), NoModels())  # type: ignore[arg-type]
+
+
+def served_serial(port: int, trust: bytes) -> int:
+    """The serial of the certificate a TLS server on loopback serves now."""
+    import socket  # noqa: PLC0415
+
+    context = ssl.create_default_context(cadata=trust.decode())
+    context.verify_flags |= ssl.VERIFY_X509_STRICT
+    with (
+        socket.create_connection(("127.0.0.1", port)) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as wrapped,
+    ):
+        der = wrapped.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+async def test_renewed_before_expiry_and_on_new_addresses_and_served_without_restart(
+    aiohttp_server: AiohttpServer,
+    tmp_path: Path,
+    node: Node,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hub = hub_settings(tmp_path)
+    port = free_port()
+    await serve_hub(aiohttp_server, hub, port)
+    node.link = link_for(node, tmp_path, provisioning(tmp_path, hub, port))
+    monkeypatch.setattr(node.link, "addresses", lambda: ["192.0.2.70"])
+    await node.tick()  # enrolls, heartbeats
+    certificate = node.files.certificate
+    assert certificate.present
+    assert "192.0.2.70" in certificate.names()
+    # The LAN API's server on this certificate (as `kvl appliance serve` serves it).
+    lan = web.Application()
+    lan_port = free_port()
+    await aiohttp_server(lan, port=lan_port, ssl=certificate.server(require_client=False).outer)
+    trust = certificate.trust()
+    assert trust is not None
+    first = await asyncio.to_thread(served_serial, lan_port, trust)
+
+    # The node's address changed (DHCP): renewed at the next heartbeat, served at once.
+    monkeypatch.setattr(node.link, "addresses", lambda: ["192.0.2.71"])
+    await node.tick()
+    assert "192.0.2.71" in certificate.names()
+    second = await asyncio.to_thread(served_serial, lan_port, trust)
+    assert second != first
+
+    # Nothing due: no renewal.
+    await node.tick()
+    assert await asyncio.to_thread(served_serial, lan_port, trust) == second
+
+    # A third of its lifetime left: renewed, well before it expires.
+    not_after = certificate.not_after()
+    assert not_after is not None
+    renew_at = pki.renew_at(certificate.cert_path.read_bytes()).timestamp()
+    node.link.clock = lambda: renew_at + 1
+    await node.tick()
+    third = await asyncio.to_thread(served_serial, lan_port, trust)
+    assert third != second
+    assert (certificate.not_after() or 0) >= not_after
+    assert node.failures == 0
+
+
+async def test_ca_rotation_with_overlap_and_a_new_hub_certificate_lose_no_call(
+    aiohttp_server: AiohttpServer, tmp_path: Path, node: Node
+) -> None:
+    hub = hub_settings(tmp_path)
+    port = free_port()
+    server = await serve_hub(aiohttp_server, hub, port)
+    node.link = link_for(node, tmp_path, provisioning(tmp_path, hub, port))
+    await node.tick()
+    await node.sync()
+    certificate = node.files.certificate
+    old_ca = certificates(hub)[0]
+    hub_tls: HubTls = server.app[TLS]
+
+    async def rotate(expect: str) -> None:
+        done = await asyncio.to_thread(kvl, "hub", "ca", "rotate", "--data-dir", str(hub.data_dir))
+        assert done.returncode == 0, done.stderr
+        await until(lambda: Authority(hub).phase().name == expect)
+        await until(lambda: hub_tls.phase.name == expect)  # the running hub followed
+        await node.tick()
+        await node.sync()
+
+    # 1. Staged: the node fetches the bundle with the new CA; its certificate is still
+    # the old CA's, and the hub still signs with it.
+    data = str(hub.data_dir)
+    await rotate("staged")
+    phase = Authority(hub).phase()
+    assert certificate.trust() == phase.bundle
+    assert phase.staged is not None
+    # 2. Switched, once the node holds the new CA (the CLI checks its heartbeat): the new
+    # CA signs the hub's certificate and, at the node's next heartbeat, the node's.
+    await node.tick()  # the heartbeat reports the bundle the node now holds
+    await until(lambda: _digest_reported(hub) == phase.digest)
+    await rotate("switched")
+    new_ca = Authority(hub).phase().signing
+    assert new_ca.fingerprint != old_ca.fingerprint
+    await node.tick()  # the hub says renew: renewed under the new CA
+    issued = pki.load_certificate(certificate.cert_path.read_bytes())
+    assert issued.issuer == new_ca.certificate.subject
+    # Retiring is refused while a live certificate is the old CA's.
+    refused = await asyncio.to_thread(kvl, "hub", "ca", "status", "--data-dir", data)
+    assert "previous:" in refused.stdout
+    # 3. Retired (the node's old certificate is still live: forced).
+    done = await asyncio.to_thread(kvl, "hub", "ca", "rotate", "--data-dir", data, check=False)
+    assert done.returncode != 0
+    assert "old CA" in done.stderr
+    done = await asyncio.to_thread(kvl, "hub", "ca", "rotate", "--force", "--data-dir", data)
+    await until(lambda: hub_tls.phase.name == "steady")
+    await node.tick()
+    await node.sync()
+    assert certificate.trust() == pki.bundle([new_ca.cert_pem])
+
+    # The hub's names change (a restart with new settings): its certificate is issued
+    # again, with a new key; the node trusts the CA, so nothing fails.
+    before = certificates(hub)[1].fingerprint
+    await server.close()
+    renamed = hub_settings(tmp_path, names=["hub.example", "localhost", "127.0.0.1"])
+    await serve_hub(aiohttp_server, renamed, port)
+    assert certificates(renamed)[1].fingerprint != before
+    await node.tick()
+    await node.sync()
+    assert node.failures == 0
+
+
+def _digest_reported(hub: HubSettings) -> Any:
+    store = open_store(hub)
+    try:
+        (registered,) = store.nodes()
+    finally:
+        store.close()
+    return registered.capacity.trust_digest
