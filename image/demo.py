@@ -117,7 +117,7 @@ class Layout:
 
     @property
     def lan_certificate(self) -> Path:
-        return self.appliance / "fleet" / "lan.crt"
+        return self.appliance / "fleet" / "node.crt"
 
 
 class _Stop(Exception):  # noqa: N818 - a signal, not an error

@@ -109,8 +109,7 @@ NODE_ROUTES: tuple[Route, ...] = (
     Route(
         "GET",
         "/v1/trust",
-        "The fleet's CA bundle (certificates only) and its digest: what a node trusts the "
-        "hub by.",
+        "The fleet's CA bundle (certificates only) and its digest: what a node trusts the hub by.",
         Auth.none,
         answer=protocol.TrustAnswer,
     ),
