@@ -29,6 +29,7 @@ import datetime
 import hashlib
 import ipaddress
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -68,9 +69,10 @@ class NameRefusedError(Exception):
 
 
 def new_signing_ca() -> pki.Issued:
-    # Each CA's name is its own, so a certificate's issuer says which CA signed it.
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H%M%S")
-    return pki.new_ca(f"{CA_NAME} {stamp}")
+    # Each CA's name is its own (two made within a second too), so a certificate's
+    # issuer says which CA signed it.
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    return pki.new_ca(f"{CA_NAME} {stamp} {secrets.token_hex(4)}")
 
 
 @dataclass(frozen=True)

@@ -138,16 +138,19 @@ class HubClient:
         if data is not None:
             headers["Content-Type"] = "application/json"
         try:
-            async with self._session.request(
-                method, self._base + path, data=data, params=params, headers=headers, ssl=self._ssl
-            ) as response:
-                raw = await response.read()
-                if response.status >= 500:
-                    raise HubError(f"the hub answered {response.status} to {path}")
-                if response.status >= 400:
-                    raise _error_of(response.status, raw)
-                if response.status == 204:
-                    return None
+            try:
+                status, raw = await self._send(method, path, data, params, headers)
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+                # A kept connection the hub closed (it restarted, say): once more, on a
+                # new one. Every node call is safe to repeat (the ledger is unique on
+                # event ids; the rest replace what they set).
+                status, raw = await self._send(method, path, data, params, headers)
+            if status >= 500:
+                raise HubError(f"the hub answered {status} to {path}")
+            if status >= 400:
+                raise _error_of(status, raw)
+            if status == 204:
+                return None
         except aiohttp.ServerFingerprintMismatch as err:
             raise HubRefusedError(
                 0,
@@ -165,6 +168,19 @@ class HubClient:
             return answer.model_validate_json(raw)
         except ValidationError as err:
             raise HubError(f"the hub's answer to {path} is not a {answer.__name__}: {err}") from err
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        data: bytes | None,
+        params: dict[str, str] | None,
+        headers: dict[str, str],
+    ) -> tuple[int, bytes]:
+        async with self._session.request(
+            method, self._base + path, data=data, params=params, headers=headers, ssl=self._ssl
+        ) as response:
+            return response.status, await response.read()
 
     async def _post(self, path: str, body: protocol.Message, answer: type[M]) -> M:
         result = await self._call("POST", path, answer, body=body)

@@ -3,6 +3,7 @@ identity enrollment gave it (kept in the data directory, so a restart does not r
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import TYPE_CHECKING
 
@@ -72,9 +73,10 @@ class FleetFiles:
         if not self.identity_path.is_file():
             return None
         identity = Identity.model_validate(json.loads(self.identity_path.read_text()))
-        if self.certificate.trust() is None:
+        if self.certificate.trust() is None and identity.hub.ca_pem.strip():
             # Enrolled before trust bundles (protocol 2): the CA it was given then.
-            self.certificate.save_trust(identity.hub.ca_pem.encode())
+            with contextlib.suppress(ValueError):  # not a certificate: the hub sends one
+                self.certificate.save_trust(identity.hub.ca_pem.encode())
         return identity
 
     def save(self, identity: Identity) -> None:

@@ -126,11 +126,11 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
     if not request.path.startswith("/v1/") and request.path != "/v1":
         return await handler(request)
     with request.app[TRACING].span("auth"):
-        if request.path.startswith(OFFLOADED_PREFIX):
-            _from_the_hub(request)
         # Offloaded requests (/v1/offloaded/…) carry their client's own key: the same
-        # check as every route.
+        # check as every route; and they come from the hub (a route that exists only).
         key = await _authenticated(request)
+        if request.path.startswith(OFFLOADED_PREFIX) and request.match_info.http_exception is None:
+            _from_the_hub(request)
     request[REQUEST_KEY] = key
     return await handler(request)
 

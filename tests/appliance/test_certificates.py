@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 from cryptography import x509
 
+from appliance.fleet.client import HubRefusedError
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import FleetLink
 from appliance.observability.metrics import Metrics
@@ -24,7 +25,7 @@ from hub.identity import certificates
 from hub.keys import TLS
 from hub.settings import HubSettings
 from hub.state.store import open_store
-from shared import pki
+from shared import pki, protocol
 from tests.conftest import NoModels, free_port, kvl, make_settings
 from tests.waiting import until
 
@@ -214,6 +215,7 @@ async def test_ca_rotation_with_overlap_and_a_new_hub_certificate_lose_no_call(
     await node.tick()  # the hub says renew: renewed under the new CA
     issued = pki.load_certificate(certificate.cert_path.read_bytes())
     assert issued.issuer == new_ca.certificate.subject
+    assert issued.issuer != old_ca.certificate.subject  # each CA's name is its own
     # Retiring is refused while a live certificate is the old CA's.
     refused = await asyncio.to_thread(kvl, "hub", "ca", "status", "--data-dir", data)
     assert "previous:" in refused.stdout
@@ -227,16 +229,25 @@ async def test_ca_rotation_with_overlap_and_a_new_hub_certificate_lose_no_call(
     await node.sync()
     assert certificate.trust() == pki.bundle([new_ca.cert_pem])
 
+    assert node.failures == 0  # the whole rotation lost no call
+
     # The hub's names change (a restart with new settings): its certificate is issued
-    # again, with a new key; the node trusts the CA, so nothing fails.
+    # again, with a new key; the node trusts the CA, so it keeps its hub. (The restart
+    # may cut the connection a call was about to reuse: that call is tried again at the
+    # next round, as any call to a hub that was away.)
     before = certificates(hub)[1].fingerprint
     await server.close()
     renamed = hub_settings(tmp_path, names=["hub.example", "localhost", "127.0.0.1"])
     await serve_hub(aiohttp_server, renamed, port)
     assert certificates(renamed)[1].fingerprint != before
-    await node.tick()
-    await node.sync()
-    assert node.failures == 0
+    errors = []
+    for _ in range(2):
+        await node.link.tick()
+        errors.append(node.link.error)
+    assert errors[-1] is None, errors
+    assert not any("certificate" in e or "fingerprint" in e for e in errors if e), errors
+    assert await node.link.sync() >= 0
+    assert node.link.error is None
 
 
 def _digest_reported(hub: HubSettings) -> Any:
@@ -246,3 +257,59 @@ def _digest_reported(hub: HubSettings) -> Any:
     finally:
         store.close()
     return registered.capacity.trust_digest
+
+
+async def test_a_node_enrolled_before_certificates_gets_its_first_and_must_use_it(
+    aiohttp_server: AiohttpServer, tmp_path: Path, node: Node
+) -> None:
+    """A node of protocol 2 (enrolled without a signing request, the CA it was given in
+    its identity) is served on its node token until it asks for its first certificate;
+    from then on the hub refuses it without one."""
+    from appliance.fleet.identity import HubPeer, Identity  # noqa: PLC0415
+
+    hub = HubSettings.model_validate(
+        {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False},
+         "overlay": {"interface": None}}
+    )  # fmt: skip
+    port = free_port()
+    await serve_hub(aiohttp_server, hub, port)
+    ca, served = certificates(hub)
+    store = open_store(hub)
+    try:
+        token = store.create_token("school-a", uses=1, expires_in_s=600).plaintext
+        keys = node.files.wireguard_key()
+        enrolled = store.enroll(
+            token, name="old-node", wg_public_key=keys.public_key,
+            overlay_prefix=hub.overlay.prefix, labels={}, versions={},
+        )  # fmt: skip
+    finally:
+        store.close()
+    url = f"https://127.0.0.1:{port}"
+    node.files.save(
+        Identity(
+            node_id=enrolled.node.id, name="old-node", site="school-a",
+            node_token=enrolled.node_token, overlay_address=enrolled.node.overlay_address,
+            overlay_prefix=hub.overlay.prefix,
+            hub=HubPeer(wg_public_key=keys.public_key, overlay_address="100.64.0.1",
+                        endpoint="127.0.0.1:51820", api_url=url, ca_pem=ca.cert_pem.decode()),
+            hub_url=url, hub_fingerprint=served.fingerprint,
+        )
+    )  # fmt: skip
+    node.link = link_for(node, tmp_path, tmp_path / "unused.json")
+    certificate = node.files.certificate
+    assert certificate.trust() == ca.cert_pem  # the CA its identity holds
+    assert not certificate.cert_path.exists()
+    await node.tick()  # served on its token; asks for its first certificate
+    assert node.link.error is None
+    assert certificate.cert_path.exists()
+    await node.tick()
+    await node.sync()
+    assert node.failures == 0
+    # From now on, a call without it is refused.
+    client = node.link._client
+    assert client is not None
+    certificate.cert_path.rename(tmp_path / "kept.crt")
+    certificate._client = None
+    with pytest.raises(HubRefusedError) as refused:
+        await client.heartbeat({}, protocol.Capacity())
+    assert refused.value.code == "client_certificate_required"
