@@ -20,7 +20,7 @@ from pydantic_settings import BaseSettings
 from appliance.gateway.routes import ROUTES
 from appliance.settings import EXAMPLE_HEADER as APPLIANCE_HEADER
 from appliance.settings import ApplianceSettings
-from hub.api.openapi import ROUTES as HUB_ROUTES
+from hub.api.route_table import ROUTES as HUB_ROUTES
 from hub.settings import EXAMPLE_HEADER as HUB_HEADER
 from hub.settings import HubSettings
 from shared.cli import main

@@ -44,8 +44,8 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.errors import FailureGroup
 
 from appliance.packages.cache import PackageCache
-from hub.api.openapi import ROUTES, Auth, Route
 from hub.api.requests import DeploymentRequest, KeyRequest
+from hub.api.route_table import ROUTES, Auth, Route
 from hub.app import create_app
 from hub.packages import add_bundle
 from hub.planning.quota import Budget

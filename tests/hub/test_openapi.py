@@ -11,7 +11,8 @@ import aiohttp
 import pytest
 import schemathesis
 
-from hub.api.openapi import ROUTES, build_openapi
+from hub.api.openapi import build_openapi
+from hub.api.route_table import ROUTES
 from hub.app import create_app
 from tests.hub.test_hub import settings_for
 from tests.test_docs import README
