@@ -38,6 +38,7 @@ from cryptography import x509
 
 from hub.state.certificates import IssuedCertificate
 from shared import pki, tls
+from shared.files import write_public
 
 if TYPE_CHECKING:
     import ssl
@@ -135,7 +136,7 @@ class Authority:
             staged = pki.read_issued(self.directory, "ca-next")
             if staged is None:  # pragma: no cover - a key removed by hand
                 raise RotationError("ca-next.key is missing: stage again")
-            (self.directory / "ca-previous.crt").write_bytes(phase.signing.cert_pem)
+            write_public(self.directory / "ca-previous.crt", phase.signing.cert_pem)
             pki.write_issued(self.directory, "ca", staged)
             (self.directory / "ca-next.crt").unlink()
             (self.directory / "ca-next.key").unlink()
@@ -183,7 +184,8 @@ class Authority:
             return True  # an older hub's, without the extensions strict clients need
         ski = signing.certificate.extensions.get_extension_for_class(x509.SubjectKeyIdentifier)
         return (
-            names != self.hub_names()
+            not pki.key_matches(current)  # replicas issuing at once paired them wrong
+            or names != self.hub_names()
             or uris != [pki.hub_uri(self.domain)]
             or aki.key_identifier != ski.value.digest
             or pki.now() >= pki.renew_at(current.cert_pem)

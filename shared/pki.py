@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from shared.files import write_private
+from shared.files import write_private, write_public
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -296,7 +296,7 @@ def write_issued(folder: Path, stem: str, issued: Issued) -> Issued:
     """Keep ``issued`` as STEM.crt and STEM.key (mode 0600) in ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     write_private(folder / f"{stem}.key", issued.key_pem)
-    (folder / f"{stem}.crt").write_bytes(issued.cert_pem)
+    write_public(folder / f"{stem}.crt", issued.cert_pem)
     return issued
 
 
@@ -309,3 +309,17 @@ def read_issued(folder: Path, stem: str) -> Issued | None:
 
 def load_certificate(cert_pem: bytes) -> x509.Certificate:
     return x509.load_pem_x509_certificate(cert_pem)
+
+
+def key_matches(issued: Issued) -> bool:
+    """Whether the key is the certificate's (two writers at once could pair them wrong)."""
+    try:
+        key = serialization.load_pem_private_key(issued.key_pem, password=None)
+    except ValueError:
+        return False
+    cert_key = issued.certificate.public_key()
+    return key.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    ) == cert_key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from shared import pki, tls
-from shared.files import write_private
+from shared.files import write_private, write_public
 
 if TYPE_CHECKING:
     import ssl
@@ -75,7 +75,16 @@ class NodeCertificate:
 
     @property
     def present(self) -> bool:
-        return self.cert_path.is_file() and self.key_path.is_file() and self.trust_path.is_file()
+        """A certificate, its key and the trust bundle are here, and the key is the
+        certificate's (a node that lost power between writing the two has none: it asks
+        again)."""
+        if not (self.cert_path.is_file() and self.key_path.is_file() and self.trust_path.is_file()):
+            return False
+        try:
+            issued = pki.Issued(self.cert_path.read_bytes(), self.key_path.read_bytes())
+            return pki.key_matches(issued)
+        except ValueError:
+            return False
 
     @property
     def files(self) -> tuple[Path, Path]:
@@ -117,7 +126,7 @@ class NodeCertificate:
             raise RuntimeError("a certificate came back for no request of this node")
         self.directory.mkdir(parents=True, exist_ok=True)
         write_private(self.key_path, self._pending_key)
-        self.cert_path.write_text(cert_pem)
+        write_public(self.cert_path, cert_pem)
         self._pending_key = None
         if trust_pem is not None:
             self.save_trust(trust_pem.encode())
@@ -126,13 +135,13 @@ class NodeCertificate:
     def save_trust(self, trust_pem: bytes) -> None:
         pki.split_bundle(trust_pem)  # certificates only, or ValueError
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.trust_path.write_bytes(trust_pem)
+        write_public(self.trust_path, trust_pem)
         self._refresh()
 
     def due(self, at: float, addresses: list[str]) -> str | None:
         """Why the certificate should be asked for again now (None: it need not be):
         none yet, a third of its lifetime left, or LAN addresses it does not name."""
-        if not self.cert_path.is_file():
+        if not self.present:
             return "no certificate yet"
         pem = self.cert_path.read_bytes()
         if at >= pki.renew_at(pem).timestamp():
