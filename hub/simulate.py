@@ -158,12 +158,20 @@ class Simulator:
         )
         self._session = aiohttp.ClientSession(
             # `reconnect`: a new connection (a full handshake) for every call.
-            connector=aiohttp.TCPConnector(
-                limit=connections, keepalive_timeout=60, force_close=reconnect
+            connector=(
+                aiohttp.TCPConnector(limit=connections, force_close=True)
+                if reconnect
+                else aiohttp.TCPConnector(limit=connections, keepalive_timeout=60)
             ),
             timeout=aiohttp.ClientTimeout(total=30),
         )
         self._files = tempfile.TemporaryDirectory(prefix="kvl-simulated-")
+        # Nodes without certificates are nodes of protocol 2, the version before them.
+        self._headers = (
+            protocol.HEADERS
+            if self.certificates
+            else {protocol.PROTOCOL_HEADER: str(protocol.OLDEST_NODE_PROTOCOL)}
+        )
 
     @property
     def certificates(self) -> bool:
@@ -219,7 +227,7 @@ class Simulator:
                 started = time.perf_counter()
                 try:
                     async with self._session.post(
-                        f"{url}/v1/enroll", json=body, ssl=self._ssl, headers=protocol.HEADERS
+                        f"{url}/v1/enroll", json=body, ssl=self._ssl, headers=self._headers
                     ) as response:
                         answer = await response.json(content_type=None)
                         if response.status != 201:
@@ -238,6 +246,27 @@ class Simulator:
 
         await asyncio.gather(*(one(i) for i in range(count)))
         return nodes, latencies
+
+    async def connect(self, nodes: list[SimulatedNode], *, concurrency: int = 32) -> Latencies:
+        """Each node's first heartbeat, before the load: with certificates, each node
+        opens its connection (a full handshake) here, as an appliance does once, and the
+        load then measures calls on kept connections (`reconnect` measures handshakes)."""
+        latencies = Latencies()
+        gate = asyncio.Semaphore(concurrency)
+        body = {"versions": VERSIONS, "capacity": _capacity(random.Random(0))}  # noqa: S311
+
+        async def one(node: SimulatedNode) -> None:
+            caller = ({"Authorization": f"Bearer {node.token}", **self._headers},
+                      node.tls or self._ssl)  # fmt: skip
+            async with gate:
+                started = time.perf_counter()
+                await self._call(
+                    f"{node.url or self._urls[0]}/v1/node/heartbeat", caller, body, started,
+                    latencies,
+                )  # fmt: skip
+
+        await asyncio.gather(*(one(n) for n in nodes))
+        return latencies
 
     async def heartbeats(
         self,
@@ -272,7 +301,7 @@ class Simulator:
         # sleeps (their futures, timers and contexts) filled the oldest generation of the
         # garbage collector, and its full collections held this loop for a quarter of a
         # second, which the latencies then blamed on the hub.
-        headers = [{"Authorization": f"Bearer {node.token}", **protocol.HEADERS} for node in nodes]
+        headers = [{"Authorization": f"Bearer {node.token}", **self._headers} for node in nodes]
         callers = [(h, node.tls or self._ssl) for h, node in zip(headers, nodes, strict=True)]
         urls = [node.url or self._urls[0] for node in nodes]
         others = [self._urls[(self._urls.index(url) + 1) % len(self._urls)] for url in urls]

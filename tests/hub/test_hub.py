@@ -421,15 +421,19 @@ async def test_provision_writes_a_file_an_appliance_enrolls_with(
     assert files.certificate.trust() == certificates(settings)[0].cert_pem
 
 
-@pytest.mark.parametrize("with_certificates", [True, False])
+@pytest.mark.parametrize(
+    ("with_certificates", "reconnect"), [(True, False), (True, True), (False, False)]
+)
 async def test_the_simulator_enrolls_a_fleet_and_its_heartbeats_and_syncs_land(
     aiohttp_server: AiohttpServer,
     tmp_path: Path,
     hub_database: HubDatabase,
     with_certificates: bool,
+    reconnect: bool,
 ) -> None:
-    """With certificates (mutual TLS, a connection per node), and without (token only,
-    shared connections: how a hub of an earlier commit is measured)."""
+    """With certificates (mutual TLS, a connection per node, or a handshake per call),
+    and without (token only, shared connections: how a hub of an earlier commit is
+    measured)."""
     from hub.simulate import Simulator  # noqa: PLC0415
 
     settings = settings_for(tmp_path, hub_database)
@@ -441,10 +445,13 @@ async def test_the_simulator_enrolls_a_fleet_and_its_heartbeats_and_syncs_land(
     url = f"https://127.0.0.1:{server.port}"
     ca, served = certificates(settings)
     trust = ca.cert_pem if with_certificates else served.fingerprint
-    async with Simulator(url, trust, connections=0 if with_certificates else 4) as sim:
+    connections = 0 if with_certificates else 4
+    async with Simulator(url, trust, connections=connections, reconnect=reconnect) as sim:
         nodes, enrolled = await sim.enroll(token, 20)
         assert len(nodes) == 20
         assert enrolled.summary()["failed"] == {}
+        first = (await sim.connect(nodes)).summary()
+        assert (first["ok"], first["failed"]) == (20, {})
         # One more than the token allows: refused, and counted as such.
         _, refused = await sim.enroll(token, 1, prefix="extra")
         assert refused.summary()["failed"] == {"401": 1}
@@ -452,7 +459,7 @@ async def test_the_simulator_enrolls_a_fleet_and_its_heartbeats_and_syncs_land(
         load = await sim.run(nodes, interval_s=0.5, duration_s=1.5, events=3, resend=0.5)
     summary = load.summary()
     assert summary["heartbeats"]["failed"] == {}
-    assert summary["heartbeats"]["ok"] == 60  # 20 nodes x 3 periods
+    assert summary["heartbeats"]["ok"] == 60  # 20 nodes x 3 periods (the first aside)
     assert summary["heartbeats"]["p99_ms"] is not None
     assert summary["sync"]["failed"] == {}
     assert summary["sync"]["events"] == 180
