@@ -31,6 +31,7 @@ import ipaddress
 import logging
 import secrets
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -339,6 +340,11 @@ class HubTls:
         self.client = self.authority.client_context()
         self.phase = self.authority.phase()
         self._state = self.authority.state()
+        # Who each connection's certificate speaks for, and its issuer, read once per
+        # connection (hub/api/node.py), not decoded again on every call it carries.
+        self.peers: weakref.WeakKeyDictionary[object, tuple[str | None, str | None]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @property
     def digest(self) -> str:

@@ -207,7 +207,7 @@ async def node_auth(request: web.Request, handler: Handler) -> web.StreamRespons
             f"through its tunnel; this call came from {request.remote}",
         )
     request[NODE_PROTOCOL] = protocol_version(request)
-    peer = request.app[TLS].node_of(_peercert(request))
+    peer, _ = _peer(request)
     if peer is None:
         # A node without a certificate yet (enrolled before protocol 3) is served on its
         # token, and may ask for its first; once it has one, it must present it.
@@ -228,12 +228,20 @@ async def node_auth(request: web.Request, handler: Handler) -> web.StreamRespons
     return await handler(request)
 
 
-def _peercert(request: web.Request) -> dict[str, object] | None:
+def _peer(request: web.Request) -> tuple[str | None, str | None]:
+    """(the node id the connection's certificate names, "" for a certificate of the fleet
+    that is not a node's, None for none; the issuing CA's name)."""
     transport = request.transport
     if transport is None:
-        return None
-    peercert = transport.get_extra_info("peercert")
-    return peercert if isinstance(peercert, dict) else None
+        return None, None
+    hub_tls = request.app[TLS]
+    known = hub_tls.peers.get(transport)
+    if known is None:
+        peercert = transport.get_extra_info("peercert")
+        peercert = peercert if isinstance(peercert, dict) else None
+        known = (hub_tls.node_of(peercert), issuer_name(peercert))
+        hub_tls.peers[transport] = known
+    return known
 
 
 async def heartbeat(request: web.Request) -> web.Response:
@@ -243,7 +251,7 @@ async def heartbeat(request: web.Request) -> web.Response:
     now = time.time()
     beats.add(Heartbeat(node.id, now, req.versions, req.capacity, address=request.remote))
     hub_tls = request.app[TLS]
-    issuer = issuer_name(_peercert(request))
+    _, issuer = _peer(request)
     return answer(
         protocol.HeartbeatAnswer(
             node_id=node.id,
