@@ -46,7 +46,7 @@ def serve(
 
     from aiohttp import web  # noqa: PLC0415
 
-    from hub.app import create_app, freeze_heap  # noqa: PLC0415
+    from hub.app import create_app, freeze_heap, freezing  # noqa: PLC0415
     from hub.identity import overlay_address  # noqa: PLC0415
     from hub.keys import TLS  # noqa: PLC0415
 
@@ -55,6 +55,7 @@ def serve(
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
     app = create_app(settings)
     app.on_startup.append(freeze_heap)  # after the store and the tasks have started
+    app.cleanup_ctx.append(freezing)
     hub_tls = app[TLS]
     click.echo(
         f"kvl hub: serving https://{settings.server.host}:{settings.server.port} "
