@@ -148,10 +148,6 @@ class Authority:
         self.hub_certificate()
         return self.phase().name
 
-    @staticmethod
-    def fingerprint(cert_pem: bytes) -> str:
-        return pki.fingerprint(cert_pem)
-
     # ---- the hub's own certificate
 
     def hub_names(self) -> list[str]:

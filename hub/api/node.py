@@ -146,8 +146,7 @@ def _name_error(err: NameRefusedError | NameTakenError, param: str) -> ApiError:
 
 
 def _renew_at(issued: IssuedCertificate) -> float:
-    # With a third of its lifetime left (shared/pki.py renew_at).
-    return issued.not_after - (issued.not_after - issued.issued_at) / 3
+    return pki.renew_at(issued.pem.encode()).timestamp()
 
 
 async def trust(request: web.Request) -> web.Response:

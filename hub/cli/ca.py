@@ -10,6 +10,7 @@ import click
 
 from hub.certificates import Authority
 from hub.cli.common import hub_settings, opened_store
+from shared import pki
 from shared.cli import common_options, config_errors_exit
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ def status(config_file: Path | None, data_dir: Path | None) -> None:
     for role, pem in roles:
         if pem is None:
             continue
-        fingerprint = authority.fingerprint(pem)
+        fingerprint = pki.fingerprint(pem)
         click.echo(f"{role}: {fingerprint} ({live.get(fingerprint, 0)} live node certificates)")
 
 
@@ -73,9 +74,7 @@ def rotate(config_file: Path | None, data_dir: Path | None, force: bool) -> None
             )
     if before.name == "switched" and before.previous is not None and not force:
         with opened_store(settings) as store:
-            left = store.live_certificates(time.time()).get(
-                authority.fingerprint(before.previous), 0
-            )
+            left = store.live_certificates(time.time()).get(pki.fingerprint(before.previous), 0)
         if left:
             raise click.ClickException(
                 f"{left} live node certificates are the old CA's: retire it once their "
