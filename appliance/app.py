@@ -12,6 +12,7 @@ from appliance.discovery.mdns import Announcement, Announcer, lan_addresses
 from appliance.fleet.certificates import NodeCertificate
 from appliance.fleet.identity import FleetFiles, lan_tls_files
 from appliance.fleet.link import FleetLink
+from appliance.gateway import cors
 from appliance.gateway.jobs import JOBS
 from appliance.gateway.keys import (
     ADMISSION,
@@ -19,6 +20,7 @@ from appliance.gateway.keys import (
     COMPLETIONS,
     EMBEDDINGS,
     METRICS,
+    NAMES,
     NODE_ID,
     OFFLOAD,
     REGISTRY,
@@ -34,6 +36,7 @@ from appliance.gateway.server import FleetListener
 from appliance.inference.admission import AdmissionControl
 from appliance.inference.completions import CompletionService
 from appliance.inference.embeddings import EmbeddingService
+from appliance.inference.names import ModelNames
 from appliance.jobs.service import JobService
 from appliance.observability.metrics import Metrics
 from appliance.observability.tracing import Tracing
@@ -55,12 +58,18 @@ FLEET = web.AppKey("fleet", FleetLink)
 
 def create_app(settings: ApplianceSettings) -> web.Application:
     app = web.Application(
-        middlewares=[errors_and_metrics, authenticate],
+        middlewares=[cors.preflight, errors_and_metrics, authenticate],
         client_max_size=settings.server.max_body_bytes,
     )
     app[SETTINGS] = settings
+    app.on_response_prepare.append(cors.add_headers)
     app[METRICS] = Metrics()
     app[CERTIFICATE] = NodeCertificate(settings.fleet_dir)
+    app[NAMES] = ModelNames(
+        aliases=settings.model.aliases,
+        default=settings.model.default,
+        embedding=settings.embeddings.model if settings.embeddings.enabled else None,
+    )
     for route in ROUTES:
         app.router.add_route(route.method, route.router_path or route.path, route.handler)
     app.cleanup_ctx.append(_store)
@@ -110,6 +119,7 @@ async def _models(app: web.Application) -> AsyncIterator[None]:
         settings.model.max_tokens_limit,
         admission=admission,
         tracing=app[TRACING],
+        names=app[NAMES],
     )
     host.start()
     yield
@@ -207,7 +217,7 @@ async def _jobs(app: web.Application) -> AsyncIterator[None]:
 async def _embeddings(app: web.Application) -> AsyncIterator[None]:
     # The model loads in a thread in the background: /healthz answers meanwhile, and
     # /v1/embeddings says model_not_ready until it is loaded.
-    service = EmbeddingService(app[SETTINGS].embeddings, app[STORE], app[METRICS])
+    service = EmbeddingService(app[SETTINGS].embeddings, app[STORE], app[METRICS], app[NAMES])
     app[EMBEDDINGS] = service
     app[PACKAGES].similarity = service.similarities  # the packages' on_topic check
     service.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
 from typing import Literal, Self
 
@@ -23,6 +24,9 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+_ORIGIN = re.compile(r"^https?://[A-Za-z0-9.\[\]:-]+$")
+
+
 class ServerSettings(_Section):
     host: str = Field(
         "0.0.0.0",  # noqa: S104 - the appliance serves its LAN by design
@@ -40,6 +44,41 @@ class ServerSettings(_Section):
         None, description="PEM certificate chain for HTTPS on the LAN; unset serves plain HTTP."
     )
     tls_key_file: Path | None = Field(None, description="PEM private key matching tls_cert_file.")
+    strict_parameters: bool = Field(
+        default=False,
+        description=(
+            "Refuse (400 `unknown_parameter`) completion fields this API does not know, "
+            "rather than ignoring them as llama-server and vLLM do (ignored fields are "
+            "named in the `Kvl-Ignored-Parameters` response header)."
+        ),
+    )
+    cors_origins: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Browser origins allowed to call the API (CORS), as `https://host:port`, or `*` "
+            "for any; empty: no cross-origin access."
+        ),
+    )
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        for origin in value:
+            if origin != "*" and not _ORIGIN.match(origin):
+                raise ValueError(
+                    f"{origin!r} is not an origin: write `*` or scheme://host[:port], no path"
+                )
+        return value
+
+    sse_keepalive_s: float = Field(
+        15.0,
+        ge=0.0,
+        le=300.0,
+        description=(
+            "A stream that has sent nothing for this long gets an SSE comment line, so "
+            "proxies keep it open while a request waits for its first token; 0: never."
+        ),
+    )
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Self:
@@ -136,6 +175,24 @@ class ModelSettings(_Section):
     max_tokens_limit: int = Field(
         4096, ge=1, le=131_072, description="Largest `max_tokens` a request may ask for."
     )
+    aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Other names for registered models, as alias: `name` or `name@version` (a "
+            "generation or the embedding model), for applications that hard-code a model "
+            "(`gpt-4o-mini: gemma-3-270m`). Listed in /v1/models."
+        ),
+    )
+
+    @field_validator("aliases")
+    @classmethod
+    def _aliases_are_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for alias, target in value.items():
+            if not 1 <= len(alias) <= 256 or not 1 <= len(target) <= 200:
+                raise ValueError(f"alias {alias!r}: names are 1-256 and targets 1-200 characters")
+            if alias in value.values():
+                raise ValueError(f"alias {alias!r} is also the target of an alias")
+        return value
 
 
 class EmbeddingSettings(_Section):

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -15,25 +16,33 @@ from appliance.gateway.keys import (
     COMPLETIONS,
     EMBEDDINGS,
     METRICS,
+    NAMES,
     NODE_ID,
     OFFLOAD,
     REGISTRY,
+    SETTINGS,
+    STORE,
     api_key,
 )
 from appliance.gateway.middleware import route_label
 from appliance.gateway.parsing import read_json
-from appliance.inference.completions import Prepared, Sink, invalid_output
+from appliance.inference.completions import Generation, Prepared, Sink, invalid_output
 from appliance.inference.embeddings import response_body as embeddings_body
+from appliance.inference.models import find_entry, model_entries
 from appliance.inference.responses import chunk_body, response_body
 from appliance.inference.schemas import EmbeddingRequest, completion_request, parse_body
 from shared import __version__
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
+    from appliance.inference.choices import ChoiceDelta
     from appliance.serving.engine import Event
     from appliance.serving.supervisor import Replica
 
 log = logging.getLogger(__name__)
+
+# Names the body fields a completion ignored (server.strict_parameters refuses them).
+IGNORED_HEADER = "Kvl-Ignored-Parameters"
 
 
 # Usage status of a generation whose client disconnected (nginx's convention).
@@ -78,41 +87,27 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    host = request.app[REGISTRY]
-    data = [
-        {
-            "id": replica.record.name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "kovenlab",
-            "version": replica.record.version,
-            "ref": replica.record.ref,
-            "format": replica.record.format,
-            "quantization": replica.record.quantization,
-            "sha256": replica.record.sha256,
-            "context_length": replica.options.n_ctx,
-            "slots": replica.options.n_slots,
-            "device": replica.layout.device if replica.layout is not None else "unknown",
-        }
-        for replica in host.replicas()
-    ]
-    data += [
-        {
-            "id": model.name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "kovenlab",
-            "version": model.version,
-            "ref": model.ref,
-            "format": "onnx",
-            "quantization": "int8",
-            "sha256": model.sha256,
-            "provider": model.provider,
-            "dimension": model.dimension,
-        }
-        for model in request.app[EMBEDDINGS].served()
-    ]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": await _model_entries(request)})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    model = request.match_info["model"]
+    entry = find_entry(await _model_entries(request), model)
+    if entry is None:
+        raise ApiError(ErrorCode.model_not_found, f"no model {model!r}", param="model")
+    return web.json_response(entry)
+
+
+async def _model_entries(request: web.Request) -> list[dict[str, Any]]:
+    store = request.app[STORE]
+    registered = await store.run(store.sync.list_models)
+    served = request.app[EMBEDDINGS].served()
+    return model_entries(
+        registered,
+        request.app[REGISTRY].loaded_models(),
+        served[0] if served else None,
+        request.app[NAMES],
+    )
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -125,7 +120,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse:
     body = await read_json(request)
-    req = completion_request(body, chat=chat)
+    req = completion_request(body, chat=chat, strict=request.app[SETTINGS].server.strict_parameters)
     prepared = await request.app[COMPLETIONS].prepare(req, api_key(request), route_label(request))
     return await _respond_or_offload(request, prepared, body, stream=req.stream)
 
@@ -176,45 +171,86 @@ async def embeddings(request: web.Request) -> web.Response:
 async def _respond(request: web.Request, prepared: Prepared, *, stream: bool) -> web.StreamResponse:
     service = request.app[COMPLETIONS]
     headers = {"X-Kvl-Model": prepared.model}
+    if prepared.ignored:
+        headers[IGNORED_HEADER] = ", ".join(prepared.ignored)
     if stream:
         return await _stream(request, prepared, headers)
     completed = await service.complete(prepared)
     if completed.problems:
         raise invalid_output(completed.problems)
-    return web.json_response(response_body(prepared, completed.finished), headers=headers)
+    return web.json_response(response_body(completed), headers=headers)
 
 
 class _EventStream(Sink):
-    """A completion as server-sent events: the stream opens with the first event."""
+    """A completion as server-sent events: the stream opens with the first event, or
+    earlier with a keep-alive comment when the first token is long in coming (an S0
+    request may wait minutes), so a proxy does not cut it; an error after that is the
+    stream's last event."""
 
     stream_span = True
     record_when_gone = True
 
-    def __init__(self, request: web.Request, prepared: Prepared, headers: dict[str, str]) -> None:
+    def __init__(
+        self,
+        request: web.Request,
+        prepared: Prepared,
+        headers: dict[str, str],
+        keepalive_s: float,
+    ) -> None:
         self._request = request
         self._prepared = prepared
         self._headers = headers
+        self._keepalive_s = keepalive_s
+        self._opening = asyncio.Lock()
+        self._last = time.monotonic()
+        self._keeper: asyncio.Task[None] | None = None
         self.response: web.StreamResponse | None = None  # once it has begun
 
+    async def started(self, generation: Generation) -> None:
+        if self._keepalive_s > 0:
+            self._keeper = asyncio.create_task(self._keep_alive(), name="kvl-sse-keepalive")
+
     async def first(self, event: Event) -> None:
-        self.response = await sse.open_stream(self._request, self._headers)
+        await self._open()
+
+    async def _open(self) -> web.StreamResponse:
+        async with self._opening:
+            if self.response is None:
+                self.response = await sse.open_stream(self._request, self._headers)
+            return self.response
+
+    async def _keep_alive(self) -> None:
+        with contextlib.suppress(ConnectionResetError):
+            while True:
+                await asyncio.sleep(self._keepalive_s - (time.monotonic() - self._last))
+                if time.monotonic() - self._last >= self._keepalive_s:
+                    response = await self._open()
+                    self._last = time.monotonic()
+                    await sse.send_comment(response)
+
+    def close(self) -> None:
+        if self._keeper is not None:
+            self._keeper.cancel()
 
     async def streaming(self) -> None:
         if self._prepared.kind == "chat":
-            await self.send(chunk_body(self._prepared, role=True))
+            for index in range(self._prepared.n):
+                await self.send(chunk_body(self._prepared, index=index, role=True))
 
-    async def text(self, text: str) -> None:
-        await self.send(chunk_body(self._prepared, text=text))
+    async def delta(self, index: int, delta: ChoiceDelta) -> None:
+        await self.send(chunk_body(self._prepared, index=index, delta=delta))
 
     async def send(self, data: dict[str, Any]) -> None:
         if self.response is not None:
+            self._last = time.monotonic()
             await sse.send(self.response, data)
 
 
 async def _stream(
     request: web.Request, prepared: Prepared, headers: dict[str, str]
 ) -> web.StreamResponse:
-    events = _EventStream(request, prepared, headers)
+    keepalive_s = request.app[SETTINGS].server.sse_keepalive_s
+    events = _EventStream(request, prepared, headers, keepalive_s)
     try:
         completed = await request.app[COMPLETIONS].complete(prepared, events)
     except ApiError as err:
@@ -232,6 +268,8 @@ async def _stream(
         # The client went away; the tokens it spent are recorded.
         log.info("client closed the stream of %s", prepared.id)
         return events.response
+    finally:
+        events.close()
     response = events.response
     if response is None:  # pragma: no cover - the first event opens it
         raise AssertionError("a completed stream has begun")
@@ -239,7 +277,10 @@ async def _stream(
     if completed.problems:
         await sse.send(response, invalid_output(completed.problems).body())
     else:
-        await sse.send(response, chunk_body(prepared, finished=finished))
+        for choice in completed.choices:
+            last = choice is completed.choices[-1]
+            data = chunk_body(prepared, choice=choice, finished=finished if last else None)
+            await sse.send(response, data)
         if prepared.include_usage:
             await sse.send(response, chunk_body(prepared, finished=finished, usage_only=True))
         await sse.send_done(response)

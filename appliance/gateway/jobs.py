@@ -16,34 +16,32 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.parse
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from appliance.gateway.keys import SETTINGS, api_key
+from appliance.gateway.keys import NAMES, SETTINGS, api_key
 from appliance.gateway.parsing import read_json
 from appliance.inference.schemas import (
-    UNSUPPORTED_CHAT,
-    UNSUPPORTED_COMPLETION,
     ChatCompletionRequest,
     CompletionRequest,
     ResponseFormatJsonSchema,
+    completion_request,
     parse_body,
 )
 from appliance.jobs.bodies import job_object, result_object
-from appliance.jobs.runner import CHAT_URL, TEXT_URL
+from appliance.jobs.runner import CHAT_URL
 from appliance.jobs.service import JobService
 from appliance.state.jobs import NewItem
 from appliance.validation.structured import SchemaUnusableError, json_schema_output
 from shared.errors import ApiError, ErrorCode
 
+if TYPE_CHECKING:
+    from appliance.inference.names import ModelNames
+
 JOBS = web.AppKey("jobs", JobService)
 
-_ROUTES: dict[str, tuple[type[ChatCompletionRequest | CompletionRequest], frozenset[str]]] = {
-    CHAT_URL: (ChatCompletionRequest, UNSUPPORTED_CHAT),
-    TEXT_URL: (CompletionRequest, UNSUPPORTED_COMPLETION),
-}
 RESULTS_PAGE = 100
 JOBS_PAGE = 20
 RESULTS_PAGE_MAX = 1000
@@ -122,7 +120,11 @@ async def create_job(request: web.Request) -> web.Response:
         )
     # Thousands of items to validate: off the event loop, which other requests share.
     items, models = await asyncio.to_thread(
-        _validate, req.requests, settings.model.max_tokens_limit
+        _validate,
+        req.requests,
+        settings.model.max_tokens_limit,
+        request.app[NAMES],
+        strict=settings.server.strict_parameters,
     )
     job = await request.app[JOBS].create(
         api_key(request),
@@ -196,7 +198,7 @@ def _limit(raw: str | None, default: int = RESULTS_PAGE) -> int:
 
 
 def _validate(
-    requests: list[JobRequestItem], max_tokens_limit: int
+    requests: list[JobRequestItem], max_tokens_limit: int, names: ModelNames, *, strict: bool
 ) -> tuple[list[NewItem], dict[str, str]]:
     """The items as their routes would accept them, and each model named (with the `param`
     of its first use); raises the first item's error, its `param` naming the item."""
@@ -214,9 +216,8 @@ def _validate(
                 param=f"{where}.custom_id",
             )
         first_use[item.custom_id] = index
-        model, unsupported = _ROUTES[item.url]
         try:
-            req = parse_body(model, item.body, unsupported)
+            req = completion_request(item.body, chat=item.url == CHAT_URL, strict=strict)
         except ApiError as err:
             raise ApiError(
                 err.code,
@@ -224,7 +225,7 @@ def _validate(
                 param=f"{where}.body.{err.param}" if err.param else f"{where}.body",
             ) from err
         _check(req, f"{where}.body", max_tokens_limit, schemas)
-        models.setdefault(req.model, f"{where}.body.model")
+        models.setdefault(names.generation(req.model), f"{where}.body.model")
         items.append(NewItem(item.custom_id, item.url, item.body))
     return items, models
 

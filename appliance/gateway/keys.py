@@ -9,6 +9,7 @@ from appliance.gateway.offload import Offload
 from appliance.inference.admission import AdmissionControl
 from appliance.inference.completions import CompletionService
 from appliance.inference.embeddings import EmbeddingService
+from appliance.inference.names import ModelNames
 from appliance.observability.metrics import Metrics
 from appliance.observability.tracing import Tracing
 from appliance.serving.registry import ModelRegistry
@@ -25,6 +26,8 @@ EMBEDDINGS = web.AppKey("embeddings", EmbeddingService)
 NODE_ID = web.AppKey("node_id", str)
 TRACING = web.AppKey("tracing", Tracing)
 OFFLOAD = web.AppKey("offload", Offload)
+# What a request's `model` names: aliases and defaults (appliance/inference/names.py).
+NAMES = web.AppKey("model_names", ModelNames)
 # This node's certificate and trust (appliance/fleet/certificates.py): who the hub is.
 CERTIFICATE = web.AppKey("certificate", NodeCertificate)
 

@@ -53,9 +53,18 @@ ROUTES: tuple[Route, ...] = (
         "GET",
         "/v1/models",
         handlers.list_models,
-        "The models this appliance serves.",
+        "Every model a request may name, once each: registered models (loaded or not, "
+        "with their `state`), the embedding model, and the aliases (`alias_of`).",
         auth=True,
         errors=_AUTH,
+    ),
+    Route(
+        "GET",
+        "/v1/models/{model}",
+        handlers.retrieve_model,
+        "One model of the list above, by its id, an alias or `name@version`.",
+        auth=True,
+        errors=(*_AUTH, ErrorCode.model_not_found),
     ),
     Route(
         "POST",

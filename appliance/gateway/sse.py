@@ -30,3 +30,8 @@ async def send(response: web.StreamResponse, data: dict[str, Any]) -> None:
 
 async def send_done(response: web.StreamResponse) -> None:
     await response.write(b"data: [DONE]\n\n")
+
+
+async def send_comment(response: web.StreamResponse, text: str = "keep-alive") -> None:
+    """A comment line: clients ignore it, proxies see a live stream."""
+    await response.write(b": " + text.encode() + b"\n\n")

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
@@ -31,6 +31,9 @@ from appliance.inference.responses import chunk_body, usage
 from appliance.inference.schemas import completion_request
 from shared import jsonlimits
 from shared.errors import ApiError, ErrorCode
+
+if TYPE_CHECKING:
+    from appliance.inference.choices import ChoiceDelta
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +151,12 @@ class _Connection:
         if completed.problems:
             await self.error(request_id, invalid_output(completed.problems))
             return
-        await self.chunk(request_id, chunk_body(completed.prepared, finished=finished))
+        for choice in completed.choices:
+            last = choice is completed.choices[-1]
+            data = chunk_body(
+                completed.prepared, choice=choice, finished=finished if last else None
+            )
+            await self.chunk(request_id, data)
         await self.send({"id": request_id, "event": "done", "usage": usage(finished)})
 
     async def chunk(self, request_id: str, data: dict[str, Any]) -> None:
@@ -206,11 +214,14 @@ class _Frames(Sink):
     async def started(self, generation: Generation) -> None:
         self._generation = generation
         if self._prepared.kind == "chat":
-            await self._connection.chunk(self._id, chunk_body(self._prepared, role=True))
+            for index in range(self._prepared.n):
+                data = chunk_body(self._prepared, index=index, role=True)
+                await self._connection.chunk(self._id, data)
         self._watcher = asyncio.create_task(self._connection.cancels[self._id].wait())
 
-    async def text(self, text: str) -> None:
-        await self._connection.chunk(self._id, chunk_body(self._prepared, text=text))
+    async def delta(self, index: int, delta: ChoiceDelta) -> None:
+        data = chunk_body(self._prepared, index=index, delta=delta)
+        await self._connection.chunk(self._id, data)
         if self._watcher is not None and self._watcher.done() and self._generation is not None:
             self._generation.cancel()
 

@@ -16,9 +16,11 @@ import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from appliance.inference.schemas import ChatCompletionRequest, CompletionRequest
+from appliance.inference.choices import Choice, ChoiceDelta, ChoiceStream
+from appliance.inference.names import ModelNames
+from appliance.inference.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from appliance.serving.chat import ChatTemplateError
 from appliance.serving.engine import (
     EngineError,
@@ -78,6 +80,10 @@ class Prepared:
     service_class: ServiceClass | None = None
     submitted_at: float | None = None  # wall clock, when it went to the worker
     lease_id: str | None = None  # the quota lease it is charged to (a budgeted account)
+    n: int = 1  # choices: each its own sequence, sharing the prompt's cells
+    ignored: tuple[str, ...] = ()  # body fields this API ignored
+    # Alternatives reported per token (OpenAI's top_logprobs); None: no logprobs.
+    logprobs: int | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -95,10 +101,13 @@ class Completed:
     """A completion that ran to its end, its usage recorded."""
 
     prepared: Prepared
+    # All its choices together: the prompt once, the tokens of every choice; the first
+    # choice's text and reason (what a one-choice caller reads).
     finished: Finished
     # Why the output fails its `response_format` (empty when it holds, or when cancelled).
     problems: list[str]
     status: int  # the status its usage event was recorded with
+    choices: list[Choice] = field(default_factory=list)
 
     @property
     def cancelled(self) -> bool:
@@ -128,7 +137,13 @@ class Sink:
         """Before its first text is passed on (inside the `stream` span)."""
 
     async def text(self, text: str) -> None:
-        """A piece of generated text, in order."""
+        """A piece of the first choice's text, in order."""
+
+    async def delta(self, index: int, delta: ChoiceDelta) -> None:
+        """What an event adds to choice `index` (text, tool calls, logprobs); by default
+        the first choice's text goes to `text`."""
+        if index == 0 and delta.content:
+            await self.text(delta.content)
 
 
 class CompletionService:
@@ -141,7 +156,9 @@ class CompletionService:
         *,
         admission: AdmissionControl,
         tracing: Tracing,
+        names: ModelNames | None = None,
     ) -> None:
+        self._names = names if names is not None else ModelNames()
         self._host = host
         self._store = store
         self._metrics = metrics
@@ -185,14 +202,14 @@ class CompletionService:
         by `packages.item_max_tokens`), in place of `model.max_tokens_limit`."""
         await self._quota(key)
         engine = await self._engine(req.model)
-        template = engine.require_vocab().chat_template
-        messages = [{"role": _role(m.role), "content": m.text()} for m in req.messages]
+        vocab = engine.require_vocab()
+        messages = [_message(m) for m in req.messages]
         try:
-            prompt = template.render(messages)
+            prompt = vocab.chat_template.render(messages)
         except ChatTemplateError as err:
             raise ApiError(ErrorCode.invalid_parameter, str(err), param="messages") from err
         structured = _structured(req)
-        tokens = await asyncio.to_thread(engine.require_vocab().tokenize, prompt, chat=True)
+        tokens = await asyncio.to_thread(vocab.tokenize, prompt, chat=True)
         max_tokens = req.max_completion_tokens or req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         request = self._generation(
@@ -204,7 +221,7 @@ class CompletionService:
             structured=structured,
             limit=max_tokens_limit,
         )
-        return self._prepared(
+        prepared = self._prepared(
             "chat",
             route=route,
             key=key,
@@ -213,6 +230,8 @@ class CompletionService:
             req=req,
             structured=structured,
         )
+        prepared.logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return prepared
 
     async def _prepare_text(
         self,
@@ -246,9 +265,11 @@ class CompletionService:
             structured=None,
             limit=max_tokens_limit,
         )
-        return self._prepared(
+        prepared = self._prepared(
             "text", route=route, key=key, engine=engine, request=request, req=req, structured=None
         )
+        prepared.logprobs = req.logprobs
+        return prepared
 
     @staticmethod
     def _prepared(
@@ -269,6 +290,8 @@ class CompletionService:
             request=request,
             structured=structured,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            n=req.n,
+            ignored=req.ignored,
         )
 
     async def _quota(self, key: ApiKey) -> None:
@@ -276,7 +299,8 @@ class CompletionService:
         with self._tracing.span("quota", {"kvl.class": klass.value}):
             await self._admission.check_quota(key, klass)
 
-    async def _engine(self, model: str) -> LoadedModel:
+    async def _engine(self, requested: str | None) -> LoadedModel:
+        model = self._names.generation(requested)
         try:
             with self._tracing.span("router", {"kvl.model": model}):
                 return await self._host.resolve(model)
@@ -324,25 +348,40 @@ class CompletionService:
                 seed=req.seed,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
+                top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0,
+                repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
+                repeat_last_n=64 if req.repeat_last_n is None else req.repeat_last_n,
+                logit_bias=_logit_bias(req.logit_bias, engine.require_vocab().n_vocab),
             ),
             stop=req.stop_list(),
             grammar=structured.grammar if structured is not None else None,
         )
 
     def _start(self, prepared: Prepared) -> Generation:
-        """Admit and submit the generation; iterate the result for its events."""
+        """Admit and submit the generation (a sequence per choice); iterate the result for
+        its events."""
         klass = prepared.klass
-        request = replace(prepared.request, priority=klass.priority)
+        request = replace(
+            prepared.request,
+            priority=klass.priority,
+            logprobs=prepared.logprobs,
+            share_prompt=prepared.n > 1,
+        )
+        n = prepared.n
         with self._tracing.span("admission", {"kvl.class": klass.value}):
             self._admission.admit(
-                prepared.engine, klass, len(request.prompt_tokens), request.max_tokens
+                prepared.engine, klass, len(request.prompt_tokens), request.max_tokens * n
             )
-        cost = len(request.prompt_tokens) + request.max_tokens
+        cost = len(request.prompt_tokens) + request.max_tokens * n
         prepared.lease_id = self._admission.take_lease(prepared.key, klass, prepared.id, cost)
         prepared.submitted_at = time.time()
+        runs: list[Run] = []
         try:
-            run = prepared.engine.submit(request)
+            runs.extend(prepared.engine.submit(_choice_request(request, i)) for i in range(n))
         except (QueueFullError, NotLoadedError, WorkerUnavailableError) as err:
+            for run in runs:
+                run.cancel()
             self._admission.settle_lease(prepared.lease_id, prepared.id, 0)
             if isinstance(err, QueueFullError):
                 raise ApiError(ErrorCode.queue_full, str(err), retry_after=err.retry_after) from err
@@ -354,7 +393,7 @@ class CompletionService:
         self._metrics.queue_waiting.labels(prepared.model).set(prepared.engine.waiting)
         objective = self._admission.objectives(klass).first_token_s
         return Generation(
-            run,
+            runs,
             objective,
             lambda waited: self._admission.shed(klass, waited),
             # A generation closed without a usage record (it failed) frees its reservation.
@@ -393,11 +432,14 @@ class CompletionService:
         is recorded as CLIENT_CLOSED, without validation."""
         sink = sink if sink is not None else Sink()
         record = record if record is not None else self.record
+        streams = self._streams(prepared)
+        ends: list[Finished | None] = [None] * prepared.n
+        choices: list[Choice | None] = [None] * prepared.n
         async with contextlib.aclosing(self._start(prepared)) as generation:
             await sink.started(generation)
             # The first event before anything is answered, so a grammar the engine refuses
             # (or a shed) is still a proper status code rather than an error in a stream.
-            event = await anext(generation)
+            index, event = await anext(generation)
             await sink.first(event)
             try:
                 with contextlib.ExitStack() as stack:
@@ -406,25 +448,41 @@ class CompletionService:
                             self._tracing.span("stream", {"kvl.model": prepared.model})
                         )
                     await sink.streaming()
-                    while isinstance(event, TextDelta):
-                        await sink.text(event.text)
-                        event = await anext(generation)
+                    while True:
+                        if isinstance(event, TextDelta):
+                            delta = streams[index].feed(event)
+                        else:
+                            ends[index] = event
+                            delta, choices[index] = streams[index].finish(event)
+                        if delta:
+                            await sink.delta(index, delta)
+                        if generation.done:
+                            break
+                        index, event = await anext(generation)
             except (ConnectionResetError, asyncio.CancelledError):
                 if sink.record_when_gone:
-                    # The client went away: stop the sequence, still count what it spent.
+                    # The client went away: stop the sequences, still count what they spent.
                     generation.cancel()
-                    finished = await asyncio.shield(drain(generation))
-                    await asyncio.shield(record(prepared, finished, CLIENT_CLOSED))
+                    rest = await asyncio.shield(drain(generation))
+                    done = [end for end in ends if end is not None] + rest
+                    await asyncio.shield(record(prepared, merge(done), CLIENT_CLOSED))
                 raise
-            finished = event
+            finished = merge([end for end in ends if end is not None])
+            ended = [choice for choice in choices if choice is not None]
             problems: list[str] = []
             if finished.finish_reason == "cancelled":
                 status = CLIENT_CLOSED
             else:
-                problems = self._problems(prepared, finished)
+                problems = self._problems(prepared, ended, streams)
                 status = ErrorCode.output_validation_failed.status if problems else 200
             await record(prepared, finished, status)
-        return Completed(prepared, finished, problems, status)
+        return Completed(prepared, finished, problems, status, ended)
+
+    def _streams(self, prepared: Prepared) -> list[ChoiceStream]:
+        vocab = prepared.engine.require_vocab()
+        return [
+            ChoiceStream(index, vocab, logprobs=prepared.logprobs) for index in range(prepared.n)
+        ]
 
     def _trace_generation(self, prepared: Prepared, finished: Finished) -> None:
         """The worker's side as spans, from its own timings: waiting for a batch slot, then
@@ -447,15 +505,26 @@ class CompletionService:
             },
         )
 
-    def _problems(self, prepared: Prepared, finished: Finished) -> list[str]:
+    def _problems(
+        self, prepared: Prepared, choices: list[Choice], streams: list[ChoiceStream]
+    ) -> list[str]:
         with self._tracing.span("validation", {"kvl.structured": prepared.structured is not None}):
-            return self._output_problems(prepared, finished)
+            found: list[str] = []
+            for choice in choices:
+                problems = streams[choice.index].problems() + self._output_problems(
+                    prepared, choice
+                )
+                prefix = f"choice {choice.index}: " if prepared.n > 1 else ""
+                found += [prefix + problem for problem in problems]
+            return found
 
-    def _output_problems(self, prepared: Prepared, finished: Finished) -> list[str]:
-        """Why the output fails its structured-output contract (empty when it holds)."""
+    def _output_problems(self, prepared: Prepared, choice: Choice) -> list[str]:
+        """Why a choice's output fails its structured-output contract (empty when it
+        holds)."""
+        finished = choice.finished
         if prepared.structured is None or finished.finish_reason == "cancelled":
             return []
-        found = prepared.structured.problems(finished.text)
+        found = prepared.structured.problems(choice.content)
         if finished.finish_reason == "length":
             found.insert(0, f"generation stopped at max_tokens={prepared.request.max_tokens}")
         return found
@@ -497,17 +566,18 @@ class CompletionService:
 
 
 class Generation:
-    """A running generation's events, with engine failures as ApiErrors."""
+    """The events of a running generation's choices, as (choice, event), with engine
+    failures as ApiErrors. `done` once every choice has finished."""
 
     def __init__(
         self,
-        run: Run,
+        runs: list[Run],
         first_token_s: float | None = None,
         shed: Callable[[float], ApiError] | None = None,
         *,
         on_close: Callable[[], None] | None = None,
     ) -> None:
-        self._run = run
+        self._runs = runs
         self._on_close = on_close
         # A request still waiting for its first token at this deadline is dropped from the
         # queue (its class's SLO.B) rather than served late.
@@ -515,13 +585,24 @@ class Generation:
         self._first_token_s = first_token_s
         self._shed = shed
         self._first = True
+        self._open = set(range(len(runs)))
+        # Several choices: each run's next event is awaited at once, as its own task.
+        self._next: dict[int, asyncio.Task[Event]] = {}
+
+    @property
+    def done(self) -> bool:
+        return not self._open
 
     def cancel(self) -> None:
-        self._run.cancel()
+        for run in self._runs:
+            run.cancel()
 
     async def aclose(self) -> None:
         try:
-            await self._run.aclose()
+            for task in self._next.values():
+                task.cancel()
+            for run in self._runs:
+                await run.aclose()
         finally:
             if self._on_close is not None:
                 self._on_close()
@@ -529,20 +610,22 @@ class Generation:
     def __aiter__(self) -> Generation:
         return self
 
-    async def __anext__(self) -> Event:
+    async def __anext__(self) -> tuple[int, Event]:
+        if not self._open:
+            raise StopAsyncIteration
         try:
             if self._first and self._first_token_s is not None:
                 self._first = False
                 left = self._first_token_s - (time.monotonic() - self._started)
                 try:
-                    return await asyncio.wait_for(anext(self._run), max(0.0, left))
+                    return await asyncio.wait_for(self._event(), max(0.0, left))
                 except TimeoutError:
-                    self._run.cancel()
+                    self.cancel()
                     waited = time.monotonic() - self._started
                     if self._shed is None:  # pragma: no cover - set with the deadline
                         raise
                     raise self._shed(waited) from None
-            return await anext(self._run)
+            return await self._event()
         except GrammarError as err:
             raise ApiError(ErrorCode.invalid_schema, str(err), param="response_format") from err
         except WorkerUnavailableError as err:
@@ -552,10 +635,79 @@ class Generation:
         except EngineError as err:
             raise ApiError(ErrorCode.internal_error, f"generation failed: {err}") from err
 
+    async def _event(self) -> tuple[int, Event]:
+        if len(self._runs) == 1:  # the common case: no task per token
+            event = await anext(self._runs[0])
+            if isinstance(event, Finished):
+                self._open.discard(0)
+            return 0, event
+        for index in self._open - self._next.keys():
+            self._next[index] = asyncio.ensure_future(anext(self._runs[index]))
+        done, _ = await asyncio.wait(self._next.values(), return_when=asyncio.FIRST_COMPLETED)
+        # The lowest choice first, so a choice's events keep their order among equals.
+        index = min(i for i, task in self._next.items() if task in done)
+        event = self._next.pop(index).result()
+        if isinstance(event, Finished):
+            self._open.discard(index)
+        return index, event
 
-def _role(role: str) -> str:
+
+def _choice_request(request: GenerationRequest, index: int) -> GenerationRequest:
+    """The request of choice `index`: each choice samples with a seed of its own."""
+    if index == 0 or request.sampling.seed is None:
+        return request
+    seed = (request.sampling.seed + index) % 2**63
+    return replace(request, sampling=replace(request.sampling, seed=seed))
+
+
+def merge(ends: list[Finished]) -> Finished:
+    """The choices' ends as one, for usage: the prompt once, every choice's tokens."""
+    if len(ends) == 1:
+        return ends[0]
+    if not ends:
+        raise AssertionError("a generation has at least one choice")  # pragma: no cover
+    first = ends[0]
+    ttfts = [e.ttft_s for e in ends if e.ttft_s is not None]
+    queues = [e.queue_s for e in ends if e.queue_s is not None]
+    cancelled = any(e.finish_reason == "cancelled" for e in ends)
+    return replace(
+        first,
+        finish_reason="cancelled" if cancelled else first.finish_reason,
+        completion_tokens=sum(e.completion_tokens for e in ends),
+        ttft_s=min(ttfts) if ttfts else None,
+        duration_s=max(e.duration_s for e in ends),
+        queue_s=min(queues) if queues else None,
+    )
+
+
+def _message(message: ChatMessage) -> dict[str, Any]:
     # OpenAI's newer `developer` role is the system prompt for models that predate it.
-    return "system" if role == "developer" else role
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": message.text()}
+    if message.tool_calls:
+        out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _logit_bias(bias: dict[str, float] | None, n_vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` (token id as text → bias) for this model's vocabulary."""
+    if not bias:
+        return ()
+    out: list[tuple[int, float]] = []
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < n_vocab:
+            raise ApiError(
+                ErrorCode.invalid_parameter,
+                f"`logit_bias` key {key!r} is not a token id of this model (0..{n_vocab - 1})",
+                param="logit_bias",
+            )
+        out.append((token, value))
+    return tuple(sorted(out))
 
 
 def _structured(req: ChatCompletionRequest) -> StructuredOutput | None:
@@ -576,12 +728,13 @@ def _structured(req: ChatCompletionRequest) -> StructuredOutput | None:
 CLIENT_CLOSED = 499
 
 
-async def drain(generation: Generation) -> Finished:
-    """The Finished event of a generation, skipping its text deltas."""
-    async for event in generation:
+async def drain(generation: Generation) -> list[Finished]:
+    """The Finished events of a generation's choices still running, skipping their text."""
+    ends: list[Finished] = []
+    async for _, event in generation:
         if isinstance(event, Finished):
-            return event
-    raise AssertionError("a generation always ends with Finished")  # pragma: no cover
+            ends.append(event)
+    return ends
 
 
 def invalid_output(problems: list[str]) -> ApiError:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import version as package_version
 from typing import TYPE_CHECKING, Any
 
+from appliance.inference.names import ModelNames
 from appliance.serving.embeddings import (
     MODEL_FILE,
     BatcherClosedError,
@@ -75,7 +76,14 @@ class EmbeddingService:
     """Loads the embedding model in a thread in the background (the appliance answers
     meanwhile), then embeds requests through one :class:`EmbeddingBatcher`."""
 
-    def __init__(self, settings: EmbeddingSettings, store: AsyncStore, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        settings: EmbeddingSettings,
+        store: AsyncStore,
+        metrics: Metrics,
+        names: ModelNames | None = None,
+    ) -> None:
+        self._names = names if names is not None else ModelNames(embedding=settings.model)
         self._settings = settings
         self._store = store
         self._metrics = metrics
@@ -165,7 +173,7 @@ class EmbeddingService:
 
     async def embed(self, req: EmbeddingRequest, key: ApiKey, route: str) -> Embedded:
         """The vectors for a parsed request; its usage is committed before this returns."""
-        batcher, model = self._resolve(req.model)
+        batcher, model = self._resolve(self._names.embedding_model(req.model))
         texts = self._texts(req)
         if req.dimensions is not None and req.dimensions != model.dimension:
             raise ApiError(

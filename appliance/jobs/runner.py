@@ -341,7 +341,7 @@ class JobRunner:
         if completed.problems:
             error = invalid_output(completed.problems)
             return _Result(error.status, error.body())
-        return _Result(200, response_body(completed.prepared, completed.finished))
+        return _Result(200, response_body(completed))
 
     async def _handled(self, handler: ItemHandler, item: PendingItem) -> _Result | _Retry:
         try:

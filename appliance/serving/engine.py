@@ -58,11 +58,23 @@ class GenerationRequest:
     grammar: str | None = None
     # Higher is admitted to a batch slot first (the service class: S0 = 0 … S4 = 4).
     priority: int = 0
+    # None: no logprobs; k: each token's logprob and its k most likely alternatives.
+    logprobs: int | None = None
+    # Siblings with this exact prompt (the choices of one request) come together.
+    share_prompt: bool = False
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
 class TextDelta:
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,7 @@ class Finished:
     duration_s: float
     text: str
     queue_s: float | None = None  # arrival to a slot; None if it never got one
+    cached_tokens: int = 0  # prompt tokens copied from the shared prefix, not computed
 
 
 @dataclass(frozen=True)

@@ -349,7 +349,7 @@ async def test_structured_output_cut_short_fails_closed(client: Client, api_key:
 @pytest.mark.parametrize(
     ("body", "code", "param"),
     [
-        ({"messages": [{"role": "user", "content": "x"}]}, ErrorCode.missing_parameter, "model"),
+        ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, ErrorCode.invalid_parameter, "messages[0].tool_call_id"),  # fmt: skip
         ({"model": MODEL}, ErrorCode.missing_parameter, "messages"),
         ({"model": MODEL, "messages": []}, ErrorCode.invalid_parameter, "messages"),
         (
@@ -387,23 +387,54 @@ async def test_structured_output_cut_short_fails_closed(client: Client, api_key:
             "stop",
         ),
         (
-            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "frobnicate": 1},
-            ErrorCode.unknown_parameter,
-            "frobnicate",
-        ),
-        (
             {
                 "model": MODEL,
                 "messages": [{"role": "user", "content": "x"}],
                 "tools": [{"type": "function"}],
             },
-            ErrorCode.unsupported_parameter,
-            "tools",
+            ErrorCode.missing_parameter,
+            "tools[0].function",
         ),
         (
-            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2},
-            ErrorCode.unsupported_parameter,
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 9},
+            ErrorCode.invalid_parameter,
             "n",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "functions": [{}]},
+            ErrorCode.unsupported_parameter,
+            "functions",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            },
+            ErrorCode.unsupported_parameter,
+            "messages[0]",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+            ErrorCode.invalid_parameter,
+            "top_logprobs",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "logit_bias": {"not-a-token": 1},
+            },
+            ErrorCode.invalid_parameter,
+            "logit_bias",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "tool_choice": {"type": "function", "function": {"name": "absent"}},
+            },
+            ErrorCode.invalid_parameter,
+            "tool_choice",
         ),
         (
             {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]},

@@ -1,0 +1,39 @@
+"""The model a request names: its own name, an operator's alias, or the default.
+
+Many applications hard-code a model name (`gpt-4o-mini`, `text-embedding-3-small`); the
+operator maps it to a local model with `model.aliases` rather than asking every
+application to change. A request without `model` gets the default, as llama-server and
+vLLM serve theirs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    # alias → `name` or `name@version` of a registered model (a generation or embedding one)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    default: str | None = None  # a generation without `model`; None: it must name one
+    embedding: str | None = None  # an embedding request without `model`
+
+    def generation(self, requested: str | None) -> str:
+        """The model a completion runs on."""
+        if requested is None:
+            return self.default or ""
+        return self.aliases.get(requested, requested)
+
+    def embedding_model(self, requested: str | None) -> str:
+        """The model an embedding request runs on."""
+        if requested is None:
+            return self.embedding or ""
+        return self.aliases.get(requested, requested)
+
+    def aliases_of(self, ref: str, name: str) -> list[str]:
+        """The aliases that lead to a model (by its ref or its name), sorted."""
+        return sorted(alias for alias, target in self.aliases.items() if target in {ref, name})
