@@ -31,12 +31,14 @@ from appliance.gateway.keys import (
 from appliance.gateway.middleware import authenticate, errors_and_metrics
 from appliance.gateway.offload import Offload
 from appliance.gateway.packages import PACKAGES, PACKAGES_URL
+from appliance.gateway.responses import RESPONSES
 from appliance.gateway.routes import ROUTES
 from appliance.gateway.server import FleetListener
 from appliance.inference.admission import AdmissionControl
 from appliance.inference.completions import CompletionService
 from appliance.inference.embeddings import EmbeddingService
 from appliance.inference.names import ModelNames
+from appliance.inference.responses_api import ResponsesService
 from appliance.jobs.service import JobService
 from appliance.observability.metrics import Metrics
 from appliance.observability.tracing import Tracing
@@ -121,6 +123,7 @@ async def _models(app: web.Application) -> AsyncIterator[None]:
         tracing=app[TRACING],
         names=app[NAMES],
     )
+    app[RESPONSES] = ResponsesService(app[COMPLETIONS], app[STORE], settings.responses)
     host.start()
     yield
     await host.close()

@@ -638,6 +638,21 @@ class FleetSettings(_Section):
         return self
 
 
+class ResponsesSettings(_Section):
+    keep_s: float = Field(
+        86_400.0,
+        ge=60.0,
+        le=30 * 86_400.0,
+        description=(
+            "Seconds a Responses API answer (with `store`, the default) is kept for "
+            "`previous_response_id` and GET /v1/responses/{id}."
+        ),
+    )
+    max_per_account: int = Field(
+        1000, ge=1, le=1_000_000, description="Answers kept per account at most; oldest go first."
+    )
+
+
 class TracingSettings(_Section):
     otlp_endpoint: str | None = Field(
         None,
@@ -685,6 +700,9 @@ class ApplianceSettings(BaseSettings):
     )
     fleet: FleetSettings = Field(
         default_factory=FleetSettings, description="The link to the fleet's hub."
+    )
+    responses: ResponsesSettings = Field(
+        default_factory=ResponsesSettings, description="The Responses API's stored answers."
     )
     tracing: TracingSettings = Field(
         default_factory=TracingSettings, description="OpenTelemetry tracing (OTLP/HTTP)."

@@ -51,6 +51,7 @@ class ErrorCode(StrEnum):
     not_found = "not_found"
     model_not_found = "model_not_found"
     job_not_found = "job_not_found"
+    response_not_found = "response_not_found"
     method_not_allowed = "method_not_allowed"
     output_validation_failed = "output_validation_failed"
     package_validation_failed = "package_validation_failed"
@@ -174,6 +175,12 @@ _KINDS: dict[ErrorCode, _Kind] = {
     ErrorCode.not_found: _Kind(404, "not_found_error", "no such route"),
     ErrorCode.model_not_found: _Kind(404, "not_found_error", "no model by that name"),
     ErrorCode.job_not_found: _Kind(404, "not_found_error", "no job by that id in this account"),
+    ErrorCode.response_not_found: _Kind(
+        404,
+        _INVALID,
+        "no stored response by that id in this account (never stored, deleted, or expired "
+        "after `responses.keep_s`)",
+    ),
     ErrorCode.method_not_allowed: _Kind(405, _INVALID, "the route exists, not with that method"),
     ErrorCode.package_validation_failed: _Kind(
         422,

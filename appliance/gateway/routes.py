@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from appliance.gateway import admin, handlers, jobs, packages, websocket
+from appliance.gateway import admin, handlers, jobs, packages, responses, websocket
 from appliance.gateway.jobs import JobRequest
 from appliance.gateway.openapi import Route, build_openapi
 from appliance.gateway.schemas import AdminModelRequest
+from appliance.inference.responses_api import ResponsesRequest
 from appliance.inference.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from appliance.packages.model import PackageRequest
 from shared.errors import ErrorCode
@@ -115,6 +116,41 @@ ROUTES: tuple[Route, ...] = (
         errors=(*_AUTH, *_BODY, *_GENERATE),
         streams=True,
         caller="hub",
+    ),
+    Route(
+        "POST",
+        "/v1/responses",
+        responses.create,
+        "OpenAI's Responses API: `input` (text, messages, function calls and their outputs) "
+        "after the conversation of `previous_response_id`; tools, `text.format`; "
+        "`stream: true` for its typed events. Stored answers are kept `responses.keep_s`.",
+        auth=True,
+        body=ResponsesRequest,
+        errors=(
+            *_AUTH,
+            *_BODY,
+            *_GENERATE,
+            ErrorCode.response_not_found,
+            ErrorCode.invalid_schema,
+            ErrorCode.output_validation_failed,
+        ),
+        streams=True,
+    ),
+    Route(
+        "GET",
+        "/v1/responses/{id}",
+        responses.retrieve,
+        "A stored answer of this account.",
+        auth=True,
+        errors=(*_AUTH, ErrorCode.response_not_found),
+    ),
+    Route(
+        "DELETE",
+        "/v1/responses/{id}",
+        responses.delete,
+        "Forget a stored answer.",
+        auth=True,
+        errors=(*_AUTH, ErrorCode.response_not_found),
     ),
     Route(
         "POST",

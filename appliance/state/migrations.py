@@ -243,3 +243,23 @@ def m009_tenancy(db: Database) -> None:
         not_null={"package_id", "version", "account_id", "created_at"},
     )
     db.table("package_owners").create_index(["package_id", "version", "account_id"], unique=True)
+
+
+@migrations()
+def m010_responses(db: Database) -> None:
+    # Responses API answers kept for `previous_response_id` (and GET /v1/responses/{id}),
+    # per account, until they expire (`responses.keep_s`): the answer as sent, and the
+    # conversation it ended (the messages a follow-up continues from).
+    db.table("responses").create(
+        {
+            "id": str,
+            "account_id": int,
+            "created_at": float,
+            "expires_at": float,
+            "body": str,
+            "messages": str,
+        },
+        pk="id",
+        not_null={"account_id", "created_at", "expires_at", "body", "messages"},
+    )
+    db.table("responses").create_index(["expires_at"])

@@ -349,7 +349,11 @@ async def test_structured_output_cut_short_fails_closed(client: Client, api_key:
 @pytest.mark.parametrize(
     ("body", "code", "param"),
     [
-        ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, ErrorCode.invalid_parameter, "messages[0].tool_call_id"),  # fmt: skip
+        (
+            {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]},
+            ErrorCode.invalid_parameter,
+            "messages[0].tool_call_id",
+        ),
         ({"model": MODEL}, ErrorCode.missing_parameter, "messages"),
         ({"model": MODEL, "messages": []}, ErrorCode.invalid_parameter, "messages"),
         (

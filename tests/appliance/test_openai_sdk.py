@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import urllib.error
+import urllib.request
+from typing import Any
 
 import openai
 import pytest
 from openai import OpenAI
+from openai.types.chat import ChatCompletion
 
 from tests.conftest import ApplianceProcess
 
@@ -140,3 +144,93 @@ def test_usage_was_recorded_for_every_generation(
     assert rows
     assert all(tokens_in > 0 for _, tokens_in, _, _ in rows)
     assert {route for route, *_ in rows} >= {"/v1/completions"}
+
+
+def test_models_retrieve(sdk: OpenAI) -> None:
+    model = sdk.models.retrieve(MODEL)
+    assert model.id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("no-such-model")
+
+
+def test_several_choices_logprobs_and_extra_samplers(sdk: OpenAI) -> None:
+    reply = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=6,
+        n=2,
+        seed=3,
+        logprobs=True,
+        top_logprobs=2,
+        # llama.cpp's samplers, as Open WebUI and continue.dev send them.
+        extra_body={"top_k": 40, "min_p": 0.05, "repeat_penalty": 1.1},
+    )
+    assert [choice.index for choice in reply.choices] == [0, 1]
+    for choice in reply.choices:
+        assert choice.logprobs is not None
+        assert choice.logprobs.content
+        for entry in choice.logprobs.content:
+            assert entry.logprob <= 0
+            assert len(entry.top_logprobs) == 2
+    assert reply.system_fingerprint
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens_details is not None
+    assert reply.usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_a_model_omitted_is_served_by_the_default(sdk: OpenAI) -> None:
+    # The SDK insists on `model`; llama-server's and vLLM's clients (curl) do not.
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    reply = sdk.post("/chat/completions", body=body, cast_to=ChatCompletion)
+    assert reply.model.startswith(MODEL)
+
+
+def test_responses_plain_and_streamed(sdk: OpenAI) -> None:
+    first = sdk.responses.create(
+        model=MODEL,
+        instructions="Answer briefly.",
+        input="Say hello.",
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert first.status in {"completed", "incomplete"}
+    assert first.output_text
+    assert first.usage is not None
+    assert first.usage.output_tokens > 0
+    # A follow-up continues the stored conversation, and the stored answer can be read.
+    follow = sdk.responses.create(
+        model=MODEL, input="Again.", previous_response_id=first.id, max_output_tokens=4
+    )
+    assert follow.previous_response_id == first.id
+    assert follow.usage is not None
+    assert follow.usage.input_tokens > first.usage.input_tokens
+    assert sdk.responses.retrieve(first.id).id == first.id
+    kinds: list[str] = []
+    text, final = "", ""
+    with sdk.responses.stream(model=MODEL, input="Count to three.", max_output_tokens=8) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                text += event.delta
+            # Cut at max_output_tokens it ends `incomplete`, as OpenAI's does.
+            if event.type in {"response.completed", "response.incomplete"}:
+                final = event.response.output_text
+    assert kinds[0] == "response.created"
+    assert kinds[-1] in {"response.completed", "response.incomplete"}
+    assert text == final
+    sdk.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(first.id)
+
+
+def test_cors_preflight_of_a_real_process(appliance_process: ApplianceProcess) -> None:
+    # The module's process allows no origin: a preflight is refused, nothing leaks.
+    request = urllib.request.Request(
+        f"{appliance_process.base_url}/v1/chat/completions",
+        method="OPTIONS",
+        headers={"Origin": "http://app.example", "Access-Control-Request-Method": "POST"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    with refused.value:
+        assert "Access-Control-Allow-Origin" not in refused.value.headers
