@@ -33,30 +33,35 @@ async def create_speech(request: web.Request) -> web.StreamResponse:
     chunks = speech.audio()
     gone = False
     try:
-        # The first piece is read before anything is sent: a failure there is a status.
-        first = await anext(chunks)
-        headers = {
-            "X-Request-Id": request[REQUEST_ID],
-            "X-Kvl-Model": speech.reader.ref,
-            "X-Kvl-Voice": speech.reader.voice,
-            "X-Kvl-Sample-Rate": str(speech.sample_rate),
-        }
-        if req.stream_format == "sse":
-            response, gone = await _events(request, speech, first, chunks, headers)
-            return response
-        if not speech.format.streams:  # made whole (flac): its length is known
-            rest = [data async for data in chunks]
-            return web.Response(
-                body=b"".join([first, *rest]), content_type=speech.format.mime, headers=headers
-            )
-        response, gone = await _stream(request, speech, first, chunks, headers)
-        return response
+        response, gone = await _respond(request, speech, chunks)
     except asyncio.CancelledError:
         gone = True  # the client went away (a server that cancels its handlers then)
         raise
     finally:
         await chunks.aclose()
         await speech.close(gone=gone)
+    return response
+
+
+async def _respond(
+    request: web.Request, speech: Speech, chunks: AsyncIterator[bytes]
+) -> tuple[web.StreamResponse, bool]:
+    """The response, and whether the client went away before its end."""
+    # The first piece is read before anything is sent: a failure there is a status.
+    first = await anext(chunks)
+    headers = {
+        "X-Request-Id": request[REQUEST_ID],
+        "X-Kvl-Model": speech.reader.ref,
+        "X-Kvl-Voice": speech.reader.voice,
+        "X-Kvl-Sample-Rate": str(speech.sample_rate),
+    }
+    if speech.req.stream_format == "sse":
+        return await _events(request, speech, first, chunks, headers)
+    if not speech.format.streams:  # made whole (flac): its length is known
+        rest = [data async for data in chunks]
+        whole = b"".join([first, *rest])
+        return web.Response(body=whole, content_type=speech.format.mime, headers=headers), False
+    return await _stream(request, speech, first, chunks, headers)
 
 
 async def _stream(

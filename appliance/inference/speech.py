@@ -11,7 +11,8 @@ default voice (`speech.default_model`); OpenAI's voice names map to espeak-ng va
 The text is read a sentence at a time (long sentences at their clauses), so the first
 audio goes out once the first sentence is read, the next is read while that one is
 sent, and at most `speech.max_concurrent` sentences, across all requests, are read at
-once: espeak-ng in its own process, the neural voice in a thread.
+once: espeak-ng in its own process, the neural voice in a thread; the codecs (LAME,
+Opus, FLAC) take their turns too.
 
 Usage: the input's characters are its `tokens_in` (what OpenAI bills tts-1 by), no
 `tokens_out`; they count against the account's daily tokens and its fleet budget like
@@ -27,7 +28,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -37,7 +38,7 @@ from appliance.state.store import UsageEvent
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncGenerator, Callable
+    from collections.abc import AsyncGenerator, Awaitable, Callable
 
     from appliance.inference.admission import AdmissionControl
     from appliance.observability.metrics import Metrics
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from appliance.state.store import ApiKey, AsyncStore
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_INPUT_CHARS = 4096  # OpenAI's limit
 Engine = Literal["espeak-ng", "neural"]
@@ -218,11 +220,17 @@ class SpeechService:
         self._neural = neural
         self._turns = asyncio.Semaphore(settings.max_concurrent)
         self._in_progress = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._espeak_ref: str | None = None
 
     @property
     def in_progress(self) -> int:
         return self._in_progress
+
+    async def drained(self) -> None:
+        """Return once no request is in progress (each one's usage committed)."""
+        await self._idle.wait()
 
     @property
     def rate_wpm(self) -> int:
@@ -262,6 +270,7 @@ class SpeechService:
         speech = Speech(self, req, key, route, reader, FORMATS[req.response_format], text)
         speech.lease_id = self._admission.take_lease(key, klass, speech.id, speech.characters)
         self._in_progress += 1
+        self._idle.clear()
         return speech
 
     async def _reader(self, model: str, voice: str) -> Reader:
@@ -336,23 +345,33 @@ class SpeechService:
         return Reader("espeak-ng", name, self._espeak_ref)
 
     async def read(self, reader: Reader, text: str, rate_wpm: float) -> Pcm:
-        """One piece read, in its turn: at most `speech.max_concurrent` at once."""
+        """One piece read, in its turn."""
+        neural = self._neural
+        if reader.engine == "neural" and neural is not None:
+            return await self._in_turn(lambda: neural.pcm(text, "en", rate_wpm))
+        return await self._in_turn(lambda: self._espeak.pcm(text, reader.voice, rate_wpm))
+
+    async def encode(self, step: Callable[..., bytes], *args: bytes) -> bytes:
+        """A codec's work (LAME, Opus, FLAC) on a piece, in its turn, in a thread."""
+        return await self._in_turn(lambda: asyncio.to_thread(step, *args))
+
+    async def _in_turn(self, work: Callable[[], Awaitable[T]]) -> T:
+        """CPU work of a voice or a codec: at most `speech.max_concurrent` at once."""
         async with self._turns:
-            if reader.engine == "neural" and self._neural is not None:
-                work = asyncio.ensure_future(self._neural.pcm(text, "en", rate_wpm))
-            else:
-                work = asyncio.ensure_future(self._espeak.pcm(text, reader.voice, rate_wpm))
+            task = asyncio.ensure_future(work())
             try:
-                return await asyncio.shield(work)
+                return await asyncio.shield(task)
             except asyncio.CancelledError:
-                # The voice's thread (or process) reads the piece to its end regardless:
+                # The thread (or the voice's process) does the work to its end regardless:
                 # the turn is held until it has, so the bound holds.
                 with contextlib.suppress(Exception):
-                    await work
+                    await task
                 raise
 
     def finished(self) -> None:
         self._in_progress -= 1
+        if not self._in_progress:
+            self._idle.set()
 
     async def record(self, speech: Speech, status: int) -> None:
         """Count the characters read and commit the usage event."""
@@ -462,7 +481,7 @@ class Speech:
     async def _encode(self, step: Callable[..., bytes], *args: bytes) -> bytes:
         if self.format.name in {"wav", "pcm"}:
             return step(*args)  # no codec: a header and the samples as they are
-        return await asyncio.to_thread(step, *args)  # a codec's work: off the event loop
+        return await self.service.encode(step, *args)
 
     async def close(self, *, gone: bool = False) -> None:
         """End the request: a client that went away (``gone``) is charged what was read

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 # libsndfile's settings for each format; `mime` as OpenAI answers.
-_MP3_BITRATE = 0.7  # libsndfile's compression level 0..1: 0.7 is 64 kbit/s at 22 kHz, mono
+_MP3_BITRATE = 0.7  # libsndfile's compression level 0..1: 0.7 is 56 kbit/s at 22 kHz, mono
 OPUS_RATE = 24_000
 STREAMING_SIZE = 0xFFFFFFFF
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import openai
 import pytest
-import soundfile
+import soundfile  # type: ignore[import-untyped]
 
 from appliance.app import create_app
 from appliance.gateway.speech import SPEECH
@@ -52,9 +52,7 @@ def settings_for(tmp_path: Path, **speech: object) -> ApplianceSettings:
     )
 
 
-async def start(
-    aiohttp_client: AiohttpClient, settings: ApplianceSettings
-) -> tuple[Client, str]:
+async def start(aiohttp_client: AiohttpClient, settings: ApplianceSettings) -> tuple[Client, str]:
     store = Store(settings.db_path)
     try:
         key = store.create_key("tester").plaintext
@@ -159,7 +157,8 @@ async def test_pcm_is_the_wav_without_its_header(appliance: tuple[Client, str]) 
     assert headers["X-Kvl-Sample-Rate"] == "22050"
     assert headers["X-Kvl-Model"].startswith("espeak-ng@1.")
     _, _, wav = await speak(client, key, **request, response_format="wav")
-    assert len(pcm) > 22050 and len(pcm) % 2 == 0
+    assert len(pcm) > 22050
+    assert len(pcm) % 2 == 0
     assert pcm == wav[44:]  # espeak-ng reads the same text the same way
 
 
@@ -209,7 +208,7 @@ async def test_every_openai_voice_and_an_espeak_language(appliance: tuple[Client
     client, key = appliance
     seen = set()
     for voice in (*OPENAI_VOICES, "de", "en-gb-x-rp+m1"):
-        status, headers, body = await speak(
+        status, _, body = await speak(
             client, key, model="espeak-ng", voice=voice, response_format="pcm", input="Hallo."
         )
         assert status == 200, (voice, body)
@@ -243,7 +242,8 @@ async def test_sse_sends_base64_audio_then_the_usage(appliance: tuple[Client, st
     assert {e["type"] for e in events[:-1]} == {"speech.audio.delta"}
     audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
     rate, frames = wav_frames(audio)
-    assert rate == 22050 and len(frames) > rate
+    assert rate == 22050
+    assert len(frames) > rate
     assert events[-1]["usage"] == {
         "input_tokens": len(TEXT),
         "output_tokens": 0,
@@ -281,7 +281,8 @@ async def test_the_first_audio_goes_out_before_the_text_is_read(
         200,
     )
     assert event.model == response.headers["X-Kvl-Model"]
-    assert event.ttft_ms is not None and event.ttft_ms < event.duration_ms
+    assert event.ttft_ms is not None
+    assert event.ttft_ms < event.duration_ms
     assert client.app[SPEECH].in_progress == 0
     metrics = await (await client.get("/metrics")).text()
     assert f'kvl_speech_characters_total{{engine="neural"}} {len(LONG)}.0' in metrics
@@ -298,12 +299,12 @@ async def test_a_client_that_leaves_is_charged_what_was_read(
     )
     assert await response.content.readany()
     response.close()
-    while not (events := usage(settings)):  # the server notices at its next write
-        await asyncio.sleep(0.05)
+    # The server notices at its next write, and commits the usage as the request ends.
+    await asyncio.wait_for(client.app[SPEECH].drained(), 60)
+    events = usage(settings)
+    assert len(events) == 1
     assert events[0].status == 499
     assert 0 < events[0].tokens_in < len(LONG)
-    while client.app[SPEECH].in_progress:
-        await asyncio.sleep(0.05)
 
 
 async def test_requests_past_the_bound_get_429(
@@ -328,7 +329,7 @@ async def test_requests_past_the_bound_get_429(
 
 
 @pytest.mark.parametrize(
-    ("body", "status", "code", "param"),
+    "case",
     [
         ({"input": ""}, 400, "invalid_parameter", "input"),
         ({"input": " \n "}, 400, "invalid_parameter", "input"),
@@ -351,12 +352,10 @@ async def test_requests_past_the_bound_get_429(
 async def test_bad_requests_get_the_error_shape(
     appliance: tuple[Client, str],
     settings: ApplianceSettings,
-    body: dict[str, Any],
-    status: int,
-    code: str,
-    param: str,
+    case: tuple[dict[str, Any], int, str, str],
 ) -> None:
     client, key = appliance
+    body, status, code, param = case
     got, _, raw = await speak(client, key, **{"model": "tts-1", "voice": "alloy", **body})
     assert got == status, raw
     error = json.loads(raw)["error"]
@@ -373,7 +372,7 @@ async def test_a_missing_voice_is_named(appliance: tuple[Client, str]) -> None:
 
 
 async def test_speech_needs_a_valid_key(appliance: tuple[Client, str]) -> None:
-    client, key = appliance
+    client, _ = appliance
     body = {"model": "tts-1", "voice": "alloy", "input": TEXT}
     for headers, code in (
         ({}, "missing_api_key"),
@@ -417,7 +416,8 @@ def test_the_openai_sdk_reads_speech(appliance_process: ApplianceProcess) -> Non
         model="tts-1", voice="alloy", input=TEXT, response_format="wav", speed=1.25
     )
     rate, frames = wav_frames(whole.content)
-    assert rate == 22050 and len(frames) > rate
+    assert rate == 22050
+    assert len(frames) > rate
     with sdk.audio.speech.with_streaming_response.create(
         model="gpt-4o-mini-tts", voice="nova", input=TEXT, response_format="mp3"
     ) as response:
