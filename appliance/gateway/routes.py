@@ -139,6 +139,7 @@ ROUTES: tuple[Route, ...] = (
             ErrorCode.queue_full,
             ErrorCode.quota_exceeded,
             ErrorCode.outbox_full,
+            ErrorCode.model_unavailable,
         ),
     ),
     Route(
