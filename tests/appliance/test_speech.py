@@ -325,6 +325,27 @@ async def test_requests_past_the_bound_get_429(
     assert after.status == 200
 
 
+async def test_characters_count_against_the_daily_tokens(
+    aiohttp_client: AiohttpClient, tmp_path: Path
+) -> None:
+    settings = make_settings(
+        tmp_path / "data",
+        model={"default": "no-language-model"},
+        embeddings={"enabled": False},
+        classes={"s1": {"tokens_per_day": len(TEXT) + 10}},
+    )
+    client, key = await start(aiohttp_client, settings)
+    body = {"model": "espeak-ng", "voice": "alloy", "response_format": "pcm"}
+    status, _, _ = await speak(client, key, **body)
+    assert status == 200
+    status, _, _ = await speak(client, key, **body, input="Ten chars.")  # to the limit
+    assert status == 200
+    status, headers, raw = await speak(client, key, **body)
+    assert status == 429
+    assert json.loads(raw)["error"]["code"] == "quota_exceeded"
+    assert "Retry-After" in headers
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 
