@@ -34,16 +34,19 @@ from appliance.gateway.packages import PACKAGES, PACKAGES_URL
 from appliance.gateway.responses import RESPONSES
 from appliance.gateway.routes import ROUTES
 from appliance.gateway.server import FleetListener
+from appliance.gateway.speech import SPEECH
 from appliance.inference.admission import AdmissionControl
 from appliance.inference.completions import CompletionService
 from appliance.inference.embeddings import EmbeddingService
 from appliance.inference.names import ModelNames
 from appliance.inference.responses_api import ResponsesService
+from appliance.inference.speech import SpeechService
 from appliance.jobs.service import JobService
 from appliance.observability.metrics import Metrics
 from appliance.observability.tracing import Tracing
 from appliance.packages.cache import PackageCache
 from appliance.packages.service import PackageService
+from appliance.packages.voice import Espeak, Neural
 from appliance.serving.registry import ModelRegistry
 from appliance.state.store import AsyncStore
 from shared import __version__
@@ -77,6 +80,7 @@ def create_app(settings: ApplianceSettings) -> web.Application:
     app.cleanup_ctx.append(_store)
     app.cleanup_ctx.append(_tracing)
     app.cleanup_ctx.append(_models)
+    app.cleanup_ctx.append(_speech)
     app.cleanup_ctx.append(_jobs)
     app.cleanup_ctx.append(_fleet)
     app.cleanup_ctx.append(_embeddings)
@@ -127,6 +131,28 @@ async def _models(app: web.Application) -> AsyncIterator[None]:
     host.start()
     yield
     await host.close()
+
+
+async def _speech(app: web.Application) -> AsyncIterator[None]:
+    # The voices load on first use: espeak-ng is a process per piece, the neural voice's
+    # model (about 60 MB) is read at its first request.
+    settings = app[SETTINGS].speech
+    model = settings.neural_voice_model or Neural.bundled()
+    neural = None if model is None else Neural(model, rate_wpm=settings.rate_wpm)
+    if neural is None and settings.default_model == "neural" and settings.enabled:
+        log.warning(
+            "speech.default_model is neural, but no voice file is set or installed (the "
+            "`voice` extra): tts-1 and its kin read with espeak-ng"
+        )
+    app[SPEECH] = SpeechService(
+        settings,
+        app[STORE],
+        app[METRICS],
+        app[ADMISSION],
+        espeak=Espeak(settings.rate_wpm),
+        neural=neural,
+    )
+    yield
 
 
 async def _fleet(app: web.Application) -> AsyncIterator[None]:

@@ -321,6 +321,40 @@ class PackageSettings(_Section):
     )
 
 
+class SpeechSettings(_Section):
+    enabled: bool = Field(default=True, description="Serve `POST /v1/audio/speech`.")
+    default_model: Literal["neural", "espeak-ng"] = Field(
+        "neural",
+        description="The voice OpenAI's model names (`tts-1`, `tts-1-hd`, `gpt-4o-mini-tts`) "
+        "read with: the neural voice where its file is installed, else espeak-ng.",
+    )
+    neural_voice_model: Path | None = Field(
+        None,
+        description="A Piper voice file (.onnx, its .onnx.json beside it) for the neural "
+        "voice; unset: the en_US voice the `voice` extra installs.",
+    )
+    rate_wpm: int = Field(
+        150,
+        ge=80,
+        le=400,
+        description="Words per minute at `speed` 1 (either voice); a request's `speed` scales it.",
+    )
+    max_concurrent: int = Field(
+        2,
+        ge=1,
+        le=256,
+        description="Sentences synthesised at once, across all requests (each keeps a CPU "
+        "core busy); a request reads its text one sentence at a time.",
+    )
+    max_queue: int = Field(
+        16,
+        ge=0,
+        le=4096,
+        description="Requests in progress beyond `max_concurrent`, waiting their turn "
+        "between sentences; one more gets 429 `queue_full` with Retry-After.",
+    )
+
+
 def parse_allow(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | str:
     """One `jobs.webhook_allow` entry: a network (`127.0.0.1/8`, host bits allowed) or a
     host name, lower case, without a final dot. ValueError for anything else. (The webhook
@@ -697,6 +731,9 @@ class ApplianceSettings(BaseSettings):
     packages: PackageSettings = Field(
         default_factory=PackageSettings,
         description="Content packages (`/v1/packages`): generation, validation, the cache.",
+    )
+    speech: SpeechSettings = Field(
+        default_factory=SpeechSettings, description="Text to speech (`/v1/audio/speech`)."
     )
     fleet: FleetSettings = Field(
         default_factory=FleetSettings, description="The link to the fleet's hub."

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from appliance.gateway import admin, handlers, jobs, packages, responses, websocket
+from appliance.gateway import admin, handlers, jobs, packages, responses, speech, websocket
 from appliance.gateway.jobs import JobRequest
 from appliance.gateway.openapi import Route, build_openapi
 from appliance.gateway.schemas import AdminModelRequest
 from appliance.inference.responses_api import ResponsesRequest
 from appliance.inference.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from appliance.inference.speech import SpeechRequest
 from appliance.packages.model import PackageRequest
 from shared.errors import ErrorCode
 
@@ -166,6 +167,24 @@ ROUTES: tuple[Route, ...] = (
             ErrorCode.model_not_found,
             ErrorCode.queue_full,
             ErrorCode.model_not_ready,
+        ),
+    ),
+    Route(
+        "POST",
+        "/v1/audio/speech",
+        speech.create_speech,
+        "Text to speech (OpenAI): espeak-ng or the neural voice reads `input`, a sentence at "
+        "a time, and the audio is sent as it is read (wav, pcm, mp3, opus; flac whole).",
+        auth=True,
+        body=SpeechRequest,
+        errors=(
+            *_AUTH,
+            *_BODY,
+            ErrorCode.model_not_found,
+            ErrorCode.queue_full,
+            ErrorCode.quota_exceeded,
+            ErrorCode.outbox_full,
+            ErrorCode.model_unavailable,
         ),
     ),
     Route(

@@ -191,6 +191,25 @@ class Metrics:
             buckets=_BATCH_BUCKETS,
             registry=r,
         )
+        self.speech_characters = Counter(
+            "kvl_speech_characters",
+            "Input characters read aloud by /v1/audio/speech, by voice engine.",
+            ["engine"],
+            registry=r,
+        )
+        self.speech_audio_seconds = Counter(
+            "kvl_speech_audio_seconds",
+            "Seconds of speech synthesised, by voice engine.",
+            ["engine"],
+            registry=r,
+        )
+        self.speech_first_audio_seconds = Histogram(
+            "kvl_speech_first_audio_seconds",
+            "Time from a speech request to its first audio, by voice engine.",
+            ["engine"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.embedding_model = Info(
             "kvl_embedding_model",
             "The embedding model loaded: its onnxruntime execution provider and dimension.",

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from appliance.serving.audio import Pcm
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 # espeak-ng ends a clause (and a line of its --ipa output) at each of these.
 _CLAUSE = re.compile(r"([^,.;:!?]+)([,.;:!?]*)")
 _BOS, _EOS, _PAD = "^", "$", "_"
+ESPEAK_MIN_WPM = 80  # espeak-ng reads no slower
 
 
 class Voice(Protocol):
@@ -83,6 +85,8 @@ class Espeak:
     def __init__(self, rate_wpm: int = 150) -> None:
         self._rate = rate_wpm
         self._version: str | None = None
+        self._languages: frozenset[str] | None = None
+        self._variants: frozenset[str] | None = None
 
     @staticmethod
     def available() -> bool:
@@ -104,6 +108,42 @@ class Espeak:
         voice = language.split("-", maxsplit=1)[0]
         raw = await espeak("-v", voice, "-s", str(self._rate), "--stdout", stdin=text)
         return fix_wav_sizes(raw)
+
+    async def pcm(self, text: str, voice: str, rate_wpm: float | None = None) -> Pcm:
+        """16-bit mono PCM of ``text`` read by an espeak-ng voice (`en-us`, `en-us+f3`: a
+        name from :meth:`languages`, a variant from :meth:`variants`) at a rate in words
+        per minute. espeak-ng reads no slower than 80; slower, the words are read at 80
+        with a longer gap between them (its -g, in 10 ms units), for the same pace."""
+        rate = self._rate if rate_wpm is None else rate_wpm
+        args = ["-v", voice, "-s", str(max(ESPEAK_MIN_WPM, round(rate)))]
+        if rate < ESPEAK_MIN_WPM:
+            gap_s = 60 / rate - 60 / ESPEAK_MIN_WPM
+            args += ["-g", str(round(gap_s * 100))]
+        raw = await espeak(*args, "--stdout", stdin=text)
+        if not raw:  # an unknown voice: espeak-ng says so on stderr, and exits 0
+            raise ApiError(ErrorCode.internal_error, f"espeak-ng wrote no audio for {voice!r}")
+        with wave.open(io.BytesIO(fix_wav_sizes(raw))) as wav:
+            return Pcm(wav.readframes(wav.getnframes()), wav.getframerate())
+
+    async def languages(self) -> frozenset[str]:
+        """The voices espeak-ng has (`en-us`, `de`, …), lower case."""
+        if self._languages is None:
+            self._languages = await _voice_list("--voices", 1)
+        return self._languages
+
+    async def variants(self) -> frozenset[str]:
+        """The variants a voice takes after `+` (`f3`, `m2`, `klatt`, …), lower case."""
+        if self._variants is None:
+            self._variants = frozenset(
+                name.removeprefix("!v/") for name in await _voice_list("--voices=variant", 4)
+            )
+        return self._variants
+
+
+async def _voice_list(option: str, column: int) -> frozenset[str]:
+    out = await espeak(option)
+    rows = [line.split() for line in out.decode(errors="replace").splitlines()[1:]]
+    return frozenset(row[column].lower() for row in rows if len(row) > column)
 
 
 @dataclass(frozen=True)
@@ -163,6 +203,18 @@ class Neural:
         return f"{voice.config.get('piper_version', '?')}@{voice.sha256[:12]}"
 
     async def speak(self, text: str, language: str) -> bytes:
+        pcm = await self.pcm(text, language)
+        out = io.BytesIO()
+        with wave.open(out, "wb") as wav:
+            wav.setnchannels(1)
+            wav.setsampwidth(2)
+            wav.setframerate(pcm.sample_rate)
+            wav.writeframes(pcm.samples)
+        return out.getvalue()
+
+    async def pcm(self, text: str, language: str, rate_wpm: float | None = None) -> Pcm:
+        """16-bit mono PCM of ``text`` at the voice's sample rate; 150 words per minute
+        is the voice's own pace (its length scale), and other rates scale it."""
         voice = await self._load()
         espeak_voice = str(voice.config.get("espeak", {}).get("voice", language))
         phonemes = await _phonemes(text, espeak_voice)
@@ -170,11 +222,16 @@ class Neural:
         # No noise (the voice's own scales are 0.667 and 0.8): onnxruntime's random ops
         # take no seed, and a package's narration must be the same bytes every time.
         length = float(voice.config.get("inference", {}).get("length_scale", 1.0))
-        scales = [0.0, length * 150 / self._rate, 0.0]
-        rate = int(voice.config["audio"]["sample_rate"])
-        return await asyncio.to_thread(self._synthesize, ids, scales, rate)
+        rate = self._rate if rate_wpm is None else rate_wpm
+        scales = [0.0, length * 150 / rate, 0.0]
+        samples = await asyncio.to_thread(self._synthesize, ids, scales)
+        return Pcm(samples, self.sample_rate)
 
-    def _synthesize(self, ids: list[int], scales: list[float], sample_rate: int) -> bytes:
+    @property
+    def sample_rate(self) -> int:
+        return int(self._config["audio"]["sample_rate"])
+
+    def _synthesize(self, ids: list[int], scales: list[float]) -> bytes:
         import numpy as np  # noqa: PLC0415
 
         audio = self._session.run(
@@ -185,14 +242,7 @@ class Neural:
                 "scales": np.array(scales, dtype=np.float32),
             },
         )[0].reshape(-1)
-        pcm = (np.clip(audio, -1.0, 1.0) * 32767).astype("<i2")
-        out = io.BytesIO()
-        with wave.open(out, "wb") as wav:
-            wav.setnchannels(1)
-            wav.setsampwidth(2)
-            wav.setframerate(sample_rate)
-            wav.writeframes(pcm.tobytes())
-        return out.getvalue()
+        return bytes((np.clip(audio, -1.0, 1.0) * 32767).astype("<i2").tobytes())
 
     async def _load(self) -> _VoiceFile:
         async with self._lock:

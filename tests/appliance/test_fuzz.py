@@ -86,6 +86,8 @@ class Fuzzed:
     package_id: str  # a package in the cache, for the routes that name one
 
     def model_for(self, path: str) -> str:
+        if path == "/v1/audio/speech":
+            return "espeak-ng"  # a voice the appliance always has, and the quick one
         return self.embedding_model if path == "/v1/embeddings" else self.model
 
     @property
@@ -239,6 +241,8 @@ def contract_problems(path: str, reply: Reply) -> list[str]:
             found.append("a 2xx JSON response whose body is not JSON")
     elif media_type == "text/event-stream":
         found.extend(_event_stream_problems(text, complete=reply.complete))
+    elif path == "/v1/audio/speech" and media_type.startswith("audio/"):
+        found.extend([] if reply.body else [f"an empty {media_type} response"])
     else:
         found.append(f"a 2xx response of type {reply.content_type!r}")
     return found
@@ -267,6 +271,10 @@ def _event_stream_problems(text: str, *, complete: bool) -> list[str]:
             last = "error"
         elif isinstance(event, dict) and "choices" in event:
             last = "chunk"
+        elif isinstance(event, dict) and event.get("type") == "speech.audio.delta":
+            last = "chunk"  # speech's events (`stream_format: "sse"`), ended by their done
+        elif isinstance(event, dict) and event.get("type") == "speech.audio.done":
+            last = "done"
         else:
             found.append(f"an event that is neither a chunk nor an error: {_clip(data)}")
     if complete and last == "chunk":
@@ -367,6 +375,11 @@ def adjust_valid_body(body: dict[str, Any], adjust: str, model: str, path: str) 
         adjust_job(body, model)
         return
     body["model"] = model
+    if path == "/v1/audio/speech":
+        # A voice it has (a random name is a 400) in a format it makes; the text as generated.
+        body["voice"] = "alloy"
+        if body.get("response_format") == "aac":
+            body["response_format"] = "wav"
     if "replicas" in body:
         # The admin route: the served model keeps its one replica (more would start a
         # worker process per replica, up to eight, for nothing the fuzzing needs).
