@@ -59,7 +59,8 @@ class ErrorCode(StrEnum):
     package_corrupt = "package_corrupt"
     queue_full = "queue_full"
     overloaded = "overloaded"
-    quota_exceeded = "quota_exceeded"
+    rate_limit_exceeded = "rate_limit_exceeded"
+    insufficient_quota = "insufficient_quota"
     too_many_auth_failures = "too_many_auth_failures"
     model_not_ready = "model_not_ready"
     model_unavailable = "model_unavailable"
@@ -173,7 +174,8 @@ _KINDS: dict[ErrorCode, _Kind] = {
         403, "permission_error", "hub: a node reported a lease granted to another node"
     ),
     ErrorCode.not_found: _Kind(404, "not_found_error", "no such route"),
-    ErrorCode.model_not_found: _Kind(404, "not_found_error", "no model by that name"),
+    # OpenAI's type for an unknown model (its SDKs read `code`; some clients read `type`).
+    ErrorCode.model_not_found: _Kind(404, _INVALID, "no model by that name"),
     ErrorCode.job_not_found: _Kind(404, "not_found_error", "no job by that id in this account"),
     ErrorCode.response_not_found: _Kind(
         404,
@@ -207,8 +209,19 @@ _KINDS: dict[ErrorCode, _Kind] = {
         "the request cannot meet its service class's objectives now (refused at the door, "
         "or dropped from the queue); retry after `Retry-After` seconds",
     ),
-    ErrorCode.quota_exceeded: _Kind(
-        429, "rate_limit_error", "the account is over a quota of its class; the message names it"
+    ErrorCode.rate_limit_exceeded: _Kind(
+        429,
+        "requests",
+        "the account is over a rate of its class (`requests_per_minute`, or the fleet "
+        "budget's safe capacity while the hub is away, or a lease not yet granted); "
+        "`Retry-After` says when (OpenAI's code; SDKs retry it)",
+    ),
+    ErrorCode.insufficient_quota: _Kind(
+        429,
+        "insufficient_quota",
+        "the account's allowance is spent (`tokens_per_day`, or its budget across the fleet "
+        "for the period); `Retry-After` says when it refills, and `x-should-retry: false` "
+        "tells OpenAI's SDKs not to retry (OpenAI's code)",
     ),
     ErrorCode.too_many_auth_failures: _Kind(
         429, "rate_limit_error", "too many failed authentications from this address"
@@ -271,10 +284,14 @@ class ApiError(Exception):
         return error_body(self.code, self.message, param=self.param)
 
     def headers(self) -> dict[str, str]:
-        if self.retry_after is None:
-            return {}
-        # Retry-After takes whole seconds; round up so a client never retries early.
-        return {"Retry-After": str(max(1, int(-(-self.retry_after // 1))))}
+        out: dict[str, str] = {}
+        if self.code is ErrorCode.insufficient_quota:
+            # OpenAI's SDKs retry every 429 unless told: a spent allowance is hours away.
+            out["x-should-retry"] = "false"
+        if self.retry_after is not None:
+            # Retry-After takes whole seconds; round up so a client never retries early.
+            out["Retry-After"] = str(max(1, int(-(-self.retry_after // 1))))
+        return out
 
 
 def error_body(code: ErrorCode, message: str, *, param: str | None = None) -> dict[str, Any]:

@@ -62,7 +62,8 @@ class AdmissionControl:
     # -- quotas ------------------------------------------------------------------------------
 
     async def check_quota(self, key: ApiKey, klass: ServiceClass) -> None:
-        """Refuse (429 quota_exceeded) when the account is over a quota of its class; a
+        """Refuse (429 insufficient_quota or rate_limit_exceeded) when the account is over a
+        quota of its class; a
         request counts against requests per minute here, its tokens once it is done."""
         if self.outbox_full:
             raise ApiError(
@@ -101,7 +102,9 @@ class AdmissionControl:
     def _refuse_quota(self, klass: ServiceClass, quota: str, limit: int, wait: float) -> None:
         self._metrics.quota_refusals.labels(klass.value, quota).inc()
         raise ApiError(
-            ErrorCode.quota_exceeded,
+            ErrorCode.insufficient_quota
+            if quota == "tokens_per_day"
+            else ErrorCode.rate_limit_exceeded,
             f"the account is over its {quota} quota ({limit}, class {klass.value}); "
             f"retry after {math.ceil(wait)} s",
             retry_after=wait,
@@ -131,7 +134,7 @@ class AdmissionControl:
     ) -> str | None:
         """For an account with a budget on the hub: reserve the request's worst case from
         this node's lease (the lease's id; None on safe capacity, or without a budget).
-        Raises ApiError quota_exceeded."""
+        Raises ApiError insufficient_quota or rate_limit_exceeded."""
         if key.account.budget_tokens is None:
             return None
         try:

@@ -59,6 +59,10 @@ RETRY_LATER = 429
 UNAVAILABLE = 503
 
 
+# A refusal for the account's quota: its items wait, other accounts' run.
+_QUOTA = frozenset({ErrorCode.rate_limit_exceeded, ErrorCode.insufficient_quota})
+
+
 @dataclass(frozen=True)
 class _Result:
     status_code: int
@@ -283,7 +287,7 @@ class JobRunner:
             waits = error.status == RETRY_LATER or error.code is ErrorCode.outbox_full
             if waits or attempts < self._settings.item_max_attempts:
                 self._metrics.job_items.labels("retried").inc()
-                if error.code is ErrorCode.quota_exceeded:
+                if error.code in _QUOTA:
                     self._pause_account(item, error)  # the account's limit, not the node's
                 else:
                     self._pause(error.message, error.retry_after)

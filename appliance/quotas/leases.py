@@ -103,7 +103,8 @@ class LeaseBook:
 
     def take(self, account: str, klass: str, request_id: str, cost: int, now: float) -> str | None:
         """Reserve `cost` tokens for a request: the lease's id, or None when it runs on the
-        class's safe capacity (the hub unreachable). Raises ApiError quota_exceeded."""
+        class's safe capacity (the hub unreachable). Raises ApiError insufficient_quota (the
+        budget is spent) or rate_limit_exceeded (waiting for a lease, or safe capacity)."""
         lease = self.current.get(account)
         # Admitted while anything of the lease is unreserved: a request may then overrun
         # it by at most its own worst case, which bounds the overspend by the requests in
@@ -117,7 +118,7 @@ class LeaseBook:
         if self._exhausted.get(account, 0.0) > now:
             wait = self._exhausted[account] - now
             raise ApiError(
-                ErrorCode.quota_exceeded,
+                ErrorCode.insufficient_quota,
                 f"the account's budget across the fleet is spent until the period ends "
                 f"(in {math.ceil(wait)} s)",
                 retry_after=wait,
@@ -127,7 +128,7 @@ class LeaseBook:
             return None
         wait = max(1.0, self.learning_until - now)
         raise ApiError(
-            ErrorCode.quota_exceeded,
+            ErrorCode.rate_limit_exceeded,
             "this node is waiting for a quota lease from the hub for the account's budget",
             retry_after=wait,
         )
@@ -136,7 +137,7 @@ class LeaseBook:
         per_minute = self._safe(klass)
         if per_minute <= 0:
             raise ApiError(
-                ErrorCode.quota_exceeded,
+                ErrorCode.rate_limit_exceeded,
                 "the hub is unreachable and this node's lease for the account's budget is "
                 f"spent; class {klass} has no safe capacity (classes.{klass.lower()}"
                 ".safe_tokens_per_minute)",
@@ -148,7 +149,7 @@ class LeaseBook:
             self._buckets[account] = bucket
         if (wait := bucket.take(cost, now)) > 0:
             raise ApiError(
-                ErrorCode.quota_exceeded,
+                ErrorCode.rate_limit_exceeded,
                 f"the hub is unreachable; class {klass}'s safe capacity ({per_minute} tokens "
                 f"a minute) is spent; retry after {math.ceil(wait)} s",
                 retry_after=wait,

@@ -198,7 +198,7 @@ async def test_quotas_refuse_name_the_quota_and_recover(
     over = await client.post("/v1/completions", headers=headers, json=body)
     assert over.status == 429
     error = (await over.json())["error"]
-    assert error["code"] == ErrorCode.quota_exceeded
+    assert error["code"] == ErrorCode.rate_limit_exceeded
     assert "requests_per_minute" in error["message"]
     assert over.headers["Retry-After"] == "1"  # one request back per second
     await asyncio.sleep(1.1)

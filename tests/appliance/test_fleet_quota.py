@@ -146,7 +146,7 @@ async def test_a_partitioned_node_spends_its_lease_then_refuses_and_the_budget_h
         status, body = await _ask(client, acme_key)
         if status != 200:
             assert status == 429
-            assert body["error"]["code"] == "quota_exceeded"
+            assert body["error"]["code"] == "rate_limit_exceeded"
             assert "no safe capacity" in body["error"]["message"]
             break
         served += 1

@@ -548,7 +548,7 @@ async def test_an_account_over_its_quota_does_not_hold_up_another_accounts_jobs(
     aiohttp_client: AiohttpClient, settings: ApplianceSettings, api_key: str
 ) -> None:
     """One request a minute per account: the first account's job is refused (429
-    quota_exceeded) from its second item on, for a minute. Its items wait; the other
+    rate_limit_exceeded) from its second item on, for a minute. Its items wait; the other
     account's job, created after it, runs meanwhile."""
     strict = make_settings(
         settings.data_dir, jobs=FAST_JOBS, classes={"s1": {"requests_per_minute": 1}}

@@ -342,7 +342,7 @@ async def test_characters_count_against_the_daily_tokens(
     assert status == 200
     status, headers, raw = await speak(client, key, **body)
     assert status == 429
-    assert json.loads(raw)["error"]["code"] == "quota_exceeded"
+    assert json.loads(raw)["error"]["code"] == "insufficient_quota"
     assert "Retry-After" in headers
 
 
