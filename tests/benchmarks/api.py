@@ -1,0 +1,310 @@
+"""What the richer API costs: tool calls, several choices and logprobs against llama-server
+doing the same, and the transports (HTTP/2, gRPC) against HTTP/1.1, in one run.
+
+What is compared
+    * tool calls: chat completions with one function tool (`get_weather`, a city and a unit)
+      and `tool_choice: required`, non-streamed, greedy, one at a time; llama-server runs
+      with `--jinja` (its tool-call support) and gets the same request. Figures: latency
+      p50, completion tokens per second, and the share of answers whose call parses and
+      fits the function's schema (the appliance constrains it by grammar: every one);
+    * several choices: `n: 4` on the appliance (one request, the prompt computed once and
+      shared); llama-server answers one choice per request, so it gets what its clients
+      must send instead, four concurrent requests with the same prompt (`-np 4`, prompt
+      cache on, its default); the wall time and aggregate tokens per second of each
+      group;
+    * logprobs: `logprobs: true, top_logprobs: 5` on chat, both servers; the decode rate
+      against the same requests without logprobs;
+    * transports (when the appliance offers them): the same chat stream over HTTP/1.1,
+      HTTP/2 (TLS, ALPN h2) and gRPC, one stream and eight at once; tokens per second and
+      the appliance's CPU seconds per request.
+
+Both servers serve the same GGUF file (the embedded default, Gemma 3 270M) with two threads;
+they never run at the same time. Ratios are appliance / llama-server.
+
+Run: ``python -m tests.benchmarks.api [--requests N] [--out PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import jsonschema
+import psutil
+
+from tests.benchmarks import serving as base
+from tests.benchmarks.fleet import commit
+from tests.benchmarks.llama_server import build_llama_server
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "api.json"
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+QUESTIONS: tuple[str, ...] = (
+    "What is the weather in Paris?",
+    "Is it cold in Oslo right now, in fahrenheit?",
+    "Tell me the weather for Nairobi.",
+    "How warm is it in Lima today?",
+    "Weather in Tokyo please, celsius.",
+)
+CHOICE_PROMPT = "Write one sentence about the sea."
+
+
+@dataclass
+class Context:
+    work: Path
+    data_dir: Path
+    headers: dict[str, str]
+    binary: Path
+    model: Path | None = None
+
+
+def start(name: str, ctx: Context, *, slots: int = 1) -> base.Server:
+    port = base.free_port()
+    log_path = ctx.work / f"{name}-{slots}.log"
+    if name == "appliance":
+        command = [*base.kvl_executable(), "appliance", "serve", "--data-dir", str(ctx.data_dir)]
+        command += ["--host", base.HOST, "--port", str(port)]
+        env = base.appliance_env()
+        env["KVL_MODEL__N_SLOTS"] = str(slots)
+        with log_path.open("ab") as log:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return base.Server(
+            name, f"http://{base.HOST}:{port}", "/readyz", ctx.headers, proc, log_path
+        )
+    if ctx.model is None:
+        raise RuntimeError("the appliance runs first: it assembles the model file")
+    args = [str(ctx.binary), "-m", str(ctx.model), "--host", base.HOST, "--port", str(port)]
+    args += ["-t", str(base.N_THREADS), "-c", str(base.N_CTX * slots), "-np", str(slots)]
+    args += ["--jinja", "--flash-attn", "on", "--no-webui"]
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    return base.Server(name, f"http://{base.HOST}:{port}", "/health", {}, proc, log_path)
+
+
+async def chat(
+    session: aiohttp.ClientSession, server: base.Server, body: dict[str, Any]
+) -> tuple[float, dict[str, Any]]:
+    started = time.perf_counter()
+    async with session.post(
+        server.base_url + "/v1/chat/completions",
+        json={"model": base.MODEL, **body},
+        headers=server.headers,
+    ) as resp:
+        out: dict[str, Any] = await resp.json()
+        if resp.status != 200:
+            raise RuntimeError(f"{server.name}: HTTP {resp.status}: {out}")
+    return time.perf_counter() - started, out
+
+
+def _valid_call(out: dict[str, Any]) -> bool:
+    calls = out["choices"][0]["message"].get("tool_calls") or []
+    if len(calls) != 1 or calls[0]["function"]["name"] != "get_weather":
+        return False
+    try:
+        arguments = json.loads(calls[0]["function"]["arguments"])
+        jsonschema.validate(arguments, WEATHER["function"]["parameters"])  # type: ignore[index]
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+async def tool_calls(server: base.Server, requests: int) -> dict[str, Any]:
+    latencies, tokens, valid = [], 0, 0
+    async with aiohttp.ClientSession() as session:
+        await chat(
+            session, server, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        )
+        for i in range(requests):
+            body = {
+                "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "temperature": 0,
+                "max_tokens": 64,
+            }
+            took, out = await chat(session, server, body)
+            latencies.append(took)
+            tokens += int(out["usage"]["completion_tokens"])
+            valid += _valid_call(out)
+    return {
+        "requests": requests,
+        "latency_ms_p50": round(statistics.median(latencies) * 1000, 1),
+        "completion_tok_s": round(tokens / sum(latencies), 2),
+        "valid_calls": valid / requests,
+    }
+
+
+async def choices(server: base.Server, groups: int, *, native: bool) -> dict[str, Any]:
+    """`groups` requests for 4 choices each: one request with n=4, or four requests."""
+    walls, tokens = [], 0
+    body = {
+        "messages": [{"role": "user", "content": CHOICE_PROMPT}],
+        "temperature": 0.8,
+        "max_tokens": 48,
+    }
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await chat(
+            session, server, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        )
+        for group in range(groups):
+            started = time.perf_counter()
+            if native:
+                _, out = await chat(session, server, {**body, "n": 4, "seed": group})
+                tokens += int(out["usage"]["completion_tokens"])
+            else:
+                outs = await asyncio.gather(
+                    *(chat(session, server, {**body, "seed": group * 4 + i}) for i in range(4))
+                )
+                tokens += sum(int(out["usage"]["completion_tokens"]) for _, out in outs)
+            walls.append(time.perf_counter() - started)
+    return {
+        "groups": groups,
+        "wall_ms_p50": round(statistics.median(walls) * 1000, 1),
+        "aggregate_tok_s": round(tokens / sum(walls), 2),
+    }
+
+
+async def logprobs(server: base.Server, requests: int) -> dict[str, Any]:
+    rates: dict[str, float] = {}
+    async with aiohttp.ClientSession() as session:
+        await chat(
+            session, server, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        )
+        for label, extra in (
+            ("plain", {}),
+            ("top_logprobs_5", {"logprobs": True, "top_logprobs": 5}),
+        ):
+            took_all, tokens = 0.0, 0
+            for i in range(requests):
+                body = {
+                    "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                    "temperature": 0,
+                    "max_tokens": 48,
+                    **extra,
+                }
+                took, out = await chat(session, server, body)
+                took_all += took
+                tokens += int(out["usage"]["completion_tokens"])
+                if extra:
+                    entries = out["choices"][0]["logprobs"]["content"]
+                    assert len(entries[0]["top_logprobs"]) == 5, entries[0]
+            rates[label] = round(tokens / took_all, 2)
+    rates["ratio"] = round(rates["top_logprobs_5"] / rates["plain"], 3)
+    return rates
+
+
+def run(name: str, ctx: Context, work: Any, *, slots: int = 1) -> dict[str, Any]:
+    server = start(name, ctx, slots=slots)
+    process = psutil.Process(server.proc.pid)
+    try:
+        base.wait_ready(server, timeout_s=600)
+        cpu = base.tree_cpu_seconds(process)
+        figures: dict[str, Any] = asyncio.run(work(server))
+        figures["cpu_s"] = round(base.tree_cpu_seconds(process) - cpu, 2)
+    finally:
+        base.stop(server)
+    if ctx.model is None:
+        ctx.model = base._model_file(ctx.data_dir)
+    return figures
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="The cost of tools, n and logprobs.")
+    parser.add_argument("--requests", type=int, default=10, help="requests per workload")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
+    args = parser.parse_args(argv)
+    build = build_llama_server()
+    rows: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kvl-bench-") as tmp:
+        work = Path(tmp)
+        data_dir = work / "data"
+        key = base.create_key(data_dir)
+        ctx = Context(work, data_dir, {"Authorization": f"Bearer {key}"}, build.binary)
+        n = args.requests
+        plans = {
+            "tool_calls": (lambda s: tool_calls(s, n), lambda s: tool_calls(s, n), 1),
+            "choices_4": (
+                lambda s: choices(s, n, native=True),
+                lambda s: choices(s, n, native=False),
+                4,
+            ),
+            "logprobs": (lambda s: logprobs(s, n), lambda s: logprobs(s, n), 1),
+        }
+        for label, (ours, theirs, slots) in plans.items():
+            base.say(f"{label}: appliance")
+            app = run("appliance", ctx, ours, slots=slots)
+            base.say(f"{label}: llama-server")
+            ref = run("llama-server", ctx, theirs, slots=slots)
+            rows[label] = {"appliance": app, "llama_server": ref}
+            base.say(f"  {label}: {app} vs {ref}")
+    rows["tool_calls"]["ratios"] = {
+        "latency_ms_p50": _ratio(
+            rows["tool_calls"]["appliance"]["latency_ms_p50"],
+            rows["tool_calls"]["llama_server"]["latency_ms_p50"],
+        )
+    }
+    rows["choices_4"]["ratios"] = {
+        "aggregate_tok_s": _ratio(
+            rows["choices_4"]["appliance"]["aggregate_tok_s"],
+            rows["choices_4"]["llama_server"]["aggregate_tok_s"],
+        ),
+        "wall_ms_p50": _ratio(
+            rows["choices_4"]["appliance"]["wall_ms_p50"],
+            rows["choices_4"]["llama_server"]["wall_ms_p50"],
+        ),
+    }
+    rows["logprobs"]["ratios"] = {
+        "top_logprobs_5": _ratio(
+            rows["logprobs"]["appliance"]["top_logprobs_5"],
+            rows["logprobs"]["llama_server"]["top_logprobs_5"],
+        )
+    }
+    result = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": commit(),
+        "machine": {
+            "cpu": base.cpu_model(),
+            "logical_cpus": os.cpu_count(),
+            "load_average": os.getloadavg(),
+        },
+        "llama_server_build": build.info,
+        "workloads": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    base.say(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
