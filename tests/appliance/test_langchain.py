@@ -70,7 +70,7 @@ def test_streamed_tool_calls_assemble(llm: ChatOpenAI) -> None:
     whole = chunks[0]
     for chunk in chunks[1:]:
         whole = whole + chunk  # type: ignore[assignment]
-    calls = whole.tool_calls  # type: ignore[attr-defined]
+    calls = whole.tool_calls
     assert calls
     assert calls[0]["name"] == "get_weather"
     assert "city" in calls[0]["args"]
