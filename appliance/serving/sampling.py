@@ -4,7 +4,8 @@ With a grammar (structured output), the token is first sampled without it and on
 checked against the grammar; the full grammar pass over the vocabulary runs only when that
 token is rejected. This is what llama.cpp's own common sampler does: Gemma 3's vocabulary
 has 262,144 tokens, and running the grammar over all of them at every step costs more
-than the model itself.
+than the model itself. Both passes run the whole chain (logit bias, penalties, cuts), so a
+bias that forces a token the grammar forbids costs only the second pass.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class Sampler:
 def _chain(s: Sampling, n_vocab: int, n_ctx: int) -> Any:
     """llama.cpp's usual order (its common sampler's): logit bias, penalties, then greedy,
     or top-k, top-p, min-p, temperature and the seeded draw. Each stage is added only when
-    it changes something, so a default request runs the same chain as before."""
+    it changes something: a default request runs the shortest chain."""
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     add = llama_cpp.llama_sampler_chain_add
     if s.logit_bias:
