@@ -10,7 +10,12 @@ sequence's KV cells when it ends. New requests join between steps.
 A prompt prefix that several requests share (a common system prompt) is computed once: the
 KV cache is unified, one extra llama.cpp sequence (the store, id ``n_slots``) keeps the
 prefix, and each request that starts with it gets its cells by ``llama_memory_seq_cp`` at
-admission (appliance.serving.prefix decides who builds, who waits and who reuses).
+admission (appliance.serving.prefix decides who builds, who waits and who reuses). Requests
+that say they share their prompt (the ``n`` choices of one OpenAI request) go through the
+same store, so the prompt is computed once for all of them.
+
+Logprobs, when a request asks for them, are read from the raw logits of each sampled
+position before the next decode overwrites them; a request without them pays nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import llama_cpp
@@ -37,10 +42,11 @@ from appliance.serving.engine import (
     GenerationRequest,
     SlotChange,
     TextDelta,
+    TokenLogprob,
     Vocabulary,
     default_threads,
 )
-from appliance.serving.sampling import Sampler
+from appliance.serving.sampling import Sampler, logits_at, token_logprobs
 from appliance.serving.text import TextAssembler
 
 if TYPE_CHECKING:
@@ -66,6 +72,10 @@ class _Sequence:
     produced: int = 0
     ttft: float | None = None
     failed: bool = False  # a Failed event was sent; nothing more goes out
+    cached: int = 0  # prompt tokens copied from the prefix store
+    # Logprobs of tokens whose text the assembler still holds back: they go out with the
+    # next delta that has text, or with the last one.
+    pending: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -122,14 +132,19 @@ class BatchEngine:
         n_swa = int(llama_cpp.llama_model_n_swa(model))
         store_max = min(o.n_ctx - 1, n_swa - 1) if n_swa > 0 else o.n_ctx - 1
         self._prefix = px.PrefixShare(min_tokens=o.prefix_min_tokens, max_tokens=store_max)
-        sharing = self._prefix.enabled
         cparams = llama_cpp.llama_context_default_params()
-        # Unified: a copied prefix shares its cells instead of filling a second stream; the
-        # store gets room of its own so slots keep their full context.
-        cparams.kv_unified = sharing
-        cparams.n_ctx = o.n_ctx * o.n_slots + (store_max if sharing else 0)
+        # The store is there even when prefix_min_tokens is 0: siblings that share their
+        # prompt (share_prompt) use it whatever the setting. Copying from the first sibling's
+        # slot instead would need more and hold less: that slot may end or be preempted
+        # before the others get theirs, while the store stays put as long as a reader waits;
+        # and in a split KV cache a copy between sequences moves whole stream buffers. The
+        # cost: the store's cells are reserved, and the cache is always unified (a copied
+        # prefix shares its cells instead of filling a second stream; the store gets room of
+        # its own so slots keep their full context).
+        cparams.kv_unified = True
+        cparams.n_ctx = o.n_ctx * o.n_slots + store_max
         cparams.n_batch = cparams.n_ubatch = o.n_batch
-        cparams.n_seq_max = o.n_slots + (1 if sharing else 0)
+        cparams.n_seq_max = o.n_slots + 1
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.flash_attn_type = (
             llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -154,7 +169,9 @@ class BatchEngine:
             o.n_ctx,
             o.n_batch,
             threads,
-            f"{o.prefix_min_tokens}..{store_max} tokens" if sharing else "off",
+            f"{o.prefix_min_tokens}..{store_max} tokens"
+            if self._prefix.enabled
+            else f"only for shared prompts (up to {store_max} tokens)",
         )
 
     def close(self) -> None:
@@ -203,7 +220,9 @@ class BatchEngine:
     def _admit(self, job: Job) -> None:
         request = job.request
         seq_id = self._state.next_id  # the id submit() gives it
-        where = self._prefix.place(seq_id, request.prompt_tokens, self._unstarted())
+        where = self._prefix.place(
+            seq_id, request.prompt_tokens, self._unstarted(), siblings=request.share_prompt
+        )
         if isinstance(where, px.Build):
             llama_cpp.llama_memory_seq_rm(self._memory, self._store, -1, -1)
         if isinstance(where, px.Park) or (
@@ -305,6 +324,7 @@ class BatchEngine:
                 self.prefix_tokens_reused += admission.cached
             self._prefix.admitted(admission.seq_id)
             seq = self._seqs[admission.seq_id]
+            seq.cached += admission.cached
             seq.emit(SlotChange(holds=True))
             if seq.sampler is None:  # else a preempted sequence resumes, its sampler intact
                 seq.admitted = time.perf_counter()
@@ -328,7 +348,11 @@ class BatchEngine:
             raise RuntimeError("the engine is not loaded")
         try:
             seq.sampler = Sampler(
-                vocab.handle, vocab.n_vocab, seq.request.sampling, seq.request.grammar
+                vocab.handle,
+                vocab.n_vocab,
+                seq.request.sampling,
+                seq.request.grammar,
+                n_ctx=self.options.n_ctx,
             )
         except Exception as err:  # noqa: BLE001 - reported to this request alone
             self._fail(seq, err)
@@ -379,10 +403,15 @@ class BatchEngine:
         if vocab.is_eog(token):
             return "stop"
         seq.produced += 1
+        if seq.request.logprobs is not None:  # the only cost here when none are asked for
+            logprob, top = token_logprobs(
+                logits_at(self._ctx, index, vocab.n_vocab), token, seq.request.logprobs
+            )
+            seq.pending.append(TokenLogprob(token, logprob, top))
         text = seq.assembler.feed(vocab.piece(token))
         if text:
             self.events_out += 1
-            seq.emit(TextDelta(text))
+            seq.emit(self._delta(seq, text))
         if seq.assembler.stopped:
             return "stop"
         if seq.cancel.is_set():
@@ -399,8 +428,8 @@ class BatchEngine:
         if seq.failed:
             return  # its error went out already
         rest = seq.assembler.flush()
-        if rest:
-            seq.emit(TextDelta(rest))
+        if rest or seq.pending:
+            seq.emit(self._delta(seq, rest))
         self.events_out += 1
         seq.emit(
             Finished(
@@ -411,8 +440,17 @@ class BatchEngine:
                 duration_s=time.perf_counter() - seq.started,
                 text=seq.assembler.text,
                 queue_s=None if seq.admitted is None else seq.admitted - seq.started,
+                cached_tokens=seq.cached,
             )
         )
+
+    @staticmethod
+    def _delta(seq: _Sequence, text: str) -> TextDelta:
+        if not seq.pending:
+            return TextDelta(text)
+        delta = TextDelta(text, tuple(seq.pending))
+        seq.pending.clear()
+        return delta
 
     def _cancel_all(self) -> None:
         for job in self._parked:

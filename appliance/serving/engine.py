@@ -58,14 +58,20 @@ class GenerationRequest:
     grammar: str | None = None
     # Higher is admitted to a batch slot first (the service class: S0 = 0 … S4 = 4).
     priority: int = 0
-    # None: no logprobs; k: each token's logprob and its k most likely alternatives.
+    # None: no logprobs; k (0..20): each generated token's logprob and its k most likely
+    # alternatives (TextDelta.logprobs).
     logprobs: int | None = None
-    # Siblings with this exact prompt (the choices of one request) come together.
+    # Siblings with this exact prompt (OpenAI's ``n``) are submitted together: its KV is
+    # computed once and copied to the others, however short it is (appliance.serving.prefix).
     share_prompt: bool = False
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
+    """One generated token's log-probability under the model (log-softmax of its raw logits,
+    before any sampler), and the ``top`` most likely tokens there, most likely first. Token
+    ids, not text: the gateway holds the vocabulary and renders the pieces."""
+
     id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
@@ -74,6 +80,9 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class TextDelta:
     text: str
+    # The tokens whose text this delta completes (only when the request asked for logprobs;
+    # the text of a token may be held back and arrive with a later delta, and the last delta
+    # of a generation may carry logprobs with no text). The end-of-generation token has none.
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
@@ -86,7 +95,8 @@ class Finished:
     duration_s: float
     text: str
     queue_s: float | None = None  # arrival to a slot; None if it never got one
-    cached_tokens: int = 0  # prompt tokens copied from the shared prefix, not computed
+    # Prompt tokens whose KV was copied from the shared prefix store instead of computed.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,7 +174,8 @@ class EngineOptions:
     max_queue: int = 16
     flash_attn: bool = True
     # A prompt prefix shared by at least this many tokens is computed once and its KV
-    # copied to each sequence that starts with it (appliance.serving.prefix); 0: never.
+    # copied to each sequence that starts with it (appliance.serving.prefix); 0: only for
+    # requests that say they share their prompt (GenerationRequest.share_prompt).
     prefix_min_tokens: int = 64
     # Service classes: slots only S2 may take, and S0 sequences yielding to higher classes.
     reserved_slots: int = 0

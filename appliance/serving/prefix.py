@@ -85,13 +85,27 @@ class PrefixShare:
     def enabled(self) -> bool:
         return self.min_tokens > 0 and self.max_tokens >= self.min_tokens
 
-    def place(self, seq_id: int, prompt: tuple[int, ...], unstarted: set[int]) -> PrefixPlan:
+    def place(
+        self,
+        seq_id: int,
+        prompt: tuple[int, ...],
+        unstarted: set[int],
+        *,
+        siblings: bool = False,
+    ) -> PrefixPlan:
         """Decide for an arriving prompt. ``unstarted``: sequences that have not prefilled a
         token yet (one of them may become the builder instead of the newcomer). Call
-        :meth:`admitted`, :meth:`ended` and :meth:`progress` as the engine goes on."""
-        if not self.enabled:
+        :meth:`admitted`, :meth:`ended` and :meth:`progress` as the engine goes on.
+
+        ``siblings``: the same prompt comes again at once (OpenAI's ``n``), so all of it but
+        its last token is worth a store, however short, and even when ``min_tokens`` is 0.
+        """
+        if not (self.enabled or (siblings and self.max_tokens > 0)):
             return Alone()
-        where = self._place(seq_id, prompt, unstarted)
+        if siblings:
+            where = self._place_sibling(seq_id, prompt, unstarted)
+        else:
+            where = self._place(seq_id, prompt, unstarted)
         if isinstance(where, Park) or (isinstance(where, Build) and where.builder is not None):
             # It waits, so it is not remembered: a waiting prompt gets no sequence id until
             # it is placed again.
@@ -101,16 +115,52 @@ class PrefixShare:
             self.readers.add(seq_id)
         return where
 
+    def _shares(self, n: int) -> bool:
+        return self.enabled and n >= self.min_tokens
+
     def _place(self, seq_id: int, prompt: tuple[int, ...], unstarted: set[int]) -> PrefixPlan:
         if self.tokens:
             n = min(common_prefix(prompt, self.tokens), len(prompt) - 1)
-            if n >= self.min_tokens:
+            if self._shares(n):
                 return Reuse(n)
         if self.builder is not None:
-            return Park() if common_prefix(prompt, self.target) >= self.min_tokens else Alone()
+            return Park() if self._shares(common_prefix(prompt, self.target)) else Alone()
         if self.readers:
             return Alone()
         return self._build(seq_id, prompt, unstarted)
+
+    def _place_sibling(
+        self, seq_id: int, prompt: tuple[int, ...], unstarted: set[int]
+    ) -> PrefixPlan:
+        """As :meth:`_place`, but the whole prompt (less its last token, capped by the store)
+        is the prefix to share: a store that holds it is reused, a build of it is waited for,
+        and with neither the first sibling builds it (the others are on their way). A store
+        that holds a common part long enough for ordinary sharing is reused as it is: copying
+        that beats computing it again for a store of the whole prompt."""
+        whole = min(len(prompt) - 1, self.max_tokens)
+        if whole < 1:
+            return Alone()
+        if self.tokens:
+            n = min(common_prefix(prompt, self.tokens), len(prompt) - 1)
+            if n == whole or self._shares(n):
+                return Reuse(n)
+        if self.builder is not None:
+            mine = self.target == prompt[:whole]
+            return Park() if mine or self._shares(common_prefix(prompt, self.target)) else Alone()
+        if self.readers:
+            return Alone()
+        # An unstarted sibling that came first builds (its prefill writes the store too);
+        # else this one does.
+        builder = next(
+            (
+                other_id
+                for other_id, other in self._recent
+                if other_id in unstarted and other[:whole] == prompt[:whole] and len(other) > whole
+            ),
+            seq_id,
+        )
+        self.builder, self.target, self.tokens = builder, prompt[:whole], ()
+        return Build(None if builder == seq_id else builder, whole)
 
     def _build(self, seq_id: int, prompt: tuple[int, ...], unstarted: set[int]) -> PrefixPlan:
         """Start a store for the longest prefix this prompt shares with a recent one."""
@@ -124,7 +174,7 @@ class PrefixShare:
         other_id, other = partner
         # Everyone who reads the store decodes at least its own last prompt token.
         length = min(best, len(prompt) - 1, len(other) - 1, self.max_tokens)
-        if length < self.min_tokens:
+        if not self._shares(length):
             return Alone()
         builder = other_id if other_id in unstarted else seq_id
         self.builder, self.target, self.tokens = builder, prompt[:length], ()

@@ -374,7 +374,10 @@ class Replica:
                 flight.running = bool(message.get("holds"))
             return
         if kind == "delta" and flight is not None:
-            flight.produced += 1
+            # A delta with logprobs says how many tokens it completes; one without is about
+            # one token (text held back for a stop string comes later, in one delta).
+            tokens = message.get("logprobs")
+            flight.produced += len(tokens) if isinstance(tokens, list) else 1
         if kind == "error":
             del self._runs[request_id]
             self._flights.pop(request_id, None)

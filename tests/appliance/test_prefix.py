@@ -78,6 +78,49 @@ def test_a_rejected_sequence_leaves_the_history_so_its_reused_id_is_not_confused
     assert share.place(0, tuple(range(500, 600)), unstarted={0}) == Alone()
 
 
+def test_siblings_share_a_short_prompt_even_with_sharing_off() -> None:
+    # OpenAI's n: the same 6-token prompt three times; min_tokens 0 turns ordinary sharing off.
+    share = PrefixShare(min_tokens=0, max_tokens=512)
+    short = (2, 10, 11, 12, 13, 14)
+    # The first sibling builds all but its last token at once: the others are on their way.
+    assert share.place(0, short, unstarted=set(), siblings=True) == Build(builder=None, length=5)
+    assert share.place(1, short, unstarted=set(), siblings=True) == Park()
+    assert share.progress(0, 6)
+    assert share.place(1, short, unstarted=set(), siblings=True) == Reuse(5)
+    assert share.place(2, short, unstarted=set(), siblings=True) == Reuse(5)
+    # A request that is not a sibling still never shares here.
+    assert share.place(3, short, unstarted=set()) == Alone()
+
+
+def test_an_unstarted_sibling_that_came_first_builds_for_the_others() -> None:
+    share = PrefixShare(min_tokens=64, max_tokens=512)
+    short = (2, 10, 11, 12)
+    # Placed alone while another store had readers, the first sibling has not started yet.
+    share.readers.add(99)
+    assert share.place(0, short, unstarted={0}, siblings=True) == Alone()
+    share.admitted(99)
+    assert share.place(1, short, unstarted={0}, siblings=True) == Build(builder=0, length=3)
+    assert share.progress(0, 4)
+    assert share.place(1, short, unstarted=set(), siblings=True) == Reuse(3)
+
+
+def test_siblings_reuse_a_long_common_part_the_store_holds_and_a_store_is_capped() -> None:
+    share = PrefixShare(min_tokens=16, max_tokens=50)
+    share.place(0, prompt(1), unstarted=set())
+    share.place(1, prompt(2), unstarted=set())
+    share.progress(1, 50)
+    # The store holds 50 tokens of the system prompt: copying beats rebuilding it.
+    assert share.place(2, prompt(7, 8), unstarted=set(), siblings=True) == Reuse(50)
+    share.admitted(2)
+    # A sibling prompt that shares too little with the store replaces it (capped at 50).
+    other = tuple(range(500, 600))
+    assert share.place(3, other, unstarted=set(), siblings=True) == Build(builder=None, length=50)
+    # While a build runs for another prompt, a sibling that cannot use it goes alone.
+    assert share.place(4, (1, 2, 3), unstarted=set(), siblings=True) == Alone()
+    # A one-token prompt has nothing to share: its only token is decoded for its logits.
+    assert share.place(5, (7,), unstarted=set(), siblings=True) == Alone()
+
+
 def test_common_prefix() -> None:
     assert common_prefix((1, 2, 3), (1, 2, 4)) == 2
     assert common_prefix((), (1,)) == 0
@@ -93,25 +136,26 @@ prompts = st.tuples(prefixes, st.lists(st.integers(0, 5), min_size=1, max_size=6
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(st.lists(st.tuples(prompts, st.integers(0, 3)), min_size=1, max_size=30))
+@given(st.lists(st.tuples(prompts, st.integers(0, 3), st.booleans()), min_size=1, max_size=30))
 def test_a_reader_copies_only_what_the_store_holds_and_every_park_is_released(
-    traffic: list[tuple[tuple[int, ...], int]],
+    traffic: list[tuple[tuple[int, ...], int, bool]],
 ) -> None:
     """A stand-in engine: each arrival is placed; between arrivals a running sequence may
     prefill (a builder completes its part) or end. Checked: a Reuse names tokens that are in
     the store and match the prompt; a store changes only when no reader waits; a build's
     target is a prefix of its builder's prompt; parked prompts are released when the store
-    is complete or its builder left, and then placed without parking again."""
+    is complete or its builder left, and then placed without parking again. Some arrivals
+    are siblings (share_prompt), which may share fewer than min_tokens."""
     share = PrefixShare(min_tokens=16, max_tokens=64)
     prompts_by_id: dict[int, tuple[int, ...]] = {}
     unstarted: set[int] = set()
-    parked: list[tuple[int, ...]] = []
+    parked: list[tuple[tuple[int, ...], bool]] = []
     next_id = 0
 
-    def place(p: tuple[int, ...]) -> None:
+    def place(p: tuple[int, ...], sibling: bool) -> None:
         nonlocal next_id
         before = (share.tokens, set(share.readers))
-        placement = share.place(next_id, p, unstarted)
+        placement = share.place(next_id, p, unstarted, siblings=sibling)
         if isinstance(placement, Build):
             assert not before[1], "the store changed under a waiting reader"
             assert placement.length <= 64
@@ -124,10 +168,10 @@ def test_a_reader_copies_only_what_the_store_holds_and_every_park_is_released(
                 owner = prompts_by_id[placement.builder]
                 assert share.target == owner[: placement.length]
                 assert placement.length < len(owner)
-            parked.append(p)
+            parked.append((p, sibling))
             return
         if isinstance(placement, Reuse):
-            assert 16 <= placement.cached < len(p)
+            assert (1 if sibling else 16) <= placement.cached < len(p)
             assert p[: placement.cached] == share.tokens[: placement.cached]
         if isinstance(placement, Build):
             assert share.target == p[: placement.length]
@@ -139,11 +183,11 @@ def test_a_reader_copies_only_what_the_store_holds_and_every_park_is_released(
     def release() -> None:
         again = list(parked)
         parked.clear()
-        for p in again:
-            place(p)
+        for p, sibling in again:
+            place(p, sibling)
 
-    for p, action in traffic:
-        place(p)
+    for p, action, sibling in traffic:
+        place(p, sibling)
         live = sorted(prompts_by_id)
         if not live:
             continue

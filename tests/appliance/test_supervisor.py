@@ -13,7 +13,7 @@ from pytest_aiohttp import AiohttpClient
 
 from appliance.app import create_app
 from appliance.gateway.keys import REGISTRY
-from appliance.serving.engine import EngineOptions, GenerationRequest
+from appliance.serving.engine import EngineOptions, Finished, GenerationRequest, TextDelta
 from appliance.serving.sampling import Sampling
 from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, WorkerUnavailableError
 from appliance.settings import ApplianceSettings
@@ -116,6 +116,46 @@ async def test_a_frozen_worker_is_detected_and_replaced(default_model: ModelReco
         await replica.close()
     assert replica.pid is not None
     assert not _alive(replica.pid)
+
+
+async def test_logprobs_sampling_and_shared_prompts_cross_the_worker_pipe(
+    default_model: ModelRecord,
+) -> None:
+    # Two siblings (OpenAI's n) with the new sampling fields, through a real worker process;
+    # prefix sharing is otherwise off and the prompt is short.
+    replica = Replica(
+        default_model,
+        EngineOptions(n_ctx=512, n_slots=2, n_threads=1, prefix_min_tokens=0),
+        SupervisorOptions(heartbeat_s=0.2),
+    )
+    await replica.start()
+    try:
+        banned = 506  # " the", greedy's first pick after this prompt
+        sampling = Sampling(
+            temperature=0.0, top_k=40, min_p=0.05, repeat_penalty=1.1, logit_bias=((banned, -100),)
+        )
+        request = GenerationRequest(
+            prompt_tokens=(2, 818, 5279, 529, 7001, 563),  # "The capital of France is"
+            max_tokens=8,
+            sampling=sampling,
+            logprobs=3,
+            share_prompt=True,
+        )
+        runs = [replica.submit(request), replica.submit(request)]
+        events = [[event async for event in run] for run in runs]
+    finally:
+        await replica.close()
+    finished = []
+    for stream in events:
+        done = stream[-1]
+        assert isinstance(done, Finished)
+        finished.append(done)
+        entries = [lp for e in stream if isinstance(e, TextDelta) for lp in e.logprobs]
+        assert len(entries) == done.completion_tokens > 0
+        assert all(len(entry.top) == 3 and isinstance(entry.top, tuple) for entry in entries)
+        assert banned not in [entry.id for entry in entries]
+    assert [f.cached_tokens for f in finished] == [0, 5]
+    assert finished[0].text == finished[1].text
 
 
 async def drain(run: Any) -> None:
