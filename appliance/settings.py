@@ -130,7 +130,8 @@ class ModelSettings(_Section):
         le=131_072,
         description=(
             "A prompt prefix (a common system prompt) shared by requests for at least this "
-            "many tokens is computed once and its KV cache copied to each; 0: never."
+            "many tokens is computed once and its KV cache copied to each; 0: only the "
+            "choices of one request (`n`) share their prompt."
         ),
     )
     max_queue: int = Field(
