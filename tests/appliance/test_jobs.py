@@ -292,8 +292,8 @@ BAD_JOBS: list[tuple[dict[str, Any], ErrorCode | None, str]] = [
     ),
     (
         {"requests": [chat_item("a", tools=[{"type": "function"}])]},
-        ErrorCode.unsupported_parameter,
-        "requests[0].body.tools",
+        ErrorCode.missing_parameter,
+        "requests[0].body.tools[0].function",
     ),
     (
         {"requests": [text_item("a", max_tokens=5000)]},
