@@ -64,10 +64,15 @@ setup: setup-system
     if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then exit 0; fi
     echo "installing kovenlab-edge and its tools into .venv (the first time compiles llama-cpp-python: about 13 minutes on 2 cores)" >&2
     log=$(mktemp)
-    trap 'rm -f "$log"' EXIT
+    pins=$(mktemp)
+    trap 'rm -f "$log" "$pins"' EXIT
+    # Packages installed without their dependencies, each pinned by its wheel's sha256
+    # (pyproject.toml's [tool.kovenlab] no-deps says which and why).
+    {{ py }} -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["kovenlab"]["no-deps"]))' > "$pins"
     # pip's output is shown only if it fails (setuptools' editable-install notices are noise).
     if ! { {{ py }} -m pip install --quiet --upgrade pip &&
-           CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=off}" {{ py }} -m pip install --quiet -e '.[dev]'; } > "$log" 2>&1; then
+           CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=off}" {{ py }} -m pip install --quiet -e '.[dev]' &&
+           {{ py }} -m pip install --quiet --no-deps --require-hashes -r "$pins"; } > "$log" 2>&1; then
         cat "$log" >&2
         echo "set-up failed; pip's output is above" >&2
         exit 1
