@@ -5,11 +5,10 @@ Models are registered in the store (name, version, format, file, sha256, quantis
 the registry loads them into worker processes (appliance.serving.supervisor.Replica), one
 or more replicas each. Clients name a model as ``name`` (the newest loaded version, else
 the newest registered) or ``name@version``. A registered model that is not loaded is loaded
-on first use, and an embedded one (appliance.serving.catalog) registered on first use. Every
-load must fit the memory budget: idle models are unloaded first, least recently used first;
-pinned models and models with requests in flight never are. The model named by
-``model.default`` is loaded at start and pinned, and so is every model an admin pinned
-(pins are kept in the store).
+on first use. Every load must fit the memory budget: idle models are unloaded first, least
+recently used first; pinned models and models with requests in flight never are. The model
+named by ``model.default`` is loaded at start and pinned, and so is every model an admin
+pinned (pins are kept in the store).
 
 Memory is accounted by estimate (:func:`estimate_mb`: the file, a full-size KV cache for
 every slot and a fixed overhead per worker): an upper bound known before the load, so the
