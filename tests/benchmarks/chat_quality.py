@@ -1,14 +1,14 @@
 """Chat quality: do the embedded models follow short instructions?
 
-Twelve fixed instructions (:data:`INSTRUCTIONS`), each with a mechanical check of the reply:
-the format asked for (one word, JSON with keys a and b, three lines, just a number, ...)
-and, by keyword, the topic. Both embedded models answer each one through a real appliance
-(`kvl appliance serve` on a fresh data dir: `/v1/chat/completions`, one user message,
-greedy, at most :data:`MAX_TOKENS` tokens, one request at a time): SmolLM2 135M Instruct
-with the chat template its GGUF carries, Gemma 3 270M (a base model) with Gemma's turn
-format. Beside the pass counts, each model's load time through the admin API (the sha256
-check, the worker's start and llama.cpp's load; the median of ``--loads``) and its worker's
-resident memory after the instructions.
+Twelve fixed instructions (:data:`INSTRUCTIONS`), each with two mechanical checks of the
+reply: on topic (a keyword of the right answer) and in the form asked for (one word, JSON
+with keys a and b, three lines, just the number, ...); followed means both. Both embedded
+models answer each one through a real appliance (`kvl appliance serve` on a fresh data dir:
+`/v1/chat/completions`, one user message, greedy, at most :data:`MAX_TOKENS` tokens, one
+request at a time): SmolLM2 135M Instruct with the chat template its GGUF carries, Gemma 3
+270M (a base model) with Gemma's turn format. Beside the counts, each model's load time
+through the admin API (the sha256 check, the worker's start and llama.cpp's load; the
+median of ``--loads``) and its worker's resident memory after the instructions.
 
 Greedy output depends on the CPU's kernels (with AVX-512 or without), so a count may move
 by one or two across machines; tests/appliance/test_chat_quality.py allows for that.
@@ -54,19 +54,30 @@ def lines(text: str) -> list[str]:
     return [line.strip() for line in text.strip().splitlines() if line.strip()]
 
 
-def one_word(expected: str) -> Callable[[str], bool]:
-    def check(reply: str) -> bool:
-        found = words(reply)
-        return len(found) == 1 and found[0].lower() == expected
-
-    return check
+Check = Callable[[str], bool]
 
 
-def has(*keywords: str) -> Callable[[str], bool]:
-    def check(reply: str) -> bool:
-        return any(re.search(rf"\b{k}\b", reply, re.IGNORECASE) for k in keywords)
+def has(*keywords: str) -> Check:
+    """Any of the keywords, as a whole word, in any case."""
+    pattern = re.compile(rf"\b(?:{'|'.join(keywords)})\b", re.IGNORECASE)
+    return lambda reply: pattern.search(reply) is not None
 
-    return check
+
+def at_most(n: int) -> Check:
+    return lambda reply: 0 < len(words(reply)) <= n
+
+
+def only(expected: str) -> Check:
+    """Exactly this and nothing else, but for surrounding punctuation and space."""
+    return lambda reply: reply.strip().strip(".!'\"") == expected
+
+
+def one_word(reply: str) -> bool:
+    return len(words(reply)) == 1
+
+
+def three_lines(reply: str) -> bool:
+    return len(lines(reply)) == 3
 
 
 def json_with_keys_a_and_b(reply: str) -> bool:
@@ -78,55 +89,46 @@ def json_with_keys_a_and_b(reply: str) -> bool:
     return isinstance(value, dict) and set(value) == {"a", "b"}
 
 
-FRUITS = (
-    "apple|apples|banana|bananas|orange|oranges|pear|pears|grape|grapes|mango|mangoes|"
-    "strawberry|strawberries|cherry|cherries|peach|peaches|plum|plums|kiwi|kiwis|lemon|"
-    "lemons|lime|limes|pineapple|pineapples|watermelon|watermelons|melon|melons|blueberry|"
-    "blueberries|raspberry|raspberries|apricot|apricots|papaya|papayas|fig|figs|pomegranate"
-)
+FRUITS = has(
+    "apples?", "bananas?", "oranges?", "pears?", "grapes?", "grapefruits?", "mangoe?s?",
+    "strawberry", "strawberries", "cherry", "cherries", "peach", "peaches", "plums?",
+    "kiwis?", "lemons?", "limes?", "pineapples?", "watermelons?", "melons?", "blueberry",
+    "blueberries", "raspberry", "raspberries", "apricots?", "papayas?", "figs?",
+    "pomegranates?", "avocados?", "coconuts?",
+)  # fmt: skip
 
 
-def three_fruits(reply: str) -> bool:
-    found = lines(reply)
-    return len(found) == 3 and all(has(FRUITS)(line) for line in found)
+def a_fruit_a_line(reply: str) -> bool:
+    return three_lines(reply) and all(FRUITS(line) for line in lines(reply))
 
 
-def haiku_about_the_sea(reply: str) -> bool:
-    sea = has("sea", "seas", "ocean", "oceans", "wave", "waves", "tide", "tides", "shore", "surf")
-    return len(lines(reply)) == 3 and sea(reply)
-
-
-def just_twelve(reply: str) -> bool:
-    return reply.strip().rstrip(".") == "12"
-
-
-def starts_with_yes(reply: str) -> bool:
+def answers_yes_or_no(reply: str) -> bool:
     found = words(reply)
-    return bool(found) and found[0].lower() == "yes"
+    return bool(found) and found[0].lower() in ("yes", "no")
 
 
-def one_to_five_with_commas(reply: str) -> bool:
+def one_to_five(reply: str) -> bool:
+    return all(re.search(rf"\b{n}\b", reply) for n in "12345")
+
+
+def with_commas(reply: str) -> bool:
     return re.search(r"\b1\s*,\s*2\s*,\s*3\s*,\s*4\s*,\s*5\b", reply) is not None
 
 
-def hello_in_capitals(reply: str) -> bool:
-    return reply.strip().strip(".!'\"") == "HELLO"
-
-
-def honey_briefly(reply: str) -> bool:
-    return has("honey")(reply) and len(words(reply)) <= 20
-
-
-def one_sentence_about_a_cat(reply: str) -> bool:
-    ends = re.findall(r"[.!?](?=\s|$)", reply.strip())
-    return has("cat", "cats")(reply) and len(ends) == 1 and "\n" not in reply.strip()
+def one_sentence(reply: str) -> bool:
+    text = reply.strip()
+    return "\n" not in text and len(re.findall(r"[.!?](?=\s|$)", text)) == 1
 
 
 @dataclass(frozen=True)
 class Instruction:
+    """One instruction, and how its reply is judged: ``topic`` (a keyword of the right
+    answer) and ``form`` (the format asked for); followed means both."""
+
     id: str
     prompt: str
-    check: Callable[[str], bool]
+    topic: Check
+    form: Check
     passes_when: str
 
 
@@ -134,76 +136,109 @@ INSTRUCTIONS: tuple[Instruction, ...] = (
     Instruction(
         "one_word_capital",
         "What is the capital of France? Answer with one word.",
-        one_word("paris"),
-        "one word: Paris",
+        has("paris"),
+        one_word,
+        "Paris, in one word",
     ),
     Instruction(
         "json_keys",
         "Reply in JSON with keys a and b, where a is 1 and b is 2. Reply with the JSON only.",
+        lambda reply: '"a"' in reply and '"b"' in reply,
         json_with_keys_a_and_b,
-        "the reply parses as a JSON object with exactly the keys a and b",
+        'names "a" and "b"; the reply parses as a JSON object with exactly those keys',
     ),
     Instruction(
         "three_fruits",
         "List three fruits, one per line, and nothing else.",
-        three_fruits,
-        "three lines, each naming a fruit",
+        FRUITS,
+        a_fruit_a_line,
+        "names a fruit; three lines, a fruit on each",
     ),
     Instruction(
         "haiku_sea",
         "Write a haiku about the sea.",
-        haiku_about_the_sea,
-        "three lines, about the sea (sea, ocean, waves, tide, shore, surf)",
+        has("seas?", "oceans?", "waves?", "tides?", "shores?", "surf"),
+        three_lines,
+        "about the sea (sea, ocean, waves, tide, shore, surf); three lines",
     ),
     Instruction(
         "translate_french",
         "Translate 'good morning' to French.",
         has("bonjour"),
-        "says bonjour",
+        at_most(12),
+        "bonjour; 12 words or fewer",
     ),
     Instruction(
         "number_only",
         "What is 7 plus 5? Answer with just the number.",
-        just_twelve,
-        "12 and nothing else",
+        has("12"),
+        only("12"),
+        "12, and nothing else",
     ),
     Instruction(
         "yes_or_no",
         "Is the sun a star? Answer yes or no.",
-        starts_with_yes,
-        "the first word is yes",
+        lambda reply: answers_yes_or_no(reply) and words(reply)[0].lower() == "yes",
+        answers_yes_or_no,
+        "the first word is yes or no; yes",
     ),
     Instruction(
         "opposite",
         "What is the opposite of hot? Answer with one word.",
-        one_word("cold"),
-        "one word: cold",
+        has("cold"),
+        one_word,
+        "cold, in one word",
     ),
     Instruction(
         "count_commas",
         "Count from 1 to 5, separated by commas.",
-        one_to_five_with_commas,
-        "1, 2, 3, 4, 5",
+        one_to_five,
+        with_commas,
+        "the numbers 1 to 5; as 1, 2, 3, 4, 5",
     ),
     Instruction(
         "capitals",
         "Write the word 'hello' in capital letters, and nothing else.",
-        hello_in_capitals,
-        "HELLO and nothing else",
+        has("hello"),
+        only("HELLO"),
+        "hello; HELLO, and nothing else",
     ),
     Instruction(
         "bees",
         "What do bees make? Answer in a few words.",
-        honey_briefly,
-        "says honey, in 20 words or fewer",
+        has("honey"),
+        at_most(20),
+        "honey; 20 words or fewer",
     ),
     Instruction(
         "one_sentence_cat",
         "Describe a cat in one sentence.",
-        one_sentence_about_a_cat,
-        "one sentence, about a cat",
+        has("cats?"),
+        one_sentence,
+        "about a cat; one sentence, one line",
     ),
 )
+
+
+def judge(instruction: Instruction, reply: str) -> dict[str, Any]:
+    # The instruction echoed back is not on topic: a base model repeats its prompt.
+    on_topic = instruction.topic(reply.replace(instruction.prompt, ""))
+    in_form = instruction.form(reply)
+    return {
+        "id": instruction.id,
+        "followed": on_topic and in_form,
+        "on_topic": on_topic,
+        "form": in_form,
+        "reply": reply,
+    }
+
+
+def tally(results: list[dict[str, Any]]) -> dict[str, int]:
+    return {
+        "followed": sum(r["followed"] for r in results),
+        "on_topic": sum(r["on_topic"] for r in results),
+        "total": len(results),
+    }
 
 
 # -- a real appliance --------------------------------------------------------------------
@@ -235,11 +270,7 @@ def reply(base: str, key: str, model: str, prompt: str) -> str:
 
 
 def run_instructions(base: str, key: str, model: str) -> list[dict[str, Any]]:
-    results = []
-    for instruction in INSTRUCTIONS:
-        text = reply(base, key, model, instruction.prompt)
-        results.append({"id": instruction.id, "passed": instruction.check(text), "reply": text})
-    return results
+    return [judge(i, reply(base, key, model, i.prompt)) for i in INSTRUCTIONS]
 
 
 def _load_s(base: str, key: str, model: str) -> float:
@@ -306,8 +337,7 @@ def measure(work: Path, loads: int) -> dict[str, Any]:
             entry = next(m for m in listing if m["name"] == model and m["state"] == "ready")
             report[model] = {
                 "ref": entry["ref"],
-                "passed": sum(r["passed"] for r in results),
-                "total": len(results),
+                **tally(results),
                 "load_s_median": round(statistics.median(times), 2),
                 "load_s": [round(t, 2) for t in times],
                 "file_mib": round(entry["size_bytes"] / 2**20, 1),
@@ -356,9 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for model, figures in models.items():
-        failed = [r["id"] for r in figures["results"] if not r["passed"]]
+        failed = [r["id"] for r in figures["results"] if not r["followed"]]
         say(
-            f"  {model}: {figures['passed']}/{figures['total']} followed; load "
+            f"  {model}: {figures['followed']}/{figures['total']} followed, "
+            f"{figures['on_topic']} on topic; load "
             f"{figures['load_s_median']} s, worker {figures['worker_resident_mib']} MiB; "
             f"missed: {', '.join(failed) or 'none'}"
         )
