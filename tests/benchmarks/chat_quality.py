@@ -367,12 +367,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loads", type=int, default=3, help="timed loads of each model")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
     args = parser.parse_args(argv)
+    # Load times move with other work on the machine: its load average says how much.
+    loadavg_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="kvl-bench-chat-quality-") as tmp:
         models = measure(Path(tmp), args.loads)
+    loadavg_after = os.getloadavg()
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": commit(),
         "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "avx512": _avx512()},
+        "loadavg_before": [round(x, 2) for x in loadavg_before],
+        "loadavg_after": [round(x, 2) for x in loadavg_after],
         "settings": {
             "request": f"/v1/chat/completions, one user message, greedy, max {MAX_TOKENS} tokens",
             "threads": N_THREADS,
