@@ -64,10 +64,15 @@ setup: setup-system
     if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then exit 0; fi
     echo "installing kovenlab-edge and its tools into .venv (the first time compiles llama-cpp-python: about 13 minutes on 2 cores)" >&2
     log=$(mktemp)
-    trap 'rm -f "$log"' EXIT
+    pins=$(mktemp)
+    trap 'rm -f "$log" "$pins"' EXIT
+    # Packages installed without their dependencies, each pinned by its wheel's sha256
+    # (pyproject.toml's [tool.kovenlab] no-deps says which and why).
+    {{ py }} -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["kovenlab"]["no-deps"]))' > "$pins"
     # pip's output is shown only if it fails (setuptools' editable-install notices are noise).
     if ! { {{ py }} -m pip install --quiet --upgrade pip &&
-           CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=off}" {{ py }} -m pip install --quiet -e '.[dev]'; } > "$log" 2>&1; then
+           CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=off}" {{ py }} -m pip install --quiet -e '.[dev]' &&
+           {{ py }} -m pip install --quiet --no-deps --require-hashes -r "$pins"; } > "$log" 2>&1; then
         cat "$log" >&2
         echo "set-up failed; pip's output is above" >&2
         exit 1
@@ -100,15 +105,16 @@ test *args: setup setup-image lint
 # serving (one stream vs llama-server), concurrency (1-16 streams and a shared prefix vs
 # llama-server -np N), embeddings (batched vs one at a time), overload, sync, fleet,
 # placement (the planner at 10,000 nodes), offload (vs a direct call), packages (vs nginx),
-# image (boot-to-ready time and size of the appliance image; root), api (tool calls, n and
-# logprobs vs llama-server; HTTP/2 and gRPC vs HTTP/1.1), or all of them
+# chat_quality (the embedded models on twelve instructions), image (boot-to-ready time and
+# size of the appliance image; root), api (tool calls, n and logprobs vs llama-server;
+# HTTP/2 and gRPC vs HTTP/1.1), or all of them
 bench suite="all" *args: setup
     #!/usr/bin/env bash
     set -euo pipefail
     case "{{ suite }}" in
-        all) suites="serving concurrency embeddings overload sync fleet placement offload packages image api" ;;
-        serving|concurrency|embeddings|overload|sync|fleet|placement|offload|packages|image|api) suites="{{ suite }}" ;;
-        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, fleet, placement, offload, packages, image, api, all)" >&2; exit 2 ;;
+        all) suites="serving concurrency embeddings overload sync fleet placement offload packages chat_quality image api" ;;
+        serving|concurrency|embeddings|overload|sync|fleet|placement|offload|packages|chat_quality|image|api) suites="{{ suite }}" ;;
+        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, fleet, placement, offload, packages, chat_quality, image, api, all)" >&2; exit 2 ;;
     esac
     for s in $suites; do {{ py }} -m "tests.benchmarks.$s" {{ args }}; done
 

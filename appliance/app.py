@@ -73,6 +73,7 @@ def create_app(settings: ApplianceSettings) -> web.Application:
     app[NAMES] = ModelNames(
         aliases=settings.model.aliases,
         default=settings.model.default,
+        chat_default=settings.model.chat_default,
         embedding=settings.embeddings.model if settings.embeddings.enabled else None,
     )
     for route in ROUTES:

@@ -221,7 +221,7 @@ def accounts_webhook_secret(
 
 @appliance.group()
 def models() -> None:
-    """Model files: the embedded default and GGUF files registered by path."""
+    """Model files: the embedded ones and GGUF files registered by path."""
 
 
 @models.command("list")
@@ -229,13 +229,17 @@ def models() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
 @config_errors_exit
 def models_list(config_file: Path | None, data_dir: Path | None, as_json: bool) -> None:
-    """List registered models (the default is assembled on first use)."""
-    from appliance.serving.catalog import ensure_default_model  # noqa: PLC0415
+    """List registered models (the embedded ones are copied in on first use)."""
+    from appliance.serving.catalog import EMBEDDED, ModelFileError, ensure_embedded  # noqa: PLC0415
 
     settings = _settings(config_file, data_dir)
     store = _store(settings)
     try:
-        ensure_default_model(store, settings.models_dir)
+        for name in EMBEDDED:
+            try:
+                ensure_embedded(store, settings.models_dir, name)
+            except ModelFileError as err:  # the others still list
+                click.echo(f"not registered: {err}", err=True)
         records = store.list_models()
     finally:
         store.close()
@@ -243,7 +247,10 @@ def models_list(config_file: Path | None, data_dir: Path | None, as_json: bool) 
         if as_json:
             click.echo(json.dumps({**r.__dict__, "ref": r.ref}))
         else:
+            # `*` served at start (model.default), `c` the chat default (model.chat_default)
             served = "*" if settings.model.default in (r.ref, r.name) else " "
+            if served == " " and settings.model.chat_default in (r.ref, r.name):
+                served = "c"
             click.echo(
                 f"{served} {r.ref:<32} {r.format:<5} {r.quantization or '-':<8} "
                 f"{r.size_bytes / 2**20:8.1f} MiB  {r.sha256[:12]}  {r.path}"

@@ -96,6 +96,16 @@ class ModelSettings(_Section):
             "Model served at start, as `name` or `name@version` from `kvl appliance models list`."
         ),
     )
+    chat_default: str = Field(
+        "smollm2-135m-instruct",
+        min_length=1,
+        max_length=200,
+        description=(
+            "Model for chat requests that name none, loaded on first use: an instruction-"
+            "tuned one with a chat template (the embedded SmolLM2 135M Instruct). "
+            "`model.default` (Gemma 3 270M, a base model) serves text completions."
+        ),
+    )
     n_ctx: int = Field(
         4096, ge=256, le=131_072, description="Context window in tokens (prompt plus output)."
     )

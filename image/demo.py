@@ -349,7 +349,7 @@ class Demo:
         kvl = os.path.relpath(Path(sys.executable).parent / "kvl")
         cacert = f"--cacert {layout.ca} " if tls else ""
         body = (
-            '{"model": "gemma-3-270m", "messages": [{"role": "user", '
+            '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", '
             '"content": "Write a haiku about the sea."}], "max_tokens": 48}'
         )
         return f"""

@@ -225,7 +225,9 @@ def _validate(
                 param=f"{where}.body.{err.param}" if err.param else f"{where}.body",
             ) from err
         _check(req, f"{where}.body", max_tokens_limit, schemas)
-        models.setdefault(names.generation(req.model), f"{where}.body.model")
+        models.setdefault(
+            names.generation(req.model, chat=item.url == CHAT_URL), f"{where}.body.model"
+        )
         items.append(NewItem(item.custom_id, item.url, item.body))
     return items, models
 

@@ -201,7 +201,7 @@ class CompletionService:
         """`max_tokens_limit`: an internal caller's own bound (a package's items are bounded
         by `packages.item_max_tokens`), in place of `model.max_tokens_limit`."""
         await self._quota(key)
-        engine = await self._engine(req.model)
+        engine = await self._engine(req.model, chat=True)
         vocab = engine.require_vocab()
         messages = [_message(m) for m in req.messages]
         try:
@@ -242,7 +242,7 @@ class CompletionService:
         max_tokens_limit: int | None = None,
     ) -> Prepared:
         await self._quota(key)
-        engine = await self._engine(req.model)
+        engine = await self._engine(req.model, chat=False)
         if isinstance(req.prompt, list):
             if len(req.prompt) != 1:
                 raise ApiError(
@@ -299,8 +299,8 @@ class CompletionService:
         with self._tracing.span("quota", {"kvl.class": klass.value}):
             await self._admission.check_quota(key, klass)
 
-    async def _engine(self, requested: str | None) -> LoadedModel:
-        model = self._names.generation(requested)
+    async def _engine(self, requested: str | None, *, chat: bool) -> LoadedModel:
+        model = self._names.generation(requested, chat=chat)
         try:
             with self._tracing.span("router", {"kvl.model": model}):
                 return await self._host.resolve(model)

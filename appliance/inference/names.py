@@ -19,13 +19,14 @@ if TYPE_CHECKING:
 class ModelNames:
     # alias → `name` or `name@version` of a registered model (a generation or embedding one)
     aliases: Mapping[str, str] = field(default_factory=dict)
-    default: str | None = None  # a generation without `model`; None: it must name one
+    default: str | None = None  # a text completion without `model`
+    chat_default: str | None = None  # a chat request without `model`; None: `default`
     embedding: str | None = None  # an embedding request without `model`
 
-    def generation(self, requested: str | None) -> str:
-        """The model a completion runs on."""
+    def generation(self, requested: str | None, *, chat: bool = False) -> str:
+        """The model a completion runs on (a chat one, or a text one)."""
         if requested is None:
-            return self.default or ""
+            return (self.chat_default if chat else None) or self.default or ""
         return self.aliases.get(requested, requested)
 
     def embedding_model(self, requested: str | None) -> str:

