@@ -297,7 +297,14 @@ def debian_key() -> str:
 def dependencies_key() -> str:
     """The project's dependencies as pyproject.toml states them, and this Python."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    return _digest(FORMAT, project["dependencies"], sys.version_info[:2])
+    return _digest(FORMAT, project["dependencies"], no_deps_pins(), sys.version_info[:2])
+
+
+def no_deps_pins() -> list[str]:
+    """Packages installed without their dependencies, each pinned by its wheel's sha256
+    (pyproject.toml's [tool.kovenlab] no-deps says which and why)."""
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["kovenlab"]
+    return list(tool["no-deps"])
 
 
 def _source_files() -> Iterator[Path]:
@@ -426,6 +433,14 @@ def dependency_wheels(paths: Paths, project: Path, llama: Path) -> Path:
         raise BuildError("pip did not take llama-cpp-python's portable wheel")
     for own in partial.glob("kovenlab_edge-*.whl"):
         own.unlink()
+    pins = partial / "no-deps.txt"
+    pins.write_text("\n".join(no_deps_pins()) + "\n")
+    run(
+        [sys.executable, "-m", "pip", "download", "--progress-bar", "off", "--no-deps",
+         "--require-hashes", "--dest", str(partial), "-r", str(pins)],
+        paths.log,
+        show=r"^\s*(Collecting|Using cached|Saved) ",
+    )  # fmt: skip
     (partial / ".complete").write_text(key + "\n")
     partial.rename(folder)
     _prune(paths.cache, "wheels-*", folder)
@@ -490,6 +505,10 @@ def system_tree(paths: Paths, base: Path, wheels: list[Path]) -> System:
     chroot(root, paths.log, "python3", "-m", "venv", VENV)
     chroot(root, paths.log, f"{VENV}/bin/pip", "install", "--no-index", "--find-links",
            WHEELHOUSE, "kovenlab-edge")  # fmt: skip
+    # The embedded chat model's package, without the CLI it is a plugin of.
+    names = [pin.split("==", 1)[0] for pin in no_deps_pins()]
+    chroot(root, paths.log, f"{VENV}/bin/pip", "install", "--no-index", "--no-deps",
+           "--find-links", WHEELHOUSE, *names)  # fmt: skip
     shutil.rmtree(house)
     frozen = chroot(root, paths.log, f"{VENV}/bin/pip", "freeze", "--all")
     packages = dict(line.split("==", 1) for line in frozen.splitlines() if "==" in line)
