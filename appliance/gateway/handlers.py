@@ -31,6 +31,7 @@ from appliance.inference.embeddings import response_body as embeddings_body
 from appliance.inference.models import find_entry, model_entries
 from appliance.inference.responses import chunk_body, response_body
 from appliance.inference.schemas import EmbeddingRequest, completion_request, parse_body
+from appliance.serving.catalog import embedded_models
 from shared import __version__
 from shared.errors import ApiError, ErrorCode
 
@@ -107,6 +108,7 @@ async def _model_entries(request: web.Request) -> list[dict[str, Any]]:
         request.app[REGISTRY].loaded_models(),
         served[0] if served else None,
         request.app[NAMES],
+        embedded_models(),
     )
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from appliance.inference.embeddings import LoadedModel as LoadedEmbedding
     from appliance.inference.names import ModelNames
     from appliance.serving.registry import LoadedModel
@@ -23,7 +25,10 @@ def model_entries(
     loaded: list[LoadedModel],
     embedding: LoadedEmbedding | None,
     names: ModelNames,
+    embedded: Sequence[tuple[str, str]] = (),
 ) -> list[dict[str, Any]]:
+    """`embedded`: (name, version) of the models shipped in installed packages, which a
+    first request registers and loads."""
     by_ref = {d.record.ref: d for d in loaded}
     entries: list[dict[str, Any]] = []
     newest: dict[str, ModelRecord] = {}
@@ -60,6 +65,23 @@ def model_entries(
                 ),
             }
         entries.append(entry)
+    for name, version in embedded:
+        if name not in newest:
+            entries.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "kovenlab",
+                    "version": version,
+                    "ref": f"{name}@{version}",
+                    "versions": [version],
+                    "format": "gguf",
+                    "state": "unloaded",
+                    "aliases": names.aliases_of(f"{name}@{version}", name),
+                }
+            )
+    entries.sort(key=lambda entry: entry["id"])
     if embedding is not None:
         entries.append(
             {

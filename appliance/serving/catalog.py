@@ -217,3 +217,14 @@ def sha256_file(path: Path) -> str:
         while block := f.read(_CHUNK):
             digest.update(block)
     return digest.hexdigest()
+
+
+def embedded_models() -> list[tuple[str, str]]:
+    """(name, version) of each embedded model whose package is installed."""
+    out: list[tuple[str, str]] = []
+    for model in EMBEDDED.values():
+        try:
+            out.append((model.name, model.version()))
+        except ModelFileError:
+            continue
+    return out

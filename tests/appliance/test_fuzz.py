@@ -155,7 +155,11 @@ def fuzzed(fuzz_appliance: ApplianceProcess) -> Fuzzed:
     models = send(fuzz_appliance.base_url, "GET", "/v1/models", headers=_bearer(fuzz_appliance.key))
     assert models.status == 200, models
     # The embedding model is the one that states its vectors' dimension.
-    served = [model["id"] for model in models.json()["data"] if "dimension" not in model]
+    served = [
+        model["id"]
+        for model in models.json()["data"]
+        if "dimension" not in model and model.get("state") == "ready"
+    ]
     embedding = [model["id"] for model in models.json()["data"] if "dimension" in model]
     assert served, models
     assert embedding, models

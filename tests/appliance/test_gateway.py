@@ -49,8 +49,11 @@ async def test_health_ready_and_models(client: Client, api_key: str) -> None:
     ready = await client.get("/readyz")
     assert ready.status == 200
     models = await client.get("/v1/models", headers=auth(api_key))
-    data = (await models.json())["data"]
-    assert [m["id"] for m in data] == [MODEL, EMBEDDING_MODEL]
+    listed = (await models.json())["data"]
+    # The embedded chat model is listed too: a first request registers and loads it.
+    assert [m["id"] for m in listed] == [MODEL, "smollm2-135m-instruct", EMBEDDING_MODEL]
+    assert listed[1]["state"] == "unloaded"
+    data = [listed[0], listed[2]]
     assert data[0]["quantization"] == "Q4_K_M"
     assert data[1]["format"] == "onnx"
     # Where each model runs: this CPU-only build keeps every layer on the CPU, which the

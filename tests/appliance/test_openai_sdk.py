@@ -29,7 +29,8 @@ def sdk(appliance_process: ApplianceProcess) -> OpenAI:
 
 
 def test_models(sdk: OpenAI) -> None:
-    assert [m.id for m in sdk.models.list()] == [MODEL, EMBEDDING_MODEL]
+    ids = [m.id for m in sdk.models.list()]
+    assert ids == [MODEL, "smollm2-135m-instruct", EMBEDDING_MODEL]
 
 
 def test_embeddings(sdk: OpenAI) -> None:
