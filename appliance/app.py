@@ -31,6 +31,7 @@ from appliance.gateway.offload import Offload
 from appliance.gateway.packages import PACKAGES, PACKAGES_URL
 from appliance.gateway.routes import ROUTES
 from appliance.gateway.server import FleetListener
+from appliance.grpc.server import GrpcServer, Services
 from appliance.inference.admission import AdmissionControl
 from appliance.inference.completions import CompletionService
 from appliance.inference.embeddings import EmbeddingService
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 ANNOUNCER = web.AppKey("announcer", Announcer)
 FLEET = web.AppKey("fleet", FleetLink)
+GRPC = web.AppKey("grpc", GrpcServer)
 
 
 def create_app(settings: ApplianceSettings) -> web.Application:
@@ -69,6 +71,8 @@ def create_app(settings: ApplianceSettings) -> web.Application:
     app.cleanup_ctx.append(_jobs)
     app.cleanup_ctx.append(_fleet)
     app.cleanup_ctx.append(_embeddings)
+    if settings.grpc.enabled:
+        app.cleanup_ctx.append(_grpc)
     if settings.discovery.enabled:
         app.cleanup_ctx.append(_discovery)
     return app
@@ -214,6 +218,33 @@ async def _embeddings(app: web.Application) -> AsyncIterator[None]:
     yield
     app[PACKAGES].similarity = None
     await service.close()
+
+
+async def _grpc(app: web.Application) -> AsyncIterator[None]:
+    # After every service it serves from; it stops first, its calls in flight given
+    # `grpc.shutdown_grace_s`. TLS as the LAN API has it, chosen at start the same way.
+    settings = app[SETTINGS]
+    services = Services(
+        completions=app[COMPLETIONS],
+        embeddings=app[EMBEDDINGS],
+        registry=app[REGISTRY],
+        admission=app[ADMISSION],
+        store=app[STORE],
+        metrics=app[METRICS],
+        tracing=app[TRACING],
+    )
+    server = GrpcServer(
+        settings.grpc,
+        services,
+        host=settings.grpc.host or settings.server.host,
+        tls=lan_tls_files(settings),
+        max_message_bytes=settings.server.max_body_bytes,
+    )
+    port = await server.start()
+    log.info("gRPC API on port %d (%s)", port, "TLS" if server.tls else "plaintext")
+    app[GRPC] = server
+    yield
+    await server.stop()
 
 
 async def _discovery(app: web.Application) -> AsyncIterator[None]:
