@@ -65,6 +65,8 @@ def create_app(settings: ApplianceSettings) -> web.Application:
     app[CERTIFICATE] = NodeCertificate(settings.fleet_dir)
     for route in ROUTES:
         app.router.add_route(route.method, route.router_path or route.path, route.handler)
+    if settings.grpc.enabled:
+        app.cleanup_ctx.append(_grpc_port)  # first: a port that is taken stops the start
     app.cleanup_ctx.append(_store)
     app.cleanup_ctx.append(_tracing)
     app.cleanup_ctx.append(_models)
@@ -220,10 +222,25 @@ async def _embeddings(app: web.Application) -> AsyncIterator[None]:
     await service.close()
 
 
-async def _grpc(app: web.Application) -> AsyncIterator[None]:
-    # After every service it serves from; it stops first, its calls in flight given
-    # `grpc.shutdown_grace_s`. TLS as the LAN API has it, chosen at start the same way.
+async def _grpc_port(app: web.Application) -> AsyncIterator[None]:
+    # TLS as the LAN API has it, chosen at start the same way (appliance/cli.py).
     settings = app[SETTINGS]
+    server = GrpcServer(
+        settings.grpc,
+        host=settings.grpc.host or settings.server.host,
+        tls=lan_tls_files(settings),
+        max_message_bytes=settings.server.max_body_bytes,
+    )
+    port = server.listen()
+    log.info("gRPC API on port %d (%s)", port, "TLS" if server.tls else "plaintext")
+    app[GRPC] = server
+    yield
+    await server.stop()
+
+
+async def _grpc(app: web.Application) -> AsyncIterator[None]:
+    # After every service it serves from; it stops before they close, its calls in
+    # flight given `grpc.shutdown_grace_s`.
     services = Services(
         completions=app[COMPLETIONS],
         embeddings=app[EMBEDDINGS],
@@ -233,18 +250,9 @@ async def _grpc(app: web.Application) -> AsyncIterator[None]:
         metrics=app[METRICS],
         tracing=app[TRACING],
     )
-    server = GrpcServer(
-        settings.grpc,
-        services,
-        host=settings.grpc.host or settings.server.host,
-        tls=lan_tls_files(settings),
-        max_message_bytes=settings.server.max_body_bytes,
-    )
-    port = await server.start()
-    log.info("gRPC API on port %d (%s)", port, "TLS" if server.tls else "plaintext")
-    app[GRPC] = server
+    await app[GRPC].serve(services)
     yield
-    await server.stop()
+    await app[GRPC].stop()
 
 
 async def _discovery(app: web.Application) -> AsyncIterator[None]:

@@ -225,12 +225,14 @@ class Inference(pb_grpc.InferenceServicer):
 
 class GrpcServer:
     """The gRPC API's server: TLS with the LAN API's certificate when it has one
-    (`tls`, followed as it is renewed), plaintext otherwise."""
+    (`tls`, followed as it is renewed), plaintext otherwise. It takes its port first
+    (`listen`, before anything else of the appliance starts, so a port that is taken or
+    a certificate that cannot be served stops the start at once), and serves once the
+    services exist (`serve`)."""
 
     def __init__(
         self,
         settings: GrpcSettings,
-        services: Services,
         *,
         host: str,
         tls: tuple[Path, Path] | None,
@@ -239,48 +241,59 @@ class GrpcServer:
         self._settings = settings
         self._host = host
         self._tls = tls
-        self._server = grpc.aio.server(
-            options=[
-                ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
-                ("grpc.max_receive_message_length", max_message_bytes),
-                # grpc shares a port with any other process by default: a second
-                # appliance on the same port must fail to start, not split the calls.
-                ("grpc.so_reuseport", 0),
-            ]
-        )
-        pb_grpc.add_InferenceServicer_to_server(Inference(services), self._server)
+        self._max_message_bytes = max_message_bytes
+        self._server: grpc.aio.Server | None = None
+        self._serving = False  # started, and not stopped
         self.port: int | None = None
 
     @property
     def tls(self) -> bool:
         return self._tls is not None
 
-    async def start(self) -> int:
-        """Listen and serve; the port listened on. OSError when it cannot listen, or
-        ValueError when TLS is on and the certificate cannot be served."""
-        address = (
-            f"[{self._host}]:{self._settings.port}"
-            if ":" in self._host
-            else (f"{self._host}:{self._settings.port}")
-        )
-        if self._tls is None and self._settings.client_ca_file is not None:
+    def listen(self) -> int:
+        """Take the port (not serving yet); the port. OSError when it cannot, ValueError
+        when TLS is on and the certificate cannot be served."""
+        settings = self._settings
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        address = f"{host}:{settings.port}"
+        if self._tls is None and settings.client_ca_file is not None:
             raise ValueError(
                 "grpc.client_ca_file asks for client certificates, which need TLS: set "
                 "server.tls_cert_file (or enroll the node, for the fleet's certificate)"
             )
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
+                ("grpc.max_receive_message_length", self._max_message_bytes),
+                # grpc shares a port with any other process by default: a second
+                # appliance on the same port must fail to start, not split the calls.
+                ("grpc.so_reuseport", 0),
+            ]
+        )
         try:
             if self._tls is None:
-                port = self._server.add_insecure_port(address)
+                port = server.add_insecure_port(address)
             else:
-                files = CertificateFiles(*self._tls, self._settings.client_ca_file)
-                port = self._server.add_secure_port(address, files.credentials())
+                files = CertificateFiles(*self._tls, settings.client_ca_file)
+                port = server.add_secure_port(address, files.credentials())
         except RuntimeError as err:  # grpc's "failed to bind"
             raise OSError(f"the gRPC API cannot listen on {address}: {err}") from err
         if port == 0:
             raise OSError(f"the gRPC API cannot listen on {address}")
-        await self._server.start()
-        self.port = port
+        self._server, self.port = server, port
         return port
 
+    async def serve(self, services: Services) -> None:
+        if self._server is None:
+            raise RuntimeError("listen first")
+        pb_grpc.add_InferenceServicer_to_server(Inference(services), self._server)
+        await self._server.start()
+        self._serving = True
+
     async def stop(self) -> None:
-        await self._server.stop(self._settings.shutdown_grace_s)
+        """Stop serving: calls in flight have `grpc.shutdown_grace_s` to finish."""
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        # A server that never served (the start failed later) gives its port back now.
+        await server.stop(self._settings.shutdown_grace_s if self._serving else 0)

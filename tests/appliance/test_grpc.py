@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import sqlite3
 import ssl
+import subprocess
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -408,6 +410,22 @@ def test_mutual_tls_needs_a_client_certificate_of_the_ca(tmp_path: Path) -> None
             _models(_secure_stub(port, cert), key)
         assert _failed(refused.value)[0] == grpc.StatusCode.UNAVAILABLE
         assert list(_models(_secure_stub(port, cert, client), key).models) == []
+
+
+def test_a_taken_port_stops_the_start_at_once(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {
+            "KVL_DISCOVERY__ENABLED": "false",
+            "KVL_GRPC__ENABLED": "true",
+            "KVL_GRPC__PORT": str(taken.getsockname()[1]),
+        }
+        process = spawn_appliance(tmp_path / "data", free_port(), env, subprocess.PIPE)
+        output, _ = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert b"the gRPC API cannot listen on 127.0.0.1:" in output
+    assert b"assembling" not in output  # before any model was touched
 
 
 # -- without a process -------------------------------------------------------------------
