@@ -201,7 +201,7 @@ class Inference(pb_grpc.InferenceServicer):
                             admission=s.admission,
                             metrics=s.metrics,
                         )
-                    return await run(key, request_id)
+                    result = await run(key, request_id)
                 except ApiError as err:
                     error = err
                 except Exception:
@@ -209,6 +209,9 @@ class Inference(pb_grpc.InferenceServicer):
                     error = ApiError(
                         ErrorCode.internal_error, f"internal error; request id {request_id}"
                     )
+                else:
+                    span.set_attribute("rpc.grpc.status_code", status.value[0])
+                    return result
                 status = status_code(error.code)
                 span.set_attribute("rpc.grpc.status_code", status.value[0])
                 span.set_attribute("error.type", error.code.value)
