@@ -148,3 +148,8 @@ setup-image:
 # each step is cached, and a build whose inputs have not changed is skipped (--force builds anyway)
 image *args: setup setup-image
     {{ py }} -m image.build {{ args }}
+
+# Generate the gRPC API's code from appliance/grpc/proto/kovenlab/edge/v1/inference.proto (committed;
+# tests/appliance/test_grpc_proto.py fails while it differs from what the proto generates)
+proto: setup
+    {{ py }} -m appliance.grpc.codegen

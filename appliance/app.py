@@ -35,6 +35,7 @@ from appliance.gateway.responses import RESPONSES
 from appliance.gateway.routes import ROUTES
 from appliance.gateway.server import FleetListener
 from appliance.gateway.speech import SPEECH
+from appliance.grpc.server import GrpcServer, Services
 from appliance.inference.admission import AdmissionControl
 from appliance.inference.completions import CompletionService
 from appliance.inference.embeddings import EmbeddingService
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 ANNOUNCER = web.AppKey("announcer", Announcer)
 FLEET = web.AppKey("fleet", FleetLink)
+GRPC = web.AppKey("grpc", GrpcServer)
 
 
 def create_app(settings: ApplianceSettings) -> web.Application:
@@ -78,6 +80,8 @@ def create_app(settings: ApplianceSettings) -> web.Application:
     )
     for route in ROUTES:
         app.router.add_route(route.method, route.router_path or route.path, route.handler)
+    if settings.grpc.enabled:
+        app.cleanup_ctx.append(_grpc_port)  # first: a port that is taken stops the start
     app.cleanup_ctx.append(_store)
     app.cleanup_ctx.append(_tracing)
     app.cleanup_ctx.append(_models)
@@ -85,6 +89,8 @@ def create_app(settings: ApplianceSettings) -> web.Application:
     app.cleanup_ctx.append(_jobs)
     app.cleanup_ctx.append(_fleet)
     app.cleanup_ctx.append(_embeddings)
+    if settings.grpc.enabled:
+        app.cleanup_ctx.append(_grpc)
     if settings.discovery.enabled:
         app.cleanup_ctx.append(_discovery)
     return app
@@ -254,6 +260,39 @@ async def _embeddings(app: web.Application) -> AsyncIterator[None]:
     yield
     app[PACKAGES].similarity = None
     await service.close()
+
+
+async def _grpc_port(app: web.Application) -> AsyncIterator[None]:
+    # TLS as the LAN API has it, chosen at start the same way (appliance/cli.py).
+    settings = app[SETTINGS]
+    server = GrpcServer(
+        settings.grpc,
+        host=settings.grpc.host or settings.server.host,
+        tls=lan_tls_files(settings),
+        max_message_bytes=settings.server.max_body_bytes,
+    )
+    port = server.listen()
+    log.info("gRPC API on port %d (%s)", port, "TLS" if server.tls else "plaintext")
+    app[GRPC] = server
+    yield
+    await server.stop()
+
+
+async def _grpc(app: web.Application) -> AsyncIterator[None]:
+    # After every service it serves from; it stops before they close, its calls in
+    # flight given `grpc.shutdown_grace_s`.
+    services = Services(
+        completions=app[COMPLETIONS],
+        embeddings=app[EMBEDDINGS],
+        registry=app[REGISTRY],
+        admission=app[ADMISSION],
+        store=app[STORE],
+        metrics=app[METRICS],
+        tracing=app[TRACING],
+    )
+    await app[GRPC].serve(services)
+    yield
+    await app[GRPC].stop()
 
 
 async def _discovery(app: web.Application) -> AsyncIterator[None]:

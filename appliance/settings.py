@@ -87,6 +87,44 @@ class ServerSettings(_Section):
         return self
 
 
+class GrpcSettings(_Section):
+    """The gRPC API (kovenlab.edge.v1.Inference, docs/grpc.md): off unless turned on, on
+    a port of its own, so that a node opens no port its operator did not ask for."""
+
+    enabled: bool = Field(
+        default=False,
+        description=(
+            "Serve the gRPC API (HTTP/2) for service-to-service callers, on a port of its "
+            "own: the LAN API's keys, classes, quotas and usage records, and its TLS "
+            "certificate (plaintext when the LAN API has none)."
+        ),
+    )
+    host: str | None = Field(
+        None, min_length=1, description="Address it listens on; unset: server.host."
+    )
+    port: int = Field(8081, ge=1, le=65535, description="TCP port of the gRPC API.")
+    max_concurrent_streams: int = Field(
+        100,
+        ge=1,
+        le=100_000,
+        description="Calls one HTTP/2 connection may have open at once (more wait for one).",
+    )
+    client_ca_file: Path | None = Field(
+        None,
+        description=(
+            "With TLS: a PEM bundle of CA certificates; set, every connection must present "
+            "a client certificate one of them signed (mutual TLS), besides its API key. "
+            "Unset: no client certificate is asked for."
+        ),
+    )
+    shutdown_grace_s: float = Field(
+        5.0,
+        ge=0.0,
+        le=3600.0,
+        description="On stop, how long calls in flight may finish before they are cancelled.",
+    )
+
+
 class ModelSettings(_Section):
     default: str = Field(
         "gemma-3-270m",
@@ -727,6 +765,10 @@ class ApplianceSettings(BaseSettings):
         "INFO", description="Least severe log level written to stderr."
     )
     server: ServerSettings = Field(default_factory=ServerSettings, description="The LAN API.")
+    grpc: GrpcSettings = Field(
+        default_factory=GrpcSettings,
+        description="The gRPC API (kovenlab.edge.v1.Inference), for service-to-service callers.",
+    )
     model: ModelSettings = Field(default_factory=ModelSettings, description="Model serving.")
     embeddings: EmbeddingSettings = Field(
         default_factory=EmbeddingSettings, description="Sentence embeddings (`/v1/embeddings`)."

@@ -22,6 +22,7 @@ from appliance.gateway.keys import (
     TRACING,
 )
 from appliance.gateway.offload import OFFLOADED_PREFIX
+from appliance.inference.authentication import authenticate as authenticate_key
 from shared import tls
 from shared.errors import ApiError, ErrorCode, error_body
 
@@ -154,32 +155,14 @@ def _from_the_hub(request: web.Request) -> None:
 
 async def _authenticated(request: web.Request) -> ApiKey:
     """The request's key, not revoked, from an address that is not throttled."""
-    admission = request.app[ADMISSION]
-    address = request.remote or "unknown"
-    if (wait := admission.auth_throttled(address)) > 0:
-        request.app[METRICS].auth_throttled.inc()
-        raise ApiError(
-            ErrorCode.too_many_auth_failures,
-            f"too many failed authentications from {address}; retry after {wait:.0f} s",
-            retry_after=wait,
-        )
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        admission.auth_failed(address)
-        raise ApiError(
-            ErrorCode.missing_api_key,
-            "send your API key as `Authorization: Bearer <key>`; create one with "
-            "`kvl appliance keys create --account NAME`",
-        )
-    store = request.app[STORE]
-    key = await store.authenticate(token.strip())
-    if key is None:
-        admission.auth_failed(address)
-        raise ApiError(ErrorCode.invalid_api_key, "the API key is not valid")
-    if key.revoked:
-        admission.auth_failed(address)
-        raise ApiError(ErrorCode.revoked_api_key, f"the API key {key.prefix} was revoked")
+    app = request.app
+    key = await authenticate_key(
+        request.headers.get("Authorization", ""),
+        request.remote or "unknown",
+        store=app[STORE],
+        admission=app[ADMISSION],
+        metrics=app[METRICS],
+    )
     if request.path.startswith("/v1/admin/") and not key.admin:
         raise ApiError(
             ErrorCode.permission_denied,

@@ -38,6 +38,26 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # The gRPC API's calls: its own family, as gRPC statuses are not HTTP's.
+        self.grpc_calls = Counter(
+            "kvl_grpc_calls",
+            "gRPC calls by method and status code.",
+            ["method", "status"],
+            registry=r,
+        )
+        self.grpc_errors = Counter(
+            "kvl_grpc_errors",
+            "gRPC calls that ended in an error, by method and error code.",
+            ["method", "code"],
+            registry=r,
+        )
+        self.grpc_call_seconds = Histogram(
+            "kvl_grpc_call_duration_seconds",
+            "Time from a gRPC call to its status, by method.",
+            ["method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "kvl_prompt_tokens", "Prompt tokens evaluated, by model.", ["model"], registry=r
         )

@@ -1,0 +1,1 @@
+"""The gRPC API's proto files and the code generated from them (appliance/grpc/codegen.py)."""

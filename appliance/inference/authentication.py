@@ -1,0 +1,52 @@
+"""API-key authentication, for every door of the appliance: the HTTP middleware and the
+gRPC server check a key the same way. No aiohttp here.
+
+A failed attempt is counted against the client's address (`classes.auth_failures_per_minute`);
+an address over it waits, whatever key it sends.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shared.errors import ApiError, ErrorCode
+
+if TYPE_CHECKING:
+    from appliance.inference.admission import AdmissionControl
+    from appliance.observability.metrics import Metrics
+    from appliance.state.store import ApiKey, AsyncStore
+
+
+async def authenticate(
+    authorization: str,
+    address: str,
+    *,
+    store: AsyncStore,
+    admission: AdmissionControl,
+    metrics: Metrics,
+) -> ApiKey:
+    """The key of an `authorization` value (`Bearer <key>`), not revoked, from an
+    `address` that is not throttled; ApiError otherwise."""
+    if (wait := admission.auth_throttled(address)) > 0:
+        metrics.auth_throttled.inc()
+        raise ApiError(
+            ErrorCode.too_many_auth_failures,
+            f"too many failed authentications from {address}; retry after {wait:.0f} s",
+            retry_after=wait,
+        )
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        admission.auth_failed(address)
+        raise ApiError(
+            ErrorCode.missing_api_key,
+            "send your API key as `Authorization: Bearer <key>`; create one with "
+            "`kvl appliance keys create --account NAME`",
+        )
+    key = await store.authenticate(token.strip())
+    if key is None:
+        admission.auth_failed(address)
+        raise ApiError(ErrorCode.invalid_api_key, "the API key is not valid")
+    if key.revoked:
+        admission.auth_failed(address)
+        raise ApiError(ErrorCode.revoked_api_key, f"the API key {key.prefix} was revoked")
+    return key
