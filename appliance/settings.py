@@ -40,6 +40,22 @@ class ServerSettings(_Section):
         None, description="PEM certificate chain for HTTPS on the LAN; unset serves plain HTTP."
     )
     tls_key_file: Path | None = Field(None, description="PEM private key matching tls_cert_file.")
+    http2: bool = Field(
+        default=True,
+        description=(
+            "With TLS on (tls_cert_file, or the fleet's certificate): offer HTTP/2 (ALPN h2), "
+            "HTTP/1.1 on the same port for clients that do not ask for it; false: HTTP/1.1 only."
+        ),
+    )
+    http2_max_streams: int = Field(
+        100,
+        ge=1,
+        le=1000,
+        description=(
+            "Requests one HTTP/2 connection may have in flight (SETTINGS_MAX_CONCURRENT_STREAMS); "
+            "more are refused (REFUSED_STREAM) until one has finished."
+        ),
+    )
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Self:

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from appliance.gateway.http2 import Http2Site
+from appliance.gateway.keys import SETTINGS
 from shared.errors import ErrorCode, error_body
 
 if TYPE_CHECKING:
@@ -106,6 +108,28 @@ class FleetListener:
         await self._runner.cleanup()
 
 
+def lan_site(
+    runner: web.BaseRunner,
+    app: web.Application,
+    host: str,
+    port: int,
+    ssl_context: ssl.SSLContext | None,
+) -> web.BaseSite:
+    """The LAN API's listener: HTTP/1.1, and with TLS and `server.http2` HTTP/2 as well
+    (ALPN, on the same port)."""
+    settings = app[SETTINGS].server
+    if ssl_context is not None and settings.http2:
+        return Http2Site(
+            runner,
+            host,
+            port,
+            ssl_context,
+            max_streams=settings.http2_max_streams,
+            max_body_bytes=settings.max_body_bytes,
+        )
+    return web.TCPSite(runner, host, port, ssl_context=ssl_context)
+
+
 def run(
     app: web.Application,
     host: str,
@@ -113,7 +137,8 @@ def run(
     ssl_context: ssl.SSLContext | None,
     on_started: Callable[[], None],
 ) -> None:
-    """Serve until SIGINT or SIGTERM, then shut down cleanly (cleanup contexts run)."""
+    """Serve until SIGINT or SIGTERM, then shut down cleanly (cleanup contexts run).
+    With TLS and `server.http2`, HTTP/2 is offered too (http2.py)."""
 
     async def main() -> None:
         runner = ApplianceRunner(app, access_log=None)
@@ -123,7 +148,7 @@ def run(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
-            await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+            await lan_site(runner, app, host, port, ssl_context).start()
             on_started()
             await stop.wait()
         finally:
