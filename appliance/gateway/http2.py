@@ -35,6 +35,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.compression_utils import ZLibCompressor
 from h2.errors import ErrorCodes
+from hpack import NeverIndexedHeaderTuple
 from hyperframe.frame import GoAwayFrame
 from yarl import URL
 
@@ -56,6 +57,8 @@ ALPN = ["h2", "http/1.1"]
 # Decoded size of a request's header block. aiohttp's parser then bounds each line (8190
 # bytes) and the number of headers (128) of the request it is given, as for HTTP/1.1.
 MAX_HEADER_LIST_BYTES = 65_536
+# Frames wait for the end of the loop's turn unless this many bytes are waiting.
+_COALESCE_BYTES = 65_536
 # An h2 connection without a stream is closed (GOAWAY) after this long.
 IDLE_TIMEOUT_S = 300.0
 # The rest of a body sent after its response is read (and dropped) this long, as aiohttp
@@ -68,6 +71,8 @@ _PATH = re.compile(rb"[\x21-\x7e]+")
 # Not passed on to aiohttp: `expect` would make it write an HTTP/1.1 interim response,
 # `te` means something else in HTTP/1.1. (h2 itself refuses the connection-specific ones.)
 _DROPPED = frozenset({b"expect", b"te"})
+_UNSAFE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_VOLATILE = frozenset({"date", "x-request-id", "content-length", "etag", "last-modified"})
 # Connection-specific response headers, which HTTP/2 forbids (RFC 9113, 8.2.2).
 _HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"}
@@ -197,7 +202,14 @@ class _Connection(asyncio.Protocol):
         self.site = site
         self._server = server
         self._loop = asyncio.get_running_loop()
-        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+        # Outbound headers are aiohttp's, lower-cased and checked here (_StreamWriter):
+        # h2's own checks of them were a fifth of the cost of a small response.
+        config = h2.config.H2Configuration(
+            client_side=False,
+            header_encoding=None,
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
+        )
         self.h2 = h2.connection.H2Connection(config=config)
         self.h2.local_settings = h2.settings.Settings(
             client=False,
@@ -213,6 +225,9 @@ class _Connection(asyncio.Protocol):
         self._busy = 0
         self._paused = False
         self._drained: asyncio.Future[None] | None = None
+        self._out: list[bytes] = []  # framed, to be written (see flush)
+        self._out_bytes = 0
+        self._write_soon = False
         self._idle: asyncio.TimerHandle | None = None
         self._closing = False
         self._last_stream_id: int | None = None  # of a GOAWAY sent
@@ -268,9 +283,26 @@ class _Connection(asyncio.Protocol):
     # -- frames
 
     def flush(self) -> None:
+        """Send what h2 has framed, at the end of this turn of the loop: the frames of
+        one turn (a response's HEADERS and DATA, several streams') go in one TLS write,
+        which is most of the cost of a small response. Past 64 KiB, at once."""
         data = self.h2.data_to_send()
-        if data and self.transport is not None:
-            self.transport.write(data)
+        if not data or self.transport is None:
+            return
+        self._out.append(data)
+        self._out_bytes += len(data)
+        if self._out_bytes >= _COALESCE_BYTES:
+            self._write_out()
+        elif not self._write_soon:
+            self._write_soon = True
+            self._loop.call_soon(self._write_out)
+
+    def _write_out(self) -> None:
+        self._write_soon = False
+        if self._out and self.transport is not None:
+            self.transport.write(b"".join(self._out) if len(self._out) > 1 else self._out[0])
+        self._out.clear()
+        self._out_bytes = 0
 
     async def drain(self) -> None:
         while self._paused and self.transport is not None:
@@ -320,8 +352,8 @@ class _Connection(asyncio.Protocol):
     def _on_goaway(self, event: h2.events.ConnectionTerminated) -> None:
         del event
         self._closing = True
-        if not self.streams and self.transport is not None:
-            self.transport.close()
+        if not self.streams:
+            self._hang_up()
 
     def _on_settings(self, event: h2.events.RemoteSettingsChanged) -> None:
         table = event.changed_settings.get(h2.settings.SettingCodes.HEADER_TABLE_SIZE)
@@ -338,13 +370,10 @@ class _Connection(asyncio.Protocol):
         connections are not affected)."""
         log.info("HTTP/2 protocol error from %s, closing: %s", self.peer, err)
         code = getattr(err, "error_code", None) or ErrorCodes.PROTOCOL_ERROR
-        try:
+        with contextlib.suppress(h2.exceptions.H2Error):
             self.h2.close_connection(error_code=code)
             self.flush()
-        except h2.exceptions.H2Error:
-            pass
-        if self.transport is not None:
-            self.transport.close()
+        self._hang_up()
 
     def go_away(self) -> None:
         """Graceful close (shutdown): a GOAWAY tells the client to open no more streams;
@@ -354,20 +383,24 @@ class _Connection(asyncio.Protocol):
             return
         self._closing = True
         self._last_stream_id = self.h2.highest_inbound_stream_id
-        frame = GoAwayFrame(0, last_stream_id=self._last_stream_id)
-        self.transport.write(frame.serialize())
+        self._write_out()
+        self.transport.write(GoAwayFrame(0, last_stream_id=self._last_stream_id).serialize())
         if not self.streams:
             self._close()
 
     def _close(self) -> None:
         if self.transport is None:
             return
-        try:
+        with contextlib.suppress(h2.exceptions.H2Error):
             self.h2.close_connection(last_stream_id=self._last_stream_id)
             self.flush()
-        except h2.exceptions.H2Error:
-            pass
-        self.transport.close()
+        self._hang_up()
+
+    def _hang_up(self) -> None:
+        """Close, after what waits to be written."""
+        self._write_out()
+        if self.transport is not None:
+            self.transport.close()
 
     def _watch_idle(self) -> None:
         if self._idle is not None:
@@ -694,12 +727,21 @@ class _StreamWriter(AbstractStreamWriter):
 
     async def write_headers(self, status_line: str, headers: CIMultiDict[str]) -> None:
         status = status_line.split(" ", 2)[1]
-        block = [(b":status", status.encode())]
-        block.extend(
-            (name.lower().encode(), value.encode())
-            for name, value in headers.items()
-            if name.lower() not in _HOP_BY_HOP
-        )
+        block: list[tuple[bytes, bytes]] = [(b":status", status.encode())]
+        for name, value in headers.items():
+            lower = name.lower()
+            if lower in _HOP_BY_HOP:
+                continue
+            if _UNSAFE.search(value) is not None or _UNSAFE.search(name) is not None:
+                # What aiohttp's HTTP/1.1 writer refuses too.
+                raise ValueError(f"a control character in the response header {name!r}")
+            # Values that change with each response are not worth a place in the
+            # client's table (HPACK): the table stays short, and so do its searches.
+            block.append(
+                NeverIndexedHeaderTuple(lower.encode(), value.encode())
+                if lower in _VOLATILE
+                else (lower.encode(), value.encode())
+            )
         # Counted as sent: aiohttp reads a non-zero output_size as a response begun.
         self.output_size += len(status_line) + sum(len(k) + len(v) + 4 for k, v in block)
         self._headers = block
