@@ -43,8 +43,9 @@ class ServerSettings(_Section):
     http2: bool = Field(
         default=True,
         description=(
-            "With TLS on (tls_cert_file, or the fleet's certificate): offer HTTP/2 (ALPN h2), "
-            "HTTP/1.1 on the same port for clients that do not ask for it; false: HTTP/1.1 only."
+            "With TLS on (tls_cert_file, or the fleet's certificate): HTTP/2 (ALPN h2) as well "
+            "as HTTP/1.1 on the port, served by nginx (Debian's) in front of the API, which "
+            "the appliance starts; false, or without nginx: the API serves HTTP/1.1 itself."
         ),
     )
     http2_max_streams: int = Field(
@@ -52,8 +53,8 @@ class ServerSettings(_Section):
         ge=1,
         le=1000,
         description=(
-            "Requests one HTTP/2 connection may have in flight (SETTINGS_MAX_CONCURRENT_STREAMS); "
-            "more are refused (REFUSED_STREAM) until one has finished."
+            "Requests one HTTP/2 connection may have open at once "
+            "(SETTINGS_MAX_CONCURRENT_STREAMS); more are refused."
         ),
     )
 

@@ -1,25 +1,27 @@
-"""HTTP/2 on the LAN API: the appliance's own h2 front (appliance/gateway/http2.py)
-against plain HTTP/1.1 on the same TLS port, and against nginx in front of the app.
+"""HTTP/2 on the LAN API: nginx in front of the app (appliance/gateway/front.py), as the
+appliance runs it, against plain HTTP/1.1 served by the app itself on a TLS port.
 
-One appliance process (the real app, no model loaded, the embedding model off) serves
-TLS on a port (ALPN h2 and http/1.1) and plain HTTP/1.1 on a unix socket; Debian's nginx
-(one worker, `listen … ssl http2`, `proxy_buffering off`, kept upstream connections to
-that socket) is the other way to offer h2. Three ways to reach the same app:
+One appliance process (the real app, no model loaded, the embedding model off) serves its
+own TLS port (HTTP/1.1, as with `server.http2: false`) and, behind a `Front` (Debian's
+nginx, started by it as `kvl appliance serve` does), a second one. Three ways in:
 
-- ``http1``: HTTP/1.1 over TLS to the appliance;
-- ``h2``: HTTP/2 over TLS to the appliance;
-- ``http1-nginx``, ``h2-nginx``: HTTP/1.1 or HTTP/2 over TLS to nginx, HTTP/1.1 from
-  nginx to the appliance's unix socket.
+- ``http1``: HTTP/1.1 over TLS to the app itself;
+- ``http1-front``, ``h2-front``: HTTP/1.1 or HTTP/2 over TLS to nginx, which passes each
+  request to the app over HTTP/1.1 on its private unix socket.
 
 Three requests: ``healthz`` (the lightest route), ``models`` (`GET /v1/models` with an
 API key) and ``sse`` (a server-sent event stream of 100 events, written with the
 gateway's own sse module, each on a turn of the event loop of its own as a model's tokens
 come, on a route the benchmark adds). For each: mean latency with one client at a time,
-then throughput and the server side's CPU per request (the appliance process, plus
-nginx's master and worker when it is in front) with 8 connections, one request at a time
-each; h2load (`--h1` for HTTP/1.1) drives them all. Rounds repeat it all; medians.
+then throughput and the server side's CPU per request (the appliance process and its
+children: nginx's master and worker) with 8 connections, one request at a time each;
+h2load (`--h1` for HTTP/1.1) drives them all. Rounds repeat it all; medians.
 
-Run: ``python -m tests.benchmarks.http2 [--seconds 6] [--rounds 3]``; needs h2load
+HTTP/2 served in the appliance's own process (the `h2` library, each stream a request to
+the app) was measured by this benchmark at commit a1e517e and cost two to three times the
+CPU of this front per request (docs/benchmarks.md, "HTTP/2").
+
+Run: ``python -m tests.benchmarks.http2 [--seconds 4] [--rounds 2]``; needs h2load
 (Debian's nghttp2-client) and nginx (`just setup-system`).
 """
 
@@ -46,12 +48,12 @@ from typing import Any
 import psutil
 from aiohttp import web
 
-from tests.benchmarks.serving import HOST, cpu_model, free_port, say, tree_cpu_seconds, tree_rss
+from tests.benchmarks.serving import HOST, cpu_model, free_port, say, tree_cpu_seconds
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "http2.json"
 EVENTS = 100
 CONNECTIONS = 8
-VARIANTS = ("http1", "h2", "http1-nginx", "h2-nginx")
+VARIANTS = ("http1", "http1-front", "h2-front")
 WORKLOADS = {"healthz": "/healthz", "models": "/v1/models", "sse": "/bench/events"}
 
 
@@ -79,7 +81,8 @@ async def _events(request: web.Request) -> web.StreamResponse:
 
 async def _serve(args: argparse.Namespace) -> None:
     from appliance.app import create_app  # noqa: PLC0415
-    from appliance.gateway.server import ApplianceRunner, lan_site  # noqa: PLC0415
+    from appliance.gateway.front import Front, nginx_binary, trust_forwarded  # noqa: PLC0415
+    from appliance.gateway.server import ApplianceRunner, ListenerRunner  # noqa: PLC0415
     from appliance.settings import ApplianceSettings  # noqa: PLC0415
 
     settings = ApplianceSettings.model_validate(
@@ -97,16 +100,31 @@ async def _serve(args: argparse.Namespace) -> None:
     await runner.setup()
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(args.cert, args.key)
-    await lan_site(runner, app, HOST, args.port, context).start()
-    await web.UnixSite(runner, str(args.unix)).start()
+    await web.TCPSite(runner, HOST, args.port, ssl_context=context).start()
+    # The front's own server: only its requests take their client from X-Forwarded-For.
+    behind = ListenerRunner(app)
+    await behind.setup()
+    binary = nginx_binary()
+    if binary is None or behind.server is None:
+        raise RuntimeError("nginx is not installed: run `just setup-system`")
+    trust_forwarded(behind.server)
+    front = Front(
+        binary,
+        host=HOST,
+        port=args.front_port,
+        certificate=(args.cert, args.key),
+        max_streams=settings.server.http2_max_streams,
+        max_body_bytes=settings.server.max_body_bytes,
+    )
+    await web.UnixSite(behind, str(front.upstream)).start()
+    await front.start()
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     say("serving")
     await stop.wait()
+    await front.stop()
+    await behind.cleanup()
     await runner.cleanup()
-
-
-# -- the peers ----------------------------------------------------------------------------------
 
 
 def make_certificate(work: Path) -> tuple[Path, Path]:
@@ -118,38 +136,6 @@ def make_certificate(work: Path) -> tuple[Path, Path]:
         check=True, capture_output=True,
     )  # fmt: skip
     return cert, key
-
-
-def start_nginx(
-    work: Path, cert: Path, key: Path, socket_path: Path
-) -> tuple[subprocess.Popen[bytes], int]:
-    nginx = shutil.which("nginx", path=f"{os.environ.get('PATH', '')}:/usr/sbin")
-    if nginx is None:
-        raise RuntimeError("nginx is not installed: run `just setup-system`")
-    port = free_port()
-    user = "user root;" if os.geteuid() == 0 else ""  # the socket is the benchmark's
-    temp = work / "nginx-temp"
-    temp.mkdir(exist_ok=True)
-    temps = "".join(
-        f"  {kind}_temp_path {temp};\n"
-        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-    )
-    # nginx 1.22 (Debian 12) spells HTTP/2 `listen … http2`; 1.25+ has `http2 on;`.
-    (work / "nginx.conf").write_text(
-        f"{user}\ndaemon off;\nworker_processes 1;\npid {work}/nginx.pid;\n"
-        f"error_log {work}/nginx-error.log;\nevents {{ worker_connections 1024; }}\n"
-        f"http {{\n  access_log off;\n{temps}"
-        f"  upstream app {{ server unix:{socket_path}; keepalive 32; }}\n"
-        f"  server {{\n    listen {HOST}:{port} ssl http2;\n"
-        f"    ssl_certificate {cert};\n    ssl_certificate_key {key};\n"
-        "    http2_max_concurrent_streams 100;\n    client_max_body_size 1m;\n"
-        "    location / {\n      proxy_pass http://app;\n      proxy_http_version 1.1;\n"
-        '      proxy_set_header Connection "";\n      proxy_set_header Host $host;\n'
-        "      proxy_set_header X-Forwarded-For $remote_addr;\n"
-        "      proxy_buffering off;\n      proxy_request_buffering off;\n    }\n  }\n}\n"
-    )
-    process = subprocess.Popen([nginx, "-c", str(work / "nginx.conf"), "-p", str(work)])
-    return process, port
 
 
 def _wait_https(url: str, process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
@@ -218,13 +204,13 @@ def _medians(runs: list[dict[str, float]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--seconds", type=int, default=6, help="load per measurement")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds (medians are kept)")
+    parser.add_argument("--seconds", type=int, default=4, help="load per measurement")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds (medians are kept)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--unix", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--front-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--cert", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--key", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -239,23 +225,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(work: Path, args: argparse.Namespace) -> int:
     cert, key = make_certificate(work)
-    data, socket_path, port = work / "data", work / "app.sock", free_port()
+    data, port, front_port = work / "data", free_port(), free_port()
     api_key = subprocess.run(
         [sys.executable, "-m", "shared.cli", "appliance", "keys", "create", "--account", "bench",
          "--data-dir", str(data)],
         check=True, capture_output=True, text=True,
     ).stdout.strip()  # fmt: skip
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tests.benchmarks.http2", "--serve", "--data", str(data),
-         "--port", str(port), "--unix", str(socket_path), "--cert", str(cert), "--key", str(key)],
-        stdout=subprocess.DEVNULL, stderr=(work / "serve.log").open("wb"),
-    )  # fmt: skip
-    nginx, nginx_port = start_nginx(work, cert, key, socket_path)
+    with (work / "serve.log").open("wb") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tests.benchmarks.http2", "--serve", "--data", str(data),
+             "--port", str(port), "--front-port", str(front_port), "--cert", str(cert),
+             "--key", str(key)],
+            stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
     runs: dict[tuple[str, str], list[dict[str, float]]] = {}
     try:
         _wait_https(f"https://{HOST}:{port}/healthz", server)
-        _wait_https(f"https://{HOST}:{nginx_port}/healthz", nginx)
-        appliance, front = psutil.Process(server.pid), psutil.Process(nginx.pid)
+        _wait_https(f"https://{HOST}:{front_port}/healthz", server)
+        # The appliance and its children (nginx): the server side, whichever way in.
+        appliance = [psutil.Process(server.pid)]
         # Rounds, each every workload over every variant: the machine's other load
         # falls on all of them alike.
         for round_ in range(args.rounds):
@@ -263,22 +251,26 @@ def _run(work: Path, args: argparse.Namespace) -> int:
                 headers = [f"Authorization: Bearer {api_key}"] if path.startswith("/v1/") else []
                 for variant in VARIANTS:
                     say(f"http2: round {round_ + 1}, {workload} over {variant}")
-                    proxied = variant.endswith("-nginx")
-                    url = f"https://{HOST}:{nginx_port if proxied else port}{path}"
-                    processes = [appliance, front] if proxied else [appliance]
+                    target = front_port if variant.endswith("-front") else port
                     figures = measure(
-                        url, headers, args.seconds, processes, h1=variant.startswith("http1")
+                        f"https://{HOST}:{target}{path}",
+                        headers,
+                        args.seconds,
+                        appliance,
+                        h1=variant.startswith("http1"),
                     )
                     runs.setdefault((workload, variant), []).append(figures)
-        rss = {"appliance_mib": round(tree_rss(appliance) / 2**20, 1),
-               "nginx_mib": round(tree_rss(front) / 2**20, 1)}  # fmt: skip
+        nginx = appliance[0].children(recursive=True)
+        rss = {
+            "appliance_mib": round(appliance[0].memory_info().rss / 2**20, 1),
+            "nginx_mib": round(sum(p.memory_info().rss for p in nginx) / 2**20, 1),
+        }
     finally:
-        for process in (nginx, server):
-            process.terminate()
-            process.wait(timeout=30)
+        server.terminate()
+        server.wait(timeout=30)
     results: dict[str, dict[str, Any]] = {}
-    for (workload, variant), figures in runs.items():
-        results.setdefault(workload, {})[variant] = _medians(figures)
+    for (workload, variant), each in runs.items():
+        results.setdefault(workload, {})[variant] = _medians(each)
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "cpu": cpu_model(),
@@ -295,7 +287,7 @@ def _run(work: Path, args: argparse.Namespace) -> int:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for workload, variants in results.items():
         for variant, figures in variants.items():
-            say(f"{workload:8} {variant:9} {json.dumps(figures)}")
+            say(f"{workload:8} {variant:12} {json.dumps(figures)}")
     return 0
 
 
