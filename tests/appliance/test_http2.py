@@ -19,15 +19,33 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import httpx
 import psutil
 import pytest
+from aiohttp import web
 
-from appliance.gateway.front import WATCH_S, nginx_binary
+from appliance.fleet.identity import FleetFiles
+from appliance.gateway.front import WATCH_S, Front, nginx_binary
+from appliance.state.store import AsyncStore
 from shared import pki
-from tests.conftest import free_port, kvl, spawn_appliance
+from tests.appliance.test_certificates import (
+    Node,
+    hub_settings,
+    link_for,
+    provisioning,
+    serve_hub,
+    served_serial,
+)
+from tests.conftest import free_port, kvl, make_settings, spawn_appliance
+from tests.waiting import until
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from pytest_aiohttp import AiohttpServer
 
 pytestmark = pytest.mark.skipif(
     nginx_binary() is None, reason="nginx is not installed: `just setup-system`"
@@ -399,3 +417,68 @@ def test_an_nginx_that_dies_is_started_again(tmp_path: Path) -> None:
     # A stopped appliance leaves no nginx behind.
     with contextlib.suppress(psutil.NoSuchProcess):
         assert again.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.fixture
+async def node(tmp_path: Path) -> AsyncIterator[Node]:
+    """A node's fleet link alone, as tests/appliance/test_certificates.py has it."""
+    settings = make_settings(tmp_path / "data", embeddings={"enabled": False})
+    store = AsyncStore(settings.db_path)
+    await store.open()
+    node = Node(None, store, FleetFiles(settings.fleet_dir))  # type: ignore[arg-type]
+    yield node
+    if node.link is not None:
+        await node.link.close()
+    await store.close()
+
+
+async def test_the_fleets_renewed_certificate_is_served_by_nginx_at_once(
+    aiohttp_server: AiohttpServer,
+    tmp_path: Path,
+    node: Node,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fleet's certificate (a real hub's CA, the node's link renewing it when its
+    addresses change), served by a Front as `kvl appliance serve` runs it: the renewed one
+    reaches new connections without a restart."""
+    hub = hub_settings(tmp_path)
+    hub_port = free_port()
+    await serve_hub(aiohttp_server, hub, hub_port)
+    node.link = link_for(node, tmp_path, provisioning(tmp_path, hub, hub_port))
+    monkeypatch.setattr(node.link, "addresses", lambda: ["192.0.2.70"])
+    await node.tick()  # enrolls: the node's certificate
+    files = node.files.lan_tls()
+    trust = node.files.certificate.trust()
+    binary = nginx_binary()
+    assert files is not None
+    assert trust is not None
+    assert binary is not None
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "alive"})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    front = Front(
+        binary, host=HOST, port=port, certificate=files, max_streams=8, max_body_bytes=4096
+    )
+    await web.UnixSite(runner, str(front.upstream)).start()
+    await front.start()
+    try:
+        first = await asyncio.to_thread(served_serial, port, trust)
+        # The node's address changed (DHCP): renewed at the next heartbeat.
+        monkeypatch.setattr(node.link, "addresses", lambda: ["192.0.2.71"])
+        await node.tick()
+        assert "192.0.2.71" in node.files.certificate.names()
+
+        async def renewed() -> bool:
+            return await asyncio.to_thread(served_serial, port, trust) != first
+
+        await until(renewed, "nginx serves the renewed certificate", timeout_s=WATCH_S * 10)
+        assert node.failures == 0
+    finally:
+        await front.stop()
+        await runner.cleanup()
