@@ -11,14 +11,15 @@ default:
     @just --list
 
 # Install the Debian packages the project runs: wireguard-go (tunnels where the kernel has no
-# WireGuard), iproute2, espeak-ng (narration), nginx (the peer of the package benchmark),
+# WireGuard), iproute2, espeak-ng (narration), nginx (HTTP/2 in front of the LAN API, and the
+# peer of the package benchmark), nghttp2-client (h2load, the http2 benchmark's load),
 # chromium (the browser tests of the hub's console) and postgresql (the hub's store for
 # several replicas; the tests and benchmarks start throwaway clusters of their own)
 setup-system:
     #!/usr/bin/env bash
     set -euo pipefail
     missing=()
-    for package in wireguard-go iproute2 espeak-ng nginx chromium postgresql; do
+    for package in wireguard-go iproute2 espeak-ng nginx nghttp2-client chromium postgresql; do
         dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed' || missing+=("$package")
     done
     if [ ${#missing[@]} -eq 0 ]; then exit 0; fi
@@ -33,9 +34,9 @@ setup-system:
     echo "installing ${missing[*]} from Debian" >&2
     log=$(mktemp)
     policy=""
-    # nginx and PostgreSQL are a benchmark peer and a test fixture, not services of this
-    # machine: no daemon starts while we install (policy-rc.d), and none is enabled for the
-    # next boot.
+    # nginx and PostgreSQL are started by the appliance, the benchmarks and the tests, not
+    # services of this machine: no daemon starts while we install (policy-rc.d), and none
+    # is enabled for the next boot.
     if [ ! -e /usr/sbin/policy-rc.d ]; then
         policy=/usr/sbin/policy-rc.d
         printf '#!/bin/sh\nexit 101\n' > "$policy"
@@ -105,16 +106,17 @@ test *args: setup setup-image lint
 # serving (one stream vs llama-server), concurrency (1-16 streams and a shared prefix vs
 # llama-server -np N), embeddings (batched vs one at a time), overload, sync, fleet,
 # placement (the planner at 10,000 nodes), offload (vs a direct call), packages (vs nginx),
-# chat_quality (the embedded models on twelve instructions), image (boot-to-ready time and
-# size of the appliance image; root), api (tool calls, n and logprobs vs llama-server;
-# HTTP/2 and gRPC vs HTTP/1.1), or all of them
+# chat_quality (the embedded models on twelve instructions), http2 (nginx in front vs
+# HTTP/1.1 served by the app), image (boot-to-ready time and size of the appliance image;
+# root), api (tool calls, n and logprobs vs llama-server; HTTP/2 and gRPC vs HTTP/1.1),
+# or all of them
 bench suite="all" *args: setup
     #!/usr/bin/env bash
     set -euo pipefail
     case "{{ suite }}" in
-        all) suites="serving concurrency embeddings overload sync fleet placement offload packages chat_quality image api" ;;
-        serving|concurrency|embeddings|overload|sync|fleet|placement|offload|packages|chat_quality|image|api) suites="{{ suite }}" ;;
-        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, fleet, placement, offload, packages, chat_quality, image, api, all)" >&2; exit 2 ;;
+        all) suites="serving concurrency embeddings overload sync fleet placement offload packages chat_quality http2 image api" ;;
+        serving|concurrency|embeddings|overload|sync|fleet|placement|offload|packages|chat_quality|http2|image|api) suites="{{ suite }}" ;;
+        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, fleet, placement, offload, packages, chat_quality, http2, image, api, all)" >&2; exit 2 ;;
     esac
     for s in $suites; do {{ py }} -m "tests.benchmarks.$s" {{ args }}; done
 

@@ -79,6 +79,23 @@ class ServerSettings(_Section):
             "proxies keep it open while a request waits for its first token; 0: never."
         ),
     )
+    http2: bool = Field(
+        default=True,
+        description=(
+            "With TLS on (tls_cert_file, or the fleet's certificate): HTTP/2 (ALPN h2) as well "
+            "as HTTP/1.1 on the port, served by nginx (Debian's) in front of the API, which "
+            "the appliance starts; false, or without nginx: the API serves HTTP/1.1 itself."
+        ),
+    )
+    http2_max_streams: int = Field(
+        100,
+        ge=1,
+        le=1000,
+        description=(
+            "Requests one HTTP/2 connection may have open at once "
+            "(SETTINGS_MAX_CONCURRENT_STREAMS); more are refused."
+        ),
+    )
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Self:

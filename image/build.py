@@ -108,6 +108,9 @@ PACKAGES = (
     "wireguard-go",
     "iproute2",
     "espeak-ng",
+    # HTTP/2 on the LAN API's TLS port: nginx in front, started by the appliance itself
+    # (appliance/gateway/front.py); Debian's own nginx.service is masked below
+    "nginx",
 )
 # What no appliance reads: manuals, translations, docs (the copyright files stay).
 DPKG_OPTIONS = (
@@ -137,7 +140,8 @@ UNITS_ENABLED = (
     "systemd-timesyncd.service",
 )
 # Prompts on the console at first boot, where nobody is: the image sets what it asks.
-UNITS_MASKED = ("systemd-firstboot.service",)
+# nginx serves nothing of its own (no default site on port 80): only as the appliance's.
+UNITS_MASKED = ("systemd-firstboot.service", "nginx.service")
 
 # Fixed identifiers, so that two builds of the same inputs lay out the same disk.
 _NAMESPACE = uuid.UUID("6b766c2d-6564-6765-2d69-6d6167652d31")

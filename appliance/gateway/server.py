@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from appliance.fleet.identity import lan_tls_files
+from appliance.gateway.front import UPSTREAM_LIMITS, Front, nginx_binary, trust_forwarded
+from appliance.gateway.keys import SETTINGS
 from shared.errors import ErrorCode, error_body
 
 if TYPE_CHECKING:
@@ -22,6 +26,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from aiohttp.web_request import BaseRequest
+
+
+log = logging.getLogger(__name__)
 
 
 class _Handler(RequestHandler):
@@ -60,7 +67,7 @@ class ApplianceRunner(web.AppRunner):
         return server
 
 
-class _ListenerRunner(web.BaseRunner):
+class ListenerRunner(web.BaseRunner):
     """Serves an application that another runner started (and cleans up): a second
     listener of the same application, with TLS of its own."""
 
@@ -88,7 +95,7 @@ class FleetListener:
     certificate of the fleet fails. The hub's calls (offload) come here."""
 
     def __init__(self, app: web.Application, host: str, port: int) -> None:
-        self._runner = _ListenerRunner(app)
+        self._runner = ListenerRunner(app)
         self._host = host
         self._port = port
         self.port: int | None = None
@@ -106,6 +113,30 @@ class FleetListener:
         await self._runner.cleanup()
 
 
+def _front(app: web.Application, host: str, port: int, tls: bool) -> Front | None:
+    """nginx in front (front.py), with TLS and `server.http2`; None: aiohttp serves the
+    port itself (HTTP/1.1)."""
+    settings = app[SETTINGS]
+    files = lan_tls_files(settings)
+    if not tls or not settings.server.http2 or files is None:
+        return None
+    binary = nginx_binary()
+    if binary is None:
+        log.warning(
+            "HTTP/2 is served by nginx, which is not installed (Debian's nginx package): "
+            "HTTP/1.1 only; server.http2: false says so without this warning"
+        )
+        return None
+    return Front(
+        binary,
+        host=host,
+        port=port,
+        certificate=files,
+        max_streams=settings.server.http2_max_streams,
+        max_body_bytes=settings.server.max_body_bytes,
+    )
+
+
 def run(
     app: web.Application,
     host: str,
@@ -113,20 +144,33 @@ def run(
     ssl_context: ssl.SSLContext | None,
     on_started: Callable[[], None],
 ) -> None:
-    """Serve until SIGINT or SIGTERM, then shut down cleanly (cleanup contexts run)."""
+    """Serve until SIGINT or SIGTERM, then shut down cleanly (cleanup contexts run).
+    With TLS and `server.http2`, nginx serves the port (HTTP/2 and HTTP/1.1) in front of
+    the app (front.py)."""
 
     async def main() -> None:
-        runner = ApplianceRunner(app, access_log=None)
+        front = _front(app, host, port, ssl_context is not None)
+        if front is None:
+            runner = ApplianceRunner(app, access_log=None)
+        else:
+            runner = ApplianceRunner(app, access_log=None, **UPSTREAM_LIMITS)
         await runner.setup()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
-            await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+            if front is None:
+                await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+            elif runner.server is not None:  # set up above
+                trust_forwarded(runner.server)
+                await web.UnixSite(runner, str(front.upstream)).start()
+                await front.start()
             on_started()
             await stop.wait()
         finally:
+            if front is not None:
+                await front.stop()  # first: what it has in flight still reaches the app
             await runner.cleanup()
 
     with contextlib.suppress(KeyboardInterrupt):

@@ -1,0 +1,354 @@
+"""HTTP/2 on the LAN API's TLS port: nginx (Debian's) in front of the app.
+
+With TLS on and `server.http2`, the appliance starts nginx as its child. nginx listens on
+`server.host`:`server.port` with the LAN certificate, offers h2 and http/1.1 by ALPN, and
+passes each request over HTTP/1.1 (on kept connections, unbuffered both ways, so server-sent
+events go out as they are written) to the app on a unix socket in a private directory
+(mode 0700) of its own. nginx sets X-Forwarded-For to the client's address itself, and a
+request on that socket takes its client's address from it: nothing else reaches the
+socket. Measured (docs/benchmarks.md): HTTP/2 served in the appliance's own process (the
+`h2` library) cost 2.5-3.3 times the CPU of HTTP/1.1 per short request; through nginx it
+costs 1.1-1.5 times, and an event stream less than HTTP/1.1 straight to the app.
+
+Hostile clients meet nginx's limits: `server.http2_max_streams` streams per connection,
+8 KiB a header line and 32 KiB all of them, `server.max_body_bytes` a body; nginx's own
+answers (a bad request, a body too large, headers too large, the app unreachable) are in
+the API's error shape. The certificate files are watched: a renewed certificate (the
+fleet's, or the operator's file replaced) is taken once it pairs with its key, by a reload
+(SIGHUP) that keeps open connections; an nginx that exits is started again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import pwd
+import shutil
+import signal
+import ssl
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
+
+from shared.errors import ErrorCode, error_body
+
+if TYPE_CHECKING:
+    from aiohttp import web
+    from aiohttp.abc import AbstractStreamWriter
+    from aiohttp.http_parser import RawRequestMessage
+    from aiohttp.streams import StreamReader
+    from aiohttp.web_protocol import RequestHandler
+    from aiohttp.web_request import BaseRequest
+
+log = logging.getLogger(__name__)
+
+# How often the certificate files are looked at (a stat of each).
+WATCH_S = 2.0
+# Open requests may finish this long when nginx stops (then they are cut).
+SHUTDOWN_S = 10.0
+
+
+class ParserLimits(TypedDict):
+    max_line_size: int
+    max_field_size: int
+    max_headers: int
+
+
+# What the app's HTTP/1.1 parser takes on the private socket: more than nginx passes
+# (an HTTP/2 header is bounded compressed), so a refusal is nginx's, in the error shape,
+# and logged with the client's address (a request the app cannot parse has no
+# X-Forwarded-For to take it from).
+UPSTREAM_LIMITS = ParserLimits(max_line_size=65_536, max_field_size=65_536, max_headers=1024)
+# nginx's own errors, in the API's error shape: (statuses, code, message).
+_ERRORS = (
+    (
+        (400, 494, 495, 496, 497),
+        ErrorCode.bad_request,
+        "the request or its headers are malformed or too large",
+    ),
+    ((414,), ErrorCode.bad_request, "the request line is longer than 8 KiB"),
+    ((413,), ErrorCode.request_too_large, "the body is larger than the limit of {limit} bytes"),
+    ((500, 502, 503, 504), ErrorCode.internal_error, "the API did not answer the TLS front"),
+)
+_PR_SET_PDEATHSIG = 1
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _quoted(path: Path) -> str:
+    """``path`` as an nginx string; one nginx would read otherwise is refused."""
+    text = str(path.absolute())  # not resolved: a renewal may move a link (certbot's)
+    if any(c in text for c in '"\\$') or not text.isprintable():
+        raise ValueError(f"nginx cannot be given the path {text!r}: rename it")
+    return f'"{text}"'
+
+
+def nginx_binary() -> str | None:
+    """Debian's nginx, where `apt-get install nginx` puts it (or on PATH)."""
+    return shutil.which("nginx", path=f"{os.environ.get('PATH', '')}:/usr/sbin")
+
+
+def trust_forwarded(server: web.Server) -> None:
+    """Requests of ``server`` (the private socket's: nginx's only) are from the client
+    nginx names in X-Forwarded-For, over HTTPS."""
+    make = server.request_factory
+
+    def request_factory(
+        message: RawRequestMessage,
+        payload: StreamReader,
+        protocol: RequestHandler,
+        writer: AbstractStreamWriter,
+        task: asyncio.Task[None],
+    ) -> BaseRequest:
+        request = make(message, payload, protocol, writer, task)
+        return request.clone(remote=message.headers.get("X-Forwarded-For", ""), scheme="https")
+
+    server.request_factory = request_factory
+
+
+class Front:
+    """nginx on the LAN API's port, the app behind it on ``upstream`` (a unix socket in
+    ``directory``, which holds nginx's configuration and files too)."""
+
+    def __init__(
+        self,
+        binary: str,
+        *,
+        host: str,
+        port: int,
+        certificate: tuple[Path, Path],
+        max_streams: int,
+        max_body_bytes: int,
+    ) -> None:
+        self._binary = binary
+        self._host = host
+        self._port = port
+        self._certificate = certificate
+        self._max_streams = max_streams
+        self._max_body_bytes = max_body_bytes
+        # Short (a unix socket's path has 108 bytes at most) and private.
+        self.directory = Path(tempfile.mkdtemp(prefix="kvl-front-"))
+        self.upstream = self.directory / "app.sock"
+        self._process: asyncio.subprocess.Process | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self._seen = self._stat()
+
+    # -- the configuration
+
+    def config(self) -> str:
+        d = self.directory
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        temps = "".join(
+            f"    {kind}_temp_path {d}/{kind};\n"
+            for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        )
+        pages, named = [], []
+        for statuses, code, message in _ERRORS:
+            body = json.dumps(error_body(code, message.format(limit=self._max_body_bytes)))
+            if "'" in body or "$" in body or "\\" in body:  # nginx would read them itself
+                raise ValueError(f"an error body nginx cannot quote: {body}")
+            # A URI, not a named location: nginx cannot go to one of those from a
+            # request line it could not read.
+            uri = f"/.kvl-front/{statuses[0]}"
+            codes = " ".join(map(str, statuses))
+            pages.append(f"        error_page {codes} ={code.status} {uri};\n")
+            named.append(
+                f"        location = {uri} {{\n"
+                "            internal;\n"
+                "            client_max_body_size 0;  # or a 413 would be refused again\n"
+                "            default_type application/json;\n"
+                f"            return {code.status} '{body}';\n"
+                "        }\n"
+            )
+        cert, key = self._certificate
+        # Root starts nginx's workers as nobody (the socket is theirs then, see start).
+        user = "user nobody nogroup;\n" if os.geteuid() == 0 else ""
+        return (
+            f"{user}daemon off;\n"
+            # One worker: the LAN API's traffic is small next to inference.
+            "worker_processes 1;\n"
+            "worker_rlimit_nofile 4096;\n"
+            f"worker_shutdown_timeout {SHUTDOWN_S:.0f}s;\n"
+            f"pid {d}/nginx.pid;\n"
+            "error_log stderr warn;\n"
+            "events { worker_connections 2048; }\n"
+            "http {\n"
+            "    access_log off;\n"
+            "    server_tokens off;\n"
+            f"{temps}"
+            "    map $http_upgrade $connection_upgrade { default upgrade; '' ''; }\n"
+            f"    upstream appliance {{ server unix:{self.upstream}; keepalive 64; }}\n"
+            "    server {\n"
+            # nginx 1.22 (Debian 12) says `listen … http2`; 1.25 and later `http2 on;`.
+            f"        listen {host}:{self._port} ssl http2;\n"
+            f"        ssl_certificate {_quoted(cert)};\n"
+            f"        ssl_certificate_key {_quoted(key)};\n"
+            "        ssl_protocols TLSv1.2 TLSv1.3;\n"
+            f"        http2_max_concurrent_streams {self._max_streams};\n"
+            "        large_client_header_buffers 4 8k;\n"
+            f"        client_max_body_size {self._max_body_bytes};\n"
+            f"{''.join(pages)}"
+            "        location / {\n"
+            "            proxy_pass http://appliance;\n"
+            "            proxy_http_version 1.1;\n"
+            "            proxy_set_header Host $http_host;\n"
+            "            proxy_set_header X-Forwarded-For $remote_addr;\n"
+            "            proxy_set_header Upgrade $http_upgrade;\n"
+            "            proxy_set_header Connection $connection_upgrade;\n"
+            "            proxy_buffering off;\n"
+            "            proxy_request_buffering off;\n"
+            "            proxy_next_upstream off;\n"
+            # A completion may wait for a slot, a model, then generate for minutes.
+            "            proxy_read_timeout 3600s;\n"
+            "            proxy_send_timeout 3600s;\n"
+            "        }\n"
+            f"{''.join(named)}"
+            "    }\n"
+            "}\n"
+        )
+
+    # -- the process
+
+    async def start(self) -> None:
+        """Start nginx; return once it listens (RuntimeError with its words if it cannot)."""
+        if os.geteuid() == 0:
+            nobody = pwd.getpwnam("nobody")
+            os.chown(self.directory, nobody.pw_uid, nobody.pw_gid)
+            with contextlib.suppress(FileNotFoundError):
+                os.chown(self.upstream, nobody.pw_uid, nobody.pw_gid)
+        (self.directory / "nginx.conf").write_text(self.config())
+        await self._spawn()
+        self._tasks = [
+            asyncio.create_task(self._supervise(), name="nginx supervisor"),
+            asyncio.create_task(self._watch(), name="certificate watch"),
+        ]
+
+    async def _spawn(self) -> None:
+        (self.directory / "nginx.pid").unlink(missing_ok=True)  # a killed master's
+        libc = ctypes.CDLL(None, use_errno=True)
+
+        def die_with_parent() -> None:  # nginx must not outlive the appliance
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+        process = await asyncio.create_subprocess_exec(
+            self._binary,
+            "-p",
+            f"{self.directory}/",
+            "-c",
+            str(self.directory / "nginx.conf"),
+            "-e",
+            "stderr",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            # nginx's error log is the appliance's stderr (no pipe: its workers would hold
+            # one open after a master that died, and its exit would go unseen).
+            stderr=None,
+            preexec_fn=die_with_parent,  # prctl only, no locks
+            start_new_session=True,  # its own process group: the master's and its workers'
+        )
+        self._process = process
+        try:
+            await self._listening(process)
+        except BaseException:
+            _kill_group(process.pid)
+            await process.wait()
+            raise
+
+    async def _listening(self, process: asyncio.subprocess.Process) -> None:
+        """Once nginx has written its pid file (it has bound its port then) and accepts."""
+        wildcard = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}  # noqa: S104
+        host = wildcard.get(self._host, self._host)
+        pid = self.directory / "nginx.pid"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30.0
+        while True:
+            if process.returncode is not None:
+                raise RuntimeError(f"nginx exited ({process.returncode}); its words are above")
+            try:
+                if not pid.exists():
+                    raise FileNotFoundError(pid)
+                _, writer = await asyncio.open_connection(host, self._port)
+            except OSError:
+                if loop.time() > deadline:
+                    raise RuntimeError("nginx did not listen within 30 s") from None
+                await asyncio.sleep(0.02)
+                continue
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            return
+
+    async def _supervise(self) -> None:
+        loop = asyncio.get_running_loop()
+        backoff = 1.0
+        while self._process is not None:
+            started = loop.time()
+            code = await self._process.wait()
+            if self._stopping:
+                return
+            # Workers outlive a master that was killed, and keep the port: not these.
+            _kill_group(self._process.pid)
+            backoff = 1.0 if loop.time() - started > 60 else min(backoff * 2, 30.0)
+            log.error("nginx exited (%d); starting it again in %.0f s", code, backoff)
+            await asyncio.sleep(backoff)
+            try:
+                await self._spawn()
+            except RuntimeError as err:
+                log.error("nginx could not start again: %s", err)  # noqa: TRY400
+
+    # -- the certificate
+
+    def _stat(self) -> tuple[tuple[int, int, int], ...] | None:
+        try:
+            return tuple(
+                (s.st_ino, s.st_mtime_ns, s.st_size) for s in map(os.stat, self._certificate)
+            )
+        except OSError:
+            return None
+
+    async def _watch(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(WATCH_S)
+            seen = self._stat()
+            if seen is None or seen == self._seen:
+                continue
+            # The key and the certificate are two files, written one after the other:
+            # a reload between the two would fail, so wait until they pair.
+            try:
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                    *self._certificate
+                )
+            except (OSError, ValueError):  # ssl.SSLError is an OSError
+                continue
+            self._seen = seen
+            if self._process is not None and self._process.returncode is None:
+                log.info("TLS: the certificate changed; nginx reloads it")
+                self._process.send_signal(signal.SIGHUP)
+
+    # -- the end
+
+    async def stop(self) -> None:
+        """Stop nginx gracefully (open requests may finish, SHUTDOWN_S at most)."""
+        self._stopping = True
+        process = self._process
+        if process is not None and process.returncode is None:
+            process.send_signal(signal.SIGQUIT)
+            try:
+                await asyncio.wait_for(process.wait(), SHUTDOWN_S + 5)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        if process is not None:
+            _kill_group(process.pid)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        shutil.rmtree(self.directory, ignore_errors=True)
