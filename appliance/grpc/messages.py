@@ -72,8 +72,15 @@ def embed_body(request: pb.EmbedRequest) -> dict[str, Any]:
 
 def last_reply(finished: Finished) -> pb.GenerateReply:
     """The reply that ends a generation: why it stopped, and what it cost."""
+    counts = usage(finished)
     return pb.GenerateReply(
-        finish_reason=finish_reason(finished), usage=pb.Usage(**usage(finished))
+        finish_reason=finish_reason(finished),
+        usage=pb.Usage(
+            prompt_tokens=counts["prompt_tokens"],
+            completion_tokens=counts["completion_tokens"],
+            total_tokens=counts["total_tokens"],
+            cached_tokens=finished.cached_tokens,
+        ),
     )
 
 

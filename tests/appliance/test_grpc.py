@@ -274,7 +274,7 @@ def test_over_quota_is_resource_exhausted_with_retry_info(appliance: GrpcApplian
         list(stub.Generate(request, metadata=appliance.auth(appliance.s0_key), timeout=TIMEOUT_S))
     status, trailers, _ = _failed(refused.value)
     assert status == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert trailers["kvl-error-code"] == "quota_exceeded"
+    assert trailers["kvl-error-code"] == "rate_limit_exceeded"
     seconds = int(trailers["retry-after"])
     assert 1 <= seconds <= 60
     details = trailers["grpc-status-details-bin"]

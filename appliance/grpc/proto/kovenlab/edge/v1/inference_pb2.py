@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n5appliance/grpc/proto/kovenlab/edge/v1/inference.proto\x12\x10kovenlab.edge.v1\"\xb4\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"M\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x18\n\x10json_schema_name\x18\x02 \x01(\t\x12\x13\n\x0bjson_schema\x18\x03 \x01(\t\"\x8c\x03\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\x08messages\x18\x02 \x03(\x0b\x32\x1d.kovenlab.edge.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x05\x88\x01\x01\x12\x39\n\x0fresponse_format\x18\n \x01(\x0b\x32 .kovenlab.edge.v1.ResponseFormatB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\\\n\rGenerateReply\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12&\n\x05usage\x18\x03 \x01(\x0b\x32\x17.kovenlab.edge.v1.Usage\"T\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05input\x18\x02 \x03(\t\x12\x17\n\ndimensions\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_dimensions\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\x88\x01\n\nEmbedReply\x12)\n\x04\x64\x61ta\x18\x01 \x03(\x0b\x32\x1b.kovenlab.edge.v1.Embedding\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x05usage\x18\x03 \x01(\x0b\x32\x17.kovenlab.edge.v1.Usage\x12\x18\n\x10truncated_inputs\x18\x04 \x01(\r\"\x13\n\x11ListModelsRequest\"\xc3\x01\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0b\n\x03ref\x18\x03 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x04 \x01(\t\x12\x14\n\x0cquantization\x18\x05 \x01(\t\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x07 \x01(\r\x12\r\n\x05slots\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x10\n\x08provider\x18\n \x01(\t\x12\x11\n\tdimension\x18\x0b \x01(\r\":\n\x0fListModelsReply\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.kovenlab.edge.v1.Model2\xc4\x02\n\tInference\x12P\n\x08Generate\x12!.kovenlab.edge.v1.GenerateRequest\x1a\x1f.kovenlab.edge.v1.GenerateReply0\x01\x12H\n\x04\x43hat\x12\x1d.kovenlab.edge.v1.ChatRequest\x1a\x1f.kovenlab.edge.v1.GenerateReply0\x01\x12\x45\n\x05\x45mbed\x12\x1e.kovenlab.edge.v1.EmbedRequest\x1a\x1c.kovenlab.edge.v1.EmbedReply\x12T\n\nListModels\x12#.kovenlab.edge.v1.ListModelsRequest\x1a!.kovenlab.edge.v1.ListModelsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n5appliance/grpc/proto/kovenlab/edge/v1/inference.proto\x12\x10kovenlab.edge.v1\"\xb4\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"M\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x18\n\x10json_schema_name\x18\x02 \x01(\t\x12\x13\n\x0bjson_schema\x18\x03 \x01(\t\"\x8c\x03\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\x08messages\x18\x02 \x03(\x0b\x32\x1d.kovenlab.edge.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x05\x88\x01\x01\x12\x39\n\x0fresponse_format\x18\n \x01(\x0b\x32 .kovenlab.edge.v1.ResponseFormatB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\\\n\rGenerateReply\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12&\n\x05usage\x18\x03 \x01(\x0b\x32\x17.kovenlab.edge.v1.Usage\"T\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05input\x18\x02 \x03(\t\x12\x17\n\ndimensions\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_dimensions\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\x88\x01\n\nEmbedReply\x12)\n\x04\x64\x61ta\x18\x01 \x03(\x0b\x32\x1b.kovenlab.edge.v1.Embedding\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x05usage\x18\x03 \x01(\x0b\x32\x17.kovenlab.edge.v1.Usage\x12\x18\n\x10truncated_inputs\x18\x04 \x01(\r\"\x13\n\x11ListModelsRequest\"\xc3\x01\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0b\n\x03ref\x18\x03 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x04 \x01(\t\x12\x14\n\x0cquantization\x18\x05 \x01(\t\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x07 \x01(\r\x12\r\n\x05slots\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x10\n\x08provider\x18\n \x01(\t\x12\x11\n\tdimension\x18\x0b \x01(\r\":\n\x0fListModelsReply\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.kovenlab.edge.v1.Model2\xc4\x02\n\tInference\x12P\n\x08Generate\x12!.kovenlab.edge.v1.GenerateRequest\x1a\x1f.kovenlab.edge.v1.GenerateReply0\x01\x12H\n\x04\x43hat\x12\x1d.kovenlab.edge.v1.ChatRequest\x1a\x1f.kovenlab.edge.v1.GenerateReply0\x01\x12\x45\n\x05\x45mbed\x12\x1e.kovenlab.edge.v1.EmbedRequest\x1a\x1c.kovenlab.edge.v1.EmbedReply\x12T\n\nListModels\x12#.kovenlab.edge.v1.ListModelsRequest\x1a!.kovenlab.edge.v1.ListModelsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,21 +40,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATREQUEST']._serialized_start=540
   _globals['_CHATREQUEST']._serialized_end=936
   _globals['_USAGE']._serialized_start=938
-  _globals['_USAGE']._serialized_end=1017
-  _globals['_GENERATEREPLY']._serialized_start=1019
-  _globals['_GENERATEREPLY']._serialized_end=1111
-  _globals['_EMBEDREQUEST']._serialized_start=1113
-  _globals['_EMBEDREQUEST']._serialized_end=1197
-  _globals['_EMBEDDING']._serialized_start=1199
-  _globals['_EMBEDDING']._serialized_end=1226
-  _globals['_EMBEDREPLY']._serialized_start=1229
-  _globals['_EMBEDREPLY']._serialized_end=1365
-  _globals['_LISTMODELSREQUEST']._serialized_start=1367
-  _globals['_LISTMODELSREQUEST']._serialized_end=1386
-  _globals['_MODEL']._serialized_start=1389
-  _globals['_MODEL']._serialized_end=1584
-  _globals['_LISTMODELSREPLY']._serialized_start=1586
-  _globals['_LISTMODELSREPLY']._serialized_end=1644
-  _globals['_INFERENCE']._serialized_start=1647
-  _globals['_INFERENCE']._serialized_end=1971
+  _globals['_USAGE']._serialized_end=1040
+  _globals['_GENERATEREPLY']._serialized_start=1042
+  _globals['_GENERATEREPLY']._serialized_end=1134
+  _globals['_EMBEDREQUEST']._serialized_start=1136
+  _globals['_EMBEDREQUEST']._serialized_end=1220
+  _globals['_EMBEDDING']._serialized_start=1222
+  _globals['_EMBEDDING']._serialized_end=1249
+  _globals['_EMBEDREPLY']._serialized_start=1252
+  _globals['_EMBEDREPLY']._serialized_end=1388
+  _globals['_LISTMODELSREQUEST']._serialized_start=1390
+  _globals['_LISTMODELSREQUEST']._serialized_end=1409
+  _globals['_MODEL']._serialized_start=1412
+  _globals['_MODEL']._serialized_end=1607
+  _globals['_LISTMODELSREPLY']._serialized_start=1609
+  _globals['_LISTMODELSREPLY']._serialized_end=1667
+  _globals['_INFERENCE']._serialized_start=1670
+  _globals['_INFERENCE']._serialized_end=1994
 # @@protoc_insertion_point(module_scope)
