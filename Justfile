@@ -100,14 +100,15 @@ test *args: setup setup-image lint
 # serving (one stream vs llama-server), concurrency (1-16 streams and a shared prefix vs
 # llama-server -np N), embeddings (batched vs one at a time), overload, sync, fleet,
 # placement (the planner at 10,000 nodes), offload (vs a direct call), packages (vs nginx),
+# structured (the JSON Schema converter vs llama-cpp-python's bundled one and llguidance),
 # image (boot-to-ready time and size of the appliance image; root), or all of them
 bench suite="all" *args: setup
     #!/usr/bin/env bash
     set -euo pipefail
     case "{{ suite }}" in
-        all) suites="serving concurrency embeddings overload sync fleet placement offload packages image" ;;
-        serving|concurrency|embeddings|overload|sync|fleet|placement|offload|packages|image) suites="{{ suite }}" ;;
-        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, fleet, placement, offload, packages, image, all)" >&2; exit 2 ;;
+        all) suites="serving concurrency embeddings overload sync fleet placement offload packages structured image" ;;
+        serving|concurrency|embeddings|overload|sync|fleet|placement|offload|packages|structured|image) suites="{{ suite }}" ;;
+        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, fleet, placement, offload, packages, structured, image, all)" >&2; exit 2 ;;
     esac
     for s in $suites; do {{ py }} -m "tests.benchmarks.$s" {{ args }}; done
 
