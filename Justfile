@@ -107,16 +107,17 @@ test *args: setup setup-image lint
 # llama-server -np N), embeddings (batched vs one at a time), overload, sync, fleet,
 # placement (the planner at 10,000 nodes), offload (vs a direct call), packages (vs nginx),
 # chat_quality (the embedded models on twelve instructions), http2 (nginx in front vs
-# HTTP/1.1 served by the app), image (boot-to-ready time and size of the appliance image;
+# HTTP/1.1 served by the app), structured (the JSON Schema converter vs llama-cpp-python's
+# bundled one and llguidance), image (boot-to-ready time and size of the appliance image;
 # root), api (tool calls, n and logprobs vs llama-server; HTTP/2 and gRPC vs HTTP/1.1),
 # or all of them
 bench suite="all" *args: setup
     #!/usr/bin/env bash
     set -euo pipefail
     case "{{ suite }}" in
-        all) suites="serving concurrency embeddings overload sync fleet placement offload packages chat_quality http2 image api" ;;
-        serving|concurrency|embeddings|overload|sync|fleet|placement|offload|packages|chat_quality|http2|image|api) suites="{{ suite }}" ;;
-        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, fleet, placement, offload, packages, chat_quality, http2, image, api, all)" >&2; exit 2 ;;
+        all) suites="serving concurrency embeddings overload sync fleet placement offload packages chat_quality http2 structured image api" ;;
+        serving|concurrency|embeddings|overload|sync|fleet|placement|offload|packages|chat_quality|http2|structured|image|api) suites="{{ suite }}" ;;
+        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, fleet, placement, offload, packages, chat_quality, http2, structured, image, api, all)" >&2; exit 2 ;;
     esac
     for s in $suites; do {{ py }} -m "tests.benchmarks.$s" {{ args }}; done
 

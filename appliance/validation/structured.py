@@ -3,7 +3,9 @@
 llama.cpp and llama-cpp-python both fail open on structured output (a schema they cannot
 convert silently becomes "any JSON"; output cut by max_tokens is returned as is). Here it
 fails closed: a schema we cannot enforce is refused before generation, and output is only
-returned as valid after it parses and validates against the schema.
+returned as valid after it parses and validates against the schema, formats included
+(``date``, ``date-time``, ``uri``... through jsonschema's checker for the schema's draft).
+The grammar comes from appliance.validation.grammar.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ from typing import Any, Literal
 
 import jsonschema
 from jsonschema.exceptions import SchemaError
-from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+
+from appliance.validation.grammar import SchemaConversionError, json_schema_to_gbnf
+
+# Any JSON object, with the converter's string rule (no raw control characters).
+JSON_OBJECT_GBNF = json_schema_to_gbnf({"type": "object"})
 
 
 class SchemaUnusableError(ValueError):
@@ -44,7 +50,7 @@ class StructuredOutput:
 
 
 def json_object_output() -> StructuredOutput:
-    return StructuredOutput(kind="json_object", grammar=JSON_GBNF)
+    return StructuredOutput(kind="json_object", grammar=JSON_OBJECT_GBNF)
 
 
 def json_schema_output(schema: dict[str, Any], name: str | None = None) -> StructuredOutput:
@@ -54,15 +60,15 @@ def json_schema_output(schema: dict[str, Any], name: str | None = None) -> Struc
     except SchemaError as err:
         raise SchemaUnusableError(f"not a valid JSON Schema: {err.message}") from err
     try:
-        grammar = json_schema_to_gbnf(json.dumps(schema))
-    except (
-        Exception
-    ) as err:  # the converter raises bare Exception/KeyError/etc. on what it cannot handle
+        grammar = json_schema_to_gbnf(schema)
+    except SchemaConversionError as err:
         raise SchemaUnusableError(f"the schema cannot be enforced while decoding: {err}") from err
     return StructuredOutput(
         kind="json_schema",
         grammar=grammar,
         schema=schema,
         name=name,
-        _validator=validator_cls(schema),
+        # Formats are annotations unless a checker is given; the draft's own checker knows
+        # which formats that draft defines.
+        _validator=validator_cls(schema, format_checker=validator_cls.FORMAT_CHECKER),
     )
