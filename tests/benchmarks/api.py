@@ -28,26 +28,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
+import ssl
 import statistics
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
+import httpx
 import jsonschema
 import psutil
 
+from appliance.grpc.proto.kovenlab.edge.v1 import inference_pb2 as pb
+from appliance.grpc.proto.kovenlab.edge.v1 import inference_pb2_grpc as pb_grpc
+from shared import pki
 from tests.benchmarks import serving as base
 from tests.benchmarks.fleet import commit
 from tests.benchmarks.llama_server import build_llama_server
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "api.json"
+STREAMS = (1, 8)  # the transports: one stream, and eight at once
+TRANSPORT_TOKENS = 64
 
 WEATHER = {
     "type": "function",
@@ -219,6 +227,192 @@ async def logprobs(server: base.Server, requests: int) -> dict[str, Any]:
     return rates
 
 
+# -- transports ------------------------------------------------------------------------------
+
+
+@dataclass
+class Tls:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_tls(folder: Path) -> Tls:
+    ca = pki.new_ca("bench CA")
+    leaf = pki.issue_with_key(
+        ca,
+        common_name="appliance.bench",
+        names=[base.HOST],
+        uri="spiffe://bench/appliance",
+        lifetime=datetime.timedelta(days=1),
+    )
+    pki.write_issued(folder, "server", leaf)
+    (folder / "ca.crt").write_bytes(ca.cert_pem)
+    return Tls(folder / "ca.crt", folder / "server.crt", folder / "server.key")
+
+
+def start_tls(ctx: Context, tls: Tls, *, http2: bool, grpc_port: int) -> base.Server:
+    port = base.free_port()
+    log_path = ctx.work / f"appliance-tls-{http2}.log"
+    command = [*base.kvl_executable(), "appliance", "serve", "--data-dir", str(ctx.data_dir)]
+    command += ["--host", base.HOST, "--port", str(port)]
+    env = base.appliance_env()
+    env |= {
+        "KVL_MODEL__N_SLOTS": str(STREAMS[-1]),
+        "KVL_SERVER__TLS_CERT_FILE": str(tls.cert),
+        "KVL_SERVER__TLS_KEY_FILE": str(tls.key),
+        "KVL_SERVER__HTTP2": "true" if http2 else "false",
+        "KVL_GRPC__ENABLED": "true",
+        "KVL_GRPC__PORT": str(grpc_port),
+    }
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return base.Server(
+        "appliance", f"https://{base.HOST}:{port}", "/healthz", ctx.headers, proc, log_path
+    )
+
+
+async def _http_stream(client: httpx.AsyncClient, url: str, prompt: str) -> int:
+    body = {
+        "model": base.MODEL,
+        "prompt": prompt,
+        "max_tokens": TRANSPORT_TOKENS,
+        "temperature": 0,
+        "stream": True,
+    }
+    chunks = 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {await resp.aread()!r}")
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                chunks += 1
+    return chunks
+
+
+async def _grpc_stream(stub: Any, key: str, prompt: str) -> int:
+    request = pb.GenerateRequest(
+        model=base.MODEL, prompt=prompt, max_tokens=TRANSPORT_TOKENS, temperature=0
+    )
+    replies = 0
+    async for reply in stub.Generate(request, metadata=(("authorization", f"Bearer {key}"),)):
+        replies += bool(reply.text)
+    return replies
+
+
+async def _closed_loop(streams: int, requests: int, one: Any) -> tuple[float, int]:
+    queue = list(range(requests))
+    tokens = 0
+
+    async def client() -> None:
+        nonlocal tokens
+        while queue:
+            i = queue.pop()
+            tokens += await one(base.PROMPTS[i % len(base.PROMPTS)])
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(streams)))
+    return time.perf_counter() - started, tokens
+
+
+async def _transport(
+    name: str, server: base.Server, tls: Tls, grpc_port: int, *, key: str, requests: int
+) -> dict[str, Any]:
+    context = ssl.create_default_context(cafile=str(tls.ca))
+    process = psutil.Process(server.proc.pid)
+    out: dict[str, Any] = {}
+    if name == "grpc":
+        credentials = grpc.ssl_channel_credentials(tls.ca.read_bytes())
+        channel = grpc.aio.secure_channel(f"{base.HOST}:{grpc_port}", credentials)
+        stub = pb_grpc.InferenceStub(channel)
+
+        def one(prompt: str) -> Any:
+            return _grpc_stream(stub, key, prompt)
+
+        closing: Any = channel
+    else:
+        client = httpx.AsyncClient(
+            http2=name == "http2",
+            http1=name != "http2",
+            verify=context,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=600,
+            limits=httpx.Limits(max_connections=STREAMS[-1]),
+        )
+
+        def one(prompt: str) -> Any:
+            return _http_stream(client, server.base_url, prompt)
+
+        closing = client
+    try:
+        await one(base.WARMUP_PROMPT)
+        for streams in STREAMS:
+            cpu = base.tree_cpu_seconds(process)
+            wall, tokens = await _closed_loop(streams, requests * streams, one)
+            used = base.tree_cpu_seconds(process) - cpu
+            out[f"streams_{streams}"] = {
+                "requests": requests * streams,
+                "aggregate_tok_s": round(tokens / wall, 2),
+                "cpu_ms_per_request": round(used * 1000 / (requests * streams), 1),
+            }
+    finally:
+        if name == "grpc":
+            await closing.close()
+        else:
+            await closing.aclose()
+    return out
+
+
+def transports(ctx: Context, requests: int) -> dict[str, Any]:
+    """HTTP/1.1 (served by the app), HTTP/2 (nginx in front) and gRPC, TLS for all."""
+    tls = make_tls(ctx.work)
+    key = ctx.headers["Authorization"].removeprefix("Bearer ")
+    figures: dict[str, Any] = {}
+    for http2, names in ((False, ("http1", "grpc")), (True, ("http2",))):
+        grpc_port = base.free_port()
+        server = start_tls(ctx, tls, http2=http2, grpc_port=grpc_port)
+        try:
+            _wait(server, tls)
+            for name in names:
+                base.say(f"transports: {name}")
+                figures[name] = asyncio.run(
+                    _transport(name, server, tls, grpc_port, key=key, requests=requests)
+                )
+        finally:
+            base.stop(server)
+    for name in ("http2", "grpc"):
+        figures[name]["ratios"] = {
+            label: {
+                "aggregate_tok_s": _ratio(
+                    figures[name][label]["aggregate_tok_s"],
+                    figures["http1"][label]["aggregate_tok_s"],
+                ),
+                "cpu_ms_per_request": _ratio(
+                    figures[name][label]["cpu_ms_per_request"],
+                    figures["http1"][label]["cpu_ms_per_request"],
+                ),
+            }
+            for label in figures["http1"]
+        }
+    return figures
+
+
+def _wait(server: base.Server, tls: Tls, timeout_s: float = 600) -> None:
+    context = ssl.create_default_context(cafile=str(tls.ca))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"the appliance exited:\n{server.log_tail()}")
+        try:
+            with httpx.Client(verify=context, timeout=2) as client:
+                if client.get(server.base_url + "/readyz").status_code == 200:
+                    return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"the appliance was not ready:\n{server.log_tail()}")
+
+
 def run(name: str, ctx: Context, work: Any, *, slots: int = 1) -> dict[str, Any]:
     server = start(name, ctx, slots=slots)
     process = psutil.Process(server.proc.pid)
@@ -242,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="The cost of tools, n and logprobs.")
     parser.add_argument("--requests", type=int, default=10, help="requests per workload")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
+    parser.add_argument("--no-transports", action="store_true", help="skip HTTP/2 and gRPC")
     args = parser.parse_args(argv)
     build = build_llama_server()
     rows: dict[str, Any] = {}
@@ -267,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
             ref = run("llama-server", ctx, theirs, slots=slots)
             rows[label] = {"appliance": app, "llama_server": ref}
             base.say(f"  {label}: {app} vs {ref}")
+        if not args.no_transports:
+            rows["transports"] = transports(ctx, max(2, n // 4))
     rows["tool_calls"]["ratios"] = {
         "latency_ms_p50": _ratio(
             rows["tool_calls"]["appliance"]["latency_ms_p50"],
@@ -290,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     }
     result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": commit(),
         "machine": {
             "cpu": base.cpu_model(),
