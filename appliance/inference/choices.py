@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from appliance.validation.tools import ToolCallDelta, ToolCallError, ToolStream
+
 if TYPE_CHECKING:
     from appliance.serving.engine import Finished, TextDelta, TokenLogprob, Vocabulary
 
@@ -40,6 +42,52 @@ class ToolParser(Protocol):
     def calls(self) -> list[dict[str, Any]]: ...
 
     def problems(self) -> list[str]: ...
+
+
+class ToolCalls:
+    """A choice's output read as tool calls (appliance.validation.tools), as the deltas
+    and final calls OpenAI's clients expect."""
+
+    def __init__(self, stream: ToolStream) -> None:
+        self._stream = stream
+        self._problems: list[str] = []
+        self._calls: list[dict[str, Any]] = []
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        try:
+            return self._split(self._stream.feed(text))
+        except ToolCallError as err:
+            self._problems.append(str(err))
+            return "", []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        try:
+            out = self._split(self._stream.finish())
+        except ToolCallError as err:
+            self._problems.append(str(err))
+            return "", []
+        result = self._stream.result()
+        self._calls = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments_json},
+            }
+            for call in result.calls
+        ]
+        return out
+
+    @staticmethod
+    def _split(deltas: list[Any]) -> tuple[str, list[dict[str, Any]]]:
+        content = "".join(d.text for d in deltas if not isinstance(d, ToolCallDelta))
+        calls = [d.to_openai() for d in deltas if isinstance(d, ToolCallDelta)]
+        return content, calls
+
+    def calls(self) -> list[dict[str, Any]]:
+        return self._calls
+
+    def problems(self) -> list[str]:
+        return self._problems
 
 
 @dataclass

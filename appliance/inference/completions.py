@@ -18,10 +18,12 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from appliance.inference.choices import Choice, ChoiceDelta, ChoiceStream
+from pydantic import BaseModel
+
+from appliance.inference.choices import Choice, ChoiceDelta, ChoiceStream, ToolCalls
 from appliance.inference.names import ModelNames
 from appliance.inference.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
-from appliance.serving.chat import ChatTemplateError
+from appliance.serving.chat import ChatTemplate, ChatTemplateError
 from appliance.serving.engine import (
     EngineError,
     Event,
@@ -48,6 +50,7 @@ from appliance.validation.structured import (
     json_object_output,
     json_schema_output,
 )
+from appliance.validation.tools import ToolPlan, ToolSpecError, plan_tools
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
@@ -82,6 +85,7 @@ class Prepared:
     lease_id: str | None = None  # the quota lease it is charged to (a budgeted account)
     n: int = 1  # choices: each its own sequence, sharing the prompt's cells
     ignored: tuple[str, ...] = ()  # body fields this API ignored
+    tools: ToolPlan | None = None  # tools the output is constrained to call
     # Alternatives reported per token (OpenAI's top_logprobs); None: no logprobs.
     logprobs: int | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -204,11 +208,23 @@ class CompletionService:
         engine = await self._engine(req.model, chat=True)
         vocab = engine.require_vocab()
         messages = [_message(m) for m in req.messages]
+        tools = _tools(req, vocab.chat_template)
         try:
-            prompt = vocab.chat_template.render(messages)
+            if tools is not None:
+                prompt = tools.render(vocab.chat_template, messages)
+            else:
+                prompt = vocab.chat_template.render(messages)
         except ChatTemplateError as err:
             raise ApiError(ErrorCode.invalid_parameter, str(err), param="messages") from err
         structured = _structured(req)
+        if structured is not None and tools is not None and tools.grammar is not None:
+            raise ApiError(
+                ErrorCode.unsupported_parameter,
+                "`response_format` with `tools` is not supported: the output is either "
+                "constrained to the tool calls or to the schema; send tool_choice: none, "
+                "or leave out response_format",
+                param="response_format",
+            )
         tokens = await asyncio.to_thread(vocab.tokenize, prompt, chat=True)
         max_tokens = req.max_completion_tokens or req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
@@ -231,6 +247,9 @@ class CompletionService:
             structured=structured,
         )
         prepared.logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        prepared.tools = tools if tools is not None and tools.grammar is not None else None
+        if prepared.tools is not None:
+            prepared.request = replace(prepared.request, grammar=prepared.tools.grammar)
         return prepared
 
     async def _prepare_text(
@@ -480,8 +499,15 @@ class CompletionService:
 
     def _streams(self, prepared: Prepared) -> list[ChoiceStream]:
         vocab = prepared.engine.require_vocab()
+        plan = prepared.tools
         return [
-            ChoiceStream(index, vocab, logprobs=prepared.logprobs) for index in range(prepared.n)
+            ChoiceStream(
+                index,
+                vocab,
+                logprobs=prepared.logprobs,
+                tools=ToolCalls(plan.stream()) if plan is not None else None,
+            )
+            for index in range(prepared.n)
         ]
 
     def _trace_generation(self, prepared: Prepared, finished: Finished) -> None:
@@ -708,6 +734,26 @@ def _logit_bias(bias: dict[str, float] | None, n_vocab: int) -> tuple[tuple[int,
             )
         out.append((token, value))
     return tuple(sorted(out))
+
+
+def _tools(req: ChatCompletionRequest, template: ChatTemplate) -> ToolPlan | None:
+    """The request's tools, planned for this model's template (its own tool format, or
+    the generic one); None without tools."""
+    if not req.tools:
+        return None
+    choice = req.tool_choice
+    try:
+        return plan_tools(
+            [tool.model_dump(exclude_none=True) for tool in req.tools],
+            choice.model_dump() if isinstance(choice, BaseModel) else choice,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            template=template,
+        )
+    except ToolSpecError as err:
+        # A parameters schema no grammar can enforce is the schema's fault; the rest
+        # (a name, a choice) the field's.
+        code = ErrorCode.invalid_schema if err.param == "tools" else ErrorCode.invalid_parameter
+        raise ApiError(code, str(err), param=err.param) from err
 
 
 def _structured(req: ChatCompletionRequest) -> StructuredOutput | None:

@@ -235,3 +235,208 @@ def test_cors_preflight_of_a_real_process(appliance_process: ApplianceProcess) -
         urllib.request.urlopen(request, timeout=10)
     with refused.value:
         assert "Access-Control-Allow-Origin" not in refused.value.headers
+
+
+# Typed loosely: the SDK's TypedDicts refuse plain dict literals.
+WEATHER: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}},
+            "required": ["city"],
+        },
+    },
+}
+ASK: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _arguments_fit(call: Any) -> dict[str, Any]:
+    import jsonschema  # noqa: PLC0415 - only these tests check arguments
+
+    schemas = {"get_weather": WEATHER, "get_time": TIME}
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, schemas[call.function.name]["function"]["parameters"])
+    return dict(arguments)
+
+
+@pytest.mark.parametrize("model", [MODEL, "smollm2-135m-instruct"])
+def test_tool_choice_required_and_named(sdk: OpenAI, model: str) -> None:
+    choices: list[Any] = ["required", {"type": "function", "function": {"name": "get_time"}}]
+    for choice in choices:
+        reply = sdk.chat.completions.create(
+            model=model,
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            temperature=0,
+            max_tokens=96,
+        )
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "tool_calls"
+        assert message.tool_calls is not None
+        assert len(message.tool_calls) == 1
+        call: Any = message.tool_calls[0]
+        assert call.id.startswith("call_")
+        _arguments_fit(call)
+        if isinstance(choice, dict):
+            assert call.function.name == "get_time"
+
+
+def test_parallel_calls_and_auto(sdk: OpenAI) -> None:
+    reply = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather and time in Oslo and in Lima?"}],
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=True,
+        temperature=0,
+        max_tokens=200,
+    )
+    calls = reply.choices[0].message.tool_calls or []
+    assert calls
+    assert len({call.id for call in calls}) == len(calls)
+    for call in calls:
+        _arguments_fit(call)
+    # auto: a call or an answer, never anything else.
+    for seed in range(3):
+        reply = sdk.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=[WEATHER],
+            seed=seed,
+            max_tokens=96,
+        )
+        message = reply.choices[0].message
+        if message.tool_calls:
+            assert reply.choices[0].finish_reason == "tool_calls"
+            for call in message.tool_calls:
+                _arguments_fit(call)
+        else:
+            assert message.content is not None
+
+
+def test_streamed_tool_calls_assemble_into_the_same_call(sdk: OpenAI) -> None:
+    request: dict[str, Any] = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "temperature": 0,
+        "max_tokens": 96,
+    }
+    whole = sdk.chat.completions.create(**request)
+    calls: dict[int, dict[str, str]] = {}
+    reasons = []
+    for chunk in sdk.chat.completions.create(**request, stream=True):
+        for choice in chunk.choices:
+            reasons.append(choice.finish_reason)
+            for piece in choice.delta.tool_calls or []:
+                call = calls.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += piece.id or ""
+                if piece.function is not None:
+                    call["name"] += piece.function.name or ""
+                    call["arguments"] += piece.function.arguments or ""
+    assert "tool_calls" in reasons
+    expected = whole.choices[0].message.tool_calls
+    assert expected is not None
+    assert [c["name"] for c in calls.values()] == [c.function.name for c in expected]
+    # Greedy: the same arguments either way (ids are made per answer).
+    assert [json.loads(c["arguments"]) for c in calls.values()] == [
+        json.loads(c.function.arguments) for c in expected
+    ]
+
+
+def test_a_tool_result_goes_back_to_the_model(sdk: OpenAI) -> None:
+    first = sdk.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=96,
+    )
+    message = first.choices[0].message
+    assert message.tool_calls
+    call = message.tool_calls[0]
+    history: list[Any] = [
+        *ASK,
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"},
+    ]
+    reply = sdk.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=history,
+        tools=[WEATHER],
+        tool_choice="none",
+        temperature=0,
+        max_tokens=32,
+    )
+    assert reply.choices[0].message.content
+    assert not reply.choices[0].message.tool_calls
+
+
+def test_structured_output_that_fails_is_the_sdks_422(sdk: OpenAI) -> None:
+    # Cut at 3 tokens, no JSON object is complete: it fails closed, as a 422 the SDK
+    # raises as UnprocessableEntityError (OpenAI itself never sends one).
+    with pytest.raises(openai.UnprocessableEntityError) as failed:
+        sdk.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "A city as JSON."}],
+            max_tokens=3,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "city",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"name": {"type": "string"}},
+                        "required": ["name"],
+                    },
+                },
+            },
+        )
+    assert failed.value.code == "output_validation_failed"
+
+
+def test_responses_with_tools(sdk: OpenAI) -> None:
+    tool: Any = {"type": "function", **WEATHER["function"]}
+    response = sdk.responses.create(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=[tool],
+        tool_choice="required",
+        temperature=0,
+        max_output_tokens=96,
+    )
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls
+    assert calls[0].name == "get_weather"
+    json.loads(calls[0].arguments)
+    # The call's output goes back as an input item, after the stored conversation.
+    follow = sdk.responses.create(
+        model=MODEL,
+        previous_response_id=response.id,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 C"}],
+        max_output_tokens=16,
+    )
+    assert follow.status in {"completed", "incomplete"}
