@@ -3,10 +3,18 @@
 Templates are Jinja, rendered in a sandbox as Hugging Face and llama.cpp do. A model whose GGUF
 carries no template (the default Gemma 3 270M is a base model) gets its family's published
 turn format, so the prompt is the one the family was trained on; the source is reported.
+
+Tool calling: a template that knows tools (it renders ``tools`` and ``tool_calls``) gets
+them as Transformers passes them: ``tools`` as ``{"type": "function", "function": {...}}``
+items, assistant ``tool_calls`` with their arguments as objects, ``tool`` messages with
+``tool_call_id``. Any other template (Gemma's, ChatML) gets the same conversation as text
+it can read: a call as the JSON the model was asked to write, and tool results folded
+into a user turn, so Gemma's strict user/assistant alternation still holds.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -52,6 +60,95 @@ def _raise(message: str) -> NoReturn:
     raise ChatTemplateError(message)
 
 
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Transformers' tojson: plain json.dumps (Jinja's own escapes <, > and & for HTML).
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def call_arguments(call: dict[str, Any]) -> Any:
+    """A tool call's arguments as an object (OpenAI sends them as a JSON string)."""
+    function = call.get("function") or {}
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def calls_as_text(calls: list[dict[str, Any]]) -> str:
+    """Prior tool calls as the JSON the generic tool format asks the model to write."""
+    listed = [
+        {"name": (c.get("function") or {}).get("name"), "arguments": call_arguments(c)}
+        for c in calls
+    ]
+    return json.dumps({"tool_calls": listed}, ensure_ascii=False)
+
+
+def result_as_text(message: dict[str, Any], names: dict[str, str]) -> str:
+    call_id = message.get("tool_call_id") or ""
+    name = message.get("name") or names.get(call_id, "")
+    label = " ".join(p for p in (name, f"(call {call_id})" if call_id else "") if p)
+    return f"Tool result{' ' + label if label else ''}:\n{message.get('content') or ''}"
+
+
+def tools_as_text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation for a template that knows no tools: calls written out as JSON in
+    the assistant turn, tool results folded into a user turn (one for consecutive results,
+    merged with a user turn beside them)."""
+    names: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        role = message.get("role")
+        if role == "assistant" and message.get("tool_calls"):
+            calls = message["tool_calls"]
+            for call in calls:
+                names[call.get("id") or ""] = (call.get("function") or {}).get("name", "")
+            text = "\n".join(p for p in (message.get("content") or "", calls_as_text(calls)) if p)
+            out.append({"role": "assistant", "content": text})
+        elif role == "tool":
+            text = result_as_text(message, names)
+            if out and out[-1]["role"] == "user":
+                out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{text}"}
+            else:
+                out.append({"role": "user", "content": text})
+        else:
+            if role == "user" and out and out[-1]["role"] == "user":
+                merged = f"{out[-1]['content']}\n\n{message.get('content') or ''}"
+                out[-1] = {"role": "user", "content": merged}
+                continue
+            out.append({k: v for k, v in message.items() if k != "tool_calls"})
+    return out
+
+
+def _native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as Transformers hands them to a tool-aware template."""
+    out = []
+    for original in messages:
+        message = original
+        if message.get("tool_calls"):
+            calls = [
+                {
+                    **call,
+                    "type": call.get("type", "function"),
+                    "function": {**(call.get("function") or {}), "arguments": call_arguments(call)},
+                }
+                for call in message["tool_calls"]
+            ]
+            message = {**message, "tool_calls": calls, "content": message.get("content") or ""}
+        out.append(message)
+    return out
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     source: str
@@ -59,9 +156,36 @@ class ChatTemplate:
     bos_token: str
     eos_token: str
 
-    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+    @property
+    def knows_tools(self) -> bool:
+        """Whether the template renders tools and tool calls itself."""
+        return "tools" in self.source and "tool_call" in self.source
+
+    @property
+    def tool_format(self) -> str:
+        """``hermes`` (``<tool_call>{json}</tool_call>``, Hermes/Qwen) or ``generic``."""
+        return "hermes" if self.knows_tools and "<tool_call>" in self.source else "generic"
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt. ``tools`` (OpenAI's shape) reach only a template that knows tools;
+        tool messages and calls reach any template, as text where it knows none."""
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = _tojson
+        native = self.knows_tools
+        extra: dict[str, Any] = {}
+        if native:
+            messages = _native_messages(messages)
+            if tools:
+                extra["tools"] = tools
+        elif any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+            messages = tools_as_text_messages(messages)
         try:
             template = env.from_string(self.source)
             return template.render(
@@ -69,6 +193,7 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **extra,
             )
         except ChatTemplateError:
             raise

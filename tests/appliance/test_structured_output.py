@@ -1,4 +1,4 @@
-"""Structured output with the real model: every sampled answer fits the schema's bounds.
+"""Structured output and tool calls with the real model: every sampled answer fits.
 
 The batching engine runs in this process (as in test_batching.py) so many seeds decode
 side by side; the grammar and the validator are the ones the gateway uses
@@ -23,9 +23,11 @@ from appliance.serving.engine import (
     Failed,
     Finished,
     GenerationRequest,
+    Vocabulary,
 )
 from appliance.serving.sampling import Sampling
 from appliance.validation.structured import json_schema_output
+from appliance.validation.tools import plan_tools
 
 if TYPE_CHECKING:
     from appliance.state.store import ModelRecord
@@ -122,3 +124,50 @@ def test_every_seed_fits_the_bounds_and_formats(default_model: ModelRecord) -> N
         answers.append(value)
     # Temperature 1.0 with 30 seeds: the grammar constrains, it does not fix the answer.
     assert len({json.dumps(a, sort_keys=True) for a in answers}) > 10
+
+
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.timeout(900)
+def test_a_required_tool_call_always_parses_into_a_valid_call(default_model: ModelRecord) -> None:
+    """tool_choice=required with the model's own (Gemma family) template: the generic
+    format, greedy and seeded, every answer one valid get_weather call."""
+    record = default_model
+    vocab = Vocabulary.load(record)
+    try:
+        plan = plan_tools([WEATHER_TOOL], "required", template=vocab.chat_template)
+        prompt_messages = [{"role": "user", "content": "What is the weather in Lisbon?"}]
+        prompt = plan.render(vocab.chat_template, prompt_messages)
+    finally:
+        vocab.close()
+    assert plan.format == "generic"
+    assert plan.grammar is not None
+    greedy = generate(record, prompt, plan.grammar, [0], 120, temperature=0.0, chat=False)
+    seeded = generate(record, prompt, plan.grammar, list(range(1, 8)), 120, chat=False)
+    for result in greedy + seeded:
+        assert result.finish_reason == "stop", result
+        output = plan.parse(result.text)
+        assert output.content is None
+        [call] = output.calls
+        assert call.name == "get_weather"
+        arguments = json.loads(call.arguments_json)
+        assert set(arguments) == {"city", "unit"}
+        assert arguments["unit"] in {"celsius", "fahrenheit"}
+        assert isinstance(arguments["city"], str)
+        assert len(arguments["city"]) <= 40
