@@ -66,9 +66,7 @@ async def parse(request: web.Request, model: type[M]) -> M:
         param = ".".join(str(p) for p in first["loc"]) or None
         if first["type"] == "json_invalid":
             raise ApiError(ErrorCode.invalid_json, f"the body is not JSON: {first['msg']}") from err
-        raise ApiError(
-            ErrorCode.invalid_parameter, f"`{param}`: {first['msg']}", param=param
-        ) from err
+        raise ApiError(ErrorCode.invalid_value, f"`{param}`: {first['msg']}", param=param) from err
 
 
 def bearer(request: web.Request) -> str | None:

@@ -24,8 +24,8 @@ class ErrorCode(StrEnum):
 
     bad_request = "bad_request"
     invalid_json = "invalid_json"
-    invalid_parameter = "invalid_parameter"
-    missing_parameter = "missing_parameter"
+    invalid_value = "invalid_value"
+    missing_required_parameter = "missing_required_parameter"
     unknown_parameter = "unknown_parameter"
     unsupported_parameter = "unsupported_parameter"
     invalid_schema = "invalid_schema"
@@ -89,10 +89,10 @@ _KINDS: dict[ErrorCode, _Kind] = {
         400, _INVALID, "the HTTP request itself is malformed, or its body cannot be decoded"
     ),
     ErrorCode.invalid_json: _Kind(400, _INVALID, "the body is not valid JSON"),
-    ErrorCode.invalid_parameter: _Kind(
+    ErrorCode.invalid_value: _Kind(
         400, _INVALID, "a field has the wrong type or is out of range; `param` names it"
     ),
-    ErrorCode.missing_parameter: _Kind(400, _INVALID, "a required field is missing"),
+    ErrorCode.missing_required_parameter: _Kind(400, _INVALID, "a required field is missing"),
     ErrorCode.unknown_parameter: _Kind(400, _INVALID, "a field this API does not know"),
     ErrorCode.unsupported_parameter: _Kind(
         400, _INVALID, "an OpenAI parameter (or value) the appliance does not support"

@@ -113,7 +113,7 @@ async def create_job(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
     if len(req.requests) > settings.jobs.max_items:
         raise ApiError(
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             f"a job holds at most {settings.jobs.max_items} requests (`jobs.max_items`); "
             f"this one has {len(req.requests)}",
             param="requests",
@@ -190,7 +190,7 @@ def _limit(raw: str | None, default: int = RESULTS_PAGE) -> int:
         return default
     if not raw.isascii() or not raw.isdigit() or not 1 <= int(raw) <= RESULTS_PAGE_MAX:
         raise ApiError(
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             f"`limit` must be a whole number from 1 to {RESULTS_PAGE_MAX}",
             param="limit",
         )
@@ -210,7 +210,7 @@ def _validate(
         where = f"requests[{index}]"
         if item.custom_id in first_use:
             raise ApiError(
-                ErrorCode.invalid_parameter,
+                ErrorCode.invalid_value,
                 f"`custom_id` {item.custom_id!r} is also that of requests"
                 f"[{first_use[item.custom_id]}]; each item needs its own",
                 param=f"{where}.custom_id",
@@ -251,7 +251,7 @@ def _check(
     for name, value in limits.items():
         if value is not None and value > max_tokens_limit:
             raise ApiError(
-                ErrorCode.invalid_parameter,
+                ErrorCode.invalid_value,
                 f"{where}: `{name}` is {value}; this appliance allows at most {max_tokens_limit}",
                 param=f"{where}.{name}",
             )

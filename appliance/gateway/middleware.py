@@ -95,7 +95,7 @@ async def _answer(
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = _HTTP_CODES.get(exc.status, ErrorCode.invalid_parameter)
+        code = _HTTP_CODES.get(exc.status, ErrorCode.invalid_value)
         message = _http_message(exc, request)
         response = web.json_response(error_body(code, message), status=code.status)
     except Exception:

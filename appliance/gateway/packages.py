@@ -91,7 +91,7 @@ async def list_packages(request: web.Request) -> web.Response:
         offset = max(0, int(request.query.get("offset", "0")))
     except ValueError as err:
         raise ApiError(
-            ErrorCode.invalid_parameter, "limit and offset are integers", param="limit"
+            ErrorCode.invalid_value, "limit and offset are integers", param="limit"
         ) from err
     # A key sees its account's packages and those the hub seeded; an admin key, all.
     visible = await _service(request).visible(api_key(request))
@@ -145,7 +145,7 @@ async def package_export(request: web.Request) -> web.Response:
     form = request.match_info["format"]
     if form not in EXPORTS:
         raise ApiError(
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             f"exports are {', '.join(EXPORTS)}; not {form!r}",
             param="format",
         )

@@ -17,8 +17,8 @@ from shared.errors import ErrorCode
 _AUTH = (ErrorCode.missing_api_key, ErrorCode.invalid_api_key, ErrorCode.revoked_api_key)
 _BODY = (
     ErrorCode.invalid_json,
-    ErrorCode.invalid_parameter,
-    ErrorCode.missing_parameter,
+    ErrorCode.invalid_value,
+    ErrorCode.missing_required_parameter,
     ErrorCode.unknown_parameter,
     ErrorCode.unsupported_parameter,
     ErrorCode.request_too_large,
@@ -215,7 +215,7 @@ ROUTES: tuple[Route, ...] = (
         "The packages this key's account asked for and those the hub seeded (an admin key: "
         "the whole cache), newest first; `q` searches id, title and topic; `limit`, `offset`.",
         auth=True,
-        errors=(*_AUTH, ErrorCode.invalid_parameter),
+        errors=(*_AUTH, ErrorCode.invalid_value),
     ),
     Route(
         "GET",
@@ -243,7 +243,7 @@ ROUTES: tuple[Route, ...] = (
         auth=True,
         errors=(
             *_AUTH,
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             ErrorCode.package_not_found,
             ErrorCode.package_corrupt,
             ErrorCode.package_validation_failed,
@@ -276,7 +276,7 @@ ROUTES: tuple[Route, ...] = (
         "This account's jobs, newest first (an admin key: every account's); `?limit=` "
         "(20) and `?after=<job id>`.",
         auth=True,
-        errors=(*_AUTH, ErrorCode.invalid_parameter),
+        errors=(*_AUTH, ErrorCode.invalid_value),
     ),
     Route(
         "GET",
@@ -293,7 +293,7 @@ ROUTES: tuple[Route, ...] = (
         "The results of a job's items that ended, in request order: what each route would "
         "have answered (`?limit=` up to 1000, `?after=<custom_id>`).",
         auth=True,
-        errors=(*_AUTH, ErrorCode.job_not_found, ErrorCode.invalid_parameter),
+        errors=(*_AUTH, ErrorCode.job_not_found, ErrorCode.invalid_value),
     ),
     Route(
         "DELETE",

@@ -67,13 +67,15 @@ def _parse_frame(text: str) -> tuple[str, str, dict[str, Any]]:
     if not isinstance(request_id, str) or not request_id:
         raise _FrameError(
             request_id,
-            ApiError(ErrorCode.missing_parameter, "every frame needs a string `id`", param="id"),
+            ApiError(
+                ErrorCode.missing_required_parameter, "every frame needs a string `id`", param="id"
+            ),
         )
     if kind not in _KINDS:
         raise _FrameError(
             request_id,
             ApiError(
-                ErrorCode.invalid_parameter,
+                ErrorCode.invalid_value,
                 f"`type` must be one of {', '.join(_KINDS)}",
                 param="type",
             ),
@@ -111,7 +113,7 @@ class _Connection:
         if kind != "cancel" and request_id in self.tasks:
             await self.error(
                 request_id,
-                ApiError(ErrorCode.invalid_parameter, "this `id` is already running", param="id"),
+                ApiError(ErrorCode.invalid_value, "this `id` is already running", param="id"),
             )
             return
         if kind == "cancel":

@@ -3,7 +3,7 @@ the status details, and trailing metadata that says what the REST API's body and
 headers say.
 
 Trailing metadata of a failed call:
-    kvl-error-code     the stable error code (`queue_full`, `invalid_parameter`, …)
+    kvl-error-code     the stable error code (`queue_full`, `invalid_value`, …)
     kvl-error-param    the parameter at fault, when there is one
     retry-after        whole seconds to wait before retrying, when known (as the header)
     x-request-id       the call's request id (in the log of an internal error)

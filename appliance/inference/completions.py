@@ -215,7 +215,7 @@ class CompletionService:
             else:
                 prompt = vocab.chat_template.render(messages)
         except ChatTemplateError as err:
-            raise ApiError(ErrorCode.invalid_parameter, str(err), param="messages") from err
+            raise ApiError(ErrorCode.invalid_value, str(err), param="messages") from err
         structured = _structured(req)
         if structured is not None and tools is not None and tools.grammar is not None:
             raise ApiError(
@@ -274,7 +274,7 @@ class CompletionService:
             prompt = req.prompt
         tokens = await asyncio.to_thread(engine.require_vocab().tokenize, prompt, chat=False)
         if not tokens:
-            raise ApiError(ErrorCode.invalid_parameter, "`prompt` is empty", param="prompt")
+            raise ApiError(ErrorCode.invalid_value, "`prompt` is empty", param="prompt")
         request = self._generation(
             engine,
             tokens=tokens,
@@ -347,7 +347,7 @@ class CompletionService:
         limit = self._max_tokens_limit if limit is None else limit
         if max_tokens is not None and max_tokens > limit:
             raise ApiError(
-                ErrorCode.invalid_parameter,
+                ErrorCode.invalid_value,
                 f"`{param}` is {max_tokens}; this appliance allows at most {limit}",
                 param=param,
             )
@@ -728,7 +728,7 @@ def _logit_bias(bias: dict[str, float] | None, n_vocab: int) -> tuple[tuple[int,
         token = int(key) if key.isascii() and key.isdigit() else -1
         if not 0 <= token < n_vocab:
             raise ApiError(
-                ErrorCode.invalid_parameter,
+                ErrorCode.invalid_value,
                 f"`logit_bias` key {key!r} is not a token id of this model (0..{n_vocab - 1})",
                 param="logit_bias",
             )
@@ -752,7 +752,7 @@ def _tools(req: ChatCompletionRequest, template: ChatTemplate) -> ToolPlan | Non
     except ToolSpecError as err:
         # A parameters schema no grammar can enforce is the schema's fault; the rest
         # (a name, a choice) the field's.
-        code = ErrorCode.invalid_schema if err.param == "tools" else ErrorCode.invalid_parameter
+        code = ErrorCode.invalid_schema if err.param == "tools" else ErrorCode.invalid_value
         raise ApiError(code, str(err), param=err.param) from err
 
 

@@ -244,7 +244,7 @@ class EmbeddingService:
         limit = self._settings.max_inputs
         if len(texts) > limit:
             raise ApiError(
-                ErrorCode.invalid_parameter,
+                ErrorCode.invalid_value,
                 f"`input` holds {len(texts)} texts; this appliance takes at most {limit} per "
                 "request (embeddings.max_inputs): split it",
                 param="input",

@@ -235,7 +235,7 @@ def chat_request(
     if fmt is not None and fmt.type == "json_schema":
         if fmt.schema_ is None or fmt.name is None:
             raise ApiError(
-                ErrorCode.missing_parameter,
+                ErrorCode.missing_required_parameter,
                 "`text.format` of type json_schema needs `name` and `schema`",
                 param="text.format",
             )

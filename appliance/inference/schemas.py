@@ -418,15 +418,13 @@ def _translate(err: ValidationError) -> ApiError:
             ErrorCode.unknown_parameter, f"unrecognized request argument `{param}`", param=param
         )
     if kind == "missing":
-        return ApiError(ErrorCode.missing_parameter, f"`{param}` is required", param=param)
+        return ApiError(ErrorCode.missing_required_parameter, f"`{param}` is required", param=param)
     if kind in _CUSTOM:
         # A check across fields (a model validator): its type names the field.
         param = param_path((*loc, kind)) if kind != "unsupported_part" else param
-        code = (
-            ErrorCode.unsupported_parameter if kind in _UNSUPPORTED else ErrorCode.invalid_parameter
-        )
+        code = ErrorCode.unsupported_parameter if kind in _UNSUPPORTED else ErrorCode.invalid_value
         return ApiError(code, first["msg"], param=param)
-    return ApiError(ErrorCode.invalid_parameter, f"`{param}`: {first['msg']}", param=param)
+    return ApiError(ErrorCode.invalid_value, f"`{param}`: {first['msg']}", param=param)
 
 
 # The types of the errors the model validators above raise.

@@ -132,7 +132,7 @@ def speech_request(body: dict[str, Any]) -> SpeechRequest:
             raise
         # Neither member of the union fit; name the field, not the object member.
         raise ApiError(
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             '`voice` is a voice\'s name, or {"id": name}',
             param="voice",
         ) from err
@@ -255,7 +255,7 @@ class SpeechService:
             )
         text = req.input.strip()
         if not text:
-            raise ApiError(ErrorCode.invalid_parameter, "`input` is empty", param="input")
+            raise ApiError(ErrorCode.invalid_value, "`input` is empty", param="input")
         reader = await self._reader(req.model.strip().lower(), req.voice_name())
         limit = self._settings.max_concurrent + self._settings.max_queue
         if self._in_progress >= limit:
@@ -306,7 +306,7 @@ class SpeechService:
             )
         if voice != NEURAL_VOICE and voice not in OPENAI_VOICES:
             raise ApiError(
-                ErrorCode.invalid_parameter,
+                ErrorCode.invalid_value,
                 f"voice {voice!r}: the neural voice is `{NEURAL_VOICE}` "
                 f"({self._neural.name('en')}), and OpenAI's voice names read as it; other "
                 "languages are read by model espeak-ng",
@@ -318,7 +318,7 @@ class SpeechService:
     async def _espeak_reader(self, voice: str) -> Reader:
         if voice == NEURAL_VOICE:
             raise ApiError(
-                ErrorCode.invalid_parameter,
+                ErrorCode.invalid_value,
                 f"voice {voice!r} is the neural voice: use model neural (or tts-1)",
                 param="voice",
             )
@@ -326,7 +326,7 @@ class SpeechService:
         language, _, variant = name.partition("+")
         if not _ESPEAK_NAME.match(name) or language not in await self._espeak.languages():
             raise ApiError(
-                ErrorCode.invalid_parameter,
+                ErrorCode.invalid_value,
                 f"voice {voice!r} is neither one of OpenAI's voice names nor an espeak-ng "
                 "voice (`espeak-ng --voices`: a language such as `en-us` or `de`, with an "
                 "optional variant after `+`, such as `en-us+f3`)",
@@ -334,7 +334,7 @@ class SpeechService:
             )
         if variant and variant not in await self._espeak.variants():
             raise ApiError(
-                ErrorCode.invalid_parameter,
+                ErrorCode.invalid_value,
                 f"voice {voice!r}: espeak-ng has no variant {variant!r} "
                 "(`espeak-ng --voices=variant`)",
                 param="voice",

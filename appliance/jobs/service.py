@@ -107,7 +107,7 @@ class JobService:
         try:
             return await self._store.run(self._jobs.list_jobs, account_id, after=after, limit=limit)
         except JobNotFoundError as err:
-            raise ApiError(ErrorCode.invalid_parameter, str(err), param="after") from err
+            raise ApiError(ErrorCode.invalid_value, str(err), param="after") from err
 
     async def results(
         self, key: ApiKey, job_id: str, *, after: str | None, limit: int
@@ -119,7 +119,7 @@ class JobService:
         except JobNotFoundError as err:
             raise ApiError(ErrorCode.job_not_found, str(err)) from err
         except NotFoundError as err:
-            raise ApiError(ErrorCode.invalid_parameter, str(err), param="after") from err
+            raise ApiError(ErrorCode.invalid_value, str(err), param="after") from err
 
     async def cancel(self, key: ApiKey, job_id: str) -> Job:
         try:
@@ -137,7 +137,7 @@ class JobService:
         why = await self._destinations.check_url(url)
         if why is not None:
             raise ApiError(
-                ErrorCode.invalid_parameter,
+                ErrorCode.invalid_value,
                 f"webhooks may not go to this URL: its host is, or resolves to, an address "
                 f"that is {why}; they go to public addresses, and to those the operator "
                 f"names in `{ALLOW_SETTING}`",

@@ -77,7 +77,7 @@ async def enroll(request: web.Request) -> web.Response:
     csr = _request_of(req.lan_csr, "lan_csr")
     if csr is None and settings.server.require_node_certificates:
         raise ApiError(
-            ErrorCode.missing_parameter,
+            ErrorCode.missing_required_parameter,
             "this hub enrolls only nodes with a certificate: send `lan_csr`",
             param="lan_csr",
         )
@@ -136,7 +136,7 @@ def _request_of(pem: str | None, param: str) -> pki.Request | None:
     try:
         return pki.read_request(pem.encode())
     except pki.RequestError as err:
-        raise ApiError(ErrorCode.invalid_parameter, str(err), param=param) from err
+        raise ApiError(ErrorCode.invalid_value, str(err), param=param) from err
 
 
 def _name_error(err: NameRefusedError | NameTakenError, param: str) -> ApiError:
@@ -367,7 +367,7 @@ async def offload(request: web.Request) -> web.StreamResponse:
         cause = None
     if not isinstance(model, str) or not model or len(model) > 200:
         raise ApiError(
-            ErrorCode.invalid_parameter, "the offloaded body must name its `model`", param="model"
+            ErrorCode.invalid_value, "the offloaded body must name its `model`", param="model"
         ) from cause
     nodes = await store.nodes()
     return await request.app[FORWARDER].forward(
@@ -419,7 +419,7 @@ async def desired_state(request: web.Request) -> web.Response:
     except ValueError:
         after = None
     if after is None:
-        raise ApiError(ErrorCode.invalid_parameter, "`after` must be a serial", param="after")
+        raise ApiError(ErrorCode.invalid_value, "`after` must be a serial", param="after")
     if after >= 0 and await store.run(store.sync.desired_serial) <= after:
         return web.Response(status=204, headers=protocol_header())
     state = await store.run(store.sync.desired_state, node)

@@ -49,7 +49,7 @@ _AUTH_ERRORS = {
     ),
     Auth.operator: (ErrorCode.invalid_operator_token,),
 }
-_BODY_ERRORS = (ErrorCode.invalid_json, ErrorCode.invalid_parameter, ErrorCode.request_too_large)
+_BODY_ERRORS = (ErrorCode.invalid_json, ErrorCode.invalid_value, ErrorCode.request_too_large)
 _SECURITY = {Auth.node: "nodeToken", Auth.operator: "operatorToken"}
 _PATH_PARAM = re.compile(r"\{([^}]+)\}")
 
@@ -134,7 +134,7 @@ def _operation(route: Route, refs: Refs) -> Any:
     codes: dict[int, list[str]] = {}
     body: tuple[ErrorCode, ...] = _BODY_ERRORS if route.request is not None else ()
     if route.params and not body:
-        body = (ErrorCode.invalid_parameter,)
+        body = (ErrorCode.invalid_value,)
     every = (*_AUTH_ERRORS[route.auth], *body, *route.errors, ErrorCode.internal_error)
     for code in dict.fromkeys(every):  # each once, in order
         codes.setdefault(code.status, []).append(code.value)

@@ -49,7 +49,7 @@ async def operator_auth(request: web.Request, handler: Handler) -> web.StreamRes
     # The same for the path's values and the query's (a node name, `?q=`).
     if not all(storable(t) for t in (request.path, *request.query.keys(), *request.query.values())):
         raise ApiError(
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             "a NUL character or a lone surrogate in the path or the query",
         )
     try:
@@ -201,7 +201,7 @@ async def add_package(request: web.Request) -> web.Response:
     try:
         summary, sha256 = await asyncio.to_thread(keep_bundle, artifacts_dir, bytes(data))
     except LayoutError as err:
-        raise ApiError(ErrorCode.invalid_parameter, f"not a package archive: {err}") from err
+        raise ApiError(ErrorCode.invalid_value, f"not a package archive: {err}") from err
     await store.run(store.sync.add_package_bundle, summary, sha256, len(data))
     if seed := request.query.get("seed"):
         site = None if seed == "all" else seed

@@ -112,7 +112,7 @@ NODE_ROUTES: tuple[Route, ...] = (
         errors=(
             ErrorCode.invalid_enrollment_token,
             ErrorCode.already_enrolled,
-            ErrorCode.missing_parameter,
+            ErrorCode.missing_required_parameter,
             ErrorCode.certificate_name_refused,
             ErrorCode.certificate_name_taken,
         ),
@@ -176,7 +176,7 @@ NODE_ROUTES: tuple[Route, ...] = (
                 ErrorCode.missing_api_key,
                 ErrorCode.invalid_api_key,
                 ErrorCode.invalid_json,
-                ErrorCode.invalid_parameter,
+                ErrorCode.invalid_value,
                 ErrorCode.overloaded,
             ),
             params=(_CLIENT_KEY,),

@@ -220,25 +220,25 @@ async def test_a_full_queue_is_429_with_retry_after(
 # -- errors ------------------------------------------------------------------------------------
 
 BAD_REQUESTS: list[tuple[dict[str, Any], ErrorCode, str | None]] = [
-    ({"input": ""}, ErrorCode.invalid_parameter, "input"),
-    ({"input": []}, ErrorCode.invalid_parameter, "input"),
-    ({"input": ["fine", ""]}, ErrorCode.invalid_parameter, "input[1]"),
-    ({"input": 5}, ErrorCode.invalid_parameter, "input"),
-    ({"input": None}, ErrorCode.invalid_parameter, "input"),
-    ({"input": [{"text": "hi"}]}, ErrorCode.invalid_parameter, "input[0]"),
+    ({"input": ""}, ErrorCode.invalid_value, "input"),
+    ({"input": []}, ErrorCode.invalid_value, "input"),
+    ({"input": ["fine", ""]}, ErrorCode.invalid_value, "input[1]"),
+    ({"input": 5}, ErrorCode.invalid_value, "input"),
+    ({"input": None}, ErrorCode.invalid_value, "input"),
+    ({"input": [{"text": "hi"}]}, ErrorCode.invalid_value, "input[0]"),
     ({"input": [101, 7592, 102]}, ErrorCode.unsupported_parameter, "input"),
     ({"input": [[101, 7592, 102]]}, ErrorCode.unsupported_parameter, "input"),
-    ({"input": [[]]}, ErrorCode.invalid_parameter, "input[0]"),
-    ({"input": ["a"] * 2049}, ErrorCode.invalid_parameter, "input"),
+    ({"input": [[]]}, ErrorCode.invalid_value, "input[0]"),
+    ({"input": ["a"] * 2049}, ErrorCode.invalid_value, "input"),
     ({"input": "hi", "model": "nope"}, ErrorCode.model_not_found, "model"),
     ({"input": "hi", "model": "gemma-3-270m"}, ErrorCode.model_not_found, "model"),
     ({"input": "hi", "model": f"{MODEL}@0.0.0"}, ErrorCode.model_not_found, "model"),
-    ({"input": "hi", "model": ""}, ErrorCode.invalid_parameter, "model"),
+    ({"input": "hi", "model": ""}, ErrorCode.invalid_value, "model"),
     ({"input": "hi", "dimensions": 256}, ErrorCode.unsupported_parameter, "dimensions"),
-    ({"input": "hi", "dimensions": 0}, ErrorCode.invalid_parameter, "dimensions"),
-    ({"input": "hi", "encoding_format": "int8"}, ErrorCode.invalid_parameter, "encoding_format"),
+    ({"input": "hi", "dimensions": 0}, ErrorCode.invalid_value, "dimensions"),
+    ({"input": "hi", "encoding_format": "int8"}, ErrorCode.invalid_value, "encoding_format"),
     ({"input": "hi", "prompt": "hi"}, ErrorCode.unknown_parameter, "prompt"),
-    ({}, ErrorCode.missing_parameter, "input"),
+    ({}, ErrorCode.missing_required_parameter, "input"),
 ]
 
 

@@ -354,34 +354,34 @@ async def test_structured_output_cut_short_fails_closed(client: Client, api_key:
     [
         (
             {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]},
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             "messages[0].tool_call_id",
         ),
-        ({"model": MODEL}, ErrorCode.missing_parameter, "messages"),
-        ({"model": MODEL, "messages": []}, ErrorCode.invalid_parameter, "messages"),
+        ({"model": MODEL}, ErrorCode.missing_required_parameter, "messages"),
+        ({"model": MODEL, "messages": []}, ErrorCode.invalid_value, "messages"),
         (
             {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             "messages[0].role",
         ),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             "messages[0].content",
         ),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 3},
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             "temperature",
         ),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"},
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             "max_tokens",
         ),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             "max_tokens",
         ),
         (
@@ -390,7 +390,7 @@ async def test_structured_output_cut_short_fails_closed(client: Client, api_key:
                 "messages": [{"role": "user", "content": "x"}],
                 "stop": ["a", "b", "c", "d", "e"],
             },
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             "stop",
         ),
         (
@@ -399,12 +399,12 @@ async def test_structured_output_cut_short_fails_closed(client: Client, api_key:
                 "messages": [{"role": "user", "content": "x"}],
                 "tools": [{"type": "function"}],
             },
-            ErrorCode.missing_parameter,
+            ErrorCode.missing_required_parameter,
             "tools[0].function",
         ),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 9},
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             "n",
         ),
         (
@@ -422,7 +422,7 @@ async def test_structured_output_cut_short_fails_closed(client: Client, api_key:
         ),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             "top_logprobs",
         ),
         (
@@ -431,7 +431,7 @@ async def test_structured_output_cut_short_fails_closed(client: Client, api_key:
                 "messages": [{"role": "user", "content": "x"}],
                 "logit_bias": {"not-a-token": 1},
             },
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             "logit_bias",
         ),
         (
@@ -440,7 +440,7 @@ async def test_structured_output_cut_short_fails_closed(client: Client, api_key:
                 "messages": [{"role": "user", "content": "x"}],
                 "tool_choice": {"type": "function", "function": {"name": "absent"}},
             },
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             "tool_choice",
         ),
         (
@@ -450,7 +450,7 @@ async def test_structured_output_cut_short_fails_closed(client: Client, api_key:
         ),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000},
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             "max_tokens",
         ),
         (
@@ -460,7 +460,7 @@ async def test_structured_output_cut_short_fails_closed(client: Client, api_key:
         ),
         (
             {"model": MODEL, "messages": [{"role": "assistant", "content": "x"}]},
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             "messages",
         ),
         (
@@ -469,7 +469,7 @@ async def test_structured_output_cut_short_fails_closed(client: Client, api_key:
                 "messages": [{"role": "user", "content": "x"}],
                 "response_format": {"type": "xml"},
             },
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             "response_format",
         ),
         (
@@ -493,7 +493,7 @@ async def test_structured_output_cut_short_fails_closed(client: Client, api_key:
                     "json_schema": {"name": "bad name!", "schema": {}},
                 },
             },
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
             "response_format.json_schema.name",
         ),
     ],

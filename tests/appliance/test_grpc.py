@@ -221,7 +221,7 @@ def test_a_bad_argument_is_invalid_argument_with_its_code_and_param(
         )
     status, trailers, message = _failed(bad.value)
     assert status == grpc.StatusCode.INVALID_ARGUMENT
-    assert trailers["kvl-error-code"] == "invalid_parameter"
+    assert trailers["kvl-error-code"] == "invalid_value"
     assert trailers["kvl-error-param"] == "temperature"
     assert "temperature" in message
     # The rich error model: google.rpc.Status with an ErrorInfo naming the code.
@@ -230,7 +230,7 @@ def test_a_bad_argument_is_invalid_argument_with_its_code_and_param(
     info = error_details_pb2.ErrorInfo()
     assert status_pb2.Status.FromString(details).details[0].Unpack(info)
     assert (info.reason, info.domain, dict(info.metadata)) == (
-        "invalid_parameter",
+        "invalid_value",
         "kovenlab.edge",
         {"param": "temperature"},
     )

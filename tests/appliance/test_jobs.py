@@ -260,7 +260,7 @@ async def test_progress_counts_items_that_fail_and_results_page(
     for query, param in [("?limit=0", "limit"), ("?limit=x", "limit"), ("?after=nope", "after")]:
         response = await client.get(f"/v1/jobs/{job['id']}/results{query}", headers=auth(api_key))
         assert response.status == 400
-        assert_error(await response.json(), ErrorCode.invalid_parameter, param)
+        assert_error(await response.json(), ErrorCode.invalid_value, param)
     # A job none of whose items succeeds has failed.
     status, created = await create_job(client, api_key, {"requests": [too_long]})
     job = await wait_job(client, api_key, created["id"])
@@ -277,12 +277,12 @@ async def test_progress_counts_items_that_fail_and_results_page(
 BAD_JOBS: list[tuple[dict[str, Any], ErrorCode | None, str]] = [
     (
         {"requests": [chat_item("a"), {**chat_item("b"), "body": {"model": MODEL}}]},
-        ErrorCode.missing_parameter,
+        ErrorCode.missing_required_parameter,
         "requests[1].body.messages",
     ),
     (
         {"requests": [chat_item("a", temperature=3)]},
-        ErrorCode.invalid_parameter,
+        ErrorCode.invalid_value,
         "requests[0].body.temperature",
     ),
     (
@@ -292,12 +292,12 @@ BAD_JOBS: list[tuple[dict[str, Any], ErrorCode | None, str]] = [
     ),
     (
         {"requests": [chat_item("a", tools=[{"type": "function"}])]},
-        ErrorCode.missing_parameter,
+        ErrorCode.missing_required_parameter,
         "requests[0].body.tools[0].function",
     ),
     (
         {"requests": [text_item("a", max_tokens=5000)]},
-        ErrorCode.invalid_parameter,
+        ErrorCode.invalid_value,
         "requests[0].body.max_tokens",
     ),
     (
@@ -322,16 +322,16 @@ BAD_JOBS: list[tuple[dict[str, Any], ErrorCode | None, str]] = [
     ),
     (
         {"requests": [{**text_item("a"), "url": "/v1/embeddings"}]},
-        ErrorCode.invalid_parameter,
+        ErrorCode.invalid_value,
         "requests[0].url",
     ),
     (
         {"requests": [text_item("a"), text_item("b"), text_item("a")]},
-        ErrorCode.invalid_parameter,
+        ErrorCode.invalid_value,
         "requests[2].custom_id",
     ),
-    ({"requests": [text_item(str(i)) for i in range(9)]}, ErrorCode.invalid_parameter, "requests"),
-    ({"requests": []}, ErrorCode.invalid_parameter, "requests"),
+    ({"requests": [text_item(str(i)) for i in range(9)]}, ErrorCode.invalid_value, "requests"),
+    ({"requests": []}, ErrorCode.invalid_value, "requests"),
     ({"requests": [text_item("a")], "webhook_url": "ftp://example.org/hook"}, None, "webhook_url"),
     ({"requests": [text_item("a")], "webhook_url": "http://"}, None, "webhook_url"),
     ({"requests": [text_item("a")], "webhook_url": "http://h:99999/"}, None, "webhook_url"),
@@ -362,7 +362,7 @@ async def test_a_bad_item_refuses_the_whole_job_naming_it(
     # One app for every case: each would otherwise load the model for a 400.
     for body, code, param in BAD_JOBS:
         status, answer = await create_job(client, api_key, body)
-        expected = code or ErrorCode.invalid_parameter
+        expected = code or ErrorCode.invalid_value
         assert status == expected.status, (param, answer)
         assert_error(answer, expected, param)
     with closing(sqlite3.connect(settings.db_path)) as db:

@@ -128,7 +128,7 @@ def test_sdk_raises_its_usual_errors(sdk: OpenAI, appliance_process: AppliancePr
         sdk.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=5
         )
-    assert bad.value.code == "invalid_parameter"
+    assert bad.value.code == "invalid_value"
     assert bad.value.param == "temperature"
     wrong = OpenAI(base_url=f"{appliance_process.base_url}/v1", api_key="kvl_wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

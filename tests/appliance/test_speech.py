@@ -352,22 +352,22 @@ async def test_characters_count_against_the_daily_tokens(
 @pytest.mark.parametrize(
     "case",
     [
-        ({"input": ""}, 400, "invalid_parameter", "input"),
-        ({"input": " \n "}, 400, "invalid_parameter", "input"),
-        ({"input": "x" * 4097}, 400, "invalid_parameter", "input"),
-        ({"voice": "nobody"}, 400, "invalid_parameter", "voice"),
-        ({"voice": "en-us+nosuchvariant"}, 400, "invalid_parameter", "voice"),
-        ({"voice": "xx-yy"}, 400, "invalid_parameter", "voice"),
-        ({"model": "espeak-ng", "voice": "joe"}, 400, "invalid_parameter", "voice"),
-        ({"model": "neural", "voice": "de"}, 400, "invalid_parameter", "voice"),
+        ({"input": ""}, 400, "invalid_value", "input"),
+        ({"input": " \n "}, 400, "invalid_value", "input"),
+        ({"input": "x" * 4097}, 400, "invalid_value", "input"),
+        ({"voice": "nobody"}, 400, "invalid_value", "voice"),
+        ({"voice": "en-us+nosuchvariant"}, 400, "invalid_value", "voice"),
+        ({"voice": "xx-yy"}, 400, "invalid_value", "voice"),
+        ({"model": "espeak-ng", "voice": "joe"}, 400, "invalid_value", "voice"),
+        ({"model": "neural", "voice": "de"}, 400, "invalid_value", "voice"),
         ({"response_format": "aac"}, 400, "unsupported_parameter", "response_format"),
-        ({"response_format": "ogg"}, 400, "invalid_parameter", "response_format"),
-        ({"speed": 4.5}, 400, "invalid_parameter", "speed"),
-        ({"speed": 0.1}, 400, "invalid_parameter", "speed"),
-        ({"stream_format": "chunks"}, 400, "invalid_parameter", "stream_format"),
+        ({"response_format": "ogg"}, 400, "invalid_value", "response_format"),
+        ({"speed": 4.5}, 400, "invalid_value", "speed"),
+        ({"speed": 0.1}, 400, "invalid_value", "speed"),
+        ({"stream_format": "chunks"}, 400, "invalid_value", "stream_format"),
         ({"model": "whisper-1"}, 404, "model_not_found", "model"),
         ({"language": "en"}, 400, "unknown_parameter", "language"),
-        ({"voice": None}, 400, "invalid_parameter", "voice"),
+        ({"voice": None}, 400, "invalid_value", "voice"),
     ],
 )
 async def test_bad_requests_get_the_error_shape(
@@ -388,7 +388,7 @@ async def test_a_missing_voice_is_named(appliance: tuple[Client, str]) -> None:
     client, key = appliance
     status, _, raw = await speak(client, key, model="tts-1")
     assert status == 400
-    assert json.loads(raw)["error"]["code"] == "missing_parameter"
+    assert json.loads(raw)["error"]["code"] == "missing_required_parameter"
     assert json.loads(raw)["error"]["param"] == "voice"
 
 

@@ -144,7 +144,7 @@ async def test_packages_and_jobs_are_listed_per_account_and_an_admin_sees_all(
     for query in (f"?after={made['b'][0]}", "?limit=0", "?limit=x"):
         response = await client.get(f"/v1/jobs{query}", headers=auth("a"))
         assert response.status == 400, query
-        assert (await response.json())["error"]["code"] == "invalid_parameter"
+        assert (await response.json())["error"]["code"] == "invalid_value"
 
 
 # -- isolation levels ---------------------------------------------------------------------

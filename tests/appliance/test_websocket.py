@@ -104,8 +104,8 @@ async def test_bad_frames_get_errors_and_the_connection_lives_on(
     cases: list[tuple[str, Any, ErrorCode]] = [
         ("{oops", None, ErrorCode.invalid_json),
         ("[1]", None, ErrorCode.invalid_json),
-        ('{"type": "completions"}', None, ErrorCode.missing_parameter),
-        ('{"type": "nonsense", "id": "x"}', "x", ErrorCode.invalid_parameter),
+        ('{"type": "completions"}', None, ErrorCode.missing_required_parameter),
+        ('{"type": "nonsense", "id": "x"}', "x", ErrorCode.invalid_value),
         ('{"type": "completions", "id": "y", "body": 3}', "y", ErrorCode.invalid_json),
         (
             (
@@ -113,7 +113,7 @@ async def test_bad_frames_get_errors_and_the_connection_lives_on(
                 '{"model": "gemma-3-270m", "prompt": "x", "temperature": 9}}'
             ),
             "z",
-            ErrorCode.invalid_parameter,
+            ErrorCode.invalid_value,
         ),
         (
             '{"type": "completions", "id": "m", "body": {"model": "nope", "prompt": "x"}}',

@@ -61,7 +61,7 @@ async def test_tokens_and_keys_are_made_listed_and_revoked(
         store.close()
     assert (await call("POST", "/tokens/nosuch/revoke"))[0] == 404
     bad = await call("POST", "/tokens", {"site": "", "uses": 0})
-    assert (bad[0], bad[1]["error"]["code"]) == (400, "invalid_parameter")
+    assert (bad[0], bad[1]["error"]["code"]) == (400, "invalid_value")
 
     status, key = await call("POST", "/keys", {"account": "acme"})
     assert status == 201, key

@@ -266,7 +266,7 @@ async def test_the_operator_binds_an_account_over_the_api(
     for body in bodies:
         status, answer = await put(body)
         assert status == 400, body
-        assert answer["error"]["code"] in {"invalid_parameter", "bad_request"}, answer
+        assert answer["error"]["code"] in {"invalid_value", "bad_request"}, answer
     status, answer = await put({}, "/v1/admin/accounts/nobody/tenancy")
     assert status == 404
     assert answer["error"]["code"] == "not_found"
@@ -411,4 +411,4 @@ async def test_the_operator_deploys_at_a_level(
     for body in ({"model": "m@1", "isolation": "I3"}, {"model": "m@1", "isolation": "I4"}):
         refused = await client.post("/v1/admin/deployments", json=body, headers=auth)
         assert refused.status == 400, body
-        assert (await refused.json())["error"]["code"] == "invalid_parameter"
+        assert (await refused.json())["error"]["code"] == "invalid_value"
