@@ -72,7 +72,7 @@ def item_schema(kind: ItemType, choices: int, level: Level) -> dict[str, Any]:
     else:
         array = {"type": "array", "items": choice, "minItems": choices, "maxItems": choices}
         properties = {"question": text, "choices": array}
-        # Letters from an enum: the grammar enforces an enum everywhere, a numeric range not.
+        # Letters from an enum: what a learner sees, and the grammar enforces it exactly.
         letter = {"type": "string", "enum": list(CHOICE_IDS[:choices])}
         if kind is ItemType.single_choice:
             properties["correct"] = letter

@@ -298,10 +298,10 @@ async def test_json_schema_output_validates(client: Client, api_key: str) -> Non
 async def test_constraints_the_grammar_cannot_enforce_are_still_checked(
     client: Client, api_key: str
 ) -> None:
-    """llama.cpp's grammar converter ignores numeric bounds; the validator does not."""
+    """The grammar does not express `multipleOf`; the validator still checks it."""
     bounded = {
         **PERSON,
-        "properties": {**PERSON["properties"], "age": {"type": "integer", "maximum": 3}},
+        "properties": {**PERSON["properties"], "age": {"type": "integer", "multipleOf": 7}},
     }
     status, body, _ = await post(
         client, "/v1/chat/completions", api_key, json_schema_request(bounded)
