@@ -507,6 +507,71 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """The tables docs/benchmarks.md shows, from a result (a test keeps them equal)."""
+    w = result["workloads"]
+    lines = [
+        (
+            f"Commit `{result['commit']}`, {result['date'][:10]}, {result['machine']['cpu']}, "
+            f"{result['machine']['logical_cpus']} CPUs, load average at the end "
+            f"{result['machine']['load_average'][0]:.1f}."
+        ),
+        "",
+        "| workload | appliance | llama-server | ratio |",
+        "|---|---|---|---|",
+    ]
+    if "tool_calls" in w:
+        a, b = w["tool_calls"]["appliance"], w["tool_calls"]["llama_server"]
+        lines.append(
+            f"| tool calls, `tool_choice: required`: latency p50 | {a['latency_ms_p50']} ms | "
+            f"{b['latency_ms_p50']} ms | {_ratio(a['latency_ms_p50'], b['latency_ms_p50'])} |"
+        )
+        lines.append(
+            f"| tool calls: answers whose call fits the schema | {a['valid_calls']:.0%} | "
+            f"{b['valid_calls']:.0%} | |"
+        )
+    if "choices_4" in w:
+        a, b = w["choices_4"]["appliance"], w["choices_4"]["llama_server"]
+        lines.append(
+            f"| 4 choices (`n: 4` / 4 requests): tokens/s | {a['aggregate_tok_s']} | "
+            f"{b['aggregate_tok_s']} | {_ratio(a['aggregate_tok_s'], b['aggregate_tok_s'])} |"
+        )
+        lines.append(
+            f"| 4 choices: wall p50 | {a['wall_ms_p50']} ms | {b['wall_ms_p50']} ms | "
+            f"{_ratio(a['wall_ms_p50'], b['wall_ms_p50'])} |"
+        )
+    if "logprobs" in w:
+        a, b = w["logprobs"]["appliance"], w["logprobs"]["llama_server"]
+        lines.append(
+            f"| `top_logprobs: 5`: tokens/s (vs without) | {a['top_logprobs_5']} "
+            f"({a['ratio']}) | {b['top_logprobs_5']} ({b['ratio']}) | "
+            f"{_ratio(a['top_logprobs_5'], b['top_logprobs_5'])} |"
+        )
+    if "transports" in w:
+        t = w["transports"]
+        lines += [
+            "",
+            "| transport (TLS) | streams | tokens/s | front CPU ms/request | vs HTTP/1.1 |",
+            "|---|---|---|---|---|",
+        ]
+        for name, label in (("http1", "HTTP/1.1"), ("http2", "HTTP/2 (nginx)"), ("grpc", "gRPC")):
+            for streams, row in t[name].items():
+                if streams == "ratios":
+                    continue
+                ratio = t[name].get("ratios", {}).get(streams)
+                versus = (
+                    f"{ratio['aggregate_tok_s']}x tokens/s, "
+                    f"{ratio['front_cpu_ms_per_request']}x CPU"
+                    if ratio
+                    else ""
+                )
+                lines.append(
+                    f"| {label} | {streams.removeprefix('streams_')} | {row['aggregate_tok_s']} "
+                    f"| {row['front_cpu_ms_per_request']} | {versus} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
 def _ratios(rows: dict[str, Any]) -> None:
     rows["tool_calls"]["ratios"] = {
         "latency_ms_p50": _ratio(
