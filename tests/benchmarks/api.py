@@ -326,7 +326,9 @@ async def _closed_loop(streams: int, requests: int, one: Any) -> tuple[float, in
         nonlocal tokens
         while queue:
             i = queue.pop()
-            tokens += await one(base.PROMPTS[i % len(base.PROMPTS)])
+            # Awaited first: `tokens += await …` would read `tokens` before the await.
+            got = await one(base.PROMPTS[i % len(base.PROMPTS)])
+            tokens += got
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(streams)))
@@ -487,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[label] = {"appliance": app, "llama_server": ref}
             base.say(f"  {label}: {app} vs {ref}")
         if "transports" in chosen:
-            rows["transports"] = transports(ctx, max(2, n // 4))
+            rows["transports"] = transports(ctx, n)
     if set(plans) <= chosen:
         _ratios(rows)
     result = {
