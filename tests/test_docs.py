@@ -9,6 +9,7 @@ outside the repository, and every path, module and setting a doc names exists.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from hub.settings import HubSettings
 from shared.cli import main
 from shared.config import example_yaml, iter_fields
 from shared.errors import ErrorCode
+from tests.benchmarks.api import markdown
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS_DIR = REPO / "docs"
@@ -296,3 +298,11 @@ def test_no_doc_names_a_file_outside_the_repository(doc: Path) -> None:
             assert (doc.parent / name).is_file() or (REPO / name).is_file(), (
                 f"{_doc_id(doc)} names `{name}`, which is not in the repository"
             )
+
+
+def test_the_api_benchmark_tables_are_its_recorded_result() -> None:
+    """docs/benchmarks.md shows the figures of tests/benchmarks/results/api.json, as
+    `tests.benchmarks.api.markdown` writes them; a re-run updates both."""
+    result = json.loads((REPO / "tests/benchmarks/results/api.json").read_text())
+    assert markdown(result) in (REPO / "docs/benchmarks.md").read_text()
+    assert result["commit"]
