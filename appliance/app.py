@@ -70,7 +70,7 @@ def create_app(settings: ApplianceSettings) -> web.Application:
     )
     app[SETTINGS] = settings
     app.on_response_prepare.append(cors.add_headers)
-    app[METRICS] = Metrics()
+    app[METRICS] = Metrics(objectives=settings.classes.objective_seconds())
     app[CERTIFICATE] = NodeCertificate(settings.fleet_dir)
     app[NAMES] = ModelNames(
         aliases=settings.model.aliases,

@@ -635,6 +635,15 @@ class ClassSettings(_Section):
     reserved_slots: int = Field(
         0, ge=0, le=255, description="Batch slots per replica only S2 requests may take."
     )
+
+    def objective_seconds(self) -> list[float]:
+        """Every class's objectives, in seconds (the latency histograms' bounds)."""
+        return [
+            seconds
+            for klass in (self.s0, self.s1, self.s2, self.s3, self.s4)
+            for seconds in (klass.admit_s, klass.first_token_s, klass.complete_s)
+        ]
+
     preemption: bool = Field(
         default=True,
         description="A running S0 sequence yields its slot to S1/S2 work and resumes later.",

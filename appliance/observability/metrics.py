@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics.exposition import (
@@ -11,13 +13,32 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 
 from shared.supervise import Failures
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+# Up to an hour: S0's objectives are 600-3600 s, and a sample past the last bound lands
+# in +Inf, where no objective can be read from it.
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 900,
+    1800, 3600,
+)  # fmt: skip
+
+
+def latency_buckets(objectives: Iterable[float] = ()) -> tuple[float, ...]:
+    """The latency buckets, with every objective a bound of its own, so the share of
+    requests that met it is read off the histogram exactly, not interpolated."""
+    return tuple(sorted({*_LATENCY_BUCKETS, *(float(o) for o in objectives if o > 0)}))
+
+
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, objectives: Iterable[float] = ()) -> None:
+        """`objectives`: the service classes' objectives in seconds (bounds of the latency
+        histograms)."""
         self.registry = CollectorRegistry(auto_describe=True)
+        self.latency_buckets = buckets = latency_buckets(objectives)
         r = self.registry
         self.requests = Counter(
             "kvl_http_requests",
@@ -35,7 +56,7 @@ class Metrics:
             "kvl_http_request_duration_seconds",
             "Time from request to the last byte, by route.",
             ["route"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=buckets,
             registry=r,
         )
         # The gRPC API's calls: its own family, as gRPC statuses are not HTTP's.
@@ -55,7 +76,7 @@ class Metrics:
             "kvl_grpc_call_duration_seconds",
             "Time from a gRPC call to its status, by method.",
             ["method"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=buckets,
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -68,14 +89,14 @@ class Metrics:
             "kvl_time_to_first_token_seconds",
             "Time from admission to the first token, by model.",
             ["model"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=buckets,
             registry=r,
         )
         self.generation_seconds = Histogram(
             "kvl_generation_duration_seconds",
             "Time from admission to the last token, by model.",
             ["model"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=buckets,
             registry=r,
         )
         self.model_ready = Gauge(
@@ -94,7 +115,7 @@ class Metrics:
             "kvl_queue_duration_seconds",
             "Time from arrival at the worker to a batch slot, by model.",
             ["model"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=buckets,
             registry=r,
         )
         self.time_per_output_token = Histogram(
@@ -150,14 +171,14 @@ class Metrics:
             "kvl_class_time_to_first_token_seconds",
             "Time from arrival at the worker to the first token, by service class.",
             ["class"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=buckets,
             registry=r,
         )
         self.class_completion_seconds = Histogram(
             "kvl_class_completion_seconds",
             "Time from arrival at the worker to the last token, by service class.",
             ["class"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=buckets,
             registry=r,
         )
         self.slo_misses = Counter(
@@ -227,7 +248,7 @@ class Metrics:
             "kvl_speech_first_audio_seconds",
             "Time from a speech request to its first audio, by voice engine.",
             ["engine"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=buckets,
             registry=r,
         )
         self.embedding_model = Info(
