@@ -124,7 +124,7 @@ async def _models(app: web.Application) -> AsyncIterator[None]:
     app[REGISTRY] = host
     admission = AdmissionControl(settings.classes, app[STORE], app[METRICS])
     app[ADMISSION] = admission
-    app[OFFLOAD] = Offload(admission, app[METRICS])
+    app[OFFLOAD] = Offload(admission, app[METRICS], app[TRACING])
     app[COMPLETIONS] = CompletionService(
         host,
         app[STORE],

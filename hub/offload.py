@@ -133,6 +133,10 @@ class Forwarder:
             protocol.ORIGIN_HEADER: origin.name,
             protocol.OFFLOADED_HEADER: "1",
         }
+        # One offloaded request is one trace: the origin's W3C headers go on to the target.
+        for name in protocol.TRACE_HEADERS:
+            if (value := request.headers.get(name)) is not None:
+                headers[name] = value
         url = f"{target.api_url}/v1/offloaded/{route}"
         try:
             upstream = await self._session.post(

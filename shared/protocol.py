@@ -50,6 +50,8 @@ PROTOCOL_HEADER = "Kvl-Protocol"
 CLIENT_KEY_HEADER = "X-Kvl-Client-Key"
 ORIGIN_HEADER = "X-Kvl-Origin"  # the node the request came from (informational)
 OFFLOADED_HEADER = "X-Kvl-Offloaded"  # set on a request offloaded once: never again
+# W3C Trace Context headers an offloaded request carries on, hop to hop: one trace.
+TRACE_HEADERS = ("traceparent", "tracestate")
 SERVED_BY_HEADER = "X-Kvl-Served-By"
 
 MAX_EVENTS = 5000  # events in one sync call

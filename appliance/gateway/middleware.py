@@ -62,6 +62,8 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
             "kvl.request_id": request_id,
         },
         kind=SpanKind.SERVER,
+        # A client's (or the previous hop's) `traceparent`: this request joins its trace.
+        parent=request.headers,
     ) as span:
         response, code = await _answer(request, handler, request_id)
         span.set_attribute("http.response.status_code", response.status)

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from appliance.inference.admission import AdmissionControl
     from appliance.inference.completions import Prepared
     from appliance.observability.metrics import Metrics
+    from appliance.observability.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,10 @@ PASSED_HEADERS = ("Content-Type", "X-Kvl-Model", protocol.SERVED_BY_HEADER, "Ret
 
 
 class Offload:
-    def __init__(self, admission: AdmissionControl, metrics: Metrics) -> None:
+    def __init__(self, admission: AdmissionControl, metrics: Metrics, tracing: Tracing) -> None:
         self._admission = admission
         self._metrics = metrics
+        self._tracing = tracing
         self.link: FleetLink | None = None  # set when the node is in a fleet
 
     def eligible(self, err: ApiError, prepared: Prepared) -> bool:
@@ -70,6 +72,8 @@ class Offload:
             "Content-Type": "application/json",
             protocol.CLIENT_KEY_HEADER: client_key.strip(),
         }
+        # The serving node's spans join this request's trace (the hub passes it on).
+        self._tracing.inject(headers, request.headers)
         try:
             hub = await self.link.hub()
             if hub is None:

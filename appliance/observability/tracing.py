@@ -16,6 +16,12 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from shared.protocol import TRACE_HEADERS
+
+# W3C Trace Context: `traceparent` and `tracestate`, in and out.
+_PROPAGATOR = TraceContextTextMapPropagator()
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping
@@ -66,13 +72,26 @@ class Tracing:
         attributes: Mapping[str, Attribute | None] | None = None,
         *,
         kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+        parent: Mapping[str, str] | None = None,
     ) -> Iterator[trace.Span]:
         """A span around a block, the child of the current one (context variables carry it
-        across awaits in the same task). An exception escaping the block marks it."""
+        across awaits in the same task), or of the W3C `traceparent` in `parent` (a
+        request's headers). An exception escaping the block marks it."""
+        context = _PROPAGATOR.extract(carrier=parent) if parent is not None else None
         with self.tracer.start_as_current_span(
-            name, kind=kind, attributes=_clean(attributes or {})
+            name, context=context, kind=kind, attributes=_clean(attributes or {})
         ) as span:
             yield span
+
+    def inject(self, headers: dict[str, str], incoming: Mapping[str, str]) -> None:
+        """The current trace's W3C headers into `headers` (an outgoing request), so the next
+        hop joins it; with tracing off here, the incoming ones pass on as they came."""
+        if self.enabled:
+            _PROPAGATOR.inject(headers)
+            return
+        for name in TRACE_HEADERS:
+            if (value := incoming.get(name)) is not None:
+                headers[name] = value
 
     def record(
         self,

@@ -11,9 +11,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+from opentelemetry.sdk.trace import TracerProvider
 
 from appliance.app import create_app
 from appliance.gateway.keys import REGISTRY, TRACING
+from appliance.observability.tracing import Tracing
 from appliance.state.store import ModelRecord, Store
 from tests.conftest import make_settings
 
@@ -100,3 +102,65 @@ async def test_every_stage_of_a_request_is_a_span_of_one_trace(
     assert attributes["kvl.completion_tokens"].int_value > 0
     status = {a.key: a.value for a in root.attributes}["http.response.status_code"]
     assert status.int_value == 200
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+async def test_a_clients_traceparent_makes_the_request_part_of_its_trace(
+    aiohttp_client: AiohttpClient, aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    received: list[Span] = []
+
+    async def traces(request: web.Request) -> web.Response:
+        export = ExportTraceServiceRequest.FromString(await request.read())
+        for resource_spans in export.resource_spans:
+            for scope in resource_spans.scope_spans:
+                received.extend(scope.spans)
+        body = ExportTraceServiceResponse().SerializeToString()
+        return web.Response(body=body, content_type="application/x-protobuf")
+
+    collector = web.Application()
+    collector.router.add_post("/v1/traces", traces)
+    server = await aiohttp_server(collector)
+    # No model needed: the route's own span is what joins the client's trace.
+    settings = make_settings(
+        tmp_path / "data",
+        model={"default": "absent-model"},
+        embeddings={"enabled": False},
+        tracing={"otlp_endpoint": str(server.make_url("/v1/traces"))},
+    )
+    store = Store(settings.db_path)
+    try:
+        key = store.create_key("traced").plaintext
+    finally:
+        store.close()
+    app = create_app(settings)
+    client = await aiohttp_client(app)
+    response = await client.get(
+        "/v1/models", headers={"Authorization": f"Bearer {key}", "traceparent": TRACEPARENT}
+    )
+    assert response.status == 200
+    app[TRACING].flush()
+    for _ in range(50):
+        if any(s.name == "GET /v1/models" for s in received):
+            break
+        await asyncio.sleep(0.1)
+    (root,) = [s for s in received if s.name == "GET /v1/models"]
+    assert root.trace_id.hex() == TRACEPARENT.split("-")[1]
+    assert root.parent_span_id.hex() == TRACEPARENT.split("-")[2]
+
+
+def test_the_next_hop_gets_the_trace_headers() -> None:
+    off = Tracing()  # tracing off here: what came in goes on
+    headers: dict[str, str] = {}
+    off.inject(headers, {"traceparent": TRACEPARENT, "tracestate": "a=1"})
+    assert headers == {"traceparent": TRACEPARENT, "tracestate": "a=1"}
+    provider = TracerProvider()
+    on = Tracing(provider)
+    sent: dict[str, str] = {}
+    with on.span("offload", parent={"traceparent": TRACEPARENT}):
+        on.inject(sent, {})
+    version, trace_id, span_id, _ = sent["traceparent"].split("-")
+    assert (version, trace_id) == ("00", TRACEPARENT.split("-")[1])
+    assert span_id != TRACEPARENT.split("-")[2]  # this hop's span is the next one's parent
