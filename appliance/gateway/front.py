@@ -75,6 +75,7 @@ _ERRORS = (
     ((500, 502, 503, 504), ErrorCode.internal_error, "the API did not answer the TLS front"),
 )
 _PR_SET_PDEATHSIG = 1
+START_ATTEMPTS = 3  # nginx starts at most this many times before the appliance gives up
 
 
 def _kill_group(pgid: int) -> None:
@@ -225,7 +226,17 @@ class Front:
             with contextlib.suppress(FileNotFoundError):
                 os.chown(self.upstream, nobody.pw_uid, nobody.pw_gid)
         (self.directory / "nginx.conf").write_text(self.config())
-        await self._spawn()
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                await self._spawn()
+                break
+            except RuntimeError as err:
+                # A master killed while it starts (a signal from outside: it printed
+                # nothing) is started again, as the supervisor restarts one that dies
+                # later; one that cannot start at all still fails after the last try.
+                if attempt == START_ATTEMPTS:
+                    raise
+                log.warning("nginx did not start (%s); trying again (%d)", err, attempt)
         self._tasks = [
             asyncio.create_task(self._supervise(), name="nginx supervisor"),
             asyncio.create_task(self._watch(), name="certificate watch"),
