@@ -13,6 +13,7 @@ import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletion
 
+from tests.benchmarks.api import WEATHER as BENCH_WEATHER
 from tests.conftest import ApplianceProcess
 
 pytestmark = pytest.mark.model
@@ -237,23 +238,8 @@ def test_cors_preflight_of_a_real_process(appliance_process: ApplianceProcess) -
         assert "Access-Control-Allow-Origin" not in refused.value.headers
 
 
-# Typed loosely: the SDK's TypedDicts refuse plain dict literals.
-WEATHER: Any = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 40},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
+# Typed loosely: the SDK's TypedDicts refuse plain dict literals. The benchmark's tool.
+WEATHER: Any = BENCH_WEATHER
 TIME: Any = {
     "type": "function",
     "function": {
