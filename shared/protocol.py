@@ -22,6 +22,11 @@ through `POST /v1/node/certificate`) on every call, and trusts the hub through i
 bundle (`GET /v1/trust`) instead of pinning the hub's certificate. A node the hub has
 issued a certificate must present one whatever version it names; a version-2 node,
 enrolled before certificates, is served on its node token until it upgrades.
+
+Version 4 adds live objectives to heartbeats (`Objectives`): what the node measured of its
+service classes' objectives, per class and account, as cumulative counters and histogram
+buckets. Cumulative, so a heartbeat lost in a partition loses nothing and one resent counts
+nothing twice: the hub takes the difference from the last one it saw of the same `epoch`.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from pydantic import (
 
 from shared import jsonlimits
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 OLDEST_NODE_PROTOCOL = 2
 PROTOCOL_HEADER = "Kvl-Protocol"
 
@@ -201,9 +206,108 @@ class Capacity(Message):
         return self
 
 
+# -- live objectives (protocol 4) -------------------------------------------------------------
+
+# The bounds (seconds) of the latency histograms a node sends: fixed by the protocol, so the
+# hub adds up any nodes' buckets. They include the default objectives of every class.
+LATENCY_BOUNDS_S: tuple[float, ...] = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 2.5, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+    900.0, 1800.0, 3600.0,
+)  # fmt: skip
+ServiceClassName = Literal["S0", "S1", "S2", "S3", "S4"]
+# The objectives of a class (docs/api.md "Service classes"): SLO.A admit, SLO.B first token,
+# SLO.C complete.
+Objective = Literal["admit", "first_token", "complete"]
+OBJECTIVES: tuple[Objective, ...] = ("admit", "first_token", "complete")
+# Why a request that reached admission was not served:
+# - admit, first_token: refused at the door, the prediction said it would miss that objective;
+# - shed: dropped from the queue once it had missed its first-token objective;
+# - outbox: the usage outbox was full (the node waits for the hub);
+# - error: the node failed it (a 5xx: a worker crash, an engine error);
+# - quota: an account quota or budget refused it: the account's limit, not the service's
+#   failure, so neither met nor missed.
+Refusal = Literal["admit", "first_token", "shed", "outbox", "error", "quota"]
+REFUSALS: tuple[Refusal, ...] = ("admit", "first_token", "shed", "outbox", "error", "quota")
+MAX_OBJECTIVE_SERIES = 256  # (class, account) pairs in one heartbeat
+Total = Annotated[int, Field(ge=0, le=1 << 53)]  # a cumulative counter (exact in a double)
+SecondsSum = Annotated[float, Field(ge=0, le=1e15)]
+
+
+class LatencyHistogram(Message):
+    """Observations per bucket of `LATENCY_BOUNDS_S` (not cumulative: `counts[i]` are those
+    at most `LATENCY_BOUNDS_S[i]` and above the bound before; the last, those above the
+    last bound), and their sum in seconds. Cumulative over the node's epoch."""
+
+    counts: list[Total] = Field(
+        default_factory=lambda: [0] * (len(LATENCY_BOUNDS_S) + 1),
+        min_length=len(LATENCY_BOUNDS_S) + 1,
+        max_length=len(LATENCY_BOUNDS_S) + 1,
+    )
+    sum_s: SecondsSum = 0.0
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
+class ObjectiveSeries(Message):
+    """One service class and account on one node, counted since the epoch began.
+
+    `requests` reached admission (authenticated, with a model to serve them); each ends
+    `admitted` or in `refused` under one reason, so `admitted + sum(refused) == requests`
+    once none is at the door. Each objective counts the requests it applies to as `met` or
+    `missed`: a request served is measured against the class's objective in seconds (a
+    request its client cancelled counts for `complete` neither way); one refused for any
+    reason but `quota` misses all three; a `quota` refusal counts for none."""
+
+    service_class: ServiceClassName
+    account: Name
+    requests: Total = 0
+    admitted: Total = 0
+    refused: dict[Refusal, Total] = Field(default_factory=dict)
+    met: dict[Objective, Total] = Field(default_factory=dict)
+    missed: dict[Objective, Total] = Field(default_factory=dict)
+    ttft: LatencyHistogram = Field(default_factory=LatencyHistogram)
+    completion: LatencyHistogram = Field(default_factory=LatencyHistogram)
+
+    @model_validator(mode="after")
+    def _within_itself(self) -> Self:
+        if self.admitted + sum(self.refused.values()) > self.requests:
+            raise ValueError("more requests admitted and refused than reached admission")
+        for objective in OBJECTIVES:
+            if self.met.get(objective, 0) + self.missed.get(objective, 0) > self.requests:
+                raise ValueError(f"{objective}: more met and missed than requests")
+        if self.ttft.count > self.admitted or self.completion.count > self.admitted:
+            raise ValueError("more latencies observed than requests admitted")
+        return self
+
+
+class Objectives(Message):
+    """What a node measured of its objectives, cumulative since `epoch` began. The epoch is
+    the counters' generation, kept in the node's database: it changes only when the
+    counters start again from zero (a new database), and then the hub counts the new
+    epoch's values whole. Within an epoch a node never reports a counter lower than
+    before (it stores its counters before it sends them)."""
+
+    epoch: Id
+    series: list[ObjectiveSeries] = Field(default_factory=list, max_length=MAX_OBJECTIVE_SERIES)
+    # The node's objectives in seconds, per class (what `met` and `missed` were measured
+    # against).
+    objectives_s: dict[ServiceClassName, dict[Objective, Seconds]] = Field(default_factory=dict)
+    worker_restarts: Total = 0  # model workers restarted (any cause)
+
+    @model_validator(mode="after")
+    def _unique(self) -> Self:
+        keys = [(s.service_class, s.account) for s in self.series]
+        if len(set(keys)) != len(keys):
+            raise ValueError("a (service_class, account) series appears twice")
+        return self
+
+
 class HeartbeatRequest(Message):
     versions: Versions = Field(default_factory=dict)
     capacity: Capacity = Field(default_factory=Capacity)
+    objectives: Objectives | None = None  # protocol 4
 
 
 class HeartbeatAnswer(Message):
