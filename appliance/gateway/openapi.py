@@ -50,8 +50,14 @@ def build_openapi(routes: Iterable[Route]) -> dict[str, Any]:
             schema = route.body.model_json_schema(
                 ref_template="#/components/schemas/{model}", by_alias=True
             )
-            components.update(schema.pop("$defs", {}))
-            components[route.body.__name__] = schema
+            for name, definition in [
+                *schema.pop("$defs", {}).items(),
+                (route.body.__name__, schema),
+            ]:
+                # Two models of one name would share a component: the document would then
+                # describe one body with the other's schema.
+                if components.setdefault(name, definition) != definition:
+                    raise ValueError(f"two request models are named {name}: rename one")
             op["requestBody"] = {
                 "required": True,
                 "content": {

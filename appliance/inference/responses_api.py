@@ -116,7 +116,7 @@ class FunctionTool(_Body):
     strict: bool | None = None
 
 
-class NamedFunction(_Body):
+class ResponsesNamedFunction(_Body):
     type: Literal["function"]
     name: str = Field(max_length=64)
 
@@ -148,7 +148,7 @@ class ResponsesRequest(_Body):
     stream: bool = False
     store: bool = True
     tools: list[FunctionTool] | None = Field(None, max_length=128)
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
     metadata: dict[str, str] | None = Field(None, max_length=16)
@@ -227,7 +227,7 @@ def chat_request(
             }
             for tool in req.tools
         ]
-    if isinstance(req.tool_choice, NamedFunction):
+    if isinstance(req.tool_choice, ResponsesNamedFunction):
         body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
     elif req.tool_choice is not None:
         body["tool_choice"] = req.tool_choice
@@ -349,7 +349,7 @@ def response_object(
 
 
 def _tool_choice(req: ResponsesRequest) -> Any:
-    if isinstance(req.tool_choice, NamedFunction):
+    if isinstance(req.tool_choice, ResponsesNamedFunction):
         return req.tool_choice.model_dump()
     return req.tool_choice or "auto"
 

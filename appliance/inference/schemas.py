@@ -75,7 +75,31 @@ class ToolCallIn(_Body):
     function: FunctionCallIn
 
 
+# What each role needs, in the JSON Schema too (the validator below says it in words): a
+# generator of schema-valid requests, and a client's, then reach the model.
+_ROLE_RULES: dict[str, Any] = {
+    "allOf": [
+        {
+            "if": {"properties": {"role": {"const": "tool"}}},
+            "then": {
+                "required": ["tool_call_id", "content"],
+                "properties": {"tool_call_id": {"type": "string", "minLength": 1}},
+            },
+        },
+        {
+            "if": {"properties": {"role": {"enum": ["system", "developer", "user", "tool"]}}},
+            "then": {
+                "required": ["content"],
+                "properties": {"content": {"not": {"type": "null"}}, "tool_calls": False},
+            },
+        },
+    ]
+}
+
+
 class ChatMessage(_Body):
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_ROLE_RULES)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = Field(
         None, description="Text, or a list of text parts. Image and audio parts are refused."

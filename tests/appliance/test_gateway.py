@@ -8,10 +8,13 @@ from typing import Any
 
 import jsonschema
 import pytest
+from aiohttp import web
+from pydantic import BaseModel
 from pytest_aiohttp import AiohttpClient
 
 from appliance.app import create_app
 from appliance.gateway.keys import EMBEDDINGS, REGISTRY, STORE
+from appliance.gateway.openapi import Route, build_openapi
 from appliance.gateway.routes import ROUTES
 from appliance.settings import ApplianceSettings
 from appliance.state.store import Store
@@ -588,6 +591,39 @@ async def test_openapi_document_lists_every_route(client: Client) -> None:
     assert doc["openapi"].startswith("3.1")
     for route in ROUTES:
         assert route.method.lower() in doc["paths"][route.path]
+
+
+async def ok_handler(request: web.Request) -> web.Response:
+    return web.json_response({})
+
+
+def test_openapi_refuses_two_request_models_of_one_name() -> None:
+    """Components are keyed by model name: two models of one name would make the document
+    describe one body with the other's schema (the Responses API's named tool choice once
+    replaced the chat one's, so every schema-valid chat request with one was refused)."""
+
+    class Inner(BaseModel):
+        a: int
+
+    class First(BaseModel):
+        inner: Inner
+
+    inner_first = Inner
+
+    class Inner(BaseModel):  # type: ignore[no-redef]
+        b: str
+
+    class Second(BaseModel):
+        inner: Inner
+
+    assert inner_first is not Inner
+    routes = [
+        Route("POST", "/one", ok_handler, "one", auth=True, body=First),
+        Route("POST", "/two", ok_handler, "two", auth=True, body=Second),
+    ]
+    with pytest.raises(ValueError, match="two request models are named Inner"):
+        build_openapi(routes)
+    build_openapi(ROUTES)  # the served document has no such pair
 
 
 async def test_queue_full_is_429_with_retry_after(
