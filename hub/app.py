@@ -27,6 +27,7 @@ from hub.keys import (
     IDENTITY,
     LEARNING,
     LOOPS,
+    NODE_LOGS,
     RUNNING,
     SETTINGS,
     STORE,
@@ -34,6 +35,7 @@ from hub.keys import (
     TRACING,
 )
 from hub.loops import Running, running
+from hub.nodelogs import NodeLogs
 from hub.offload import Forwarder
 from hub.reconciler import reconcile_forever
 from hub.state.store import AsyncHubStore
@@ -68,6 +70,7 @@ def create_app(settings: HubSettings) -> web.Application:
     app.cleanup_ctx.append(_heartbeats)
     app.cleanup_ctx.append(_tracing)
     app.cleanup_ctx.append(_forwarder)
+    app.cleanup_ctx.append(_node_logs)
     app.cleanup_ctx.append(_pki)
     app.cleanup_ctx.append(_placement)
     if settings.overlay.interface is not None:
@@ -147,6 +150,15 @@ async def _forwarder(app: web.Application) -> AsyncIterator[None]:
     app[FORWARDER] = forwarder
     yield
     await forwarder.close()
+
+
+async def _node_logs(app: web.Application) -> AsyncIterator[None]:
+    """The client session nodes' logs are read with, with the hub's current certificate."""
+    hub_tls = app[TLS]
+    reader = NodeLogs(lambda: hub_tls.client)
+    app[NODE_LOGS] = reader
+    yield
+    await reader.close()
 
 
 async def _pki(app: web.Application) -> AsyncIterator[None]:

@@ -514,7 +514,8 @@ class DesiredState(Message):
 
 # -- node logs (the hub reads them on the node's fleet listener) ---------------------------
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+LOG_LEVELS: tuple[LogLevel, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_LOG_MESSAGE = 10_000  # characters: a message with its traceback, cut before this
 MAX_LOG_RECORDS = 1000  # records in one answer (`limit`)
 
@@ -525,7 +526,7 @@ class LogRecord(Message):
 
     seq: int = Field(ge=1)
     time: Seconds
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+    level: LogLevel
     logger: Short
     message: Annotated[str, StringConstraints(max_length=MAX_LOG_MESSAGE), Clean]
 

@@ -3,7 +3,6 @@ certificate: the middleware checks it, no API key): the node's recent log record
 
 from __future__ import annotations
 
-
 from aiohttp import web
 
 from appliance.gateway.keys import LOGS
@@ -24,14 +23,17 @@ def _number(request: web.Request, name: str, default: float, low: float, high: f
         value = None
     if value is None or not low <= value <= high:
         raise ApiError(
-            ErrorCode.invalid_value, f"`{name}` must be a number from {low:g} to {high:g}", param=name
+            ErrorCode.invalid_value,
+            f"`{name}` must be a number from {low:g} to {high:g}",
+            param=name,
         )
     return value
 
 
 async def node_logs(request: web.Request) -> web.Response:
     """`?after=SEQ&limit=N&level=NAME&wait=S`: the records after SEQ, at NAME or above;
-    with `wait`, answered as soon as there is one (a long poll), or empty after S."""
+    with `wait`, answered as soon as there is one (a long poll), or empty after S;
+    `tail=1`: the last N of them, at once."""
     after = int(_number(request, "after", 0, 0, 2**53))
     limit = int(_number(request, "limit", 100, 1, logs.MAX_LIMIT))
     wait = _number(request, "wait", 0, 0, logs.MAX_WAIT_S)
@@ -43,8 +45,13 @@ async def node_logs(request: web.Request) -> web.Response:
             f"`level` is one of {', '.join(n.lower() for n in logs.LEVELS)}",
             param="level",
         )
+    tail = request.query.get("tail", "0")
+    if tail not in {"0", "1"}:
+        raise ApiError(ErrorCode.invalid_value, "`tail` is 1 or 0", param="tail")
     ring = request.app[LOGS]
-    if wait > 0:
+    if tail == "1":
+        found = ring.read(after, limit, level, tail=True)
+    elif wait > 0:
         found = await ring.wait(after, wait, limit, level)
     else:
         found = ring.read(after, limit, level)
@@ -55,5 +62,3 @@ async def node_logs(request: web.Request) -> web.Response:
         missed=found.missed,
     )
     return web.json_response(text=answer.model_dump_json())
-
-

@@ -12,6 +12,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from opentelemetry.trace import SpanKind
 
+from appliance.gateway.fleet import FLEET_PREFIX
 from appliance.gateway.keys import (
     ADMISSION,
     CERTIFICATE,
@@ -21,7 +22,6 @@ from appliance.gateway.keys import (
     STORE,
     TRACING,
 )
-from appliance.gateway.fleet import FLEET_PREFIX
 from appliance.gateway.offload import OFFLOADED_PREFIX
 from appliance.inference.authentication import authenticate as authenticate_key
 from shared import tls

@@ -32,6 +32,7 @@ MAX_LIMIT = protocol.MAX_LOG_RECORDS  # records one answer carries
 MAX_WAIT_S = 30.0  # a long poll's longest wait
 OVERHEAD = 96  # bytes counted for a record besides its text (its JSON keys and numbers)
 LEVELS = protocol.LOG_LEVELS
+LEVEL_NUMBERS: dict[str, int] = {name: logging.getLevelNamesMapping()[name] for name in LEVELS}
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,14 @@ class Kept:
         return OVERHEAD + len(self.logger) + len(self.message.encode())
 
     def record(self) -> protocol.LogRecord:
-        level = self.level if self.level in LEVELS else "INFO"  # a custom level's name
+        # A custom level's name is none of the protocol's: the standard one below it.
+        level: protocol.LogLevel = "DEBUG"
+        for name in LEVELS:
+            if self.levelno >= LEVEL_NUMBERS[name]:
+                level = name
         return protocol.LogRecord(
             seq=self.seq, time=self.time, level=level, logger=self.logger, message=self.message
-        )  # type: ignore[arg-type]
+        )
 
 
 @dataclass(frozen=True)
@@ -126,11 +131,14 @@ class LogRing(logging.Handler):
         limit: int = 100,
         level: int = logging.DEBUG,
         max_bytes: int = MAX_ANSWER_BYTES,
+        *,
+        tail: bool = False,
     ) -> Read:
         """Up to ``limit`` records after seq ``after`` at ``level`` or above, at most
-        ``max_bytes`` of them (at least one, whatever its size). An ``after`` beyond the
-        last seq is of an earlier run of the process (numbers start again at 1): read
-        from the start."""
+        ``max_bytes`` of them (at least one, whatever its size): the first ones, or with
+        ``tail`` the last ones (oldest first either way). An ``after`` beyond the last
+        seq is of an earlier run of the process (numbers start again at 1): read from
+        the start."""
         with self._guard:
             last = self._seq
             if after > last:
@@ -139,6 +147,15 @@ class LogRing(logging.Handler):
             oldest = self._kept[0].seq if self._kept else 0
         records: list[Kept] = []
         size = 0
+        missed = max(0, oldest - after - 1) if oldest else 0
+        if tail:
+            for entry in reversed(kept):
+                if entry.levelno >= level:
+                    if len(records) == limit or (records and size + entry.size > max_bytes):
+                        break
+                    records.append(entry)
+                    size += entry.size
+            return Read(records[::-1], kept[-1].seq if kept else after, oldest, missed)
         next_after = after
         for entry in kept:
             if entry.levelno >= level:
@@ -147,7 +164,6 @@ class LogRing(logging.Handler):
                 records.append(entry)
                 size += entry.size
             next_after = entry.seq
-        missed = max(0, oldest - after - 1) if oldest else 0
         return Read(records, next_after, oldest, missed)
 
     async def wait(
@@ -191,4 +207,4 @@ def ring() -> LogRing:
 def level_number(name: str) -> int | None:
     """A level by its name (any case), None for one that is not a level."""
     upper = name.strip().upper()
-    return logging.getLevelNamesMapping()[upper] if upper in LEVELS else None
+    return LEVEL_NUMBERS.get(upper)

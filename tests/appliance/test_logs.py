@@ -40,6 +40,10 @@ def test_the_ring_keeps_the_last_records_by_count_and_by_bytes_numbered() -> Non
     assert [r.seq for r in found.records] == list(range(16, 26))
     assert [r.message for r in found.records] == [f"line {n}" for n in range(15, 25)]
     assert (found.oldest, found.next_after, found.missed) == (16, 25, 15)
+    tail = ring.read(0, limit=3, tail=True)
+    assert [r.seq for r in tail.records] == [23, 24, 25]
+    assert tail.next_after == 25
+    assert [r.seq for r in ring.read(23, limit=5, tail=True).records] == [24, 25]
     assert ring.read(25).records == []
     assert ring.read(25).next_after == 25
     # By bytes: records of 10 KB each, a ring of 50 KB keeps fewer than 5.
@@ -61,28 +65,35 @@ def test_tracebacks_are_kept_cut_to_size_and_levels_filter() -> None:
     log = _logger(ring, "kvl.test.levels")
     log.debug("quiet")
     try:
-        raise ValueError("boom " + "y" * 20_000)
+        int("boom")
     except ValueError:
-        log.exception("it failed")
+        log.exception("it failed %s", "y" * 20_000)
     log.info("after")
     log.warning("bad \x00 \udcff bytes")
     records = ring.read(0).records
     failed = records[1]
     assert failed.level == "ERROR"
-    assert failed.message.startswith("it failed\nTraceback (most recent call last)")
-    assert "ValueError: boom" in failed.message
-    assert len(failed.message) < protocol.MAX_LOG_MESSAGE
+    assert failed.message.startswith("it failed yyy")
     assert failed.message.endswith("characters cut]")
+    # A shorter message keeps its traceback whole.
+    try:
+        int("boom")
+    except ValueError:
+        log.exception("it failed again")
+    again = ring.read(4).records[0]
+    assert again.message.startswith("it failed again\nTraceback (most recent call last)")
+    assert again.message.endswith("ValueError: invalid literal for int() with base 10: 'boom'")
+    assert len(failed.message) < protocol.MAX_LOG_MESSAGE
     warned = ring.read(0, level=logging.WARNING)
-    assert [r.level for r in warned.records] == ["ERROR", "WARNING"]
-    assert warned.next_after == 4
+    assert [r.level for r in warned.records] == ["ERROR", "WARNING", "ERROR"]
+    assert warned.next_after == 5
     # Every record fits the protocol (no NUL, no lone surrogate, cut to size).
     answer = protocol.LogsAnswer(
         records=[r.record() for r in records], next_after=4, oldest=1, missed=0
     )
     assert protocol.LogsAnswer.model_validate_json(answer.model_dump_json()) == answer
     # A seq beyond the last one is of an earlier run of the process: from the start.
-    assert [r.seq for r in ring.read(1000).records] == [1, 2, 3, 4]
+    assert [r.seq for r in ring.read(1000).records] == [1, 2, 3, 4, 5]
     assert logs.level_number("warning") == logging.WARNING
     assert logs.level_number("loud") is None
 
@@ -106,7 +117,9 @@ async def test_a_long_poll_answers_as_soon_as_a_record_at_its_level_comes() -> N
     assert empty.records == []
 
 
-async def test_only_the_hub_reads_a_nodes_logs(aiohttp_client: AiohttpClient, tmp_path: Path) -> None:
+async def test_only_the_hub_reads_a_nodes_logs(
+    aiohttp_client: AiohttpClient, tmp_path: Path
+) -> None:
     settings = make_settings(
         tmp_path / "data", model={"default": "absent-model"}, embeddings={"enabled": False}
     )

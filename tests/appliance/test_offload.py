@@ -14,7 +14,6 @@ import pytest
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -293,9 +292,7 @@ async def test_an_offloaded_request_is_one_trace_through_both_nodes_and_the_hub(
     async def traces(request: web.Request) -> web.Response:
         export = ExportTraceServiceRequest.FromString(await request.read())
         for resource_spans in export.resource_spans:
-            resource = {
-                a.key: a.value.string_value for a in resource_spans.resource.attributes
-            }
+            resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
             for scope in resource_spans.scope_spans:
                 received.extend((resource, span) for span in scope.spans)
         body = ExportTraceServiceResponse().SerializeToString()
@@ -316,7 +313,7 @@ async def test_an_offloaded_request_is_one_trace_through_both_nodes_and_the_hub(
         aiohttp_server, tmp_path, default_model, hub, hub_server.port, name="node-a",
         sections=traced,
     )  # fmt: skip
-    b, b_url, _ = await _appliance(
+    b, _, _ = await _appliance(
         aiohttp_server, tmp_path, default_model, hub, hub_server.port, name="node-b",
         sections=traced,
     )  # fmt: skip
