@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 import aiohttp
 from pydantic import ValidationError
 
+from hub.certificates import Authority
 from hub.planning.health import NodeStatus, node_status
-from shared import jsonlimits, protocol
+from shared import jsonlimits, protocol, tls
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
@@ -84,6 +85,19 @@ def reachable_url(node: Node, settings: HubSettings, now: float) -> str:
     return url
 
 
+def hub_client_context(settings: HubSettings) -> ssl.SSLContext:
+    """The hub's client context from its files as they are, for a command on the hub's
+    machine: nothing issued (a command run with other names in its settings than the
+    hub's must not issue the hub's certificate again)."""
+    certificate = settings.pki_dir / "server.crt", settings.pki_dir / "server.key"
+    if not all(path.is_file() for path in certificate):
+        raise ApiError(
+            ErrorCode.node_unreachable,
+            f"the hub has no certificate in {settings.pki_dir} yet: `kvl hub serve` makes it",
+        )
+    return tls.client_context(Authority(settings).phase().bundle, certificate)
+
+
 class NodeLogs:
     """One client session for every read, with the hub's client certificate (``client``
     gives the current context: it follows a CA rotation)."""
@@ -96,9 +110,11 @@ class NodeLogs:
         if self._session is not None:
             await self._session.close()
 
-    async def read(self, node: Node, url: str, query: LogQuery) -> protocol.LogsAnswer:
+    async def read(
+        self, node: Node, url: str, query: LogQuery, *, call_s: float = CALL_S
+    ) -> protocol.LogsAnswer:
         """One call (a long poll with ``query.wait_s``); 503 `node_unreachable` when the
-        node does not answer, or not as it should, within its time."""
+        node does not answer, or not as it should, within ``call_s`` beyond its wait."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
         params = {
@@ -108,7 +124,7 @@ class NodeLogs:
             "wait": f"{min(query.wait_s, MAX_WAIT_S):g}",
             "tail": "1" if query.tail else "0",
         }
-        timeout = aiohttp.ClientTimeout(total=min(query.wait_s, MAX_WAIT_S) + CALL_S)
+        timeout = aiohttp.ClientTimeout(total=min(query.wait_s, MAX_WAIT_S) + call_s)
         try:
             async with self._session.get(
                 f"{url}/v1/fleet/logs", params=params, ssl=self._client(), timeout=timeout

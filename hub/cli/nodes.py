@@ -103,8 +103,7 @@ def nodes_logs(  # click passes every option by name
 ) -> None:
     """Print a node's recent log records (by id or name), read through the tunnel on its
     fleet listener with the hub's certificate; --follow goes on until Ctrl-C."""
-    from hub.certificates import Authority  # noqa: PLC0415
-    from hub.nodelogs import LogQuery, NodeLogs, reachable_url  # noqa: PLC0415
+    from hub.nodelogs import LogQuery, NodeLogs, hub_client_context, reachable_url  # noqa: PLC0415
     from shared.errors import ApiError  # noqa: PLC0415
 
     settings = hub_settings(config_file, data_dir)
@@ -113,7 +112,7 @@ def nodes_logs(  # click passes every option by name
     query = LogQuery(limit=lines, level=level.upper(), tail=True)
 
     async def show() -> None:
-        context = Authority(settings).client_context()
+        context = hub_client_context(settings)
         reader = NodeLogs(lambda: context)
         nonlocal query
         try:
