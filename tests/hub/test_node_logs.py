@@ -207,5 +207,3 @@ async def test_the_operator_reads_and_follows_a_nodes_logs_through_the_hub(
     as_json = await asyncio.to_thread(cli, "--json", "--lines", "1")
     (last,) = [json.loads(x) for x in as_json.splitlines()]
     assert last["message"] == later
-
-
