@@ -94,6 +94,12 @@ class LogRing(logging.Handler):
     def last(self) -> int:
         return self._seq
 
+    @property
+    def waiting(self) -> int:
+        """Long polls waiting for a record now."""
+        with self._guard:
+            return len(self._waiters)
+
     def emit(self, record: logging.LogRecord) -> None:
         try:
             message = record.getMessage()

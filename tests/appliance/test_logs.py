@@ -14,6 +14,7 @@ from appliance.observability.logs import LogRing
 from appliance.state.store import Store
 from shared import protocol
 from tests.conftest import make_settings
+from tests.waiting import until
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -103,16 +104,17 @@ async def test_a_long_poll_answers_as_soon_as_a_record_at_its_level_comes() -> N
     log = _logger(ring, "kvl.test.wait")
     log.info("old")
     waiting = asyncio.create_task(ring.wait(1, 20, level=logging.WARNING))
-    await asyncio.sleep(0)
+    await until(lambda: ring.waiting == 1, "the poll to wait")
     log.info("below the level: still waiting")
-    for _ in range(3):
-        await asyncio.sleep(0)
+    await asyncio.sleep(0)  # (one turn of the loop: the poll sees the record and waits on)
     assert not waiting.done()
+    assert ring.waiting == 1
     # From another thread, as a worker thread logs.
     await asyncio.to_thread(log.warning, "the one")
     found = await asyncio.wait_for(waiting, 5)
     assert [r.message for r in found.records] == ["the one"]
     assert found.next_after == 3
+    assert ring.waiting == 0
     empty = await ring.wait(3, 0.05)
     assert empty.records == []
 

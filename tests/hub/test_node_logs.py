@@ -17,14 +17,18 @@ import aiohttp
 import pytest
 from click.testing import CliRunner
 
+from appliance.app import FLEET
+from appliance.gateway.keys import CERTIFICATE, LOGS
 from hub.app import create_app
 from hub.identity import ssl_context
+from hub.nodelogs import hub_client_context
 from hub.state.store import Heartbeat, open_store
-from shared import protocol
+from shared import protocol, tls
 from shared.cli import main
 from tests.appliance.fleet_nodes import join
 from tests.hub.test_console import add_user, open_console
 from tests.hub.test_hub import PREFIX, new_key, settings_for
+from tests.waiting import until
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -120,7 +124,7 @@ async def test_the_operator_reads_and_follows_a_nodes_logs_through_the_hub(
     hub = settings_for(tmp_path, {})
     hub_server = await aiohttp_server(create_app(hub), ssl=ssl_context(hub))
     assert hub_server.port is not None
-    await join(
+    node = await join(
         aiohttp_server, tmp_path, default_model, hub, hub_server.port, name="node-a",
         model={"n_ctx": 512, "n_threads": 1},
     )  # fmt: skip
@@ -181,6 +185,37 @@ async def test_the_operator_reads_and_follows_a_nodes_logs_through_the_hub(
         assert data.startswith(b"data: {")
         events.close()
 
+    # The node's own route: the hub's certificate only, and its query checked there too.
+    listener = f"https://127.0.0.1:{node.app[FLEET].fleet_port}/v1/fleet/logs"
+    trust = node.app[CERTIFICATE].trust()
+    assert trust is not None
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(aiohttp.ClientError):  # no certificate: no handshake
+            await session.get(listener, ssl=tls.client_context(trust))
+        as_node = tls.client_context(trust, node.app[CERTIFICATE].files)
+        impostor = await session.get(listener, ssl=as_node)
+        assert impostor.status == 403
+        assert (await impostor.json())["error"]["code"] == "certificate_mismatch"
+        as_hub = hub_client_context(hub)
+        for bad in ("limit=1001", "after=x", "level=loud", "wait=31", "tail=2"):
+            refused = await session.get(f"{listener}?{bad}", ssl=as_hub)
+            assert refused.status == 400, bad
+            assert (await refused.json())["error"]["param"] == bad.split("=")[0]
+        # A long poll answers as soon as a record after `after` comes.
+        last = protocol.LogsAnswer.model_validate_json(
+            await (await session.get(f"{listener}?tail=1&limit=1", ssl=as_hub)).read()
+        ).next_after
+        polling = asyncio.ensure_future(
+            session.get(f"{listener}?after={last}&wait=30&level=error", ssl=as_hub)
+        )
+        await until(lambda: node.app[LOGS].waiting == 1, "the long poll to wait on the node")
+        assert not polling.done()
+        logging.getLogger("kvl.test.node").error("wake up")
+        woken = protocol.LogsAnswer.model_validate_json(
+            await (await asyncio.wait_for(polling, 10)).read()
+        )
+        assert [r.message for r in woken.records] == ["wake up"]
+
     # The console's node page: the last records, at the level asked for.
     add_user(hub)
     async with open_console(hub_server, hub) as console:
@@ -205,5 +240,5 @@ async def test_the_operator_reads_and_follows_a_nodes_logs_through_the_hub(
     assert later in printed
     assert " WARNING  kvl.test.node: " in printed
     as_json = await asyncio.to_thread(cli, "--json", "--lines", "1")
-    (last,) = [json.loads(x) for x in as_json.splitlines()]
-    assert last["message"] == later
+    (newest,) = [json.loads(x) for x in as_json.splitlines()]
+    assert newest["message"] == "wake up"
