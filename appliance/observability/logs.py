@@ -78,6 +78,18 @@ def truncate(text: str, limit: int = MAX_MESSAGE) -> str:
     return f"{text[:limit]}… [{cut} characters cut]"
 
 
+def with_traceback(message: str, trace: str, limit: int = MAX_MESSAGE) -> str:
+    """The message and its traceback within about ``limit``: a long one keeps the head of
+    the message and the end of the traceback (the exception and the frames nearest it)."""
+    if len(message) + 1 + len(trace) <= limit:
+        return f"{message}\n{trace}"
+    head = truncate(message, limit // 4)
+    room = max(limit - len(head) - 1, 0)
+    if len(trace) <= room:
+        return f"{head}\n{trace}"
+    return f"{head}\n[{len(trace) - room} characters cut] …{trace[-room:]}"
+
+
 class LogRing(logging.Handler):
     def __init__(self, max_records: int = MAX_RECORDS, max_bytes: int = MAX_BYTES) -> None:
         super().__init__(logging.DEBUG)
@@ -91,10 +103,6 @@ class LogRing(logging.Handler):
         self._formatter = logging.Formatter()
 
     @property
-    def last(self) -> int:
-        return self._seq
-
-    @property
     def waiting(self) -> int:
         """Long polls waiting for a record now."""
         with self._guard:
@@ -103,12 +111,15 @@ class LogRing(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             message = record.getMessage()
+            trace = ""
             if record.exc_info:
-                message = f"{message}\n{self._formatter.formatException(record.exc_info)}"
+                trace = self._formatter.formatException(record.exc_info)
             elif record.exc_text:
-                message = f"{message}\n{record.exc_text}"
+                trace = record.exc_text
             if record.stack_info:
-                message = f"{message}\n{record.stack_info}"
+                trace = f"{trace}\n{record.stack_info}" if trace else record.stack_info
+            if trace:
+                message = with_traceback(message, trace)
         except Exception:  # noqa: BLE001 - a bad format string is logging's to report
             self.handleError(record)
             return
@@ -120,7 +131,7 @@ class LogRing(logging.Handler):
                 record.levelname,
                 record.levelno,
                 truncate(record.name, 160),
-                truncate(message),
+                truncate(message, MAX_MESSAGE + 64),  # (with_traceback's notes)
             )
             self._kept.append(kept)
             self._bytes += kept.size

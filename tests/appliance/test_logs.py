@@ -74,8 +74,10 @@ def test_tracebacks_are_kept_cut_to_size_and_levels_filter() -> None:
     records = ring.read(0).records
     failed = records[1]
     assert failed.level == "ERROR"
+    # A long message is cut; its traceback's end is kept: the exception, the frames near it.
     assert failed.message.startswith("it failed yyy")
-    assert failed.message.endswith("characters cut]")
+    assert "characters cut]" in failed.message
+    assert failed.message.endswith("ValueError: invalid literal for int() with base 10: 'boom'")
     # A shorter message keeps its traceback whole.
     try:
         int("boom")
@@ -95,6 +97,11 @@ def test_tracebacks_are_kept_cut_to_size_and_levels_filter() -> None:
     assert protocol.LogsAnswer.model_validate_json(answer.model_dump_json()) == answer
     # A seq beyond the last one is of an earlier run of the process: from the start.
     assert [r.seq for r in ring.read(1000).records] == [1, 2, 3, 4, 5]
+    # A traceback itself too long: its end is what is kept.
+    deep = logs.with_traceback("failed", "frame\n" * 5000 + "KeyError: 'x'")
+    assert len(deep) <= logs.MAX_MESSAGE + 64
+    assert deep.startswith("failed\n[")
+    assert deep.endswith("frame\nKeyError: 'x'")
     assert logs.level_number("warning") == logging.WARNING
     assert logs.level_number("loud") is None
 
