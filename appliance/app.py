@@ -19,6 +19,7 @@ from appliance.gateway.keys import (
     CERTIFICATE,
     COMPLETIONS,
     EMBEDDINGS,
+    LOGS,
     METRICS,
     NAMES,
     NODE_ID,
@@ -43,6 +44,7 @@ from appliance.inference.names import ModelNames
 from appliance.inference.responses_api import ResponsesService
 from appliance.inference.speech import SpeechService
 from appliance.jobs.service import JobService
+from appliance.observability import logs
 from appliance.observability.metrics import Metrics
 from appliance.observability.tracing import Tracing
 from appliance.packages.cache import PackageCache
@@ -71,6 +73,7 @@ def create_app(settings: ApplianceSettings) -> web.Application:
     app[SETTINGS] = settings
     app.on_response_prepare.append(cors.add_headers)
     app[METRICS] = Metrics(objectives=settings.classes.objective_seconds())
+    app[LOGS] = logs.ring()  # the hub reads the node's recent records (GET /v1/fleet/logs)
     app[CERTIFICATE] = NodeCertificate(settings.fleet_dir)
     app[NAMES] = ModelNames(
         aliases=settings.model.aliases,

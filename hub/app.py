@@ -27,16 +27,21 @@ from hub.keys import (
     IDENTITY,
     LEARNING,
     LOOPS,
+    NODE_LOGS,
     RUNNING,
     SETTINGS,
     STORE,
     TLS,
+    TRACING,
 )
 from hub.loops import Running, running
+from hub.nodelogs import NodeLogs
 from hub.offload import Forwarder
 from hub.reconciler import reconcile_forever
 from hub.state.store import AsyncHubStore
+from shared import __version__
 from shared.supervise import Failures
+from shared.tracing import Tracing
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -63,7 +68,9 @@ def create_app(settings: HubSettings) -> web.Application:
     app[LEARNING] = Learning(time.time(), settings.quota.lease_s)
     app.cleanup_ctx.append(_store)
     app.cleanup_ctx.append(_heartbeats)
+    app.cleanup_ctx.append(_tracing)
     app.cleanup_ctx.append(_forwarder)
+    app.cleanup_ctx.append(_node_logs)
     app.cleanup_ctx.append(_pki)
     app.cleanup_ctx.append(_placement)
     if settings.overlay.interface is not None:
@@ -123,12 +130,35 @@ async def _heartbeats(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
+async def _tracing(app: web.Application) -> AsyncIterator[None]:
+    """Spans of the hub's hop of an offloaded request, to `tracing.otlp_endpoint`."""
+    t = app[SETTINGS].tracing
+    tracing = Tracing.otlp(
+        t.otlp_endpoint,
+        service=t.service_name,
+        attributes={"service.version": __version__},
+        sample_ratio=t.sample_ratio,
+    )
+    app[TRACING] = tracing
+    yield
+    tracing.shutdown()
+
+
 async def _forwarder(app: web.Application) -> AsyncIterator[None]:
     """The client session burst offload forwards requests with."""
-    forwarder = Forwarder(app[TLS])
+    forwarder = Forwarder(app[TLS], app[TRACING])
     app[FORWARDER] = forwarder
     yield
     await forwarder.close()
+
+
+async def _node_logs(app: web.Application) -> AsyncIterator[None]:
+    """The client session nodes' logs are read with, with the hub's current certificate."""
+    hub_tls = app[TLS]
+    reader = NodeLogs(lambda: hub_tls.client)
+    app[NODE_LOGS] = reader
+    yield
+    await reader.close()
 
 
 async def _pki(app: web.Application) -> AsyncIterator[None]:

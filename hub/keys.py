@@ -10,16 +10,22 @@ from hub.certificates import HubTls
 from hub.fleet.heartbeats import Heartbeats
 from hub.fleet.learning import Learning
 from hub.loops import Running
+from hub.nodelogs import NodeLogs
 from hub.offload import Forwarder
 from hub.settings import HubSettings
 from hub.state.store import AsyncHubStore, Node
 from shared.supervise import Failures
+from shared.tracing import Tracing
 
 SETTINGS = web.AppKey("hub_settings", HubSettings)
 STORE = web.AppKey("hub_store", AsyncHubStore)
 BEATS = web.AppKey("hub_heartbeats", Heartbeats)
 LEARNING = web.AppKey("hub_learning", Learning)
 FORWARDER = web.AppKey("hub_forwarder", Forwarder)
+# Reads of nodes' recent log records, on their fleet listeners (hub/nodelogs.py).
+NODE_LOGS = web.AppKey("hub_node_logs", NodeLogs)
+# OpenTelemetry spans of the hub's hops (shared/tracing.py); no-op unless `tracing:` is set.
+TRACING = web.AppKey("hub_tracing", Tracing)
 # The hub's CA, certificates and TLS contexts (hub/certificates.py).
 TLS = web.AppKey("hub_tls", HubTls)
 # The hub's public WireGuard key and its overlay address (hub/identity.py).

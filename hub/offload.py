@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
+from opentelemetry.trace import SpanKind
 
 from hub.planning.offload import NodeLoad, candidates
 from shared import protocol
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
     from hub.certificates import HubTls
     from hub.state.store import Node
+    from shared.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +64,9 @@ class Forwarder:
     overlay address, which is its alone), and the hub presents its own certificate,
     which the node's fleet listener requires."""
 
-    def __init__(self, hub_tls: HubTls) -> None:
+    def __init__(self, hub_tls: HubTls, tracing: Tracing) -> None:
         self._tls = hub_tls
+        self._tracing = tracing
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=300)
         )
@@ -86,7 +89,41 @@ class Forwarder:
         serves: Callable[[Node], Awaitable[bool]],
     ) -> web.StreamResponse:
         """``serves(node)``: whether the node holds the client's account (a node
-        dedicated to another tenant does not: it would only refuse the key)."""
+        dedicated to another tenant does not: it would only refuse the key). The hub's
+        hop is one span (`hub.offload`), the child of the origin's offload span; the
+        serving node's spans are its children."""
+        with self._tracing.span(
+            "hub.offload",
+            {"kvl.model": model, "kvl.origin": origin.name, "kvl.route": route},
+            kind=SpanKind.SERVER,
+            parent=request.headers,
+        ) as span:
+            try:
+                response, served_by = await self._forward(
+                    request, route, body, nodes, origin=origin, client_key=client_key,
+                    model=model, now=now, stale_after_s=stale_after_s, serves=serves,
+                )  # fmt: skip
+            except ApiError as err:
+                span.set_attribute("error.type", err.code.value)
+                raise
+            span.set_attribute("kvl.served_by", served_by)
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+
+    async def _forward(
+        self,
+        request: web.Request,
+        route: str,
+        body: bytes,
+        nodes: list[Node],
+        *,
+        origin: Node,
+        client_key: str,
+        model: str,
+        now: float,
+        stale_after_s: float,
+        serves: Callable[[Node], Awaitable[bool]],
+    ) -> tuple[web.StreamResponse, str]:
         by_id = {n.id: n for n in nodes}
         loads = [load_of(n) for n in nodes]
         ranked = candidates(
@@ -108,7 +145,7 @@ class Forwarder:
             tried.append(target.name)
             answer = await self._try(request, route, body, target, origin, client_key=client_key)
             if answer is not None:
-                return answer
+                return answer, target.name
         why = (
             f"no other node of the fleet has room for {model} (tried {', '.join(tried)})"
             if tried
@@ -133,10 +170,9 @@ class Forwarder:
             protocol.ORIGIN_HEADER: origin.name,
             protocol.OFFLOADED_HEADER: "1",
         }
-        # One offloaded request is one trace: the origin's W3C headers go on to the target.
-        for name in protocol.TRACE_HEADERS:
-            if (value := request.headers.get(name)) is not None:
-                headers[name] = value
+        # One offloaded request is one trace: the hub's span (or, tracing off here, the
+        # origin's W3C headers as they came) goes on to the target as its parent.
+        self._tracing.inject(headers, request.headers)
         url = f"{target.api_url}/v1/offloaded/{route}"
         try:
             upstream = await self._session.post(

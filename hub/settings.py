@@ -217,6 +217,28 @@ class ConsoleSettings(BaseModel):
     )
 
 
+class TracingSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    otlp_endpoint: str | None = Field(
+        None,
+        min_length=1,
+        max_length=2000,
+        pattern=r"^https?://",
+        description=(
+            "OTLP/HTTP traces endpoint (`http://collector:4318/v1/traces`); when set, the "
+            "hub's hop of each offloaded request is an OpenTelemetry span of the client's "
+            "trace (`hub.offload`). Unset: no tracing."
+        ),
+    )
+    service_name: str = Field(
+        "kovenlab-hub", min_length=1, max_length=200, description="`service.name`."
+    )
+    sample_ratio: float = Field(
+        1.0, ge=0.0, le=1.0, description="Share of requests traced (parent-based sampling)."
+    )
+
+
 class HubSettings(BaseSettings):
     # Its own prefix, so an appliance and a hub on one machine never read each other's settings.
     model_config = SettingsConfigDict(extra="forbid", env_prefix="KVL_HUB_")
@@ -247,6 +269,9 @@ class HubSettings(BaseSettings):
     )
     console: ConsoleSettings = Field(
         default_factory=ConsoleSettings, description="The web console (/console/)."
+    )
+    tracing: TracingSettings = Field(
+        default_factory=TracingSettings, description="OpenTelemetry tracing (OTLP/HTTP)."
     )
 
     @field_validator("data_dir")

@@ -48,6 +48,8 @@ class ErrorCode(StrEnum):
     certificate_name_refused = "certificate_name_refused"
     certificate_name_taken = "certificate_name_taken"
     foreign_lease = "foreign_lease"
+    node_offline = "node_offline"
+    node_unreachable = "node_unreachable"
     not_found = "not_found"
     model_not_found = "model_not_found"
     job_not_found = "job_not_found"
@@ -172,6 +174,16 @@ _KINDS: dict[ErrorCode, _Kind] = {
     ),
     ErrorCode.foreign_lease: _Kind(
         403, "permission_error", "hub: a node reported a lease granted to another node"
+    ),
+    ErrorCode.node_offline: _Kind(
+        409,
+        "conflict_error",
+        "hub: the node cannot be asked now (offline, revoked, or without a fleet listener)",
+    ),
+    ErrorCode.node_unreachable: _Kind(
+        503,
+        "server_error",
+        "hub: the node did not answer through the tunnel in time, or not as it should",
     ),
     ErrorCode.not_found: _Kind(404, "not_found_error", "no such route"),
     # OpenAI's type for an unknown model (its SDKs read `code`; some clients read `type`).

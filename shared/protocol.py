@@ -512,6 +512,37 @@ class DesiredState(Message):
     packages: list[SeededPackage] = Field(default_factory=list)
 
 
+# -- node logs (the hub reads them on the node's fleet listener) ---------------------------
+
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+LOG_LEVELS: tuple[LogLevel, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MAX_LOG_MESSAGE = 10_000  # characters: a message with its traceback, cut before this
+MAX_LOG_RECORDS = 1000  # records in one answer (`limit`)
+
+
+class LogRecord(Message):
+    """One record of a node's log, numbered by the node (`seq`, from 1 in each run of its
+    process)."""
+
+    seq: int = Field(ge=1)
+    time: Seconds
+    level: LogLevel
+    logger: Short
+    message: Annotated[str, StringConstraints(max_length=MAX_LOG_MESSAGE), Clean]
+
+
+class LogsAnswer(Message):
+    """`GET /v1/fleet/logs` on a node: records after `after`, oldest first. `next_after`
+    is what to ask after next (past records the level filter skipped); `oldest` the
+    oldest seq the node still holds (0: none); `missed` how many after `after` it no
+    longer held (its ring is bounded)."""
+
+    records: list[LogRecord] = Field(max_length=MAX_LOG_RECORDS)
+    next_after: int = Field(ge=0)
+    oldest: int = Field(ge=0)
+    missed: int = Field(ge=0)
+
+
 # Every message of the protocol, by name: the schema snapshot and the hub's OpenAPI
 # document are made from this list.
 MESSAGES: tuple[type[Message], ...] = (
@@ -527,6 +558,7 @@ MESSAGES: tuple[type[Message], ...] = (
     LeaseRequest,
     LeaseAnswer,
     DesiredState,
+    LogsAnswer,
 )
 
 

@@ -10,6 +10,7 @@ from appliance.inference.admission import AdmissionControl
 from appliance.inference.completions import CompletionService
 from appliance.inference.embeddings import EmbeddingService
 from appliance.inference.names import ModelNames
+from appliance.observability.logs import LogRing
 from appliance.observability.metrics import Metrics
 from appliance.observability.tracing import Tracing
 from appliance.serving.registry import ModelRegistry
@@ -25,6 +26,8 @@ ADMISSION = web.AppKey("admission", AdmissionControl)
 EMBEDDINGS = web.AppKey("embeddings", EmbeddingService)
 NODE_ID = web.AppKey("node_id", str)
 TRACING = web.AppKey("tracing", Tracing)
+# The process's recent log records, served to the hub (appliance/observability/logs.py).
+LOGS = web.AppKey("logs", LogRing)
 OFFLOAD = web.AppKey("offload", Offload)
 # What a request's `model` names: aliases and defaults (appliance/inference/names.py).
 NAMES = web.AppKey("model_names", ModelNames)

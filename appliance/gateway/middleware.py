@@ -12,6 +12,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from opentelemetry.trace import SpanKind
 
+from appliance.gateway.fleet import FLEET_PREFIX
 from appliance.gateway.keys import (
     ADMISSION,
     CERTIFICATE,
@@ -125,8 +126,13 @@ def _http_message(exc: web.HTTPException, request: web.Request) -> str:
 
 @web.middleware
 async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every /v1 route needs `Authorization: Bearer <key>` of a key that is not revoked."""
+    """Every /v1 route needs `Authorization: Bearer <key>` of a key that is not revoked,
+    but the hub's own (`/v1/fleet/…`), which need the hub's certificate and no key."""
     if not request.path.startswith("/v1/") and request.path != "/v1":
+        return await handler(request)
+    if request.path.startswith(FLEET_PREFIX):
+        with request.app[TRACING].span("auth"):
+            _from_the_hub(request)
         return await handler(request)
     with request.app[TRACING].span("auth"):
         # Offloaded requests (/v1/offloaded/…) carry their client's own key: the same
@@ -139,14 +145,14 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
 
 
 def _from_the_hub(request: web.Request) -> None:
-    """An offloaded request comes from the hub, over mutual TLS: the fleet listener
-    verified a certificate of the fleet, and it must be the hub's."""
+    """An offloaded request, or a fleet route's, comes from the hub, over mutual TLS: the
+    fleet listener verified a certificate of the fleet, and it must be the hub's."""
     transport = request.transport
     peercert = transport.get_extra_info("peercert") if transport is not None else None
     if not peercert:
         raise ApiError(
             ErrorCode.client_certificate_required,
-            "offloaded requests come from the hub, over mutual TLS on the fleet listener",
+            f"{request.path} is the hub's to call, over mutual TLS on the fleet listener",
         )
     hub = request.app[CERTIFICATE].hub_uri() if CERTIFICATE in request.app else None
     if hub is None or hub not in tls.peer_uris(peercert):

@@ -26,6 +26,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from opentelemetry.trace import SpanKind
 
 from appliance.fleet.client import HubError
 from shared import jsonlimits, protocol
@@ -64,7 +65,18 @@ class Offload:
         self, request: web.Request, prepared: Prepared, body: dict[str, Any], shed: ApiError
     ) -> web.StreamResponse:
         """Send the request through the hub and relay its answer; `shed` is the local
-        refusal, which stands if the hub cannot be reached."""
+        refusal, which stands if the hub cannot be reached. The hop is a client span
+        (`offload`): the hub's span is its child, the serving node's the hub's."""
+        with self._tracing.span(
+            "offload", {"kvl.model": prepared.model}, kind=SpanKind.CLIENT
+        ) as span:
+            response = await self._forward(request, prepared, body, shed)
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+
+    async def _forward(
+        self, request: web.Request, prepared: Prepared, body: dict[str, Any], shed: ApiError
+    ) -> web.StreamResponse:
         assert self.link is not None  # noqa: S101 - eligible() checked it
         route = request.path.removeprefix("/v1/")
         _, _, client_key = request.headers.get("Authorization", "").partition(" ")
@@ -72,7 +84,7 @@ class Offload:
             "Content-Type": "application/json",
             protocol.CLIENT_KEY_HEADER: client_key.strip(),
         }
-        # The serving node's spans join this request's trace (the hub passes it on).
+        # The hub's span, then the serving node's, join this request's trace.
         self._tracing.inject(headers, request.headers)
         try:
             hub = await self.link.hub()

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from appliance.gateway import admin, handlers, jobs, packages, responses, speech, websocket
+from appliance.gateway import (
+    admin,
+    fleet,
+    handlers,
+    jobs,
+    packages,
+    responses,
+    speech,
+    websocket,
+)
 from appliance.gateway.jobs import JobRequest
 from appliance.gateway.openapi import Route, build_openapi
 from appliance.gateway.schemas import AdminModelRequest
@@ -116,6 +125,21 @@ ROUTES: tuple[Route, ...] = (
         body=CompletionRequest,
         errors=(*_AUTH, *_BODY, *_GENERATE),
         streams=True,
+        caller="hub",
+    ),
+    Route(
+        "GET",
+        "/v1/fleet/logs",
+        fleet.node_logs,
+        "The hub reads this node's recent log records (`?after=SEQ&limit=N&level=NAME`), "
+        "following them with `wait=S` (a long poll, up to 30 s): on the fleet listener, "
+        "with the hub's certificate, no API key.",
+        auth=False,
+        errors=(
+            ErrorCode.client_certificate_required,
+            ErrorCode.certificate_mismatch,
+            ErrorCode.invalid_value,
+        ),
         caller="hub",
     ),
     Route(

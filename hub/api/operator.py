@@ -11,6 +11,7 @@ import time
 
 from aiohttp import web
 
+from hub.api.logs import node_logs
 from hub.api.requests import (
     DeploymentRequest,
     DrainRequest,
@@ -245,6 +246,7 @@ def operator_routes() -> list[web.RouteDef]:
         web.get("/v1/admin/nodes", list_nodes),
         web.post("/v1/admin/nodes/{node}/drain", drain_node),
         web.post("/v1/admin/nodes/{node}/revoke", revoke_node),
+        web.get("/v1/admin/nodes/{node}/logs", node_logs),
         web.get("/v1/admin/accounts", list_accounts),
         web.get("/v1/admin/accounts/{name}/quota", account_quota),
         web.put("/v1/admin/accounts/{name}/tenancy", set_tenancy),

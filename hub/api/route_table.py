@@ -198,6 +198,35 @@ NODE_ROUTES: tuple[Route, ...] = (
 )
 
 _NOT_FOUND = (ErrorCode.not_found,)
+_LOG_PARAMS = (
+    Param(
+        "after",
+        "query",
+        "the last seq the reader has: records after it",
+        {"type": "integer", "minimum": 0},
+    ),
+    Param(
+        "limit",
+        "query",
+        "records at most (each answer of a follow too)",
+        {"type": "integer", "minimum": 1, "maximum": protocol.MAX_LOG_RECORDS},
+    ),
+    Param(
+        "level",
+        "query",
+        "the least severe level shown",
+        {"type": "string", "enum": [n.lower() for n in protocol.LOG_LEVELS]},
+    ),
+    Param(
+        "tail",
+        "query",
+        "1: the last `limit` records rather than the first after `after`",
+        {"type": "string", "enum": ["0", "1"]},
+    ),
+    Param(
+        "follow", "query", "1: stream records as they come", {"type": "string", "enum": ["0", "1"]}
+    ),
+)
 ADMIN_ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/admin/nodes", "Every node: site, status, versions, capacity.", Auth.operator),
     Route(
@@ -214,6 +243,18 @@ ADMIN_ROUTES: tuple[Route, ...] = (
         "Revoke a node.",
         Auth.operator,
         errors=_NOT_FOUND,
+    ),
+    Route(
+        "GET",
+        "/v1/admin/nodes/{node}/logs",
+        "A node's recent log records (its bounded ring), read through the tunnel on its "
+        "fleet listener; `follow=1` streams them on (NDJSON, or server-sent events for "
+        "`Accept: text/event-stream`) until the client goes.",
+        Auth.operator,
+        answer=protocol.LogsAnswer,
+        answer_types=("application/json", "application/x-ndjson", "text/event-stream"),
+        errors=(*_NOT_FOUND, ErrorCode.node_offline, ErrorCode.node_unreachable),
+        params=_LOG_PARAMS,
     ),
     Route("GET", "/v1/admin/accounts", "Accounts: class, quotas, budget.", Auth.operator),
     Route(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import click
@@ -13,6 +15,8 @@ from shared.cli import common_options, config_errors_exit
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+    from shared import protocol
 
 
 @click.group("nodes")
@@ -68,3 +72,70 @@ def nodes_drain(config_file: Path | None, data_dir: Path | None, node: str, undo
     with opened_store(hub_settings(config_file, data_dir)) as store:
         done = store.set_draining(node, draining=not undo)
     click.echo(f"{done.name} {'drains' if done.draining else 'takes replicas again'}")
+
+
+@nodes.command("logs")
+@common_options
+@click.argument("node")
+@click.option("--follow", "-f", is_flag=True, help="Go on printing records as they come.")
+@click.option(
+    "--level",
+    type=click.Choice(["debug", "info", "warning", "error", "critical"], case_sensitive=False),
+    default="debug",
+    show_default=True,
+    help="The least severe level printed.",
+)
+@click.option(
+    "--lines", "-n", type=click.IntRange(1, 1000), default=50, show_default=True,
+    help="How many of the last records to print first.",
+)  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print each record as a JSON line.")
+@config_errors_exit
+def nodes_logs(  # click passes every option by name
+    *,
+    config_file: Path | None,
+    data_dir: Path | None,
+    node: str,
+    follow: bool,
+    level: str,
+    lines: int,
+    as_json: bool,
+) -> None:
+    """Print a node's recent log records (by id or name), read through the tunnel on its
+    fleet listener with the hub's certificate; --follow goes on until Ctrl-C."""
+    from hub.nodelogs import LogQuery, NodeLogs, hub_client_context, reachable_url  # noqa: PLC0415
+    from shared.errors import ApiError  # noqa: PLC0415
+
+    settings = hub_settings(config_file, data_dir)
+    with opened_store(settings) as store:
+        found = store.node(node)
+    query = LogQuery(limit=lines, level=level.upper(), tail=True)
+
+    async def show() -> None:
+        context = hub_client_context(settings)
+        reader = NodeLogs(lambda: context)
+        nonlocal query
+        try:
+            url = reachable_url(found, settings, time.time())
+            answer = await reader.read(found, url, query)
+            while True:
+                for record in answer.records:
+                    click.echo(record.model_dump_json() if as_json else _log_line(record))
+                if not follow:
+                    return
+                query = query.following(answer)
+                answer = await reader.read(found, url, query)
+        finally:
+            await reader.close()
+
+    try:
+        asyncio.run(show())
+    except ApiError as err:
+        raise click.ClickException(err.message) from err
+    except KeyboardInterrupt:
+        pass
+
+
+def _log_line(record: protocol.LogRecord) -> str:
+    when = datetime.fromtimestamp(record.time, UTC).isoformat(timespec="milliseconds")
+    return f"{when.replace('+00:00', 'Z')} {record.level:<8} {record.logger}: {record.message}"

@@ -32,6 +32,7 @@ from hub.console.fleet import (
     placement_errors,
     served_models,
 )
+from hub.console.logs import level_of, recent_logs
 from hub.console.sse import nodes_stream
 from hub.console.web import (
     FORM,
@@ -50,6 +51,7 @@ from hub.console.web import (
 from hub.state.store import NotFoundError
 from hub.views import deployment_view, node_view, quota_view
 from shared.keys import ENROLLMENT_TOKEN, parse_prefix
+from shared.protocol import LOG_LEVELS
 
 SITE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}$")
 EXPIRIES = {"1h": 3600.0, "24h": 86_400.0, "7d": 604_800.0, "30d": 2_592_000.0}
@@ -195,6 +197,7 @@ async def node_page(request: web.Request) -> web.StreamResponse:
         return line_chart(chart_id, title, series, unit=unit, start=start, end=now, gap_s=gap,
                           **kw)  # fmt: skip
 
+    logs = await recent_logs(request, node, settings, level_of(request))
     charts = [
         chart("load", "Load (CPU)", "%",
               Series("CPU", [(s.at, s.cpu_percent) for s in samples]), y_max=100.0),
@@ -220,6 +223,8 @@ async def node_page(request: web.Request) -> web.StreamResponse:
         placed=[d for d in deployments if d.id in here],
         samples_kept_h=settings.console.samples_kept_s / 3600,
         charts_from=start,
+        logs=logs,
+        log_levels=[n.lower() for n in LOG_LEVELS],
     )
 
 

@@ -43,9 +43,10 @@ async def join(
     name: str,
     model: dict[str, Any],
     fleet: dict[str, Any] | None = None,
+    sections: dict[str, Any] | None = None,
 ) -> FleetNode:
     """An appliance enrolled with the hub through a provisioning file of its own, its
-    model loaded."""
+    model loaded; ``sections``: more of its settings (`tracing`)."""
     store = open_store(hub)
     token = store.create_token("site", uses=1, expires_in_s=600).plaintext
     store.set_account("lan-user", "S1")  # the LAN key's account, the fleet's: usage syncs
@@ -63,6 +64,7 @@ async def join(
         server={"port": port},
         fleet={"provisioning_file": str(provisioning), "tunnel": False, "lan_tls": False,
                "heartbeat_s": 1, "sync_interval_s": 0.5, **(fleet or {})},
+        **(sections or {}),
     )  # fmt: skip
     local = Store(settings.db_path)
     local.add_model(default_model)

@@ -11,14 +11,20 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 
 from appliance.app import FLEET
-from appliance.gateway.keys import CERTIFICATE, STORE
+from appliance.gateway.keys import CERTIFICATE, NODE_ID, STORE, TRACING
 from appliance.state.store import ModelRecord
 from hub.app import create_app as create_hub
 from hub.identity import ssl_context
+from hub.keys import TRACING as HUB_TRACING
 from hub.planning.offload import NodeLoad, candidates
 from hub.settings import HubSettings
 from hub.state.store import open_store
@@ -28,7 +34,7 @@ from tests.appliance.fleet_nodes import join
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from aiohttp import web
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span
     from pytest_aiohttp import AiohttpServer
 
 pytestmark = pytest.mark.model
@@ -110,12 +116,14 @@ async def _appliance(
     hub_port: int,
     *,
     name: str,
+    sections: dict[str, Any] | None = None,
 ) -> tuple[web.Application, str, str]:
     """A node with one slot and no queue; (app, base URL, a LAN key)."""
     one_slot = {"n_slots": 1, "max_queue": 0, "n_threads": 1, "n_ctx": 1024}
     node = await join(
-        aiohttp_server, tmp_path, default_model, hub, hub_port, name=name, model=one_slot
-    )
+        aiohttp_server, tmp_path, default_model, hub, hub_port, name=name, model=one_slot,
+        sections=sections,
+    )  # fmt: skip
     return node.app, node.base_url, node.key
 
 
@@ -268,3 +276,116 @@ async def test_an_overloaded_node_offloads_to_a_peer_with_room(
         ("lan-user", "/v1/offloaded/completions"),
     ]
     assert usage(a) == []  # A served nothing to completion (its held streams were cut)
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+async def test_an_offloaded_request_is_one_trace_through_both_nodes_and_the_hub(
+    aiohttp_server: AiohttpServer, tmp_path: Path, default_model: ModelRecord
+) -> None:
+    """Both appliances and the hub export to one real OTLP/HTTP receiver (protobuf, as a
+    collector gets it). A client's request with its own `traceparent`, offloaded: one
+    trace, client → A's server span → A's offload span → the hub's span → B's spans."""
+    received: list[tuple[dict[str, str], Span]] = []  # (resource attributes, span)
+
+    async def traces(request: web.Request) -> web.Response:
+        export = ExportTraceServiceRequest.FromString(await request.read())
+        for resource_spans in export.resource_spans:
+            resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+            for scope in resource_spans.scope_spans:
+                received.extend((resource, span) for span in scope.spans)
+        body = ExportTraceServiceResponse().SerializeToString()
+        return web.Response(body=body, content_type="application/x-protobuf")
+
+    collector = web.Application()
+    collector.router.add_post("/v1/traces", traces)
+    otlp = await aiohttp_server(collector)
+    traced = {"tracing": {"otlp_endpoint": str(otlp.make_url("/v1/traces"))}}
+    hub = HubSettings.model_validate(
+        {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False},
+         "overlay": {"interface": None}, **traced}
+    )  # fmt: skip
+    hub_app = create_hub(hub)
+    hub_server = await aiohttp_server(hub_app, ssl=ssl_context(hub))
+    assert hub_server.port is not None
+    a, a_url, a_key = await _appliance(
+        aiohttp_server, tmp_path, default_model, hub, hub_server.port, name="node-a",
+        sections=traced,
+    )  # fmt: skip
+    b, _, _ = await _appliance(
+        aiohttp_server, tmp_path, default_model, hub, hub_server.port, name="node-b",
+        sections=traced,
+    )  # fmt: skip
+    await _ready_in_fleet(hub, {"node-a", "node-b"})
+    store = open_store(hub)
+    try:
+        fleet_key = store.create_key("lan-user").plaintext
+    finally:
+        store.close()
+    async with aiohttp.ClientSession() as session:
+        for _ in range(300):  # until A pulled the state with the key
+            models = await session.get(
+                f"{a_url}/v1/models", headers={"Authorization": f"Bearer {fleet_key}"}
+            )
+            if models.status == 200:
+                break
+            await asyncio.sleep(0.1)
+        holding = await _hold(session, a_url, a_key)
+        answer = await session.post(
+            f"{a_url}/v1/completions",
+            headers={"Authorization": f"Bearer {fleet_key}", "traceparent": TRACEPARENT},
+            json={"model": MODEL, "prompt": "Once", "max_tokens": 4, "temperature": 0},
+        )
+        assert answer.status == 200, await answer.text()
+        assert answer.headers["X-Kvl-Served-By"] == "node-b"
+        await answer.read()
+        holding.close()
+
+    trace_id = bytes.fromhex(TRACEPARENT.split("-")[1])
+    for tracing in (a[TRACING], b[TRACING], hub_app[HUB_TRACING]):
+        # In a thread: the exporter posts to the receiver, which runs on this loop.
+        assert await asyncio.to_thread(tracing.flush)
+
+    def ours(span: Span) -> bool:
+        return span.trace_id == trace_id
+
+    for _ in range(100):
+        names = {s.name for _, s in received if ours(s)}
+        if {"hub.offload", "POST /v1/offloaded/completions", "worker"} <= names:
+            break
+        await asyncio.sleep(0.05)
+    a_id, b_id = a[NODE_ID], b[NODE_ID]
+
+    def one(service: str, name: str, instance: str | None = None) -> Span:
+        found = [
+            s
+            for r, s in received
+            if ours(s) and s.name == name and r["service.name"] == service
+            and instance in {None, r.get("service.instance.id")}
+        ]  # fmt: skip
+        assert len(found) == 1, (service, name, [s.name for _, s in received if ours(s)])
+        return found[0]
+
+    a_server = one("kovenlab-appliance", "POST /v1/completions", a_id)
+    a_offload = one("kovenlab-appliance", "offload", a_id)
+    hub_span = one("kovenlab-hub", "hub.offload")
+    b_server = one("kovenlab-appliance", "POST /v1/offloaded/completions", b_id)
+    assert a_server.parent_span_id.hex() == TRACEPARENT.split("-")[2]  # the client's
+    assert a_offload.parent_span_id == a_server.span_id
+    assert hub_span.parent_span_id == a_offload.span_id
+    assert b_server.parent_span_id == hub_span.span_id
+    assert b_server.kind == b_server.SPAN_KIND_SERVER
+    assert hub_span.kind == hub_span.SPAN_KIND_SERVER
+    assert a_offload.kind == a_offload.SPAN_KIND_CLIENT
+    hub_attributes = {x.key: x.value.string_value for x in hub_span.attributes}
+    assert hub_attributes["kvl.served_by"] == "node-b"
+    # Every span the hub made is of the client's trace (it had no other request), and so
+    # is every span of B's but those of the key polls before: B's stages hang off its
+    # server span, in the client's trace.
+    assert all(ours(s) for r, s in received if r["service.name"] == "kovenlab-hub")
+    polls = {s.trace_id for r, s in received if s.name == "GET /v1/models"}
+    b_spans = [s for r, s in received if r.get("service.instance.id") == b_id]
+    assert all(ours(s) for s in b_spans if s.trace_id not in polls)
+    b_children = {s.name for s in b_spans if s.parent_span_id == b_server.span_id}
+    assert {"auth", "admission", "worker"} <= b_children, b_children

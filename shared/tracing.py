@@ -1,0 +1,120 @@
+"""OpenTelemetry spans, exported over OTLP/HTTP when configured: the appliance's request
+path and the hub's hop of an offloaded request, so one request is one trace across them.
+
+One :class:`Tracing` per application (never OpenTelemetry's global provider, so several
+apps in one process, as in the tests, keep their own). Without an endpoint every span is
+OpenTelemetry's no-op span: the instrumented code costs next to nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from shared.protocol import TRACE_HEADERS
+
+# W3C Trace Context: `traceparent` and `tracestate`, in and out.
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping
+
+Attribute = str | bool | int | float
+
+
+class Tracing:
+    def __init__(self, provider: TracerProvider | None = None) -> None:
+        self._provider = provider
+        self.tracer: trace.Tracer = (
+            provider.get_tracer("kovenlab") if provider is not None else trace.NoOpTracer()
+        )
+
+    @classmethod
+    def otlp(
+        cls,
+        endpoint: str | None,
+        *,
+        service: str,
+        attributes: Mapping[str, Attribute] | None = None,
+        sample_ratio: float = 1.0,
+        export_delay_ms: int = 1000,
+    ) -> Tracing:
+        """Spans batched to an OTLP/HTTP endpoint (``http://collector:4318/v1/traces``);
+        disabled when ``endpoint`` is None."""
+        if endpoint is None:
+            return cls()
+        resource = Resource.create({"service.name": service, **(attributes or {})})
+        provider = TracerProvider(
+            resource=resource, sampler=ParentBased(TraceIdRatioBased(sample_ratio))
+        )
+        processor = BatchSpanProcessor(
+            OTLPSpanExporter(endpoint=endpoint, timeout=5),
+            schedule_delay_millis=export_delay_ms,
+        )
+        provider.add_span_processor(processor)
+        return cls(provider)
+
+    @property
+    def enabled(self) -> bool:
+        return self._provider is not None
+
+    @contextlib.contextmanager
+    def span(
+        self,
+        name: str,
+        attributes: Mapping[str, Attribute | None] | None = None,
+        *,
+        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+        parent: Mapping[str, str] | None = None,
+    ) -> Iterator[trace.Span]:
+        """A span around a block, the child of the current one (context variables carry it
+        across awaits in the same task), or of the W3C `traceparent` in `parent` (a
+        request's headers). An exception escaping the block marks it."""
+        context = _PROPAGATOR.extract(carrier=parent) if parent is not None else None
+        with self.tracer.start_as_current_span(
+            name, context=context, kind=kind, attributes=_clean(attributes or {})
+        ) as span:
+            yield span
+
+    def inject(self, headers: dict[str, str], incoming: Mapping[str, str]) -> None:
+        """The current trace's W3C headers into `headers` (an outgoing request), so the next
+        hop joins it; with tracing off here, the incoming ones pass on as they came."""
+        if self.enabled:
+            _PROPAGATOR.inject(headers)
+            return
+        for name in TRACE_HEADERS:
+            if (value := incoming.get(name)) is not None:
+                headers[name] = value
+
+    def record(
+        self,
+        name: str,
+        start_s: float,
+        end_s: float,
+        attributes: Mapping[str, Attribute | None] | None = None,
+    ) -> None:
+        """A finished span from wall-clock times (seconds since the epoch) measured elsewhere,
+        such as the worker's queue and decode times, as a child of the current span."""
+        span = self.tracer.start_span(
+            name, start_time=int(start_s * 1e9), attributes=_clean(attributes or {})
+        )
+        span.end(end_time=int(end_s * 1e9))
+
+    def flush(self, timeout_ms: int = 5000) -> bool:
+        return self._provider.force_flush(timeout_ms) if self._provider is not None else True
+
+    def shutdown(self) -> None:
+        if self._provider is not None:
+            self._provider.shutdown()
+
+
+def _clean(attributes: Mapping[str, Attribute | None]) -> dict[str, Attribute]:
+    return {k: v for k, v in attributes.items() if v is not None}
