@@ -66,6 +66,10 @@ if TYPE_CHECKING:
     Recorder = Callable[["Prepared", Finished, int], Awaitable[None]]
 
 Kind = Literal["chat", "text"]
+# OpenTelemetry's GenAI semantic conventions (gen_ai.*): the provider is this appliance,
+# which serves the models itself (no well-known provider value applies).
+GENAI_PROVIDER = "kovenlab-edge"
+GENAI_OPERATION: dict[Kind, str] = {"chat": "chat", "text": "text_completion"}
 
 
 @dataclass
@@ -91,6 +95,7 @@ class Prepared:
     logprobs: int | None = None
     # Its way through admission, for the live objectives (ends once: `complete`).
     ticket: Ticket | None = None
+    requested: str | None = None  # the model as the client named it (None: the default)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -101,6 +106,11 @@ class Prepared:
     @property
     def klass(self) -> ServiceClass:
         return self.service_class or self.key.account.service_class
+
+    @property
+    def response_id(self) -> str:
+        """The id its answer carries."""
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id
 
 
 @dataclass(frozen=True)
@@ -323,6 +333,7 @@ class CompletionService:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             n=req.n,
             ignored=req.ignored,
+            requested=req.model,
         )
 
     async def _quota(self, key: ApiKey, ticket: Ticket) -> None:
@@ -553,6 +564,7 @@ class CompletionService:
             return
         admitted = start + (finished.queue_s or 0.0)
         self._tracing.record("batcher", start, admitted, {"kvl.model": prepared.model})
+        sampling = prepared.request.sampling
         self._tracing.record(
             "worker",
             admitted,
@@ -563,6 +575,20 @@ class CompletionService:
                 "kvl.completion_tokens": finished.completion_tokens,
                 "kvl.ttft_s": finished.ttft_s,
                 "kvl.finish_reason": finished.finish_reason,
+                # The model call as OpenTelemetry's GenAI conventions name it.
+                "gen_ai.operation.name": GENAI_OPERATION[prepared.kind],
+                "gen_ai.provider.name": GENAI_PROVIDER,
+                "gen_ai.request.model": prepared.requested or prepared.engine.record.name,
+                "gen_ai.response.model": prepared.model,
+                "gen_ai.request.max_tokens": prepared.request.max_tokens,
+                "gen_ai.request.temperature": sampling.temperature,
+                "gen_ai.request.top_p": sampling.top_p,
+                "gen_ai.request.seed": sampling.seed,
+                "gen_ai.request.choice.count": prepared.n if prepared.n != 1 else None,
+                "gen_ai.usage.input_tokens": finished.prompt_tokens,
+                "gen_ai.usage.output_tokens": finished.completion_tokens,
+                "gen_ai.response.finish_reasons": (finished.finish_reason,),
+                "gen_ai.response.id": prepared.response_id,
             },
         )
 

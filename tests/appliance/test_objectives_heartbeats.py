@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from pytest_aiohttp import AiohttpClient, AiohttpServer
 
+    from appliance.fleet.client import HubClient
     from appliance.state.store import ModelRecord
     from shared import protocol
 
@@ -41,7 +42,7 @@ async def test_a_hub_outage_loses_nothing_the_next_heartbeat_carries_it_all(
         aiohttp_client, tmp_path, default_model, path, heartbeat_s=1, sync_interval_s=0.5
     )
     link = app[FLEET]
-    hub_client = await until(link.hub, "enrolled", timeout_s=30)
+    hub_client: HubClient = await until(link.hub, "enrolled", timeout_s=30)
     # What the hub accepted (a heartbeat the real hub answered; one it refused, or that
     # did not reach it, raises and is not kept here).
     heard: list[protocol.Objectives] = []

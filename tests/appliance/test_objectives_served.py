@@ -119,11 +119,15 @@ async def test_each_request_is_counted_once_by_how_it_ended_and_a_restart_resume
 
     await asyncio.to_thread(generate)
     # A bad request never reaches admission: counted nowhere.
-    missing = await client.post("/v1/completions", headers=auth(served), json={"model": "x", "prompt": "x"})
+    missing = await client.post(
+        "/v1/completions", headers=auth(served), json={"model": "x", "prompt": "x"}
+    )
     assert missing.status == 404
 
     # Cancelled: its client goes away after the first chunk.
-    stream = await client.post("/v1/completions", headers=auth(served), json={**LONG, "stream": True})
+    stream = await client.post(
+        "/v1/completions", headers=auth(served), json={**LONG, "stream": True}
+    )
     assert stream.status == 200
     await stream.content.readline()
     stream.close()
@@ -133,7 +137,9 @@ async def test_each_request_is_counted_once_by_how_it_ended_and_a_restart_resume
     (replica,) = app[REGISTRY].replicas()
     pid = replica.pid
     assert pid is not None
-    stream = await client.post("/v1/completions", headers=auth(served), json={**LONG, "stream": True})
+    stream = await client.post(
+        "/v1/completions", headers=auth(served), json={**LONG, "stream": True}
+    )
     assert stream.status == 200
     await stream.content.readline()
     os.kill(pid, signal.SIGKILL)
