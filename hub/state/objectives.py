@@ -169,7 +169,7 @@ class _Counted:
             if added:
                 self.series.append(slo_delta(beat.node_id, name, site, key, added))
                 self.bucket_rows += [
-                    (width, start, beat.node_id, *key, name, site, *added.counts, *added.sums, 0)
+                    (width, start, beat.node_id, *key, name, site, *added.values, 0)
                     for width, start in starts
                 ]
         restarted = objectives.worker_restarts
@@ -186,7 +186,7 @@ class _Counted:
             self.restarts.append((beat.node_id, name, site, added_restarts))
             zero = Counters.zero()
             self.bucket_rows += [
-                (width, start, beat.node_id, "", "", name, site, *zero.counts, *zero.sums,
+                (width, start, beat.node_id, "", "", name, site, *zero.values,
                  added_restarts)
                 for width, start in starts
             ]  # fmt: skip
