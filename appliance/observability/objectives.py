@@ -131,7 +131,7 @@ class ObjectiveBook:
         key = (klass, account)
         found = self._series.get(key)
         if found is None:
-            if len(self._series) >= _OWN_SERIES:
+            if len(self._series) >= _OWN_SERIES or not _sendable(account):
                 key = (klass, OTHER)
                 found = self._series.get(key)
             if found is None:
@@ -229,6 +229,15 @@ class ObjectiveBook:
 
     def objectives_s(self) -> dict[str, dict[protocol.Objective, float]]:
         return {klass: o.as_protocol() for klass, o in self.objectives.items()}
+
+
+def _sendable(account: str) -> bool:
+    """A name the protocol carries (`protocol.Name`); another is counted as "(other)"."""
+    try:
+        protocol.ObjectiveSeries(service_class="S0", account=account)
+    except ValueError:
+        return False
+    return True
 
 
 class Ticket:

@@ -92,6 +92,14 @@ def test_series_past_the_bound_fold_into_other_per_class_and_stay_there() -> Non
     assert one(book, "S1", OTHER).requests == before + 1
 
 
+def test_an_account_name_the_protocol_cannot_carry_is_counted_as_other() -> None:
+    book = ObjectiveBook(TARGETS)
+    book.refused("S1", "x" * 201, "quota")
+    book.refused("S1", "nul\x00", "quota")
+    protocol.Objectives(epoch="e", series=book.snapshot())
+    assert one(book, "S1", OTHER).requests == 2
+
+
 def test_the_store_keeps_the_series_and_the_epoch_until_a_new_database(tmp_path: Path) -> None:
     book = ObjectiveBook(TARGETS)
     book.ticket("S2", "a").serve(queue_s=0.2, ttft_s=0.7, duration_s=4.0, cancelled=False)
