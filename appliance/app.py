@@ -127,6 +127,10 @@ async def _models(app: web.Application) -> AsyncIterator[None]:
     app[REGISTRY] = host
     admission = AdmissionControl(settings.classes, app[STORE], app[METRICS])
     app[ADMISSION] = admission
+    # The live objectives resume from what was stored before this start.
+    store = app[STORE]
+    admission.book.load(await store.run(store.sync.load_objectives))
+    app[METRICS].watch_objectives(admission.book)
     app[OFFLOAD] = Offload(admission, app[METRICS], app[TRACING])
     app[COMPLETIONS] = CompletionService(
         host,
@@ -141,6 +145,8 @@ async def _models(app: web.Application) -> AsyncIterator[None]:
     host.start()
     yield
     await host.close()
+    # Every request has ended: the book as it stands, for the next start.
+    await store.run(store.sync.save_objectives, admission.book.take_dirty())
 
 
 async def _speech(app: web.Application) -> AsyncIterator[None]:
@@ -204,6 +210,7 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
         api={"port": settings.server.port, "tls": lan_tls_files(settings) is not None},
         models_dir=settings.models_dir,
         packages=app[PACKAGES],
+        objectives=admission.book,
     )
     link.on_certificate = on_certificate
     await link.restore_leases()

@@ -9,6 +9,7 @@ OpenTelemetry's no-op span: the instrumented code costs next to nothing.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
@@ -27,7 +28,7 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping
 
-Attribute = str | bool | int | float
+Attribute = str | bool | int | float | Sequence[str]
 
 
 class Tracing:

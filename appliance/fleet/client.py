@@ -206,10 +206,16 @@ class HubClient:
         return await self._post("/v1/enroll", request, protocol.EnrollAnswer)
 
     async def heartbeat(
-        self, versions: dict[str, str], capacity: protocol.Capacity
+        self,
+        versions: dict[str, str],
+        capacity: protocol.Capacity,
+        objectives: protocol.Objectives | None = None,
     ) -> protocol.HeartbeatAnswer:
-        """The hub's answer: `received_at`, and the `desired_serial` it has now."""
-        request = protocol.HeartbeatRequest(versions=versions, capacity=capacity)
+        """The hub's answer: `received_at`, and the `desired_serial` it has now.
+        `objectives`: the live objectives, cumulative (stored here before this call)."""
+        request = protocol.HeartbeatRequest(
+            versions=versions, capacity=capacity, objectives=objectives
+        )
         return await self._post("/v1/node/heartbeat", request, protocol.HeartbeatAnswer)
 
     async def state(self, after: int) -> protocol.DesiredState | None:

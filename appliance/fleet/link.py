@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from appliance.observability.metrics import Metrics
+    from appliance.observability.objectives import ObjectiveBook
     from appliance.packages.service import PackageService
     from appliance.quotas.leases import LeaseBook
     from appliance.serving.registry import ModelRegistry
@@ -109,8 +110,10 @@ class FleetLink:
         api: dict[str, Any] | None = None,
         models_dir: Path | None = None,
         packages: PackageService | None = None,
+        objectives: ObjectiveBook | None = None,
     ) -> None:
         self._settings = settings
+        self._objectives = objectives  # the live objectives, sent in every heartbeat
         self._ensuring = asyncio.Lock()
         self._api = api or {}
         # Models the hub places here are fetched into `models_dir` (None: placement off).
@@ -298,7 +301,8 @@ class FleetLink:
             client = await self._ensure()
             if client is None:
                 return
-            answer = await client.heartbeat(VERSIONS, await self.capacity())
+            objectives = await self.objectives()
+            answer = await client.heartbeat(VERSIONS, await self.capacity(), objectives)
             applied = int(await self._store.run(self._store.sync.meta, "desired_serial") or -1)
             # The answer names the hub's serial: the state is pulled only when it moved.
             state = None if answer.desired_serial <= applied else await client.state(applied)
@@ -358,6 +362,30 @@ class FleetLink:
         log.info("renewed this node's certificate (%s); valid until %s", why, answer.not_after)
         if self.on_certificate is not None:
             await self.on_certificate()
+
+    async def objectives(self) -> protocol.Objectives | None:
+        """The live objectives as the next heartbeat sends them, stored first (one
+        transaction): the hub is never told a count that a restart would not resume from,
+        so within an epoch this node never reports a value lower than one it reported
+        before. Nothing is lost while the hub is away: the counters are cumulative, and the
+        next heartbeat that goes through carries everything."""
+        book = self._objectives
+        if book is None:
+            return None
+        # Both at once on the loop (no await between): what is stored is what is sent.
+        series = book.snapshot()
+        rows = book.take_dirty()
+        try:
+            epoch, restarts = await self._store.run(self._store.sync.save_objectives, rows)
+        except BaseException:
+            book.mark_dirty(rows)
+            raise
+        return protocol.Objectives(
+            epoch=epoch,
+            series=series,
+            objectives_s=book.objectives_s(),  # type: ignore[arg-type]
+            worker_restarts=restarts,
+        )
 
     async def capacity(self) -> protocol.Capacity:
         memory = psutil.virtual_memory()

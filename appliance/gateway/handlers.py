@@ -22,11 +22,18 @@ from appliance.gateway.keys import (
     REGISTRY,
     SETTINGS,
     STORE,
+    TRACING,
     api_key,
 )
 from appliance.gateway.middleware import route_label
 from appliance.gateway.parsing import read_json
-from appliance.inference.completions import Generation, Prepared, Sink, invalid_output
+from appliance.inference.completions import (
+    GENAI_PROVIDER,
+    Generation,
+    Prepared,
+    Sink,
+    invalid_output,
+)
 from appliance.inference.embeddings import response_body as embeddings_body
 from appliance.inference.models import find_entry, model_entries
 from appliance.inference.responses import chunk_body, response_body
@@ -159,7 +166,15 @@ async def _respond_or_offload(
 async def embeddings(request: web.Request) -> web.Response:
     body = await read_json(request)
     req = parse_body(EmbeddingRequest, body)
-    embedded = await request.app[EMBEDDINGS].embed(req, api_key(request), route_label(request))
+    attributes = {
+        "gen_ai.operation.name": "embeddings",
+        "gen_ai.provider.name": GENAI_PROVIDER,
+        "gen_ai.request.model": req.model,
+    }
+    with request.app[TRACING].span("embeddings", attributes) as span:
+        embedded = await request.app[EMBEDDINGS].embed(req, api_key(request), route_label(request))
+        span.set_attribute("gen_ai.response.model", embedded.model.ref)
+        span.set_attribute("gen_ai.usage.input_tokens", sum(embedded.result.token_counts))
     # Thousands of floats to format: off the event loop, which other requests share.
     text = await asyncio.to_thread(
         lambda: json.dumps(embeddings_body(embedded), separators=(",", ":"))

@@ -15,6 +15,8 @@ from collections import OrderedDict
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
+from appliance.observability.objectives import ClassObjectives as Targets
+from appliance.observability.objectives import ObjectiveBook
 from appliance.quotas.buckets import TokenBucket
 from appliance.quotas.leases import LeaseBook
 from appliance.serving.predictor import Capacity, InFlight, Objectives, Rates, decide
@@ -23,6 +25,7 @@ from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
     from appliance.observability.metrics import Metrics
+    from appliance.observability.objectives import Ticket
     from appliance.serving.engine import Finished
     from appliance.serving.registry import LoadedModel
     from appliance.settings import ClassObjectives, ClassSettings
@@ -47,6 +50,15 @@ class AdmissionControl:
         self.leases = LeaseBook(
             lambda klass: self.class_settings(ServiceClass(klass)).safe_tokens_per_minute
         )
+        # The live objectives, per class and account: each decision below ends a request's
+        # ticket (the heartbeat sends the book; /metrics shows it per class).
+        self.book = ObjectiveBook(
+            {
+                k.value: Targets(o.admit_s, o.first_token_s, o.complete_s)
+                for k in ServiceClass
+                for o in [self.class_settings(k)]
+            }
+        )
 
     def class_settings(self, klass: ServiceClass) -> ClassObjectives:
         objectives: ClassObjectives = getattr(self._settings, klass.value.lower())
@@ -61,11 +73,17 @@ class AdmissionControl:
 
     # -- quotas ------------------------------------------------------------------------------
 
-    async def check_quota(self, key: ApiKey, klass: ServiceClass) -> None:
+    async def check_quota(
+        self, key: ApiKey, klass: ServiceClass, ticket: Ticket | None = None
+    ) -> None:
         """Refuse (429 insufficient_quota or rate_limit_exceeded) when the account is over a
         quota of its class; a
-        request counts against requests per minute here, its tokens once it is done."""
+        request counts against requests per minute here, its tokens once it is done.
+        `ticket`: the request's, ended by a refusal (a request without one is not
+        counted in the objectives: speech)."""
         if self.outbox_full:
+            if ticket is not None:
+                ticket.refuse("outbox")
             raise ApiError(
                 ErrorCode.outbox_full,
                 "the usage ledger waits for the hub (its outbox is full); this appliance "
@@ -78,14 +96,14 @@ class AdmissionControl:
         if per_day:
             day = await self._day_bucket(account.id, per_day, now)
             if (wait := day.wait_s(1, now)) > 0:
-                self._refuse_quota(klass, "tokens_per_day", per_day, wait)
+                self._refuse_quota(klass, "tokens_per_day", per_day, wait, ticket)
         if per_minute:
             minute = self._minute.get(account.id)
             if minute is None or minute.capacity != per_minute:
                 minute = TokenBucket.full(per_minute, MINUTE_S, now)
                 self._minute[account.id] = minute
             if (wait := minute.take(1, now)) > 0:
-                self._refuse_quota(klass, "requests_per_minute", per_minute, wait)
+                self._refuse_quota(klass, "requests_per_minute", per_minute, wait, ticket)
 
     def quotas(self, key: ApiKey, klass: ServiceClass) -> tuple[int, int]:
         """(tokens per day, requests per minute) of the key's account: its own, set on the
@@ -99,8 +117,12 @@ class AdmissionControl:
             limits.requests_per_minute if per_minute is None else per_minute,
         )
 
-    def _refuse_quota(self, klass: ServiceClass, quota: str, limit: int, wait: float) -> None:
+    def _refuse_quota(
+        self, klass: ServiceClass, quota: str, limit: int, wait: float, ticket: Ticket | None
+    ) -> None:
         self._metrics.quota_refusals.labels(klass.value, quota).inc()
+        if ticket is not None:
+            ticket.refuse("quota")
         raise ApiError(
             ErrorCode.insufficient_quota
             if quota == "tokens_per_day"
@@ -130,7 +152,12 @@ class AdmissionControl:
     # -- budgets across the fleet ------------------------------------------------------------
 
     def take_lease(
-        self, key: ApiKey, klass: ServiceClass, request_id: str, cost: int
+        self,
+        key: ApiKey,
+        klass: ServiceClass,
+        request_id: str,
+        cost: int,
+        ticket: Ticket | None = None,
     ) -> str | None:
         """For an account with a budget on the hub: reserve the request's worst case from
         this node's lease (the lease's id; None on safe capacity, or without a budget).
@@ -141,6 +168,8 @@ class AdmissionControl:
             return self.leases.take(key.account.name, klass.value, request_id, cost, time.time())
         except ApiError:
             self._metrics.quota_refusals.labels(klass.value, "budget").inc()
+            if ticket is not None:
+                ticket.refuse("quota")
             raise
 
     def settle_lease(self, lease_id: str | None, request_id: str, tokens: int) -> None:
@@ -149,10 +178,17 @@ class AdmissionControl:
     # -- admission ---------------------------------------------------------------------------
 
     def admit(
-        self, deployment: LoadedModel, klass: ServiceClass, prompt_tokens: int, max_tokens: int
+        self,
+        deployment: LoadedModel,
+        klass: ServiceClass,
+        prompt_tokens: int,
+        max_tokens: int,
+        ticket: Ticket | None = None,
     ) -> None:
         """Refuse now (429 ``overloaded``) a request that the prediction says cannot hold a
         slot within its class's SLO.A or see its first token within SLO.B."""
+        if ticket is not None:
+            ticket.at_door = True
         flights = [f for r in deployment.replicas if r.ready for f in r.flights()]
         new = InFlight(klass.priority, prompt_tokens, max_tokens, arrival=1 << 62)
         capacity = Capacity(
@@ -166,6 +202,8 @@ class AdmissionControl:
         )
         self._metrics.admission.labels(klass.value, decision.reason.value).inc()
         if not decision.admitted:
+            if ticket is not None:
+                ticket.refuse("first_token" if decision.reason.value == "first_token" else "admit")
             raise ApiError(
                 ErrorCode.overloaded,
                 f"class {klass.value} cannot be served within its objectives now: "
@@ -173,9 +211,11 @@ class AdmissionControl:
                 retry_after=decision.retry_after_s,
             )
 
-    def shed(self, klass: ServiceClass, waited_s: float) -> ApiError:
+    def shed(self, klass: ServiceClass, waited_s: float, ticket: Ticket | None = None) -> ApiError:
         """The error for a queued request that missed its first-token objective."""
         self._metrics.sheds.labels(klass.value).inc()
+        if ticket is not None:
+            ticket.refuse("shed")
         objective = self.objectives(klass).first_token_s
         return ApiError(
             ErrorCode.overloaded,
@@ -184,9 +224,18 @@ class AdmissionControl:
             retry_after=max(1.0, objective),
         )
 
-    def finished(self, model: str, klass: ServiceClass, finished: Finished) -> None:
+    def finished(
+        self, model: str, klass: ServiceClass, finished: Finished, ticket: Ticket | None = None
+    ) -> None:
         """Learn from a finished request, and measure it against its class's objectives."""
         m = self._metrics
+        if ticket is not None:
+            ticket.serve(
+                queue_s=finished.queue_s,
+                ttft_s=finished.ttft_s,
+                duration_s=finished.duration_s,
+                cancelled=finished.finish_reason == "cancelled",
+            )
         if finished.ttft_s is not None:
             prefill_s = finished.ttft_s - (finished.queue_s or 0.0)
             self._rates[model] = self.rates(model).observe(

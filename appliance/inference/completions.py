@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
     from appliance.inference.admission import AdmissionControl
     from appliance.observability.metrics import Metrics
+    from appliance.observability.objectives import Ticket
     from appliance.observability.tracing import Tracing
     from shared.classes import ServiceClass
 
@@ -65,6 +66,10 @@ if TYPE_CHECKING:
     Recorder = Callable[["Prepared", Finished, int], Awaitable[None]]
 
 Kind = Literal["chat", "text"]
+# OpenTelemetry's GenAI semantic conventions (gen_ai.*): the provider is this appliance,
+# which serves the models itself (no well-known provider value applies).
+GENAI_PROVIDER = "kovenlab-edge"
+GENAI_OPERATION: dict[Kind, str] = {"chat": "chat", "text": "text_completion"}
 
 
 @dataclass
@@ -88,6 +93,9 @@ class Prepared:
     tools: ToolPlan | None = None  # tools the output is constrained to call
     # Alternatives reported per token (OpenAI's top_logprobs); None: no logprobs.
     logprobs: int | None = None
+    # Its way through admission, for the live objectives (ends once: `complete`).
+    ticket: Ticket | None = None
+    requested: str | None = None  # the model as the client named it (None: the default)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -98,6 +106,11 @@ class Prepared:
     @property
     def klass(self) -> ServiceClass:
         return self.service_class or self.key.account.service_class
+
+    @property
+    def response_id(self) -> str:
+        """The id its answer carries."""
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id
 
 
 @dataclass(frozen=True)
@@ -184,10 +197,17 @@ class CompletionService:
         in place of its account's (a job's completions run as S0); `request_id`: the id of
         its usage event in place of a fresh one (a job item's own, the same on every run
         of it)."""
+        klass = service_class or key.account.service_class
+        ticket = self._admission.book.ticket(klass.value, key.account.name)
         if isinstance(req, ChatCompletionRequest):
-            prepared = await self._prepare_chat(req, key, route, max_tokens_limit=max_tokens_limit)
+            prepared = await self._prepare_chat(
+                req, key, route, ticket, max_tokens_limit=max_tokens_limit
+            )
         else:
-            prepared = await self._prepare_text(req, key, route, max_tokens_limit=max_tokens_limit)
+            prepared = await self._prepare_text(
+                req, key, route, ticket, max_tokens_limit=max_tokens_limit
+            )
+        prepared.ticket = ticket
         if service_class is not None:
             prepared = replace(prepared, service_class=service_class)
         if request_id is not None:
@@ -199,12 +219,13 @@ class CompletionService:
         req: ChatCompletionRequest,
         key: ApiKey,
         route: str,
+        ticket: Ticket,
         *,
         max_tokens_limit: int | None = None,
     ) -> Prepared:
         """`max_tokens_limit`: an internal caller's own bound (a package's items are bounded
         by `packages.item_max_tokens`), in place of `model.max_tokens_limit`."""
-        await self._quota(key)
+        await self._quota(key, ticket)
         engine = await self._engine(req.model, chat=True)
         vocab = engine.require_vocab()
         messages = [_message(m) for m in req.messages]
@@ -257,10 +278,11 @@ class CompletionService:
         req: CompletionRequest,
         key: ApiKey,
         route: str,
+        ticket: Ticket,
         *,
         max_tokens_limit: int | None = None,
     ) -> Prepared:
-        await self._quota(key)
+        await self._quota(key, ticket)
         engine = await self._engine(req.model, chat=False)
         if isinstance(req.prompt, list):
             if len(req.prompt) != 1:
@@ -311,12 +333,13 @@ class CompletionService:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             n=req.n,
             ignored=req.ignored,
+            requested=req.model,
         )
 
-    async def _quota(self, key: ApiKey) -> None:
+    async def _quota(self, key: ApiKey, ticket: Ticket) -> None:
         klass = key.account.service_class
         with self._tracing.span("quota", {"kvl.class": klass.value}):
-            await self._admission.check_quota(key, klass)
+            await self._admission.check_quota(key, klass, ticket)
 
     async def _engine(self, requested: str | None, *, chat: bool) -> LoadedModel:
         model = self._names.generation(requested, chat=chat)
@@ -377,7 +400,7 @@ class CompletionService:
             grammar=structured.grammar if structured is not None else None,
         )
 
-    def _start(self, prepared: Prepared) -> Generation:
+    def _start(self, prepared: Prepared, ticket: Ticket) -> Generation:
         """Admit and submit the generation (a sequence per choice); iterate the result for
         its events."""
         klass = prepared.klass
@@ -390,10 +413,12 @@ class CompletionService:
         n = prepared.n
         with self._tracing.span("admission", {"kvl.class": klass.value}):
             self._admission.admit(
-                prepared.engine, klass, len(request.prompt_tokens), request.max_tokens * n
+                prepared.engine, klass, len(request.prompt_tokens), request.max_tokens * n, ticket
             )
         cost = len(request.prompt_tokens) + request.max_tokens * n
-        prepared.lease_id = self._admission.take_lease(prepared.key, klass, prepared.id, cost)
+        prepared.lease_id = self._admission.take_lease(
+            prepared.key, klass, prepared.id, cost, ticket
+        )
         prepared.submitted_at = time.time()
         runs: list[Run] = []
         try:
@@ -403,6 +428,7 @@ class CompletionService:
                 run.cancel()
             self._admission.settle_lease(prepared.lease_id, prepared.id, 0)
             if isinstance(err, QueueFullError):
+                ticket.refuse("admit")  # no room to wait: refused at the door
                 raise ApiError(ErrorCode.queue_full, str(err), retry_after=err.retry_after) from err
             if isinstance(err, NotLoadedError):
                 raise ApiError(ErrorCode.model_not_ready, str(err), retry_after=5) from err
@@ -414,7 +440,7 @@ class CompletionService:
         return Generation(
             runs,
             objective,
-            lambda waited: self._admission.shed(klass, waited),
+            lambda waited: self._admission.shed(klass, waited, ticket),
             # A generation closed without a usage record (it failed) frees its reservation.
             on_close=lambda: self._admission.settle_lease(prepared.lease_id, prepared.id, 0),
         )
@@ -449,12 +475,29 @@ class CompletionService:
         `sink`, validate its output, record its usage (`record`, or the caller's own
         recorder). Refusals and failures are ApiErrors; a generation its caller cancelled
         is recorded as CLIENT_CLOSED, without validation."""
+        if prepared.ticket is None:
+            prepared.ticket = self._admission.book.ticket(
+                prepared.klass.value, prepared.key.account.name
+            )
+        ticket = prepared.ticket
+        try:
+            return await self._complete(prepared, ticket, sink, record)
+        except ApiError as err:
+            if err.status >= 500:  # the node failed a request it had admitted
+                ticket.refuse("error")
+            raise
+        finally:
+            ticket.close()  # ended any other way (admitted, its client gone): counted once
+
+    async def _complete(
+        self, prepared: Prepared, ticket: Ticket, sink: Sink | None, record: Recorder | None
+    ) -> Completed:
         sink = sink if sink is not None else Sink()
         record = record if record is not None else self.record
         streams = self._streams(prepared)
         ends: list[Finished | None] = [None] * prepared.n
         choices: list[Choice | None] = [None] * prepared.n
-        async with contextlib.aclosing(self._start(prepared)) as generation:
+        async with contextlib.aclosing(self._start(prepared, ticket)) as generation:
             await sink.started(generation)
             # The first event before anything is answered, so a grammar the engine refuses
             # (or a shed) is still a proper status code rather than an error in a stream.
@@ -483,8 +526,9 @@ class CompletionService:
                     # The client went away: stop the sequences, still count what they spent.
                     generation.cancel()
                     rest = await asyncio.shield(drain(generation))
-                    done = [end for end in ends if end is not None] + rest
-                    await asyncio.shield(record(prepared, merge(done), CLIENT_CLOSED))
+                    done = merge([end for end in ends if end is not None] + rest)
+                    self._admission.finished(prepared.model, prepared.klass, done, ticket)
+                    await asyncio.shield(record(prepared, done, CLIENT_CLOSED))
                 raise
             finished = merge([end for end in ends if end is not None])
             ended = [choice for choice in choices if choice is not None]
@@ -494,6 +538,8 @@ class CompletionService:
             else:
                 problems = self._problems(prepared, ended, streams)
                 status = ErrorCode.output_validation_failed.status if problems else 200
+            # Here, not in `record`: a caller's own recorder (a job's) cannot skip it.
+            self._admission.finished(prepared.model, prepared.klass, finished, ticket)
             await record(prepared, finished, status)
         return Completed(prepared, finished, problems, status, ended)
 
@@ -518,6 +564,7 @@ class CompletionService:
             return
         admitted = start + (finished.queue_s or 0.0)
         self._tracing.record("batcher", start, admitted, {"kvl.model": prepared.model})
+        sampling = prepared.request.sampling
         self._tracing.record(
             "worker",
             admitted,
@@ -528,6 +575,20 @@ class CompletionService:
                 "kvl.completion_tokens": finished.completion_tokens,
                 "kvl.ttft_s": finished.ttft_s,
                 "kvl.finish_reason": finished.finish_reason,
+                # The model call as OpenTelemetry's GenAI conventions name it.
+                "gen_ai.operation.name": GENAI_OPERATION[prepared.kind],
+                "gen_ai.provider.name": GENAI_PROVIDER,
+                "gen_ai.request.model": prepared.requested or prepared.engine.record.name,
+                "gen_ai.response.model": prepared.model,
+                "gen_ai.request.max_tokens": prepared.request.max_tokens,
+                "gen_ai.request.temperature": sampling.temperature,
+                "gen_ai.request.top_p": sampling.top_p,
+                "gen_ai.request.seed": sampling.seed,
+                "gen_ai.request.choice.count": prepared.n if prepared.n != 1 else None,
+                "gen_ai.usage.input_tokens": finished.prompt_tokens,
+                "gen_ai.usage.output_tokens": finished.completion_tokens,
+                "gen_ai.response.finish_reasons": (finished.finish_reason,),
+                "gen_ai.response.id": prepared.response_id,
             },
         )
 
@@ -570,7 +631,6 @@ class CompletionService:
         if finished.queue_s is not None:
             m.queue_seconds.labels(model).observe(finished.queue_s)
         m.generation_seconds.labels(model).observe(finished.duration_s)
-        self._admission.finished(model, prepared.klass, finished)
         tokens = finished.prompt_tokens + finished.completion_tokens
         self._admission.charge(prepared.key, prepared.klass, tokens)
         self._admission.settle_lease(prepared.lease_id, prepared.id, tokens)

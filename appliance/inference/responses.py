@@ -41,7 +41,7 @@ def _head(prepared: Prepared, *, chunk: bool) -> dict[str, Any]:
     if chat:
         obj = "chat.completion.chunk" if chunk else "chat.completion"
     return {
-        "id": ("chatcmpl-" if chat else "cmpl-") + prepared.id,
+        "id": prepared.response_id,
         "object": obj,
         "created": prepared.created,
         "model": prepared.model,

@@ -5,16 +5,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics.exposition import (
     CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE,
 )
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.registry import Collector
 
+from shared import protocol
 from shared.supervise import Failures
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Iterator
+
+    from prometheus_client import Metric
+
+    from appliance.observability.objectives import ObjectiveBook
 
 # Up to an hour: S0's objectives are 600-3600 s, and a sample past the last bound lands
 # in +Inf, where no objective can be read from it.
@@ -291,9 +298,63 @@ class Metrics:
         # The application's one record of its loops' failures, counted above.
         self.failures = Failures(self.background_failures)
 
+    def watch_objectives(self, book: ObjectiveBook) -> None:
+        """`kvl_slo_events_total` and `kvl_requests_by_outcome_total`, read off the live
+        objectives' book at each scrape (the same counts the heartbeats carry)."""
+        self.registry.register(_ObjectivesCollector(book))
+
     def render(self, accept: str) -> tuple[bytes, str]:
         """The exposition body and its content type: OpenMetrics unless only the classic
         Prometheus text format is acceptable to the scraper."""
         if "application/openmetrics-text" in accept or "text/plain" not in accept:
             return generate_openmetrics(self.registry), OPENMETRICS_CONTENT_TYPE  # type: ignore[no-untyped-call]
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _ObjectivesCollector(Collector):
+    """The objective book per class (its accounts summed): counters that resume across
+    restarts, as the book does."""
+
+    def __init__(self, book: ObjectiveBook) -> None:
+        self._book = book
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        families = self._families()
+        events, outcomes = families
+        met: dict[tuple[str, str], int] = {}
+        missed: dict[tuple[str, str], int] = {}
+        ended: dict[tuple[str, str], int] = {}
+        for klass, _, s in self._book.items():
+            for i, objective in enumerate(protocol.OBJECTIVES):
+                met[klass, objective] = met.get((klass, objective), 0) + s.met[i]
+                missed[klass, objective] = missed.get((klass, objective), 0) + s.missed[i]
+            ended[klass, "admitted"] = ended.get((klass, "admitted"), 0) + s.admitted
+            for i, reason in enumerate(protocol.REFUSALS):
+                ended[klass, reason] = ended.get((klass, reason), 0) + s.refused[i]
+        for (klass, name), n in sorted(met.items()):
+            events.add_metric([klass, name, "met"], n)
+            events.add_metric([klass, name, "missed"], missed[klass, name])
+        for (klass, outcome), n in sorted(ended.items()):
+            outcomes.add_metric([klass, outcome], n)
+        return iter(families)
+
+    @staticmethod
+    def _families() -> tuple[CounterMetricFamily, CounterMetricFamily]:
+        return (
+            CounterMetricFamily(
+                "kvl_slo_events",
+                "Requests measured against an objective of their class (admit, first_token, "
+                "complete), by outcome (met, missed); every refusal but a quota's misses all "
+                "three.",
+                labels=["class", "objective", "outcome"],
+            ),
+            CounterMetricFamily(
+                "kvl_requests_by_outcome",
+                "Requests that reached admission, by class and how they ended: admitted, or "
+                "the refusal's reason (admit, first_token, shed, outbox, error, quota).",
+                labels=["class", "outcome"],
+            ),
+        )

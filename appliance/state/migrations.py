@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import TYPE_CHECKING
 
 from sqlite_utils.migrations import Migrations
@@ -263,3 +264,27 @@ def m010_responses(db: Database) -> None:
         not_null={"account_id", "created_at", "expires_at", "body", "messages"},
     )
     db.table("responses").create_index(["expires_at"])
+
+
+@migrations()
+def m011_objectives(db: Database) -> None:
+    # The live objectives' cumulative counters, per service class and account (as
+    # protocol.ObjectiveSeries has them: maps and histograms as JSON), stored before each
+    # heartbeat is sent. The epoch names their generation: made once, with the table, so
+    # it changes only with a new database (and the hub then counts the new one whole).
+    db.table("objectives").create(
+        {
+            "service_class": str,
+            "account": str,
+            "requests": int,
+            "admitted": int,
+            "refused": str,
+            "met": str,
+            "missed": str,
+            "ttft": str,
+            "completion": str,
+        },
+        pk=("service_class", "account"),
+        not_null={"requests", "admitted", "refused", "met", "missed", "ttft", "completion"},
+    )
+    db.execute("INSERT INTO meta (key, value) VALUES ('objectives_epoch', ?)", [uuid.uuid4().hex])

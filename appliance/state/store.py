@@ -445,6 +445,55 @@ class Store:
             params.append(model)
         return list(self.db.query(sql + " ORDER BY id", params))
 
+    # -- live objectives ------------------------------------------------------------------
+
+    def save_objectives(self, rows: list[dict[str, Any]]) -> tuple[str, int]:
+        """Store series of the objective book (`ObjectiveSeries` as JSON, cumulative: each
+        replaces its row) in one transaction; (the epoch, model-worker restarts so far).
+        Called before a heartbeat is sent, so what the hub is told is never more than what
+        a restart resumes from."""
+        with self.db.conn:
+            for r in rows:
+                self.db.execute(
+                    "INSERT INTO objectives (service_class, account, requests, admitted,"
+                    " refused, met, missed, ttft, completion) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT(service_class, account) DO UPDATE SET"
+                    " requests = excluded.requests, admitted = excluded.admitted,"
+                    " refused = excluded.refused, met = excluded.met, missed = excluded.missed,"
+                    " ttft = excluded.ttft, completion = excluded.completion",
+                    [r["service_class"], r["account"], r["requests"], r["admitted"],
+                     json.dumps(r["refused"]), json.dumps(r["met"]), json.dumps(r["missed"]),
+                     json.dumps(r["ttft"]), json.dumps(r["completion"])],
+                )  # fmt: skip
+            return self.objectives_epoch(), self.worker_restart_count()
+
+    def load_objectives(self) -> list[dict[str, Any]]:
+        """The series stored, as `save_objectives` took them."""
+        rows = self.db.execute(
+            "SELECT service_class, account, requests, admitted, refused, met, missed, ttft,"
+            " completion FROM objectives ORDER BY service_class, account"
+        ).fetchall()
+        keys = ("service_class", "account", "requests", "admitted")
+        maps = ("refused", "met", "missed", "ttft", "completion")
+        return [
+            {
+                **dict(zip(keys, r[:4], strict=True)),
+                **{k: json.loads(v) for k, v in zip(maps, r[4:], strict=True)},
+            }
+            for r in rows
+        ]
+
+    def objectives_epoch(self) -> str:
+        """The objectives' epoch: made with their table, the same for the database's life."""
+        epoch = self.meta("objectives_epoch")
+        if epoch is None:  # pragma: no cover - m011 makes it
+            raise StoreError("the objectives epoch is missing")
+        return epoch
+
+    def worker_restart_count(self) -> int:
+        """Model-worker restarts recorded (any cause), since the database was made."""
+        return int(self.db.execute("SELECT COUNT(*) FROM worker_restarts").fetchone()[0])
+
     # -- models --------------------------------------------------------------------------
 
     def add_model(self, record: ModelRecord) -> ModelRecord:

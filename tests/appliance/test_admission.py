@@ -124,6 +124,15 @@ async def test_a_burst_beyond_capacity_is_refused_at_once_and_the_rest_meet_the_
     )
     assert refusals is not None
     assert float(refusals.group(1)) >= 1
+    # The live objectives saw the same: each request once, by how it ended.
+    outcomes = {
+        m[1]: float(m[2])
+        for m in re.finditer(
+            r'^kvl_requests_by_outcome_total\{class="S1",outcome="(\w+)"\} (\S+)$', text, re.M
+        )
+    }
+    assert outcomes["admitted"] == len(served)
+    assert outcomes["admit"] + outcomes["first_token"] + outcomes["shed"] == len(refused)
 
 
 async def test_a_queued_request_past_its_first_token_objective_is_shed(
@@ -154,6 +163,7 @@ async def test_a_queued_request_past_its_first_token_objective_is_shed(
         await long
     text = await (await client.get("/metrics")).text()
     assert 'kvl_admission_sheds_total{class="S1"} 1.0' in text
+    assert 'kvl_requests_by_outcome_total{class="S1",outcome="shed"} 1.0' in text
 
 
 async def test_s2_arriving_preempts_running_s0_work_which_still_completes(

@@ -14,7 +14,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.sdk.trace import TracerProvider
 
 from appliance.app import create_app
-from appliance.gateway.keys import REGISTRY, TRACING
+from appliance.gateway.keys import EMBEDDINGS, REGISTRY, TRACING
 from appliance.observability.tracing import Tracing
 from appliance.state.store import ModelRecord, Store
 from tests.conftest import make_settings
@@ -75,10 +75,13 @@ async def test_every_stage_of_a_request_is_a_span_of_one_trace(
             "messages": [{"role": "user", "content": "Say hello"}],
             "max_tokens": 4,
             "stream": True,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "seed": 7,
         },
     )
     assert response.status == 200
-    await response.read()
+    chunks = (await response.read()).decode()
     app[TRACING].flush()
     for _ in range(50):
         if any(s.name == "stream" for s in received):
@@ -100,6 +103,38 @@ async def test_every_stage_of_a_request_is_a_span_of_one_trace(
     assert by_name["batcher"].end_time_unix_nano <= by_name["worker"].start_time_unix_nano + 1000
     attributes = {a.key: a.value for a in by_name["worker"].attributes}
     assert attributes["kvl.completion_tokens"].int_value > 0
+    # The model call in OpenTelemetry's GenAI semantic conventions.
+    genai = {
+        key: (
+            value.string_value
+            or value.int_value
+            or value.double_value
+            or [v.string_value for v in value.array_value.values]
+        )
+        for key, value in attributes.items()
+        if key.startswith("gen_ai.")
+    }
+    model = genai.pop("gen_ai.response.model")
+    assert isinstance(model, str)
+    assert model.startswith("gemma-3-270m@")
+    response_id = genai.pop("gen_ai.response.id")
+    assert f'"id":"{response_id}"' in chunks.replace(" ", "")
+    reasons = genai.pop("gen_ai.response.finish_reasons")
+    assert isinstance(reasons, list)
+    assert len(reasons) == 1
+    assert reasons[0] in {"stop", "length"}
+    output = genai.pop("gen_ai.usage.output_tokens")
+    assert output == attributes["kvl.completion_tokens"].int_value
+    assert genai.pop("gen_ai.usage.input_tokens") == attributes["kvl.prompt_tokens"].int_value
+    assert genai == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "kovenlab-edge",
+        "gen_ai.request.model": "gemma-3-270m",
+        "gen_ai.request.max_tokens": 4,
+        "gen_ai.request.temperature": 0.5,
+        "gen_ai.request.top_p": 0.9,
+        "gen_ai.request.seed": 7,
+    }
     status = {a.key: a.value for a in root.attributes}["http.response.status_code"]
     assert status.int_value == 200
 
@@ -164,3 +199,54 @@ def test_the_next_hop_gets_the_trace_headers() -> None:
     version, trace_id, span_id, _ = sent["traceparent"].split("-")
     assert (version, trace_id) == ("00", TRACEPARENT.split("-")[1])
     assert span_id != TRACEPARENT.split("-")[2]  # this hop's span is the next one's parent
+
+
+async def test_an_embeddings_request_is_a_genai_span(
+    aiohttp_client: AiohttpClient, aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    received: list[Span] = []
+
+    async def traces(request: web.Request) -> web.Response:
+        export = ExportTraceServiceRequest.FromString(await request.read())
+        for resource_spans in export.resource_spans:
+            for scope in resource_spans.scope_spans:
+                received.extend(scope.spans)
+        body = ExportTraceServiceResponse().SerializeToString()
+        return web.Response(body=body, content_type="application/x-protobuf")
+
+    collector = web.Application()
+    collector.router.add_post("/v1/traces", traces)
+    server = await aiohttp_server(collector)
+    # The embedding model only: no generation model is needed.
+    settings = make_settings(
+        tmp_path / "data",
+        model={"default": "absent-model"},
+        tracing={"otlp_endpoint": str(server.make_url("/v1/traces"))},
+    )
+    store = Store(settings.db_path)
+    try:
+        key = store.create_key("traced").plaintext
+    finally:
+        store.close()
+    app = create_app(settings)
+    client = await aiohttp_client(app)
+    await app[EMBEDDINGS].wait_loaded()
+    response = await client.post(
+        "/v1/embeddings",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": "all-MiniLM-L6-v2", "input": ["one text", "and another"]},
+    )
+    assert response.status == 200, await response.text()
+    usage = (await response.json())["usage"]
+    app[TRACING].flush()
+    for _ in range(50):
+        if any(s.name == "embeddings" for s in received):
+            break
+        await asyncio.sleep(0.1)
+    (span,) = [s for s in received if s.name == "embeddings"]
+    attributes = {a.key: a.value for a in span.attributes}
+    assert attributes["gen_ai.operation.name"].string_value == "embeddings"
+    assert attributes["gen_ai.provider.name"].string_value == "kovenlab-edge"
+    assert attributes["gen_ai.request.model"].string_value == "all-MiniLM-L6-v2"
+    assert attributes["gen_ai.response.model"].string_value
+    assert attributes["gen_ai.usage.input_tokens"].int_value == usage["prompt_tokens"]
