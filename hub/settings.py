@@ -337,6 +337,7 @@ class HubSettings(BaseSettings):
     )
     tracing: TracingSettings = Field(
         default_factory=TracingSettings, description="OpenTelemetry tracing (OTLP/HTTP)."
+    )
     objectives: ObjectivesSettings = Field(
         default_factory=ObjectivesSettings,
         description="The fleet's objectives: targets, windows, error budgets.",
