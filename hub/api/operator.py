@@ -32,9 +32,10 @@ from shared.oci import LayoutError
 
 @web.middleware
 async def operator_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Operator routes (`/v1/admin/…`): an operator token, text the store can hold; and
-    the store's NotFoundError, from any handler, a 404 naming the field that named it."""
-    if not request.path.startswith("/v1/admin/"):
+    """Operator routes (`/v1/admin/…`, and `/metrics`): an operator token, text the store
+    can hold; and the store's NotFoundError, from any handler, a 404 naming the field that
+    named it."""
+    if not request.path.startswith("/v1/admin/") and request.path != "/metrics":
         return await handler(request)
     token = bearer(request)
     store = request.app[STORE]

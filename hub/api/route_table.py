@@ -321,6 +321,14 @@ ADMIN_ROUTES: tuple[Route, ...] = (
     ),
     Route(
         "GET",
+        "/metrics",
+        "The hub's Prometheus metrics (OpenMetrics, or the text format when only that is "
+        "accepted); without a token on the `metrics.listen` listener only.",
+        Auth.operator,
+        answer_types=("application/openmetrics-text", "text/plain"),
+    ),
+    Route(
+        "GET",
         "/v1/admin/loops",
         "The hub's background loops: those running, any stopped, each one's failed "
         "rounds (count, last error, when).",

@@ -124,7 +124,8 @@ class HubStore(
     does: a key made and the desired serial moved, say."""
 
 
-EventsAnswer = tuple[list[str], int]  # every id acknowledged, how many were new
+# Every id acknowledged, how many were new, and how many of each kind.
+EventsAnswer = tuple[list[str], int, dict[str, int]]
 GROUP_EVENTS = 20_000  # at most this many events in one group commit
 
 
@@ -154,6 +155,19 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         self._accounts: dict[str, frozenset[str]] = {}
         self._desired_serial = -1
         self._lease_owner: dict[str, str | None] = {}
+        # Told each call's operation (the function's name) and seconds, waiting for the
+        # thread included: the application's metrics (kvl_hub_db_duration_seconds).
+        self.timed: Callable[[str, float], None] | None = None
+
+    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`db.AsyncStore.run`, timed by operation."""
+        if self.timed is None:
+            return await super().run(fn, *args, **kwargs)
+        started = time.perf_counter()
+        try:
+            return await super().run(fn, *args, **kwargs)
+        finally:
+            self.timed(_operation(fn), time.perf_counter() - started)
 
     async def open(self) -> None:
         await super().open()
@@ -164,7 +178,13 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
     ) -> T:
         """`fn(store, …)` on the reading connection: reads only (SQLite's WAL and
         PostgreSQL both let it read what was committed while the writer writes)."""
-        return await self._reader.run(fn, self._reader.sync, *args, **kwargs)
+        if self.timed is None:
+            return await self._reader.run(fn, self._reader.sync, *args, **kwargs)
+        started = time.perf_counter()
+        try:
+            return await self._reader.run(fn, self._reader.sync, *args, **kwargs)
+        finally:
+            self.timed(_operation(fn), time.perf_counter() - started)
 
     async def nodes(self) -> list[Node]:
         """Every node (`HubStore.nodes`), read beside the writer: how the API, the console
@@ -330,6 +350,13 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
                 await self._committer
         await self._reader.close()
         await super().close()
+
+
+def _operation(fn: Callable[..., object]) -> str:
+    """A store call's name for its timing: the method's (`heartbeats`, `store_events`); a
+    lambda wrapping one is `lambda`."""
+    name = getattr(fn, "__name__", "") or "call"
+    return "lambda" if name == "<lambda>" else name
 
 
 @dataclass(frozen=True)
