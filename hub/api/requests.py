@@ -114,3 +114,18 @@ class SeedRequest(BaseModel):
 
     version: Text | None = Field(None, max_length=100, description="the newest held if unset")
     site: Text | None = Field(None, description="every node if unset")
+
+
+class SilenceRequest(BaseModel):
+    """A silence: alerts whose rule (`rule`) and labels match every matcher exactly are
+    recorded but not delivered, for `duration_s`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    matchers: dict[Annotated[Text, Field(min_length=1, max_length=100)], Text] = Field(
+        min_length=1,
+        max_length=20,
+        description='label (or "rule") -> value, e.g. {"rule": "node_offline", "node": "n1"}',
+    )
+    duration_s: float = Field(3600, gt=0, le=90 * 86_400, description="how long it holds")
+    comment: Text = Field("", max_length=500)

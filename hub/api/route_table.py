@@ -14,6 +14,7 @@ from hub.api.requests import (
     DrainRequest,
     KeyRequest,
     SeedRequest,
+    SilenceRequest,
     TenancyRequest,
     TokenRequest,
 )
@@ -336,4 +337,38 @@ ADMIN_ROUTES: tuple[Route, ...] = (
     ),
 )
 
-ROUTES: tuple[Route, ...] = NODE_ROUTES + ADMIN_ROUTES
+ALERT_ROUTES: tuple[Route, ...] = (
+    Route(
+        "GET",
+        "/v1/admin/alerts",
+        "The alerts the hub recorded, newest first: rule, labels, state, when it fired "
+        "and resolved, value, summary, whether a silence held it back.",
+        Auth.operator,
+        params=(
+            Param(
+                "state",
+                "query",
+                "only those `firing`, or `resolved`",
+                {"type": "string", "enum": ["firing", "resolved"]},
+            ),
+        ),
+    ),
+    Route("GET", "/v1/admin/silences", "Silences, newest first.", Auth.operator),
+    Route(
+        "POST",
+        "/v1/admin/silences",
+        "Silence the alerts whose rule and labels match: recorded, not delivered.",
+        Auth.operator,
+        SilenceRequest,
+        status=201,
+    ),
+    Route(
+        "DELETE",
+        "/v1/admin/silences/{id}",
+        "End a silence.",
+        Auth.operator,
+        errors=_NOT_FOUND,
+    ),
+)
+
+ROUTES: tuple[Route, ...] = NODE_ROUTES + ADMIN_ROUTES + ALERT_ROUTES

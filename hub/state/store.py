@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
 from hub.state import postgres, sql
 from hub.state.accounts import ForeignAccountError
+from hub.state.alerts import AlertRecord, AlertsMixin, Delivery, Firing, Silence
 from hub.state.base import (
     AUTH_REVISION,
     DESIRED_SERIAL,
@@ -64,13 +65,16 @@ __all__ = [
     "ENROLL_RETRY_S",
     "GROUP_EVENTS",
     "AddressPoolExhaustedError",
+    "AlertRecord",
     "AlreadyEnrolledError",
     "AsyncHubStore",
     "ConflictError",
+    "Delivery",
     "DeploymentRecord",
     "Enrolled",
     "EnrollmentToken",
     "EventsAnswer",
+    "Firing",
     "ForeignAccountError",
     "ForeignLeaseError",
     "Heartbeat",
@@ -84,6 +88,7 @@ __all__ = [
     "NotFoundError",
     "PackageRecord",
     "Quota",
+    "Silence",
     "StoreBase",
     "TokenProblem",
     "TokenRefusedError",
@@ -118,6 +123,7 @@ class HubStore(
     LeasesMixin,
     LedgerMixin,
     DesiredStateMixin,
+    AlertsMixin,
 ):
     """Every aggregate's methods on one connection (`store.sync.<method>` on the writer
     thread). A transaction (`self.db.transaction()`) spans aggregates where one change
