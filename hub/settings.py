@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from hub.fleet.budgets import window_s
+from shared.protocol import Objective, ServiceClassName
 
 EXAMPLE_HEADER = """
 Kovenlab Edge hub: every setting, at its default.
@@ -218,6 +221,68 @@ class ConsoleSettings(BaseModel):
     )
 
 
+Target = Annotated[float, Field(gt=0.0, lt=1.0)]
+# The share of each class's requests that must meet each objective (docs/hub.md
+# "Objectives and error budgets"): S0 is best effort, S2 reserved capacity.
+DEFAULT_TARGETS: dict[ServiceClassName, dict[Objective, float]] = {
+    "S0": {"admit": 0.9, "first_token": 0.9, "complete": 0.9},
+    "S1": {"admit": 0.99, "first_token": 0.99, "complete": 0.95},
+    "S2": {"admit": 0.999, "first_token": 0.999, "complete": 0.99},
+    "S3": {"admit": 0.99, "first_token": 0.99, "complete": 0.95},
+    "S4": {"admit": 0.99, "first_token": 0.99, "complete": 0.95},
+}
+
+
+class ObjectivesSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    targets: dict[ServiceClassName, dict[Objective, Target]] = Field(
+        default_factory=lambda: {c: dict(t) for c, t in DEFAULT_TARGETS.items()},
+        description=(
+            "The share of each class's requests that must meet each of its objectives "
+            "(admit: SLO.A, first_token: SLO.B, complete: SLO.C), above 0 and below 1; a "
+            "class or objective left out keeps its default."
+        ),
+    )
+    windows: list[str] = Field(
+        default_factory=lambda: ["1h", "1d", "30d"],
+        min_length=1,
+        max_length=8,
+        description=(
+            "The windows the console and `kvl hub objectives` show attainment and burn "
+            "rates over (5m, 1h, 1d, 30d, …; at most 35d, as long as the buckets are kept)."
+        ),
+    )
+    budget_period: str = Field(
+        "30d",
+        description="The period an error budget is spent over (at most 35d).",
+    )
+
+    @field_validator("windows")
+    @classmethod
+    def _windows(cls, value: list[str]) -> list[str]:
+        for window in value:
+            window_s(window)
+        return value
+
+    @field_validator("budget_period")
+    @classmethod
+    def _period(cls, value: str) -> str:
+        window_s(value)
+        return value
+
+    @property
+    def budget_period_s(self) -> float:
+        return window_s(self.budget_period)
+
+    def target(self, service_class: str, objective: str) -> float:
+        """The target of a class's objective (the default where none is set; S1's for a
+        class this hub does not know)."""
+        default = DEFAULT_TARGETS.get(service_class, DEFAULT_TARGETS["S1"])  # type: ignore[call-overload]
+        mine = self.targets.get(service_class, {})  # type: ignore[call-overload]
+        return float(mine.get(objective, default.get(objective, 0.99)))
+
+
 class MetricsSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -372,6 +437,10 @@ class HubSettings(BaseSettings):
     )
     console: ConsoleSettings = Field(
         default_factory=ConsoleSettings, description="The web console (/console/)."
+    )
+    objectives: ObjectivesSettings = Field(
+        default_factory=ObjectivesSettings,
+        description="The fleet's objectives: targets, windows, error budgets.",
     )
     metrics: MetricsSettings = Field(
         default_factory=MetricsSettings, description="The hub's Prometheus metrics (/metrics)."

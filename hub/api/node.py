@@ -250,7 +250,16 @@ async def heartbeat(request: web.Request) -> web.Response:
     node = request[NODE]
     beats = request.app[BEATS]
     now = time.time()
-    beats.add(Heartbeat(node.id, now, req.versions, req.capacity, address=request.remote))
+    beats.add(
+        Heartbeat(
+            node.id,
+            now,
+            req.versions,
+            req.capacity,
+            address=request.remote,
+            objectives=req.objectives,
+        )
+    )
     hub_tls = request.app[TLS]
     _, issuer = _peer(request)
     return answer(

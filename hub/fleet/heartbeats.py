@@ -11,6 +11,7 @@ from hub.loops import running
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
 
+    from hub.fleet.objectives import Ingested
     from hub.loops import Running
     from hub.state.store import AsyncHubStore, Heartbeat
     from shared.supervise import Failures
@@ -34,6 +35,9 @@ class Heartbeats:
         self.desired_serial = 0
         # Called with each flushed group, once it is written (the console samples them).
         self.listeners: list[Callable[[list[Heartbeat]], Awaitable[None]]] = []
+        # Called with what each flush added to the fleet's objectives (hub/fleet/objectives.py),
+        # after every flush that added something: the hub's metrics count it.
+        self.objective_listeners: list[Callable[[Ingested], None]] = []
 
     def add(self, beat: Heartbeat) -> None:
         self._waiting[beat.node_id] = beat
@@ -62,7 +66,11 @@ async def flushing(
         # heartbeats, which the nodes' next ones replace; the loop goes on.
         waiting = beats.take()
         if waiting:
-            await store.run(store.sync.heartbeats, waiting)
+            ingested = await store.run(store.sync.heartbeats, waiting)
+            if ingested:
+                for counter in beats.objective_listeners:
+                    with failures.guard(listener_loop(counter)):
+                        counter(ingested)
             for listener in beats.listeners:
                 # Each listener on its own: one that raises takes neither the flush
                 # nor the listeners after it down with it.
@@ -79,6 +87,6 @@ async def flushing(
         await flush()
 
 
-def listener_loop(listener: Callable[[list[Heartbeat]], Awaitable[None]]) -> str:
+def listener_loop(listener: Callable[..., object]) -> str:
     """The name a heartbeat listener's failures are counted under."""
     return f"heartbeats.{getattr(listener, '__name__', 'listener')}"

@@ -309,6 +309,55 @@ def m011_node_certificates(db: Database) -> None:
     db.table("node_names").create_index(["node_id"])
 
 
+# The counters of the objectives' buckets, as columns (hub/state/slo.py
+# COUNTER_NAMES as of this migration): requests, admitted, refusals by reason, objectives
+# met and missed, and the latency histograms' buckets (protocol 4's 19 bounds and one above).
+_M012_COUNTERS = (
+    "requests", "admitted", "refused_admit", "refused_first_token", "refused_shed",
+    "refused_outbox", "refused_error", "refused_quota", "met_admit", "met_first_token",
+    "met_complete", "missed_admit", "missed_first_token", "missed_complete", "ttft_0", "ttft_1",
+    "ttft_2", "ttft_3", "ttft_4", "ttft_5", "ttft_6", "ttft_7", "ttft_8", "ttft_9", "ttft_10",
+    "ttft_11", "ttft_12", "ttft_13", "ttft_14", "ttft_15", "ttft_16", "ttft_17", "ttft_18",
+    "completion_0", "completion_1", "completion_2", "completion_3", "completion_4",
+    "completion_5", "completion_6", "completion_7", "completion_8", "completion_9",
+    "completion_10", "completion_11", "completion_12", "completion_13", "completion_14",
+    "completion_15", "completion_16", "completion_17", "completion_18",
+)  # fmt: skip
+
+
+@migrations()
+def m012_objectives(db: Database) -> None:
+    # The fleet's objectives from heartbeats (hub/state/objectives.py). Per node, class and
+    # account, the last cumulative values counted (JSON) and their epoch; per node, its
+    # worker restarts likewise: what the next heartbeat's deltas are taken from.
+    db.table("slo_cursors").create(
+        {"node_id": str, "service_class": str, "account": str, "epoch": str,
+         "at": float, "counters": str},
+        pk=("node_id", "service_class", "account"),
+        not_null={"epoch", "at", "counters"},
+    )  # fmt: skip
+    db.table("slo_node_cursors").create(
+        {"node_id": str, "epoch": str, "at": float, "worker_restarts": int},
+        pk="node_id",
+        not_null={"epoch", "at", "worker_restarts"},
+    )
+    # The deltas in buckets of `width` seconds (300, kept 2 days; 3600, kept 35 days) from
+    # `start` (unix seconds); the node's name and site beside its id. A node's worker
+    # restarts are a row of their own, with class and account "".
+    columns: dict[str, type] = {
+        "width": int, "start": int, "node_id": str, "service_class": str, "account": str,
+        "node": str, "site": str,
+    }  # fmt: skip
+    columns.update(dict.fromkeys(_M012_COUNTERS, int))
+    columns.update({"ttft_sum_s": float, "completion_sum_s": float, "worker_restarts": int})
+    db.table("slo_buckets").create(
+        columns,
+        pk=("width", "start", "node_id", "service_class", "account"),
+        not_null=set(columns) - {"node", "site"},
+    )
+    db.table("slo_buckets").create_index(["width", "start"])
+
+
 @migrations()
 def m013_alerts(db: Database) -> None:
     # Alerts the hub evaluated (hub/alerting/): each firing of a rule for one subject (its

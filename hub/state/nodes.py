@@ -86,6 +86,7 @@ class Heartbeat:
     versions: Mapping[str, str]
     capacity: protocol.Capacity
     address: str | None = None  # the caller's address
+    objectives: protocol.Objectives | None = None  # protocol 4 (hub/state/objectives.py)
 
 
 def capacity_of(stored: str | None) -> protocol.Capacity:
@@ -263,8 +264,9 @@ class NodesMixin(StoreBase):
             return None
         return node_of(rows[0])
 
-    def heartbeats(self, beats: Sequence[Heartbeat]) -> None:
-        """Record heartbeats (the last of each node), in one transaction. In the order of
+    def record_heartbeats(self, beats: Sequence[Heartbeat]) -> None:
+        """Record heartbeats (the last of each node), in one transaction (`HubStore.heartbeats`
+        counts their objectives in it too). In the order of
         the node ids: two replicas writing the same nodes lock their rows in one order, so
         neither waits on the other in a cycle."""
         with self.db.transaction():

@@ -48,6 +48,7 @@ from hub.state.nodes import (
     NodesMixin,
     capacity_of,
 )
+from hub.state.objectives import ObjectivesMixin
 from hub.state.operators import OperatorsMixin
 from hub.state.packages import PackageRecord
 from hub.state.tokens import EnrollmentToken, TokenProblem, TokenRefusedError, TokensMixin
@@ -55,9 +56,10 @@ from shared import db, protocol
 from shared.keys import NODE_TOKEN, hash_key, parse_prefix
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Sequence
 
     from hub.settings import HubSettings
+    from hub.state.slo import Ingested
 
 __all__ = [
     "AUTH_REVISION",
@@ -123,11 +125,20 @@ class HubStore(
     LeasesMixin,
     LedgerMixin,
     DesiredStateMixin,
+    ObjectivesMixin,
     AlertsMixin,
 ):
     """Every aggregate's methods on one connection (`store.sync.<method>` on the writer
     thread). A transaction (`self.db.transaction()`) spans aggregates where one change
     does: a key made and the desired serial moved, say."""
+
+    @sql.retrying()
+    def heartbeats(self, beats: Sequence[Heartbeat]) -> Ingested:
+        """The flush of the waiting heartbeats: the nodes' rows, and their objectives
+        counted into the buckets, in one transaction; what the objectives added."""
+        with self.db.transaction():
+            self.record_heartbeats(beats)
+            return self.ingest_objectives(beats)
 
 
 # Every id acknowledged, how many were new, and how many of each kind.

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from aiohttp.test_utils import TestServer
     from pytest_aiohttp import AiohttpServer
 
+    from hub.fleet.objectives import Ingested
     from hub.settings import HubSettings
     from hub.state.store import Heartbeat
 
@@ -109,11 +110,11 @@ async def test_the_heartbeat_flusher_survives_its_write_and_its_listeners_failin
     write = store.sync.heartbeats
     writes: list[int] = []
 
-    def failing_write(beats: list[Heartbeat]) -> None:
+    def failing_write(beats: list[Heartbeat]) -> Ingested:
         writes.append(len(beats))
         if len(writes) == 1:
             raise RuntimeError("the disk is on fire")
-        write(beats)
+        return write(beats)
 
     monkeypatch.setattr(store.sync, "heartbeats", failing_write)
 

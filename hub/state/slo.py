@@ -1,0 +1,222 @@
+"""The fleet's objectives as the store counts them: what one heartbeat flush added
+(`Ingested`, one `SloDelta` per node, class and account), what a window of buckets holds
+(`SloTotals`), and how a node's cumulative counters become those deltas (`Counters`,
+`delta`): pure, so the store's flush and the tests share one rule. The rest of the hub
+names these through hub/fleet/objectives.py.
+
+A node counts cumulatively within an epoch (shared/protocol.py `Objectives`); the hub
+keeps the last values it counted of each (node, class, account) in its database and adds
+the difference. A new epoch is counted whole; a value lower than the last one within an
+epoch is a reset (a node's counters never go down), counted whole too, as Prometheus
+does: what a node can do with its numbers changes only its own share of the roll-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from shared import protocol
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
+# The accounts a node names that the hub does not know are counted under this name, so a
+# node cannot add accounts to the roll-up (an account an operator named so would share it).
+OTHER_ACCOUNT = "(other)"
+Grouping = Literal["class", "account", "site", "node"]
+GROUPINGS: tuple[Grouping, ...] = ("class", "account", "site", "node")
+HISTOGRAM_BUCKETS = len(protocol.LATENCY_BOUNDS_S) + 1
+
+
+@dataclass(frozen=True)
+class SloDelta:
+    """What one node's heartbeat added for one (class, account)."""
+
+    node_id: str
+    node: str
+    site: str
+    service_class: str
+    account: str
+    requests: int
+    admitted: int
+    refused: dict[str, int]  # by protocol.REFUSALS reason
+    met: dict[str, int]  # by protocol.OBJECTIVES
+    missed: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Ingested:
+    """What one heartbeat flush added."""
+
+    series: list[SloDelta]
+    worker_restarts: list[tuple[str, str, str, int]]  # (node_id, node name, site, added)
+
+    def __bool__(self) -> bool:
+        return bool(self.series or self.worker_restarts)
+
+
+@dataclass(frozen=True)
+class SloTotals:
+    """A window's sums for one class and group (the account, site or node name; "" when
+    grouped by class alone)."""
+
+    service_class: str
+    group: str
+    requests: int
+    admitted: int
+    refused: dict[str, int] = field(default_factory=dict)
+    met: dict[str, int] = field(default_factory=dict)
+    missed: dict[str, int] = field(default_factory=dict)
+
+
+# -- counters --------------------------------------------------------------------------------
+
+# The counters of one series, flat and in this order: requests, admitted, refused by reason,
+# met and missed by objective, the two histograms' counts. The histograms' sums (seconds,
+# floats) go beside them.
+COUNTER_NAMES: tuple[str, ...] = (
+    "requests",
+    "admitted",
+    *(f"refused_{r}" for r in protocol.REFUSALS),
+    *(f"met_{o}" for o in protocol.OBJECTIVES),
+    *(f"missed_{o}" for o in protocol.OBJECTIVES),
+    *(f"ttft_{i}" for i in range(HISTOGRAM_BUCKETS)),
+    *(f"completion_{i}" for i in range(HISTOGRAM_BUCKETS)),
+)
+SUM_NAMES: tuple[str, ...] = ("ttft_sum_s", "completion_sum_s")
+_TTFT = COUNTER_NAMES.index("ttft_0")
+_COMPLETION = COUNTER_NAMES.index("completion_0")
+
+
+@dataclass(frozen=True)
+class Counters:
+    """One series' cumulative values, flat (`COUNTER_NAMES`, `SUM_NAMES`)."""
+
+    counts: tuple[int, ...]
+    sums: tuple[float, ...]
+
+    @classmethod
+    def zero(cls) -> Counters:
+        return cls((0,) * len(COUNTER_NAMES), (0.0,) * len(SUM_NAMES))
+
+    @classmethod
+    def of(cls, series: protocol.ObjectiveSeries) -> Counters:
+        counts = (
+            series.requests,
+            series.admitted,
+            *(series.refused.get(r, 0) for r in protocol.REFUSALS),
+            *(series.met.get(o, 0) for o in protocol.OBJECTIVES),
+            *(series.missed.get(o, 0) for o in protocol.OBJECTIVES),
+            *series.ttft.counts,
+            *series.completion.counts,
+        )
+        return cls(counts, (series.ttft.sum_s, series.completion.sum_s))
+
+    def __add__(self, other: Counters) -> Counters:
+        return Counters(
+            tuple(a + b for a, b in zip(self.counts, other.counts, strict=True)),
+            tuple(a + b for a, b in zip(self.sums, other.sums, strict=True)),
+        )
+
+    def below(self, other: Counters) -> bool:
+        """Whether any value is lower than `other`'s: a reset, within one epoch."""
+        return any(a < b for a, b in zip(self.counts, other.counts, strict=True)) or any(
+            a < b for a, b in zip(self.sums, other.sums, strict=True)
+        )
+
+    def minus(self, other: Counters) -> Counters:
+        return Counters(
+            tuple(a - b for a, b in zip(self.counts, other.counts, strict=True)),
+            tuple(max(0.0, a - b) for a, b in zip(self.sums, other.sums, strict=True)),
+        )
+
+    def __bool__(self) -> bool:
+        return any(self.counts)
+
+    def dump(self) -> str:
+        """As the cursor table keeps them: a JSON list."""
+        return "[" + ",".join(map(str, self.counts)) + "," + ",".join(map(repr, self.sums)) + "]"
+
+    @classmethod
+    def load(cls, text: str) -> Counters:
+        """What `dump` wrote; zero for anything else (a row of another layout)."""
+        import json  # noqa: PLC0415 - only the flush reads cursors
+
+        try:
+            values = json.loads(text)
+            counts = tuple(int(v) for v in values[: len(COUNTER_NAMES)])
+            sums = tuple(float(v) for v in values[len(COUNTER_NAMES) :])
+        except (ValueError, TypeError):
+            return cls.zero()
+        if len(counts) != len(COUNTER_NAMES) or len(sums) != len(SUM_NAMES):
+            return cls.zero()
+        return cls(counts, sums)
+
+    @property
+    def ttft(self) -> tuple[int, ...]:
+        return self.counts[_TTFT : _TTFT + HISTOGRAM_BUCKETS]
+
+    @property
+    def completion(self) -> tuple[int, ...]:
+        return self.counts[_COMPLETION : _COMPLETION + HISTOGRAM_BUCKETS]
+
+    def named(self) -> dict[str, int]:
+        return dict(zip(COUNTER_NAMES, self.counts, strict=True))
+
+
+def delta(now: Counters, epoch: str, last: Counters | None, last_epoch: str | None) -> Counters:
+    """What `now` adds to `last`: all of it in a new epoch (or with nothing before), all of
+    it after a reset (a value lower than before), else the difference."""
+    if last is None or last_epoch != epoch or now.below(last):
+        return now
+    return now.minus(last)
+
+
+def merged(
+    series: Iterable[protocol.ObjectiveSeries], known: frozenset[str] | set[str]
+) -> dict[tuple[str, str], Counters]:
+    """A heartbeat's series by (class, account), the accounts the hub does not know summed
+    under OTHER_ACCOUNT (a sum of cumulative counters is cumulative)."""
+    out: dict[tuple[str, str], Counters] = {}
+    for one in series:
+        account = one.account if one.account in known else OTHER_ACCOUNT
+        key = (one.service_class, account)
+        counters = Counters.of(one)
+        out[key] = out[key] + counters if key in out else counters
+    return out
+
+
+def slo_delta(node_id: str, node: str, site: str, key: tuple[str, str], d: Counters) -> SloDelta:
+    named = d.named()
+    return SloDelta(
+        node_id=node_id,
+        node=node,
+        site=site,
+        service_class=key[0],
+        account=key[1],
+        requests=named["requests"],
+        admitted=named["admitted"],
+        refused={r: named[f"refused_{r}"] for r in protocol.REFUSALS},
+        met={o: named[f"met_{o}"] for o in protocol.OBJECTIVES},
+        missed={o: named[f"missed_{o}"] for o in protocol.OBJECTIVES},
+    )
+
+
+def quantile(counts: Sequence[int | float], q: float) -> float | None:
+    """The `q` quantile of a histogram of `protocol.LATENCY_BOUNDS_S` (linear within the
+    bucket it falls in, as Prometheus' histogram_quantile); None when it holds nothing.
+    One above the last bound is the last bound."""
+    total = sum(counts)
+    if total <= 0:
+        return None
+    rank = q * total
+    seen = 0.0
+    bounds = protocol.LATENCY_BOUNDS_S
+    for i, count in enumerate(counts):
+        if count and seen + count >= rank:
+            if i >= len(bounds):
+                return bounds[-1]
+            lower = bounds[i - 1] if i else 0.0
+            return lower + (bounds[i] - lower) * (rank - seen) / count
+        seen += count
+    return bounds[-1]

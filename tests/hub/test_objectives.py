@@ -1,0 +1,464 @@
+"""The fleet's objectives: a real hub (SQLite and PostgreSQL) takes nodes' cumulative
+counters from their heartbeats through the node API and counts each value once (a resent
+heartbeat adds nothing, a new epoch counts whole, a reset counts whole, accounts it does
+not know are "(other)"), refuses what is out of bounds without changing anything, and
+sums the buckets over windows; error budgets and burn rates against hand-computed
+numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from pydantic import ValidationError
+
+from hub.app import create_app
+from hub.fleet import budgets
+from hub.fleet.objectives import OTHER_ACCOUNT, Ingested, SloTotals, quantile
+from hub.keys import BEATS
+from hub.settings import HubSettings
+from hub.state.objectives import FIVE_MINUTES, HOUR, KEPT_S, SloFilters
+from hub.state.store import Heartbeat, HubStore, open_store
+from shared import protocol
+from tests.hub.test_hostile_nodes import _assert_refused, _call, _enroll
+from tests.hub.test_hub import settings_for
+from tests.waiting import until
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from aiohttp.test_utils import TestClient
+    from pytest_aiohttp import AiohttpClient
+
+    from tests.hub.conftest import HubDatabase
+
+BUCKETS = len(protocol.LATENCY_BOUNDS_S) + 1
+
+
+def series(
+    account: str = "acme",
+    service_class: str = "S1",
+    *,
+    requests: int = 0,
+    admitted: int | None = None,
+    refused: dict[str, int] | None = None,
+    met: int = 0,
+    missed: int = 0,
+    ttft: dict[int, int] | None = None,
+) -> dict[str, Any]:
+    """One (class, account) series: `met`/`missed` for first_token (and admit: all that
+    were admitted met it), the TTFT histogram's counts by bucket index."""
+    refused = refused or {}
+    admitted = requests - sum(refused.values()) if admitted is None else admitted
+    counts = [0] * BUCKETS
+    for i, n in (ttft or {}).items():
+        counts[i] = n
+    return {
+        "service_class": service_class,
+        "account": account,
+        "requests": requests,
+        "admitted": admitted,
+        "refused": refused,
+        "met": {"first_token": met, "admit": admitted},
+        "missed": {"first_token": missed, "admit": requests - admitted - refused.get("quota", 0)},
+        "ttft": {"counts": counts, "sum_s": float(sum(counts))},
+    }
+
+
+def objectives(epoch: str, *many: dict[str, Any], restarts: int = 0) -> dict[str, Any]:
+    return {"epoch": epoch, "series": list(many), "worker_restarts": restarts}
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, hub_database: HubDatabase) -> tuple[HubSettings, dict[str, str]]:
+    settings = settings_for(tmp_path, hub_database)
+    store = open_store(settings)
+    try:
+        store.set_account("acme", "S1")
+        store.set_account("globex", "S2")
+        node_id, token = _enroll(store, "n1")
+        other_id, other_token = _enroll(store, "n2")
+    finally:
+        store.close()
+    return settings, {"id": node_id, "token": token, "other_id": other_id, "other": other_token}
+
+
+def _read(settings: HubSettings, fn: Any, *args: Any) -> Any:
+    store = open_store(settings)
+    try:
+        return fn(store, *args)
+    finally:
+        store.close()
+
+
+def _totals(settings: HubSettings, by: str = "account") -> dict[tuple[str, str], SloTotals]:
+    now = time.time()
+    rows = _read(settings, HubStore.slo_totals, now - 3600, now + 1, by)
+    return {(t.service_class, t.group): t for t in rows}
+
+
+class Beats:
+    """Heartbeats through the node API, each one's landing waited for: the flusher writes
+    them behind, and a beat's cpu_percent marks it."""
+
+    def __init__(self, client: TestClient[Any, Any], settings: HubSettings) -> None:
+        self.client = client
+        self.settings = settings
+        self.marker = 0.0
+
+    async def send(self, token: str, node_id: str, body: dict[str, Any] | None) -> None:
+        self.marker += 1
+        beat: dict[str, Any] = {"capacity": {"cpu_percent": self.marker}}
+        if body is not None:
+            beat["objectives"] = body
+        status, answer = await _call(self.client, "POST", "/v1/node/heartbeat", token,
+                                     json.dumps(beat))  # fmt: skip
+        assert status == 200, answer
+        marker = self.marker
+
+        def landed() -> bool:
+            node = _read(self.settings, HubStore.node, node_id)
+            return bool(node.capacity.cpu_percent == marker)
+
+        await until(landed, "the heartbeat flushed", timeout_s=15)
+
+
+async def test_heartbeats_count_each_value_once(
+    aiohttp_client: AiohttpClient, fleet: tuple[HubSettings, dict[str, str]]
+) -> None:
+    settings, ids = fleet
+    app = create_app(settings)
+    client = await aiohttp_client(app)
+    ingested: list[Ingested] = []
+    failed: list[int] = []
+
+    def boom(added: Ingested) -> None:
+        failed.append(len(added.series))
+        if len(failed) == 1:
+            raise RuntimeError("a listener's bug")
+
+    # A listener that raises takes neither the flush nor the listeners after it down.
+    app[BEATS].objective_listeners += [boom, ingested.append]
+    beats = Beats(client, settings)
+    token, node = ids["token"], ids["id"]
+
+    # The first heartbeat of an epoch counts whole.
+    first = objectives("e1", series(requests=10, met=8, missed=2, ttft={2: 8}), restarts=1)
+    await beats.send(token, node, first)
+    acme = _totals(settings)[("S1", "acme")]
+    assert (acme.requests, acme.admitted, acme.met["first_token"], acme.missed["first_token"]) == (
+        10, 10, 8, 2,
+    )  # fmt: skip
+    [added] = ingested
+    assert [
+        (d.node, d.site, d.account, d.requests, d.met["first_token"]) for d in added.series
+    ] == [("n1", "site", "acme", 10, 8)]
+    assert added.worker_restarts == [(node, "n1", "site", 1)]
+
+    # Sent again (its answer lost): nothing counted twice, nothing handed to listeners.
+    await beats.send(token, node, first)
+    assert _totals(settings)[("S1", "acme")].requests == 10
+    assert len(ingested) == 1
+
+    # Grown: the difference. An account the hub does not know: "(other)", summed with a
+    # second unknown one.
+    grown = objectives(
+        "e1",
+        series(requests=15, met=12, missed=3, ttft={2: 12}),
+        series("ghost", requests=4, met=4),
+        series("spectre", requests=1, missed=1),
+        restarts=3,
+    )
+    await beats.send(token, node, grown)
+    totals = _totals(settings)
+    assert (totals[("S1", "acme")].requests, totals[("S1", "acme")].missed["first_token"]) == (
+        15,
+        3,
+    )
+    other = totals[("S1", OTHER_ACCOUNT)]
+    assert (other.requests, other.met["first_token"], other.missed["first_token"]) == (5, 4, 1)
+    assert not {k for k in totals if k[1] in {"ghost", "spectre"}}
+    assert ingested[-1].worker_restarts == [(node, "n1", "site", 2)]
+    now = time.time()
+    assert _read(settings, HubStore.worker_restarts_since, now - 600) == {node: 3}
+
+    # A heartbeat of an older node, without objectives: served, nothing counted.
+    await beats.send(token, node, None)
+    assert _totals(settings)[("S1", "acme")].requests == 15
+
+    # A reset within the epoch (a value lower than before): the new values count whole.
+    await beats.send(token, node, objectives("e1", series(requests=2, met=2), restarts=3))
+    assert _totals(settings)[("S1", "acme")].requests == 17
+    # A new epoch (a new database on the node): counted whole, though higher than before.
+    await beats.send(token, node, objectives("e2", series(requests=20, met=20), restarts=0))
+    totals = _totals(settings)
+    assert totals[("S1", "acme")].requests == 37
+    assert totals[("S1", "acme")].met["first_token"] == 34
+    # By class, site and node, the same sums.
+    by_class = _totals(settings, "class")
+    assert by_class[("S1", "")].requests == 42
+    assert _totals(settings, "site")[("S1", "site")].requests == 42
+    assert _totals(settings, "node")[("S1", "n1")].requests == 42
+
+    # Another node's series are its own: same account, its own cursor.
+    await beats.send(ids["other"], ids["other_id"], objectives("e1", series(requests=3, met=3)))
+    assert _totals(settings)[("S1", "acme")].requests == 40
+    assert _totals(settings, "node")[("S1", "n2")].requests == 3
+    # Only the listener's bug was counted, once.
+    failures = (await (await client.get("/healthz")).json())["loop_failures"]
+    assert failures == {"heartbeats.boom": 1}
+    assert len(failed) == len(ingested)
+
+
+def _hostile_objectives() -> list[str]:
+    good = series(requests=5, met=5)
+    histogram = {"counts": [0] * BUCKETS, "sum_s": 0.0}
+    bodies: list[Any] = [
+        objectives("e1", {**good, "requests": -1}),
+        objectives("e1", {**good, "requests": (1 << 53) + 1}),
+        objectives("e1", {**good, "admitted": 6}),  # more admitted than requests
+        objectives("e1", {**good, "met": {"first_token": 9}}),  # more met than requests
+        objectives("e1", good, good),  # a series twice
+        objectives("e1", *(series(f"a{i}", requests=1) for i in range(257))),
+        objectives("e1", {**good, "service_class": "S9"}),
+        objectives("e1", {**good, "refused": {"bored": 1}}),
+        objectives("e1", {**good, "ttft": {"counts": [0] * 3, "sum_s": 0.0}}),
+        objectives("e1", {**good, "ttft": {**histogram, "sum_s": -1.0}}),
+        objectives("e1", {**good, "ttft": {"counts": [6] + [0] * (BUCKETS - 1), "sum_s": 0}}),
+        objectives("", good),
+        objectives("e1", {**good, "account": ""}),
+        {"epoch": "e1", "series": [], "worker_restarts": -3},
+        {"epoch": "e1", "series": [], "surprise": 1},
+    ]
+    texts = [json.dumps({"objectives": b}) for b in bodies]
+    texts.append('{"objectives": {"epoch": "e1", "series": [], "worker_restarts": NaN}}')
+    texts.append(
+        '{"objectives": {"epoch": "e1", "series": [{"service_class": "S1", "account": "acme",'
+        ' "ttft": {"counts": [' + ", ".join(["0"] * BUCKETS) + '], "sum_s": Infinity}}]}}'
+    )
+    return texts
+
+
+async def test_out_of_bounds_objectives_are_refused_and_change_nothing(
+    aiohttp_client: AiohttpClient, fleet: tuple[HubSettings, dict[str, str]]
+) -> None:
+    settings, ids = fleet
+    client = await aiohttp_client(create_app(settings))
+    beats = Beats(client, settings)
+    await beats.send(ids["token"], ids["id"], objectives("e1", series(requests=5, met=5)))
+    before = _totals(settings)
+    for body in _hostile_objectives():
+        status, answer = await _call(client, "POST", "/v1/node/heartbeat", ids["token"], body)
+        _assert_refused(status, answer, body[:120])
+    # A beat after them lands, and nothing they carried was counted.
+    await beats.send(ids["token"], ids["id"], objectives("e1", series(requests=5, met=5)))
+    assert _totals(settings) == before
+    assert _read(settings, HubStore.worker_restarts_since, time.time() - 600) == {}
+
+
+# -- the store: windows, buckets, pruning, replicas ------------------------------------------
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _beat(
+    node_id: str, at: float, epoch: str, *many: dict[str, Any], restarts: int = 0
+) -> Heartbeat:
+    body = protocol.Objectives.model_validate(objectives(epoch, *many, restarts=restarts))
+    return Heartbeat(node_id, at, {}, protocol.Capacity(), objectives=body)
+
+
+def test_windows_buckets_and_pruning(tmp_path: Path, hub_database: HubDatabase) -> None:
+    settings = settings_for(tmp_path, hub_database)
+    t0 = 1_800_000_000.0  # a multiple of an hour
+    assert t0 % HOUR == 0
+    clock = Clock(t0)
+    store = open_store(settings, clock=clock)
+    try:
+        store.set_account("acme", "S1")
+        node, _ = _enroll(store, "n1")
+        # 10 requests at t0 + 1 s, 10 more at t0 + 7 min (the next five minutes), 10 more
+        # 3 days later (the old five-minute buckets then pruned).
+        store.heartbeats([_beat(node, t0 + 1, "e", series(requests=10, met=9, missed=1))])
+        clock.now = t0 + 420
+        store.heartbeats([_beat(node, t0 + 420, "e", series(requests=20, met=18, missed=2))])
+
+        def requests(since: float, until: float) -> int:
+            return sum(t.requests for t in store.slo_totals(since, until, "class"))
+
+        # Five-minute buckets: [t0, t0+300) holds 10, [t0+300, t0+600) holds 10.
+        assert requests(t0, t0 + 300) == 10
+        assert requests(t0 + 300, t0 + 600) == 20 - 10
+        assert requests(t0 + 299, t0 + 301) == 20  # both overlap the window
+        assert requests(t0 + 600, t0 + 900) == 0
+        assert requests(t0 - 300, t0) == 0  # the bucket before ends where the first begins
+        # A day: the hourly buckets.
+        assert requests(t0 - 86_400 + 420, t0 + 420) == 20
+        # Filters.
+        assert (
+            sum(t.requests for t in store.slo_totals(t0, t0 + 600, "class", SloFilters(node="n1")))
+            == 20
+        )
+        assert store.slo_totals(t0, t0 + 600, "class", SloFilters(account="globex")) == []
+
+        # The series for charts: one point per five minutes.
+        points = store.slo_series(t0, t0 + 600, 300)
+        assert [(p.start, p.counters["requests"]) for p in points] == [(t0, 10.0), (t0 + 300, 10.0)]
+
+        clock.now = t0 + 3 * 86_400
+        store.heartbeats(
+            [_beat(node, clock.now, "e", series(requests=30, met=27, missed=3), restarts=2)]
+        )
+        # The pruning ran with the flush: the first five-minute buckets are gone, the
+        # hourly ones kept.
+        count = store.db.execute(
+            "SELECT COUNT(*) FROM slo_buckets WHERE width = ? AND start < ?",
+            [FIVE_MINUTES, clock.now - KEPT_S[FIVE_MINUTES]],
+        ).fetchone()[0]
+        assert count == 0
+        assert requests(t0, t0 + 3600) == 20  # read from the hourly buckets
+        assert requests(clock.now - 3600, clock.now + 1) == 10
+        assert store.worker_restarts_since(clock.now - 600) == {node: 2}
+        clock.now = t0 + 40 * 86_400
+        assert store.prune_objectives(clock.now) > 0
+        assert store.slo_totals(t0 - HOUR, clock.now, "class") == []
+    finally:
+        store.close()
+
+
+def test_a_second_replica_counts_from_the_same_cursors(
+    tmp_path: Path, hub_database: HubDatabase
+) -> None:
+    """The cursors are in the database: a restarted hub, or another replica, takes the
+    next delta from the values the first counted; a beat older than those is late and
+    adds nothing."""
+    settings = settings_for(tmp_path, hub_database)
+    now = time.time()
+    one, two = open_store(settings), open_store(settings)
+    try:
+        one.set_account("acme", "S1")
+        node, _ = _enroll(one, "n1")
+        one.heartbeats([_beat(node, now, "e", series(requests=10, met=10))])
+        added = two.heartbeats([_beat(node, now + 1, "e", series(requests=12, met=12))])
+        assert [d.requests for d in added.series] == [2]
+        late = one.heartbeats([_beat(node, now + 0.5, "e", series(requests=11, met=11))])
+        assert not late
+        assert sum(t.requests for t in two.slo_totals(now - 60, now + 60, "class")) == 12
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_hostile_node_resetting_on_purpose_cannot_overflow_the_sums(
+    tmp_path: Path, hub_database: HubDatabase
+) -> None:
+    """Up and down between 0 and the largest value, each beat counts whole: the buckets
+    stop at 2**53 and the sums stay readable; other nodes' rows are untouched."""
+    settings = settings_for(tmp_path, hub_database)
+    now = time.time() // FIVE_MINUTES * FIVE_MINUTES  # every beat in one bucket
+    store = open_store(settings)
+    try:
+        store.set_account("acme", "S1")
+        hostile, _ = _enroll(store, "hostile")
+        honest, _ = _enroll(store, "honest")
+        top = 1 << 53
+        for i in range(6):
+            value = top if i % 2 == 0 else 1
+            store.heartbeats(
+                [
+                    _beat(hostile, now + i, "e", series(requests=value, met=value)),
+                    _beat(honest, now + i, "e", series(requests=i + 1, met=i + 1)),
+                ]
+            )
+        rows = {t.group: t for t in store.slo_totals(now - 60, now + 60, "node")}
+        assert rows["hostile"].requests == top  # capped, never wrapped
+        assert rows["honest"].requests == 6
+    finally:
+        store.close()
+
+
+# -- error budgets ---------------------------------------------------------------------------
+
+
+def test_budget_math_against_hand_computed_numbers() -> None:
+    # 99 % target, 1000 requests: a budget of 10 misses.
+    assert budgets.burn_rate(5, 1000, 0.99) == pytest.approx(0.5)
+    assert budgets.budget_left(5, 1000, 0.99) == pytest.approx(0.5)
+    assert budgets.burn_rate(20, 1000, 0.99) == pytest.approx(2.0)
+    assert budgets.budget_left(20, 1000, 0.99) == pytest.approx(-1.0)  # overspent
+    assert budgets.burn_rate(0, 0, 0.99) == 0.0
+    assert budgets.budget_left(0, 0, 0.99) == 1.0
+    # 99.9 %: one miss in 1000 spends it exactly (burn 1 = the budget over the period).
+    assert budgets.burn_rate(1, 1000, 0.999) == pytest.approx(1.0)
+    assert budgets.budget_left(1, 1000, 0.999) == pytest.approx(0.0)
+    assert budgets.attainment(99, 1) == pytest.approx(0.99)
+    assert budgets.attainment(0, 0) is None
+    assert math.isinf(budgets.burn_rate(1, 10, 1.0))
+
+    window = [
+        SloTotals("S1", "acme", 100, 96, met={"first_token": 98}, missed={"first_token": 2}),
+        SloTotals("S2", "globex", 10, 10, met={"admit": 10}, missed={}),
+    ]
+    period = [
+        SloTotals("S1", "acme", 4000, 4000, met={"first_token": 3990}, missed={"first_token": 10})
+    ]
+    rows = budgets.report(window, HubSettings().objectives.target, period)
+    assert [(r.service_class, r.objective, r.group) for r in rows] == [
+        ("S1", "first_token", "acme"),
+        ("S2", "admit", "globex"),
+    ]
+    acme, globex = rows
+    assert (acme.good, acme.bad, acme.target) == (98, 2, 0.99)
+    assert acme.attainment == pytest.approx(0.98)
+    assert acme.burn_rate == pytest.approx(2.0)  # 2 % missed where 1 % is allowed
+    assert acme.budget_left == pytest.approx(0.75)  # 10 of 40 allowed in the period
+    assert (globex.target, globex.burn_rate, globex.budget_left) == (0.999, 0.0, 1.0)
+
+
+def test_quantiles_of_the_histograms() -> None:
+    counts = [0] * BUCKETS
+    counts[1] = 50  # (0.05, 0.1]
+    counts[3] = 50  # (0.25, 0.5]
+    assert quantile(counts, 0.5) == pytest.approx(0.1)
+    assert quantile(counts, 0.75) == pytest.approx(0.375)
+    assert quantile([0] * BUCKETS, 0.5) is None
+    counts = [0] * BUCKETS
+    counts[-1] = 3  # above the last bound
+    assert quantile(counts, 0.99) == protocol.LATENCY_BOUNDS_S[-1]
+
+
+def test_objective_settings() -> None:
+    objectives_settings = HubSettings().objectives
+    assert objectives_settings.windows == ["1h", "1d", "30d"]
+    assert objectives_settings.budget_period_s == 30 * 86_400
+    target = objectives_settings.target
+    assert (target("S1", "admit"), target("S1", "first_token"), target("S1", "complete")) == (
+        0.99, 0.99, 0.95,
+    )  # fmt: skip
+    assert target("S2", "first_token") == 0.999
+    assert target("S0", "first_token") < target("S1", "first_token")
+    mine = HubSettings.model_validate({"objectives": {"targets": {"S1": {"complete": 0.9}}}})
+    assert mine.objectives.target("S1", "complete") == 0.9
+    assert mine.objectives.target("S1", "first_token") == 0.99  # the default kept
+    assert mine.objectives.target("S2", "admit") == 0.999
+    bad: dict[str, Any]
+    for bad in (
+        {"targets": {"S1": {"admit": 1.0}}},
+        {"targets": {"S1": {"admit": 0}}},
+        {"targets": {"S9": {"admit": 0.5}}},
+        {"windows": ["2y"]},
+        {"windows": ["40d"]},
+        {"windows": []},
+        {"budget_period": "0d"},
+    ):
+        with pytest.raises(ValidationError):
+            HubSettings.model_validate({"objectives": bad})
