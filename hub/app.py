@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from hub.alerting.delivery import AlertSender, delivering
+from hub.alerting.loop import Evaluator, evaluating
 from hub.api.metrics import metrics_app, metrics_route
 from hub.api.node import node_auth, node_routes
 from hub.api.openapi import openapi_route
@@ -70,6 +72,7 @@ def create_app(settings: HubSettings) -> web.Application:
     app.cleanup_ctx.append(_forwarder)
     app.cleanup_ctx.append(_pki)
     app.cleanup_ctx.append(_placement)
+    app.cleanup_ctx.append(_alerts)
     if settings.overlay.interface is not None:
         app.cleanup_ctx.append(_tunnel)
     if settings.metrics.listen is not None:
@@ -126,6 +129,7 @@ async def _heartbeats(app: web.Application) -> AsyncIterator[None]:
     """The write-behind of heartbeats (hub/fleet/heartbeats.py)."""
     beats = Heartbeats()
     beats.taken = app[METRICS].flushed
+    beats.objective_listeners.append(app[METRICS].objectives)  # kvl_fleet_*_total
     app[BEATS] = beats
     async with flushing(app[STORE], beats, app[LOOPS], app[RUNNING]):
         yield
@@ -156,6 +160,24 @@ async def _placement(app: web.Application) -> AsyncIterator[None]:
     """The placement reconciler (hub/reconciler.py)."""
     loop = reconcile_forever(app[STORE], app[SETTINGS], app[LOOPS], app[METRICS])
     async with running(app[RUNNING], "placement", loop):
+        yield
+
+
+async def _alerts(app: web.Application) -> AsyncIterator[None]:
+    """The alert loop and its webhooks (hub/alerting/)."""
+    settings, store, tls = app[SETTINGS], app[STORE], app[TLS]
+    sender = AlertSender(store, settings.alerts)
+    evaluator = Evaluator(
+        store,
+        settings,
+        app[LOOPS],
+        signing_ca=lambda: tls.phase.signing.fingerprint,
+        changed=sender.wake.set,
+    )
+    async with (
+        delivering(sender, app[LOOPS], app[RUNNING]),
+        evaluating(evaluator, settings.alerts.every_s, app[LOOPS], app[RUNNING]),
+    ):
         yield
 
 

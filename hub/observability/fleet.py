@@ -50,5 +50,5 @@ async def refresh(
         metrics.node_outbox_alarm.labels(*labels).set(1 if node.capacity.outbox_alarm else 0)
         if (certificate := certificates.get(node.id)) is not None:
             metrics.node_certificate_expiry.labels(*labels).set(certificate.not_after)
-    for status, count in statuses.items():
-        metrics.nodes.labels(status).set(count)
+    for name, count in statuses.items():
+        metrics.nodes.labels(name).set(count)

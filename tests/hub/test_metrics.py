@@ -112,7 +112,7 @@ async def test_every_family_after_real_traffic_behind_an_operator_token(
                 return await r.text()
 
         text = await until(
-            lambda: _has(scraped(), "kvl_hub_heartbeat_flush_batch_count"), "a flush observed"
+            lambda: _has(scraped(), 'kvl_hub_nodes{status="online"} 1.0'), "the heartbeat written"
         )
         for family in FAMILIES:
             assert f"# TYPE {family}" in text, family
