@@ -82,10 +82,14 @@ def rules_document(settings: HubSettings) -> dict[str, Any]:
                         "alert": "KvlSloBurnRate",
                         "expr": f"{ratio_record(pair.long_s)}{match} > {limit}"
                         f" and {ratio_record(pair.short_s)}{match} > {limit}",
+                        # The class and objective too, though the series carry them:
+                        # each rule's labels are its own (promtool's duplicate check).
                         "labels": {
                             "rule": rules.SLO_BURN,
                             "severity": pair.severity,
                             "window": pair.window,
+                            "class": cls,
+                            "objective": objective,
                         },
                         "annotations": {
                             "summary": f"{cls} {objective}: the error budget burns above "

@@ -9,6 +9,7 @@ import click
 from hub.cli import (
     accounts,
     admin,
+    alerts,
     ca,
     keys,
     models,
@@ -42,5 +43,6 @@ for command in (
     operators.operators,
     admin.admin,  # `kvl hub admin …`: the console's users
     ca.ca,
+    alerts.alerts,
 ):
     hub.add_command(command)
