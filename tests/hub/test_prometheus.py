@@ -119,13 +119,14 @@ async def test_prometheus_and_the_hub_fire_and_resolve_a_burn_rate_alert(
         ),
         SCALE,
     )
-    assert [b.long_s for b in settings.alerts.burn][0] == 60
+    assert settings.alerts.burn[0].long_s == 60
     store = open_store(settings)
     store.set_account("acme", "S1")
     _, node_token = _enroll(store, "n1")
     operator = store.create_operator("prometheus").plaintext
     store.close()
     hub = await aiohttp_server(create_app(settings))
+    assert hub.port is not None
     hub_url = f"http://127.0.0.1:{hub.port}"
     node = {"Authorization": f"Bearer {node_token}", **protocol.HEADERS}
     ops = {"Authorization": f"Bearer {operator}"}
