@@ -13,13 +13,14 @@ default:
 # Install the Debian packages the project runs: wireguard-go (tunnels where the kernel has no
 # WireGuard), iproute2, espeak-ng (narration), nginx (HTTP/2 in front of the LAN API, and the
 # peer of the package benchmark), nghttp2-client (h2load, the http2 benchmark's load),
-# chromium (the browser tests of the hub's console) and postgresql (the hub's store for
-# several replicas; the tests and benchmarks start throwaway clusters of their own)
+# chromium (the browser tests of the hub's console), postgresql (the hub's store for
+# several replicas; the tests and benchmarks start throwaway clusters of their own) and
+# prometheus (promtool checks the hub's metrics and rules file; a test scrapes a hub with it)
 setup-system:
     #!/usr/bin/env bash
     set -euo pipefail
     missing=()
-    for package in wireguard-go iproute2 espeak-ng nginx nghttp2-client chromium postgresql; do
+    for package in wireguard-go iproute2 espeak-ng nginx nghttp2-client chromium postgresql prometheus; do
         dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed' || missing+=("$package")
     done
     if [ ${#missing[@]} -eq 0 ]; then exit 0; fi
@@ -51,7 +52,7 @@ setup-system:
         exit 1
     fi
     if command -v systemctl > /dev/null && [ -d /run/systemd/system ]; then
-        for unit in nginx postgresql; do systemctl disable --now "$unit" > /dev/null 2>&1 || true; done
+        for unit in nginx postgresql prometheus; do systemctl disable --now "$unit" > /dev/null 2>&1 || true; done
     fi
 
 # Create .venv and install the project with its dev tools (llama-cpp-python compiles once, then pip's wheel cache is used)
