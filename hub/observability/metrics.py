@@ -2,9 +2,10 @@
 its HTTP routes, its background work (heartbeat flushes, the ledger, placement, the
 store), and the fleet's objectives as the nodes' heartbeats report them.
 
-The fleet's counters (`kvl_fleet_*_total`) are fed by a heartbeat listener
-(`objectives_listener`) with what each flush added; the per-node gauges and the nodes by
-status are set from the store just before each scrape (hub/observability/fleet.py).
+The fleet's counters (`kvl_fleet_*_total`) are fed by a heartbeat listener (`objectives`,
+in `Heartbeats.objective_listeners`) with what each flush added; the per-node gauges and
+the nodes by status are set from the store just before each scrape
+(hub/observability/fleet.py).
 Nothing here imports the rest of the hub: every part that observes is handed this."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from shared import __version__, protocol
 from shared.supervise import Failures
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Mapping, Sequence
 
 # The objectives' bounds (shared/protocol.py): up to an hour, S0's longest objective, so
 # no request of any class lands in +Inf; and the hub's own quick calls below them.
@@ -215,10 +216,6 @@ class HubMetrics:
         for _node_id, node, site, restarts in ingested.worker_restarts:
             if restarts:
                 self.worker_restarts.labels(node, site).inc(restarts)
-
-    @property
-    def objectives_listener(self) -> Callable[[Ingested], None]:
-        return self.objectives
 
     def render(self, accept: str) -> tuple[bytes, str]:
         """The exposition body and its content type: OpenMetrics unless only the classic
