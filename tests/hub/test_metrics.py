@@ -21,6 +21,7 @@ from shared import __version__, protocol
 from shared.errors import ErrorCode
 from tests.conftest import free_port
 from tests.hub.test_hub import PREFIX, new_key, settings_for
+from tests.hub.test_objectives import objectives, series
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ async def test_every_family_after_real_traffic_behind_an_operator_token(
     async with aiohttp.ClientSession() as client:
         capacity = protocol.Capacity(outbox_alarm=True, outbox_lag=7)
         beat = protocol.HeartbeatRequest(capacity=capacity).model_dump(mode="json")
+        # Its objectives: 5 requests, 3 first tokens in time, 2 late, none refused.
+        beat["objectives"] = objectives("e1", series(requests=5, met=3, missed=2), restarts=2)
         async with client.post(f"{base}/v1/node/heartbeat", json=beat, headers=node) as r:
             assert r.status == 200
         removed = {"id": "p", "version": "1"}
@@ -113,7 +116,9 @@ async def test_every_family_after_real_traffic_behind_an_operator_token(
                 return await r.text()
 
         text = await until(
-            lambda: _has(scraped(), 'kvl_hub_nodes{status="online"} 1.0'), "the heartbeat written"
+            # The listener runs after the flush's commit: its counters mean the row is written too.
+            lambda: _has(scraped(), 'kvl_fleet_worker_restarts_total{node="n1",site="lab"} 2.0'),
+            "the heartbeat written and counted",
         )
         for family in FAMILIES:
             assert f"# TYPE {family}" in text, family
@@ -128,6 +133,11 @@ async def test_every_family_after_real_traffic_behind_an_operator_token(
             == 1
         )
         assert samples(text, "kvl_hub_nodes")['kvl_hub_nodes{status="online"}'] == 1
+        slo = samples(text, "kvl_fleet_slo_events_total")
+        late = 'kvl_fleet_slo_events_total{class="S1",objective="first_token",outcome="missed"}'
+        assert slo[late] == 2
+        restarts = samples(text, "kvl_fleet_worker_restarts_total")
+        assert restarts == {'kvl_fleet_worker_restarts_total{node="n1",site="lab"}': 2}
         alarm = samples(text, "kvl_fleet_node_outbox_alarm")
         assert alarm == {'kvl_fleet_node_outbox_alarm{node="n1",site="lab"}': 1.0}
         seen = samples(text, "kvl_fleet_node_last_seen_timestamp_seconds")
