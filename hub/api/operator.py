@@ -15,12 +15,14 @@ from hub.api.requests import (
     DeploymentRequest,
     DrainRequest,
     KeyRequest,
+    ObjectivesQuery,
     SeedRequest,
     TenancyRequest,
     TokenRequest,
     storable,
 )
-from hub.http import Handler, bearer, parse
+from hub.fleet.objectives import report_view, series_view
+from hub.http import Handler, bearer, parse, query
 from hub.keys import LOOPS, OPERATOR, RUNNING, SETTINGS, STORE
 from hub.loops import report
 from hub.packages import MAX_BUNDLE, keep_bundle
@@ -240,6 +242,36 @@ async def list_loops(request: web.Request) -> web.Response:
     return web.json_response(report(request.app[RUNNING], request.app[LOOPS]))
 
 
+async def objectives(request: web.Request) -> web.Response:
+    """The fleet's objectives over a window: attainment, target, budget left, burn rate."""
+    q = query(request, ObjectivesQuery)
+    store = request.app[STORE]
+    view = await store.read(
+        report_view,
+        request.app[SETTINGS].objectives,
+        window=q.window,
+        by=q.by,
+        filters=q.filters(),
+        now=time.time(),
+    )
+    return web.json_response(view)
+
+
+async def objectives_series(request: web.Request) -> web.Response:
+    """The points of the objectives' charts over a window, per class."""
+    q = query(request, ObjectivesQuery)
+    store = request.app[STORE]
+    view = await store.read(
+        series_view,
+        request.app[SETTINGS].objectives,
+        window=q.window,
+        step_s=q.step_s,
+        filters=q.filters(),
+        now=time.time(),
+    )
+    return web.json_response(view)
+
+
 def operator_routes() -> list[web.RouteDef]:
     return [
         web.get("/v1/admin/nodes", list_nodes),
@@ -262,4 +294,6 @@ def operator_routes() -> list[web.RouteDef]:
         web.post("/v1/admin/packages/{id}/seed", seed_package),
         web.delete("/v1/admin/packages/{id}/seed", unseed_package),
         web.get("/v1/admin/loops", list_loops),
+        web.get("/v1/admin/objectives", objectives),
+        web.get("/v1/admin/objectives/series", objectives_series),
     ]

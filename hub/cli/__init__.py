@@ -1,5 +1,6 @@
 """`kvl hub …`: serve the hub, and manage its enrollment tokens, nodes, accounts, keys,
-models and deployments, packages, operators and console users. One module per command
+models and deployments, packages, operators and console users, and read the fleet's
+objectives. One module per command
 group; each opens the store the one way (`common.opened_store`)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from hub.cli import (
     keys,
     models,
     nodes,
+    objectives,
     operators,
     packages,
     serve,
@@ -32,6 +34,7 @@ for command in (
     tokens.tokens,
     tokens.provision,
     nodes.nodes,
+    objectives.objectives,
     accounts.accounts,
     keys.keys,
     models.models,

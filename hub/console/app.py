@@ -11,6 +11,7 @@ from aiohttp import web
 
 from hub.console import store as sql
 from hub.console.auth import LoginThrottle
+from hub.console.objectives import objectives_routes
 from hub.console.pages import console_routes
 from hub.console.web import (
     CONSOLE,
@@ -47,6 +48,7 @@ def setup_console(app: web.Application) -> None:
                 for name, kind in STATIC.items()},
     )  # fmt: skip
     app.add_routes(console_routes())
+    app.add_routes(objectives_routes())
     app.add_routes([
         web.get("/console/static/{name}", static),
         # Last: any other console path is an HTML 404, not the API's JSON one.
