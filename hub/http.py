@@ -87,6 +87,17 @@ async def parse(request: web.Request, model: type[M]) -> M:
         raise ApiError(ErrorCode.invalid_value, f"`{param}`: {first['msg']}", param=param) from err
 
 
+def query(request: web.Request, model: type[M]) -> M:
+    """The query string as `model`, or 400 in the error shape naming the first bad
+    parameter (a parameter given twice: its last value)."""
+    try:
+        return model.model_validate(dict(request.query))
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise ApiError(ErrorCode.invalid_value, f"`{param}`: {first['msg']}", param=param) from err
+
+
 def bearer(request: web.Request) -> str | None:
     """The token of an `Authorization: Bearer …` header, or None."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")

@@ -8,10 +8,12 @@ signing request, the hub verified by its CA) and then calls with its own certifi
 sends a heartbeat every `interval_s` at a random phase
 of its own, so a fleet of N sends N / interval_s heartbeats a second, evenly; with
 `events`, half an interval after each heartbeat it syncs that many new usage events from
-its outbox (`POST /v1/node/events`). The load is open loop: a call is sent at its time
-whether or not earlier ones were answered, and its latency runs from that time, so a hub
-that falls behind shows it in the tail instead of slowing the simulator down (no
-coordinated omission).
+its outbox (`POST /v1/node/events`). Each heartbeat carries the node's objectives (protocol
+4: three series of cumulative counters that grow with each beat, one of an account the
+hub does not know), so the hub's flush counts deltas as under a real fleet. The load is
+open loop: a call is sent at its time whether or not earlier ones were answered, and its
+latency runs from that time, so a hub that falls behind shows it in the tail instead of
+slowing the simulator down (no coordinated omission).
 
 Given several hub replicas (their URLs), the nodes are spread over them, each node
 calling one; a share of syncs (`resend`) is sent a second time to another replica, as a
@@ -132,6 +134,34 @@ def _capacity(rng: random.Random) -> dict[str, Any]:
         "outbox_lag": 0,
         "outbox_alarm": False,
     }
+
+
+# The objectives' series each simulated node reports: (class, account), the second an
+# account no hub knows (counted as "(other)").
+_SERIES = (("S1", "simulated"), ("S0", "simulated"), ("S2", "elsewhere"))
+
+
+def _objectives(index: int, beat: int) -> dict[str, Any]:
+    """What an appliance's heartbeat carries of its objectives (protocol 4): cumulative
+    counters that grow with each beat, as a node serving steadily reports them."""
+    series = []
+    for k, (service_class, account) in enumerate(_SERIES):
+        n = beat * (k + 1)
+        ttft = [0] * (len(protocol.LATENCY_BOUNDS_S) + 1)
+        ttft[3] = 9 * n
+        series.append(
+            {
+                "service_class": service_class,
+                "account": account,
+                "requests": 12 * n,
+                "admitted": 10 * n,
+                "refused": {"admit": n, "quota": n},
+                "met": {"admit": 10 * n, "first_token": 9 * n, "complete": 9 * n},
+                "missed": {"admit": n, "first_token": 2 * n, "complete": n},
+                "ttft": {"counts": ttft, "sum_s": 3.0 * n},
+            }
+        )
+    return {"epoch": f"sim-{index}", "series": series, "worker_restarts": beat // 100}
 
 
 class Simulator:
@@ -314,6 +344,7 @@ class Simulator:
         urls = [node.url or self._urls[0] for node in nodes]
         others = [self._urls[(self._urls.index(url) + 1) % len(self._urls)] for url in urls]
         batches = [0] * len(nodes)
+        beats = [0] * len(nodes)
         schedule = [(start + rng.uniform(0, interval_s), i, _BEAT) for i in range(len(nodes))]
         heapq.heapify(schedule)
         in_flight: set[asyncio.Task[None]] = set()
@@ -333,7 +364,12 @@ class Simulator:
                 load.lag.seconds.append(time.perf_counter() - due)
                 url = urls[index]
                 if kind == _BEAT:
-                    body = {"versions": VERSIONS, "capacity": _capacity(rng)}
+                    beats[index] += 1
+                    body = {
+                        "versions": VERSIONS,
+                        "capacity": _capacity(rng),
+                        "objectives": _objectives(index, beats[index]),
+                    }
                     call(self._beat(url, callers[index], body, due, load))
                     if events:
                         heapq.heappush(schedule, (due + interval_s / 2, index, _SYNC))

@@ -15,13 +15,15 @@ from hub.api.requests import (
     DeploymentRequest,
     DrainRequest,
     KeyRequest,
+    ObjectivesQuery,
     SeedRequest,
     SilenceRequest,
     TenancyRequest,
     TokenRequest,
     storable,
 )
-from hub.http import Handler, bearer, parse
+from hub.fleet.objectives import report_view, series_view
+from hub.http import Handler, bearer, parse, query
 from hub.keys import LOOPS, OPERATOR, RUNNING, SETTINGS, STORE
 from hub.loops import report
 from hub.packages import MAX_BUNDLE, keep_bundle
@@ -287,6 +289,36 @@ async def delete_silence(request: web.Request) -> web.Response:
     return web.json_response({"id": silence_id, "deleted": True})
 
 
+async def objectives(request: web.Request) -> web.Response:
+    """The fleet's objectives over a window: attainment, target, budget left, burn rate."""
+    q = query(request, ObjectivesQuery)
+    store = request.app[STORE]
+    view = await store.read(
+        report_view,
+        request.app[SETTINGS].objectives,
+        window=q.window,
+        by=q.by,
+        filters=q.filters(),
+        now=time.time(),
+    )
+    return web.json_response(view)
+
+
+async def objectives_series(request: web.Request) -> web.Response:
+    """The points of the objectives' charts over a window, per class."""
+    q = query(request, ObjectivesQuery)
+    store = request.app[STORE]
+    view = await store.read(
+        series_view,
+        request.app[SETTINGS].objectives,
+        window=q.window,
+        step_s=q.step_s,
+        filters=q.filters(),
+        now=time.time(),
+    )
+    return web.json_response(view)
+
+
 def operator_routes() -> list[web.RouteDef]:
     return [
         web.get("/v1/admin/nodes", list_nodes),
@@ -313,4 +345,6 @@ def operator_routes() -> list[web.RouteDef]:
         web.get("/v1/admin/silences", list_silences),
         web.post("/v1/admin/silences", create_silence),
         web.delete("/v1/admin/silences/{id}", delete_silence),
+        web.get("/v1/admin/objectives", objectives),
+        web.get("/v1/admin/objectives/series", objectives_series),
     ]

@@ -371,4 +371,51 @@ ALERT_ROUTES: tuple[Route, ...] = (
     ),
 )
 
-ROUTES: tuple[Route, ...] = NODE_ROUTES + ADMIN_ROUTES + ALERT_ROUTES
+_WINDOW = {"type": "string", "pattern": "^[0-9]{1,7}[smhdw]$"}
+_OBJECTIVE_FILTERS = (
+    Param("window", "query", "how far back from now: 5m, 1h, 1d, 30d, … (at most 35d)", _WINDOW),
+    Param("class", "query", "one service class", {"enum": ["S0", "S1", "S2", "S3", "S4"]}),
+    Param("account", "query", "one account (`(other)`: those the hub does not know)",
+          {"type": "string"}),
+    Param("site", "query", "one site", {"type": "string"}),
+    Param("node", "query", "one node, by id or name", {"type": "string"}),
+)  # fmt: skip
+OBJECTIVE_ROUTES: tuple[Route, ...] = (
+    Route(
+        "GET",
+        "/v1/admin/objectives",
+        "The fleet's objectives over a window (1h unless named), per class and `by` "
+        "group: met, missed, attainment, target, error budget left over the budget "
+        "period, burn rate; and requests by outcome.",
+        Auth.operator,
+        errors=(ErrorCode.invalid_value,),
+        params=(
+            *_OBJECTIVE_FILTERS,
+            Param(
+                "by",
+                "query",
+                "the groups: class (the default), account, site or node",
+                {"enum": ["class", "account", "site", "node"]},
+            ),
+        ),
+    ),
+    Route(
+        "GET",
+        "/v1/admin/objectives/series",
+        "The objectives over a window as points in time, per class: requests, attainment "
+        "and burn rate of each objective, TTFT median and 95th percentile.",
+        Auth.operator,
+        errors=(ErrorCode.invalid_value,),
+        params=(
+            *_OBJECTIVE_FILTERS,
+            Param(
+                "step",
+                "query",
+                "time between points (rounded to the buckets' 5 min or 1 h)",
+                _WINDOW,
+            ),
+        ),
+    ),
+)
+
+ROUTES: tuple[Route, ...] = NODE_ROUTES + ADMIN_ROUTES + OBJECTIVE_ROUTES + ALERT_ROUTES

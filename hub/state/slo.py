@@ -12,6 +12,7 @@ does: what a node can do with its numbers changes only its own share of the roll
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -88,69 +89,69 @@ _TTFT = COUNTER_NAMES.index("ttft_0")
 _COMPLETION = COUNTER_NAMES.index("completion_0")
 
 
+_N = len(COUNTER_NAMES)
+_AT = {name: i for i, name in enumerate(COUNTER_NAMES)}
+_REFUSED = [(r, _AT[f"refused_{r}"]) for r in protocol.REFUSALS]
+_MET = [(o, _AT[f"met_{o}"]) for o in protocol.OBJECTIVES]
+_MISSED = [(o, _AT[f"missed_{o}"]) for o in protocol.OBJECTIVES]
+
+
 @dataclass(frozen=True)
 class Counters:
-    """One series' cumulative values, flat (`COUNTER_NAMES`, `SUM_NAMES`)."""
+    """One series' cumulative values, flat: the counts (`COUNTER_NAMES`), then the sums
+    (`SUM_NAMES`). One tuple, as the flush handles thousands a second."""
 
-    counts: tuple[int, ...]
-    sums: tuple[float, ...]
+    values: tuple[float, ...]
 
     @classmethod
     def zero(cls) -> Counters:
-        return cls((0,) * len(COUNTER_NAMES), (0.0,) * len(SUM_NAMES))
+        return cls((0,) * _N + (0.0,) * len(SUM_NAMES))
 
     @classmethod
     def of(cls, series: protocol.ObjectiveSeries) -> Counters:
-        counts = (
-            series.requests,
-            series.admitted,
-            *(series.refused.get(r, 0) for r in protocol.REFUSALS),
-            *(series.met.get(o, 0) for o in protocol.OBJECTIVES),
-            *(series.missed.get(o, 0) for o in protocol.OBJECTIVES),
-            *series.ttft.counts,
-            *series.completion.counts,
+        refused, met, missed = series.refused, series.met, series.missed
+        return cls(
+            (
+                series.requests,
+                series.admitted,
+                *[refused.get(r, 0) for r in protocol.REFUSALS],
+                *[met.get(o, 0) for o in protocol.OBJECTIVES],
+                *[missed.get(o, 0) for o in protocol.OBJECTIVES],
+                *series.ttft.counts,
+                *series.completion.counts,
+                series.ttft.sum_s,
+                series.completion.sum_s,
+            )
         )
-        return cls(counts, (series.ttft.sum_s, series.completion.sum_s))
 
     def __add__(self, other: Counters) -> Counters:
-        return Counters(
-            tuple(a + b for a, b in zip(self.counts, other.counts, strict=True)),
-            tuple(a + b for a, b in zip(self.sums, other.sums, strict=True)),
-        )
-
-    def below(self, other: Counters) -> bool:
-        """Whether any value is lower than `other`'s: a reset, within one epoch."""
-        return any(a < b for a, b in zip(self.counts, other.counts, strict=True)) or any(
-            a < b for a, b in zip(self.sums, other.sums, strict=True)
-        )
-
-    def minus(self, other: Counters) -> Counters:
-        return Counters(
-            tuple(a - b for a, b in zip(self.counts, other.counts, strict=True)),
-            tuple(max(0.0, a - b) for a, b in zip(self.sums, other.sums, strict=True)),
-        )
+        return Counters(tuple(map(operator.add, self.values, other.values)))
 
     def __bool__(self) -> bool:
-        return any(self.counts)
+        return any(self.values[:_N])
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return tuple(int(v) for v in self.values[:_N])
+
+    @property
+    def sums(self) -> tuple[float, ...]:
+        return self.values[_N:]
 
     def dump(self) -> str:
-        """As the cursor table keeps them: a JSON list."""
-        return "[" + ",".join(map(str, self.counts)) + "," + ",".join(map(repr, self.sums)) + "]"
+        """As the cursor table keeps them: the values, comma-separated."""
+        return ",".join(map(str, self.values))
 
     @classmethod
     def load(cls, text: str) -> Counters:
         """What `dump` wrote; zero for anything else (a row of another layout)."""
-        import json  # noqa: PLC0415 - only the flush reads cursors
-
+        parts = text.split(",")
+        if len(parts) != _N + len(SUM_NAMES):
+            return cls.zero()
         try:
-            values = json.loads(text)
-            counts = tuple(int(v) for v in values[: len(COUNTER_NAMES)])
-            sums = tuple(float(v) for v in values[len(COUNTER_NAMES) :])
-        except (ValueError, TypeError):
+            return cls((*map(int, parts[:_N]), *map(float, parts[_N:])))
+        except ValueError:
             return cls.zero()
-        if len(counts) != len(COUNTER_NAMES) or len(sums) != len(SUM_NAMES):
-            return cls.zero()
-        return cls(counts, sums)
 
     @property
     def ttft(self) -> tuple[int, ...]:
@@ -160,16 +161,14 @@ class Counters:
     def completion(self) -> tuple[int, ...]:
         return self.counts[_COMPLETION : _COMPLETION + HISTOGRAM_BUCKETS]
 
-    def named(self) -> dict[str, int]:
-        return dict(zip(COUNTER_NAMES, self.counts, strict=True))
-
 
 def delta(now: Counters, epoch: str, last: Counters | None, last_epoch: str | None) -> Counters:
     """What `now` adds to `last`: all of it in a new epoch (or with nothing before), all of
     it after a reset (a value lower than before), else the difference."""
-    if last is None or last_epoch != epoch or now.below(last):
+    if last is None or last_epoch != epoch:
         return now
-    return now.minus(last)
+    diff = tuple(map(operator.sub, now.values, last.values))
+    return now if min(diff) < 0 else Counters(diff)
 
 
 def merged(
@@ -187,18 +186,18 @@ def merged(
 
 
 def slo_delta(node_id: str, node: str, site: str, key: tuple[str, str], d: Counters) -> SloDelta:
-    named = d.named()
+    v = d.values
     return SloDelta(
         node_id=node_id,
         node=node,
         site=site,
         service_class=key[0],
         account=key[1],
-        requests=named["requests"],
-        admitted=named["admitted"],
-        refused={r: named[f"refused_{r}"] for r in protocol.REFUSALS},
-        met={o: named[f"met_{o}"] for o in protocol.OBJECTIVES},
-        missed={o: named[f"missed_{o}"] for o in protocol.OBJECTIVES},
+        requests=int(v[0]),
+        admitted=int(v[1]),
+        refused={r: int(v[i]) for r, i in _REFUSED},
+        met={o: int(v[i]) for o, i in _MET},
+        missed={o: int(v[i]) for o, i in _MISSED},
     )
 
 

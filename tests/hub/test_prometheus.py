@@ -182,6 +182,8 @@ async def test_prometheus_and_the_hub_fire_and_resolve_a_burn_rate_alert(
             async def target_up() -> bool:
                 try:
                     async with session.get(f"{prom}/api/v1/targets") as r:
+                        if r.status != 200:  # 503 while it starts
+                            return False
                         targets = (await r.json())["data"]["activeTargets"]
                 except (aiohttp.ClientConnectionError, json.JSONDecodeError, KeyError):
                     return False
