@@ -15,7 +15,8 @@ default:
 # peer of the package benchmark), nghttp2-client (h2load, the http2 benchmark's load),
 # chromium (the browser tests of the hub's console), postgresql (the hub's store for
 # several replicas; the tests and benchmarks start throwaway clusters of their own) and
-# prometheus (its `promtool` lints the /metrics expositions in the tests)
+# prometheus (its `promtool` lints the hub's and the appliance's /metrics and the rules file;
+# a test scrapes a hub with it)
 setup-system:
     #!/usr/bin/env bash
     set -euo pipefail

@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from hub.alerting.delivery import AlertSender, delivering
+from hub.alerting.loop import Evaluator, evaluating
+from hub.api.metrics import metrics_app, metrics_route
 from hub.api.node import node_auth, node_routes
 from hub.api.openapi import openapi_route
 from hub.api.operator import operator_auth, operator_routes
@@ -27,6 +30,7 @@ from hub.keys import (
     IDENTITY,
     LEARNING,
     LOOPS,
+    METRICS,
     NODE_LOGS,
     RUNNING,
     SETTINGS,
@@ -36,6 +40,7 @@ from hub.keys import (
 )
 from hub.loops import Running, running
 from hub.nodelogs import NodeLogs
+from hub.observability.metrics import HubMetrics
 from hub.offload import Forwarder
 from hub.reconciler import reconcile_forever
 from hub.state.store import AsyncHubStore
@@ -57,12 +62,14 @@ def create_app(settings: HubSettings) -> web.Application:
         middlewares=[errors, node_auth, operator_auth], client_max_size=16 * 2**20
     )
     app[SETTINGS] = settings
-    # Every background loop of this hub counts its failed rounds here (hub/loops.py).
-    app[LOOPS] = Failures()
+    app[METRICS] = HubMetrics()
+    # Every background loop of this hub counts its failed rounds here (hub/loops.py),
+    # and in kvl_hub_background_failures_total.
+    app[LOOPS] = app[METRICS].failures
     app[RUNNING] = Running()
     app.add_routes(node_routes())
     app.add_routes(operator_routes())
-    app.add_routes([openapi_route()])
+    app.add_routes([openapi_route(), metrics_route()])
     app[IDENTITY] = identity(settings)
     app[TLS] = HubTls(settings)  # the CA and the hub's certificate, made on first start
     app[LEARNING] = Learning(time.time(), settings.quota.lease_s)
@@ -73,8 +80,11 @@ def create_app(settings: HubSettings) -> web.Application:
     app.cleanup_ctx.append(_node_logs)
     app.cleanup_ctx.append(_pki)
     app.cleanup_ctx.append(_placement)
+    app.cleanup_ctx.append(_alerts)
     if settings.overlay.interface is not None:
         app.cleanup_ctx.append(_tunnel)
+    if settings.metrics.listen is not None:
+        app.cleanup_ctx.append(_metrics_listener)
     setup_console(app)  # the web console (/console/), after the store it reads
     return app
 
@@ -117,6 +127,7 @@ async def freezing(app: web.Application) -> AsyncIterator[None]:
 async def _store(app: web.Application) -> AsyncIterator[None]:
     store = AsyncHubStore(app[SETTINGS])  # SQLite, or PostgreSQL at settings.database_url
     await store.open()
+    store.timed = app[METRICS].timed_call
     app[STORE] = store
     yield
     await store.close()
@@ -125,6 +136,8 @@ async def _store(app: web.Application) -> AsyncIterator[None]:
 async def _heartbeats(app: web.Application) -> AsyncIterator[None]:
     """The write-behind of heartbeats (hub/fleet/heartbeats.py)."""
     beats = Heartbeats()
+    beats.taken = app[METRICS].flushed
+    beats.objective_listeners.append(app[METRICS].objectives)  # kvl_fleet_*_total
     app[BEATS] = beats
     async with flushing(app[STORE], beats, app[LOOPS], app[RUNNING]):
         yield
@@ -176,8 +189,26 @@ async def _pki(app: web.Application) -> AsyncIterator[None]:
 
 async def _placement(app: web.Application) -> AsyncIterator[None]:
     """The placement reconciler (hub/reconciler.py)."""
-    loop = reconcile_forever(app[STORE], app[SETTINGS], app[LOOPS])
+    loop = reconcile_forever(app[STORE], app[SETTINGS], app[LOOPS], app[METRICS])
     async with running(app[RUNNING], "placement", loop):
+        yield
+
+
+async def _alerts(app: web.Application) -> AsyncIterator[None]:
+    """The alert loop and its webhooks (hub/alerting/)."""
+    settings, store, tls = app[SETTINGS], app[STORE], app[TLS]
+    sender = AlertSender(store, settings.alerts)
+    evaluator = Evaluator(
+        store,
+        settings,
+        app[LOOPS],
+        signing_ca=lambda: tls.phase.signing.fingerprint,
+        changed=sender.wake.set,
+    )
+    async with (
+        delivering(sender, app[LOOPS], app[RUNNING]),
+        evaluating(evaluator, settings.alerts.every_s, app[LOOPS], app[RUNNING]),
+    ):
         yield
 
 
@@ -185,3 +216,16 @@ async def _tunnel(app: web.Application) -> AsyncIterator[None]:
     """The hub's WireGuard interface and its peer reconciler (hub/fleet/peers.py)."""
     async with tunnel_up(app[SETTINGS], app[STORE], app[LOOPS], app[RUNNING]):
         yield
+
+
+async def _metrics_listener(app: web.Application) -> AsyncIterator[None]:
+    """`metrics.listen`: `/metrics` alone, plain HTTP and no token, for a local Prometheus."""
+    listen = app[SETTINGS].metrics.listen
+    assert listen is not None  # noqa: S101 - only added when set
+    host, _, port = listen.rpartition(":")
+    runner = web.AppRunner(metrics_app(app), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host.strip("[]"), int(port)).start()
+    log.info("metrics: serving /metrics on http://%s without a token", listen)
+    yield
+    await runner.cleanup()

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from hub.keys import REQUEST_ID
+from hub.keys import METRICS, REQUEST_ID
 from shared import protocol
 from shared.errors import ApiError, ErrorCode, error_body
 
@@ -33,9 +34,12 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     with its traceback and answered 500 `internal_error`, never a plain-text page."""
     request_id = secrets.token_hex(8)
     request[REQUEST_ID] = request_id
+    started = time.perf_counter()
+    code: ErrorCode | None = None
     try:
         response = await handler(request)
     except ApiError as err:
+        code = err.code
         response = web.json_response(err.body(), status=err.status, headers=err.headers())
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -52,7 +56,21 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         )
     if not response.prepared:
         response.headers["X-Kvl-Request-Id"] = request_id
+    if METRICS in request.app:
+        route = route_label(request)
+        metrics = request.app[METRICS]
+        metrics.requests.labels(route, request.method, str(response.status)).inc()
+        if code is not None:
+            metrics.errors.labels(route, code.value).inc()
+        metrics.request_seconds.labels(route).observe(time.perf_counter() - started)
     return response
+
+
+def route_label(request: web.Request) -> str:
+    """The route's pattern (`/v1/admin/nodes/{node}/drain`), never the path itself: a
+    label per node name or sha256 would grow without end."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "(unmatched)"
 
 
 async def parse(request: web.Request, model: type[M]) -> M:
@@ -66,6 +84,17 @@ async def parse(request: web.Request, model: type[M]) -> M:
         param = ".".join(str(p) for p in first["loc"]) or None
         if first["type"] == "json_invalid":
             raise ApiError(ErrorCode.invalid_json, f"the body is not JSON: {first['msg']}") from err
+        raise ApiError(ErrorCode.invalid_value, f"`{param}`: {first['msg']}", param=param) from err
+
+
+def query(request: web.Request, model: type[M]) -> M:
+    """The query string as `model`, or 400 in the error shape naming the first bad
+    parameter (a parameter given twice: its last value)."""
+    try:
+        return model.model_validate(dict(request.query))
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
         raise ApiError(ErrorCode.invalid_value, f"`{param}`: {first['msg']}", param=param) from err
 
 

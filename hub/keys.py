@@ -11,6 +11,7 @@ from hub.fleet.heartbeats import Heartbeats
 from hub.fleet.learning import Learning
 from hub.loops import Running
 from hub.nodelogs import NodeLogs
+from hub.observability.metrics import HubMetrics
 from hub.offload import Forwarder
 from hub.settings import HubSettings
 from hub.state.store import AsyncHubStore, Node
@@ -33,6 +34,8 @@ IDENTITY = web.AppKey("hub_identity", dict[str, str])
 # Every background loop of this hub counts its failed rounds here (hub/loops.py).
 LOOPS = web.AppKey("hub_loops", Failures)
 RUNNING = web.AppKey("hub_running_loops", Running)
+# The hub's Prometheus registry and its families (hub/observability/metrics.py).
+METRICS = web.AppKey("hub_metrics", HubMetrics)
 
 NODE = web.RequestKey("node", Node)  # the calling node, on node routes
 NODE_PROTOCOL = web.RequestKey("node_protocol", int)  # the version it speaks

@@ -27,6 +27,7 @@ from shared.classes import IsolationLevel
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from hub.observability.metrics import HubMetrics
     from hub.settings import HubSettings
     from hub.state.store import AsyncHubStore, DeploymentRecord, HubStore, ModelArtifact
     from shared import protocol
@@ -152,7 +153,14 @@ class _Reconciler:
     """One placement round at a time; what it keeps between rounds: the fleet's node
     snapshots and the unplaced deployments it last warned about."""
 
-    def __init__(self, store: AsyncHubStore, settings: HubSettings, failures: Failures) -> None:
+    def __init__(
+        self,
+        store: AsyncHubStore,
+        settings: HubSettings,
+        failures: Failures,
+        metrics: HubMetrics | None = None,
+    ) -> None:
+        self._metrics = metrics
         self._store = store
         self._settings = settings
         self._failures = failures
@@ -160,11 +168,22 @@ class _Reconciler:
         self._unplaced: dict[str, str] = {}
 
     async def round(self) -> None:
+        started = time.perf_counter()
+        try:
+            await self._round()
+        finally:
+            if self._metrics is not None:
+                self._metrics.reconcile_seconds.observe(time.perf_counter() - started)
+
+    async def _round(self) -> None:
         store = self._store
         try:
             # The snapshot (every node) is read and planned beside the writer, which then
             # only applies the answer.
+            started = time.perf_counter()
             decided = await store.read(plan_once, self._settings, time.time(), self._fleet)
+            if self._metrics is not None:
+                self._metrics.placement_seconds.observe(time.perf_counter() - started)
         except ValueError as err:  # the planner refuses inputs it cannot plan
             # The operator's deployments, not the hub, are at fault: no traceback, but
             # counted, so the operator API shows why nothing moves.
@@ -185,11 +204,15 @@ class _Reconciler:
 
 
 async def reconcile_forever(
-    store: AsyncHubStore, settings: HubSettings, failures: Failures
+    store: AsyncHubStore,
+    settings: HubSettings,
+    failures: Failures,
+    metrics: HubMetrics | None = None,
 ) -> None:
     """Every `fleet.placement_every_s`, one round, the first at once; a round that raises
-    (a database error, a bug) is logged and counted in `failures`, and the next runs."""
-    reconciler = _Reconciler(store, settings, failures)
+    (a database error, a bug) is logged and counted in `failures`, and the next runs.
+    `metrics`: where each round's time and the planner's are observed."""
+    reconciler = _Reconciler(store, settings, failures, metrics)
     await failures.forever(
         "placement", reconciler.round, settings.fleet.placement_every_s, wait_first=False
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -304,6 +304,130 @@ class ObjectivesSettings(BaseModel):
         return float(mine.get(objective, default.get(objective, 0.99)))
 
 
+class MetricsSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    listen: str | None = Field(
+        None,
+        max_length=300,
+        pattern=r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$",
+        description=(
+            "`host:port` of a second, plain-HTTP listener that serves only `/metrics`, "
+            "without a token, for a Prometheus on this machine or network (keep it on "
+            "loopback or a private address). Unset: none; `/metrics` on the hub API needs an "
+            "operator token (`Authorization: Bearer`)."
+        ),
+    )
+
+
+class BurnWindow(BaseModel):
+    """One multi-window burn-rate alert: it fires while the error budget burns faster than
+    `factor` times its sustainable rate over both the long and the short window."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    long_s: float = Field(gt=0, le=2_592_000, description="The long window, in seconds.")
+    short_s: float = Field(gt=0, le=2_592_000, description="The short window, in seconds.")
+    factor: float = Field(gt=0, le=1000, description="The burn rate over both that fires it.")
+    severity: Literal["page", "ticket"] = Field(description="`page` or `ticket`.")
+
+
+def _default_burn() -> list[BurnWindow]:
+    # The SRE workbook's: 2 % of a 30-day budget in an hour, 5 % in six hours (pages),
+    # 10 % in a day (a ticket); each short window a twelfth of its long one, so the
+    # alert ends soon after the burn does.
+    return [
+        BurnWindow(long_s=3600, short_s=300, factor=14.4, severity="page"),
+        BurnWindow(long_s=21_600, short_s=1800, factor=6.0, severity="page"),
+        BurnWindow(long_s=86_400, short_s=7200, factor=3.0, severity="ticket"),
+    ]
+
+
+class AlertWebhook(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(
+        min_length=1, max_length=2000, pattern=r"^https?://", description="Where to POST."
+    )
+    secret: str = Field(
+        min_length=16,
+        max_length=500,
+        description=(
+            "The secret its deliveries are signed with (`Kvl-Signature`, shared/webhooks.py)."
+        ),
+    )
+
+
+class AlertsSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    every_s: float = Field(
+        15.0, ge=0.1, le=3600, description="Seconds between evaluations of the alert rules."
+    )
+    burn: list[BurnWindow] = Field(
+        default_factory=_default_burn,
+        max_length=10,
+        description=(
+            "The objective burn-rate alerts, per class and objective: windows, factor and "
+            "severity of each (the SRE workbook's multi-window, multi-burn-rate alerts)."
+        ),
+    )
+    restarts: int = Field(
+        3,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "A node whose model workers restarted more than this often in "
+            "`restarts_window_s` fires `worker_restarts`."
+        ),
+    )
+    restarts_window_s: float = Field(
+        900.0, ge=1.0, le=86_400, description="The window of `restarts`, in seconds (15 min)."
+    )
+    certificate_expiry_s: float = Field(
+        86_400.0,
+        ge=1.0,
+        le=7_776_000,
+        description=(
+            "A node certificate that expires within this many seconds fires "
+            "`certificate_expiry` (nodes renew with a third of its lifetime left: one this "
+            "close to its end was not renewed)."
+        ),
+    )
+    renew_grace_s: float = Field(
+        600.0,
+        ge=0.0,
+        le=604_800,
+        description=(
+            "A node heard from whose newest certificate is still the old CA's this long "
+            "after it was told to renew (a CA rotation) fires `certificate_renewal`."
+        ),
+    )
+    webhooks: list[AlertWebhook] = Field(
+        default_factory=list,
+        max_length=20,
+        description=(
+            "Receivers of every alert that fires or resolves (signed POSTs); silenced "
+            "ones are not sent."
+        ),
+    )
+    timeout_s: float = Field(
+        10.0, ge=0.1, le=300, description="Seconds a webhook receiver has to answer."
+    )
+    backoff_initial_s: float = Field(
+        1.0, ge=0.01, le=3600, description="The first retry's wait after a failed delivery."
+    )
+    backoff_max_s: float = Field(
+        300.0, ge=0.01, le=86_400, description="The longest wait between retries."
+    )
+    retry_s: float = Field(
+        86_400.0,
+        ge=1.0,
+        le=2_592_000,
+        description="A delivery still failing this long after the alert changed is given up.",
+    )
+
+
 class HubSettings(BaseSettings):
     # Its own prefix, so an appliance and a hub on one machine never read each other's settings.
     model_config = SettingsConfigDict(extra="forbid", env_prefix="KVL_HUB_")
@@ -341,6 +465,13 @@ class HubSettings(BaseSettings):
     objectives: ObjectivesSettings = Field(
         default_factory=ObjectivesSettings,
         description="The fleet's objectives: targets, windows, error budgets.",
+    )
+    metrics: MetricsSettings = Field(
+        default_factory=MetricsSettings, description="The hub's Prometheus metrics (/metrics)."
+    )
+    alerts: AlertsSettings = Field(
+        default_factory=AlertsSettings,
+        description="The alerts the hub evaluates, records and delivers.",
     )
 
     @field_validator("data_dir")

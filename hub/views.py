@@ -11,7 +11,15 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from hub.settings import HubSettings
-    from hub.state.store import DeploymentRecord, EnrollmentToken, Node, PackageRecord, Quota
+    from hub.state.store import (
+        AlertRecord,
+        DeploymentRecord,
+        EnrollmentToken,
+        Node,
+        PackageRecord,
+        Quota,
+        Silence,
+    )
 
 
 def node_view(node: Node, settings: HubSettings, now: float) -> dict[str, Any]:
@@ -98,4 +106,32 @@ def token_view(token: EnrollmentToken, now: float) -> dict[str, Any]:
         "uses_left": token.uses_left,
         "expires_at": datetime.fromtimestamp(token.expires_at, UTC).isoformat(),
         "state": token.state(now),
+    }
+
+
+def alert_view(alert: AlertRecord) -> dict[str, Any]:
+    """An alert as the operator API, the CLI and the console show it (times in ISO 8601)."""
+    return {
+        "id": alert.id,
+        "rule": alert.rule,
+        "labels": alert.labels,
+        "severity": alert.severity,
+        "state": alert.state,
+        "fired_at": _iso(alert.fired_at),
+        "resolved_at": None if alert.resolved_at is None else _iso(alert.resolved_at),
+        "value": alert.value,
+        "summary": alert.summary,
+        "silenced": alert.silenced,
+    }
+
+
+def silence_view(silence: Silence, now: float) -> dict[str, Any]:
+    return {
+        "id": silence.id,
+        "matchers": silence.matchers,
+        "until": _iso(silence.until),
+        "active": silence.until > now,
+        "created_by": silence.created_by,
+        "comment": silence.comment,
+        "created_at": _iso(silence.created_at),
     }

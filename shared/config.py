@@ -283,4 +283,8 @@ def _example_lines(
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):  # a list of sections (the hub's alert windows)
+        return value.model_dump(mode="json")
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
     return str(value) if isinstance(value, Path) else value

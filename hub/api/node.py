@@ -18,6 +18,7 @@ to offload) is refused.
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from aiohttp import web
 
@@ -29,6 +30,7 @@ from hub.keys import (
     IDENTITY,
     LEARNING,
     LOOPS,
+    METRICS,
     NODE,
     NODE_PROTOCOL,
     SETTINGS,
@@ -288,7 +290,8 @@ async def events(request: web.Request) -> web.Response:
         raise ApiError(ErrorCode.foreign_account, str(err), param="events") from err
     except ForeignLeaseError as err:
         raise ApiError(ErrorCode.foreign_lease, str(err), param="events") from err
-    ids, new = await store.ingest(node.id, req.events)  # committed with others meanwhile
+    ids, new, fresh = await store.ingest(node.id, req.events)  # committed with others meanwhile
+    request.app[METRICS].ledger(Counter(e.kind for e in req.events), fresh)
     # Every id is acknowledged, duplicates too: the node may then move its checkpoint.
     return answer(protocol.EventsAnswer(acknowledged=ids, new=new), version=request[NODE_PROTOCOL])
 

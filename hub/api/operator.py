@@ -16,26 +16,38 @@ from hub.api.requests import (
     DeploymentRequest,
     DrainRequest,
     KeyRequest,
+    ObjectivesQuery,
     SeedRequest,
+    SilenceRequest,
     TenancyRequest,
     TokenRequest,
     storable,
 )
-from hub.http import Handler, bearer, parse
+from hub.fleet.objectives import report_view, series_view
+from hub.http import Handler, bearer, parse, query
 from hub.keys import LOOPS, OPERATOR, RUNNING, SETTINGS, STORE
 from hub.loops import report
 from hub.packages import MAX_BUNDLE, keep_bundle
 from hub.state.store import NotFoundError
-from hub.views import deployment_view, node_view, package_view, quota_view, token_view
+from hub.views import (
+    alert_view,
+    deployment_view,
+    node_view,
+    package_view,
+    quota_view,
+    silence_view,
+    token_view,
+)
 from shared.errors import ApiError, ErrorCode
 from shared.oci import LayoutError
 
 
 @web.middleware
 async def operator_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Operator routes (`/v1/admin/…`): an operator token, text the store can hold; and
-    the store's NotFoundError, from any handler, a 404 naming the field that named it."""
-    if not request.path.startswith("/v1/admin/"):
+    """Operator routes (`/v1/admin/…`, and `/metrics`): an operator token, text the store
+    can hold; and the store's NotFoundError, from any handler, a 404 naming the field that
+    named it."""
+    if not request.path.startswith("/v1/admin/") and request.path != "/metrics":
         return await handler(request)
     token = bearer(request)
     store = request.app[STORE]
@@ -241,6 +253,73 @@ async def list_loops(request: web.Request) -> web.Response:
     return web.json_response(report(request.app[RUNNING], request.app[LOOPS]))
 
 
+async def list_alerts(request: web.Request) -> web.Response:
+    """The hub's alerts, newest first: `?state=firing` (or `resolved`) for those only."""
+    state = request.query.get("state")
+    if state not in {None, "firing", "resolved"}:
+        raise ApiError(ErrorCode.invalid_value, "`state` is `firing` or `resolved`", param="state")
+    store = request.app[STORE]
+    found = await store.run(store.sync.alerts, state)
+    return web.json_response({"data": [alert_view(a) for a in found]})
+
+
+async def create_silence(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    req = await parse(request, SilenceRequest)
+    silence = await store.run(
+        store.sync.create_silence,
+        req.matchers,
+        time.time() + req.duration_s,
+        request[OPERATOR],
+        req.comment,
+    )
+    return web.json_response(silence_view(silence, time.time()), status=201)
+
+
+async def list_silences(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    now = time.time()
+    found = await store.run(store.sync.silences)
+    return web.json_response({"data": [silence_view(s, now) for s in found]})
+
+
+async def delete_silence(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    silence_id = request.match_info["id"]
+    await store.run(store.sync.delete_silence, silence_id)
+    return web.json_response({"id": silence_id, "deleted": True})
+
+
+async def objectives(request: web.Request) -> web.Response:
+    """The fleet's objectives over a window: attainment, target, budget left, burn rate."""
+    q = query(request, ObjectivesQuery)
+    store = request.app[STORE]
+    view = await store.read(
+        report_view,
+        request.app[SETTINGS].objectives,
+        window=q.window,
+        by=q.by,
+        filters=q.filters(),
+        now=time.time(),
+    )
+    return web.json_response(view)
+
+
+async def objectives_series(request: web.Request) -> web.Response:
+    """The points of the objectives' charts over a window, per class."""
+    q = query(request, ObjectivesQuery)
+    store = request.app[STORE]
+    view = await store.read(
+        series_view,
+        request.app[SETTINGS].objectives,
+        window=q.window,
+        step_s=q.step_s,
+        filters=q.filters(),
+        now=time.time(),
+    )
+    return web.json_response(view)
+
+
 def operator_routes() -> list[web.RouteDef]:
     return [
         web.get("/v1/admin/nodes", list_nodes),
@@ -264,4 +343,10 @@ def operator_routes() -> list[web.RouteDef]:
         web.post("/v1/admin/packages/{id}/seed", seed_package),
         web.delete("/v1/admin/packages/{id}/seed", unseed_package),
         web.get("/v1/admin/loops", list_loops),
+        web.get("/v1/admin/alerts", list_alerts),
+        web.get("/v1/admin/silences", list_silences),
+        web.post("/v1/admin/silences", create_silence),
+        web.delete("/v1/admin/silences/{id}", delete_silence),
+        web.get("/v1/admin/objectives", objectives),
+        web.get("/v1/admin/objectives/series", objectives_series),
     ]

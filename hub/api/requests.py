@@ -7,8 +7,17 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
+from hub.fleet.budgets import window_s
+from hub.fleet.objectives import Grouping, SloFilters
 from hub.state.accounts import Tenancy
 from hub.state.store import DeploymentRecord
 from shared import protocol
@@ -114,3 +123,50 @@ class SeedRequest(BaseModel):
 
     version: Text | None = Field(None, max_length=100, description="the newest held if unset")
     site: Text | None = Field(None, description="every node if unset")
+
+
+class SilenceRequest(BaseModel):
+    """A silence: alerts whose rule (`rule`) and labels match every matcher exactly are
+    recorded but not delivered, for `duration_s`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    matchers: dict[Annotated[Text, Field(min_length=1, max_length=100)], Text] = Field(
+        min_length=1,
+        max_length=20,
+        description='label (or "rule") -> value, e.g. {"rule": "node_offline", "node": "n1"}',
+    )
+    duration_s: float = Field(3600, gt=0, le=90 * 86_400, description="how long it holds")
+    comment: Text = Field("", max_length=500)
+
+
+WINDOW_PATTERN = r"^[0-9]{1,7}[smhdw]$"
+
+
+class ObjectivesQuery(BaseModel):
+    """The query of `GET /v1/admin/objectives` and `…/objectives/series` (and the console's
+    objectives page): a window, a grouping, filters."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    window: str = Field("1h", description="5m, 1h, 1d, 30d, … (at most 35d)")
+    by: Grouping = "class"
+    service_class: protocol.ServiceClassName | None = Field(None, alias="class")
+    account: Text | None = None
+    site: Text | None = None
+    node: Text | None = Field(None, description="a node's id or name")
+    step: str | None = Field(None, description="the series' step (rounded to the buckets)")
+
+    @field_validator("window", "step")
+    @classmethod
+    def _duration(cls, value: str | None) -> str | None:
+        if value is not None:
+            window_s(value)
+        return value
+
+    @property
+    def step_s(self) -> float | None:
+        return None if self.step is None else window_s(self.step)
+
+    def filters(self) -> SloFilters:
+        return SloFilters(self.service_class, self.account, self.site, self.node)

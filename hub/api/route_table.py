@@ -14,6 +14,7 @@ from hub.api.requests import (
     DrainRequest,
     KeyRequest,
     SeedRequest,
+    SilenceRequest,
     TenancyRequest,
     TokenRequest,
 )
@@ -362,6 +363,14 @@ ADMIN_ROUTES: tuple[Route, ...] = (
     ),
     Route(
         "GET",
+        "/metrics",
+        "The hub's Prometheus metrics (OpenMetrics, or the text format when only that is "
+        "accepted); without a token on the `metrics.listen` listener only.",
+        Auth.operator,
+        answer_types=("application/openmetrics-text", "text/plain"),
+    ),
+    Route(
+        "GET",
         "/v1/admin/loops",
         "The hub's background loops: those running, any stopped, each one's failed "
         "rounds (count, last error, when).",
@@ -369,4 +378,85 @@ ADMIN_ROUTES: tuple[Route, ...] = (
     ),
 )
 
-ROUTES: tuple[Route, ...] = NODE_ROUTES + ADMIN_ROUTES
+ALERT_ROUTES: tuple[Route, ...] = (
+    Route(
+        "GET",
+        "/v1/admin/alerts",
+        "The alerts the hub recorded, newest first: rule, labels, state, when it fired "
+        "and resolved, value, summary, whether a silence held it back.",
+        Auth.operator,
+        params=(
+            Param(
+                "state",
+                "query",
+                "only those `firing`, or `resolved`",
+                {"type": "string", "enum": ["firing", "resolved"]},
+            ),
+        ),
+    ),
+    Route("GET", "/v1/admin/silences", "Silences, newest first.", Auth.operator),
+    Route(
+        "POST",
+        "/v1/admin/silences",
+        "Silence the alerts whose rule and labels match: recorded, not delivered.",
+        Auth.operator,
+        SilenceRequest,
+        status=201,
+    ),
+    Route(
+        "DELETE",
+        "/v1/admin/silences/{id}",
+        "End a silence.",
+        Auth.operator,
+        errors=_NOT_FOUND,
+    ),
+)
+
+_WINDOW = {"type": "string", "pattern": "^[0-9]{1,7}[smhdw]$"}
+_OBJECTIVE_FILTERS = (
+    Param("window", "query", "how far back from now: 5m, 1h, 1d, 30d, … (at most 35d)", _WINDOW),
+    Param("class", "query", "one service class", {"enum": ["S0", "S1", "S2", "S3", "S4"]}),
+    Param("account", "query", "one account (`(other)`: those the hub does not know)",
+          {"type": "string"}),
+    Param("site", "query", "one site", {"type": "string"}),
+    Param("node", "query", "one node, by id or name", {"type": "string"}),
+)  # fmt: skip
+OBJECTIVE_ROUTES: tuple[Route, ...] = (
+    Route(
+        "GET",
+        "/v1/admin/objectives",
+        "The fleet's objectives over a window (1h unless named), per class and `by` "
+        "group: met, missed, attainment, target, error budget left over the budget "
+        "period, burn rate; and requests by outcome.",
+        Auth.operator,
+        errors=(ErrorCode.invalid_value,),
+        params=(
+            *_OBJECTIVE_FILTERS,
+            Param(
+                "by",
+                "query",
+                "the groups: class (the default), account, site or node",
+                {"enum": ["class", "account", "site", "node"]},
+            ),
+        ),
+    ),
+    Route(
+        "GET",
+        "/v1/admin/objectives/series",
+        "The objectives over a window as points in time, per class: requests, attainment "
+        "and burn rate of each objective, TTFT median and 95th percentile.",
+        Auth.operator,
+        errors=(ErrorCode.invalid_value,),
+        params=(
+            *_OBJECTIVE_FILTERS,
+            Param(
+                "step",
+                "query",
+                "time between points (rounded to the buckets' 5 min or 1 h)",
+                _WINDOW,
+            ),
+        ),
+    ),
+)
+
+ROUTES: tuple[Route, ...] = NODE_ROUTES + ADMIN_ROUTES + OBJECTIVE_ROUTES + ALERT_ROUTES

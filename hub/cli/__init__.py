@@ -1,5 +1,6 @@
 """`kvl hub …`: serve the hub, and manage its enrollment tokens, nodes, accounts, keys,
-models and deployments, packages, operators and console users. One module per command
+models and deployments, packages, operators and console users, and read the fleet's
+objectives. One module per command
 group; each opens the store the one way (`common.opened_store`)."""
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ import click
 from hub.cli import (
     accounts,
     admin,
+    alerts,
     ca,
     keys,
     models,
     nodes,
+    objectives,
     operators,
     packages,
     serve,
@@ -32,6 +35,7 @@ for command in (
     tokens.tokens,
     tokens.provision,
     nodes.nodes,
+    objectives.objectives,
     accounts.accounts,
     keys.keys,
     models.models,
@@ -42,5 +46,6 @@ for command in (
     operators.operators,
     admin.admin,  # `kvl hub admin …`: the console's users
     ca.ca,
+    alerts.alerts,
 ):
     hub.add_command(command)

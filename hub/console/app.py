@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from hub.console import store as sql
+from hub.console.alerts import alert_routes
 from hub.console.auth import LoginThrottle
+from hub.console.objectives import objectives_routes
 from hub.console.pages import console_routes
 from hub.console.web import (
     CONSOLE,
@@ -47,6 +49,8 @@ def setup_console(app: web.Application) -> None:
                 for name, kind in STATIC.items()},
     )  # fmt: skip
     app.add_routes(console_routes())
+    app.add_routes(alert_routes())
+    app.add_routes(objectives_routes())
     app.add_routes([
         web.get("/console/static/{name}", static),
         # Last: any other console path is an HTML 404, not the API's JSON one.

@@ -48,6 +48,7 @@ from hub.console.web import (
     render,
     see_other,
 )
+from hub.fleet.objectives import SloFilters, report_view
 from hub.state.store import NotFoundError
 from hub.views import deployment_view, node_view, quota_view
 from shared.keys import ENROLLMENT_TOKEN, parse_prefix
@@ -193,6 +194,11 @@ async def node_page(request: web.Request) -> web.StreamResponse:
     # history is not a sliver at the right edge of six hours.
     start = max(since, min(samples[0].at if samples else now, now - 600))
 
+    objectives = await store.read(
+        report_view, settings.objectives, window=settings.objectives.windows[0], by="node",
+        filters=SloFilters(node=node.id), now=now,
+    )  # fmt: skip
+
     def chart(chart_id: str, title: str, unit: str, *series: Series, **kw: Any) -> Any:
         return line_chart(chart_id, title, series, unit=unit, start=start, end=now, gap_s=gap,
                           **kw)  # fmt: skip
@@ -225,6 +231,7 @@ async def node_page(request: web.Request) -> web.StreamResponse:
         charts_from=start,
         logs=logs,
         log_levels=[n.lower() for n in LOG_LEVELS],
+        objectives=objectives,
     )
 
 

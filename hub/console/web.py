@@ -74,6 +74,8 @@ NOTICES = {
     "key-revoked": "The API key is revoked; every node refuses it after its next state pull.",
     "deployed": "Deployed: the placement reconciler picks the nodes within seconds.",
     "undeployed": "Undeployed: its replicas are unloaded from the nodes.",
+    "silenced": "Silenced: matching alerts are recorded, not sent.",
+    "silence-ended": "The silence ended: matching alerts are sent again.",
 }
 
 

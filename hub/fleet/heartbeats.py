@@ -29,6 +29,9 @@ class Heartbeats:
 
     def __init__(self) -> None:
         self._waiting: dict[str, Heartbeat] = {}
+        # Told the arrival times of the heartbeats each flush takes: the hub's metrics
+        # (flush lag: how long the oldest waited; batch size).
+        self.taken: Callable[[list[float]], None] | None = None
         self.desired_serial = 0
         # Called with each flushed group, once it is written (the console samples them).
         self.listeners: list[Callable[[list[Heartbeat]], Awaitable[None]]] = []
@@ -41,6 +44,8 @@ class Heartbeats:
 
     def take(self) -> list[Heartbeat]:
         taken, self._waiting = list(self._waiting.values()), {}
+        if taken and self.taken is not None:
+            self.taken([beat.at for beat in taken])
         return taken
 
 

@@ -1,12 +1,18 @@
 """The fleet's objectives, as the rest of the hub reads them: what a heartbeat flush added
 (`Ingested`: a `SloDelta` per node, class and account, and the nodes' worker restarts),
 handed to `Heartbeats.objective_listeners` after each flush that added something; what a
-window holds (`SloTotals`, from the store's `slo_totals`); and the TTFT quantiles of a
-window's histograms. The records are the store's (hub/state/slo.py, where the counting
-rules are), named here so that no one reaches into the store for them."""
+window holds (`SloTotals`, from the store's `slo_totals`); and the two views the operator
+API, the CLI and the console show: the report of a window (`report_view`: each class's
+objectives per group against their targets, budget left, burn rate) and its time series
+(`series_view`: the points of the charts). The records are the store's (hub/state/slo.py,
+where the counting rules are), named here so that no one reaches into the store for them."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+from hub.fleet import budgets
+from hub.state.objectives import SloFilters, histogram, totals_of
 from hub.state.slo import (
     GROUPINGS,
     OTHER_ACCOUNT,
@@ -16,6 +22,11 @@ from hub.state.slo import (
     SloTotals,
     quantile,
 )
+from shared import protocol
+
+if TYPE_CHECKING:
+    from hub.settings import ObjectivesSettings
+    from hub.state.store import HubStore
 
 __all__ = [
     "GROUPINGS",
@@ -23,6 +34,85 @@ __all__ = [
     "Grouping",
     "Ingested",
     "SloDelta",
+    "SloFilters",
     "SloTotals",
     "quantile",
+    "report_view",
+    "series_view",
 ]
+
+POINTS = 24  # a chart's points over its window, unless a step is asked for
+
+
+def report_view(
+    store: HubStore,
+    settings: ObjectivesSettings,
+    *,
+    window: str,
+    by: Grouping,
+    filters: SloFilters,
+    now: float,
+) -> dict[str, Any]:
+    """A window's report, as JSON: each (class, objective, group) row of `budgets.report`
+    (the budget left over the budget period, the burn rate over the window), and each
+    group's requests by outcome."""
+    since = now - budgets.window_s(window)
+    totals = store.slo_totals(since, now, by, filters)
+    period_s = settings.budget_period_s
+    period = (
+        totals if period_s == now - since else store.slo_totals(now - period_s, now, by, filters)
+    )
+    rows = budgets.report(totals, settings.target, period)
+    return {
+        "window": window,
+        "since": since,
+        "until": now,
+        "by": by,
+        "budget_period": settings.budget_period,
+        "data": [r.view() for r in rows],
+        "requests": [
+            {"service_class": t.service_class, "group": t.group, "requests": t.requests,
+             "admitted": t.admitted, "refused": t.refused}
+            for t in totals
+        ],
+    }  # fmt: skip
+
+
+def series_view(
+    store: HubStore,
+    settings: ObjectivesSettings,
+    *,
+    window: str,
+    step_s: float | None,
+    filters: SloFilters,
+    now: float,
+) -> dict[str, Any]:
+    """A window's points per class, oldest first: requests, each objective's attainment
+    and burn rate, and the TTFT's median and 95th percentile (from the histograms)."""
+    length = budgets.window_s(window)
+    since = now - length
+    step, points = store.slo_series(since, now, step_s or length / POINTS, filters)
+    data = []
+    for point in points:
+        t = totals_of(point.service_class, "", point.counters)
+        ttft = histogram(point.counters, "ttft")
+        data.append(
+            {
+                "start": point.start,
+                "service_class": t.service_class,
+                "requests": t.requests,
+                "admitted": t.admitted,
+                "attainment": {
+                    o: budgets.attainment(t.met[o], t.missed[o]) for o in protocol.OBJECTIVES
+                },
+                "burn_rate": {
+                    o: budgets.burn_rate(
+                        t.missed[o], t.met[o] + t.missed[o], settings.target(t.service_class, o)
+                    )
+                    for o in protocol.OBJECTIVES
+                },
+                "ttft_p50_s": quantile(ttft, 0.5),
+                "ttft_p95_s": quantile(ttft, 0.95),
+            }
+        )
+    return {"window": window, "since": since, "until": now, "step_s": step, "data": data}

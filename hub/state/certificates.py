@@ -122,3 +122,23 @@ class CertificatesMixin(StoreBase):
             [now],
         ).fetchall()
         return {str(r[0]): int(r[1]) for r in rows}
+
+    def newest_certificates(self) -> dict[str, IssuedCertificate]:
+        """Each node's newest certificate (of nodes not revoked), by node id: what the
+        metrics and the alerts read of expiries and issuing CAs, in one query."""
+        rows = self.db.query(
+            "SELECT c.* FROM node_certificates AS c JOIN nodes AS n ON n.id = c.node_id"
+            " WHERE n.revoked_at IS NULL AND c.issued_at = (SELECT MAX(issued_at)"
+            " FROM node_certificates WHERE node_id = c.node_id)"
+        )
+        return {
+            r["node_id"]: IssuedCertificate(
+                serial=r["serial"],
+                node_id=r["node_id"],
+                ca=r["ca"],
+                names=json.loads(r["names"]),
+                issued_at=r["issued_at"],
+                not_after=r["not_after"],
+            )
+            for r in rows
+        }

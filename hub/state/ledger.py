@@ -49,22 +49,23 @@ class LedgerMixin(PackagesMixin):
         ledger's key is the event id, an INSERT of one already there changes nothing, and
         its row count says so, whichever replica got the batch first."""
         events = list(events)
-        [stored] = self.store_events(
+        [(ids, new, _)] = self.store_events(
             [(node_id, events, ledger_rows(node_id, events, self.clock()))]
         )
-        return stored
+        return ids, new
 
     @sql.retrying()
     def store_events(
         self, batches: Sequence[tuple[str, Sequence[protocol.Event], list[LedgerRow]]]
-    ) -> list[tuple[list[str], int]]:
+    ) -> list[tuple[list[str], int, dict[str, int]]]:
         """Several nodes' batches (node id, events, their `ledger_rows`) in one transaction,
-        so in one durable commit; for each, as `ingest` answers."""
+        so in one durable commit; for each, as `ingest` answers, and how many were new of
+        each kind."""
         insert = (
             "INSERT INTO ledger (event_id, node_id, kind, body, received_at, account, tokens,"
             " lease_id, at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
         )
-        answers: dict[int, tuple[list[str], int]] = {}
+        answers: dict[int, tuple[list[str], int, dict[str, int]]] = {}
         with self.db.transaction():
             # All the group's usage in a few statements, in the order of its ids: two
             # replicas storing overlapping batches lock the same keys in one order. An id
@@ -77,20 +78,20 @@ class LedgerMixin(PackagesMixin):
             )
             for index in order:
                 node_id, events, rows = batches[index]
-                new = 0
+                fresh: dict[str, int] = {}
                 for row in rows:
                     if row[2] == "usage" and row[0] in stored:
                         stored.discard(row[0])
-                        new += 1
+                        fresh["usage"] = fresh.get("usage", 0) + 1
                 for event, row in zip(events, rows, strict=True):
                     if row[2] == "usage":
                         continue
                     # Others one by one, in the node's order, each applied if it was new.
                     if self.db.execute(insert, row).rowcount == 0:
                         continue
-                    new += 1
+                    fresh[row[2]] = fresh.get(row[2], 0) + 1
                     self._apply_event(node_id, event, row[4])
-                answers[index] = ([r[0] for r in rows], new)
+                answers[index] = ([r[0] for r in rows], sum(fresh.values()), fresh)
         return [answers[i] for i in range(len(batches))]
 
     _USAGE_ROWS_PER_STATEMENT = 500  # 9 parameters each: under both databases' limits

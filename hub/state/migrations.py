@@ -356,3 +356,68 @@ def m012_objectives(db: Database) -> None:
         not_null=set(columns) - {"node", "site"},
     )
     db.table("slo_buckets").create_index(["width", "start"])
+
+
+@migrations()
+def m013_alerts(db: Database) -> None:
+    # Alerts the hub evaluated (hub/alerting/): each firing of a rule for one subject (its
+    # labels, JSON with sorted keys), until it resolves. One firing row per rule and
+    # subject at a time (the partial unique index), so replicas evaluating together
+    # record, and deliver, a firing once.
+    db.table("alerts").create(
+        {
+            "id": str,
+            "rule": str,
+            "labels": str,  # JSON object, sorted keys
+            "severity": str,  # page, ticket
+            "state": str,  # firing, resolved
+            "fired_at": float,
+            "resolved_at": float,
+            "value": float,
+            "summary": str,
+            "silenced": int,  # a silence matched it when it fired: recorded, not delivered
+        },
+        pk="id",
+        not_null={"rule", "labels", "severity", "state", "fired_at", "value", "summary",
+                  "silenced"},
+    )  # fmt: skip
+    db.execute(
+        "CREATE UNIQUE INDEX idx_alerts_firing ON alerts (rule, labels) WHERE state = 'firing'"
+    )
+    db.table("alerts").create_index(["fired_at"])
+    # Silences: an alert whose rule and labels match every matcher (exact values) until
+    # `until` is recorded but not delivered.
+    db.table("alert_silences").create(
+        {
+            "id": str,
+            "matchers": str,  # JSON object: label (or "rule") -> value
+            "until": float,
+            "created_by": str,
+            "comment": str,
+            "created_at": float,
+        },
+        pk="id",
+        not_null={"matchers", "until", "created_by", "comment", "created_at"},
+    )
+    # The webhook outbox: one row per alert change and receiver, made in the transaction
+    # that records the change, retried with backoff until a 2xx or `alerts.retry_s`.
+    db.table("alert_deliveries").create(
+        {
+            "id": str,  # the Kvl-Delivery id, the same on every retry
+            "alert_id": str,
+            "event": str,  # firing, resolved
+            "url": str,
+            "payload": str,  # the JSON body, fixed when made
+            "status": str,  # pending, delivered, failed
+            "attempts": int,
+            "next_at": float,
+            "last_error": str,
+            "created_at": float,
+            "delivered_at": float,
+        },
+        pk="id",
+        not_null={"alert_id", "event", "url", "payload", "status", "attempts", "next_at",
+                  "created_at"},
+        foreign_keys=[("alert_id", "alerts", "id")],
+    )  # fmt: skip
+    db.table("alert_deliveries").create_index(["status", "next_at"])

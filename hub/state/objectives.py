@@ -338,9 +338,10 @@ class ObjectivesMixin(StoreBase):
 
     def slo_series(
         self, since: float, until: float, step: float, filters: SloFilters | None = None
-    ) -> list[SloBucket]:
+    ) -> tuple[int, list[SloBucket]]:
         """Per class, the sums of each `step` of [since, until) (step rounded to the buckets'
-        width, at least one bucket): the points of a chart."""
+        width, at least one bucket; the step used is answered too): the points of a
+        chart."""
         buckets = self.slo_buckets(since, until, "class", filters, per_bucket=True)
         width = FIVE_MINUTES if until - since <= FINE_WINDOW_S else HOUR
         width = max(width, self._width(since))
@@ -351,7 +352,9 @@ class ObjectivesMixin(StoreBase):
             into = joined.setdefault((at, b.service_class), dict.fromkeys(b.counters, 0.0))
             for k, v in b.counters.items():
                 into[k] += v
-        return [SloBucket(at, cls, "", counters) for (at, cls), counters in sorted(joined.items())]
+        return step, [
+            SloBucket(at, cls, "", counters) for (at, cls), counters in sorted(joined.items())
+        ]
 
     def worker_restarts_since(self, since: float) -> dict[str, int]:
         """Model workers restarted on each node (by id) since `since`, to the bucket."""

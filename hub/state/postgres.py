@@ -344,4 +344,45 @@ MIGRATIONS = (
         CREATE INDEX idx_slo_buckets_width_start ON slo_buckets (width, start);
         """,
     ),
+    SQLMigration(
+        "m013_alerts",
+        """
+        CREATE TABLE alerts (
+            id TEXT PRIMARY KEY,
+            rule TEXT NOT NULL,
+            labels TEXT NOT NULL,
+            severity TEXT NOT NULL,
+            state TEXT NOT NULL,
+            fired_at DOUBLE PRECISION NOT NULL,
+            resolved_at DOUBLE PRECISION,
+            value DOUBLE PRECISION NOT NULL,
+            summary TEXT NOT NULL,
+            silenced BIGINT NOT NULL
+        );
+        CREATE UNIQUE INDEX idx_alerts_firing ON alerts (rule, labels) WHERE state = 'firing';
+        CREATE INDEX idx_alerts_fired_at ON alerts (fired_at);
+        CREATE TABLE alert_silences (
+            id TEXT PRIMARY KEY,
+            matchers TEXT NOT NULL,
+            until DOUBLE PRECISION NOT NULL,
+            created_by TEXT NOT NULL,
+            comment TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE TABLE alert_deliveries (
+            id TEXT PRIMARY KEY,
+            alert_id TEXT NOT NULL REFERENCES alerts (id),
+            event TEXT NOT NULL,
+            url TEXT NOT NULL,
+            payload TEXT NOT NULL,
+            status TEXT NOT NULL,
+            attempts BIGINT NOT NULL,
+            next_at DOUBLE PRECISION NOT NULL,
+            last_error TEXT,
+            created_at DOUBLE PRECISION NOT NULL,
+            delivered_at DOUBLE PRECISION
+        );
+        CREATE INDEX idx_alert_deliveries_status_next_at ON alert_deliveries (status, next_at);
+        """,
+    ),
 )

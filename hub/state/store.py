@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
 from hub.state import postgres, sql
 from hub.state.accounts import ForeignAccountError
+from hub.state.alerts import AlertRecord, AlertsMixin, Delivery, Firing, Silence
 from hub.state.base import (
     AUTH_REVISION,
     DESIRED_SERIAL,
@@ -66,13 +67,16 @@ __all__ = [
     "ENROLL_RETRY_S",
     "GROUP_EVENTS",
     "AddressPoolExhaustedError",
+    "AlertRecord",
     "AlreadyEnrolledError",
     "AsyncHubStore",
     "ConflictError",
+    "Delivery",
     "DeploymentRecord",
     "Enrolled",
     "EnrollmentToken",
     "EventsAnswer",
+    "Firing",
     "ForeignAccountError",
     "ForeignLeaseError",
     "Heartbeat",
@@ -86,6 +90,7 @@ __all__ = [
     "NotFoundError",
     "PackageRecord",
     "Quota",
+    "Silence",
     "StoreBase",
     "TokenProblem",
     "TokenRefusedError",
@@ -121,6 +126,7 @@ class HubStore(
     LedgerMixin,
     DesiredStateMixin,
     ObjectivesMixin,
+    AlertsMixin,
 ):
     """Every aggregate's methods on one connection (`store.sync.<method>` on the writer
     thread). A transaction (`self.db.transaction()`) spans aggregates where one change
@@ -135,7 +141,8 @@ class HubStore(
             return self.ingest_objectives(beats)
 
 
-EventsAnswer = tuple[list[str], int]  # every id acknowledged, how many were new
+# Every id acknowledged, how many were new, and how many of each kind.
+EventsAnswer = tuple[list[str], int, dict[str, int]]
 GROUP_EVENTS = 20_000  # at most this many events in one group commit
 
 
@@ -165,6 +172,19 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         self._accounts: dict[str, frozenset[str]] = {}
         self._desired_serial = -1
         self._lease_owner: dict[str, str | None] = {}
+        # Told each call's operation (the function's name) and seconds, waiting for the
+        # thread included: the application's metrics (kvl_hub_db_duration_seconds).
+        self.timed: Callable[[str, float], None] | None = None
+
+    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`db.AsyncStore.run`, timed by operation."""
+        if self.timed is None:
+            return await super().run(fn, *args, **kwargs)
+        started = time.perf_counter()
+        try:
+            return await super().run(fn, *args, **kwargs)
+        finally:
+            self.timed(_operation(fn), time.perf_counter() - started)
 
     async def open(self) -> None:
         await super().open()
@@ -175,7 +195,13 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
     ) -> T:
         """`fn(store, …)` on the reading connection: reads only (SQLite's WAL and
         PostgreSQL both let it read what was committed while the writer writes)."""
-        return await self._reader.run(fn, self._reader.sync, *args, **kwargs)
+        if self.timed is None:
+            return await self._reader.run(fn, self._reader.sync, *args, **kwargs)
+        started = time.perf_counter()
+        try:
+            return await self._reader.run(fn, self._reader.sync, *args, **kwargs)
+        finally:
+            self.timed(_operation(fn), time.perf_counter() - started)
 
     async def nodes(self) -> list[Node]:
         """Every node (`HubStore.nodes`), read beside the writer: how the API, the console
@@ -341,6 +367,13 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
                 await self._committer
         await self._reader.close()
         await super().close()
+
+
+def _operation(fn: Callable[..., object]) -> str:
+    """A store call's name for its timing: the method's (`heartbeats`, `store_events`); a
+    lambda wrapping one is `lambda`."""
+    name = getattr(fn, "__name__", "") or "call"
+    return "lambda" if name == "<lambda>" else name
 
 
 @dataclass(frozen=True)

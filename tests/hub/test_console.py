@@ -677,3 +677,44 @@ async def test_kvl_hub_admin_creates_the_first_admin_who_can_log_in(
         assert gone.returncode == 0, gone.stderr
         assert (await console.get("/console/nodes"))[0] == 303
         assert admin("delete", "first", data=data).returncode != 0
+
+
+async def test_the_alerts_page_shows_alerts_and_makes_and_ends_silences(
+    console: Console, hub: HubSettings
+) -> None:
+    from hub.state.alerts import Firing  # noqa: PLC0415
+
+    store = open_store(hub)
+    store.record_alerts(
+        [Firing("node_offline", {"node": "n9", "site": "lab"}, "page", 130.0, "n9 is quiet")],
+        ["node_offline"],
+        [],
+    )
+    store.close()
+    status, _, response = await console.get("/console/alerts")
+    assert status == 303  # a login first
+    assert await console.login() == 303
+    status, page, _ = await console.get("/console/alerts")
+    assert status == 200
+    assert 'href="/console/alerts" aria-current="page"' in page
+    assert "n9 is quiet" in page
+    assert "<code>node=n9</code>" in page
+    status, page, _ = await console.post("/console/silences", {"rule": "", "duration": "1h"})
+    assert status == 400  # neither a rule nor a label
+    status, _, response = await console.post(
+        "/console/silences",
+        {"rule": "node_offline", "label": "node=n9", "duration": "4h", "comment": "moving"},
+    )
+    assert status == 303
+    assert response.headers["Location"] == "/console/alerts?notice=silenced"
+    store = open_store(hub)
+    (silence,) = store.silences()
+    store.close()
+    assert silence.matchers == {"node": "n9", "rule": "node_offline"}
+    assert silence.created_by == "ops"
+    status, page, _ = await console.get("/console/alerts?notice=silenced")
+    assert f'data-silence="{silence.id}"' in page
+    status, _, _ = await console.post(f"/console/silences/{silence.id}/end", {})
+    assert status == 303
+    status, _, _ = await console.post(f"/console/silences/{silence.id}/end", {})
+    assert status == 404

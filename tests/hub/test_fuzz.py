@@ -193,6 +193,7 @@ def fuzzed(
         enrollment = store.create_token("lab", uses=100_000, expires_in_s=3600).plaintext
         spare_token = store.create_token("lab", uses=1, expires_in_s=3600)  # to revoke
         operator = store.create_operator("fuzz").plaintext
+        silence = store.create_silence({"rule": "node_offline"}, 4e9, "fuzz", "")  # to end
         store.set_account("acme", "S1", budget=Budget(1_000_000, 86_400))
         client_key = store.create_key("acme").plaintext
         spare_key = store.create_key("acme")  # to revoke
@@ -241,6 +242,7 @@ def fuzzed(
                 "/v1/admin/keys/{prefix}/revoke": {"prefix": spare_key.prefix},
                 "/v1/admin/packages/{id}/seed": {"id": held.id},
                 "/v1/node/artifacts/{sha256}": {"sha256": seeded.sha256},
+                "/v1/admin/silences/{id}": {"id": silence.id},
             }
             headers = {**protocol.HEADERS, protocol.CLIENT_KEY_HEADER: client_key}
             yield Fuzzed(

@@ -562,7 +562,7 @@ async def test_event_batches_arriving_together_are_committed_together_and_each_a
             hub.ingest("no-such-node", bad), hub.ingest(nodes[0], good), return_exceptions=True
         )
         assert isinstance(refused, DatabaseError)
-        assert stored == (["good"], 1)
+        assert stored == (["good"], 1, {"usage": 1})
     finally:
         await hub.close()
 

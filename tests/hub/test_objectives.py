@@ -311,7 +311,8 @@ def test_windows_buckets_and_pruning(tmp_path: Path, hub_database: HubDatabase) 
         assert store.slo_totals(t0, t0 + 600, "class", SloFilters(account="globex")) == []
 
         # The series for charts: one point per five minutes.
-        points = store.slo_series(t0, t0 + 600, 300)
+        step, points = store.slo_series(t0, t0 + 600, 300)
+        assert step == FIVE_MINUTES
         assert [(p.start, p.counters["requests"]) for p in points] == [(t0, 10.0), (t0 + 300, 10.0)]
 
         clock.now = t0 + 3 * 86_400

@@ -1,0 +1,204 @@
+"""The alert rules, pure: what fires for a snapshot of the fleet. The hub's alert loop
+(hub/alerting/loop.py) evaluates them on its store; hub/alerting/prometheus.py writes the
+same rules, with the same thresholds, for a Prometheus that scrapes the hub.
+
+Each rule fires per subject (its labels): a node (`node`, `site`), or a class's objective
+over a pair of windows (`class`, `objective`, `window`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from hub.planning.health import seen_within
+from hub.state.alerts import Firing
+from shared import protocol
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+    from hub.settings import AlertsSettings, HubSettings
+    from hub.state.store import IssuedCertificate, Node
+
+SLO_BURN = "slo_burn"
+NODE_STALE = "node_stale"
+NODE_OFFLINE = "node_offline"
+OUTBOX_ALARM = "outbox_alarm"
+WORKER_RESTARTS = "worker_restarts"
+CERTIFICATE_EXPIRY = "certificate_expiry"
+CERTIFICATE_RENEWAL = "certificate_renewal"
+NODE_RULES = (
+    NODE_STALE,
+    NODE_OFFLINE,
+    OUTBOX_ALARM,
+    CERTIFICATE_EXPIRY,
+    CERTIFICATE_RENEWAL,
+)
+RULES = (SLO_BURN, *NODE_RULES, WORKER_RESTARTS)
+# A value stored and sent is finite (a target of 1 burns without bound on one miss).
+_MOST = 1e12
+
+_UNITS = (("d", 86_400), ("h", 3600), ("m", 60), ("s", 1))
+
+
+def duration(seconds: float) -> str:
+    """A window as Prometheus writes one (`1h`, `5m`, `90s`): whole seconds, in the
+    largest unit that divides them."""
+    whole = max(1, round(seconds))
+    for unit, size in _UNITS:
+        if whole % size == 0:
+            return f"{whole // size}{unit}"
+    return f"{whole}s"  # pragma: no cover - seconds divide everything
+
+
+@dataclass(frozen=True)
+class BurnPair:
+    """A multi-window burn-rate alert: the budget burns above `factor` times its
+    sustainable rate over both windows."""
+
+    long_s: float
+    short_s: float
+    factor: float
+    severity: str
+
+    @property
+    def window(self) -> str:
+        return f"{duration(self.long_s)}/{duration(self.short_s)}"
+
+
+def burn_pairs(settings: AlertsSettings) -> list[BurnPair]:
+    return [BurnPair(b.long_s, b.short_s, b.factor, b.severity) for b in settings.burn]
+
+
+class SloTotalsLike(Protocol):
+    """A class's totals over a window (hub/fleet/objectives.py `SloTotals`)."""
+
+    @property
+    def service_class(self) -> str: ...
+    @property
+    def met(self) -> Mapping[str, int]: ...
+    @property
+    def missed(self) -> Mapping[str, int]: ...
+
+
+def burn_alerts(
+    pairs: Sequence[BurnPair],
+    totals: Mapping[float, Sequence[SloTotalsLike]],
+    target: Callable[[str, str], float],
+    burn_rate: Callable[[int, int, float], float],
+) -> list[Firing]:
+    """The burn-rate alerts: `totals` by window (seconds, each of the pairs' windows) by
+    class; `target(class, objective)`; `burn_rate(missed, total, target)`."""
+    fired: list[Firing] = []
+    for pair in pairs:
+        long = {t.service_class: t for t in totals.get(pair.long_s, ())}
+        short = {t.service_class: t for t in totals.get(pair.short_s, ())}
+        for cls in sorted(long.keys() & short.keys()):
+            for objective in protocol.OBJECTIVES:
+                share = target(cls, objective)
+                rates = []
+                for window in (long[cls], short[cls]):
+                    missed = window.missed.get(objective, 0)
+                    total = missed + window.met.get(objective, 0)
+                    rates.append(burn_rate(missed, total, share))
+                if min(rates) <= pair.factor:
+                    continue
+                fired.append(
+                    Firing(
+                        SLO_BURN,
+                        {"class": cls, "objective": objective, "window": pair.window},
+                        pair.severity,
+                        min(rates[0], _MOST),
+                        f"{cls} {objective}: the error budget burns {_times(rates[0])} its "
+                        f"rate over {duration(pair.long_s)} and {_times(rates[1])} over "
+                        f"{duration(pair.short_s)} (target {share:g}; fires above "
+                        f"{pair.factor:g}x)",
+                    )
+                )
+    return fired
+
+
+def _times(rate: float) -> str:
+    return "without bound" if math.isinf(rate) else f"{rate:.1f}x"
+
+
+def node_alerts(
+    now: float,
+    nodes: Sequence[Node],
+    certificates: Mapping[str, IssuedCertificate],
+    signing_ca: str | None,
+    settings: HubSettings,
+) -> list[Firing]:
+    """Stale and offline nodes (of those ever heard from), outbox alarms, certificates
+    near their end, and nodes heard from whose newest certificate is a CA's that signs no
+    more (`signing_ca`: the fingerprint of the one that does): each heartbeat answer tells
+    such a node to renew. That one fires only once it has held `alerts.renew_grace_s`
+    (the loop holds it: `held`)."""
+    fleet, alerts = settings.fleet, settings.alerts
+    fired: list[Firing] = []
+    for node in nodes:
+        if node.revoked:
+            continue
+        labels = {"node": node.name, "site": node.site}
+        if node.last_seen is not None:
+            age = now - node.last_seen
+            if not seen_within(node.last_seen, now, fleet.offline_after_s):
+                fired.append(
+                    Firing(NODE_OFFLINE, labels, "page", age,
+                           f"{node.name} ({node.site}): no heartbeat for {age:.0f} s")
+                )  # fmt: skip
+            elif not seen_within(node.last_seen, now, fleet.stale_after_s):
+                fired.append(
+                    Firing(NODE_STALE, labels, "ticket", age,
+                           f"{node.name} ({node.site}): no heartbeat for {age:.0f} s")
+                )  # fmt: skip
+        if node.capacity.outbox_alarm:
+            fired.append(
+                Firing(OUTBOX_ALARM, labels, "ticket", 1.0,
+                       f"{node.name} ({node.site}): its usage outbox raised its alarm "
+                       f"({node.capacity.outbox_lag} events waiting for the hub)")
+            )  # fmt: skip
+        certificate = certificates.get(node.id)
+        if certificate is None:
+            continue
+        left = certificate.not_after - now
+        if left < alerts.certificate_expiry_s:
+            fired.append(
+                Firing(CERTIFICATE_EXPIRY, labels, "page", left,
+                       f"{node.name} ({node.site}): its certificate "
+                       + (f"expires in {left:.0f} s" if left > 0 else "has expired"))
+            )  # fmt: skip
+        heard = seen_within(node.last_seen, now, fleet.stale_after_s)
+        if signing_ca is not None and certificate.ca != signing_ca and heard:
+            fired.append(
+                Firing(CERTIFICATE_RENEWAL, labels, "ticket", now - certificate.issued_at,
+                       f"{node.name} ({node.site}): told to renew (its certificate is a CA's "
+                       "that signs no more), and has not")
+            )  # fmt: skip
+    return fired
+
+
+def restart_alerts(
+    restarts: Mapping[str, int], nodes: Sequence[Node], settings: AlertsSettings
+) -> list[Firing]:
+    """Nodes whose model workers restarted more than `restarts` times in the window
+    (`restarts`: by node id, over `restarts_window_s`)."""
+    by_id = {n.id: n for n in nodes if not n.revoked}
+    fired = []
+    for node_id, count in sorted(restarts.items()):
+        node = by_id.get(node_id)
+        if node is None or count <= settings.restarts:
+            continue
+        fired.append(
+            Firing(WORKER_RESTARTS, {"node": node.name, "site": node.site}, "page",
+                   float(count),
+                   f"{node.name} ({node.site}): model workers restarted {count} times in "
+                   f"{duration(settings.restarts_window_s)}")
+        )  # fmt: skip
+    return fired
+
+
+def held(settings: AlertsSettings) -> dict[str, float]:
+    """Rules that fire only once their condition has held this long (seconds)."""
+    return {CERTIFICATE_RENEWAL: settings.renew_grace_s}

@@ -1,0 +1,33 @@
+"""`GET /metrics`: the hub's Prometheus metrics. On the hub API it takes an operator token
+(hub/api/operator.py's middleware); `metrics.listen` serves it, alone and without a token,
+on a plain-HTTP listener of its own for a Prometheus beside the hub (`metrics_app`)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from hub.keys import METRICS, SETTINGS, STORE
+from hub.observability.fleet import refresh
+
+
+async def metrics(request: web.Request) -> web.Response:
+    app = request.app
+    await refresh(app[METRICS], app[STORE], app[SETTINGS])
+    body, content_type = app[METRICS].render(request.headers.get("Accept", ""))
+    # The content type carries its own parameters (version, charset): set it whole.
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+def metrics_route() -> web.RouteDef:
+    return web.get("/metrics", metrics)
+
+
+def metrics_app(hub: web.Application) -> web.Application:
+    """The `metrics.listen` listener's application: `/metrics` alone, on the hub's own
+    registry and store, without a token."""
+    app = web.Application()
+    app[METRICS] = hub[METRICS]
+    app[SETTINGS] = hub[SETTINGS]
+    app[STORE] = hub[STORE]
+    app.add_routes([metrics_route()])
+    return app

@@ -1,0 +1,54 @@
+"""The fleet's gauges, set from the store just before each scrape: nodes by status, and
+each node's last heartbeat, outbox alarm and certificate expiry. Two reads beside the
+writer (every node's row, each node's newest certificate), so a scrape never waits on
+the fleet's heartbeats and events."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from hub.planning.health import NodeStatus, node_status
+from hub.state.store import HubStore
+
+if TYPE_CHECKING:
+    from hub.observability.metrics import HubMetrics
+    from hub.settings import HubSettings
+    from hub.state.store import AsyncHubStore
+
+
+async def refresh(
+    metrics: HubMetrics, store: AsyncHubStore, settings: HubSettings, now: float | None = None
+) -> None:
+    at = time.time() if now is None else now
+    nodes = await store.nodes()
+    certificates = await store.read(HubStore.newest_certificates)
+    fleet = settings.fleet
+    statuses: Counter[str] = Counter({s.value: 0 for s in NodeStatus})
+    # Cleared first: a node revoked (or renamed) since the last scrape leaves no series.
+    for gauge in (
+        metrics.node_last_seen,
+        metrics.node_outbox_alarm,
+        metrics.node_certificate_expiry,
+    ):
+        gauge.clear()
+    for node in nodes:
+        status = node_status(
+            node.last_seen,
+            at,
+            revoked=node.revoked,
+            stale_after_s=fleet.stale_after_s,
+            offline_after_s=fleet.offline_after_s,
+        )
+        statuses[status.value] += 1
+        if node.revoked:
+            continue
+        labels = (node.name, node.site)
+        if node.last_seen is not None:
+            metrics.node_last_seen.labels(*labels).set(node.last_seen)
+        metrics.node_outbox_alarm.labels(*labels).set(1 if node.capacity.outbox_alarm else 0)
+        if (certificate := certificates.get(node.id)) is not None:
+            metrics.node_certificate_expiry.labels(*labels).set(certificate.not_after)
+    for name, count in statuses.items():
+        metrics.nodes.labels(name).set(count)
