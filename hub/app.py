@@ -45,7 +45,6 @@ from hub.offload import Forwarder
 from hub.reconciler import reconcile_forever
 from hub.state.store import AsyncHubStore
 from shared import __version__
-from shared.supervise import Failures
 from shared.tracing import Tracing
 
 if TYPE_CHECKING:

@@ -242,6 +242,7 @@ class TracingSettings(BaseModel):
         1.0, ge=0.0, le=1.0, description="Share of requests traced (parent-based sampling)."
     )
 
+
 Target = Annotated[float, Field(gt=0.0, lt=1.0)]
 # The share of each class's requests that must meet each objective (docs/hub.md
 # "Objectives and error budgets"): S0 is best effort, S2 reserved capacity.
