@@ -30,7 +30,8 @@ def objective_charts(series: dict[str, Any], *, start: float, end: float) -> lis
 
     def points(rows: list[dict[str, Any]], key: str, scale: float) -> list[tuple[float, float]]:
         return [
-            (p["start"] + middle, scale * p[key][CHARTED])
+            # In the middle of its step, or now for the step under way.
+            (min(p["start"] + middle, end), scale * p[key][CHARTED])
             for p in rows
             if p[key][CHARTED] is not None and (key != "burn_rate" or p["requests"])
         ]
