@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from pytest_aiohttp import AiohttpClient
 
     from tests.hub.conftest import HubDatabase
+    from tests.postgres import Cluster
 
 BUCKETS = len(protocol.LATENCY_BOUNDS_S) + 1
 
@@ -463,3 +465,54 @@ def test_objective_settings() -> None:
     ):
         with pytest.raises(ValidationError):
             HubSettings.model_validate({"objectives": bad})
+
+
+@pytest.mark.postgres
+def test_two_replicas_flushing_the_same_nodes_at_once_count_each_value_once(
+    tmp_path: Path, postgres: Cluster
+) -> None:
+    """Two stores on one PostgreSQL database (two replicas' flushers), each flushing beats
+    of the same nodes in threads of their own at once, odd beats on one, even on the
+    other: the cursors' locks make each value counted once, whichever commits first (a
+    beat older than one counted adds nothing)."""
+    settings = settings_for(tmp_path, {"database_url": postgres.create()})
+    setup = open_store(settings)
+    try:
+        setup.set_account("acme", "S1")
+        nodes = [_enroll(setup, f"n{i}")[0] for i in range(40)]
+    finally:
+        setup.close()
+    t0 = time.time()
+    rounds = 30
+    barrier = threading.Barrier(2)
+    failed: list[BaseException] = []
+
+    def flusher(first: int) -> None:
+        store = open_store(settings)
+        try:
+            for k in range(first, rounds + 1, 2):
+                barrier.wait(timeout=30)
+                store.heartbeats(
+                    [_beat(n, t0 + k, "e", series(requests=10 * k, met=9 * k, missed=k))
+                     for n in nodes]
+                )  # fmt: skip
+        except BaseException as err:  # noqa: BLE001 - reported below
+            failed.append(err)
+            barrier.abort()
+        finally:
+            store.close()
+
+    threads = [threading.Thread(target=flusher, args=(first,)) for first in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert failed == []
+    store = open_store(settings)
+    try:
+        rows = store.slo_totals(t0 - 600, t0 + 600, "node")
+    finally:
+        store.close()
+    assert {t.group: (t.requests, t.missed["first_token"]) for t in rows} == {
+        f"n{i}": (10 * rounds, rounds) for i in range(40)
+    }
