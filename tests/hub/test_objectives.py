@@ -31,6 +31,7 @@ from tests.waiting import until
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from aiohttp import web
     from aiohttp.test_utils import TestClient
     from pytest_aiohttp import AiohttpClient
 
@@ -103,15 +104,20 @@ def _totals(settings: HubSettings, by: str = "account") -> dict[tuple[str, str],
 
 
 class Beats:
-    """Heartbeats through the node API, each one's landing waited for: the flusher writes
-    them behind, and a beat's cpu_percent marks it."""
+    """Heartbeats through the node API, each one's flush waited for: the flusher writes
+    them behind, then calls the objectives' listeners, then the heartbeats' listeners,
+    where a beat's cpu_percent marks it."""
 
-    def __init__(self, client: TestClient[Any, Any], settings: HubSettings) -> None:
+    def __init__(self, client: TestClient[Any, Any], app: web.Application) -> None:
         self.client = client
-        self.settings = settings
         self.marker = 0.0
+        self.flushed: set[float] = set()
+        app[BEATS].listeners.append(self._flushed)
 
-    async def send(self, token: str, node_id: str, body: dict[str, Any] | None) -> None:
+    async def _flushed(self, beats: list[Heartbeat]) -> None:
+        self.flushed.update(b.capacity.cpu_percent for b in beats)
+
+    async def send(self, token: str, body: dict[str, Any] | None) -> None:
         self.marker += 1
         beat: dict[str, Any] = {"capacity": {"cpu_percent": self.marker}}
         if body is not None:
@@ -120,12 +126,7 @@ class Beats:
                                      json.dumps(beat))  # fmt: skip
         assert status == 200, answer
         marker = self.marker
-
-        def landed() -> bool:
-            node = _read(self.settings, HubStore.node, node_id)
-            return bool(node.capacity.cpu_percent == marker)
-
-        await until(landed, "the heartbeat flushed", timeout_s=15)
+        await until(lambda: marker in self.flushed, "the heartbeat flushed", timeout_s=15)
 
 
 async def test_heartbeats_count_each_value_once(
@@ -144,12 +145,12 @@ async def test_heartbeats_count_each_value_once(
 
     # A listener that raises takes neither the flush nor the listeners after it down.
     app[BEATS].objective_listeners += [boom, ingested.append]
-    beats = Beats(client, settings)
+    beats = Beats(client, app)
     token, node = ids["token"], ids["id"]
 
     # The first heartbeat of an epoch counts whole.
     first = objectives("e1", series(requests=10, met=8, missed=2, ttft={2: 8}), restarts=1)
-    await beats.send(token, node, first)
+    await beats.send(token, first)
     acme = _totals(settings)[("S1", "acme")]
     assert (acme.requests, acme.admitted, acme.met["first_token"], acme.missed["first_token"]) == (
         10, 10, 8, 2,
@@ -161,7 +162,7 @@ async def test_heartbeats_count_each_value_once(
     assert added.worker_restarts == [(node, "n1", "site", 1)]
 
     # Sent again (its answer lost): nothing counted twice, nothing handed to listeners.
-    await beats.send(token, node, first)
+    await beats.send(token, first)
     assert _totals(settings)[("S1", "acme")].requests == 10
     assert len(ingested) == 1
 
@@ -174,7 +175,7 @@ async def test_heartbeats_count_each_value_once(
         series("spectre", requests=1, missed=1),
         restarts=3,
     )
-    await beats.send(token, node, grown)
+    await beats.send(token, grown)
     totals = _totals(settings)
     assert (totals[("S1", "acme")].requests, totals[("S1", "acme")].missed["first_token"]) == (
         15,
@@ -188,14 +189,14 @@ async def test_heartbeats_count_each_value_once(
     assert _read(settings, HubStore.worker_restarts_since, now - 600) == {node: 3}
 
     # A heartbeat of an older node, without objectives: served, nothing counted.
-    await beats.send(token, node, None)
+    await beats.send(token, None)
     assert _totals(settings)[("S1", "acme")].requests == 15
 
     # A reset within the epoch (a value lower than before): the new values count whole.
-    await beats.send(token, node, objectives("e1", series(requests=2, met=2), restarts=3))
+    await beats.send(token, objectives("e1", series(requests=2, met=2), restarts=3))
     assert _totals(settings)[("S1", "acme")].requests == 17
     # A new epoch (a new database on the node): counted whole, though higher than before.
-    await beats.send(token, node, objectives("e2", series(requests=20, met=20), restarts=0))
+    await beats.send(token, objectives("e2", series(requests=20, met=20), restarts=0))
     totals = _totals(settings)
     assert totals[("S1", "acme")].requests == 37
     assert totals[("S1", "acme")].met["first_token"] == 34
@@ -206,7 +207,7 @@ async def test_heartbeats_count_each_value_once(
     assert _totals(settings, "node")[("S1", "n1")].requests == 42
 
     # Another node's series are its own: same account, its own cursor.
-    await beats.send(ids["other"], ids["other_id"], objectives("e1", series(requests=3, met=3)))
+    await beats.send(ids["other"], objectives("e1", series(requests=3, met=3)))
     assert _totals(settings)[("S1", "acme")].requests == 40
     assert _totals(settings, "node")[("S1", "n2")].requests == 3
     # Only the listener's bug was counted, once.
@@ -248,15 +249,16 @@ async def test_out_of_bounds_objectives_are_refused_and_change_nothing(
     aiohttp_client: AiohttpClient, fleet: tuple[HubSettings, dict[str, str]]
 ) -> None:
     settings, ids = fleet
-    client = await aiohttp_client(create_app(settings))
-    beats = Beats(client, settings)
-    await beats.send(ids["token"], ids["id"], objectives("e1", series(requests=5, met=5)))
+    app = create_app(settings)
+    client = await aiohttp_client(app)
+    beats = Beats(client, app)
+    await beats.send(ids["token"], objectives("e1", series(requests=5, met=5)))
     before = _totals(settings)
     for body in _hostile_objectives():
         status, answer = await _call(client, "POST", "/v1/node/heartbeat", ids["token"], body)
         _assert_refused(status, answer, body[:120])
     # A beat after them lands, and nothing they carried was counted.
-    await beats.send(ids["token"], ids["id"], objectives("e1", series(requests=5, met=5)))
+    await beats.send(ids["token"], objectives("e1", series(requests=5, met=5)))
     assert _totals(settings) == before
     assert _read(settings, HubStore.worker_restarts_since, time.time() - 600) == {}
 
