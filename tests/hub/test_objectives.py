@@ -363,30 +363,37 @@ def test_a_second_replica_counts_from_the_same_cursors(
         two.close()
 
 
-def test_a_hostile_node_resetting_on_purpose_cannot_overflow_the_sums(
+def test_hostile_nodes_resetting_on_purpose_cannot_overflow_the_sums(
     tmp_path: Path, hub_database: HubDatabase
 ) -> None:
-    """Up and down between 0 and the largest value, each beat counts whole: the buckets
-    stop at 2**53 and the sums stay readable; other nodes' rows are untouched."""
+    """Up and down between 1 and the largest value, each beat counts whole, for 256
+    accounts the hub does not know at once (summed as "(other)"), on five nodes: the
+    buckets stop at 2**53 and the sums stay readable; the honest node's rows are
+    untouched, and the flush never fails."""
     settings = settings_for(tmp_path, hub_database)
     now = time.time() // FIVE_MINUTES * FIVE_MINUTES  # every beat in one bucket
     store = open_store(settings)
     try:
         store.set_account("acme", "S1")
-        hostile, _ = _enroll(store, "hostile")
+        hostile = [_enroll(store, f"hostile{i}")[0] for i in range(5)]
         honest, _ = _enroll(store, "honest")
         top = 1 << 53
-        for i in range(6):
+        for i in range(4):
             value = top if i % 2 == 0 else 1
+            many = [series(f"x{j}", requests=value, met=value) for j in range(256)]
             store.heartbeats(
                 [
-                    _beat(hostile, now + i, "e", series(requests=value, met=value)),
+                    *(_beat(node, now + i, "e", *many) for node in hostile),
                     _beat(honest, now + i, "e", series(requests=i + 1, met=i + 1)),
                 ]
             )
         rows = {t.group: t for t in store.slo_totals(now - 60, now + 60, "node")}
-        assert rows["hostile"].requests == top  # capped, never wrapped
-        assert rows["honest"].requests == 6
+        assert all(rows[f"hostile{i}"].requests == top for i in range(5))  # capped
+        assert rows["honest"].requests == 4
+        [fleet] = store.slo_totals(now - 60, now + 60, "class")
+        assert fleet.requests == top + 4  # the fleet's (other) row capped too, never wrapped
+        by_account = {t.group: t.requests for t in store.slo_totals(now - 60, now + 60, "account")}
+        assert by_account == {"acme": 4, OTHER_ACCOUNT: top}
     finally:
         store.close()
 
