@@ -10,6 +10,7 @@ the node's worker restarts on a row of its own (class and account "")."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,8 +31,9 @@ from hub.state.slo import (
 from shared import protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
+    from hub.state import sql
     from hub.state.nodes import Heartbeat
 
 FIVE_MINUTES = 300
@@ -46,6 +48,7 @@ PRUNE_EVERY_S = 60.0
 # can add at most this much to a row, and no sum can overflow the database's integers.
 CAP = 1 << 53
 _IN_CHUNK = 500  # ids in one IN (…) list
+_SEEN_MAX = 200_000  # nodes whose last objectives are remembered
 
 _COLUMNS = (*COUNTER_NAMES, *SUM_NAMES, "worker_restarts")
 
@@ -232,12 +235,28 @@ class ObjectivesMixin(StoreBase):
 
     _objectives_pruned_at = 0.0
 
+    def __init__(self, database: sql.Database, *, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(database, clock=clock)
+        self._objectives_seen: dict[str, protocol.Objectives] = {}
+
     def ingest_objectives(self, beats: Sequence[Heartbeat]) -> Ingested:
         """Inside the heartbeats' transaction: each beat's objectives as deltas, into the
         buckets, the cursors moved. The cursors of the nodes are read locked, in the
         order of their ids (as the nodes' rows were just updated), so two replicas
         flushing one node's heartbeats count each value once."""
-        beats = sorted((b for b in beats if b.objectives is not None), key=lambda b: b.node_id)
+        # A node's objectives as this store last counted them: the same again (an idle
+        # node's, a resend) add nothing whatever the cursors say (counters never go
+        # down), so they cost no read. Remembered only as a shortcut: the cursors decide.
+        seen = self._objectives_seen
+        beats = sorted(
+            (b for b in beats if b.objectives is not None and seen.get(b.node_id) != b.objectives),
+            key=lambda b: b.node_id,
+        )
+        if len(seen) + len(beats) > _SEEN_MAX:
+            seen.clear()
+        for b in beats:
+            assert b.objectives is not None  # noqa: S101 - filtered above
+            seen[b.node_id] = b.objectives
         counted = _Counted()
         if beats:
             known = {str(r[0]) for r in self.db.execute("SELECT name FROM accounts").fetchall()}
