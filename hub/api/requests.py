@@ -157,6 +157,12 @@ class ObjectivesQuery(BaseModel):
     node: Text | None = Field(None, description="a node's id or name")
     step: str | None = Field(None, description="the series' step (rounded to the buckets)")
 
+    @field_validator("service_class", "account", "site", "node", "step", mode="before")
+    @classmethod
+    def _blank_is_none(cls, value: object) -> object:
+        # A form's empty field (the console's filters): no filter.
+        return None if value == "" else value
+
     @field_validator("window", "step")
     @classmethod
     def _duration(cls, value: str | None) -> str | None:

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from hub.api.requests import ObjectivesQuery
 from hub.console.charts import Series, line_chart
 from hub.console.web import error_page, hub_settings, hub_store, page, render
-from hub.fleet.objectives import report_view, series_view
+from hub.fleet.objectives import reports_view, series_view
 
 # The objective the charts follow: the one a person waits on.
 CHARTED = "first_token"
@@ -30,7 +30,8 @@ def objective_charts(series: dict[str, Any], *, start: float, end: float) -> lis
 
     def points(rows: list[dict[str, Any]], key: str, scale: float) -> list[tuple[float, float]]:
         return [
-            (p["start"] + middle, scale * p[key][CHARTED])
+            # In the middle of its step, or now for the step under way.
+            (min(p["start"] + middle, end), scale * p[key][CHARTED])
             for p in rows
             if p[key][CHARTED] is not None and (key != "burn_rate" or p["requests"])
         ]
@@ -58,10 +59,9 @@ async def objectives_page(request: web.Request) -> web.StreamResponse:
     settings = hub_settings(request).objectives
     now = time.time()
     filters = q.filters()
-    reports = [
-        await store.read(report_view, settings, window=w, by=q.by, filters=filters, now=now)
-        for w in settings.windows
-    ]
+    reports = await store.read(
+        reports_view, settings, windows=settings.windows, by=q.by, filters=filters, now=now
+    )
     # The charts span the second window (1d by default): long enough to see a trend, fine
     # enough to see an hour's trouble.
     charted = settings.windows[min(1, len(settings.windows) - 1)]

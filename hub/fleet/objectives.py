@@ -38,6 +38,7 @@ __all__ = [
     "SloTotals",
     "quantile",
     "report_view",
+    "reports_view",
     "series_view",
 ]
 
@@ -56,26 +57,43 @@ def report_view(
     """A window's report, as JSON: each (class, objective, group) row of `budgets.report`
     (the budget left over the budget period, the burn rate over the window), and each
     group's requests by outcome."""
-    since = now - budgets.window_s(window)
-    totals = store.slo_totals(since, now, by, filters)
+    [report] = reports_view(store, settings, windows=[window], by=by, filters=filters, now=now)
+    return report
+
+
+def reports_view(
+    store: HubStore,
+    settings: ObjectivesSettings,
+    *,
+    windows: list[str],
+    by: Grouping,
+    filters: SloFilters,
+    now: float,
+) -> list[dict[str, Any]]:
+    """`report_view` of each window, the budget period's sums read once for all."""
     period_s = settings.budget_period_s
-    period = (
-        totals if period_s == now - since else store.slo_totals(now - period_s, now, by, filters)
-    )
-    rows = budgets.report(totals, settings.target, period)
-    return {
-        "window": window,
-        "since": since,
-        "until": now,
-        "by": by,
-        "budget_period": settings.budget_period,
-        "data": [r.view() for r in rows],
-        "requests": [
-            {"service_class": t.service_class, "group": t.group, "requests": t.requests,
-             "admitted": t.admitted, "refused": t.refused}
-            for t in totals
-        ],
-    }  # fmt: skip
+    period = store.slo_totals(now - period_s, now, by, filters)
+    reports = []
+    for window in windows:
+        length = budgets.window_s(window)
+        totals = period if length == period_s else store.slo_totals(now - length, now, by, filters)
+        rows = budgets.report(totals, settings.target, period)
+        reports.append(
+            {
+                "window": window,
+                "since": now - length,
+                "until": now,
+                "by": by,
+                "budget_period": settings.budget_period,
+                "data": [r.view() for r in rows],
+                "requests": [
+                    {"service_class": t.service_class, "group": t.group, "requests": t.requests,
+                     "admitted": t.admitted, "refused": t.refused}
+                    for t in totals
+                ],
+            }
+        )  # fmt: skip
+    return reports
 
 
 def series_view(

@@ -356,6 +356,15 @@ def m012_objectives(db: Database) -> None:
         not_null=set(columns) - {"node", "site"},
     )
     db.table("slo_buckets").create_index(["width", "start"])
+    # The same sums without the node (what windows by class, account or site read).
+    fleet: dict[str, type] = {
+        "width": int, "start": int, "service_class": str, "account": str, "site": str,
+    }  # fmt: skip
+    fleet.update(dict.fromkeys(_M012_COUNTERS, int))
+    fleet.update({"ttft_sum_s": float, "completion_sum_s": float})
+    db.table("slo_fleet_buckets").create(
+        fleet, pk=("width", "start", "service_class", "account", "site"), not_null=set(fleet)
+    )
 
 
 @migrations()

@@ -1,7 +1,8 @@
 """The fleet's objectives in the store: heartbeats' cumulative counters made deltas against
 the last values counted (`slo_cursors`, `slo_node_cursors`: in the database, so a restarted
 hub or another replica counts the same), added into time buckets (`slo_buckets`: five
-minutes kept two days, an hour kept 35 days), and the windows' sums read back.
+minutes kept two days, an hour kept 35 days; `slo_fleet_buckets`, the same without the
+node), and the windows' sums read back.
 
 Grain: (bucket width, bucket start, node, class, account), the node's name and site beside
 it; counters as columns (hub/state/slo.py `COUNTER_NAMES`), the histograms' sums, and
@@ -9,6 +10,7 @@ the node's worker restarts on a row of its own (class and account "")."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +31,9 @@ from hub.state.slo import (
 from shared import protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
+    from hub.state import sql
     from hub.state.nodes import Heartbeat
 
 FIVE_MINUTES = 300
@@ -45,23 +48,44 @@ PRUNE_EVERY_S = 60.0
 # can add at most this much to a row, and no sum can overflow the database's integers.
 CAP = 1 << 53
 _IN_CHUNK = 500  # ids in one IN (…) list
+_SEEN_MAX = 200_000  # nodes whose last objectives are remembered
 
 _COLUMNS = (*COUNTER_NAMES, *SUM_NAMES, "worker_restarts")
-# The columns are this module's constants, never input.
-_INSERT_BUCKET = (
-    "INSERT INTO slo_buckets (width, start, node_id, service_class, account, node, site, "  # noqa: S608
-    + ", ".join(_COLUMNS)
-    + ") VALUES ("
-    + ", ".join(["?"] * (7 + len(_COLUMNS)))
-    + ") ON CONFLICT (width, start, node_id, service_class, account) DO UPDATE SET "
-    + "node = excluded.node, site = excluded.site, "
-    + ", ".join(
-        f"{c} = slo_buckets.{c} + excluded.{c}"
+
+
+def _upsert(
+    table: str, keys: tuple[str, ...], beside: tuple[str, ...], columns: tuple[str, ...]
+) -> str:
+    """An INSERT that adds its counters to the row's when the row is there (each stopping
+    at CAP). The names are this module's constants, never input."""
+    added = ", ".join(
+        f"{c} = {table}.{c} + excluded.{c}"
         if c in SUM_NAMES
-        else f"{c} = CASE WHEN slo_buckets.{c} + excluded.{c} > {CAP} THEN {CAP}"
-        f" ELSE slo_buckets.{c} + excluded.{c} END"
-        for c in _COLUMNS
+        else f"{c} = CASE WHEN {table}.{c} + excluded.{c} > {CAP} THEN {CAP}"
+        f" ELSE {table}.{c} + excluded.{c} END"
+        for c in columns
     )
+    kept = "".join(f"{c} = excluded.{c}, " for c in beside)
+    names = (*keys, *beside, *columns)
+    return (
+        f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join(['?'] * len(names))})"  # noqa: S608
+        f" ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {kept}{added}"
+    )
+
+
+_INSERT_BUCKET = _upsert(
+    "slo_buckets",
+    ("width", "start", "node_id", "service_class", "account"),
+    ("node", "site"),
+    _COLUMNS,
+)
+# The fleet's buckets: the same sums without the node, what windows by class, account or
+# site read (a few rows a bucket, not one per node).
+_INSERT_FLEET_BUCKET = _upsert(
+    "slo_fleet_buckets",
+    ("width", "start", "service_class", "account", "site"),
+    (),
+    _COLUMNS[:-1],
 )
 _GROUP_SQL: dict[Grouping, str] = {
     "class": "''",
@@ -149,6 +173,18 @@ class _Counted:
     cursor_rows: list[tuple[Any, ...]] = field(default_factory=list)
     node_cursor_rows: list[tuple[Any, ...]] = field(default_factory=list)
     bucket_rows: list[tuple[Any, ...]] = field(default_factory=list)
+    # By (five-minute start, hourly start, class, account, site): added once a series.
+    fleet: dict[tuple[int, int, str, str, str], Counters] = field(default_factory=dict)
+
+    def fleet_rows(self) -> list[tuple[Any, ...]]:
+        # In the order of their keys: replicas adding to the same rows lock them in one
+        # order, so neither waits on the other in a cycle. Each count at most CAP: the sum
+        # of many hostile nodes' would not fit the database's integers.
+        rows = []
+        for (fine, hourly, *key), c in self.fleet.items():
+            values = (*(min(v, CAP) for v in c.counts), *c.sums)
+            rows += [(FIVE_MINUTES, fine, *key, *values), (HOUR, hourly, *key, *values)]
+        return sorted(rows, key=lambda r: r[:5])
 
     def beat(self, beat: Heartbeat, known: set[str], last: _Cursors) -> None:
         objectives = beat.objectives
@@ -172,6 +208,8 @@ class _Counted:
                     (width, start, beat.node_id, *key, name, site, *added.values, 0)
                     for width, start in starts
                 ]
+                at = (starts[0][1], starts[1][1], key[0], key[1], site)
+                self.fleet[at] = self.fleet[at] + added if at in self.fleet else added
         restarted = objectives.worker_restarts
         before_node = last.restarts.get(beat.node_id)
         if before_node is not None and (
@@ -197,12 +235,28 @@ class ObjectivesMixin(StoreBase):
 
     _objectives_pruned_at = 0.0
 
+    def __init__(self, database: sql.Database, *, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(database, clock=clock)
+        self._objectives_seen: dict[str, protocol.Objectives] = {}
+
     def ingest_objectives(self, beats: Sequence[Heartbeat]) -> Ingested:
         """Inside the heartbeats' transaction: each beat's objectives as deltas, into the
         buckets, the cursors moved. The cursors of the nodes are read locked, in the
         order of their ids (as the nodes' rows were just updated), so two replicas
         flushing one node's heartbeats count each value once."""
-        beats = sorted((b for b in beats if b.objectives is not None), key=lambda b: b.node_id)
+        # A node's objectives as this store last counted them: the same again (an idle
+        # node's, a resend) add nothing whatever the cursors say (counters never go
+        # down), so they cost no read. Remembered only as a shortcut: the cursors decide.
+        seen = self._objectives_seen
+        beats = sorted(
+            (b for b in beats if b.objectives is not None and seen.get(b.node_id) != b.objectives),
+            key=lambda b: b.node_id,
+        )
+        if len(seen) + len(beats) > _SEEN_MAX:
+            seen.clear()
+        for b in beats:
+            assert b.objectives is not None  # noqa: S101 - filtered above
+            seen[b.node_id] = b.objectives
         counted = _Counted()
         if beats:
             known = {str(r[0]) for r in self.db.execute("SELECT name FROM accounts").fetchall()}
@@ -257,6 +311,8 @@ class ObjectivesMixin(StoreBase):
             )
         if counted.bucket_rows:
             self.db.executemany(_INSERT_BUCKET, counted.bucket_rows)
+        if counted.fleet:
+            self.db.executemany(_INSERT_FLEET_BUCKET, counted.fleet_rows())
 
     def _prune_objectives_when_due(self) -> None:
         now = self.clock()
@@ -267,10 +323,12 @@ class ObjectivesMixin(StoreBase):
         """Delete the buckets older than they are kept; how many."""
         self._objectives_pruned_at = now
         deleted = 0
-        for width, kept in KEPT_S.items():
-            deleted += self.db.execute(
-                "DELETE FROM slo_buckets WHERE width = ? AND start < ?", [width, now - kept]
-            ).rowcount
+        for table in ("slo_buckets", "slo_fleet_buckets"):
+            for width, kept in KEPT_S.items():
+                deleted += self.db.execute(
+                    f"DELETE FROM {table} WHERE width = ? AND start < ?",  # noqa: S608 - constants
+                    [width, now - kept],
+                ).rowcount
         return deleted
 
     # -- reads -------------------------------------------------------------------------------
@@ -303,10 +361,14 @@ class ObjectivesMixin(StoreBase):
         if by != "class":
             keys.append(group)
         sums = ", ".join(f"SUM(CAST({c} AS DOUBLE PRECISION)) AS {c}" for c in _COLUMNS[:-1])
+        # By node, or for one node: the nodes' rows; else the fleet's, far fewer.
+        per_node = by == "node" or filters.node is not None
+        table = "slo_buckets" if per_node else "slo_fleet_buckets"
+        name = "MAX(node)" if per_node else "''"
         rows = self.db.query(
             f"SELECT {'start' if per_bucket else '0'} AS bucket, service_class,"  # noqa: S608 - constants
-            f" {group} AS grp, MAX(node) AS node_name, {sums}"
-            f" FROM slo_buckets WHERE width = ? AND start > ? AND start < ?"
+            f" {group} AS grp, {name} AS node_name, {sums}"
+            f" FROM {table} WHERE width = ? AND start > ? AND start < ?"
             f" AND service_class <> ''{where} GROUP BY {', '.join(keys)}"
             f" ORDER BY {', '.join(keys)}",
             [width, since - width, until, *params],

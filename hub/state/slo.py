@@ -12,6 +12,7 @@ does: what a node can do with its numbers changes only its own share of the roll
 
 from __future__ import annotations
 
+import json
 import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -145,13 +146,13 @@ class Counters:
     @classmethod
     def load(cls, text: str) -> Counters:
         """What `dump` wrote; zero for anything else (a row of another layout)."""
-        parts = text.split(",")
-        if len(parts) != _N + len(SUM_NAMES):
-            return cls.zero()
         try:
-            return cls((*map(int, parts[:_N]), *map(float, parts[_N:])))
+            values = json.loads(f"[{text}]")  # the C parser: half the time of int() each
         except ValueError:
             return cls.zero()
+        if len(values) != _N + len(SUM_NAMES) or not all(type(v) is int for v in values[:_N]):
+            return cls.zero()
+        return cls((*values[:_N], *map(float, values[_N:])))
 
     @property
     def ttft(self) -> tuple[int, ...]:

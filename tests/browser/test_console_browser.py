@@ -24,8 +24,8 @@ from playwright.async_api import Page, async_playwright, expect
 from hub.app import create_app
 from hub.identity import ssl_context
 from hub.settings import HubSettings
-from hub.state.store import open_store
-from shared import __version__
+from hub.state.store import Heartbeat, open_store
+from shared import __version__, protocol
 from tests.appliance.fleet_nodes import join
 from tests.conftest import REPO, kvl
 
@@ -105,6 +105,26 @@ def _create_admin(data: str) -> None:
         input=PASSWORD + "\n", capture_output=True, text=True, cwd=REPO, timeout=120, check=False,
     )  # fmt: skip
     assert made.returncode == 0, made.stderr
+
+
+def _objectives_counted(hub: HubSettings, node: str) -> None:
+    """Counters of a node's objectives, as a heartbeat of another epoch carries them: S1,
+    950 of 1000 first tokens in time, for an account the hub does not know."""
+    series = {
+        "service_class": "S1", "account": "browser", "requests": 1000, "admitted": 1000,
+        "met": {"admit": 1000, "first_token": 950, "complete": 990},
+        "missed": {"first_token": 50, "complete": 10},
+    }  # fmt: skip
+    store = open_store(hub)
+    try:
+        found = store.node(node)
+        body = protocol.Objectives.model_validate({"epoch": "browser", "series": [series]})
+        store.heartbeats(
+            [Heartbeat(found.id, time.time(), found.versions, found.capacity,
+                       address=found.address, objectives=body)]
+        )  # fmt: skip
+    finally:
+        store.close()
 
 
 def _tokens(hub: HubSettings) -> list[Any]:
@@ -207,6 +227,19 @@ async def test_the_console_in_chromium(
         await expect(page.get_by_text("placed@1 loaded")).to_be_visible()
         await shots.take(page, "node")
 
+        # The fleet's objectives: a heartbeat's worth counted as a flush counts it (another
+        # replica's, say), then its tables per window and its charts; grouped by node.
+        _objectives_counted(hub, host)
+        await nav.get_by_role("link", name="Objectives").click()
+        await expect(page.get_by_role("heading", name="Objectives", exact=True)).to_be_visible()
+        await expect(page.locator("section.objectives")).to_have_count(3)
+        await expect(page.locator("svg.chart")).to_have_count(2)
+        await expect(page.locator('section[data-window="1h"]')).to_contain_text("first_token")
+        await page.get_by_label("Group by").select_option("node")
+        await page.get_by_role("button", name="Show").click()
+        await expect(page.locator('section[data-window="1h"]')).to_contain_text(host)
+        await shots.take(page, "objectives")
+
         # The other node goes away: the fleet page shows it offline, live.
         other = next(name for name in nodes if name != host)
         await nav.get_by_role("link", name="Fleet", exact=True).click()
@@ -248,4 +281,4 @@ async def test_the_console_in_chromium(
         await expect(page).to_have_url(f"{base}/console/login")
         await page.goto(f"{base}/console/placements")
         await expect(page).to_have_url(re.compile(r"/console/login\?next="))
-        assert shots.count == 9
+        assert shots.count == 10

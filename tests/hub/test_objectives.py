@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -30,10 +31,12 @@ from tests.waiting import until
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from aiohttp import web
     from aiohttp.test_utils import TestClient
     from pytest_aiohttp import AiohttpClient
 
     from tests.hub.conftest import HubDatabase
+    from tests.postgres import Cluster
 
 BUCKETS = len(protocol.LATENCY_BOUNDS_S) + 1
 
@@ -101,15 +104,20 @@ def _totals(settings: HubSettings, by: str = "account") -> dict[tuple[str, str],
 
 
 class Beats:
-    """Heartbeats through the node API, each one's landing waited for: the flusher writes
-    them behind, and a beat's cpu_percent marks it."""
+    """Heartbeats through the node API, each one's flush waited for: the flusher writes
+    them behind, then calls the objectives' listeners, then the heartbeats' listeners,
+    where a beat's cpu_percent marks it."""
 
-    def __init__(self, client: TestClient[Any, Any], settings: HubSettings) -> None:
+    def __init__(self, client: TestClient[Any, Any], app: web.Application) -> None:
         self.client = client
-        self.settings = settings
         self.marker = 0.0
+        self.flushed: set[float] = set()
+        app[BEATS].listeners.append(self._flushed)
 
-    async def send(self, token: str, node_id: str, body: dict[str, Any] | None) -> None:
+    async def _flushed(self, beats: list[Heartbeat]) -> None:
+        self.flushed.update(b.capacity.cpu_percent for b in beats)
+
+    async def send(self, token: str, body: dict[str, Any] | None) -> None:
         self.marker += 1
         beat: dict[str, Any] = {"capacity": {"cpu_percent": self.marker}}
         if body is not None:
@@ -118,12 +126,7 @@ class Beats:
                                      json.dumps(beat))  # fmt: skip
         assert status == 200, answer
         marker = self.marker
-
-        def landed() -> bool:
-            node = _read(self.settings, HubStore.node, node_id)
-            return bool(node.capacity.cpu_percent == marker)
-
-        await until(landed, "the heartbeat flushed", timeout_s=15)
+        await until(lambda: marker in self.flushed, "the heartbeat flushed", timeout_s=15)
 
 
 async def test_heartbeats_count_each_value_once(
@@ -142,12 +145,12 @@ async def test_heartbeats_count_each_value_once(
 
     # A listener that raises takes neither the flush nor the listeners after it down.
     app[BEATS].objective_listeners += [boom, ingested.append]
-    beats = Beats(client, settings)
+    beats = Beats(client, app)
     token, node = ids["token"], ids["id"]
 
     # The first heartbeat of an epoch counts whole.
     first = objectives("e1", series(requests=10, met=8, missed=2, ttft={2: 8}), restarts=1)
-    await beats.send(token, node, first)
+    await beats.send(token, first)
     acme = _totals(settings)[("S1", "acme")]
     assert (acme.requests, acme.admitted, acme.met["first_token"], acme.missed["first_token"]) == (
         10, 10, 8, 2,
@@ -159,7 +162,7 @@ async def test_heartbeats_count_each_value_once(
     assert added.worker_restarts == [(node, "n1", "site", 1)]
 
     # Sent again (its answer lost): nothing counted twice, nothing handed to listeners.
-    await beats.send(token, node, first)
+    await beats.send(token, first)
     assert _totals(settings)[("S1", "acme")].requests == 10
     assert len(ingested) == 1
 
@@ -172,7 +175,7 @@ async def test_heartbeats_count_each_value_once(
         series("spectre", requests=1, missed=1),
         restarts=3,
     )
-    await beats.send(token, node, grown)
+    await beats.send(token, grown)
     totals = _totals(settings)
     assert (totals[("S1", "acme")].requests, totals[("S1", "acme")].missed["first_token"]) == (
         15,
@@ -186,14 +189,14 @@ async def test_heartbeats_count_each_value_once(
     assert _read(settings, HubStore.worker_restarts_since, now - 600) == {node: 3}
 
     # A heartbeat of an older node, without objectives: served, nothing counted.
-    await beats.send(token, node, None)
+    await beats.send(token, None)
     assert _totals(settings)[("S1", "acme")].requests == 15
 
     # A reset within the epoch (a value lower than before): the new values count whole.
-    await beats.send(token, node, objectives("e1", series(requests=2, met=2), restarts=3))
+    await beats.send(token, objectives("e1", series(requests=2, met=2), restarts=3))
     assert _totals(settings)[("S1", "acme")].requests == 17
     # A new epoch (a new database on the node): counted whole, though higher than before.
-    await beats.send(token, node, objectives("e2", series(requests=20, met=20), restarts=0))
+    await beats.send(token, objectives("e2", series(requests=20, met=20), restarts=0))
     totals = _totals(settings)
     assert totals[("S1", "acme")].requests == 37
     assert totals[("S1", "acme")].met["first_token"] == 34
@@ -204,7 +207,7 @@ async def test_heartbeats_count_each_value_once(
     assert _totals(settings, "node")[("S1", "n1")].requests == 42
 
     # Another node's series are its own: same account, its own cursor.
-    await beats.send(ids["other"], ids["other_id"], objectives("e1", series(requests=3, met=3)))
+    await beats.send(ids["other"], objectives("e1", series(requests=3, met=3)))
     assert _totals(settings)[("S1", "acme")].requests == 40
     assert _totals(settings, "node")[("S1", "n2")].requests == 3
     # Only the listener's bug was counted, once.
@@ -246,15 +249,16 @@ async def test_out_of_bounds_objectives_are_refused_and_change_nothing(
     aiohttp_client: AiohttpClient, fleet: tuple[HubSettings, dict[str, str]]
 ) -> None:
     settings, ids = fleet
-    client = await aiohttp_client(create_app(settings))
-    beats = Beats(client, settings)
-    await beats.send(ids["token"], ids["id"], objectives("e1", series(requests=5, met=5)))
+    app = create_app(settings)
+    client = await aiohttp_client(app)
+    beats = Beats(client, app)
+    await beats.send(ids["token"], objectives("e1", series(requests=5, met=5)))
     before = _totals(settings)
     for body in _hostile_objectives():
         status, answer = await _call(client, "POST", "/v1/node/heartbeat", ids["token"], body)
         _assert_refused(status, answer, body[:120])
     # A beat after them lands, and nothing they carried was counted.
-    await beats.send(ids["token"], ids["id"], objectives("e1", series(requests=5, met=5)))
+    await beats.send(ids["token"], objectives("e1", series(requests=5, met=5)))
     assert _totals(settings) == before
     assert _read(settings, HubStore.worker_restarts_since, time.time() - 600) == {}
 
@@ -359,30 +363,37 @@ def test_a_second_replica_counts_from_the_same_cursors(
         two.close()
 
 
-def test_a_hostile_node_resetting_on_purpose_cannot_overflow_the_sums(
+def test_hostile_nodes_resetting_on_purpose_cannot_overflow_the_sums(
     tmp_path: Path, hub_database: HubDatabase
 ) -> None:
-    """Up and down between 0 and the largest value, each beat counts whole: the buckets
-    stop at 2**53 and the sums stay readable; other nodes' rows are untouched."""
+    """Up and down between 1 and the largest value, each beat counts whole, for 256
+    accounts the hub does not know at once (summed as "(other)"), on five nodes: the
+    buckets stop at 2**53 and the sums stay readable; the honest node's rows are
+    untouched, and the flush never fails."""
     settings = settings_for(tmp_path, hub_database)
     now = time.time() // FIVE_MINUTES * FIVE_MINUTES  # every beat in one bucket
     store = open_store(settings)
     try:
         store.set_account("acme", "S1")
-        hostile, _ = _enroll(store, "hostile")
+        hostile = [_enroll(store, f"hostile{i}")[0] for i in range(5)]
         honest, _ = _enroll(store, "honest")
         top = 1 << 53
-        for i in range(6):
+        for i in range(4):
             value = top if i % 2 == 0 else 1
+            many = [series(f"x{j}", requests=value, met=value) for j in range(256)]
             store.heartbeats(
                 [
-                    _beat(hostile, now + i, "e", series(requests=value, met=value)),
+                    *(_beat(node, now + i, "e", *many) for node in hostile),
                     _beat(honest, now + i, "e", series(requests=i + 1, met=i + 1)),
                 ]
             )
         rows = {t.group: t for t in store.slo_totals(now - 60, now + 60, "node")}
-        assert rows["hostile"].requests == top  # capped, never wrapped
-        assert rows["honest"].requests == 6
+        assert all(rows[f"hostile{i}"].requests == top for i in range(5))  # capped
+        assert rows["honest"].requests == 4
+        [fleet] = store.slo_totals(now - 60, now + 60, "class")
+        assert fleet.requests == top + 4  # the fleet's (other) row capped too, never wrapped
+        by_account = {t.group: t.requests for t in store.slo_totals(now - 60, now + 60, "account")}
+        assert by_account == {"acme": 4, OTHER_ACCOUNT: top}
     finally:
         store.close()
 
@@ -463,3 +474,54 @@ def test_objective_settings() -> None:
     ):
         with pytest.raises(ValidationError):
             HubSettings.model_validate({"objectives": bad})
+
+
+@pytest.mark.postgres
+def test_two_replicas_flushing_the_same_nodes_at_once_count_each_value_once(
+    tmp_path: Path, postgres: Cluster
+) -> None:
+    """Two stores on one PostgreSQL database (two replicas' flushers), each flushing beats
+    of the same nodes in threads of their own at once, odd beats on one, even on the
+    other: the cursors' locks make each value counted once, whichever commits first (a
+    beat older than one counted adds nothing)."""
+    settings = settings_for(tmp_path, {"database_url": postgres.create()})
+    setup = open_store(settings)
+    try:
+        setup.set_account("acme", "S1")
+        nodes = [_enroll(setup, f"n{i}")[0] for i in range(40)]
+    finally:
+        setup.close()
+    t0 = time.time()
+    rounds = 30
+    barrier = threading.Barrier(2)
+    failed: list[BaseException] = []
+
+    def flusher(first: int) -> None:
+        store = open_store(settings)
+        try:
+            for k in range(first, rounds + 1, 2):
+                barrier.wait(timeout=30)
+                store.heartbeats(
+                    [_beat(n, t0 + k, "e", series(requests=10 * k, met=9 * k, missed=k))
+                     for n in nodes]
+                )  # fmt: skip
+        except BaseException as err:  # noqa: BLE001 - reported below
+            failed.append(err)
+            barrier.abort()
+        finally:
+            store.close()
+
+    threads = [threading.Thread(target=flusher, args=(first,)) for first in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert failed == []
+    store = open_store(settings)
+    try:
+        rows = store.slo_totals(t0 - 600, t0 + 600, "node")
+    finally:
+        store.close()
+    assert {t.group: (t.requests, t.missed["first_token"]) for t in rows} == {
+        f"n{i}": (10 * rounds, rounds) for i in range(40)
+    }

@@ -177,6 +177,9 @@ async def test_the_console_shows_the_objectives(
         status, page, _ = await console.get("/console/objectives?by=node")
         assert "98.000 %" in page
         assert "(overspent)" in page
+        status, page, _ = await console.get("/console/objectives?by=site&class=&account=&node=")
+        # An empty field is no filter: n1's site overspent, in each of the three windows.
+        assert (status, page.count("(overspent)")) == (200, 3)
         status, page, _ = await console.get("/console/objectives?by=planet")
         assert status == 400
         status, page, _ = await console.get(f"/console/nodes/{ids['n1']}")
