@@ -7,8 +7,8 @@ Prometheus and in the hub's own alert loop, whose webhook a receiver in the test
 with shared/webhooks.py; then the node meets its objective again, and both resolve, the
 hub's resolution delivered too.
 
-No appliance scrapes here: the appliance's /metrics needs the real model loaded, which its
-own tests do."""
+The same with a real appliance, its model and its fleet link, instead of heartbeats made
+by the test: tests/appliance/test_prometheus_fleet.py."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from tests.waiting import until
 T = TypeVar("T")
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Iterator
+    from collections.abc import Awaitable, Callable, Iterator, Sequence
     from pathlib import Path
 
     from pytest_aiohttp import AiohttpServer
@@ -55,9 +55,12 @@ def prometheus_binary() -> str:
 
 
 @contextlib.contextmanager
-def prometheus(tmp_path: Path, hub_port: int, token: str, rules: str) -> Iterator[str]:
-    """Prometheus on 127.0.0.1 scraping the hub every second, evaluating `rules` every
-    second; its base URL. Stopped, with its process group, on the way out."""
+def prometheus(
+    tmp_path: Path, hub_port: int, token: str, rules: str, appliances: Sequence[int] = ()
+) -> Iterator[str]:
+    """Prometheus on 127.0.0.1 scraping the hub (and `appliances`, by port: their
+    /metrics) every second, evaluating `rules` every second; its base URL. Stopped, with
+    its process group, on the way out."""
     (tmp_path / "kvl-hub.rules.yml").write_text(rules)
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -68,7 +71,18 @@ def prometheus(tmp_path: Path, hub_port: int, token: str, rules: str) -> Iterato
                 "metrics_path": "/metrics",
                 "authorization": {"type": "Bearer", "credentials": token},
                 "static_configs": [{"targets": [f"127.0.0.1:{hub_port}"]}],
-            }
+            },
+            *(
+                [
+                    {
+                        "job_name": "kvl-appliance",
+                        "metrics_path": "/metrics",
+                        "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in appliances]}],
+                    }
+                ]
+                if appliances
+                else []
+            ),
         ],
     }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
