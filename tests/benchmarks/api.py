@@ -50,7 +50,6 @@ from appliance.grpc.proto.kovenlab.edge.v1 import inference_pb2 as pb
 from appliance.grpc.proto.kovenlab.edge.v1 import inference_pb2_grpc as pb_grpc
 from shared import pki
 from tests.benchmarks import serving as base
-from tests.benchmarks.fleet import commit
 from tests.benchmarks.llama_server import build_llama_server
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "api.json"
@@ -494,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         _ratios(rows)
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": commit(),
+        "commit": base.commit(),
         "machine": {
             "cpu": base.cpu_model(),
             "logical_cpus": os.cpu_count(),

@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.serving.catalog import CHAT_MODEL_NAME, DEFAULT_MODEL_NAME
-from tests.benchmarks.fleet import commit
-from tests.benchmarks.serving import HOST, cpu_model, free_port, say
+from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "chat-quality.json"
 MODELS = (CHAT_MODEL_NAME, DEFAULT_MODEL_NAME)

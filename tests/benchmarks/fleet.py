@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from tests.benchmarks.serving import HOST, cpu_model, free_port, say
+from tests.benchmarks.serving import HOST, checkout, commit, cpu_model, free_port, say
 from tests.benchmarks.sync import wait_for_hub
 from tests.postgres import cluster
 
@@ -209,31 +209,6 @@ def one_fleet(
         f"{'held' if report['held'] else 'NOT held'}"
     )
     return report
-
-
-def commit(ref: str = "HEAD") -> str:
-    """The commit `ref` names (with `+changes` when it is HEAD and the tree differs)."""
-    root = Path(__file__).resolve().parents[2]
-    sha = subprocess.run(["git", "rev-parse", "--short=12", ref], cwd=root, check=True,
-                         capture_output=True, text=True).stdout.strip()  # fmt: skip
-    if ref == "HEAD":
-        status = ["git", "status", "--porcelain", "--untracked-files=no"]
-        dirty = subprocess.run(status, cwd=root, check=True, capture_output=True, text=True).stdout
-        if dirty.strip():
-            sha += "+changes"
-    return sha
-
-
-@contextlib.contextmanager
-def checkout(ref: str) -> Iterator[tuple[str, Path]]:
-    """The files of commit `ref` in a temporary folder: (its short sha, the folder)."""
-    root = Path(__file__).resolve().parents[2]
-    sha = commit(ref)
-    with tempfile.TemporaryDirectory(prefix="kvl-bench-baseline-") as tmp:
-        archive = subprocess.run(["git", "archive", sha], cwd=root, check=True,
-                                 capture_output=True).stdout  # fmt: skip
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        yield sha, Path(tmp)
 
 
 def database_cpu(postgres: Cluster | None) -> float:

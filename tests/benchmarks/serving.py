@@ -35,7 +35,12 @@ How
 Other work on the machine skews the absolute figures and, less so, the ratios; the load
 average around each phase is recorded so a noisy run can be recognised.
 
-Run: ``python -m tests.benchmarks.serving [--runs N] [--max-tokens N] [--out PATH]``.  The
+With ``--baseline REF`` the appliance of an earlier commit (its files from ``git archive``,
+run by this interpreter) is measured too, in the same run and the same rounds, so a
+change's cost on the serving path is a ratio to before (``ratios_to_baseline``).
+
+Run: ``python -m tests.benchmarks.serving [--runs N] [--max-tokens N] [--baseline REF]
+[--out PATH]``.  The
 first run builds llama-server (about 13 minutes on two cores); later runs reuse the cached binary.
 """
 
@@ -252,6 +257,31 @@ def stop(server: Server) -> None:
             server.proc.wait()
 
 
+def commit(ref: str = "HEAD") -> str:
+    """The commit `ref` names (with `+changes` when it is HEAD and the tree differs)."""
+    root = Path(__file__).resolve().parents[2]
+    sha = subprocess.run(["git", "rev-parse", "--short=12", ref], cwd=root, check=True,
+                         capture_output=True, text=True).stdout.strip()  # fmt: skip
+    if ref == "HEAD":
+        status = ["git", "status", "--porcelain", "--untracked-files=no"]
+        dirty = subprocess.run(status, cwd=root, check=True, capture_output=True, text=True).stdout
+        if dirty.strip():
+            sha += "+changes"
+    return sha
+
+
+@contextlib.contextmanager
+def checkout(ref: str) -> Iterator[tuple[str, Path]]:
+    """The files of commit `ref` in a temporary folder: (its short sha, the folder)."""
+    root = Path(__file__).resolve().parents[2]
+    sha = commit(ref)
+    with tempfile.TemporaryDirectory(prefix="kvl-bench-baseline-") as tmp:
+        archive = subprocess.run(["git", "archive", sha], cwd=root, check=True,
+                                 capture_output=True).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        yield sha, Path(tmp)
+
+
 def kvl_executable() -> list[str]:
     script = Path(sys.executable).parent / "kvl"
     if script.is_file():
@@ -259,8 +289,10 @@ def kvl_executable() -> list[str]:
     return [sys.executable, "-c", "from shared.cli import main; main()"]
 
 
-def appliance_env() -> dict[str, str]:
+def appliance_env(code: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    if code is not None:
+        env["PYTHONPATH"] = str(code)
     env.update(
         {
             "KVL_DISCOVERY__ENABLED": "false",
@@ -275,7 +307,7 @@ def appliance_env() -> dict[str, str]:
     return env
 
 
-def create_key(data_dir: Path) -> str:
+def create_key(data_dir: Path, code: Path | None = None) -> str:
     command = [*kvl_executable(), "appliance", "keys", "create", "--account", "bench"]
     command += ["--data-dir", str(data_dir)]
     out = subprocess.run(
@@ -283,14 +315,18 @@ def create_key(data_dir: Path) -> str:
         check=True,
         capture_output=True,
         text=True,
-        env=appliance_env(),
+        env=appliance_env(code),
     )
     return out.stdout.strip()
 
 
-def start_appliance(data_dir: Path, key: str, log_dir: Path) -> Server:
+def start_appliance(
+    data_dir: Path, key: str, log_dir: Path, code: Path | None = None, name: str = "appliance"
+) -> Server:
+    """`code`: a checkout whose appliance runs instead of this one's (its folder first on
+    PYTHONPATH, for the gateway and its model workers alike)."""
     port = free_port()
-    log_path = log_dir / "appliance.log"
+    log_path = log_dir / f"{name}.log"
     command = [*kvl_executable(), "appliance", "serve", "--data-dir", str(data_dir)]
     command += ["--host", HOST, "--port", str(port)]
     with log_path.open("ab") as log:
@@ -298,10 +334,10 @@ def start_appliance(data_dir: Path, key: str, log_dir: Path) -> Server:
             command,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=appliance_env(),
+            env=appliance_env(code),
         )
     return Server(
-        name="appliance",
+        name=name,
         base_url=f"http://{HOST}:{port}",
         ready_path="/readyz",
         headers={"Authorization": f"Bearer {key}"},
@@ -567,6 +603,11 @@ def human_summary(result: dict[str, Any]) -> str:
             for p in figures["phases"]
         )
         lines.append(f"  {label} decode tok/s per phase: {phases}")
+    if "ratios_to_baseline" in result:
+        lines.append(
+            f"against the appliance of {result['baseline']['commit']}: "
+            + ", ".join(f"{k} {v}" for k, v in result["ratios_to_baseline"].items())
+        )
     lines.append(
         f"decode ratio {ratios['decode_tok_s']} {verdict} the {DECODE_TARGET} target; "
         f"identical greedy outputs: {sum(result['identical_outputs'].values())}/{len(PROMPTS)}"
@@ -586,6 +627,10 @@ def main(argv: list[str] | None = None) -> int:
         help="run llama-server with its own defaults (flash attention auto, SWA cache "
         "trimmed, RAM prompt cache) instead of aligning it with the appliance's context",
     )
+    parser.add_argument(
+        "--baseline",
+        help="also measure the appliance of this commit (before a change), in the same run",
+    )
     args = parser.parse_args(argv)
     if args.runs < 1 or args.max_tokens < 2 or args.rounds < 1:
         parser.error("--runs and --rounds must be >= 1, --max-tokens >= 2")
@@ -594,21 +639,31 @@ def main(argv: list[str] | None = None) -> int:
     extra = () if args.llama_server_defaults else ALIGNED_LLAMA_SERVER_ARGS
     app_phases: list[Phase] = []
     ref_phases: list[Phase] = []
-    with tempfile.TemporaryDirectory(prefix="kvl-bench-") as tmp:
-        work = Path(tmp)
+    base_phases: list[Phase] = []
+    with contextlib.ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvl-bench-")))
+        baseline = stack.enter_context(checkout(args.baseline)) if args.baseline else None
         data_dir = work / "data"
         key = create_key(data_dir)
+        base_dir = work / "data-baseline"
+        base_key = create_key(base_dir, baseline[1]) if baseline else ""
         model: Path | None = None
+        names = ("appliance", "baseline", "llama-server") if baseline else (
+            "appliance", "llama-server")  # fmt: skip
         for round_ in range(args.rounds):
             # Round 0 starts with the appliance: its first start assembles the model file
             # llama-server then serves.  Later rounds alternate the order to even out drift.
-            order = (
-                ("appliance", "llama-server") if round_ % 2 == 0 else ("llama-server", "appliance")
-            )
+            order = names if round_ % 2 == 0 else names[::-1]
             for name in order:
                 if name == "appliance":
                     app_phases.append(_appliance_phase(data_dir, key, work, args))
                     model = model or _model_file(data_dir)
+                elif name == "baseline":
+                    assert baseline is not None
+                    say(f"measuring the appliance of {baseline[0]} ({args.runs} x "
+                        f"{len(PROMPTS)} requests)")  # fmt: skip
+                    server = start_appliance(base_dir, base_key, work, baseline[1], "baseline")
+                    base_phases.append(run_phase(server, args.runs, args.max_tokens))
                 else:
                     assert model is not None
                     say(f"measuring llama-server ({args.runs} x {len(PROMPTS)} requests)")
@@ -623,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = summarize(ref_phases)
     result: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": commit(),
         "machine": {
             "cpu": cpu_model(),
             "logical_cpus": os.cpu_count(),
@@ -671,6 +727,14 @@ def main(argv: list[str] | None = None) -> int:
             [s for p in app_phases for s in p.samples], [s for p in ref_phases for s in p.samples]
         ),
     }
+    if baseline is not None:
+        before = summarize(base_phases)
+        result["baseline"] = {"commit": baseline[0], "appliance": before}
+        result["ratios_to_baseline"] = {
+            key: _ratio(app[key], before[key])
+            for key in ("decode_tok_s_median", "ttft_ms_median", "total_ms_median",
+                        "cpu_ms_per_token", "peak_rss_mib")
+        }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     say(human_summary(result))
