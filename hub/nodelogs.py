@@ -19,7 +19,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from hub.certificates import Authority
-from hub.planning.health import NodeStatus, node_status
+from hub.planning.health import NodeStatus, status_of
 from shared import jsonlimits, protocol, tls
 from shared.errors import ApiError, ErrorCode
 
@@ -63,14 +63,7 @@ def fleet_url(node: Node) -> str | None:
 
 def reachable_url(node: Node, settings: HubSettings, now: float) -> str:
     """Where to read the node's logs; 409 `node_offline` for a node the hub cannot ask."""
-    fleet = settings.fleet
-    status = node_status(
-        node.last_seen,
-        now,
-        revoked=node.revoked,
-        stale_after_s=fleet.stale_after_s,
-        offline_after_s=fleet.offline_after_s,
-    )
+    status = status_of(node, settings.fleet, now)
     if status in {NodeStatus.revoked, NodeStatus.offline}:
         raise ApiError(
             ErrorCode.node_offline, f"node {node.name} is {status.value}: its logs cannot be read"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from hub.planning.health import node_status
+from hub.planning.health import status_of
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -23,14 +23,7 @@ if TYPE_CHECKING:
 
 
 def node_view(node: Node, settings: HubSettings, now: float) -> dict[str, Any]:
-    fleet = settings.fleet
-    status = node_status(
-        node.last_seen,
-        now,
-        revoked=node.revoked,
-        stale_after_s=fleet.stale_after_s,
-        offline_after_s=fleet.offline_after_s,
-    )
+    status = status_of(node, settings.fleet, now)
     return {
         "id": node.id,
         "name": node.name,

@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from hub.planning.health import NodeStatus, node_status
+from hub.planning.health import NodeStatus, status_of
 from hub.state.store import HubStore
 
 if TYPE_CHECKING:
@@ -34,13 +34,7 @@ async def refresh(
     ):
         gauge.clear()
     for node in nodes:
-        status = node_status(
-            node.last_seen,
-            at,
-            revoked=node.revoked,
-            stale_after_s=fleet.stale_after_s,
-            offline_after_s=fleet.offline_after_s,
-        )
+        status = status_of(node, fleet, at)
         statuses[status.value] += 1
         if node.revoked:
             continue

@@ -11,6 +11,7 @@ work to a node the registry shows as stale. Pure: `now` is an argument.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Protocol
 
 
 class NodeStatus(StrEnum):
@@ -41,3 +42,34 @@ def node_status(
     if not seen_within(last_seen, now, stale_after_s):
         return NodeStatus.stale
     return NodeStatus.online
+
+
+class Seen(Protocol):
+    """A node as the registry holds it (hub.state's `Node`)."""
+
+    @property
+    def last_seen(self) -> float | None: ...
+
+    @property
+    def revoked(self) -> bool: ...
+
+
+class Windows(Protocol):
+    """The fleet's health windows (hub.settings' `FleetSettings`)."""
+
+    @property
+    def stale_after_s(self) -> float: ...
+
+    @property
+    def offline_after_s(self) -> float: ...
+
+
+def status_of(node: Seen, fleet: Windows, now: float) -> NodeStatus:
+    """`node_status` of a registry node under the fleet's settings."""
+    return node_status(
+        node.last_seen,
+        now,
+        revoked=node.revoked,
+        stale_after_s=fleet.stale_after_s,
+        offline_after_s=fleet.offline_after_s,
+    )

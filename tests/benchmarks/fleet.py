@@ -243,6 +243,31 @@ def compare(fleets: list[dict[str, Any]], baselines: list[dict[str, Any]]) -> di
     return out
 
 
+def baseline_markdown(result: dict[str, Any]) -> str:
+    """The table docs/benchmarks.md shows of a run with `--baseline`: each fleet run both
+    ways, today's hub against the baseline's, the same load from the same simulator."""
+    lines = [
+        f"| {result['fleets'][0]['nodes']:,} nodes | heartbeat p50 / p99, before "
+        f"(`{result['baseline'][0]['hub_commit']}`) | after (`{result['commit']}`) | "
+        "hub CPU ms per call, before | after | after / before | held |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for before in result["baseline"]:
+        (now,) = [f for f in result["fleets"] if (f["store"], f["replicas"], f["nodes"]) ==
+                  (before["store"], before["replicas"], before["nodes"])]  # fmt: skip
+        store = "SQLite" if now["store"] == "sqlite" else "PostgreSQL"
+        replicas = f"{now['replicas']} replica{'s' if now['replicas'] > 1 else ''}"
+        ratio = now["hub_cpu_ms_per_call"] / before["hub_cpu_ms_per_call"]
+        lines.append(
+            f"| {store}, {replicas} "
+            f"| {before['heartbeats']['p50_ms']} / {before['heartbeats']['p99_ms']} ms "
+            f"| {now['heartbeats']['p50_ms']} / {now['heartbeats']['p99_ms']} ms "
+            f"| {before['hub_cpu_ms_per_call']:.3f} | {now['hub_cpu_ms_per_call']:.3f} "
+            f"| {ratio:.2f} | {'**yes**' if now['held'] else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def held(report: dict[str, Any]) -> bool:
     beats, sync = report["heartbeats"], report["sync"]
     return (
