@@ -52,6 +52,8 @@ from appliance.serving.text import TextAssembler
 if TYPE_CHECKING:
     import threading
 
+    import numpy as np
+
     from appliance.state.store import ModelRecord
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,11 @@ class BatchEngine:
         self.tokens_generated = 0
         self.preemptions = 0
         self.step_sizes: deque[int] = deque(maxlen=100_000)  # tokens per llama_decode call
+        # For tests that compare two batch layouts: the raw logits of each sequence's first
+        # ``keep_logits`` sampled positions, by prompt. Off (0) in service; then it costs one
+        # comparison per token.
+        self.keep_logits = 0
+        self.kept_logits: dict[tuple[int, ...], list[np.ndarray[Any, Any]]] = {}
 
     def load(self) -> None:
         verify(self.record)
@@ -395,6 +402,10 @@ class BatchEngine:
         vocab = self.vocab
         if vocab is None or seq.sampler is None or seq.failed:
             return "cancelled"
+        if self.keep_logits:
+            kept = self.kept_logits.setdefault(seq.request.prompt_tokens, [])
+            if len(kept) < self.keep_logits:
+                kept.append(logits_at(self._ctx, index, vocab.n_vocab).copy())
         token = seq.sampler.sample(self._ctx, index)
         if seq.ttft is None:
             seq.ttft = time.perf_counter() - seq.started
