@@ -117,11 +117,11 @@ class BatchEngine:
         self.tokens_generated = 0
         self.preemptions = 0
         self.step_sizes: deque[int] = deque(maxlen=100_000)  # tokens per llama_decode call
-        # For tests that compare two batch layouts: the raw logits of each sequence's first
-        # ``keep_logits`` sampled positions, by prompt. Off (0) in service; then it costs one
-        # comparison per token.
-        self.keep_logits = 0
-        self.kept_logits: dict[tuple[int, ...], list[np.ndarray[Any, Any]]] = {}
+        # For tests that compare two batch layouts: with keep_first_logits, the raw logits of
+        # each sequence's first sampled position, by prompt, in the order they were sampled.
+        # Off in service; then it costs one test per token.
+        self.keep_first_logits = False
+        self.first_logits: dict[tuple[int, ...], list[np.ndarray[Any, Any]]] = {}
 
     def load(self) -> None:
         verify(self.record)
@@ -402,10 +402,9 @@ class BatchEngine:
         vocab = self.vocab
         if vocab is None or seq.sampler is None or seq.failed:
             return "cancelled"
-        if self.keep_logits:
-            kept = self.kept_logits.setdefault(seq.request.prompt_tokens, [])
-            if len(kept) < self.keep_logits:
-                kept.append(logits_at(self._ctx, index, vocab.n_vocab).copy())
+        if self.keep_first_logits and seq.ttft is None:
+            kept = self.first_logits.setdefault(seq.request.prompt_tokens, [])
+            kept.append(logits_at(self._ctx, index, vocab.n_vocab).copy())
         token = seq.sampler.sample(self._ctx, index)
         if seq.ttft is None:
             seq.ttft = time.perf_counter() - seq.started
