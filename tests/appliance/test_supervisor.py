@@ -19,6 +19,7 @@ from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, Wo
 from appliance.settings import ApplianceSettings
 from appliance.state.store import ModelRecord, Store
 from shared.errors import ErrorCode
+from tests.appliance.test_batching import MAX_DRIFT
 from tests.conftest import Client
 from tests.waiting import until
 
@@ -145,7 +146,7 @@ async def test_logprobs_sampling_and_shared_prompts_cross_the_worker_pipe(
         events = [[event async for event in run] for run in runs]
     finally:
         await replica.close()
-    finished = []
+    finished, firsts = [], []
     for stream in events:
         done = stream[-1]
         assert isinstance(done, Finished)
@@ -154,8 +155,17 @@ async def test_logprobs_sampling_and_shared_prompts_cross_the_worker_pipe(
         assert len(entries) == done.completion_tokens > 0
         assert all(len(entry.top) == 3 and isinstance(entry.top, tuple) for entry in entries)
         assert banned not in [entry.id for entry in entries]
+        firsts.append(dict(entries[0].top))
     assert [f.cached_tokens for f in finished] == [0, 5]
-    assert finished[0].text == finished[1].text
+    # The copied prompt gives the first token the computed one's distribution, within the
+    # rounding of a different batch layout (test_batching's MAX_DRIFT on logits; a logprob
+    # moves at most twice that). Not the same greedy text: a near-tie may flip with it.
+    # Each one's most likely first token is among the other's three most likely.
+    computed, copied = firsts
+    assert max(computed, key=computed.__getitem__) in copied
+    assert max(copied, key=copied.__getitem__) in computed
+    for token in computed.keys() & copied.keys():
+        assert abs(computed[token] - copied[token]) < 2 * MAX_DRIFT
 
 
 async def drain(run: Any) -> None:
