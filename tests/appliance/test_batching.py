@@ -75,7 +75,7 @@ def run(
     slots: int,
     share: int,
     cancel_first: bool = False,
-    keep_logits: bool = False,
+    keep_first_logits: bool = False,
 ) -> Ran:
     """Queue every prompt before the engine starts, run to the end."""
     engine = BatchEngine(
@@ -83,7 +83,7 @@ def run(
         EngineOptions(n_ctx=512, n_slots=slots, n_batch=128, n_threads=2, prefix_min_tokens=share),
     )
     engine.load()
-    engine.keep_first_logits = keep_logits
+    engine.keep_first_logits = keep_first_logits
     assert engine.vocab is not None
     outcomes = [Outcome() for _ in prompts]
     tokenized = [tuple(engine.vocab.tokenize(text, chat=False)) for text in prompts]
@@ -131,8 +131,8 @@ def test_a_shared_prefix_is_computed_once_and_the_model_sees_the_same_prompt(
     prompts = [SYSTEM + q for q in QUESTIONS]
     # One slot: each request decodes alone, so the only difference sharing makes is where
     # the prefix's KV came from (and the shape of the prefill that follows it).
-    shared = run(default_model, prompts, slots=1, share=32, keep_logits=True)
-    plain = run(default_model, prompts, slots=1, share=0, keep_logits=True)
+    shared = run(default_model, prompts, slots=1, share=32, keep_first_logits=True)
+    plain = run(default_model, prompts, slots=1, share=0, keep_first_logits=True)
     assert plain.reused == 0
     prefix_len = shared.outcomes[0].finished.prompt_tokens - 10  # the questions are under 10
     # The first prompt builds the store while it prefills; the four others copy it.
@@ -143,6 +143,9 @@ def test_a_shared_prefix_is_computed_once_and_the_model_sees_the_same_prompt(
         drift = np.abs(mine - theirs)
         assert float(drift.max()) < MAX_DRIFT
         assert float(drift.mean()) < MEAN_DRIFT
+    # The measure tells prompts apart: another question moves the logits past the tolerance.
+    for one, other in zip(plain.first_logits, plain.first_logits[1:], strict=False):
+        assert float(np.abs(one - other).max()) > MAX_DRIFT
     assert all(o.finished.completion_tokens > 0 for o in shared.outcomes + plain.outcomes)
 
 
