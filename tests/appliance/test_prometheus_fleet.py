@@ -2,9 +2,9 @@
 real hub; a real Prometheus (Debian's) scrapes both, with the hub's rules file loaded (its
 windows scaled down: an hour is a minute). The appliance's S1 admit and first-token
 objectives are 10 ms, which no request's first token meets on this model and machine (or
-the door refuses it, a miss too), so every request breaks SLO.B: the burn-rate alert fires in Prometheus and in the
-hub's own loop, whose signed webhook a receiver verifies; and Prometheus holds the misses
-as the appliance itself counted them."""
+the door refuses it, a miss too), so every request breaks SLO.B: the burn-rate alert
+fires in Prometheus and in the hub's own loop, whose signed webhook a receiver verifies;
+and Prometheus holds the misses as the appliance itself counted them."""
 
 from __future__ import annotations
 

@@ -247,9 +247,11 @@ def baseline_markdown(result: dict[str, Any]) -> str:
     """The table docs/benchmarks.md shows of a run with `--baseline`: each fleet run both
     ways, today's hub against the baseline's, the same load from the same simulator."""
     lines = [
-        f"| {result['fleets'][0]['nodes']:,} nodes | heartbeat p50 / p99, before "
-        f"(`{result['baseline'][0]['hub_commit']}`) | after (`{result['commit']}`) | "
-        "hub CPU ms per call, before | after | after / before | held |",
+        (
+            f"| {result['fleets'][0]['nodes']:,} nodes | heartbeat p50 / p99, before "
+            f"(`{result['baseline'][0]['hub_commit']}`) | after (`{result['commit']}`) | "
+            "hub CPU ms per call, before | after | after / before | held |"
+        ),
         "|---|---|---|---|---|---|---|",
     ]
     for before in result["baseline"]:
