@@ -131,8 +131,11 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
     if not request.path.startswith("/v1/") and request.path != "/v1":
         return await handler(request)
     if request.path.startswith(FLEET_PREFIX):
-        with request.app[TRACING].span("auth"):
-            _from_the_hub(request)
+        # Only a fleet route that exists asks for the hub's certificate: a path not routed,
+        # or a method not allowed, is a 404 or a 405 whoever calls.
+        if request.match_info.http_exception is None:
+            with request.app[TRACING].span("auth"):
+                _from_the_hub(request)
         return await handler(request)
     with request.app[TRACING].span("auth"):
         # Offloaded requests (/v1/offloaded/…) carry their client's own key: the same

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,15 +117,16 @@ def plan_eviction(
     budget: () when it fits already, None when it cannot fit even with every idle, unpinned
     model unloaded. Pinned and busy models are never chosen."""
     residents = list(residents)
-    used = sum(r.memory_mb for r in residents)
-    if used + need_mb <= budget_mb:
+    if math.fsum(r.memory_mb for r in residents) + need_mb <= budget_mb:
         return ()
     evict: list[str] = []
     idle = sorted((r for r in residents if not (r.pinned or r.busy)), key=lambda r: r.last_used)
     for resident in idle:
         evict.append(resident.ref)
-        used -= resident.memory_mb
-        if used + need_mb <= budget_mb:
+        # What stays, summed afresh (not the total less each one: that leaves a rounding
+        # residue, and every idle model gone would not fit a budget they filled exactly).
+        kept = math.fsum(r.memory_mb for r in residents if r.ref not in evict)
+        if kept + need_mb <= budget_mb:
             return tuple(evict)
     return None
 

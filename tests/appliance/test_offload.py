@@ -313,7 +313,7 @@ async def test_an_offloaded_request_is_one_trace_through_both_nodes_and_the_hub(
         aiohttp_server, tmp_path, default_model, hub, hub_server.port, name="node-a",
         sections=traced,
     )  # fmt: skip
-    b, _, _ = await _appliance(
+    b, b_url, _ = await _appliance(
         aiohttp_server, tmp_path, default_model, hub, hub_server.port, name="node-b",
         sections=traced,
     )  # fmt: skip
@@ -324,13 +324,16 @@ async def test_an_offloaded_request_is_one_trace_through_both_nodes_and_the_hub(
     finally:
         store.close()
     async with aiohttp.ClientSession() as session:
-        for _ in range(300):  # until A pulled the state with the key
-            models = await session.get(
-                f"{a_url}/v1/models", headers={"Authorization": f"Bearer {fleet_key}"}
-            )
-            if models.status == 200:
-                break
-            await asyncio.sleep(0.1)
+        # Until both nodes pulled the state with the key: B, which serves the request with
+        # the client's key, refuses a key it does not hold yet.
+        for url in (a_url, b_url):
+            for _ in range(300):
+                models = await session.get(
+                    f"{url}/v1/models", headers={"Authorization": f"Bearer {fleet_key}"}
+                )
+                if models.status == 200:
+                    break
+                await asyncio.sleep(0.1)
         holding = await _hold(session, a_url, a_key)
         answer = await session.post(
             f"{a_url}/v1/completions",

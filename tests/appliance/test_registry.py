@@ -4,6 +4,7 @@ on demand, LRU unloading, pins and the router with the real model in real worker
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -51,21 +52,37 @@ def test_eviction_frees_enough_least_recently_used_first_and_never_pinned_or_bus
 ) -> None:
     plan = plan_eviction(residents, need, budget)
     by_ref = {r.ref: r for r in residents}
-    used = sum(r.memory_mb for r in residents)
     idle = [r for r in residents if not (r.pinned or r.busy)]
+
+    def kept(gone: list[Resident]) -> float:
+        """The memory of what stays, exactly rounded (a total less the ones gone is not)."""
+        return math.fsum(r.memory_mb for r in residents if r not in gone)
+
     if plan is None:
         # Impossible even with every idle model gone.
-        assert used - sum(r.memory_mb for r in idle) + need > budget
+        assert kept(idle) + need > budget
         return
     chosen = [by_ref[ref] for ref in plan]
     assert all(not (r.pinned or r.busy) for r in chosen)
-    assert used - sum(r.memory_mb for r in chosen) + need <= budget
+    assert kept(chosen) + need <= budget
     # Least recently used first, and no more than needed: without the last one chosen,
     # the model would not fit.
     ordered = sorted(idle, key=lambda r: r.last_used)
     assert chosen == ordered[: len(chosen)]
     if chosen:
-        assert used - sum(r.memory_mb for r in chosen[:-1]) + need > budget
+        assert kept(chosen[:-1]) + need > budget
+
+
+def test_every_idle_model_gone_fits_a_budget_they_filled_exactly() -> None:
+    """The memory that stays is summed afresh: the total less each model unloaded leaves a
+    rounding residue (1024.28... - 1024.28... + 0 > 0 once), which refused a plan that
+    fits."""
+    sizes = [0.1, 0.2, 0.3, 512.7, 511.283546106]
+    residents = [
+        Resident(str(i), size, float(i), pinned=False, busy=False) for i, size in enumerate(sizes)
+    ]
+    assert sum(sizes) - sizes[0] - sizes[1] - sizes[2] - sizes[3] - sizes[4] != 0.0
+    assert plan_eviction(residents, 0.0, 0.0) == ("0", "1", "2", "3", "4")
 
 
 def test_the_estimate_counts_weights_kv_cache_and_overhead(default_model: ModelRecord) -> None:
