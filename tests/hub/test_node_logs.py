@@ -139,10 +139,10 @@ async def test_the_operator_reads_and_follows_a_nodes_logs_through_the_hub(
     base = hub_server.make_url("/v1/admin/nodes/node-a/logs")
     # The last records: the ring is the process's, and this process has run other tests'
     # appliances before, whose records come first.
-    last = {"tail": "1", "limit": "1000"}
+    newest = {"tail": "1", "limit": "1000"}
     async with aiohttp.ClientSession() as session:
         for _ in range(300):  # until the hub heard of the node's fleet listener
-            answer = await session.get(base, params=last, headers=auth, ssl=False)
+            answer = await session.get(base, params=newest, headers=auth, ssl=False)
             if answer.status == 200:
                 break
             assert answer.status == 409, await answer.text()
