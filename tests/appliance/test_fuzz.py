@@ -252,6 +252,24 @@ def contract_problems(path: str, reply: Reply) -> list[str]:
     return found
 
 
+RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def _error_event_problems(event: dict[str, Any]) -> list[str]:
+    """Why a Responses stream's `error` event is not OpenAI's shape with a documented code."""
+    if set(event) != {"type", "sequence_number", "code", "message", "param"}:
+        shape = "{type, sequence_number, code, message, param}"
+        return [f"an error event that is not {shape}: {_clip(event)}"]
+    found = []
+    if event["code"] not in ERROR_CODES:
+        found.append(f"an error event's `code` is not a documented code: {event['code']!r}")
+    if not isinstance(event["message"], str) or not event["message"]:
+        found.append(f"an error event's `message` is not a non-empty string: {_clip(event)}")
+    if event["param"] is not None and not isinstance(event["param"], str):
+        found.append(f"an error event's `param` is neither a string nor null: {_clip(event)}")
+    return found
+
+
 def _event_stream_problems(text: str, *, complete: bool) -> list[str]:
     # Event streams end lines with CR, LF or CRLF only (not str.splitlines' U+2028 and kin).
     lines = SSE_LINE_END.split(text)
@@ -279,6 +297,13 @@ def _event_stream_problems(text: str, *, complete: bool) -> list[str]:
             last = "chunk"  # speech's events (`stream_format: "sse"`), ended by their done
         elif isinstance(event, dict) and event.get("type") == "speech.audio.done":
             last = "done"
+        elif isinstance(event, dict) and event.get("type") == "error":
+            # The Responses API's failure after the 200 went out: OpenAI's error event.
+            found.extend(_error_event_problems(event))
+            last = "error"
+        elif isinstance(event, dict) and str(event.get("type", "")).startswith("response."):
+            # The Responses API's typed events, ended by the response's final state.
+            last = "done" if event["type"] in RESPONSE_ENDS else "chunk"
         else:
             found.append(f"an event that is neither a chunk nor an error: {_clip(data)}")
     if complete and last == "chunk":
