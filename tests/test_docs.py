@@ -28,6 +28,7 @@ from shared.cli import main
 from shared.config import example_yaml, iter_fields
 from shared.errors import ErrorCode
 from tests.benchmarks.api import markdown
+from tests.benchmarks.fleet import baseline_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS_DIR = REPO / "docs"
@@ -306,3 +307,10 @@ def test_the_api_benchmark_tables_are_its_recorded_result() -> None:
     result = json.loads((REPO / "tests/benchmarks/results/api.json").read_text())
     assert markdown(result) in (REPO / "docs/benchmarks.md").read_text()
     assert result["commit"]
+
+
+def test_the_fleet_objectives_table_is_its_recorded_result() -> None:
+    """docs/benchmarks.md shows tests/benchmarks/results/fleet-objectives.json as
+    `tests.benchmarks.fleet.baseline_markdown` writes it."""
+    result = json.loads((REPO / "tests/benchmarks/results/fleet-objectives.json").read_text())
+    assert baseline_markdown(result) in (REPO / "docs/benchmarks.md").read_text()
