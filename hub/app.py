@@ -134,7 +134,7 @@ async def _store(app: web.Application) -> AsyncIterator[None]:
 
 async def _heartbeats(app: web.Application) -> AsyncIterator[None]:
     """The write-behind of heartbeats (hub/fleet/heartbeats.py)."""
-    beats = Heartbeats()
+    beats = Heartbeats(app[SETTINGS].objectives.count_every_s)
     beats.taken = app[METRICS].flushed
     beats.objective_listeners.append(app[METRICS].objectives)  # kvl_fleet_*_total
     app[BEATS] = beats

@@ -279,6 +279,19 @@ class ObjectivesSettings(BaseModel):
         "30d",
         description="The period an error budget is spent over (at most 35d).",
     )
+    count_every_s: float = Field(
+        60.0,
+        ge=0,
+        le=300,
+        description=(
+            "How often at most a node's objectives are counted, in seconds: its heartbeats "
+            "carry cumulative counters, so the newest one holds everything before it and "
+            "the hub counts it once per this period (the last one waiting is counted when "
+            "its period ends, heartbeat or not). 0 counts every heartbeat. Longer costs a "
+            "large fleet less CPU; the counts reach the windows and alerts up to this much "
+            "later."
+        ),
+    )
 
     @field_validator("windows")
     @classmethod

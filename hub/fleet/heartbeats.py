@@ -4,6 +4,8 @@ writes it every second."""
 from __future__ import annotations
 
 import contextlib
+import heapq
+import time
 from typing import TYPE_CHECKING
 
 from hub.loops import running
@@ -17,6 +19,7 @@ if TYPE_CHECKING:
     from shared.supervise import Failures
 
 HEARTBEATS_EVERY_S = 1.0
+_NODES_REMEMBERED = 200_000  # nodes whose last counting time is kept
 
 
 class Heartbeats:
@@ -25,10 +28,28 @@ class Heartbeats:
     of thousands costs one commit a second, not one per heartbeat. A crash loses at most
     that second of `last_seen`, which the next heartbeat restores. The flusher also keeps
     `desired_serial` fresh, which heartbeat answers carry so a node pulls its desired
-    state only when it changed."""
+    state only when it changed.
 
-    def __init__(self) -> None:
+    A node's objectives are counted at most once every `count_every_s`
+    (`objectives.count_every_s`): they are cumulative, so the newest heartbeat holds all
+    that came before it, and counting one in four of a node's heartbeats (every minute,
+    at 15 s heartbeats) counts the same values for a quarter of the flush's work. The
+    newest not yet counted waits here and is counted when its node's period ends, whether
+    or not another heartbeat came (a node gone quiet is counted all the same); the last
+    flush, on the way out, counts every one waiting. A crash loses what waits here as it
+    loses `last_seen`: the node's next heartbeat carries the same counters, and more."""
+
+    def __init__(
+        self, count_every_s: float = 0.0, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._waiting: dict[str, Heartbeat] = {}
+        self.count_every_s = count_every_s
+        self._clock = clock
+        # The newest heartbeat of each node whose objectives wait to be counted, when each
+        # node was last counted, and (when its period ends, node) for those waiting.
+        self._uncounted: dict[str, Heartbeat] = {}
+        self._counted_at: dict[str, float] = {}
+        self._due: list[tuple[float, str]] = []
         # Told the arrival times of the heartbeats each flush takes: the hub's metrics
         # (flush lag: how long the oldest waited; batch size).
         self.taken: Callable[[list[float]], None] | None = None
@@ -42,11 +63,32 @@ class Heartbeats:
     def add(self, beat: Heartbeat) -> None:
         self._waiting[beat.node_id] = beat
 
-    def take(self) -> list[Heartbeat]:
+    def take(self, *, last: bool = False) -> tuple[list[Heartbeat], list[Heartbeat]]:
+        """The heartbeats waiting, to be written; and the heartbeats whose objectives are
+        due to be counted (`last`: all that wait)."""
         taken, self._waiting = list(self._waiting.values()), {}
         if taken and self.taken is not None:
             self.taken([beat.at for beat in taken])
-        return taken
+        now = self._clock()
+        for beat in taken:
+            if beat.objectives is None:
+                continue
+            node = beat.node_id
+            if node not in self._uncounted:
+                since = self._counted_at.get(node)
+                heapq.heappush(
+                    self._due, (now if since is None else since + self.count_every_s, node)
+                )
+            self._uncounted[node] = beat
+        counted = []
+        while self._due and (last or self._due[0][0] <= now):
+            _, node = heapq.heappop(self._due)
+            counted.append(self._uncounted.pop(node))
+            self._counted_at[node] = now
+        if len(self._counted_at) > _NODES_REMEMBERED:
+            # Forgetting when a node was counted only counts its next heartbeat sooner.
+            self._counted_at = {n: self._counted_at[n] for n in self._uncounted}
+        return taken, counted
 
 
 @contextlib.asynccontextmanager
@@ -54,24 +96,25 @@ async def flushing(
     store: AsyncHubStore, beats: Heartbeats, failures: Failures, tasks: Running
 ) -> AsyncIterator[None]:
     """The flusher, while the context lasts: every HEARTBEATS_EVERY_S the waiting
-    heartbeats written, then the serials read; a last flush on the way out."""
+    heartbeats written and the objectives due counted, then the serials read; a last
+    flush on the way out."""
 
     async def serials() -> None:
         read = await store.run(store.sync.serials)
         beats.desired_serial = read[0]
         store.note_serials(read)
 
-    async def flush() -> None:
+    async def flush(*, last: bool = False) -> None:
         # A round that fails (the write, the serials) loses only that second's
         # heartbeats, which the nodes' next ones replace; the loop goes on.
-        waiting = beats.take()
-        if waiting:
-            ingested = await store.run(store.sync.heartbeats, waiting)
+        waiting, counted = beats.take(last=last)
+        if waiting or counted:
+            ingested = await store.run(store.sync.heartbeats, waiting, counted)
             if ingested:
                 for counter in beats.objective_listeners:
                     with failures.guard(listener_loop(counter)):
                         counter(ingested)
-            for listener in beats.listeners:
+            for listener in beats.listeners if waiting else ():
                 # Each listener on its own: one that raises takes neither the flush
                 # nor the listeners after it down with it.
                 with failures.guard(listener_loop(listener)):
@@ -83,8 +126,8 @@ async def flushing(
     every = failures.forever("heartbeats", flush, lambda: HEARTBEATS_EVERY_S)
     async with running(tasks, "heartbeats", every):
         yield
-    with failures.guard("heartbeats"):  # the last flush, on the way out
-        await flush()
+    with failures.guard("heartbeats"):  # the last flush, on the way out: every count waiting
+        await flush(last=True)
 
 
 def listener_loop(listener: Callable[..., object]) -> str:

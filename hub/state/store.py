@@ -133,12 +133,16 @@ class HubStore(
     does: a key made and the desired serial moved, say."""
 
     @sql.retrying()
-    def heartbeats(self, beats: Sequence[Heartbeat]) -> Ingested:
-        """The flush of the waiting heartbeats: the nodes' rows, and their objectives
-        counted into the buckets, in one transaction; what the objectives added."""
+    def heartbeats(
+        self, beats: Sequence[Heartbeat], counted: Sequence[Heartbeat] | None = None
+    ) -> Ingested:
+        """The flush of the waiting heartbeats: the nodes' rows, and the objectives of
+        `counted` (default: of `beats`) counted into the buckets, in one transaction; what
+        the objectives added."""
         with self.db.transaction():
-            self.record_heartbeats(beats)
-            return self.ingest_objectives(beats)
+            if beats:
+                self.record_heartbeats(beats)
+            return self.ingest_objectives(beats if counted is None else counted)
 
 
 # Every id acknowledged, how many were new, and how many of each kind.

@@ -46,6 +46,8 @@ def hub_settings(tmp_path: Path) -> HubSettings:
             "data_dir": tmp_path / "hub",
             "server": {"require_overlay_source": False},
             "overlay": {"interface": None},  # loopback: no WireGuard interface on the host
+            # Every heartbeat's objectives counted at its flush: the tests wait on the counts.
+            "objectives": {"count_every_s": 0},
         }
     )
 

@@ -45,6 +45,9 @@ def settings_for(tmp_path: Path, database: HubDatabase, **server: Any) -> HubSet
             "server": {"require_overlay_source": False, **server},
             # Loopback tests: no WireGuard interface on the host (the netns tests make them).
             "overlay": {"interface": None},
+            # Every heartbeat's objectives counted at its flush: the tests wait on the
+            # counts (test_objectives.py tests counting once a period on its own).
+            "objectives": {"count_every_s": 0},
         }
     )
 

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from hub.app import create_app
 from hub.fleet import budgets
+from hub.fleet.heartbeats import Heartbeats
 from hub.fleet.objectives import OTHER_ACCOUNT, Ingested, SloTotals, quantile
 from hub.keys import BEATS
 from hub.settings import HubSettings
@@ -214,6 +215,71 @@ async def test_heartbeats_count_each_value_once(
     failures = (await (await client.get("/healthz")).json())["loop_failures"]
     assert failures == {"heartbeats.boom": 1}
     assert len(failed) == len(ingested)
+
+
+def test_a_nodes_objectives_are_counted_once_a_period_the_newest_waiting() -> None:
+    """`objectives.count_every_s`: a node's first heartbeat is counted at once, the ones
+    within its period wait (the newest replacing the older, whose values it holds), and
+    the newest is counted when the period ends, heartbeat or not; the last flush counts
+    every one waiting. Heartbeats without objectives are written, never counted."""
+    clock = Clock(1000.0)
+    beats = Heartbeats(60.0, clock=clock)
+
+    def beat(node: str, requests: int) -> Heartbeat:
+        return _beat(node, clock.now, "e", series(requests=requests, met=requests))
+
+    def take(*, last: bool = False) -> tuple[list[str], list[tuple[str, int]]]:
+        written, counted = beats.take(last=last)
+        return [b.node_id for b in written], [
+            (b.node_id, b.objectives.series[0].requests if b.objectives else -1) for b in counted
+        ]
+
+    beats.add(beat("a", 1))
+    beats.add(beat("b", 1))
+    assert take() == (["a", "b"], [("a", 1), ("b", 1)])
+    clock.now += 15
+    beats.add(beat("a", 2))
+    beats.add(Heartbeat("c", clock.now, {}, protocol.Capacity()))  # an older node's
+    assert take() == (["a", "c"], [])
+    clock.now += 15
+    beats.add(beat("a", 3))  # replaces a's 2, which it holds
+    beats.add(beat("b", 3))
+    assert take() == (["a", "b"], [])
+    clock.now += 29
+    assert take() == ([], [])
+    clock.now += 1  # a's and b's periods end: their newest counted, no heartbeat needed
+    assert take() == ([], [("a", 3), ("b", 3)])
+    clock.now += 1
+    beats.add(beat("a", 4))
+    assert take() == (["a"], [])
+    # The last flush (the hub stopping) counts what waits.
+    assert take(last=True) == ([], [("a", 4)])
+    assert take(last=True) == ([], [])
+    # Every heartbeat counted with a period of 0.
+    every = Heartbeats(0.0, clock=clock)
+    for requests in (1, 2):
+        every.add(beat("a", requests))
+        assert [b.node_id for b in every.take()[1]] == ["a"]
+
+
+async def test_a_stopping_hub_counts_the_objectives_still_waiting(
+    aiohttp_client: AiohttpClient, fleet: tuple[HubSettings, dict[str, str]]
+) -> None:
+    """With the default period a second heartbeat within it waits; the hub's last flush,
+    as it stops, counts it: nothing waiting is lost to a clean stop."""
+    settings, ids = fleet
+    settings = settings.model_copy(
+        update={"objectives": settings.objectives.model_copy(update={"count_every_s": 60.0})}
+    )
+    app = create_app(settings)
+    client = await aiohttp_client(app)
+    beats = Beats(client, app)
+    await beats.send(ids["token"], objectives("e1", series(requests=10, met=10)))
+    assert _totals(settings)[("S1", "acme")].requests == 10
+    await beats.send(ids["token"], objectives("e1", series(requests=25, met=25)))
+    assert _totals(settings)[("S1", "acme")].requests == 10  # waits for its period
+    await client.close()  # the hub stops: its last flush
+    assert _totals(settings)[("S1", "acme")].requests == 25
 
 
 def _hostile_objectives() -> list[str]:
