@@ -56,25 +56,51 @@ setup-system:
         for unit in nginx postgresql prometheus; do systemctl disable --now "$unit" > /dev/null 2>&1 || true; done
     fi
 
-# Create .venv and install the project with its dev tools (llama-cpp-python compiles once, then pip's wheel cache is used)
+# Create .venv and install the project with its dev tools (llama-cpp-python compiles once per CPU and flags, then its wheel is kept)
 setup: setup-system
     #!/usr/bin/env bash
     set -euo pipefail
     test -x {{ py }} || python3 -m venv {{ venv }}
-    # Skip pip when pyproject.toml has not changed since the last successful set-up.
+    # llama-cpp-python is compiled for this machine's CPU (llama.cpp's GGML_NATIVE), except
+    # Intel AMX: with AMX, llama.cpp 0.3.36 dies in its first matrix product on a Sapphire
+    # Rapids server (SIGSEGV in ggml_backend_amx_mul_mat), while AVX-512 serves the same
+    # model. GCC lets an explicit -mno-… win over the -march=native llama.cpp adds after it.
+    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    cmake_args="${CMAKE_ARGS:--DLLAVA_BUILD=off '-DCMAKE_C_FLAGS=$no_amx' '-DCMAKE_CXX_FLAGS=$no_amx'}"
+    llama=$(grep -o '"llama-cpp-python==[^"]*"' pyproject.toml | tr -d '"')
+    # pip's wheel cache knows neither CMAKE_ARGS nor the CPU, so a wheel built with other
+    # flags, or on another CPU, would be taken as it is: ours is kept by all three.
+    key=$(printf '%s\n' "$llama" "$cmake_args" "$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)" | sha256sum | cut -c1-16)
+    wheels="${XDG_CACHE_HOME:-$HOME/.cache}/kovenlab-edge/llama-wheels/$key"
+    # Skip pip when pyproject.toml and the wheel's key have not changed since the last
+    # successful set-up.
     stamp={{ venv }}/.kvl-setup
-    want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+    want="$(sha256sum pyproject.toml | cut -d' ' -f1) $key"
     if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then exit 0; fi
-    echo "installing kovenlab-edge and its tools into .venv (the first time compiles llama-cpp-python: about 13 minutes on 2 cores)" >&2
     log=$(mktemp)
     pins=$(mktemp)
     trap 'rm -f "$log" "$pins"' EXIT
+    if ! ls "$wheels"/llama_cpp_python-*.whl > /dev/null 2>&1; then
+        echo "compiling $llama for this CPU (about 13 minutes on 2 cores; once per CPU and flags)" >&2
+        rm -rf "$wheels.partial"
+        if ! CMAKE_ARGS="$cmake_args" {{ py }} -m pip wheel --quiet --no-deps --no-cache-dir \
+                --wheel-dir "$wheels.partial" "$llama" > "$log" 2>&1; then
+            cat "$log" >&2
+            echo "compiling $llama failed; pip's output is above" >&2
+            exit 1
+        fi
+        mv "$wheels.partial" "$wheels"
+    fi
+    echo "installing kovenlab-edge and its tools into .venv" >&2
     # Packages installed without their dependencies, each pinned by its wheel's sha256
     # (pyproject.toml's [tool.kovenlab] no-deps says which and why).
     {{ py }} -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["kovenlab"]["no-deps"]))' > "$pins"
     # pip's output is shown only if it fails (setuptools' editable-install notices are noise).
+    # The wheel of llama-cpp-python is installed again even at the same version: the one
+    # there may have been built with other flags.
     if ! { {{ py }} -m pip install --quiet --upgrade pip &&
-           CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=off}" {{ py }} -m pip install --quiet -e '.[dev]' &&
+           {{ py }} -m pip install --quiet --no-deps --force-reinstall "$wheels"/llama_cpp_python-*.whl &&
+           {{ py }} -m pip install --quiet --find-links "$wheels" -e '.[dev]' &&
            {{ py }} -m pip install --quiet --no-deps --require-hashes -r "$pins"; } > "$log" 2>&1; then
         cat "$log" >&2
         echo "set-up failed; pip's output is above" >&2
