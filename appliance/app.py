@@ -10,11 +10,12 @@ from aiohttp import web
 
 from appliance.discovery.mdns import Announcement, Announcer, lan_addresses
 from appliance.fleet.certificates import NodeCertificate
-from appliance.fleet.identity import FleetFiles, lan_tls_files
+from appliance.fleet.identity import FleetFiles, Provisioned, lan_tls_files, provisioned
 from appliance.fleet.link import FleetLink
 from appliance.gateway import cors
 from appliance.gateway.jobs import JOBS
 from appliance.gateway.keys import (
+    ACCOUNTS,
     ADMISSION,
     CERTIFICATE,
     COMPLETIONS,
@@ -37,6 +38,7 @@ from appliance.gateway.routes import ROUTES
 from appliance.gateway.server import FleetListener
 from appliance.gateway.speech import SPEECH
 from appliance.grpc.server import GrpcServer, Services
+from appliance.inference.accounts import AccountService
 from appliance.inference.admission import AdmissionControl
 from appliance.inference.completions import CompletionService
 from appliance.inference.embeddings import EmbeddingService
@@ -63,6 +65,8 @@ log = logging.getLogger(__name__)
 ANNOUNCER = web.AppKey("announcer", Announcer)
 FLEET = web.AppKey("fleet", FleetLink)
 GRPC = web.AppKey("grpc", GrpcServer)
+# What the provisioning file said at start: a hub to enroll with, or a bootstrap key.
+PROVISIONED = web.AppKey("provisioned", Provisioned)
 
 
 def create_app(settings: ApplianceSettings) -> web.Application:
@@ -86,6 +90,7 @@ def create_app(settings: ApplianceSettings) -> web.Application:
     if settings.grpc.enabled:
         app.cleanup_ctx.append(_grpc_port)  # first: a port that is taken stops the start
     app.cleanup_ctx.append(_store)
+    app.cleanup_ctx.append(_accounts)
     app.cleanup_ctx.append(_tracing)
     app.cleanup_ctx.append(_models)
     app.cleanup_ctx.append(_speech)
@@ -106,6 +111,24 @@ async def _store(app: web.Application) -> AsyncIterator[None]:
     app[NODE_ID] = await store.run(store.sync.node_id)
     yield
     await store.close()
+
+
+async def _accounts(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    plan = provisioned(settings.fleet.provisioning_file)
+    app[PROVISIONED] = plan
+    identity = FleetFiles(settings.fleet_dir).identity_path
+
+    def hub_managed() -> bool:
+        # Provisioned for a hub, or enrolled with one (an identity outlives its file).
+        return plan.hub or identity.is_file()
+
+    service = AccountService(app[STORE], hub_managed=hub_managed)
+    if plan.bootstrap_key is not None:
+        # Before the API listens: the site's first admin key works from the first request.
+        await service.import_bootstrap_key(plan.bootstrap_key)
+    app[ACCOUNTS] = service
+    yield
 
 
 async def _tracing(app: web.Application) -> AsyncIterator[None]:
@@ -215,8 +238,9 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
     link.on_certificate = on_certificate
     await link.restore_leases()
     app[FLEET] = link
-    # Only a node that is, or is to be, in a fleet talks to a hub.
-    active = settings.fleet.provisioning_file is not None or link.identity is not None
+    # Only a node that is, or is to be, in a fleet talks to a hub: a provisioning file of a
+    # site without a hub carries a bootstrap key and no hub.
+    active = app[PROVISIONED].hub or link.identity is not None
     if active:
         app[OFFLOAD].link = link
         link.start()

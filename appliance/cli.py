@@ -119,6 +119,8 @@ def keys_create(
     try:
         cls = ServiceClass(service_class) if service_class else None
         new = store.create_key(account, cls, admin=admin)
+    except ConflictError as err:  # a disabled account
+        raise click.ClickException(str(err)) from err
     finally:
         store.close()
     click.echo(new.plaintext)

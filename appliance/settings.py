@@ -677,7 +677,9 @@ class FleetSettings(_Section):
         None,
         description=(
             "`kovenlab.json` (hub URL, enrollment token, hub fingerprint, name): the appliance "
-            "enrolls with the hub once, then keeps its identity in the data directory."
+            "enrolls with the hub once, then keeps its identity in the data directory. On a "
+            "site without a hub it holds a bootstrap admin key's hash instead, imported "
+            "once at start."
         ),
     )
     tunnel: bool = Field(

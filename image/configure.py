@@ -2,7 +2,8 @@
 
 The image (`just image`, see image/build.py) is a raw GPT disk: an EFI system partition
 (FAT), root file systems for slots A and B, and a data partition. On first boot the
-appliance reads `kovenlab.json` from the EFI system partition and enrolls with its hub.
+appliance reads `kovenlab.json` from the EFI system partition and enrolls with its hub, or,
+on a site without a hub, takes the bootstrap admin key the file holds the hash of.
 `kvl image configure` puts that file there: the GPT is read here, and the FAT file system
 at the partition's offset is written by mtools (`mcopy -i IMAGE@@OFFSET`), so no loop
 device, mount or root is needed.
@@ -29,7 +30,7 @@ from pydantic import ValidationError
 
 from shared.files import write_private
 from shared.keys import ENROLLMENT_TOKEN, parse_prefix
-from shared.provisioning import Provisioning, ProvisioningError
+from shared.provisioning import BOOTSTRAP_ACCOUNT, BootstrapKey, Provisioning, ProvisioningError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -205,7 +206,7 @@ def configure(image: Path, document: Provisioning) -> Partition:
     _names(image, part)  # a FAT file system is there, or a clear error
     with tempfile.TemporaryDirectory(prefix="kvl-image-") as folder:
         source = Path(folder) / PROVISIONING_FILE
-        write_private(source, document.model_dump_json(indent=2) + "\n")
+        write_private(source, document.text())
         # -o and -D o: replace the file of that name, never ask.
         copy = _mtools(
             "mcopy", image, part, "-o", "-D", "o", str(source), f"::/{PROVISIONING_FILE}"
@@ -275,6 +276,25 @@ def provisioning_from(
     return document
 
 
+def provisioning_without_hub(name: str, account: str) -> tuple[Provisioning, str]:
+    """A provisioning file for a site without a hub, with a new bootstrap admin key: (the
+    file, which holds the key's hash alone; the key, to be shown once). ValueError names
+    each problem."""
+    try:
+        key, plaintext = BootstrapKey.generate(account)
+    except ValidationError as err:
+        raise ValueError(f"--admin-account: {err.errors()[0]['msg']}") from err
+    try:
+        document = Provisioning(name=name, bootstrap_key=key)
+    except ValidationError as err:
+        raise ValueError(
+            "; ".join(
+                f"--{'.'.join(map(str, e['loc'])) or 'name'}: {e['msg']}" for e in err.errors()
+            )
+        ) from err
+    return document, plaintext
+
+
 def _labels(pairs: Sequence[str]) -> dict[str, str]:
     labels: dict[str, str] = {}
     for pair in pairs:
@@ -315,6 +335,17 @@ _IMAGE = click.Path(path_type=Path, dir_okay=False, exists=True)
 )
 @click.option("--name", default=None, help="The node's name; also its host name.")
 @click.option("--label", "labels", multiple=True, help="A node label, KEY=VALUE (repeatable).")
+@click.option(
+    "--no-hub",
+    is_flag=True,
+    help="A site without a hub: make a bootstrap admin key, print it once on stdout, and "
+    "write only its hash.",
+)
+@click.option(
+    "--admin-account",
+    default=None,
+    help=f"With --no-hub: the bootstrap key's account (default {BOOTSTRAP_ACCOUNT}).",
+)
 def configure_command(
     image_file: Path,
     *,
@@ -324,26 +355,38 @@ def configure_command(
     fingerprint: str | None,
     name: str | None,
     labels: tuple[str, ...],
+    no_hub: bool,
+    admin_account: str | None,
 ) -> None:
     """Write the provisioning file (kovenlab.json) into IMAGE, without mounting it: on first
-    boot the appliance enrolls with the hub it names."""
-    given = {"--hub": hub_url, "--token": token, "--fingerprint": fingerprint, "--name": name}
+    boot the appliance enrolls with the hub it names, or (--no-hub) takes the bootstrap
+    admin key printed here, once."""
+    hub_flags = {"--hub": hub_url, "--token": token, "--fingerprint": fingerprint}
+    plaintext: str | None = None
     if provisioning is not None:
-        mixed = [flag for flag, value in given.items() if value is not None] + (
-            ["--label"] if labels else []
-        )
-        if mixed:
-            raise click.UsageError(f"--provisioning comes alone, without {', '.join(mixed)}")
+        others = {**hub_flags, "--name": name, "--label": labels, "--no-hub": no_hub}
+        _alone("--provisioning comes alone, without", {**others, "--admin-account": admin_account})
+        document = _from_file(provisioning)
+    elif no_hub:
+        _alone("--no-hub names no hub: leave out", {**hub_flags, "--label": labels})
+        if not name:
+            raise click.UsageError("missing --name")
         try:
-            document = Provisioning.load(provisioning)
-            check_hub_url(document.hub_url)
-            check_token(document.token)
-        except (ProvisioningError, ValueError) as err:
-            raise click.BadParameter(str(err), param_hint="--provisioning") from err
+            document, plaintext = provisioning_without_hub(name, admin_account or BOOTSTRAP_ACCOUNT)
+        except ValueError as err:
+            raise click.UsageError(str(err)) from err
     else:
+        _alone(
+            "without --no-hub, there is no bootstrap key: leave out",
+            {"--admin-account": admin_account},
+        )
         if not (hub_url and token and fingerprint and name):
+            given = {**hub_flags, "--name": name}
             missing = ", ".join(flag for flag, value in given.items() if not value)
-            raise click.UsageError(f"missing {missing} (or give a whole file with --provisioning)")
+            raise click.UsageError(
+                f"missing {missing} (or give a whole file with --provisioning, or make a "
+                "site without a hub with --no-hub)"
+            )
         try:
             document = provisioning_from(hub_url, token, fingerprint, name, _labels(labels))
         except ValueError as err:
@@ -352,11 +395,40 @@ def configure_command(
         part = configure(image_file, document)
     except ImageError as err:
         raise click.ClickException(str(err)) from err
+    hub, key = document.hub, document.bootstrap_key
+    then = f"hub {hub.url}" if hub is not None else "no hub"
+    if key is not None:
+        then += f", bootstrap admin key {key.prefix} of account {key.account}"
     click.echo(
         f"{image_file}: {PROVISIONING_FILE} written to the EFI system partition "
-        f"(partition {part.number}): node {document.name}, hub {document.hub_url}",
+        f"(partition {part.number}): node {document.name}, {then}",
         err=True,
     )
+    if plaintext is not None:
+        # Only once the image holds its hash: a key printed for a file never written
+        # would open nothing. It is in no file: this is the one chance to keep it.
+        click.echo("the bootstrap admin key, shown once (keep it: it is in no file):", err=True)
+        click.echo(plaintext)
+
+
+def _alone(why: str, flags: dict[str, object]) -> None:
+    """A usage error naming the flags given (a value, a flag set, a label) that `why` says
+    do not belong."""
+    mixed = [flag for flag, value in flags.items() if value not in (None, False, ())]
+    if mixed:
+        raise click.UsageError(f"{why} {', '.join(mixed)}")
+
+
+def _from_file(path: Path) -> Provisioning:
+    """A whole provisioning file, checked as the parts are (a hub's URL and token)."""
+    try:
+        document = Provisioning.load(path)
+        if (hub := document.hub) is not None:
+            check_hub_url(hub.url)
+            check_token(hub.token)
+    except (ProvisioningError, ValueError) as err:
+        raise click.BadParameter(str(err), param_hint="--provisioning") from err
+    return document
 
 
 @image.command("show")
@@ -371,7 +443,14 @@ def show_command(image_file: Path, as_json: bool) -> None:
         raise click.ClickException(str(err)) from err
     shown = None
     if document is not None:
-        shown = document.model_dump() | {"token": document.token[:13] + "…"}
+        shown = document.model_dump(exclude_none=True)
+        if document.token is not None:
+            shown["token"] = document.token[:13] + "…"
+        if document.bootstrap_key is not None:
+            # A hash is no secret to fear, but only the prefix says which key it is.
+            shown["bootstrap_key"] = (
+                f"{document.bootstrap_key.prefix} (account {document.bootstrap_key.account})"
+            )
     if as_json:
         import json  # noqa: PLC0415
 

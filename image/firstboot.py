@@ -6,7 +6,8 @@ boot until the node has enrolled:
 
 - a valid file is copied onto the data partition (mode 0600, the appliance's own), the
   appliance is pointed at it (`fleet.provisioning_file`, in `appliance.env`) and the host name
-  becomes the node's name; the appliance enrolls when it starts;
+  becomes the node's name; the appliance enrolls when it starts, or, on a site without a
+  hub (a file with a bootstrap key), takes that admin key;
 - with no file the appliance serves its LAN alone (a private site), and the journal says how
   to join a fleet; a file copied at an earlier boot stays in force;
 - a file that is there but not valid fails closed, as Ignition does: nothing is copied, the
@@ -97,8 +98,17 @@ def first_boot(layout: Layout, set_hostname: Callable[[str], None] = _set_hostna
             f"{layout.source} is larger than {MAX_BYTES} bytes: not a provisioning file"
         )
     document = Provisioning.load(layout.source)  # raises with every problem named
-    text = document.model_dump_json(indent=2) + "\n"
-    write_private(layout.target, text)
+    hub, key = document.hub, document.bootstrap_key
+    if hub is not None:
+        then = f"hub {hub.url}; the appliance enrolls when it starts"
+    elif key is not None:
+        then = (
+            f"no hub; the appliance takes the bootstrap admin key {key.prefix} of account "
+            f"{key.account} when it starts (once)"
+        )
+    else:  # pragma: no cover - the model refuses a file with neither
+        raise ProvisioningError(f"{layout.source} names neither a hub nor a bootstrap key")
+    write_private(layout.target, document.text())
     owner = layout.appliance_data.stat() if layout.appliance_data.is_dir() else None
     if owner is not None:  # the appliance runs as its own user, and reads the file
         os.chown(layout.target, owner.st_uid, owner.st_gid)
@@ -107,10 +117,7 @@ def first_boot(layout: Layout, set_hostname: Callable[[str], None] = _set_hostna
     if hostname is not None:
         _write_env(layout.etc / "hostname", hostname + "\n")
         set_hostname(hostname)
-    return (
-        f"provisioned from {layout.source}: node {document.name} (host name {hostname}), "
-        f"hub {document.hub_url}; the appliance enrolls when it starts"
-    )
+    return f"provisioned from {layout.source}: node {document.name} (host name {hostname}), {then}"
 
 
 def _write_env(path: Path, text: str) -> None:

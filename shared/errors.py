@@ -69,6 +69,12 @@ class ErrorCode(StrEnum):
     model_pinned = "model_pinned"
     outbox_full = "outbox_full"
     job_finished = "job_finished"
+    account_not_found = "account_not_found"
+    key_not_found = "key_not_found"
+    account_exists = "account_exists"
+    account_disabled = "account_disabled"
+    last_admin_key = "last_admin_key"
+    hub_managed = "hub_managed"
     insufficient_memory = "insufficient_memory"
     internal_error = "internal_error"
 
@@ -252,6 +258,24 @@ _KINDS: dict[ErrorCode, _Kind] = {
     ),
     ErrorCode.job_finished: _Kind(
         409, "conflict_error", "the job already ended (completed, failed or cancelled)"
+    ),
+    ErrorCode.account_not_found: _Kind(404, "not_found_error", "no account by that name"),
+    ErrorCode.key_not_found: _Kind(404, "not_found_error", "no API key with that prefix"),
+    ErrorCode.account_exists: _Kind(
+        409, "conflict_error", "an account of that name exists already (disabled or not)"
+    ),
+    ErrorCode.account_disabled: _Kind(
+        409, "conflict_error", "the account was disabled: it gets no new keys"
+    ),
+    ErrorCode.last_admin_key: _Kind(
+        409,
+        "conflict_error",
+        "the change would leave the node without an active admin key; make another first",
+    ),
+    ErrorCode.hub_managed: _Kind(
+        409,
+        "conflict_error",
+        "the node's accounts and keys come from its hub: change them there, not on the node",
     ),
     ErrorCode.outbox_full: _Kind(
         503,

@@ -196,7 +196,7 @@ class HubClient:
         lan_csr: str | None = None,
     ) -> protocol.EnrollAnswer:
         request = protocol.EnrollRequest(
-            token=provisioning.token,
+            token=provisioning.require_hub().token,
             name=provisioning.name,
             wg_public_key=wg_public_key,
             labels=provisioning.labels,

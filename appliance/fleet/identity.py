@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
@@ -12,12 +14,15 @@ from pydantic import BaseModel, ConfigDict
 from appliance.fleet.certificates import NodeCertificate
 from shared import pki
 from shared.files import write_private
+from shared.provisioning import BootstrapKey, Provisioning, ProvisioningError
 from shared.wireguard import KeyPair, ensure_keypair
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from appliance.settings import ApplianceSettings
+
+log = logging.getLogger(__name__)
 
 
 class HubPeer(BaseModel):
@@ -93,3 +98,26 @@ def lan_tls_files(settings: ApplianceSettings) -> tuple[Path, Path] | None:
     if settings.fleet.lan_tls:
         return FleetFiles(settings.fleet_dir).lan_tls()
     return None
+
+
+@dataclass(frozen=True)
+class Provisioned:
+    """What the provisioning file says, as read at start."""
+
+    hub: bool  # the node is to be in a fleet: it enrolls, and its hub owns its accounts
+    bootstrap_key: BootstrapKey | None = None  # a site without a hub: its first admin key
+
+
+def provisioned(path: Path | None) -> Provisioned:
+    """The provisioning file at `path` (`fleet.provisioning_file`), read at start. A file
+    that cannot be read counts as a fleet's, as it did before files without a hub: the
+    fleet link tries it again at every heartbeat and logs why it fails, and the node does
+    not take local account writes meanwhile (the safe side, for a node meant for a hub)."""
+    if path is None:
+        return Provisioned(hub=False)
+    try:
+        document = Provisioning.load(path)
+    except ProvisioningError as err:
+        log.error("%s; the fleet link tries it again at every heartbeat", err)  # noqa: TRY400
+        return Provisioned(hub=True)
+    return Provisioned(hub=document.hub is not None, bootstrap_key=document.bootstrap_key)

@@ -58,10 +58,11 @@ async def enroll(files: FleetFiles, provisioning: Provisioning) -> Identity:
     existing = files.identity()
     if existing is not None:
         return existing
+    hub = provisioning.require_hub()
     keys = files.wireguard_key()
     certificate = files.certificate
-    verification = await bootstrap(provisioning.hub_url, provisioning.pin())
-    async with HubClient(provisioning.hub_url, verification) as client:
+    verification = await bootstrap(hub.url, hub.pin())
+    async with HubClient(hub.url, verification) as client:
         addresses = lan_addresses(None)
         csr = certificate.request(provisioning.name, addresses)
         try:
@@ -88,8 +89,8 @@ async def enroll(files: FleetFiles, provisioning: Provisioning) -> Identity:
         overlay_address=answer.overlay_address,
         overlay_prefix=answer.overlay_prefix,
         hub=HubPeer.model_validate(answer.hub.model_dump()),
-        hub_url=provisioning.hub_url,
-        hub_fingerprint=provisioning.hub_fingerprint,
+        hub_url=hub.url,
+        hub_fingerprint=hub.fingerprint,
     )
     files.save(identity)
     log.info("enrolled with the hub as %s (%s)", identity.name, identity.overlay_address)
@@ -258,8 +259,11 @@ class FleetLink:
             path = self._settings.provisioning_file
             if path is None:
                 return None
+            provisioning = Provisioning.load(path)
+            if provisioning.hub is None:
+                return None  # a site without a hub: nobody to enroll with
             try:
-                self.identity = await enroll(self._files, Provisioning.load(path))
+                self.identity = await enroll(self._files, provisioning)
             except HubRefusedError as err:
                 self.error = str(err)
                 log.error("enrollment refused: %s", err)  # noqa: TRY400 - no traceback

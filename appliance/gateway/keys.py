@@ -6,6 +6,7 @@ from aiohttp import web
 
 from appliance.fleet.certificates import NodeCertificate
 from appliance.gateway.offload import Offload
+from appliance.inference.accounts import AccountService
 from appliance.inference.admission import AdmissionControl
 from appliance.inference.completions import CompletionService
 from appliance.inference.embeddings import EmbeddingService
@@ -33,6 +34,8 @@ OFFLOAD = web.AppKey("offload", Offload)
 NAMES = web.AppKey("model_names", ModelNames)
 # This node's certificate and trust (appliance/fleet/certificates.py): who the hub is.
 CERTIFICATE = web.AppKey("certificate", NodeCertificate)
+# Accounts and keys made over the LAN (appliance/inference/accounts.py).
+ACCOUNTS = web.AppKey("accounts", AccountService)
 
 # Per request: the authenticated key (set by the auth middleware on /v1 routes).
 REQUEST_KEY = web.RequestKey("key", ApiKey)

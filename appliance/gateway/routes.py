@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from appliance.gateway import (
+    accounts,
     admin,
     fleet,
     handlers,
@@ -16,7 +17,7 @@ from appliance.gateway import (
 )
 from appliance.gateway.jobs import JobRequest
 from appliance.gateway.openapi import Route, build_openapi
-from appliance.gateway.schemas import AdminModelRequest
+from appliance.gateway.schemas import AccountRequest, AdminModelRequest, KeyRequest
 from appliance.inference.responses_api import ResponsesRequest
 from appliance.inference.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from appliance.inference.speech import SpeechRequest
@@ -41,6 +42,8 @@ _GENERATE = (
     ErrorCode.insufficient_memory,
 )
 _ADMIN = (*_AUTH, ErrorCode.permission_denied)
+# Writes of accounts and keys: a node of a fleet takes them from its hub alone.
+_LOCAL = (*_ADMIN, ErrorCode.hub_managed)
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -361,5 +364,76 @@ ROUTES: tuple[Route, ...] = (
         "pinned model must be unpinned first.",
         auth=True,
         errors=(*_ADMIN, ErrorCode.model_not_found, ErrorCode.model_pinned),
+    ),
+    Route(
+        "GET",
+        "/v1/admin/accounts",
+        accounts.list_accounts,
+        "Admin: every account on this node: class, quotas, whether the hub gave it "
+        "(`fleet`), when it was disabled.",
+        auth=True,
+        errors=_ADMIN,
+    ),
+    Route(
+        "POST",
+        "/v1/admin/accounts",
+        accounts.create_account,
+        "Admin: make an account (a site without a hub; a node of a fleet answers 409 "
+        "`hub_managed`).",
+        auth=True,
+        body=AccountRequest,
+        errors=(*_LOCAL, *_BODY, ErrorCode.account_exists),
+        status=201,
+    ),
+    Route(
+        "DELETE",
+        "/v1/admin/accounts/{name}",
+        accounts.disable_account,
+        "Admin: disable an account and revoke its keys (kept, with its usage); never the "
+        "one holding every active admin key.",
+        auth=True,
+        errors=(
+            *_LOCAL,
+            ErrorCode.invalid_value,
+            ErrorCode.account_not_found,
+            ErrorCode.last_admin_key,
+        ),
+    ),
+    Route(
+        "GET",
+        "/v1/admin/keys",
+        accounts.list_keys,
+        "Admin: every API key on this node (`?account=NAME`: that account's), by prefix; "
+        "never a key itself.",
+        auth=True,
+        errors=(
+            *_ADMIN,
+            ErrorCode.invalid_value,
+            ErrorCode.unknown_parameter,
+            ErrorCode.account_not_found,
+        ),
+    ),
+    Route(
+        "POST",
+        "/v1/admin/keys",
+        accounts.create_key,
+        "Admin: make a key of an account; the key is in this answer only (a site without a hub).",
+        auth=True,
+        body=KeyRequest,
+        errors=(*_LOCAL, *_BODY, ErrorCode.account_not_found, ErrorCode.account_disabled),
+        status=201,
+    ),
+    Route(
+        "DELETE",
+        "/v1/admin/keys/{prefix}",
+        accounts.revoke_key,
+        "Admin: revoke a key by its prefix; never the last active admin key.",
+        auth=True,
+        errors=(
+            *_LOCAL,
+            ErrorCode.invalid_value,
+            ErrorCode.key_not_found,
+            ErrorCode.last_admin_key,
+        ),
     ),
 )

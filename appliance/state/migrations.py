@@ -288,3 +288,11 @@ def m011_objectives(db: Database) -> None:
         not_null={"requests", "admitted", "refused", "met", "missed", "ttft", "completion"},
     )
     db.execute("INSERT INTO meta (key, value) VALUES ('objectives_epoch', ?)", [uuid.uuid4().hex])
+
+
+@migrations()
+def m012_disabled_accounts(db: Database) -> None:
+    # An account disabled through the admin API (`DELETE /v1/admin/accounts/{name}`): its
+    # keys were revoked with it, and no key is made for it again. Kept, not deleted: its
+    # usage, jobs and answers still name it.
+    db.table("accounts").add_column("disabled_at", str)

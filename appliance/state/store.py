@@ -37,6 +37,18 @@ class ConflictError(StoreError):
     pass
 
 
+class AccountExistsError(ConflictError):
+    pass
+
+
+class AccountDisabledError(ConflictError):
+    pass
+
+
+class LastAdminKeyError(ConflictError):
+    """The change would leave no active admin key: nobody could manage the node again."""
+
+
 @dataclass(frozen=True)
 class Account:
     id: int
@@ -48,6 +60,8 @@ class Account:
     tokens_per_day: int | None = None
     # A global budget on the hub, spent here through quota leases; None: no budget.
     budget_tokens: int | None = None
+    fleet: bool = False  # given by the hub's desired state (else made here)
+    disabled_at: str | None = None  # disabled through the admin API: its keys revoked
 
 
 @dataclass(frozen=True)
@@ -146,10 +160,117 @@ class Store:
     def list_accounts(self) -> list[Account]:
         return [_account(r) for r in self.db.query("SELECT * FROM accounts ORDER BY name")]
 
+    def get_account(self, name: str) -> Account | None:
+        row = self._account_row(name)
+        return None if row is None else _account(row)
+
+    # The account and key changes below run in `db.atomic()`, one explicit transaction:
+    # sqlite-utils commits each write statement by itself unless a transaction is open,
+    # so a `with db.conn` block alone is not all or nothing.
+
+    def create_account(
+        self,
+        name: str,
+        service_class: ServiceClass,
+        *,
+        requests_per_minute: int | None = None,
+        tokens_per_day: int | None = None,
+    ) -> Account:
+        """A new account made here (AccountExistsError if the name is taken, disabled or
+        not: a name keeps its usage and its history)."""
+        with self.db.atomic():
+            if self._account_row(name) is not None:
+                raise AccountExistsError(f"an account named {name!r} exists already")
+            self.db.execute(
+                "INSERT INTO accounts (name, service_class, created_at, requests_per_minute,"
+                " tokens_per_day) VALUES (?, ?, ?, ?, ?)",
+                [name, service_class.value, now_iso(), requests_per_minute, tokens_per_day],
+            )
+            row = self._account_row(name)
+        if row is None:  # pragma: no cover - inserted above in the same transaction
+            raise StoreError(f"account {name!r} vanished")
+        return _account(row)
+
+    def disable_account(self, name: str) -> Account:
+        """Disable an account and revoke its keys, at once; again, a no-op. Refused
+        (LastAdminKeyError) when it holds every active admin key left."""
+        with self.db.atomic():
+            row = self._account_row(name)
+            if row is None:
+                raise NotFoundError(f"no account named {name!r}")
+            if row["disabled_at"] is None:
+                at = now_iso()
+                self.db.execute(
+                    "UPDATE api_keys SET revoked_at = ? WHERE account_id = ?"
+                    " AND revoked_at IS NULL",
+                    [at, row["id"]],
+                )
+                self.db.execute("UPDATE accounts SET disabled_at = ? WHERE id = ?", [at, row["id"]])
+                # Checked after the change, in its transaction (the raise rolls it back):
+                # no other writer can slip between the count and the change.
+                if self._active_admin_keys() == 0:
+                    raise LastAdminKeyError(
+                        f"account {name!r} holds every active admin key: make an admin key "
+                        "of another account first"
+                    )
+            row = self._account_row(name)
+        if row is None:  # pragma: no cover - read in the same transaction
+            raise StoreError(f"account {name!r} vanished")
+        return _account(row)
+
+    def issue_key(self, account: str, *, admin: bool = False) -> tuple[ApiKey, str]:
+        """A new key of an existing account that is not disabled: (its record, the key,
+        shown once)."""
+        new = generate_key()
+        with self.db.atomic():
+            row = self._account_row(account)
+            if row is None:
+                raise NotFoundError(f"no account named {account!r}")
+            if row["disabled_at"] is not None:
+                raise AccountDisabledError(
+                    f"account {account!r} was disabled at {row['disabled_at']}"
+                )
+            self.db.execute(
+                "INSERT INTO api_keys (prefix, hash, account_id, created_at, admin)"
+                " VALUES (?, ?, ?, ?, ?)",
+                [new.prefix, new.hash, row["id"], now_iso(), int(admin)],
+            )
+        key = self._key_by_prefix(new.prefix)
+        if key is None:  # pragma: no cover - inserted above
+            raise StoreError(f"key {new.prefix!r} vanished")
+        return key, new.plaintext
+
+    def import_bootstrap_key(self, account: str, prefix: str, key_hash: str) -> bool:
+        """A site's first admin key, from its provisioning file (prefix and hash only):
+        added once, as an admin key of `account` (made if new, enabled again if it was
+        disabled: the file on the boot partition speaks for whoever holds the machine).
+        A key with that prefix already here, revoked or not, is left as it is: another
+        start adds nothing, and a revoked bootstrap key stays revoked. Whether it was
+        added now."""
+        with self.db.atomic():
+            if self._key_by_prefix(prefix) is not None:
+                return False
+            row = self._account_row(account)
+            if row is None:
+                self.db.execute(
+                    "INSERT INTO accounts (name, service_class, created_at) VALUES (?, ?, ?)",
+                    [account, DEFAULT_CLASS.value, now_iso()],
+                )
+            elif row["disabled_at"] is not None:
+                self.db.execute("UPDATE accounts SET disabled_at = NULL WHERE id = ?", [row["id"]])
+            self.db.execute(
+                "INSERT INTO api_keys (prefix, hash, account_id, created_at, admin)"
+                " SELECT ?, ?, id, ?, 1 FROM accounts WHERE name = ?",
+                [prefix, key_hash, now_iso(), account],
+            )
+        return True
+
     def create_key(
         self, account: str, service_class: ServiceClass | None = None, *, admin: bool = False
     ) -> NewKey:
         acct = self.ensure_account(account, service_class)
+        if acct.disabled_at is not None:
+            raise AccountDisabledError(f"account {account!r} was disabled at {acct.disabled_at}")
         new = generate_key()
         with self.db.conn:
             self.db.execute(
@@ -168,12 +289,22 @@ class Store:
         sql += " ORDER BY k.id"
         return [_api_key(r) for r in self.db.query(sql, params)]
 
-    def revoke_key(self, prefix: str) -> ApiKey:
-        with self.db.conn:
+    def revoke_key(self, prefix: str, *, keep_an_admin: bool = False) -> ApiKey:
+        """Revoke a key (ConflictError if it was already). `keep_an_admin`: refuse
+        (LastAdminKeyError) to revoke the last active admin key, which the admin API does
+        on a node whose only other way in is a shell it may not have."""
+        with self.db.atomic():
             cur = self.db.execute(
                 "UPDATE api_keys SET revoked_at = ? WHERE prefix = ? AND revoked_at IS NULL",
                 [now_iso(), prefix],
             )
+            # Checked after the change, in its transaction (the raise rolls it back).
+            if keep_an_admin and cur.rowcount and self._active_admin_keys() == 0:
+                key = self._key_by_prefix(prefix)
+                if key is not None and key.admin:
+                    raise LastAdminKeyError(
+                        f"key {prefix!r} is the last active admin key: make another admin key first"
+                    )
         key = self._key_by_prefix(prefix)
         if key is None:
             raise NotFoundError(f"no key with prefix {prefix!r}")
@@ -194,6 +325,16 @@ class Store:
         if not rows or not key_matches(plaintext, rows[0]["hash"]):
             return None
         return _api_key(rows[0])
+
+    def _active_admin_keys(self) -> int:
+        """Admin keys that still let someone in: not revoked, of an account neither
+        disabled nor withdrawn by the hub."""
+        row = self.db.execute(
+            "SELECT COUNT(*) FROM api_keys k JOIN accounts a ON a.id = k.account_id"
+            " WHERE k.admin = 1 AND k.revoked_at IS NULL AND a.disabled_at IS NULL"
+            " AND a.withdrawn = 0"
+        ).fetchone()
+        return int(row[0])
 
     def _key_by_prefix(self, prefix: str) -> ApiKey | None:
         rows = list(self.db.query(_KEY_SELECT + " WHERE k.prefix = ?", [prefix]))
@@ -546,7 +687,7 @@ class Store:
 _KEY_SELECT = (
     "SELECT k.id, k.prefix, k.hash, k.created_at, k.revoked_at, k.admin, a.id AS account_id,"
     " a.name AS account_name, a.service_class, a.created_at AS account_created_at,"
-    " a.requests_per_minute, a.tokens_per_day, a.budget_tokens"
+    " a.requests_per_minute, a.tokens_per_day, a.budget_tokens, a.fleet, a.disabled_at"
     " FROM api_keys k JOIN accounts a ON a.id = k.account_id"
 )
 
@@ -567,6 +708,8 @@ def _account(row: dict[str, Any]) -> Account:
         requests_per_minute=row.get("requests_per_minute"),
         tokens_per_day=row.get("tokens_per_day"),
         budget_tokens=row.get("budget_tokens"),
+        fleet=bool(row.get("fleet", 0)),
+        disabled_at=row.get("disabled_at"),
     )
 
 
@@ -583,6 +726,8 @@ def _api_key(row: dict[str, Any]) -> ApiKey:
         requests_per_minute=row["requests_per_minute"],
         tokens_per_day=row["tokens_per_day"],
         budget_tokens=row["budget_tokens"],
+        fleet=bool(row["fleet"]),
+        disabled_at=row["disabled_at"],
     )
     return ApiKey(
         id=row["id"],

@@ -128,7 +128,7 @@ def provision(
     with opened_store(settings) as store:
         token = store.create_token(site, uses=uses, expires_in_s=seconds).plaintext
     document = document.model_copy(update={"token": token})
-    text = document.model_dump_json(indent=2) + "\n"
+    text = document.text()
     if output is None:
         click.echo(text, nl=False)
         return

@@ -26,7 +26,8 @@ from image.configure import (
     read_provisioning,
 )
 from shared.cli import main
-from shared.provisioning import Provisioning
+from shared.keys import hash_key, parse_prefix
+from shared.provisioning import BootstrapKey, Provisioning
 
 FINGERPRINT = "sha256:" + "ab" * 32
 TOKEN = "kvle_Abcdefgh_" + "x" * 32
@@ -269,3 +270,58 @@ def test_a_file_named_in_capitals_is_found(disk: Path, tmp_path: Path) -> None:
     source = write_expected(tmp_path)
     run_mtools("mcopy", "-i", f"{disk}@@{ESP_FIRST * SECTOR}", str(source), "::/KOVENLAB.JSON")
     assert read_provisioning(disk) == expected()
+
+
+@needs_mtools
+def test_no_hub_writes_a_bootstrap_keys_hash_and_prints_the_key_once(
+    disk: Path, tmp_path: Path
+) -> None:
+    result = CliRunner().invoke(main, ["image", "configure", str(disk), "--no-hub", "--name",
+                                       "lab-1", "--admin-account", "ops"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    key = result.stdout.strip()  # alone on stdout, so `> file` keeps it
+    assert parse_prefix(key) is not None
+    document = read_provisioning(disk)
+    assert document is not None
+    assert document.hub is None
+    assert document.bootstrap_key == BootstrapKey(
+        account="ops", prefix=key.split("_")[1], hash=hash_key(key)
+    )
+    assert key.encode() not in disk.read_bytes()  # only its hash went into the image
+    assert "bootstrap admin key" in result.stderr
+
+    shown = CliRunner().invoke(main, ["image", "show", str(disk), "--json"])
+    assert shown.exit_code == 0, shown.output
+    provisioning = json.loads(shown.output)["provisioning"]
+    assert provisioning["bootstrap_key"] == f"{key.split('_')[1]} (account ops)"
+    assert "token" not in provisioning
+
+    # A file of a site without a hub is taken whole too.
+    source = tmp_path / "kovenlab.json"
+    source.write_text(document.text())
+    code, output = configure(str(disk), "--provisioning", str(source))
+    assert code == 0, output
+    assert read_provisioning(disk) == document
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--no-hub", "--name", "lab-1", "--hub", HUB], "leave out --hub"),
+        (["--no-hub", "--name", "lab-1", "--token", TOKEN], "leave out --token"),
+        (["--no-hub", "--name", "lab-1", "--label", "a=b"], "leave out --label"),
+        (["--no-hub"], "missing --name"),
+        (["--no-hub", "--name", "lab-1", "--admin-account", "a b"], "--admin-account"),
+        (["--no-hub", "--name", "no spaces"], "--name"),
+        (["--name", "lab-1", "--admin-account", "ops"], "leave out --admin-account"),
+    ],
+)
+def test_no_hub_refuses_what_does_not_belong_before_the_image_is_touched(
+    disk: Path, args: list[str], said: str
+) -> None:
+    before = digest(disk)
+    result = CliRunner().invoke(main, ["image", "configure", str(disk), *args])
+    assert result.exit_code == 2, result.output
+    assert said in result.output
+    assert result.stdout.find("kvl_") == -1  # no key printed for a file never written
+    assert digest(disk) == before

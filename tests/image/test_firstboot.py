@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from image.firstboot import Layout, first_boot, hostname_for, main
-from shared.provisioning import Provisioning
+from shared.provisioning import BootstrapKey, Provisioning
 
 FINGERPRINT = "sha256:" + "ab" * 32
 TOKEN = "kvle_Abcdefgh_" + "x" * 32
@@ -49,6 +49,21 @@ def test_a_valid_file_is_copied_and_the_appliance_pointed_at_it(layout: Layout) 
     assert "node Lab_Server.1" in message
 
 
+def test_a_file_without_a_hub_points_the_appliance_at_its_bootstrap_key(layout: Layout) -> None:
+    key, plaintext = BootstrapKey.generate()
+    document = Provisioning(name="lab-server", bootstrap_key=key)
+    layout.source.write_text(document.text())
+
+    message = first_boot(layout, lambda _: None)
+
+    assert Provisioning.load(layout.target) == document
+    assert plaintext not in layout.target.read_text()
+    assert stat.S_IMODE(layout.target.stat().st_mode) == 0o600
+    assert layout.env_file.read_text() == f"KVL_FLEET__PROVISIONING_FILE={layout.target}\n"
+    assert f"bootstrap admin key {key.prefix} of account admin" in message
+    assert "no hub" in message
+
+
 def test_no_file_leaves_the_appliance_serving_its_lan_alone(layout: Layout) -> None:
     named: list[str] = []
     message = first_boot(layout, named.append)
@@ -77,7 +92,16 @@ def test_a_file_copied_at_an_earlier_boot_stays_when_the_esp_has_none(layout: La
         ('{"hub_url": "https://hub:8443"', "(file)"),  # not JSON
         (provisioning().model_dump_json().replace(FINGERPRINT, "sha256:00"), "hub_fingerprint"),
         (provisioning().model_dump_json().replace("https://", "http://"), "hub_url"),
-        ('{"extra": 1}', "token"),
+        ('{"extra": 1}', "name"),
+        # A hub's fields come together: a missing one is named, never a node left hubless.
+        (provisioning().model_dump_json(exclude={"token"}), "missing: token"),
+        ('{"name": "n"}', "bootstrap_key"),  # neither a hub nor a bootstrap key
+        (
+            provisioning()
+            .model_copy(update={"bootstrap_key": BootstrapKey.generate()[0]})
+            .model_dump_json(),
+            "bootstrap_key is for a site without a hub",
+        ),
     ],
 )
 def test_a_wrong_file_fails_closed_and_changes_nothing(
