@@ -4,10 +4,11 @@ The llama.cpp sources are the ones vendored in the llama-cpp-python sdist of the
 the appliance depends on, so both servers run the same inference code; only the serving layer
 around it differs.  The sdist is fetched with ``pip download --no-binary :all:`` (or taken from
 ``$KVL_BENCH_LLAMA_CPP_SDIST`` when set), ``vendor/llama.cpp`` is configured with CMake in the
-way llama-cpp-python builds its own libraries (Release, ``GGML_NATIVE=ON``, OpenMP on by default)
-and only the ``llama-server`` target is built.  The result is cached under
-``~/.cache/kovenlab-bench/llama-server-<sdist sha256 prefix>/`` (``$KVL_BENCH_CACHE`` overrides
-the base directory) together with ``build-info.json``, so later runs skip the build.
+way llama-cpp-python builds its own libraries (Release, ``GGML_NATIVE=ON`` without AMX, OpenMP
+on by default) and only the ``llama-server`` target is built.  The result is cached under
+``~/.cache/kovenlab-bench/llama-server-<sha256 prefix of the sdist and the options>/``
+(``$KVL_BENCH_CACHE`` overrides the base directory) together with ``build-info.json``, so
+later runs skip the build.
 
 Run ``python -m tests.benchmarks.llama_server`` to build (or find) the binary; it prints the path.
 """
@@ -15,6 +16,7 @@ Run ``python -m tests.benchmarks.llama_server`` to build (or find) the binary; i
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -53,6 +55,11 @@ CMAKE_OPTIONS: tuple[str, ...] = (
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",
+    # As `just setup` builds the appliance's: native, but without Intel AMX, whose kernels
+    # crash this llama.cpp (SIGSEGV in ggml_backend_amx_mul_mat on a Sapphire Rapids server).
+    # GCC lets these -mno-… win over the -march=native that GGML_NATIVE adds after them.
+    "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
 )
 
 
@@ -137,7 +144,9 @@ def build_llama_server(*, force: bool = False, jobs: int | None = None) -> Llama
     pkg_version = version(PACKAGE)
     sdist = fetch_sdist(pkg_version)
     sdist_sha = sha256_file(sdist)
-    target_dir = cache_root() / f"{BINARY}-{sdist_sha[:16]}"
+    # Kept by the sources and the options both: a build with other options is another one.
+    key = hashlib.sha256("\n".join((sdist_sha, *CMAKE_OPTIONS)).encode()).hexdigest()
+    target_dir = cache_root() / f"{BINARY}-{key[:16]}"
     binary = target_dir / BINARY
     info_path = target_dir / "build-info.json"
     if binary.is_file() and info_path.is_file() and not force:
