@@ -110,11 +110,11 @@ async def test_the_heartbeat_flusher_survives_its_write_and_its_listeners_failin
     write = store.sync.heartbeats
     writes: list[int] = []
 
-    def failing_write(beats: list[Heartbeat]) -> Ingested:
+    def failing_write(beats: list[Heartbeat], counted: list[Heartbeat]) -> Ingested:
         writes.append(len(beats))
         if len(writes) == 1:
             raise RuntimeError("the disk is on fire")
-        return write(beats)
+        return write(beats, counted)
 
     monkeypatch.setattr(store.sync, "heartbeats", failing_write)
 
