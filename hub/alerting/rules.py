@@ -18,7 +18,8 @@ from shared import protocol
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-    from hub.settings import AlertsSettings, HubSettings
+    from hub.alerting.settings import AlertsSettings
+    from hub.settings import HubSettings
     from hub.state.store import IssuedCertificate, Node
 
 SLO_BURN = "slo_burn"
