@@ -91,6 +91,18 @@ class AlertsSettings(BaseModel):
             "after it was told to renew (a CA rotation) fires `certificate_renewal`."
         ),
     )
+    lease_grace_s: float = Field(
+        300.0,
+        ge=0.0,
+        le=86_400,
+        description=(
+            "A node heard from whose heartbeats have said this many seconds that it serves "
+            "accounts without a live quota lease (its lease calls fail: it serves them on "
+            "their class's safe capacity, or refuses them) fires `lease_lapsed`. Keep it "
+            "longer than a node takes to renew once the hub answers again (its lease "
+            "checks, every few seconds); 0 fires at the first such heartbeat."
+        ),
+    )
     webhooks: list[AlertWebhook] = Field(
         default_factory=list,
         max_length=20,
