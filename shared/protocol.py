@@ -27,6 +27,15 @@ Version 4 adds live objectives to heartbeats (`Objectives`): what the node measu
 service classes' objectives, per class and account, as cumulative counters and histogram
 buckets. Cumulative, so a heartbeat lost in a partition loses nothing and one resent counts
 nothing twice: the hub takes the difference from the last one it saw of the same `epoch`.
+
+Version 5 adds lease trouble to `Capacity`: `leases_lapsed`, the accounts a node serves
+without a live quota lease because its lease calls fail (it serves them on their class's
+safe capacity, or refuses them), and `lease_failures`, its lease calls that failed in a
+row; the hub's `lease_lapsed` alert reads them. A version-4 node never sends them, and the
+hub reads their defaults (none). A version-5 node that calls a version-4 hub is refused
+whole (400 `protocol_unsupported`, "upgrade the hub": a fleet is upgraded hub first), so
+the fields never reach a hub whose models would refuse them, and a node need not leave
+them out (it does not read the hub's version).
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from pydantic import (
 
 from shared import jsonlimits
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 OLDEST_NODE_PROTOCOL = 2
 PROTOCOL_HEADER = "Kvl-Protocol"
 
@@ -65,7 +74,8 @@ LINEAGE_DEPTH = 8
 
 # Bounded scalars. The bounds are far above any real node and far below what overflows
 # a 64-bit column or a float conversion.
-Count = Annotated[int, Field(ge=0, le=1_000_000_000)]
+COUNT_MAX = 1_000_000_000
+Count = Annotated[int, Field(ge=0, le=COUNT_MAX)]
 Tokens = Annotated[int, Field(ge=0, le=100_000_000)]  # one request, or one lease
 Mib = Annotated[int, Field(ge=0, le=1 << 30)]  # up to a pebibyte
 Seconds = Annotated[float, Field(ge=0, le=1e10)]  # unix time, or a duration
@@ -193,6 +203,11 @@ class Capacity(Message):
     # worker's cgroup, read back): shared.classes.IsolationLevel.
     isolation_max: Literal["I1", "I2", "I3"] = "I1"
     isolation: dict[Name, Literal["I1", "I2", "I3"]] = Field(default_factory=dict, max_length=64)
+    # Lease trouble (protocol 5): the accounts served without a live quota lease since the
+    # last lease call failed (on their class's safe capacity, or refused), and how many
+    # lease calls have failed in a row (appliance/quotas/leases.py). 0 once a call succeeds.
+    leases_lapsed: Count = 0
+    lease_failures: Count = 0
 
     @model_validator(mode="after")
     def _within_itself(self) -> Self:
@@ -562,11 +577,15 @@ MESSAGES: tuple[type[Message], ...] = (
 )
 
 
-# The fields a version added to a message the hub answers: an older node is answered
-# without them (its models forbid fields they do not know).
+# The fields a version added, by message. Those of a message the hub answers are left out
+# of what it answers an older node (its models forbid fields they do not know); those of a
+# message a node sends are never sent to a hub older than the node (it refuses the call),
+# and an older node never sends them: the hub reads their defaults.
 ADDED_IN: dict[type[Message], dict[str, int]] = {
     EnrollAnswer: {"trust": 3, "renew_at": 3},
     HeartbeatAnswer: {"trust_digest": 3, "renew_certificate": 3},
+    HeartbeatRequest: {"objectives": 4},
+    Capacity: {"leases_lapsed": 5, "lease_failures": 5},
 }
 
 

@@ -221,8 +221,8 @@ class FleetLink:
                 return
             answer = await client.leases(list(call.accounts), call.finals)
         except (HubError, HubRefusedError, WireGuardError) as err:
-            book.failed()
-            log.warning("quota leases: %s", err)
+            book.failed(lease_call=True)
+            log.warning("quota leases (%d calls failed in a row): %s", book.failures, err)
             return
         book.apply(call, answer, time.time())
         held = [(lease.to_json(), current) for lease, current in book.held()]
@@ -401,6 +401,8 @@ class FleetLink:
         if alarm:
             log.warning("the outbox holds %d events not yet synced to the hub", lag)
         errors = self._converger.errors if self._converger else {}
+        book = self._leases
+        lapsed = len(book.lapsed(time.time())) if book is not None else 0
         return protocol.Capacity(
             cpu_percent=min(100.0, max(0.0, psutil.cpu_percent(None))),
             cpu_count=psutil.cpu_count() or 1,
@@ -424,6 +426,9 @@ class FleetLink:
             isolation={
                 k[:200]: v.value for k, v in list(self._registry.isolation_levels().items())[:64]
             },
+            # Lease trouble, for the hub's `lease_lapsed` alert (bounded as the wire is).
+            leases_lapsed=min(lapsed, protocol.COUNT_MAX),
+            lease_failures=min(book.failures if book is not None else 0, protocol.COUNT_MAX),
         )
 
     def gpus(self) -> list[protocol.Gpu]:

@@ -12,7 +12,9 @@ final spend, which frees the rest for other nodes.
 When the hub is unreachable the node spends what its lease holds, then falls back to
 its class's safe capacity (`classes.sN.safe_tokens_per_minute`, 0 = refuse): the
 operator chooses how much a partitioned site may overspend. Usage events carry their
-lease's id, so the hub reconciles each lease from its ledger.
+lease's id, so the hub reconciles each lease from its ledger. Heartbeats report the
+trouble (`lapsed`, `failures`): the accounts served without a live lease since lease calls
+began to fail, which the hub alerts on (`lease_lapsed`) once it has lasted.
 
 No I/O here: the fleet link calls the hub and persists the leases; the admission control
 asks `take` and `settle`.
@@ -98,6 +100,9 @@ class LeaseBook:
         self._buckets: dict[str, TokenBucket] = {}  # account -> safe capacity
         self.reachable: bool | None = None  # the last call to the hub: None before the first
         self.learning_until = 0.0
+        # Lease calls failed in a row (a heartbeat's failure is not counted: the hub may
+        # take heartbeats and still fail lease calls, and only these renew leases).
+        self.failures = 0
 
     # -- admission -----------------------------------------------------------------------
 
@@ -196,6 +201,7 @@ class LeaseBook:
     def apply(self, call: LeaseCall, answer: protocol.LeaseAnswer, now: float) -> None:
         """The hub answered `call`."""
         self.reachable = True
+        self.failures = 0
         for lease_id in call.finals:
             self.retired.pop(lease_id, None)
             for account, held in list(self.current.items()):
@@ -227,9 +233,29 @@ class LeaseBook:
         answered = {g.account for g in answer.leases}
         self._wanted -= asked - answered
 
-    def failed(self) -> None:
-        """The hub could not be reached."""
+    def failed(self, *, lease_call: bool = False) -> None:
+        """The hub could not be reached (`lease_call`: by a lease call, counted in
+        `failures`)."""
         self.reachable = False
+        if lease_call:
+            self.failures += 1
+
+    def lapsed(self, now: float) -> list[str]:
+        """The accounts served without a live lease because the hub could not renew it:
+        asked for (a request came) while the last lease call failed, with no lease that
+        admits. Not an account whose budget is spent for the period (refused for its
+        budget, not for want of a lease), nor one idle since its lease ran out."""
+        if not self.failures:
+            return []
+        return sorted(
+            account
+            for account in self._wanted
+            if not self._live(account, now) and self._exhausted.get(account, 0.0) <= now
+        )
+
+    def _live(self, account: str, now: float) -> bool:
+        lease = self.current.get(account)
+        return lease is not None and now < lease.expires_at and lease.room() > 0
 
     # -- persistence (the fleet link stores these) ---------------------------------------
 

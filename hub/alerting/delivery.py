@@ -24,8 +24,8 @@ from shared.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, sign
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from hub.alerting.settings import AlertsSettings
     from hub.loops import Running
-    from hub.settings import AlertsSettings
     from hub.state.store import AsyncHubStore, Delivery
     from shared.supervise import Failures
 

@@ -96,17 +96,7 @@ class Evaluator:
         self, firing: list[Firing], already: set[tuple[str, str]], now: float
     ) -> list[Firing]:
         """Held rules' firings once they have held long enough (or fire already)."""
-        hold = rules.held(self._settings.alerts)
-        kept, holding = [], {}
-        for fire in firing:
-            wait = hold.get(fire.rule)
-            if wait is None or fire.key in already:
-                kept.append(fire)
-                continue
-            since = holding[fire.key] = self._holding.get(fire.key, now)
-            if now - since >= wait:
-                kept.append(fire)
-        self._holding = holding
+        kept, self._holding = rules.hold(firing, already, self._holding, now, self._settings.alerts)
         return kept
 
 

@@ -1,8 +1,9 @@
 """The hub's alert rules as a Prometheus rules file, made from the same definitions and
 settings as the hub's own loop (hub/alerting/rules.py): recording rules for the
 objectives' error ratios over each burn window, and alerting rules for the burn-rate
-pairs, stale and offline nodes, outbox alarms, worker restart loops and certificates near
-their end, over the hub's `/metrics` (hub/observability/metrics.py).
+pairs, stale and offline nodes, outbox alarms, lapsed quota leases, worker restart loops
+and certificates near their end, over the hub's `/metrics` (hub/observability/metrics.py).
+A rule the hub holds for a grace period (`rules.held`) holds as long here (`for:`).
 
 `certificate_renewal` has no twin here: which CA issued a node's certificate is not a
 metric. `kvl hub alerts rules` prints the file; docs/prometheus/kvl-hub.rules.yml is its
@@ -41,8 +42,9 @@ def _number(value: float) -> str:
 
 
 def scaled(settings: HubSettings, factor: float) -> HubSettings:
-    """The settings with every alert window `factor` times as long (whole seconds, at
-    least one): an hour's burn at 1/60 is a minute's, for a test that cannot wait hours."""
+    """The settings with every alert window and grace `factor` times as long (whole
+    seconds, at least one): an hour's burn at 1/60 is a minute's, for a test that cannot
+    wait hours."""
     alerts = settings.alerts
     burn = [
         b.model_copy(
@@ -52,9 +54,9 @@ def scaled(settings: HubSettings, factor: float) -> HubSettings:
         for b in alerts.burn
     ]  # fmt: skip
     window = max(1, round(alerts.restarts_window_s * factor))
-    return settings.model_copy(
-        update={"alerts": alerts.model_copy(update={"burn": burn, "restarts_window_s": window})}
-    )
+    grace = max(1, round(alerts.lease_grace_s * factor)) if alerts.lease_grace_s else 0
+    update = {"burn": burn, "restarts_window_s": window, "lease_grace_s": grace}
+    return settings.model_copy(update={"alerts": alerts.model_copy(update=update)})
 
 
 def rules_document(settings: HubSettings) -> dict[str, Any]:
@@ -111,6 +113,12 @@ def rules_document(settings: HubSettings) -> dict[str, Any]:
         _alert("KvlOutboxAlarm", rules.OUTBOX_ALARM, "ticket",
                "kvl_fleet_node_outbox_alarm == 1",
                f"{node}: its usage outbox raised its alarm"),
+        # Only nodes heard from (as the hub's rule): a stale node's gauge is its last word.
+        _alert("KvlLeaseLapsed", rules.LEASE_LAPSED, "ticket",
+               "kvl_fleet_node_leases_lapsed > 0 and on (node, site) "
+               f"({seen} < {_number(fleet.stale_after_s)})",
+               f"{node}: serves {{{{ $value }}}} accounts without a live quota lease",
+               hold_s=alerts.lease_grace_s),
         _alert("KvlWorkerRestartLoop", rules.WORKER_RESTARTS, "page",
                f"increase(kvl_fleet_worker_restarts_total[{duration(alerts.restarts_window_s)}])"
                f" > {alerts.restarts}",
@@ -129,10 +137,13 @@ def rules_document(settings: HubSettings) -> dict[str, Any]:
     }
 
 
-def _alert(name: str, rule: str, severity: str, expr: str, summary: str) -> dict[str, Any]:
-    return {
-        "alert": name,
-        "expr": expr,
+def _alert(
+    name: str, rule: str, severity: str, expr: str, summary: str, *, hold_s: float = 0.0
+) -> dict[str, Any]:
+    alert: dict[str, Any] = {"alert": name, "expr": expr}
+    if hold_s > 0:
+        alert["for"] = duration(hold_s)
+    return alert | {
         "labels": {"rule": rule, "severity": severity},
         "annotations": {"summary": summary},
     }

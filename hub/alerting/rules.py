@@ -16,9 +16,10 @@ from hub.state.alerts import Firing
 from shared import protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence, Set
 
-    from hub.settings import AlertsSettings, HubSettings
+    from hub.alerting.settings import AlertsSettings
+    from hub.settings import HubSettings
     from hub.state.store import IssuedCertificate, Node
 
 SLO_BURN = "slo_burn"
@@ -28,12 +29,14 @@ OUTBOX_ALARM = "outbox_alarm"
 WORKER_RESTARTS = "worker_restarts"
 CERTIFICATE_EXPIRY = "certificate_expiry"
 CERTIFICATE_RENEWAL = "certificate_renewal"
+LEASE_LAPSED = "lease_lapsed"
 NODE_RULES = (
     NODE_STALE,
     NODE_OFFLINE,
     OUTBOX_ALARM,
     CERTIFICATE_EXPIRY,
     CERTIFICATE_RENEWAL,
+    LEASE_LAPSED,
 )
 RULES = (SLO_BURN, *NODE_RULES, WORKER_RESTARTS)
 # A value stored and sent is finite (a target of 1 burns without bound on one miss).
@@ -131,10 +134,11 @@ def node_alerts(
     settings: HubSettings,
 ) -> list[Firing]:
     """Stale and offline nodes (of those ever heard from), outbox alarms, certificates
-    near their end, and nodes heard from whose newest certificate is a CA's that signs no
+    near their end, nodes heard from whose newest certificate is a CA's that signs no
     more (`signing_ca`: the fingerprint of the one that does): each heartbeat answer tells
-    such a node to renew. That one fires only once it has held `alerts.renew_grace_s`
-    (the loop holds it: `held`)."""
+    such a node to renew; and nodes heard from that serve accounts without a live quota
+    lease (protocol 5). Those two fire only once they have held `alerts.renew_grace_s` and
+    `alerts.lease_grace_s` (the loop holds them: `held`)."""
     fleet, alerts = settings.fleet, settings.alerts
     fired: list[Firing] = []
     for node in nodes:
@@ -153,6 +157,16 @@ def node_alerts(
                     Firing(NODE_STALE, labels, "ticket", age,
                            f"{node.name} ({node.site}): no heartbeat for {age:.0f} s")
                 )  # fmt: skip
+        heard = seen_within(node.last_seen, now, fleet.stale_after_s)
+        lapsed, failures = node.capacity.leases_lapsed, node.capacity.lease_failures
+        # Only while heard: a stale node's last word is old, and node_stale says more.
+        if lapsed and heard:
+            fired.append(
+                Firing(LEASE_LAPSED, labels, "ticket", float(lapsed),
+                       f"{node.name} ({node.site}): serves {_many(lapsed, 'account')} "
+                       f"without a live quota lease ({_many(failures, 'lease call')} failed "
+                       "in a row), on their class's safe capacity or refusing them")
+            )  # fmt: skip
         if node.capacity.outbox_alarm:
             fired.append(
                 Firing(OUTBOX_ALARM, labels, "ticket", 1.0,
@@ -169,7 +183,6 @@ def node_alerts(
                        f"{node.name} ({node.site}): its certificate "
                        + (f"expires in {left:.0f} s" if left > 0 else "has expired"))
             )  # fmt: skip
-        heard = seen_within(node.last_seen, now, fleet.stale_after_s)
         if signing_ca is not None and certificate.ca != signing_ca and heard:
             fired.append(
                 Firing(CERTIFICATE_RENEWAL, labels, "ticket", now - certificate.issued_at,
@@ -177,6 +190,10 @@ def node_alerts(
                        "that signs no more), and has not")
             )  # fmt: skip
     return fired
+
+
+def _many(count: int, thing: str) -> str:
+    return f"{count} {thing}" + ("" if count == 1 else "s")
 
 
 def restart_alerts(
@@ -201,4 +218,31 @@ def restart_alerts(
 
 def held(settings: AlertsSettings) -> dict[str, float]:
     """Rules that fire only once their condition has held this long (seconds)."""
-    return {CERTIFICATE_RENEWAL: settings.renew_grace_s}
+    return {CERTIFICATE_RENEWAL: settings.renew_grace_s, LEASE_LAPSED: settings.lease_grace_s}
+
+
+Key = tuple[str, str]  # a firing's rule and labels (`Firing.key`)
+
+
+def hold(
+    firing: Sequence[Firing],
+    already: Set[Key],
+    holding: Mapping[Key, float],
+    now: float,
+    settings: AlertsSettings,
+) -> tuple[list[Firing], dict[Key, float]]:
+    """Of `firing`, those to record now: a held rule's once its condition has held long
+    enough (`holding`: since when each has, as the last round left it) or while it fires
+    already (`already`); any other rule's at once. With what to hold for the next round:
+    a condition that stops holding starts its grace again."""
+    grace = held(settings)
+    kept, since_now = [], {}
+    for fire in firing:
+        wait = grace.get(fire.rule)
+        if wait is None or fire.key in already:
+            kept.append(fire)
+            continue
+        since = since_now[fire.key] = holding.get(fire.key, now)
+        if now - since >= wait:
+            kept.append(fire)
+    return kept, since_now

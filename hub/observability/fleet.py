@@ -1,7 +1,7 @@
 """The fleet's gauges, set from the store just before each scrape: nodes by status, and
-each node's last heartbeat, outbox alarm and certificate expiry. Two reads beside the
-writer (every node's row, each node's newest certificate), so a scrape never waits on
-the fleet's heartbeats and events."""
+each node's last heartbeat, outbox alarm, lapsed leases and certificate expiry. Two reads
+beside the writer (every node's row, each node's newest certificate), so a scrape never
+waits on the fleet's heartbeats and events."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ async def refresh(
     for gauge in (
         metrics.node_last_seen,
         metrics.node_outbox_alarm,
+        metrics.node_leases_lapsed,
         metrics.node_certificate_expiry,
     ):
         gauge.clear()
@@ -42,6 +43,7 @@ async def refresh(
         if node.last_seen is not None:
             metrics.node_last_seen.labels(*labels).set(node.last_seen)
         metrics.node_outbox_alarm.labels(*labels).set(1 if node.capacity.outbox_alarm else 0)
+        metrics.node_leases_lapsed.labels(*labels).set(node.capacity.leases_lapsed)
         if (certificate := certificates.get(node.id)) is not None:
             metrics.node_certificate_expiry.labels(*labels).set(certificate.not_after)
     for name, count in statuses.items():

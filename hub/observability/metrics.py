@@ -167,6 +167,13 @@ class HubMetrics:
             ["node", "site"],
             registry=r,
         )
+        self.node_leases_lapsed = Gauge(
+            "kvl_fleet_node_leases_lapsed",
+            "Accounts a node's last heartbeat said it serves without a live quota lease (its "
+            "lease calls fail: on their class's safe capacity, or refused); 0 when none.",
+            ["node", "site"],
+            registry=r,
+        )
         self.node_certificate_expiry = Gauge(
             "kvl_fleet_node_certificate_expiry_timestamp_seconds",
             "When each node's newest certificate expires (unix seconds).",

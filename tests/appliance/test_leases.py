@@ -118,6 +118,36 @@ def test_partitioned_the_node_spends_its_lease_then_only_safe_capacity() -> None
         generous.take("acme", "S1", "r2", 20, NOW)
 
 
+def test_lapsed_are_the_accounts_asked_for_without_a_live_lease_while_lease_calls_fail() -> None:
+    leases, _ = book(safe=30)
+    grant(leases, account="acme", tokens=20, lease_id="L1")
+    grant(leases, account="globex", tokens=100, lease_id="L2")
+    grant(leases, account="spent", tokens=0, lease_id="L3")  # its budget: spent till period end
+    grant(leases, account="idle", tokens=100, lease_id="L4")  # never asked for again
+    leases.failed(lease_call=True)
+    assert leases.take("acme", "S1", "r1", 10, NOW) == "L1"  # half used: renewal asked
+    assert leases.lapsed(NOW) == []  # but its lease still admits
+    assert leases.take("acme", "S1", "r2", 10, NOW) == "L1"  # now it has no room left
+    assert leases.lapsed(NOW) == ["acme"]
+    assert leases.take("acme", "S1", "r3", 10, NOW) is None  # on safe capacity
+    with pytest.raises(ApiError, match="spent until the period ends"):
+        leases.take("spent", "S1", "r4", 10, NOW)  # refused for its budget, not a lease
+    assert leases.take("globex", "S1", "r5", 10, NOW) == "L2"
+    assert (leases.failures, leases.lapsed(NOW)) == (1, ["acme"])
+    leases.failed()  # a heartbeat failed: not a lease call
+    assert leases.failures == 1
+    leases.failed(lease_call=True)
+    assert leases.failures == 2
+    # The leases run out of time while the hub stays away: globex is asked for again and
+    # counts; idle, not asked for since, does not.
+    later = NOW + 61
+    assert leases.take("globex", "S1", "r6", 1, later) is None
+    assert leases.lapsed(later) == ["acme", "globex"]
+    # The hub answers: no failure in a row, nothing lapsed (whatever it granted).
+    leases.apply(leases.call(later), protocol.LeaseAnswer(leases=[]), later)
+    assert (leases.failures, leases.lapsed(later)) == (0, [])
+
+
 def test_a_learning_hub_is_waited_for() -> None:
     leases, _ = book()
     call = leases.call(NOW)

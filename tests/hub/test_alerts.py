@@ -88,7 +88,57 @@ def test_node_rules() -> None:
     assert by_rule[rules.NODE_OFFLINE].value == 500
     assert by_rule[rules.NODE_OFFLINE].severity == "page"
     assert "9 events" in by_rule[rules.OUTBOX_ALARM].summary
-    assert rules.held(settings.alerts) == {rules.CERTIFICATE_RENEWAL: 600.0}
+    assert rules.held(settings.alerts) == {
+        rules.CERTIFICATE_RENEWAL: 600.0,
+        rules.LEASE_LAPSED: 300.0,
+    }
+
+
+def test_lease_lapsed_fires_for_a_node_heard_from_once_it_has_held_its_grace() -> None:
+    """A node that serves accounts without a live lease fires `lease_lapsed` only after
+    `alerts.lease_grace_s` of saying so, fires on while it does, and stops when it reports
+    none (the loop then resolves it); a stale node's old word fires nothing."""
+    settings = HubSettings()  # stale after 45 s; lease_lapsed held 300 s
+    grace = settings.alerts.lease_grace_s
+    start = 1_000_000.0
+
+    def lapsing(now: float, lapsed: int) -> list[Firing]:
+        nodes = [
+            _node("lapsed", now - 1, leases_lapsed=lapsed, lease_failures=7),
+            _node("quiet", now - 1),
+            _node("stale", now - 45, leases_lapsed=3, lease_failures=9),  # its last word
+        ]
+        found = rules.node_alerts(now, nodes, {}, None, settings)
+        return [f for f in found if f.rule == rules.LEASE_LAPSED]
+
+    def evaluate(
+        now: float, lapsed: int, holding: dict[rules.Key, float], already: set[rules.Key]
+    ) -> tuple[list[Firing], dict[rules.Key, float]]:
+        return rules.hold(lapsing(now, lapsed), already, holding, now, settings.alerts)
+
+    (found,) = lapsing(start, 2)  # the stale node is not among them
+    assert found.labels == {"node": "lapsed", "site": "lab"}
+    assert (found.severity, found.value) == ("ticket", 2.0)
+    assert "serves 2 accounts without a live quota lease" in found.summary
+    assert "7 lease calls failed in a row" in found.summary
+
+    kept, holding = evaluate(start, 2, {}, set())
+    assert kept == []  # held back: its grace has just begun
+    kept, holding = evaluate(start + grace - 1, 2, holding, set())
+    assert kept == []
+    kept, holding = evaluate(start + grace, 2, holding, set())
+    assert [f.labels["node"] for f in kept] == ["lapsed"]
+    # Recorded as firing, it fires on; reported gone, it no longer fires (resolved).
+    kept, holding = evaluate(start + grace + 15, 1, holding, {found.key})
+    assert [f.value for f in kept] == [1.0]
+    assert lapsing(start + grace + 30, 0) == []
+    kept, holding = evaluate(start + grace + 30, 0, holding, set())
+    assert (kept, holding) == ([], {})
+    # A lapse that comes back waits out its grace again, from its return.
+    again = start + 2 * grace
+    kept, holding = evaluate(again, 1, holding, set())
+    kept, holding = evaluate(again + grace - 1, 1, holding, set())
+    assert kept == []
 
 
 def test_restart_rule() -> None:
@@ -259,6 +309,62 @@ async def test_a_real_hub_fires_resolves_and_delivers_signed_webhooks_across_a_r
     assert second["alert"]["state"] == "resolved"
     assert second["alert"]["resolved_at"] is not None
     await server.close()
+
+
+async def test_a_real_hub_alerts_on_lapsed_leases_and_serves_version_4_nodes(
+    aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
+) -> None:
+    """Through the node API: a node's heartbeats saying it serves accounts without a live
+    lease fire `lease_lapsed` once its grace has passed, and one saying none resolves it.
+    Beside it a node of protocol 4, which knows nothing of lease trouble, is served: its
+    heartbeat lands, and its answer holds only what version 4 knows."""
+    receiver = Receiver()
+    hook = await aiohttp_server(receiver.app)
+    url = f"http://127.0.0.1:{hook.port}/hook"
+    settings = alert_settings(tmp_path, hub_database, url, lease_grace_s=0.5)
+    store = open_store(settings)
+    _, token = _enroll(store, "n1")
+    older_id, older_token = _enroll(store, "n4")
+    store.close()
+    server = await aiohttp_server(create_app(settings))
+    base = f"http://127.0.0.1:{server.port}"
+    node = {"Authorization": f"Bearer {token}", **protocol.HEADERS}
+    older = {"Authorization": f"Bearer {older_token}", protocol.PROTOCOL_HEADER: "4"}
+
+    async with aiohttp.ClientSession() as session:
+
+        async def beat(headers: dict[str, str], capacity: dict[str, Any]) -> dict[str, Any]:
+            body = {"capacity": capacity}
+            async with session.post(f"{base}/v1/node/heartbeat", json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                answer: dict[str, Any] = await r.json()
+                return answer
+
+        # What a version-4 node sends: the capacity of version 4, no lease trouble.
+        answer = await beat(older, {"memory_total_mib": 100, "outbox_lag": 0})
+        assert set(answer) == {
+            "node_id", "received_at", "desired_serial", "trust_digest", "renew_certificate",
+        }  # fmt: skip
+        lapsed_at = time.monotonic()
+        await beat(node, {"leases_lapsed": 2, "lease_failures": 4})
+        await until(lambda: receiver.events() == [("alert.firing", "n1")], "lease_lapsed fired")
+        assert time.monotonic() - lapsed_at >= 0.5  # not before its grace
+        (fired,) = receiver.received
+        assert fired["alert"]["rule"] == rules.LEASE_LAPSED
+        assert fired["alert"]["labels"] == {"node": "n1", "site": "site"}
+        assert fired["alert"]["value"] == 2
+        await beat(node, {"leases_lapsed": 0})
+        await until(
+            lambda: receiver.events() == [("alert.firing", "n1"), ("alert.resolved", "n1")],
+            "lease_lapsed resolved",
+        )
+    await server.close()
+    store = open_store(settings)
+    try:
+        assert store.node(older_id).capacity.memory_total_mib == 100  # its heartbeat landed
+        assert store.node(older_id).capacity.leases_lapsed == 0
+    finally:
+        store.close()
 
 
 async def _two(listed: Any) -> list[dict[str, Any]] | None:

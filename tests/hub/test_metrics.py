@@ -49,6 +49,7 @@ FAMILIES = (
     "kvl_fleet_worker_restarts",
     "kvl_fleet_node_last_seen_timestamp_seconds",
     "kvl_fleet_node_outbox_alarm",
+    "kvl_fleet_node_leases_lapsed",
     "kvl_fleet_node_certificate_expiry_timestamp_seconds",
 )
 
@@ -86,7 +87,9 @@ async def test_every_family_after_real_traffic_behind_an_operator_token(
     node = {"Authorization": f"Bearer {enrolled.node_token}", **protocol.HEADERS}
     ops = {"Authorization": f"Bearer {operator}"}
     async with aiohttp.ClientSession() as client:
-        capacity = protocol.Capacity(outbox_alarm=True, outbox_lag=7)
+        capacity = protocol.Capacity(
+            outbox_alarm=True, outbox_lag=7, leases_lapsed=2, lease_failures=5
+        )
         beat = protocol.HeartbeatRequest(capacity=capacity).model_dump(mode="json")
         # Its objectives: 5 requests, 3 first tokens in time, 2 late, none refused.
         beat["objectives"] = objectives("e1", series(requests=5, met=3, missed=2), restarts=2)
@@ -140,6 +143,8 @@ async def test_every_family_after_real_traffic_behind_an_operator_token(
         assert restarts == {'kvl_fleet_worker_restarts_total{node="n1",site="lab"}': 2}
         alarm = samples(text, "kvl_fleet_node_outbox_alarm")
         assert alarm == {'kvl_fleet_node_outbox_alarm{node="n1",site="lab"}': 1.0}
+        lapsed = samples(text, "kvl_fleet_node_leases_lapsed")
+        assert lapsed == {'kvl_fleet_node_leases_lapsed{node="n1",site="lab"}': 2.0}
         seen = samples(text, "kvl_fleet_node_last_seen_timestamp_seconds")
         assert list(seen) == ['kvl_fleet_node_last_seen_timestamp_seconds{node="n1",site="lab"}']
         ops_ = samples(text, "kvl_hub_db_duration_seconds_count")

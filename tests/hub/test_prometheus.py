@@ -247,6 +247,66 @@ async def test_prometheus_and_the_hub_fire_and_resolve_a_burn_rate_alert(
     await hub.close()
 
 
+async def test_prometheus_fires_lease_lapsed_after_its_grace_for_a_node_heard_from(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    """`KvlLeaseLapsed` over the hub's per-node gauge: pending through its `for:` (the
+    grace, 5 s scaled), firing while the node's heartbeats say it serves accounts without
+    a live lease, and gone once the node is stale (its last word is old), as the hub's own
+    rule."""
+    base = settings_for(tmp_path, {})
+    settings = scaled(
+        HubSettings.model_validate(
+            base.model_dump() | {"fleet": base.fleet.model_dump() | {"stale_after_s": 3}}
+        ),
+        SCALE,
+    )
+    assert settings.alerts.lease_grace_s == 5
+    store = open_store(settings)
+    _, node_token = _enroll(store, "n1")
+    operator = store.create_operator("prometheus").plaintext
+    store.close()
+    hub = await aiohttp_server(create_app(settings))
+    assert hub.port is not None
+    hub_url = f"http://127.0.0.1:{hub.port}"
+    node = {"Authorization": f"Bearer {node_token}", **protocol.HEADERS}
+    lapsed = {"capacity": {"leases_lapsed": 2, "lease_failures": 3}}
+    states: list[str] = []
+    with prometheus(tmp_path, hub.port, operator, rules_yaml(settings)) as prom:
+        async with aiohttp.ClientSession() as session:
+
+            async def lease_alerts() -> list[dict[str, Any]]:
+                try:
+                    async with session.get(f"{prom}/api/v1/alerts") as r:
+                        if r.status != 200:
+                            return []
+                        found = (await r.json())["data"]["alerts"]
+                except aiohttp.ClientConnectionError:
+                    return []  # not listening yet
+                return [a for a in found if a["labels"].get("alertname") == "KvlLeaseLapsed"]
+
+            async def beat_then_firing() -> list[dict[str, Any]] | None:
+                async with session.post(
+                    f"{hub_url}/v1/node/heartbeat", json=lapsed, headers=node
+                ) as r:
+                    assert r.status == 200, await r.text()
+                found = await lease_alerts()
+                states.extend(a["state"] for a in found)
+                return [a for a in found if a["state"] == "firing"] or None
+
+            (firing,) = await until(
+                beat_then_firing, "KvlLeaseLapsed firing", DEADLINE_S, every_s=0.5
+            )
+            assert "pending" in states  # held through its grace first
+            assert firing["labels"]["node"] == "n1"
+            assert firing["labels"]["severity"] == "ticket"
+            assert firing["labels"]["rule"] == "lease_lapsed"
+            assert float(firing["value"]) == 2
+            # The node falls silent, its gauge still 2: stale, the alert ends.
+            await until(lambda: _none(lease_alerts()), "KvlLeaseLapsed gone", DEADLINE_S)
+    await hub.close()
+
+
 async def _firing(found: Any) -> list[dict[str, Any]] | None:
     alerts = [a for a in await found if a["state"] == "firing"]
     return alerts or None
