@@ -4,15 +4,17 @@ migrations, and one writer thread for the event loop."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Generic, ParamSpec, Protocol, TypeVar
 
 from sqlite_utils import Database
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
     from pathlib import Path
 
     from sqlite_utils.migrations import Migrations
@@ -35,6 +37,66 @@ def open_database(path: Path, migrations: Migrations) -> Database:
     db.execute("PRAGMA foreign_keys=ON")
     migrations.apply(db)
     return db
+
+
+# Savepoint names: each nested block its own, so the one it rolls back to is its own.
+_savepoints = itertools.count()
+
+
+@contextmanager
+def transaction(db: Database) -> Iterator[Database]:
+    """Everything written inside commits together, or none of it does: the one way a write
+    of several statements is made on a sqlite-utils database (`with transaction(db): ...`).
+
+    Not `with db.conn:`: sqlite-utils' `Database.execute` commits each write statement at
+    once unless a transaction is already open, so by the time the connection's context
+    manager would roll back there is nothing left to roll back.
+
+    The outermost block is `BEGIN IMMEDIATE`, which takes the write lock up front (waiting
+    out the connection's busy timeout). Under a deferred `BEGIN` (sqlite-utils' `atomic`),
+    a block that reads and then writes fails at its first write, at once and without
+    waiting, when another process (the CLI) committed after its read.
+
+    A nested block (a helper called inside another transaction) is a savepoint, not a
+    depth counter that joins the outer one: when it fails, only its own writes are undone,
+    so a caller that catches the error carries on with its transaction as it was before
+    the block, never with half of it. The commit is still the outermost one's. Nesting is
+    read from `conn.in_transaction`, which only a block here leaves set: sqlite-utils
+    commits or rolls back any transaction its own calls open.
+
+    The hub's SQLite (hub.state.sql) needs none of this: it runs its statements on the
+    connection itself, in driver autocommit, and begins its transactions explicitly."""
+    with _savepoint(db.conn) if db.conn.in_transaction else _outermost(db.conn):
+        yield db
+
+
+@contextmanager
+def _outermost(conn: sqlite3.Connection) -> Iterator[None]:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.commit()
+    except BaseException:
+        # A failed COMMIT leaves the transaction open: never leave it for the next write.
+        if conn.in_transaction:
+            conn.rollback()
+        raise
+
+
+@contextmanager
+def _savepoint(conn: sqlite3.Connection) -> Iterator[None]:
+    savepoint = f"kvl_{next(_savepoints)}"
+    conn.execute(f"SAVEPOINT {savepoint}")
+    try:
+        yield
+    except BaseException:
+        # An error such as SQLITE_FULL may have rolled back the whole transaction already,
+        # savepoints with it: undoing one then would hide the error.
+        if conn.in_transaction:
+            conn.execute(f"ROLLBACK TO {savepoint}")
+            conn.execute(f"RELEASE {savepoint}")
+        raise
+    conn.execute(f"RELEASE {savepoint}")
 
 
 def now_iso() -> str:

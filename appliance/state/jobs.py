@@ -2,8 +2,9 @@
 
 :class:`JobStore` works on the store's database; the gateway runs its methods on the
 AsyncStore's one writer thread (``store.run(jobs.get, ...)``), the CLI calls them directly.
-Each method is one transaction, so a job and its items, an item's result and the end of its
-job, or a cancel and its webhook delivery are committed together or not at all.
+Each method is one transaction (`shared.db.transaction`), so a job and its items, an item's
+result and the end of its job, or a cancel and its webhook delivery are committed together or
+not at all.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from appliance.state.store import ConflictError, NotFoundError
+from shared.db import transaction
 
 if TYPE_CHECKING:
     from collections.abc import Collection
@@ -147,7 +149,7 @@ class JobStore:
     ) -> Job:
         job_id = "job_" + uuid.uuid4().hex
         now = time.time()
-        with self.db.conn:
+        with transaction(self.db):
             self.db.execute(
                 "INSERT INTO jobs (id, account_id, key_prefix, status, total, metadata,"
                 " webhook_url, created_at) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?)",
@@ -239,7 +241,7 @@ class JobStore:
     def cancel(self, job_id: str, account_id: int) -> Job:
         """Cancel an active job: items not yet ended never run; results so far stay."""
         now = time.time()
-        with self.db.conn:
+        with transaction(self.db):
             job = self.get(job_id, account_id)
             if not job.active:
                 raise JobFinishedError(
@@ -294,7 +296,7 @@ class JobStore:
 
     def start(self, job_id: str) -> bool:
         """Mark a queued job running; False if it was not queued."""
-        with self.db.conn:
+        with transaction(self.db):
             cur = self.db.execute(
                 "UPDATE jobs SET status = 'running', started_at = ?"
                 " WHERE id = ? AND status = 'queued'",
@@ -312,7 +314,7 @@ class JobStore:
         """
         now = time.time()
         status: ItemStatus = "completed" if 200 <= status_code < 300 else "failed"
-        with self.db.conn:
+        with transaction(self.db):
             cur = self.db.execute(
                 "UPDATE job_items SET status = ?, status_code = ?, response = ?, ended_at = ?"
                 " WHERE job_id = ? AND idx = ? AND status IN ('pending', 'cancelled')",
@@ -334,7 +336,7 @@ class JobStore:
 
     def retry_item(self, job_id: str, index: int) -> int:
         """Count a transient failure of an item; returns its failures so far."""
-        with self.db.conn:
+        with transaction(self.db):
             self.db.execute(
                 "UPDATE job_items SET attempts = attempts + 1 WHERE job_id = ? AND idx = ?",
                 [job_id, index],
@@ -374,7 +376,7 @@ class JobStore:
     def signing_secrets(self, account_id: int) -> SigningSecrets:
         """The secrets a delivery to this account is signed with (made on first use)."""
         now = time.time()
-        with self.db.conn:
+        with transaction(self.db):
             self._ensure_secret(account_id, now)
             row = self.db.execute(
                 "SELECT secret, previous_secret, previous_until FROM webhook_secrets"
@@ -388,7 +390,7 @@ class JobStore:
         """An account's webhook secret (made if it has none); `rotate` replaces it, the old
         one still signing for `grace_s`."""
         now = time.time()
-        with self.db.conn:
+        with transaction(self.db):
             row = self.db.execute("SELECT id FROM accounts WHERE name = ?", [account]).fetchone()
             if row is None:
                 raise NotFoundError(f"no account {account!r}")
@@ -434,7 +436,7 @@ class JobStore:
 
     def fix_payload(self, delivery_id: str, payload: str) -> str:
         """The body of every attempt of a delivery: the first one given, kept from then on."""
-        with self.db.conn:
+        with transaction(self.db):
             self.db.execute(
                 "UPDATE webhook_deliveries SET payload = ? WHERE id = ? AND payload IS NULL",
                 [payload, delivery_id],
@@ -457,7 +459,7 @@ class JobStore:
         """Record an attempt: delivered, or retried after `backoff_s`, or given up once
         `retry_s` has passed since the first attempt."""
         now = time.time()
-        with self.db.conn:
+        with transaction(self.db):
             row = next(
                 iter(self.db.query("SELECT * FROM webhook_deliveries WHERE id = ?", [delivery_id]))
             )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from appliance.state.store import NotFoundError
+from shared.db import transaction
 
 if TYPE_CHECKING:
     from sqlite_utils import Database
@@ -47,7 +48,7 @@ class ResponseStore:
         """Keep an answer; an account's oldest beyond `max_per_account` go, as do all that
         expired (each write sweeps, so the table never outgrows its bounds)."""
         now = time.time()
-        with self.db.conn:
+        with transaction(self.db):
             self.db.execute("DELETE FROM responses WHERE expires_at <= ?", [now])
             self.db.execute(
                 "INSERT OR REPLACE INTO responses (id, account_id, created_at, expires_at, body,"
@@ -85,7 +86,7 @@ class ResponseStore:
         )
 
     def delete(self, response_id: str, account_id: int) -> None:
-        with self.db.conn:
+        with transaction(self.db):
             cursor = self.db.execute(
                 "DELETE FROM responses WHERE id = ? AND account_id = ?", [response_id, account_id]
             )

@@ -1,5 +1,10 @@
 """The store: the only module that writes SQL. One connection, one writer thread.
 
+Every write runs in `transaction(self.db)` (shared.db), its statements committed together
+or not at all; `with self.db.conn:` is not that, with sqlite-utils committing each
+statement as it runs. A method that calls another inside its own transaction nests it (a
+savepoint), so the outer one still commits or fails as one.
+
 The synchronous :class:`Store` serves the CLI; :class:`AsyncStore` runs the same calls on a
 single dedicated thread for the gateway, so there is exactly one writer per process and the
 event loop never waits on disk.
@@ -15,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from appliance.state.migrations import migrations
 from shared import db
 from shared.classes import DEFAULT_CLASS, ServiceClass
+from shared.db import transaction
 from shared.keys import NewKey, generate_key, hash_key, key_matches, parse_prefix
 
 if TYPE_CHECKING:
@@ -127,7 +133,7 @@ class Store:
 
     def node_id(self) -> str:
         """This appliance's stable id, made on first use."""
-        with self.db.conn:
+        with transaction(self.db):
             row = self.db.execute("SELECT value FROM meta WHERE key = 'node_id'").fetchone()
             if row is not None:
                 return str(row[0])
@@ -139,7 +145,7 @@ class Store:
 
     def ensure_account(self, name: str, service_class: ServiceClass | None = None) -> Account:
         """The account by name, created if new; an explicit class updates an existing one."""
-        with self.db.conn:
+        with transaction(self.db):
             row = self._account_row(name)
             if row is None:
                 cls = service_class or DEFAULT_CLASS
@@ -164,10 +170,6 @@ class Store:
         row = self._account_row(name)
         return None if row is None else _account(row)
 
-    # The account and key changes below run in `db.atomic()`, one explicit transaction:
-    # sqlite-utils commits each write statement by itself unless a transaction is open,
-    # so a `with db.conn` block alone is not all or nothing.
-
     def create_account(
         self,
         name: str,
@@ -178,7 +180,7 @@ class Store:
     ) -> Account:
         """A new account made here (AccountExistsError if the name is taken, disabled or
         not: a name keeps its usage and its history)."""
-        with self.db.atomic():
+        with transaction(self.db):
             if self._account_row(name) is not None:
                 raise AccountExistsError(f"an account named {name!r} exists already")
             self.db.execute(
@@ -194,7 +196,7 @@ class Store:
     def disable_account(self, name: str) -> Account:
         """Disable an account and revoke its keys, at once; again, a no-op. Refused
         (LastAdminKeyError) when it holds every active admin key left."""
-        with self.db.atomic():
+        with transaction(self.db):
             row = self._account_row(name)
             if row is None:
                 raise NotFoundError(f"no account named {name!r}")
@@ -222,7 +224,7 @@ class Store:
         """A new key of an existing account that is not disabled: (its record, the key,
         shown once)."""
         new = generate_key()
-        with self.db.atomic():
+        with transaction(self.db):
             row = self._account_row(account)
             if row is None:
                 raise NotFoundError(f"no account named {account!r}")
@@ -247,7 +249,7 @@ class Store:
         A key with that prefix already here, revoked or not, is left as it is: another
         start adds nothing, and a revoked bootstrap key stays revoked. Whether it was
         added now."""
-        with self.db.atomic():
+        with transaction(self.db):
             if self._key_by_prefix(prefix) is not None:
                 return False
             row = self._account_row(account)
@@ -268,11 +270,14 @@ class Store:
     def create_key(
         self, account: str, service_class: ServiceClass | None = None, *, admin: bool = False
     ) -> NewKey:
-        acct = self.ensure_account(account, service_class)
-        if acct.disabled_at is not None:
-            raise AccountDisabledError(f"account {account!r} was disabled at {acct.disabled_at}")
         new = generate_key()
-        with self.db.conn:
+        # One transaction, the account's with it: a key refused leaves no account made for it.
+        with transaction(self.db):
+            acct = self.ensure_account(account, service_class)
+            if acct.disabled_at is not None:
+                raise AccountDisabledError(
+                    f"account {account!r} was disabled at {acct.disabled_at}"
+                )
             self.db.execute(
                 "INSERT INTO api_keys (prefix, hash, account_id, created_at, admin)"
                 " VALUES (?, ?, ?, ?, ?)",
@@ -293,7 +298,7 @@ class Store:
         """Revoke a key (ConflictError if it was already). `keep_an_admin`: refuse
         (LastAdminKeyError) to revoke the last active admin key, which the admin API does
         on a node whose only other way in is a shell it may not have."""
-        with self.db.atomic():
+        with transaction(self.db):
             cur = self.db.execute(
                 "UPDATE api_keys SET revoked_at = ? WHERE prefix = ? AND revoked_at IS NULL",
                 [now_iso(), prefix],
@@ -355,7 +360,7 @@ class Store:
                 "created_at": event.created_at or now_iso(),
             }
         )
-        with self.db.conn:
+        with transaction(self.db):
             _insert(self.db, "usage_events", asdict(stored))
         return stored
 
@@ -366,7 +371,7 @@ class Store:
         return None if row is None else str(row[0])
 
     def set_meta(self, key: str, value: str) -> None:
-        with self.db.conn:
+        with transaction(self.db):
             self.db.execute(
                 "INSERT INTO meta (key, value) VALUES (?, ?)"
                 " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
@@ -395,8 +400,9 @@ class Store:
 
     def acknowledge(self, rowid: int) -> None:
         """The hub holds every event up to ``rowid``: the checkpoint moves, never back."""
-        if rowid > self.sync_checkpoint():
-            self.set_meta("sync_checkpoint", str(rowid))
+        with transaction(self.db):  # read and moved together: no older one overwrites it
+            if rowid > self.sync_checkpoint():
+                self.set_meta("sync_checkpoint", str(rowid))
 
     def outbox_lag(self) -> int:
         """Events committed here and not yet acknowledged by the hub."""
@@ -411,7 +417,7 @@ class Store:
     def record_event(self, kind: str, body: dict[str, Any]) -> str:
         """Commit an event for the hub (not usage: a package made, say); its id."""
         event_id = uuid.uuid4().hex
-        with self.db.conn:
+        with transaction(self.db):
             self.db.execute(
                 "INSERT INTO outbox_events (id, kind, body, created_at) VALUES (?, ?, ?, ?)",
                 [event_id, kind, json.dumps(body), now_iso()],
@@ -428,8 +434,9 @@ class Store:
         return [(r[0], {"id": r[1], "kind": r[2], "body": json.loads(r[3])}) for r in rows]
 
     def acknowledge_events(self, rowid: int) -> None:
-        if rowid > self._events_checkpoint():
-            self.set_meta("events_checkpoint", str(rowid))
+        with transaction(self.db):
+            if rowid > self._events_checkpoint():
+                self.set_meta("events_checkpoint", str(rowid))
 
     def _events_checkpoint(self) -> int:
         return int(self.meta("events_checkpoint") or 0)
@@ -442,7 +449,7 @@ class Store:
         it no longer gives is withdrawn: its keys are refused until a state gives it again
         (its usage served before still syncs)."""
         serial = state.serial
-        with self.db.conn:
+        with transaction(self.db):
             if serial <= int(self.meta("desired_serial") or -1):
                 return serial
             given = [a.name for a in state.accounts]
@@ -500,7 +507,7 @@ class Store:
 
     def save_leases(self, leases: list[tuple[dict[str, Any], bool]]) -> None:
         """Replace the leases kept: (lease as JSON, current?) pairs."""
-        with self.db.conn:
+        with transaction(self.db):
             self.db.execute("DELETE FROM leases")
             for lease, current in leases:
                 self.db.execute(
@@ -534,7 +541,7 @@ class Store:
     def add_package_owner(self, package_id: str, version: str, account_id: int) -> None:
         """`account_id` may see the cached package version (EVERY_ACCOUNT: one the hub
         seeded)."""
-        with self.db.conn:
+        with transaction(self.db):
             self.db.execute(
                 "INSERT INTO package_owners (package_id, version, account_id, created_at)"
                 " VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
@@ -565,7 +572,7 @@ class Store:
     def record_worker_restart(
         self, model: str, kind: str, detail: str, exit_code: int | None
     ) -> None:
-        with self.db.conn:
+        with transaction(self.db):
             _insert(
                 self.db,
                 "worker_restarts",
@@ -593,7 +600,7 @@ class Store:
         replaces its row) in one transaction; (the epoch, model-worker restarts so far).
         Called before a heartbeat is sent, so what the hub is told is never more than what
         a restart resumes from."""
-        with self.db.conn:
+        with transaction(self.db):
             for r in rows:
                 self.db.execute(
                     "INSERT INTO objectives (service_class, account, requests, admitted,"
@@ -638,7 +645,7 @@ class Store:
     # -- models --------------------------------------------------------------------------
 
     def add_model(self, record: ModelRecord) -> ModelRecord:
-        with self.db.conn:
+        with transaction(self.db):
             exists = self.get_model(record.name, record.version)
             if exists is not None:
                 raise ConflictError(f"model {record.ref} is already registered")
@@ -675,7 +682,7 @@ class Store:
 
     def set_model_pinned(self, ref: str, pinned: bool) -> None:
         name, _, version = ref.partition("@")
-        with self.db.conn:
+        with transaction(self.db):
             cur = self.db.execute(
                 "UPDATE models SET pinned = ? WHERE name = ? AND version = ?",
                 [int(pinned), name, version],

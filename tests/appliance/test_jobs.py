@@ -736,6 +736,39 @@ def test_cancel_ends_a_job_once_and_only_for_its_account(job_store: JobStore) ->
     assert job_store.get(job_id).status == "cancelled"
 
 
+def test_a_job_is_made_with_all_its_items_or_not_at_all(job_store: JobStore) -> None:
+    # Two items with one custom_id: the items' insert fails after the job's row was made.
+    items = [NewItem("same", "/v1/completions", {"model": MODEL, "prompt": "x"})] * 2
+    with pytest.raises(sqlite3.IntegrityError):
+        job_store.create(
+            account_id=_account(job_store, "alice"),
+            key_prefix="p",
+            items=items,
+            metadata={},
+            webhook_url="http://127.0.0.1:9/hook",
+        )
+    assert job_store.list_jobs(None, after=None, limit=10) == ([], False)
+    assert job_store.pending_items(10) == []
+
+
+def test_a_cancel_that_fails_midway_changes_nothing(
+    job_store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job_id = _new(job_store, 2, webhook_url="http://127.0.0.1:9/hook")
+    ended = job_store._end  # the step that fails
+
+    def end_then_fail(*args: Any) -> None:
+        ended(*args)  # the job ended and its delivery made, then:
+        raise RuntimeError("the disk is full")
+
+    monkeypatch.setattr(job_store, "_end", end_then_fail)
+    with pytest.raises(RuntimeError):
+        job_store.cancel(job_id, _account(job_store, "alice"))
+    job = job_store.get(job_id)
+    assert (job.status, job.ended_at, job.delivery) == ("queued", None, None)
+    assert [i.index for i in job_store.pending_items(10)] == [0, 1]
+
+
 def test_a_delivery_is_retried_until_its_deadline_then_given_up(job_store: JobStore) -> None:
     job_id = _new(job_store, 1, webhook_url="http://127.0.0.1:9/hook")
     delivery = job_store.finish_item(job_id, 0, 200, {}).ended.delivery  # type: ignore[union-attr]

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import re
 import sqlite3
-from typing import TYPE_CHECKING
+from contextlib import closing
+from pathlib import Path
 
 import pytest
 
+from appliance.state import store as store_module
 from appliance.state.migrations import migrations
 from appliance.state.store import (
     ApiKey,
@@ -15,10 +18,8 @@ from appliance.state.store import (
     Store,
     UsageEvent,
 )
+from shared import protocol
 from shared.classes import ServiceClass
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 
 @pytest.fixture
@@ -188,3 +189,61 @@ async def test_authenticated_keys_are_remembered_until_the_database_changes(
         assert again.revoked
     finally:
         await store.close()
+
+
+# -- multi-statement writes are all or nothing -----------------------------------------------
+
+
+def _desired(serial: int, *accounts: protocol.AccountState) -> protocol.DesiredState:
+    return protocol.DesiredState(node_id="-", serial=serial, accounts=list(accounts), keys=[])
+
+
+def _accounts(store: Store) -> list[tuple[str, int]]:
+    """(name, withdrawn) of every account, read on the store's own connection."""
+    rows = store.db.execute("SELECT name, withdrawn FROM accounts ORDER BY name").fetchall()
+    return [(str(r[0]), int(r[1])) for r in rows]
+
+
+def test_a_desired_state_is_applied_all_or_nothing(store: Store, tmp_path: Path) -> None:
+    store.apply_desired_state(_desired(1, protocol.AccountState(name="old", service_class="S1")))
+    # The protocol bounds a quota from below only: one past SQLite's INTEGER fails at its
+    # insert, after "old" was withdrawn and "acme" inserted by the statements before it.
+    hostile = _desired(
+        2,
+        protocol.AccountState(name="acme", service_class="S2"),
+        protocol.AccountState(name="evil", service_class="S1", tokens_per_day=2**63),
+    )
+    with pytest.raises(OverflowError):
+        store.apply_desired_state(hostile)
+    assert _accounts(store) == [("old", 0)]
+    assert store.meta("desired_serial") == "1"
+    # Nothing is left open either: another connection sees the same, and can write.
+    with closing(sqlite3.connect(tmp_path / "appliance.db", timeout=0.1)) as other:
+        assert other.execute("SELECT name, withdrawn FROM accounts").fetchall() == [("old", 0)]
+        with other:
+            other.execute("UPDATE meta SET value = '1' WHERE key = 'desired_serial'")
+
+
+def test_the_leases_kept_are_replaced_all_or_nothing(store: Store) -> None:
+    def lease(lease_id: str) -> dict[str, object]:
+        return {"id": lease_id, "account": "acme", "granted": 100, "granted_at": 1.0,
+                "expires_at": 61.0, "period_ends_at": 86_401.0}  # fmt: skip
+
+    store.save_leases([(lease("L1"), True)])
+    # The same lease twice: the second insert fails after the first statement deleted L1.
+    with pytest.raises(sqlite3.IntegrityError):
+        store.save_leases([(lease("L2"), True), (lease("L2"), False)])
+    assert [(kept["id"], current) for kept, current, _ in store.load_leases()] == [("L1", True)]
+
+
+def test_every_write_of_the_state_package_is_a_transaction() -> None:
+    # `with db.conn:` reads as a transaction and is none (sqlite-utils commits each
+    # statement), and `db.atomic()` opens a deferred one: writes use shared.db.transaction.
+    package = Path(store_module.__file__).parent
+    found = [
+        f"{path.name}:{n}"
+        for path in sorted(package.glob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"^\s*with [\w.]*\.conn\b|\.atomic\(", line)
+    ]
+    assert found == []
