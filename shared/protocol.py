@@ -483,12 +483,17 @@ class LeaseAnswer(Message):
 # -- desired state ---------------------------------------------------------------------------
 
 
+# A quota the node stores: at most SQLite's largest integer, so a desired state the node
+# could not write is refused whole when it is read, not half-way through applying it.
+Quota = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
+
+
 class AccountState(Message):
     name: Name
     service_class: Literal["S0", "S1", "S2", "S3", "S4"]
-    requests_per_minute: int | None = Field(None, ge=0)
-    tokens_per_day: int | None = Field(None, ge=0)
-    budget_tokens: int | None = Field(None, ge=0)  # spent through leases when set
+    requests_per_minute: Quota | None = None
+    tokens_per_day: Quota | None = None
+    budget_tokens: Quota | None = None  # spent through leases when set
 
 
 class KeyState(Message):
