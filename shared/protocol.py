@@ -15,7 +15,9 @@ the first versioned protocol (version 1, unversioned, sent capacity as a free ma
 authenticated offloaded requests with a per-node secret); from version 3 on, the hub
 keeps serving the version before its own. A field a version added names it in
 `ADDED_IN`; the hub leaves such fields out of what it answers an older node, whose
-models refuse fields they do not know.
+models refuse fields they do not know. The hub lists each node with the version its last
+heartbeat named (`versions["protocol"]`), and `tests/test_mixed_versions.py` runs today's
+hub with a real node of today's code beside one of the previous version's commit.
 
 Version 3 is mutual TLS: a node presents its certificate (issued at enrollment, renewed
 through `POST /v1/node/certificate`) on every call, and trusts the hub through its CA

@@ -96,7 +96,7 @@ async def enroll(request: web.Request) -> web.Response:
             wg_public_key=req.wg_public_key,
             overlay_prefix=settings.overlay.prefix,
             labels=req.labels,
-            versions=req.versions,
+            versions=_with_protocol(req.versions, version),
             certify=None if csr is None else certified,
         )
     except TokenRefusedError as err:
@@ -130,6 +130,13 @@ async def enroll(request: web.Request) -> web.Response:
         renew_at=_renew_at(issued) if issued else None,
     )
     return answer(reply, status=201, version=version)
+
+
+def _with_protocol(versions: dict[str, str], version: int) -> dict[str, str]:
+    """What a node says it runs, with the protocol version its call spoke (its
+    `Kvl-Protocol`, which the hub checked, over anything the node put under that name):
+    during a rollout, which nodes are still to upgrade."""
+    return {**versions, "protocol": str(version)}
 
 
 def _request_of(pem: str | None, param: str) -> pki.Request | None:
@@ -254,7 +261,7 @@ async def heartbeat(request: web.Request) -> web.Response:
         Heartbeat(
             node.id,
             now,
-            req.versions,
+            _with_protocol(req.versions, request[NODE_PROTOCOL]),
             req.capacity,
             address=request.remote,
             objectives=req.objectives,

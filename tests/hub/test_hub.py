@@ -216,7 +216,11 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
         node = {"Authorization": f"Bearer {enrolled['node_token']}", **protocol.HEADERS}
         beat = await client.post(
             f"{base}/v1/node/heartbeat",
-            json={"versions": {"kvl": "0.1.0"}, "capacity": {"cpu_percent": 12.5}},
+            # The node's word on its protocol gives way to its call's (`Kvl-Protocol`).
+            json={
+                "versions": {"kvl": "0.1.0", "protocol": "99"},
+                "capacity": {"cpu_percent": 12.5},
+            },
             headers=node,
             ssl=pinned,
         )
@@ -264,7 +268,9 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
             if registered.last_seen is not None:
                 break
             await asyncio.sleep(0.1)
-        assert registered.versions == {"kvl": "0.1.0"}
+        # Listed with the protocol version it speaks: during a rollout, which nodes are
+        # still to upgrade.
+        assert registered.versions == {"kvl": "0.1.0", "protocol": str(protocol.PROTOCOL_VERSION)}
         assert registered.capacity == protocol.Capacity(cpu_percent=12.5)
         assert registered.wg_public_key == key
         store.revoke_node("lab-server")  # by another process, as `kvl hub nodes revoke`
