@@ -392,7 +392,8 @@ def _extract(tar: tarfile.TarFile, info: tarfile.TarInfo, member: Member, stagin
     if handle is None:  # pragma: no cover - a plain member always reads
         raise BackupError(f"{member.path!r} cannot be read")
     target = staging.joinpath(*PurePosixPath(member.path).parts)
-    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Folders as the services make them (the umask's); the secrets in them are 0600.
+    target.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     digest = hashlib.sha256()
     left = member.size
@@ -471,7 +472,7 @@ def restoring(data_dir: Path, running: str, doing: str = "restoring") -> Iterato
 
 @contextlib.contextmanager
 def _locked(data_dir: Path, how: int) -> Iterator[bool]:
-    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    data_dir.mkdir(parents=True, exist_ok=True)
     # The lock is flock(2) on an open file: the kernel drops it when the process ends,
     # however it ends, so a crashed server never leaves its data directory locked.
     fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)

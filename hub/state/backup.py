@@ -73,36 +73,35 @@ def sqlite_migrations(path: Path) -> list[str]:
 
 
 def dump_postgres(url: str, target: Path) -> tuple[list[str], dict[str, int]]:
-    """`pg_dump` of the hub's database (custom format; one snapshot, taken while the
-    replicas write) into `target`; its schema migrations and serials. BackupError when
-    the schema changed meanwhile (a newer replica migrating it): run it again."""
-    before = _postgres_schema(url)
-    pg_dump(url, target)
-    after = _postgres_schema(url)
-    if before[0] != after[0]:
-        raise BackupError("the database's schema changed during the backup: run it again")
-    return before
+    """`pg_dump` of the hub's database (custom format) into `target`, while the replicas
+    write; its schema migrations and serials. One snapshot for all three: a transaction
+    here exports it, reads them, and holds it open while `pg_dump` dumps it."""
+    import psycopg  # noqa: PLC0415 - only a hub on PostgreSQL loads the driver
+
+    with _connect(url) as conn:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        conn.read_only = True
+        with conn.transaction():
+            snapshot = str(conn.execute("SELECT pg_export_snapshot()").fetchone()[0])
+            names = [
+                str(r[0]) for r in conn.execute("SELECT name FROM schema_migrations ORDER BY name")
+            ]
+            rows = conn.execute(
+                "SELECT key, value FROM meta WHERE key IN (%s, %s)", list(SERIALS)
+            ).fetchall()
+            pg_dump(url, target, snapshot=snapshot)
+    return names, {str(k): int(v) for k, v in rows}
 
 
-def pg_dump(url: str, target: Path) -> None:
-    """The whole database as `pg_dump` writes it, custom format, into `target`."""
+def pg_dump(url: str, target: Path, *, snapshot: str | None = None) -> None:
+    """The whole database as `pg_dump` writes it, custom format, into `target` (as of an
+    exported `snapshot`, if given)."""
     _run(
         [postgres_program("pg_dump"), "--format=custom", "--no-owner", "--no-privileges",
-         f"--file={target}", f"--dbname={url}"],
+         *([f"--snapshot={snapshot}"] if snapshot else []), f"--file={target}",
+         f"--dbname={url}"],
         "pg_dump",
     )  # fmt: skip
-
-
-def _postgres_schema(url: str) -> tuple[list[str], dict[str, int]]:
-    with _connect(url) as conn:
-        names = [
-            str(r[0])
-            for r in conn.execute("SELECT name FROM schema_migrations ORDER BY name").fetchall()
-        ]
-        rows = conn.execute(
-            "SELECT key, value FROM meta WHERE key IN (%s, %s)", list(SERIALS)
-        ).fetchall()
-    return names, {str(k): int(v) for k, v in rows}
 
 
 def postgres_occupancy(url: str) -> tuple[list[str], int]:
