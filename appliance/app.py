@@ -55,6 +55,7 @@ from appliance.packages.voice import Espeak, Neural
 from appliance.serving.registry import ModelRegistry
 from appliance.state.store import AsyncStore
 from shared import __version__
+from shared.backup import serving
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -105,12 +106,16 @@ def create_app(settings: ApplianceSettings) -> web.Application:
 
 
 async def _store(app: web.Application) -> AsyncIterator[None]:
-    store = AsyncStore(app[SETTINGS].db_path)
-    await store.open()
-    app[STORE] = store
-    app[NODE_ID] = await store.run(store.sync.node_id)
-    yield
-    await store.close()
+    # The data directory's lock, held while the store is open: `kvl appliance restore`
+    # refuses to write under an appliance that serves, and one will not start under a
+    # restore.
+    with serving(app[SETTINGS].data_dir, "appliance"):
+        store = AsyncStore(app[SETTINGS].db_path)
+        await store.open()
+        app[STORE] = store
+        app[NODE_ID] = await store.run(store.sync.node_id)
+        yield
+        await store.close()
 
 
 async def _accounts(app: web.Application) -> AsyncIterator[None]:

@@ -411,3 +411,105 @@ def status(config_file: Path | None, data_dir: Path | None, as_json: bool) -> No
         return
     for key, value in report.items():
         click.echo(f"{key + ':':<17} {'-' if value is None else value}")
+
+
+@appliance.command("backup")
+@common_options
+@click.argument("out", type=click.Path(path_type=Path, dir_okay=False))
+@click.option(
+    "--no-packages",
+    is_flag=True,
+    help="Leave out the package cache (DATA/packages/): packages made here are then lost.",
+)
+@config_errors_exit
+def backup(config_file: Path | None, data_dir: Path | None, out: Path, no_packages: bool) -> None:
+    """Back the appliance up into the archive OUT (a tar; gzipped if OUT ends in .gz),
+    while it serves: its database, its fleet identity and its package cache. OUT holds the
+    node's keys: it is written mode 0600; keep it as safe as the appliance."""
+    from appliance import backup as appliance_backup  # noqa: PLC0415
+    from shared.backup import BackupError  # noqa: PLC0415
+
+    settings = _settings(config_file, data_dir)
+    try:
+        made = appliance_backup.backup(settings, out, packages=not no_packages)
+    except BackupError as err:
+        raise click.ClickException(str(err)) from err
+    manifest = made.manifest
+    click.echo(
+        f"backed up the appliance to {out}: its database (schema {manifest.migrations[-1]}, "
+        f"outbox checkpoint {manifest.serials.get('sync_checkpoint', 0)}) and "
+        f"{len(manifest.members) - 1} file(s), {manifest.size} bytes"
+    )
+    for name in made.left_out:
+        click.echo(f"not in the backup: {settings.data_dir / name}", err=True)
+
+
+@appliance.command("restore")
+@common_options
+@click.argument("archive", type=click.Path(path_type=Path, dir_okay=False, exists=True))
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Restore into a data directory that is not empty: what it holds is moved aside "
+    "first, into DATA/replaced-TIME/.",
+)
+@config_errors_exit
+def restore(config_file: Path | None, data_dir: Path | None, archive: Path, force: bool) -> None:
+    """Restore an appliance's backup into this data directory, with no appliance serving
+    from it. The archive is checked whole first. Events the hub may hold already are sent
+    again (it stores each once); the live objectives start a new epoch."""
+    import datetime  # noqa: PLC0415
+
+    from appliance import backup as appliance_backup  # noqa: PLC0415
+    from shared.backup import BackupError  # noqa: PLC0415
+
+    settings = _settings(config_file, data_dir)
+    try:
+        restored = appliance_backup.restore(settings, archive, force=force)
+    except BackupError as err:
+        raise click.ClickException(str(err)) from err
+    taken = datetime.datetime.fromtimestamp(restored.manifest.created_at, datetime.UTC)
+    click.echo(
+        f"restored the appliance as it was at {taken:%Y-%m-%d %H:%M:%S} UTC into "
+        f"{settings.data_dir}; objectives epoch {restored.epoch}"
+    )
+    if restored.set_aside is not None:
+        click.echo(f"what was there before is in {restored.set_aside}")
+
+
+@appliance.group()
+def outbox() -> None:
+    """The outbox: events recorded here for the fleet's hub."""
+
+
+@outbox.command("resend")
+@common_options
+@click.option(
+    "--since",
+    required=True,
+    type=click.DateTime(["%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%d"]),
+    help="Send again every event recorded at this time (UTC) or later.",
+)
+@config_errors_exit
+def outbox_resend(config_file: Path | None, data_dir: Path | None, since: Any) -> None:
+    """Send the hub every event recorded since a time again, e.g. after the hub was
+    restored from a backup older than that: the hub stores those it lacks and counts none
+    twice. Run it with the appliance stopped."""
+    import datetime  # noqa: PLC0415
+
+    from appliance.state.backup import resend_since  # noqa: PLC0415
+    from shared.backup import BackupError, restoring  # noqa: PLC0415
+
+    settings = _settings(config_file, data_dir)
+    try:
+        # While the link runs, an acknowledgement in flight would move the checkpoint
+        # forward again, past events this moved it back before.
+        with restoring(settings.data_dir, "an appliance", "resending"):
+            store = _store(settings)
+            try:
+                lag = resend_since(store, since.replace(tzinfo=datetime.UTC))
+            finally:
+                store.close()
+    except BackupError as err:
+        raise click.ClickException(str(err)) from err
+    click.echo(f"the outbox holds {lag} event(s) to send; the appliance sends them once started")

@@ -45,6 +45,7 @@ from hub.offload import Forwarder
 from hub.reconciler import reconcile_forever
 from hub.state.store import AsyncHubStore
 from shared import __version__
+from shared.backup import serving
 from shared.tracing import Tracing
 
 if TYPE_CHECKING:
@@ -124,12 +125,15 @@ async def freezing(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _store(app: web.Application) -> AsyncIterator[None]:
-    store = AsyncHubStore(app[SETTINGS])  # SQLite, or PostgreSQL at settings.database_url
-    await store.open()
-    store.timed = app[METRICS].timed_call
-    app[STORE] = store
-    yield
-    await store.close()
+    # The data directory's lock, held while the store is open: `kvl hub restore` refuses
+    # to write under a hub that serves, and a hub will not start under a restore.
+    with serving(app[SETTINGS].data_dir, "hub"):
+        store = AsyncHubStore(app[SETTINGS])  # SQLite, or PostgreSQL at settings.database_url
+        await store.open()
+        store.timed = app[METRICS].timed_call
+        app[STORE] = store
+        yield
+        await store.close()
 
 
 async def _heartbeats(app: web.Application) -> AsyncIterator[None]:

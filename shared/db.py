@@ -99,6 +99,50 @@ def _savepoint(conn: sqlite3.Connection) -> Iterator[None]:
     conn.execute(f"RELEASE {savepoint}")
 
 
+def snapshot(source: Path, target: Path) -> None:
+    """A consistent copy of the database at `source` in a new file `target`, taken while
+    other connections go on writing: SQLite's online backup API in one step, which reads
+    one snapshot (in WAL mode writers never wait for it; copied in several steps, each
+    write elsewhere would start the copy over). The copy is in rollback-journal mode, one
+    file whole; whoever opens it next puts it back in WAL mode."""
+    source_conn = sqlite3.connect(f"{source.resolve().as_uri()}?mode=rw", uri=True, timeout=30.0)
+    try:
+        target_conn = sqlite3.connect(str(target))
+        try:
+            source_conn.backup(target_conn)
+            target_conn.execute("PRAGMA journal_mode=DELETE")
+        finally:
+            target_conn.close()
+    finally:
+        source_conn.close()
+
+
+def integrity_problems(path: Path) -> list[str]:
+    """What `PRAGMA integrity_check` finds wrong with the database file (none: [])."""
+    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        rows = [str(r[0]) for r in conn.execute("PRAGMA integrity_check").fetchall()]
+    except sqlite3.DatabaseError as err:
+        return [str(err)]
+    finally:
+        conn.close()
+    return [] if rows == ["ok"] else rows
+
+
+def applied_migrations(path: Path, migrations: Migrations) -> list[str]:
+    """The names of `migrations` the database file has had, oldest first; read only."""
+    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        return [m.name for m in migrations.applied(Database(conn))]
+    finally:
+        conn.close()
+
+
+def known_migrations(migrations: Migrations) -> list[str]:
+    """The names of every migration this code has, in order."""
+    return [m.name for m in migrations.pending(Database(memory=True))]
+
+
 def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds")
 

@@ -119,6 +119,8 @@ class ModelRecord:
 
 
 now_iso = db.now_iso
+# The last worker restart (by id) of an epoch before the current one, if any.
+RESTARTS_COUNTED_AFTER = "objectives_restarts_after"
 EVERY_ACCOUNT = 0  # a package_owners row every account may see (account ids start at 1)
 
 
@@ -639,8 +641,12 @@ class Store:
         return epoch
 
     def worker_restart_count(self) -> int:
-        """Model-worker restarts recorded (any cause), since the database was made."""
-        return int(self.db.execute("SELECT COUNT(*) FROM worker_restarts").fetchone()[0])
+        """Model-worker restarts recorded (any cause) in the objectives' epoch: since the
+        database was made, or since it was restored (a restore starts a new epoch, which the
+        hub counts whole: appliance/state/backup.py)."""
+        after = int(self.meta(RESTARTS_COUNTED_AFTER) or 0)
+        row = self.db.execute("SELECT COUNT(*) FROM worker_restarts WHERE id > ?", [after])
+        return int(row.fetchone()[0])
 
     # -- models --------------------------------------------------------------------------
 

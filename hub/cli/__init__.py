@@ -1,6 +1,6 @@
 """`kvl hub …`: serve the hub, and manage its enrollment tokens, nodes, accounts, keys,
-models and deployments, packages, operators and console users, and read the fleet's
-objectives. One module per command
+models and deployments, packages, operators and console users, read the fleet's
+objectives, and back the hub up and restore it. One module per command
 group; each opens the store the one way (`common.opened_store`)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from hub.cli import (
     accounts,
     admin,
     alerts,
+    backup,
     ca,
     keys,
     models,
@@ -47,5 +48,7 @@ for command in (
     admin.admin,  # `kvl hub admin …`: the console's users
     ca.ca,
     alerts.alerts,
+    backup.backup,
+    backup.restore,
 ):
     hub.add_command(command)
