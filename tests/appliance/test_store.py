@@ -6,6 +6,7 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from appliance.state import store as store_module
 from appliance.state.migrations import migrations
@@ -206,12 +207,17 @@ def _accounts(store: Store) -> list[tuple[str, int]]:
 
 def test_a_desired_state_is_applied_all_or_nothing(store: Store, tmp_path: Path) -> None:
     store.apply_desired_state(_desired(1, protocol.AccountState(name="old", service_class="S1")))
-    # The protocol bounds a quota from below only: one past SQLite's INTEGER fails at its
-    # insert, after "old" was withdrawn and "acme" inserted by the statements before it.
+    # A quota past SQLite's INTEGER (the protocol refuses it when read, as it did not
+    # before; built here without validation) fails at its insert, after "old" was
+    # withdrawn and "acme" inserted by the statements before it.
+    with pytest.raises(ValidationError):
+        protocol.AccountState(name="evil", service_class="S1", tokens_per_day=2**63)
     hostile = _desired(
         2,
         protocol.AccountState(name="acme", service_class="S2"),
-        protocol.AccountState(name="evil", service_class="S1", tokens_per_day=2**63),
+        protocol.AccountState.model_construct(
+            name="evil", service_class="S1", tokens_per_day=2**63
+        ),
     )
     with pytest.raises(OverflowError):
         store.apply_desired_state(hostile)
