@@ -35,8 +35,10 @@ from shared import __version__, db
 from shared.backup import (
     BackupError,
     Kind,
+    Made,
     Manifest,
     Source,
+    check_out,
     install,
     is_private,
     occupied,
@@ -65,12 +67,6 @@ def allowed(path: str) -> bool:
 
 
 @dataclass(frozen=True)
-class Made:
-    manifest: Manifest
-    left_out: list[str]  # what the data directory holds that the backup does not
-
-
-@dataclass(frozen=True)
 class Restored:
     manifest: Manifest
     epoch: str  # the live objectives' new epoch
@@ -85,10 +81,7 @@ def backup(
     clock: Callable[[], float] = time.time,
 ) -> Made:
     """The appliance's backup in the archive `out` (mode 0600), taken while it serves."""
-    if out.exists() or out.is_symlink():
-        raise BackupError(f"{out} exists already: name another file")
-    if not out.parent.is_dir():
-        raise BackupError(f"{out.parent} is not a folder")
+    check_out(out)
     if not settings.db_path.is_file():
         raise BackupError(f"no appliance database at {settings.db_path}: nothing to back up")
     created = clock()

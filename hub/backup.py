@@ -34,8 +34,10 @@ from shared.backup import (
     BackupError,
     DataDirBusyError,
     Kind,
+    Made,
     Manifest,
     Source,
+    check_out,
     install,
     is_private,
     occupied,
@@ -70,12 +72,6 @@ def allowed(path: str) -> bool:
 
 
 @dataclass(frozen=True)
-class Made:
-    manifest: Manifest
-    left_out: list[str]  # what the data directory holds that the backup does not
-
-
-@dataclass(frozen=True)
 class Restored:
     manifest: Manifest
     serials: dict[str, tuple[int, int]]  # each serial: (as restored, moved on to)
@@ -90,10 +86,7 @@ def backup(
     clock: Callable[[], float] = time.time,
 ) -> Made:
     """The hub's backup in the archive `out` (mode 0600), taken while it serves."""
-    if out.exists() or out.is_symlink():
-        raise BackupError(f"{out} exists already: name another file")
-    if not out.parent.is_dir():
-        raise BackupError(f"{out.parent} is not a folder")
+    check_out(out)
     created = clock()
     with tempfile.TemporaryDirectory(prefix=".kvl-backup-", dir=out.parent) as work:
         if settings.database_url is None:

@@ -112,6 +112,22 @@ class Source:
     sha256: str | None = None
 
 
+@dataclass(frozen=True)
+class Made:
+    """A backup written: its manifest, and what the data directory holds that it does not."""
+
+    manifest: Manifest
+    left_out: list[str]
+
+
+def check_out(out: Path) -> None:
+    """Refuse to write a backup over a file, or into a folder that is not there."""
+    if out.exists() or out.is_symlink():
+        raise BackupError(f"{out} exists already: name another file")
+    if not out.parent.is_dir():
+        raise BackupError(f"{out.parent} is not a folder")
+
+
 def is_private(path: Path) -> bool:
     """Whether a file is a secret: readable by its owner alone (shared.files.write_private)."""
     return path.stat().st_mode & 0o077 == 0
