@@ -15,6 +15,7 @@ from hub.alerting import rules
 from hub.fleet.budgets import burn_rate
 from hub.loops import running
 from hub.state.alerts import labels_text
+from hub.state.nodes import HEALTH_CHUNK
 from hub.state.store import HubStore
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from hub.loops import Running
     from hub.settings import HubSettings
     from hub.state.alerts import AlertRecord, Firing
+    from hub.state.nodes import NodeHealth
     from hub.state.store import AsyncHubStore
     from shared.supervise import Failures
 
@@ -55,7 +57,7 @@ class Evaluator:
         now = time.time()
         firing: list[Firing] = []
         evaluated: set[str] = set()
-        nodes = await store.nodes()
+        nodes = await fleet_health(store)
         with self._failures.guard(f"{LOOP}.nodes"):
             certificates = await store.read(HubStore.newest_certificates)
             firing += rules.node_alerts(now, nodes, certificates, self._signing_ca(), settings)
@@ -98,6 +100,17 @@ class Evaluator:
         """Held rules' firings once they have held long enough (or fire already)."""
         kept, self._holding = rules.hold(firing, already, self._holding, now, self._settings.alerts)
         return kept
+
+
+async def fleet_health(store: AsyncHubStore) -> list[NodeHealth]:
+    """Every node's health, read a chunk at a time beside the writer: the node calls run
+    between the chunks."""
+    nodes: list[NodeHealth] = []
+    while True:
+        chunk = await store.read(HubStore.node_health, nodes[-1].id if nodes else "")
+        nodes += chunk
+        if len(chunk) < HEALTH_CHUNK:
+            return nodes
 
 
 @contextlib.asynccontextmanager

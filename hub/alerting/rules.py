@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from hub.alerting.settings import AlertsSettings
     from hub.settings import HubSettings
-    from hub.state.store import IssuedCertificate, Node
+    from hub.state.store import IssuedCertificate
 
 SLO_BURN = "slo_burn"
 NODE_STALE = "node_stale"
@@ -72,6 +72,37 @@ class BurnPair:
 
 def burn_pairs(settings: AlertsSettings) -> list[BurnPair]:
     return [BurnPair(b.long_s, b.short_s, b.factor, b.severity) for b in settings.burn]
+
+
+class HeartbeatLike(Protocol):
+    """The fields of a node's last heartbeat the node rules judge (`protocol.Capacity`)."""
+
+    @property
+    def outbox_alarm(self) -> bool: ...
+    @property
+    def outbox_lag(self) -> int: ...
+    @property
+    def leases_lapsed(self) -> int: ...
+    @property
+    def lease_failures(self) -> int: ...
+
+
+class NodeLike(Protocol):
+    """What the node rules read of a node: a `Node`, or the lighter `NodeHealth` the alert
+    loop reads (hub/state/nodes.py)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def site(self) -> str: ...
+    @property
+    def last_seen(self) -> float | None: ...
+    @property
+    def revoked(self) -> bool: ...
+    @property
+    def capacity(self) -> HeartbeatLike: ...
 
 
 class SloTotalsLike(Protocol):
@@ -128,7 +159,7 @@ def _times(rate: float) -> str:
 
 def node_alerts(
     now: float,
-    nodes: Sequence[Node],
+    nodes: Sequence[NodeLike],
     certificates: Mapping[str, IssuedCertificate],
     signing_ca: str | None,
     settings: HubSettings,
@@ -197,7 +228,7 @@ def _many(count: int, thing: str) -> str:
 
 
 def restart_alerts(
-    restarts: Mapping[str, int], nodes: Sequence[Node], settings: AlertsSettings
+    restarts: Mapping[str, int], nodes: Sequence[NodeLike], settings: AlertsSettings
 ) -> list[Firing]:
     """Nodes whose model workers restarted more than `restarts` times in the window
     (`restarts`: by node id, over `restarts_window_s`)."""

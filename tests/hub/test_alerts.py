@@ -23,7 +23,7 @@ from hub.app import create_app
 from hub.fleet.budgets import burn_rate
 from hub.settings import HubSettings
 from hub.state.alerts import Firing
-from hub.state.store import IssuedCertificate, Node, open_store
+from hub.state.store import Heartbeat, IssuedCertificate, Node, open_store
 from shared import protocol
 from shared.errors import ErrorCode
 from shared.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, verify
@@ -48,6 +48,47 @@ def _node(name: str, last_seen: float | None, **capacity: Any) -> Node:
         enrolled_at=0.0, last_seen=last_seen, revoked_at=None,
         capacity=protocol.Capacity(**capacity),
     )  # fmt: skip
+
+
+def test_the_alert_loop_reads_every_nodes_health_in_chunks(
+    tmp_path: Path, hub_database: HubDatabase
+) -> None:
+    """`node_health`, a chunk at a time, reads every node once with what its heartbeat
+    said (the rules judge the same as on a whole `Node`), and a capacity stored by an
+    older hub, free-form, as defaults."""
+    store = open_store(settings_for(tmp_path, hub_database))
+    try:
+        ids = [_enroll(store, f"n{i}")[0] for i in range(7)]
+        now = time.time()
+        lapsed = protocol.Capacity(outbox_alarm=True, outbox_lag=40, leases_lapsed=2,
+                                   lease_failures=3)  # fmt: skip
+        store.heartbeats(
+            [Heartbeat(ids[0], now, {}, lapsed)]
+            + [Heartbeat(i, now, {}, protocol.Capacity()) for i in ids[1:]]
+        )
+        store.db.execute(
+            "UPDATE nodes SET capacity = ? WHERE id = ?",
+            ['{"outbox_alarm": "yes", "outbox_lag": -4, "free": {"form": 1}}', ids[1]],
+        )
+        read: list[Any] = []
+        while len(chunk := store.node_health(read[-1].id if read else "", limit=3)) == 3:
+            read += chunk
+        read += chunk
+        assert sorted(h.id for h in read) == sorted(ids)
+        health = {h.id: h for h in read}
+        assert health[ids[0]].capacity.leases_lapsed == 2
+        assert (health[ids[0]].capacity.outbox_alarm, health[ids[0]].capacity.outbox_lag) == (
+            True, 40,
+        )  # fmt: skip
+        assert health[ids[1]].capacity == health[ids[2]].capacity  # defaults
+        whole = {n.id: n for n in store.nodes()}
+        settings = HubSettings()
+        assert _fired(rules.node_alerts(now, read, {}, None, settings)) == _fired(
+            rules.node_alerts(now, [whole[i] for i in ids[::-1] if i != ids[1]], {}, None,
+                              settings)
+        ) | _fired(rules.node_alerts(now, [health[ids[1]]], {}, None, settings))  # fmt: skip
+    finally:
+        store.close()
 
 
 def _certificate(node: str, ca: str, issued_at: float, not_after: float) -> IssuedCertificate:
