@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from hub.identity import hub_keys, overlay_address
 from hub.loops import running
+from hub.state.store import HubStore
 from shared.wireguard import InterfaceConfig, Peer, Tunnel, WireGuardError
 
 if TYPE_CHECKING:
@@ -67,15 +68,14 @@ async def reconcile_peers(store: AsyncHubStore, tunnel: Tunnel, failures: Failur
 
 async def sync_peers(store: AsyncHubStore, tunnel: Tunnel) -> None:
     """One round: peers of revoked or deleted nodes removed, those of new nodes added."""
-    nodes = await store.nodes()
-    wanted = {n.wg_public_key: n for n in nodes if not n.revoked}
+    wanted = await store.read(HubStore.wireguard_peers)
     state = await asyncio.to_thread(tunnel.state)
     present = {p.public_key for p in state.peers}
     for key in present - wanted.keys():
         await asyncio.to_thread(tunnel.remove_peer, key)
         log.info("removed the peer of a revoked node")
     for key in wanted.keys() - present:
-        node = wanted[key]
-        allowed = (ipaddress.ip_network(f"{node.overlay_address}/32"),)
+        address, name = wanted[key]
+        allowed = (ipaddress.ip_network(f"{address}/32"),)
         await asyncio.to_thread(tunnel.add_peer, Peer(key, allowed))
-        log.info("added the peer of %s (%s)", node.name, node.overlay_address)
+        log.info("added the peer of %s (%s)", name, address)
