@@ -288,7 +288,8 @@ class ObjectivesSettings(BaseModel):
             "How often at most a node's objectives are counted, in seconds: its heartbeats "
             "carry cumulative counters, so the newest one holds everything before it and "
             "the hub counts it once per this period (the last one waiting is counted when "
-            "its period ends, heartbeat or not). 0 counts every heartbeat. Longer costs a "
+            "its period ends, heartbeat or not; a node's first after a random share of "
+            "it). 0 counts every heartbeat. Longer costs a "
             "large fleet less CPU; the counts reach the windows and alerts up to this much "
             "later."
         ),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import random
 import time
 from typing import TYPE_CHECKING
 
@@ -35,16 +36,25 @@ class Heartbeats:
     that came before it, and counting one in four of a node's heartbeats (every minute,
     at 15 s heartbeats) counts the same values for a quarter of the flush's work. The
     newest not yet counted waits here and is counted when its node's period ends, whether
-    or not another heartbeat came (a node gone quiet is counted all the same); the last
-    flush, on the way out, counts every one waiting. A crash loses what waits here as it
+    or not another heartbeat came (a node gone quiet is counted all the same); a node not
+    yet counted by this process, after a random share of the period; the last flush, on
+    the way out, counts every one waiting. A crash loses what waits here as it
     loses `last_seen`: the node's next heartbeat carries the same counters, and more."""
 
     def __init__(
-        self, count_every_s: float = 0.0, *, clock: Callable[[], float] = time.monotonic
+        self,
+        count_every_s: float = 0.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        spread: Callable[[], float] = random.random,
     ) -> None:
         self._waiting: dict[str, Heartbeat] = {}
         self.count_every_s = count_every_s
         self._clock = clock
+        # A node this process has not counted yet waits a random share of the period: a
+        # hub that starts (or restarts) hears every node within one heartbeat interval,
+        # and counting them all in that interval is the whole cost the period saves.
+        self._spread = spread
         # The newest heartbeat of each node whose objectives wait to be counted, when each
         # node was last counted, and (when its period ends, node) for those waiting.
         self._uncounted: dict[str, Heartbeat] = {}
@@ -76,9 +86,11 @@ class Heartbeats:
             node = beat.node_id
             if node not in self._uncounted:
                 since = self._counted_at.get(node)
-                heapq.heappush(
-                    self._due, (now if since is None else since + self.count_every_s, node)
-                )
+                if since is None:  # not counted by this process yet
+                    due = now + self._spread() * self.count_every_s
+                else:
+                    due = since + self.count_every_s
+                heapq.heappush(self._due, (due, node))
             self._uncounted[node] = beat
         counted = []
         while self._due and (last or self._due[0][0] <= now):
