@@ -3,6 +3,7 @@ body parser, the bearer token, the protocol version a node speaks, and protocol 
 
 from __future__ import annotations
 
+import io
 import logging
 import secrets
 import time
@@ -125,13 +126,20 @@ def protocol_version(request: web.Request) -> int:
     )
 
 
+LARGE_BODY = 1 << 20  # bytes: aiohttp's own threshold for a body written whole
+
+
 def answer(
     message: protocol.Message, status: int = 200, *, version: int = protocol.PROTOCOL_VERSION
 ) -> web.Response:
     """A protocol message, with the protocol version this hub speaks; for a node of an
     older ``version``, without the fields that version does not know."""
+    body = protocol.dump_for(message, version).encode()
     return web.Response(
-        body=protocol.dump_for(message, version),
+        # A body of over 1 MiB (a large fleet's desired state) written from bytes whole
+        # holds the event loop, and aiohttp warns so at every answer: a stream of them
+        # is written in chunks.
+        body=io.BytesIO(body) if len(body) > LARGE_BODY else body,
         status=status,
         content_type="application/json",
         headers=protocol_header(),

@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from wireguard_tools import WireguardKey
 
 from hub.app import create_app
 from hub.cli.common import parse_duration
 from hub.fleet.heartbeats import HEARTBEATS_EVERY_S
+from hub.http import LARGE_BODY, answer
 from hub.identity import certificates, ssl_context
 from hub.planning.health import NodeStatus, node_status
 from hub.settings import HubSettings
@@ -30,7 +32,7 @@ from tests.conftest import kvl
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from pytest_aiohttp import AiohttpServer
+    from pytest_aiohttp import AiohttpClient, AiohttpServer
 
     from tests.hub.conftest import HubDatabase
 
@@ -579,3 +581,29 @@ async def test_event_batches_arriving_together_are_committed_together_and_each_a
 def _spoiled(secret: str) -> str:
     """The secret with its last character changed (to another one, whatever it was)."""
     return secret[:-1] + ("y" if secret.endswith("x") else "x")
+
+
+async def test_a_protocol_answer_over_a_mebibyte_is_written_in_chunks(
+    aiohttp_client: AiohttpClient,
+) -> None:
+    """A desired state of over 1 MiB (a large fleet's accounts) is answered whole, and not
+    from bytes written at once, which aiohttp warns holds the event loop: under the
+    tests' warnings-as-errors that warning was a 500 at every state pull."""
+    state = protocol.DesiredState(
+        node_id="n",
+        serial=1,
+        accounts=[protocol.AccountState(name=f"account-{i:06d}", service_class="S1")
+                  for i in range(30_000)],
+        keys=[],
+    )  # fmt: skip
+    assert len(protocol.dump_for(state, protocol.PROTOCOL_VERSION)) > LARGE_BODY
+
+    async def pull(request: web.Request) -> web.Response:
+        return answer(state)
+
+    app = web.Application()
+    app.router.add_get("/state", pull)
+    client = await aiohttp_client(app)
+    response = await client.get("/state")
+    assert response.status == 200
+    assert protocol.DesiredState.model_validate_json(await response.read()) == state
