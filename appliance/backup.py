@@ -21,7 +21,6 @@ changes, and why).
 from __future__ import annotations
 
 import re
-import secrets
 import shutil
 import tempfile
 import time
@@ -38,11 +37,13 @@ from shared.backup import (
     Made,
     Manifest,
     Source,
+    aside_stamp,
     check_out,
     install,
     is_private,
     occupied,
     read_archive,
+    refuse_occupied,
     restoring,
     set_aside,
     write_archive,
@@ -150,12 +151,8 @@ def restore(
     data_dir = settings.data_dir
     with restoring(data_dir, "an appliance"):
         present = occupied(data_dir)
-        if present and not force:
-            raise BackupError(
-                f"the target is not empty ({', '.join(present[:4])}"
-                f"{', …' if len(present) > 4 else ''} in {data_dir}): restore into an empty "
-                "one, or pass --force to set what is there aside first"
-            )
+        if not force:
+            refuse_occupied(present, data_dir)
         staging = Path(tempfile.mkdtemp(prefix=".restore-", dir=data_dir))
         try:
             manifest = read_archive(archive, staging, kind=KIND, allowed=allowed, check=_check)
@@ -168,8 +165,7 @@ def restore(
                 )
             aside = None
             if present:
-                stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(clock()))
-                aside = set_aside(data_dir, present, f"{stamp}-{secrets.token_hex(2)}")
+                aside = set_aside(data_dir, present, aside_stamp(clock()))
             install(staging, data_dir, sorted(p.name for p in staging.iterdir()))
             store = Store(settings.db_path)  # an older schema is migrated forward here
             try:

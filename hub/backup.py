@@ -19,7 +19,6 @@ every node takes the restored state.
 from __future__ import annotations
 
 import re
-import secrets
 import shutil
 import tempfile
 import time
@@ -37,11 +36,13 @@ from shared.backup import (
     Made,
     Manifest,
     Source,
+    aside_stamp,
     check_out,
     install,
     is_private,
     occupied,
     read_archive,
+    refuse_occupied,
     restoring,
     set_aside,
     write_archive,
@@ -176,13 +177,8 @@ def restore(
                     f"{others} hub connection(s) are open on the database (database_url): "
                     "stop every replica, and every `kvl hub` command, before restoring"
                 )
-        if (present or tables) and not force:
-            held = [*present, *(["the database's tables"] if tables else [])]
-            raise BackupError(
-                f"the target is not empty ({', '.join(held[:4])}{', …' if len(held) > 4 else ''}"
-                f" in {data_dir}): restore into an empty one, or pass --force to set what is "
-                "there aside first"
-            )
+        if not force:
+            refuse_occupied([*present, *(["the database's tables"] if tables else [])], data_dir)
         staging = Path(tempfile.mkdtemp(prefix=".restore-", dir=data_dir))
         try:
             manifest = read_archive(
@@ -193,8 +189,7 @@ def restore(
             # Everything checked: from here on the target changes.
             aside = None
             if present or tables:
-                stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(clock()))
-                aside = set_aside(data_dir, present, f"{stamp}-{secrets.token_hex(2)}")
+                aside = set_aside(data_dir, present, aside_stamp(clock()))
                 if url is not None and tables:
                     stored.pg_dump(url, aside / DUMP)
                     stored.drop_tables(url, tables)

@@ -32,6 +32,7 @@ import re
 import secrets
 import shutil
 import tarfile
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -126,6 +127,21 @@ def check_out(out: Path) -> None:
         raise BackupError(f"{out} exists already: name another file")
     if not out.parent.is_dir():
         raise BackupError(f"{out.parent} is not a folder")
+
+
+def refuse_occupied(held: Sequence[str], data_dir: Path) -> None:
+    """Refuse a restore into a target that holds something (`held`, what it names)."""
+    if held:
+        named = ", ".join(held[:4]) + (", …" if len(held) > 4 else "")
+        raise BackupError(
+            f"the target is not empty ({named} in {data_dir}): restore into an empty one, or "
+            "pass --force to set what is there aside first"
+        )
+
+
+def aside_stamp(now: float) -> str:
+    """The name of the folder a forced restore sets the target's files aside in."""
+    return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}-{secrets.token_hex(2)}"
 
 
 def is_private(path: Path) -> bool:
