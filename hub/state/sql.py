@@ -87,8 +87,16 @@ class Database:
     _depth = 0  # transactions open, the outermost and those nested in it
 
     @contextmanager
-    def transaction(self) -> Iterator[None]:
-        """Everything inside commits together, or not at all (nested: joins the outer)."""
+    def transaction(self, *, durable: bool = True) -> Iterator[None]:
+        """Everything inside commits together, or not at all (nested: joins the outer, and
+        the outer's durability).
+
+        `durable=False` is for soft state a crash may lose whole: the commit does not wait
+        for the disk (SQLite's `synchronous=NORMAL` in WAL mode, PostgreSQL's
+        `synchronous_commit = off`), so it never holds the writer for a flush to disk. The
+        database stays consistent either way; a crash (of the machine, not the process)
+        may roll back the last such transactions, never half of one, and the next durable
+        commit carries them to the disk with its own."""
         if self._depth:
             self._depth += 1
             try:
@@ -96,14 +104,14 @@ class Database:
             finally:
                 self._depth -= 1
             return
-        with self._outermost():
+        with self._outermost(durable=durable):
             self._depth = 1
             try:
                 yield
             finally:
                 self._depth = 0
 
-    def _outermost(self) -> AbstractContextManager[None]:
+    def _outermost(self, *, durable: bool) -> AbstractContextManager[None]:
         """The backend's own transaction: begun, then committed, or rolled back on error."""
         raise NotImplementedError
 
@@ -123,6 +131,8 @@ class SQLiteDatabase(Database):
         # write left open by the driver's implicit BEGIN.
         self._conn.commit()
         self._conn.isolation_level = None
+        # What durable transactions commit with (shared.db's FULL), put back after a soft one.
+        self._synchronous = int(self._conn.execute("PRAGMA synchronous").fetchone()[0])
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows:
         try:
@@ -137,18 +147,25 @@ class SQLiteDatabase(Database):
             raise _sqlite_error(err) from err
 
     @contextmanager
-    def _outermost(self) -> Iterator[None]:
-        self.execute("BEGIN IMMEDIATE")
+    def _outermost(self, *, durable: bool) -> Iterator[None]:
+        if not durable:
+            # Set outside the transaction (SQLite takes it per connection), and back after.
+            self._conn.execute("PRAGMA synchronous=NORMAL")
         try:
-            yield
-        except BaseException:
-            self._conn.rollback()
-            raise
-        try:
-            self._conn.commit()
-        except sqlite3.Error as err:
-            self._conn.rollback()
-            raise _sqlite_error(err) from err
+            self.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                self._conn.rollback()
+                raise
+            try:
+                self._conn.commit()
+            except sqlite3.Error as err:
+                self._conn.rollback()
+                raise _sqlite_error(err) from err
+        finally:
+            if not durable:
+                self._conn.execute(f"PRAGMA synchronous={self._synchronous}")
 
     def close(self) -> None:
         self._conn.close()
@@ -271,11 +288,13 @@ class PostgresDatabase(Database):
             raise _postgres_error(err) from err
 
     @contextmanager
-    def _outermost(self) -> Iterator[None]:
+    def _outermost(self, *, durable: bool) -> Iterator[None]:
         import psycopg  # noqa: PLC0415
 
         try:
             with self._ready().transaction():
+                if not durable:
+                    self.execute("SET LOCAL synchronous_commit TO OFF")
                 yield
         except psycopg.Error as err:
             raise _postgres_error(err) from err

@@ -136,10 +136,12 @@ class HubStore(
     def heartbeats(
         self, beats: Sequence[Heartbeat], counted: Sequence[Heartbeat] | None = None
     ) -> Ingested:
-        """The flush of the waiting heartbeats: the nodes' rows, and the objectives of
-        `counted` (default: of `beats`) counted into the buckets, in one transaction; what
-        the objectives added."""
-        with self.db.transaction():
+        """A flush of waiting heartbeats: the nodes' rows, and the objectives of `counted`
+        (default: of `beats`) counted into the buckets, in one transaction; what the
+        objectives added. Soft state, committed without waiting for the disk: a crash that
+        loses it loses a second of `last_seen`, and counts that move back with their cursors
+        (the nodes' next heartbeats carry the same counters, and more)."""
+        with self.db.transaction(durable=False):
             if beats:
                 self.record_heartbeats(beats)
             return self.ingest_objectives(beats if counted is None else counted)
