@@ -7,6 +7,8 @@ numbers."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import math
 import threading
@@ -18,9 +20,9 @@ from pydantic import ValidationError
 
 from hub.app import create_app
 from hub.fleet import budgets
-from hub.fleet.heartbeats import Heartbeats
+from hub.fleet.heartbeats import COUNTS_A_TURN, Heartbeats
 from hub.fleet.objectives import OTHER_ACCOUNT, Ingested, SloTotals, quantile
-from hub.keys import BEATS
+from hub.keys import BEATS, STORE
 from hub.settings import HubSettings
 from hub.state.objectives import FIVE_MINUTES, HOUR, KEPT_S, SloFilters
 from hub.state.store import Heartbeat, HubStore, open_store
@@ -292,6 +294,64 @@ async def test_a_stopping_hub_counts_the_objectives_still_waiting(
     assert (counted.requests if counted else 0) in (0, 10)
     await client.close()  # the hub stops: its last flush
     assert _totals(settings)[("S1", "acme")].requests == 25
+
+
+async def test_a_flush_is_written_in_turns_that_let_queued_calls_go_between(
+    aiohttp_client: AiohttpClient, fleet: tuple[HubSettings, dict[str, str]]
+) -> None:
+    """Many nodes' objectives due in one flush are counted a few nodes a turn of the store's
+    writer, each turn its own transaction: a call queued on the writer meanwhile (a sync's
+    group commit) runs between turns instead of after the whole flush. Every count lands."""
+    settings, _ = fleet
+    nodes = 2 * COUNTS_A_TURN + 5
+    store = open_store(settings)
+    try:
+        ids = [_enroll(store, f"t{i}")[0] for i in range(nodes)]
+    finally:
+        store.close()
+    app = create_app(settings)
+    await aiohttp_client(app)
+    writer = app[STORE]
+    order: list[str] = []
+    turns: list[tuple[int, int]] = []
+    write = writer.sync.heartbeats
+    loop = asyncio.get_running_loop()
+    queued: list[concurrent.futures.Future[None]] = []
+    submitted = threading.Event()
+
+    async def queued_call() -> None:
+        call = asyncio.ensure_future(writer.run(order.append, "queued"))
+        await asyncio.sleep(0)  # the call's first step ran: it waits on the writer
+        submitted.set()
+        await call
+
+    def recording(rows: list[Heartbeat], counts: list[Heartbeat]) -> Ingested:
+        order.append("turn")
+        turns.append((len(rows), len(counts)))
+        if counts and not queued:  # the first counting turn: a call comes in meanwhile
+            queued.append(asyncio.run_coroutine_threadsafe(queued_call(), loop))
+            assert submitted.wait(5.0)
+        return write(rows, counts)
+
+    app[STORE].sync.heartbeats = recording  # type: ignore[method-assign,assignment]
+    now = time.time()
+    for node_id in ids:
+        app[BEATS].add(_beat(node_id, now, "e", series(requests=3, met=3)))
+
+    def all_counted() -> bool:
+        return _totals(settings).get(("S1", "acme")) is not None and (
+            _totals(settings)[("S1", "acme")].requests == 3 * nodes
+        )
+
+    await until(all_counted, "every node's objectives counted", timeout_s=10.0)
+    counting = [counts for _, counts in turns if counts]
+    assert sum(counting) == nodes
+    assert max(counting) <= COUNTS_A_TURN
+    assert len(counting) >= 3
+    assert all(not (rows and counts) for rows, counts in turns)
+    # The call queued during the first counting turn ran before the last turn.
+    assert "queued" in order
+    assert order.index("queued") < len(order) - 1, order
 
 
 def _hostile_objectives() -> list[str]:

@@ -1,6 +1,6 @@
 """hub.state.sql: one statement, both databases. Placeholders, transactions (all or nothing,
-nested ones joining the outer), row counts and error families, on a real SQLite file and
-a real PostgreSQL database."""
+nested ones joining the outer, soft ones committing without waiting for the disk), row
+counts and error families, on a real SQLite file and a real PostgreSQL database."""
 
 from __future__ import annotations
 
@@ -90,3 +90,40 @@ def test_row_counts_and_conflicts_are_the_same_on_both(database: Database) -> No
     with pytest.raises(IntegrityError):  # a failed transaction leaves nothing behind
         insert_twice()
     assert [r["id"] for r in database.query("SELECT id FROM items ORDER BY id")] == ["a", "b"]
+
+
+def _commit_setting(database: Database) -> str:
+    """How this connection commits now: SQLite's `synchronous` (2: FULL, 1: NORMAL), or
+    PostgreSQL's `synchronous_commit`."""
+    if isinstance(database, SQLiteDatabase):
+        return str(database.execute("PRAGMA synchronous").fetchone()[0])
+    return str(database.execute("SHOW synchronous_commit").fetchone()[0])
+
+
+def test_a_soft_transaction_commits_without_the_disk_and_only_itself(database: Database) -> None:
+    # The tests' PostgreSQL cluster is itself set not to wait for the disk (speed): what a
+    # soft transaction must do is set its own, and leave the connection's as it was.
+    before = _commit_setting(database)
+    if isinstance(database, SQLiteDatabase):
+        assert before == "2"  # FULL, as shared.db opens every store
+    with database.transaction(durable=False):
+        database.execute("INSERT INTO items (id, n) VALUES (?, ?)", ["a", 1])
+        assert _commit_setting(database) in {"1", "off"}
+        with database.transaction():  # joins the soft one
+            database.execute("INSERT INTO items (id, n) VALUES (?, ?)", ["b", 2])
+    # The next transaction, and everything after, commits as before; a soft one that
+    # fails leaves nothing behind and puts the setting back all the same.
+    assert _commit_setting(database) == before
+
+    def fail_softly() -> None:
+        with database.transaction(durable=False):
+            database.execute("UPDATE items SET n = n + 10")
+            raise RuntimeError("changed my mind")
+
+    with pytest.raises(RuntimeError):
+        fail_softly()
+    assert _commit_setting(database) == before
+    assert database.query("SELECT id, n FROM items ORDER BY id") == [
+        {"id": "a", "n": 1},
+        {"id": "b", "n": 2},
+    ]
