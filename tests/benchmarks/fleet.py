@@ -250,9 +250,10 @@ def baseline_markdown(result: dict[str, Any]) -> str:
         (
             f"| {result['fleets'][0]['nodes']:,} nodes | heartbeat p50 / p99, before "
             f"(`{result['baseline'][0]['hub_commit']}`) | after (`{result['commit']}`) | "
-            "hub CPU ms per call, before | after | after / before | held |"
+            "sync p50 / p99, before | after | "
+            "hub CPU ms per call, before | after | after / before | held, before | after |"
         ),
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for before in result["baseline"]:
         (now,) = [f for f in result["fleets"] if (f["store"], f["replicas"], f["nodes"]) ==
@@ -260,12 +261,19 @@ def baseline_markdown(result: dict[str, Any]) -> str:
         store = "SQLite" if now["store"] == "sqlite" else "PostgreSQL"
         replicas = f"{now['replicas']} replica{'s' if now['replicas'] > 1 else ''}"
         ratio = now["hub_cpu_ms_per_call"] / before["hub_cpu_ms_per_call"]
+
+        def latency(fleet: dict[str, Any], calls: str) -> str:
+            return f"{fleet[calls]['p50_ms']} / {fleet[calls]['p99_ms']} ms"
+
+        def held(fleet: dict[str, Any]) -> str:
+            return "**yes**" if fleet["held"] else "no"
+
         lines.append(
             f"| {store}, {replicas} "
-            f"| {before['heartbeats']['p50_ms']} / {before['heartbeats']['p99_ms']} ms "
-            f"| {now['heartbeats']['p50_ms']} / {now['heartbeats']['p99_ms']} ms "
+            f"| {latency(before, 'heartbeats')} | {latency(now, 'heartbeats')} "
+            f"| {latency(before, 'sync')} | {latency(now, 'sync')} "
             f"| {before['hub_cpu_ms_per_call']:.3f} | {now['hub_cpu_ms_per_call']:.3f} "
-            f"| {ratio:.2f} | {'**yes**' if now['held'] else 'no'} |"
+            f"| {ratio:.2f} | {held(before)} | {held(now)} |"
         )
     return "\n".join(lines) + "\n"
 
