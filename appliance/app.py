@@ -37,7 +37,6 @@ from appliance.gateway.responses import RESPONSES
 from appliance.gateway.routes import ROUTES
 from appliance.gateway.server import FleetListener
 from appliance.gateway.speech import SPEECH
-from appliance.grpc.server import GrpcServer, Services
 from appliance.inference.accounts import AccountService
 from appliance.inference.admission import AdmissionControl
 from appliance.inference.completions import CompletionService
@@ -60,12 +59,14 @@ from shared.backup import serving
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from appliance.grpc.server import GrpcServer
     from appliance.settings import ApplianceSettings
 
 log = logging.getLogger(__name__)
 ANNOUNCER = web.AppKey("announcer", Announcer)
 FLEET = web.AppKey("fleet", FleetLink)
-GRPC = web.AppKey("grpc", GrpcServer)
+# gRPC is off unless turned on: its module (grpcio, protobuf) is imported only then.
+GRPC: web.AppKey[GrpcServer] = web.AppKey("grpc")
 # What the provisioning file said at start: a hub to enroll with, or a bootstrap key.
 PROVISIONED = web.AppKey("provisioned", Provisioned)
 
@@ -303,6 +304,8 @@ async def _embeddings(app: web.Application) -> AsyncIterator[None]:
 
 async def _grpc_port(app: web.Application) -> AsyncIterator[None]:
     # TLS as the LAN API has it, chosen at start the same way (appliance/cli.py).
+    from appliance.grpc.server import GrpcServer  # noqa: PLC0415 - only when turned on
+
     settings = app[SETTINGS]
     server = GrpcServer(
         settings.grpc,
@@ -320,6 +323,8 @@ async def _grpc_port(app: web.Application) -> AsyncIterator[None]:
 async def _grpc(app: web.Application) -> AsyncIterator[None]:
     # After every service it serves from; it stops before they close, its calls in
     # flight given `grpc.shutdown_grace_s`.
+    from appliance.grpc.server import Services  # noqa: PLC0415 - only when turned on
+
     services = Services(
         completions=app[COMPLETIONS],
         embeddings=app[EMBEDDINGS],

@@ -25,7 +25,8 @@ from appliance.gateway.keys import EMBEDDINGS, REGISTRY
 from appliance.serving.catalog import ensure_default_model
 from appliance.serving.progress import ProgressBar
 from appliance.settings import ApplianceSettings
-from appliance.state.store import ModelRecord, Store
+from appliance.state.records import ModelRecord
+from appliance.state.store import Store
 from shared.classes import IsolationLevel
 from tests.postgres import MISSING, Cluster, cluster, server_bin
 

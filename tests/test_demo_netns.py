@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import psutil
 import pytest
 
-from appliance.state.store import ModelRecord, Store
+from appliance.state.records import ModelRecord
+from appliance.state.store import Store
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from image import netns

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from appliance.state.store import ModelRecord, Store
+from appliance.state.records import ModelRecord
+from appliance.state.store import Store
 from hub.certificates import Authority
 from hub.identity import certificates
 from hub.settings import HubSettings

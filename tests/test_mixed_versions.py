@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
     from pytest_aiohttp import AiohttpServer
 
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
     from hub.state.nodes import Node
 
 T = TypeVar("T")

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from appliance.state.store import ModelRecord, Store
+from appliance.state.records import ModelRecord
+from appliance.state.store import Store
 from hub.identity import certificates
 from hub.settings import HubSettings
 from hub.state.store import open_store

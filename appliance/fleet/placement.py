@@ -28,7 +28,8 @@ from appliance.serving.registry import (
     ModelPinnedError,
     UnknownModelError,
 )
-from appliance.state.store import ModelRecord, now_iso
+from appliance.state.records import ModelRecord
+from appliance.state.store import now_iso
 from shared.supervise import Failures
 
 if TYPE_CHECKING:

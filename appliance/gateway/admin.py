@@ -27,7 +27,7 @@ from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
     from appliance.serving.registry import LoadedModel, ModelRegistry
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
 
 
 async def list_models(request: web.Request) -> web.Response:

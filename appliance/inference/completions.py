@@ -41,7 +41,7 @@ from appliance.serving.registry import (
     ModelRegistry,
     UnknownModelError,
 )
-from appliance.serving.sampling import GrammarError, Sampling
+from appliance.serving.sampling_options import GrammarError, Sampling
 from appliance.serving.supervisor import WorkerUnavailableError
 from appliance.state.store import ApiKey, AsyncStore, UsageEvent
 from appliance.validation.structured import (

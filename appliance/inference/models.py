@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from appliance.inference.embeddings import LoadedModel as LoadedEmbedding
     from appliance.inference.names import ModelNames
     from appliance.serving.registry import LoadedModel
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
 
 
 def model_entries(

@@ -65,7 +65,8 @@ if TYPE_CHECKING:
     from appliance.packages.cache import CachedPackage, PackageCache
     from appliance.serving.registry import ModelRegistry
     from appliance.settings import PackageSettings
-    from appliance.state.store import ApiKey, AsyncStore, ModelRecord
+    from appliance.state.records import ModelRecord
+    from appliance.state.store import ApiKey, AsyncStore
 
     # The embedding model's similarity of each text to an anchor (None: not computed).
     Similarity = Callable[[str, Sequence[str]], Awaitable[list[float] | None]]

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
     import numpy as np
 
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,6 @@ class BatchEngine:
     def load(self) -> None:
         verify(self.record)
         llama_cpp.llama_backend_init()
-        self.vocab = Vocabulary.load(self.record)
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = self.options.n_gpu_layers
         model = llama_cpp.llama_model_load_from_file(self.record.path.encode(), mparams)
@@ -166,6 +165,7 @@ class BatchEngine:
             llama_cpp.llama_model_free(model)
             raise RuntimeError("llama.cpp could not create a context")
         self._model, self._ctx = model, ctx
+        self.vocab = Vocabulary.of_model(model, self.record)
         self._memory = llama_cpp.llama_get_memory(ctx)
         # Two sequence ids per token at most: a builder's slot and the store.
         self._batch = llama_cpp.llama_batch_init(o.n_batch, 0, 2)
@@ -188,11 +188,12 @@ class BatchEngine:
         if self._ctx is not None:
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
+        if self.vocab is not None:  # the model's own: closed before the model is freed
+            self.vocab.close()
+            self.vocab = None
         if self._model is not None:
             llama_cpp.llama_model_free(self._model)
             self._model = None
-        if self.vocab is not None:
-            self.vocab.close()
 
     @property
     def running(self) -> int:

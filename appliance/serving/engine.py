@@ -22,12 +22,12 @@ import psutil
 
 from appliance.serving.chat import select_template
 from appliance.serving.gguf import GGUFInfo, read_gguf
-from appliance.serving.sampling import Sampling
+from appliance.serving.sampling_options import Sampling
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
 
 log = logging.getLogger(__name__)
 
@@ -185,16 +185,17 @@ class EngineOptions:
 class Vocabulary:
     """A model's tokenizer and chat template, from its GGUF vocabulary.
 
-    The gateway loads one with ``vocab_only`` (a few MB, no weights) so it can render chat
-    templates and count tokens without a round trip to the worker; the worker builds one
-    over its full model. llama.cpp's tokenizer only reads the vocabulary: thread-safe.
+    The gateway loads one with ``vocab_only`` (no weights) so it can render chat templates
+    and count tokens without a round trip to the worker; the worker takes the one of the
+    model it loaded (`of_model`), not a second copy: llama.cpp's vocabulary of Gemma 3's
+    262,144 tokens is 44 MiB. llama.cpp's tokenizer only reads the vocabulary: thread-safe.
     """
 
-    def __init__(self, llm: Any, info: GGUFInfo) -> None:
+    def __init__(self, handle: Any, info: GGUFInfo, release: Callable[[], None]) -> None:
         import llama_cpp  # noqa: PLC0415
 
-        self._llm = llm
-        self.handle = llm._model.vocab  # noqa: SLF001 - the vocab handle is not exposed otherwise
+        self.handle = handle
+        self._release = release
         self._pieces: dict[int, bytes] = {}
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.handle))
         self._add_bos = bool(info.metadata.get("tokenizer.ggml.add_bos_token", True))
@@ -208,7 +209,16 @@ class Vocabulary:
         import llama_cpp  # noqa: PLC0415
 
         llm = llama_cpp.Llama(model_path=record.path, vocab_only=True, verbose=False)
-        return cls(llm, read_gguf(Path(record.path)))
+        vocab = llm._model.vocab  # noqa: SLF001 - the vocab handle is not exposed otherwise
+        return cls(vocab, read_gguf(Path(record.path)), llm.close)
+
+    @classmethod
+    def of_model(cls, model: Any, record: ModelRecord) -> Vocabulary:
+        """The vocabulary of a model loaded whole (`llama_model_load_from_file`), which
+        must outlive it. Blocking (reads the file's header)."""
+        import llama_cpp  # noqa: PLC0415
+
+        return cls(llama_cpp.llama_model_get_vocab(model), read_gguf(Path(record.path)), _nothing)
 
     def tokenize(self, text: str, *, chat: bool) -> list[int]:
         """Tokens of a prompt. Chat prompts come from the template, which writes BOS and
@@ -217,10 +227,21 @@ class Vocabulary:
         """
         data = text.encode("utf-8")
         if chat:
-            tokens: list[int] = self._llm.tokenize(data, add_bos=False, special=True)
-        else:
-            tokens = self._llm.tokenize(data, add_bos=self._add_bos, special=False)
-        return tokens
+            return self._tokenize(data, add_special=False, parse_special=True)
+        return self._tokenize(data, add_special=self._add_bos, parse_special=False)
+
+    def _tokenize(self, data: bytes, *, add_special: bool, parse_special: bool) -> list[int]:
+        import llama_cpp  # noqa: PLC0415
+
+        size = len(data) + 2  # never more tokens than bytes, and BOS/EOS
+        while True:
+            tokens = (llama_cpp.llama_token * size)()
+            n = llama_cpp.llama_tokenize(
+                self.handle, data, len(data), tokens, size, add_special, parse_special
+            )
+            if n >= 0:
+                return list(tokens[:n])
+            size = -n  # too small: llama.cpp says how many it needs
 
     def is_eog(self, token: int) -> bool:
         import llama_cpp  # noqa: PLC0415
@@ -249,7 +270,11 @@ class Vocabulary:
         return self.piece(token, special=special).decode("utf-8", errors="replace")
 
     def close(self) -> None:
-        self._llm.close()
+        self._release()
+
+
+def _nothing() -> None:
+    """What closing a loaded model's vocabulary does: the model owns it."""
 
 
 def default_threads() -> int:

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from appliance.serving.engine import Finished, GenerationRequest, TextDelta, TokenLogprob
-from appliance.serving.sampling import Sampling
+from appliance.serving.sampling_options import Sampling
 
 
 def encode(message: dict[str, Any]) -> bytes:

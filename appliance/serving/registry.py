@@ -50,7 +50,8 @@ if TYPE_CHECKING:
 
     from appliance.observability.metrics import Metrics
     from appliance.settings import ApplianceSettings
-    from appliance.state.store import AsyncStore, ModelRecord
+    from appliance.state.records import ModelRecord
+    from appliance.state.store import AsyncStore
     from shared.classes import IsolationLevel
 
 log = logging.getLogger(__name__)

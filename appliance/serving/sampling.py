@@ -13,38 +13,12 @@ from __future__ import annotations
 import ctypes
 import math
 import secrets
-from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp
 import numpy as np
 
-
-class GrammarError(Exception):
-    """llama.cpp refused the grammar of a structured-output request."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How one sequence picks its tokens. Every default means "off"; callers validate ranges.
-
-    ``top_k`` 0: no cut. ``repeat_last_n``: the window of the repeat, presence and frequency
-    penalties, in generated tokens (0: off, -1: the whole sequence). ``logit_bias``: (token
-    id, value added to its logit) as in OpenAI's API: -100 effectively bans the token, +100
-    effectively forces it.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    logit_bias: tuple[tuple[int, float], ...] = ()
-
+from appliance.serving.sampling_options import GrammarError, Sampling
 
 _TOKEN_DATA = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)
 

@@ -36,12 +36,12 @@ from appliance.serving.engine import (
     Vocabulary,
 )
 from appliance.serving.predictor import InFlight
-from appliance.serving.sampling import GrammarError
+from appliance.serving.sampling_options import GrammarError
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
     from shared.classes import IsolationLevel
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from typing import Any
 from appliance.serving import devices, ipc
 from appliance.serving.batching import BatchEngine, Job
 from appliance.serving.engine import EngineOptions, Event, Failed, Finished, SlotChange
-from appliance.serving.sampling import GrammarError
-from appliance.state.store import ModelRecord
+from appliance.serving.sampling_options import GrammarError
+from appliance.state.records import ModelRecord
 
 log = logging.getLogger("kvl.worker")
 

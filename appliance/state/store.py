@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from appliance.state.migrations import migrations
+from appliance.state.records import ModelRecord
 from shared import db
 from shared.classes import DEFAULT_CLASS, ServiceClass
 from shared.db import transaction
@@ -99,23 +100,6 @@ class UsageEvent:
     id: str = ""
     created_at: str = ""
     lease_id: str | None = None  # the quota lease it was charged to
-
-
-@dataclass(frozen=True)
-class ModelRecord:
-    name: str
-    version: str
-    format: str
-    path: str
-    sha256: str
-    size_bytes: int
-    quantization: str | None
-    source: str
-    added_at: str
-
-    @property
-    def ref(self) -> str:
-        return f"{self.name}@{self.version}"
 
 
 now_iso = db.now_iso

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from aiohttp.test_utils import TestServer
     from pytest_aiohttp import AiohttpServer
 
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
     from hub.settings import HubSettings
 
 

@@ -20,7 +20,8 @@ from appliance.fleet.link import FleetLink
 from appliance.observability.metrics import Metrics
 from appliance.state.backup import resend_since
 from appliance.state.jobs import JobStore, NewItem
-from appliance.state.store import AsyncStore, ModelRecord, Store, UsageEvent
+from appliance.state.records import ModelRecord
+from appliance.state.store import AsyncStore, Store, UsageEvent
 from hub.app import create_app as create_hub
 from hub.identity import ssl_context
 from hub.state.store import open_store

@@ -24,10 +24,10 @@ from appliance.serving.engine import (
     SlotChange,
     TextDelta,
 )
-from appliance.serving.sampling import Sampling
+from appliance.serving.sampling_options import Sampling
 
 if TYPE_CHECKING:
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
 
 pytestmark = pytest.mark.model
 

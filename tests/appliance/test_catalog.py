@@ -21,7 +21,8 @@ from appliance.serving.engine import Vocabulary
 from appliance.serving.gguf import read_gguf
 from appliance.serving.progress import ProgressBar
 from appliance.settings import ApplianceSettings
-from appliance.state.store import ConflictError, ModelRecord, Store
+from appliance.state.records import ModelRecord
+from appliance.state.store import ConflictError, Store
 
 
 def _quiet(label: str, total: int) -> ProgressBar:

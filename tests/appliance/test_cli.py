@@ -9,7 +9,8 @@ import psutil
 
 from appliance.fleet.identity import FleetFiles, HubPeer, Identity
 from appliance.serving.catalog import CHAT_MODEL_NAME, EMBEDDED
-from appliance.state.store import ModelRecord, Store
+from appliance.state.records import ModelRecord
+from appliance.state.store import Store
 from tests.conftest import kvl
 
 

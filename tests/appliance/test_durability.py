@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import aiohttp
 import pytest
 
-from appliance.state.store import ModelRecord, Store
+from appliance.state.records import ModelRecord
+from appliance.state.store import Store
 from hub.app import create_app as create_hub
 from hub.identity import certificates, ssl_context
 from hub.settings import HubSettings

@@ -18,7 +18,8 @@ from appliance.app import FLEET, create_app
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import enroll
 from appliance.gateway.keys import REGISTRY, SETTINGS, STORE
-from appliance.state.store import ModelRecord, Store
+from appliance.state.records import ModelRecord
+from appliance.state.store import Store
 from hub.app import create_app as create_hub
 from hub.identity import certificates, ssl_context
 from hub.settings import HubSettings

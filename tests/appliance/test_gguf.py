@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from appliance.serving.gguf import GGUFError, read_gguf
-from appliance.state.store import ModelRecord
+from appliance.state.records import ModelRecord
 
 
 def _string(text: str) -> bytes:

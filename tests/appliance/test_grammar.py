@@ -29,7 +29,7 @@ from tests.appliance.grammar_check import Walker, accepts, compiles
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from dataclasses import fields
 
 from appliance.serving import ipc
 from appliance.serving.engine import Finished, GenerationRequest, TextDelta, TokenLogprob
-from appliance.serving.sampling import Sampling
+from appliance.serving.sampling_options import Sampling
 
 
 def through_the_pipe(message: dict[str, object]) -> dict[str, object]:

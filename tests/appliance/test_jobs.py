@@ -26,7 +26,8 @@ from appliance.gateway.jobs import JOBS
 from appliance.gateway.keys import ADMISSION, REGISTRY
 from appliance.settings import ApplianceSettings
 from appliance.state.jobs import JobFinishedError, JobNotFoundError, JobStore, NewItem
-from appliance.state.store import ModelRecord, NotFoundError, Store
+from appliance.state.records import ModelRecord
+from appliance.state.store import NotFoundError, Store
 from shared.errors import ErrorCode
 from shared.webhooks import (
     DELIVERY_HEADER,

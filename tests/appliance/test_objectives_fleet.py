@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from aiohttp import web
     from pytest_aiohttp import AiohttpClient, AiohttpServer
 
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
     from hub.fleet.objectives import SloTotals
     from hub.settings import HubSettings
     from tests.conftest import Client

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from pytest_aiohttp import AiohttpClient, AiohttpServer
 
     from appliance.fleet.client import HubClient
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
     from shared import protocol
 
 pytestmark = pytest.mark.model

@@ -18,7 +18,8 @@ from appliance.app import create_app
 from appliance.gateway.keys import ADMISSION, REGISTRY, STORE
 from appliance.grpc.proto.kovenlab.edge.v1 import inference_pb2 as pb
 from appliance.grpc.proto.kovenlab.edge.v1 import inference_pb2_grpc as pb_grpc
-from appliance.state.store import ModelRecord, Store
+from appliance.state.records import ModelRecord
+from appliance.state.store import Store
 from shared import protocol
 from shared.classes import ServiceClass
 from shared.errors import ErrorCode

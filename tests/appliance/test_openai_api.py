@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from aiohttp.test_utils import TestClient
     from pytest_aiohttp import AiohttpClient
 
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
 
     Client = TestClient[Any, Any]
 

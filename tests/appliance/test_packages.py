@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from pytest_aiohttp import AiohttpClient
 
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
     from tests.conftest import Client
 
 pytestmark = [

@@ -20,7 +20,8 @@ from appliance.fleet.client import HubClient
 from appliance.fleet.placement import Converger
 from appliance.gateway.keys import REGISTRY
 from appliance.serving.registry import ModelNotReadyError
-from appliance.state.store import AsyncStore, ModelRecord, Store
+from appliance.state.records import ModelRecord
+from appliance.state.store import AsyncStore, Store
 from hub.app import create_app as create_hub
 from hub.identity import certificates, ssl_context
 from hub.settings import HubSettings

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from pytest_aiohttp import AiohttpClient, AiohttpServer
 
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
 
 pytestmark = pytest.mark.model
 

@@ -13,7 +13,8 @@ import pytest
 
 from appliance.app import create_app
 from appliance.gateway.keys import REGISTRY
-from appliance.state.store import ModelRecord, Store
+from appliance.state.records import ModelRecord
+from appliance.state.store import Store
 from tests.conftest import make_settings
 
 if TYPE_CHECKING:

@@ -16,7 +16,8 @@ from appliance.app import create_app
 from appliance.gateway.keys import REGISTRY
 from appliance.serving.engine import EngineOptions
 from appliance.serving.registry import Resident, estimate_mb, plan_eviction
-from appliance.state.store import ModelRecord, Store
+from appliance.state.records import ModelRecord
+from appliance.state.store import Store
 from shared.errors import ErrorCode
 from tests.conftest import make_settings
 

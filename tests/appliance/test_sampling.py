@@ -27,11 +27,11 @@ from appliance.serving.engine import (
     TextDelta,
     TokenLogprob,
 )
-from appliance.serving.sampling import Sampling
+from appliance.serving.sampling_options import Sampling
 from tests.appliance.test_batching import MAX_DRIFT, MEAN_DRIFT
 
 if TYPE_CHECKING:
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
 
 pytestmark = pytest.mark.model
 

@@ -10,11 +10,11 @@ from pydantic import ValidationError
 
 from appliance.state import store as store_module
 from appliance.state.migrations import migrations
+from appliance.state.records import ModelRecord
 from appliance.state.store import (
     ApiKey,
     AsyncStore,
     ConflictError,
-    ModelRecord,
     NotFoundError,
     Store,
     UsageEvent,

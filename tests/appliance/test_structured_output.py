@@ -25,12 +25,12 @@ from appliance.serving.engine import (
     GenerationRequest,
     Vocabulary,
 )
-from appliance.serving.sampling import Sampling
+from appliance.serving.sampling_options import Sampling
 from appliance.validation.structured import json_schema_output
 from appliance.validation.tools import plan_tools
 
 if TYPE_CHECKING:
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
 
 pytestmark = pytest.mark.model
 

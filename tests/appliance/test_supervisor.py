@@ -14,10 +14,11 @@ from pytest_aiohttp import AiohttpClient
 from appliance.app import create_app
 from appliance.gateway.keys import REGISTRY
 from appliance.serving.engine import EngineOptions, Finished, GenerationRequest, TextDelta
-from appliance.serving.sampling import Sampling
+from appliance.serving.sampling_options import Sampling
 from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, WorkerUnavailableError
 from appliance.settings import ApplianceSettings
-from appliance.state.store import ModelRecord, Store
+from appliance.state.records import ModelRecord
+from appliance.state.store import Store
 from shared.errors import ErrorCode
 from tests.appliance.test_batching import MAX_DRIFT
 from tests.conftest import Client

@@ -35,7 +35,7 @@ from tests.appliance.grammar_check import Walker, accepts, compiles
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
 
 WEATHER: dict[str, Any] = {
     "type": "function",

@@ -16,7 +16,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from appliance.app import create_app
 from appliance.gateway.keys import EMBEDDINGS, REGISTRY, TRACING
 from appliance.observability.tracing import Tracing
-from appliance.state.store import ModelRecord, Store
+from appliance.state.records import ModelRecord
+from appliance.state.store import Store
 from tests.conftest import make_settings
 
 if TYPE_CHECKING:

@@ -45,8 +45,9 @@ from appliance.serving.engine import (
     GenerationRequest,
     Vocabulary,
 )
-from appliance.serving.sampling import Sampling
-from appliance.state.store import ModelRecord, Store
+from appliance.serving.sampling_options import Sampling
+from appliance.state.records import ModelRecord
+from appliance.state.store import Store
 from appliance.validation.grammar import json_schema_to_gbnf
 from tests.benchmarks.serving import say
 

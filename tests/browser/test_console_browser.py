@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from playwright.async_api import BrowserContext
     from pytest_aiohttp import AiohttpServer
 
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
 
 CHROMIUM = shutil.which("chromium")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from pytest_aiohttp import AiohttpServer
 
-    from appliance.state.store import ModelRecord
+    from appliance.state.records import ModelRecord
     from hub.settings import HubSettings
 
 
