@@ -13,7 +13,12 @@ What is compared
       system prompt (about 400 tokens) followed by a different short question, as a help
       desk on a LAN would send. llama-server keeps each slot's last prompt and reuses it
       when the next request in that slot starts the same (its prompt cache); the appliance
-      computes the prefix once and copies it into every slot that needs it.
+      computes the prefix once and copies it into every slot that needs it;
+    * a conversation workload: 8 clients, each holding a conversation of ``--turns`` turns
+      as a chat client does, every request repeating the whole conversation so far (the
+      system prompt, each earlier question and the answer the server gave) before the next
+      question. llama-server's prompt cache keeps each slot's last conversation and
+      computes only the new turn when the client's next request lands in that slot.
 
 Figures per server and workload: aggregate completion tokens per second (all completion
 tokens over the wall time from the first request sent to the last response ended), TTFT
@@ -21,7 +26,7 @@ p50 and p99 on the client (request sent on a fresh loopback connection to first 
 chunk), and the wall time. Ratios are appliance / llama-server (higher is better for the
 rate, lower for TTFT). The servers never run at the same time.
 
-Run: ``python -m tests.benchmarks.concurrency [--streams 1,4,8,16] [--out PATH]``.
+Run: ``python -m tests.benchmarks.concurrency [--streams 1,4,8,16] [--turns 6] [--out PATH]``.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ if TYPE_CHECKING:
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "concurrency.json"
 SHARED_STREAMS = 8
-TARGETS = {"streams_8": 1.0, "shared_prefix": 1.2}
+TARGETS = {"streams_8": 1.0, "shared_prefix": 1.2, "conversation": 1.2}
+CONVERSATION_STREAMS = 8
 
 SYSTEM_PROMPT = (
     "You are the help desk assistant of Riverside Secondary School. You answer questions "
@@ -94,6 +100,7 @@ class Workload:
     prompts: tuple[str, ...]
     requests: int
     max_tokens: int
+    turns: int = 0  # a conversation of this many turns a client (0: independent requests)
 
 
 @dataclass
@@ -125,9 +132,23 @@ def _percentile(ordered: Sequence[float], q: float) -> float:
 async def one_request(
     session: aiohttp.ClientSession, server: base.Server, prompt: str, max_tokens: int
 ) -> Result:
+    result, _ = await answered(session, server, prompt, max_tokens)
+    return result
+
+
+async def answered(
+    session: aiohttp.ClientSession, server: base.Server, prompt: str, max_tokens: int
+) -> tuple[Result, str]:
     streamed = await base.stream_completion(session, server, prompt, max_tokens)
     tokens = streamed.completion_tokens or len(streamed.chunk_times)
-    return Result(streamed.chunk_times[0], tokens)
+    return Result(streamed.chunk_times[0], tokens), streamed.text
+
+
+def turn_prompt(past: Sequence[tuple[str, str]], question: str) -> str:
+    """A conversation's next request: the system prompt, every earlier turn (the
+    question and the answer the server gave), then the new question."""
+    turns = "".join(f"Q: {q}\nA:{a}\n\n" for q, a in past)
+    return f"{SYSTEM_PROMPT}{turns}Q: {question}\nA:"
 
 
 async def drive(server: base.Server, workload: Workload) -> Measured:
@@ -147,8 +168,21 @@ async def drive(server: base.Server, workload: Workload) -> Measured:
                 result = await one_request(session, server, prompt, workload.max_tokens)
                 measured.results.append(result)
 
+        async def conversation(first: int) -> None:
+            # Client `first` asks the questions from its own place in the list onwards.
+            past: list[tuple[str, str]] = []
+            for turn in range(workload.turns):
+                question = workload.prompts[(first + turn) % len(workload.prompts)]
+                prompt = turn_prompt(past, question)
+                result, text = await answered(session, server, prompt, workload.max_tokens)
+                measured.results.append(result)
+                past.append((question, text))
+
         started = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(workload.streams)))
+        if workload.turns:
+            await asyncio.gather(*(conversation(i) for i in range(workload.streams)))
+        else:
+            await asyncio.gather(*(client() for _ in range(workload.streams)))
         measured.wall_s = time.perf_counter() - started
     return measured
 
@@ -203,16 +237,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="1,4,8,16", help="stream counts (1,4,8,16)")
     parser.add_argument("--waves", type=int, default=2, help="requests per stream (2)")
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request")
+    parser.add_argument("--turns", type=int, default=6, help="turns of each conversation (6)")
+    parser.add_argument(
+        "--workloads", default="streams,shared_prefix,conversation",
+        help="which workloads to run (streams,shared_prefix,conversation)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
     args = parser.parse_args(argv)
-    counts = [int(n) for n in args.streams.split(",") if n]
+    chosen = set(args.workloads.split(","))
+    counts = [int(n) for n in args.streams.split(",") if n] if "streams" in chosen else []
     workloads = [
         Workload(f"streams_{n}", n, base.PROMPTS, args.waves * n, args.max_tokens) for n in counts
     ]
     shared = tuple(SYSTEM_PROMPT + q for q in QUESTIONS)
-    workloads.append(
-        Workload("shared_prefix", SHARED_STREAMS, shared, args.waves * SHARED_STREAMS, 32)
-    )
+    if "shared_prefix" in chosen:
+        workloads.append(
+            Workload("shared_prefix", SHARED_STREAMS, shared, args.waves * SHARED_STREAMS, 32)
+        )
+    talks = args.turns * CONVERSATION_STREAMS
+    if "conversation" in chosen:
+        workloads.append(
+            Workload("conversation", CONVERSATION_STREAMS, QUESTIONS, talks, 32, turns=args.turns)
+        )
     build = build_llama_server()
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvl-bench-") as tmp:
@@ -264,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                 *list(base.ALIGNED_LLAMA_SERVER_ARGS),
             ],
             "shared_prefix_system_prompt_chars": len(SYSTEM_PROMPT),
+            "conversation_turns": args.turns,
         },
         "llama_server_build": build.info,
         "targets": TARGETS,
