@@ -113,7 +113,8 @@ setup-gpu: setup
     {{ py }} -m pip install --quiet -e '.[dev,gpu]'
     {{ py }} -m pip uninstall --yes onnxruntime
     {{ py }} -m pip install --quiet --force-reinstall --no-deps onnxruntime-gpu
-    CMAKE_ARGS="-DGGML_CUDA=on -DLLAVA_BUILD=off ${CMAKE_ARGS:-}" {{ py }} -m pip install --quiet --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36
+    # Only the GPU's own architecture (CMake's `native`): all of them take four times as long.
+    CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=native -DLLAVA_BUILD=off ${CMAKE_ARGS:-}" {{ py }} -m pip install --quiet --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36
 
 # Set up, then start a hub (in a network namespace) and an appliance enrolled with it over
 # WireGuard, on the embedded defaults; prints an API key and a curl line (Ctrl-C stops both)
@@ -148,6 +149,13 @@ bench suite="all" *args: setup
         *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, fleet, placement, offload, packages, chat_quality, http2, structured, image, api, all)" >&2; exit 2 ;;
     esac
     for s in $suites; do {{ py }} -m "tests.benchmarks.$s" {{ args }}; done
+
+# On a machine with an NVIDIA GPU: llama.cpp rebuilt with CUDA (setup-gpu), then the serving
+# benchmark, and the concurrency one at 1, 8 and 64 streams, against llama-server built with
+# CUDA, every layer on the GPU (results in tests/benchmarks/results/gpu-*.json)
+bench-gpu: setup-gpu
+    KVL_BENCH_GPU=1 {{ py }} -m tests.benchmarks.serving --out tests/benchmarks/results/gpu-serving.json
+    KVL_BENCH_GPU=1 {{ py }} -m tests.benchmarks.concurrency --streams 1,8,64 --workloads streams --out tests/benchmarks/results/gpu-concurrency.json
 
 # Install the Debian packages that build and boot the appliance image: mmdebstrap, e2fsprogs,
 # dosfstools, mtools and fdisk (the build; mtools also for `kvl image configure`), and

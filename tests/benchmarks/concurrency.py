@@ -48,7 +48,7 @@ import aiohttp
 import psutil
 
 from tests.benchmarks import serving as base
-from tests.benchmarks.llama_server import build_llama_server
+from tests.benchmarks.llama_server import build_llama_server, gpu_names
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -204,6 +204,7 @@ def start(name: str, streams: int, ctx: Context) -> base.Server:
     assert ctx.model is not None
     args = [str(ctx.binary), "-m", str(ctx.model), "--host", base.HOST, "--port", str(port)]
     args += ["-t", str(base.N_THREADS), "-c", str(base.N_CTX * streams), "-np", str(streams)]
+    args += base.gpu_args()
     args += list(base.ALIGNED_LLAMA_SERVER_ARGS)
     with log_path.open("ab") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
@@ -295,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu": base.cpu_model(),
             "logical_cpus": os.cpu_count(),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "gpus": gpu_names(),
         },
         "settings": {
             "n_threads": base.N_THREADS,

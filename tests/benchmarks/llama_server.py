@@ -63,6 +63,31 @@ CMAKE_OPTIONS: tuple[str, ...] = (
 )
 
 
+# `just bench-gpu` sets this: llama-server built with CUDA and every layer on the GPU, the
+# appliance's model too (`model.n_gpu_layers` -1), for a machine with an NVIDIA GPU.
+GPU_ENV = "KVL_BENCH_GPU"
+CUDA_OPTIONS: tuple[str, ...] = ("-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native")
+
+
+def on_gpu() -> bool:
+    return os.environ.get(GPU_ENV) == "1"
+
+
+def cmake_options() -> tuple[str, ...]:
+    return (*CMAKE_OPTIONS, *CUDA_OPTIONS) if on_gpu() else CMAKE_OPTIONS
+
+
+def gpu_names() -> list[str]:
+    """The NVIDIA GPUs nvidia-smi lists (name, memory), or none."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    listed = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    return [line.strip() for line in listed.stdout.splitlines() if line.strip()]
+
+
 @dataclass(frozen=True)
 class LlamaServerBuild:
     """A built ``llama-server`` and how it was made."""
@@ -145,7 +170,8 @@ def build_llama_server(*, force: bool = False, jobs: int | None = None) -> Llama
     sdist = fetch_sdist(pkg_version)
     sdist_sha = sha256_file(sdist)
     # Kept by the sources and the options both: a build with other options is another one.
-    key = hashlib.sha256("\n".join((sdist_sha, *CMAKE_OPTIONS)).encode()).hexdigest()
+    options = cmake_options()
+    key = hashlib.sha256("\n".join((sdist_sha, *options)).encode()).hexdigest()
     target_dir = cache_root() / f"{BINARY}-{key[:16]}"
     binary = target_dir / BINARY
     info_path = target_dir / "build-info.json"
@@ -169,11 +195,11 @@ def build_llama_server(*, force: bool = False, jobs: int | None = None) -> Llama
             "-B",
             str(build_dir),
             *_generator(),
-            *CMAKE_OPTIONS,
+            *options,
         ]
         compile_cmd = ["cmake", "--build", str(build_dir), "--target", BINARY, "-j", str(n_jobs)]
         started = time.monotonic()
-        _log("configuring: " + " ".join(CMAKE_OPTIONS))
+        _log("configuring: " + " ".join(options))
         subprocess.run(configure, check=True, stdout=sys.stderr)
         configured = time.monotonic()
         _log(f"building {BINARY} with -j {n_jobs} (takes minutes on few cores)")
@@ -190,7 +216,7 @@ def build_llama_server(*, force: bool = False, jobs: int | None = None) -> Llama
         "package": f"{PACKAGE}=={pkg_version}",
         "sdist": sdist.name,
         "sdist_sha256": sdist_sha,
-        "cmake_options": list(CMAKE_OPTIONS),
+        "cmake_options": list(options),
         "generator": "Ninja" if _generator() else "default",
         "jobs": n_jobs,
         "configure_seconds": round(configured - started, 1),

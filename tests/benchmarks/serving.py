@@ -68,7 +68,7 @@ import aiohttp
 import psutil
 
 from appliance.serving.catalog import sha256_file
-from tests.benchmarks.llama_server import build_llama_server
+from tests.benchmarks.llama_server import build_llama_server, gpu_names, on_gpu
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -304,6 +304,8 @@ def appliance_env(code: Path | None = None) -> dict[str, str]:
             "KVL_MODEL__N_SLOTS": "1",  # one sequence, as llama-server's -np 1
         }
     )
+    if on_gpu():
+        env["KVL_MODEL__N_GPU_LAYERS"] = "-1"  # every layer, as llama-server's -ngl below
     return env
 
 
@@ -346,13 +348,18 @@ def start_appliance(
     )
 
 
+def gpu_args() -> list[str]:
+    """llama-server's arguments for every layer on the GPU, under `just bench-gpu`."""
+    return ["-ngl", "999"] if on_gpu() else []
+
+
 def start_llama_server(
     binary: Path, model: Path, log_dir: Path, extra_args: Sequence[str]
 ) -> Server:
     port = free_port()
     log_path = log_dir / "llama-server.log"
     args = [str(binary), "-m", str(model), "--host", HOST, "--port", str(port)]
-    args += ["-t", str(N_THREADS), "-c", str(N_CTX), "-np", "1", *extra_args]
+    args += ["-t", str(N_THREADS), "-c", str(N_CTX), "-np", "1", *gpu_args(), *extra_args]
     with log_path.open("ab") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     return Server(
@@ -685,6 +692,7 @@ def main(argv: list[str] | None = None) -> int:
             "physical_cores": psutil.cpu_count(logical=False),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "platform": platform.platform(),
+            "gpus": gpu_names(),
             "python": platform.python_version(),
         },
         "model": {"file": model_name, "sha256": model_sha, "bytes": model_bytes},
