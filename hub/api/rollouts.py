@@ -49,6 +49,9 @@ async def add_release(request: web.Request) -> web.Response:
     """The body is the bundle; `?version=` names the image version it installs."""
     q = query(request, ReleaseQuery)
     store = request.app[STORE]
+    if any(r.version == q.version for r in await store.run(store.sync.releases)):
+        # Refused before the body is read: an image is gigabytes.
+        raise ApiError(ErrorCode.rollout_conflict, f"release {q.version} exists already")
     try:
         sha256, size = await keep_stream(
             request.app[SETTINGS].artifacts_dir, request.content.iter_chunked(1 << 20)
