@@ -190,7 +190,12 @@ class Updater:
         try:
             record = await self.refresh()
         except InstallerError as err:
-            self.release_error = str(err)[:ERROR_CHARS]
+            # An updater that cannot say what runs here (not set up on this machine):
+            # no image to report, and a release refused, saying why.
+            self.image = None
+            if target is not None:
+                self.release_error = f"the image updater does not answer: {err}"[:ERROR_CHARS]
+            log.debug("the image updater does not answer: %s", err)
             return
         if target is None or self.image is None:
             return

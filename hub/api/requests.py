@@ -235,7 +235,7 @@ class StrategyRequest(BaseModel):
         description="cumulative shares of the rollout's nodes, in %, ascending (the last "
         "wave takes the rest)",
     )
-    sites: list[list[Text]] = Field(
+    sites: list[Annotated[list[Text], Field(min_length=1, max_length=100)]] = Field(
         default_factory=list, max_length=20, description="or: the sites of each wave, in order"
     )
     soak_s: float = Field(300.0, ge=0, le=7 * 86_400)

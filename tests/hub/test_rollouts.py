@@ -23,10 +23,13 @@ from wireguard_tools import WireguardKey
 from appliance.fleet.client import HubClient
 from hub.app import create_app
 from hub.identity import certificates, ssl_context
+from hub.planning.rollout import Strategy
+from hub.rollouts import begin
 from hub.settings import HubSettings
-from hub.state.store import DeploymentRecord, HubStore, ModelArtifact, open_store
+from hub.state.store import DeploymentRecord, Heartbeat, HubStore, ModelArtifact, open_store
 from shared import pki, protocol
 from tests.conftest import kvl
+from tests.hub.test_backup import fresh_database, hub_cli
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -350,3 +353,40 @@ def test_releases_and_rollouts_from_the_command_line(
     listed = kvl("hub", "releases", "list", "--json", *data)
     assert json.loads(listed.stdout)["version"] == "3.0"
     assert kvl("hub", "rollouts", "list", *data).stdout == ""
+
+
+def test_a_backup_carries_releases_windows_and_rollouts(
+    tmp_path: Path, hub_database: HubDatabase, request: pytest.FixtureRequest
+) -> None:
+    settings = _settings(tmp_path, hub_database)
+    bundle = tmp_path / "image-4.0.raucb"
+    bundle.write_bytes(b"bundle 4.0" * 500)
+    data = ["--data-dir", str(settings.data_dir)]
+    kvl("hub", "releases", "add", str(bundle), "--version", "4.0", *data)
+    kvl("hub", "releases", "window", "north", "--from", "22:30", "--to", "04:00", *data)
+    store = open_store(settings)
+    _enroll(store, "edge-1", "north")
+    [node] = store.nodes()
+    store.record_heartbeats(
+        [Heartbeat(node.id, 1.0, {"protocol": "6"}, protocol.Capacity(), address=None)]
+    )
+    rollout = begin(store, "release", {"release": "4.0"}, Strategy(max_burn_rate=None), "ops")
+    store.close()
+
+    archive = tmp_path / "hub.tar.gz"
+    hub_cli("backup", str(archive), *data, database=hub_database)
+    target = fresh_database(request, hub_database)
+    restored = _settings(tmp_path / "restored", target)
+    hub_cli("restore", str(archive), "--data-dir", str(restored.data_dir), database=target)
+    store = open_store(restored)
+    try:
+        [release] = store.releases()
+        assert (release.version, release.size_bytes) == ("4.0", 5000)
+        held = restored.artifacts_dir / release.sha256
+        assert held.read_bytes() == bundle.read_bytes()
+        window = store.update_windows()["north"]
+        assert (window.start_min, window.end_min) == (22 * 60 + 30, 4 * 60)
+        again = store.rollout(rollout.id)
+        assert (again.state, [m.member.name for m in again.members]) == ("pending", ["edge-1"])
+    finally:
+        store.close()
