@@ -24,7 +24,7 @@ from appliance.fleet.client import HubClient
 from hub.app import create_app
 from hub.identity import certificates, ssl_context
 from hub.planning.rollout import Strategy
-from hub.rollouts import begin
+from hub.rollouts import begin, burn_rates
 from hub.settings import HubSettings
 from hub.state.store import DeploymentRecord, Heartbeat, HubStore, ModelArtifact, open_store
 from shared import pki, protocol
@@ -390,3 +390,36 @@ def test_a_backup_carries_releases_windows_and_rollouts(
         assert (again.state, [m.member.name for m in again.members]) == ("pending", ["edge-1"])
     finally:
         store.close()
+
+
+def test_a_nodes_burn_rate_is_read_from_the_live_objectives(
+    tmp_path: Path, hub_database: HubDatabase
+) -> None:
+    settings = _settings(tmp_path, hub_database)
+    store = open_store(settings)
+    try:
+        for name in ("burning", "fine", "quiet"):
+            _enroll(store, name, "north")
+        ids = store.node_names()
+        now = store.clock()
+
+        def beat(name: str, requests: int, missed: int) -> Heartbeat:
+            series = protocol.ObjectiveSeries(
+                service_class="S1", account="(other)", requests=requests, admitted=requests,
+                met={"first_token": requests - missed}, missed={"first_token": missed},
+            )  # fmt: skip
+            node_id = next(i for i, n in ids.items() if n == name)
+            objectives = protocol.Objectives(epoch="e1", series=[series])
+            return Heartbeat(node_id, now, {}, protocol.Capacity(), objectives=objectives)
+
+        store.heartbeats([beat("burning", 100, 50), beat("fine", 1000, 5), beat("quiet", 5, 5)])
+        rates = burn_rates(
+            store, settings, {"burning", "fine", "quiet"}, since=now - 600, now=now + 1, least=20
+        )
+    finally:
+        store.close()
+    # S1's first-token target is 0.99: half missed burns 50 times the budget's pace, 0.5 %
+    # half of it; five requests are too few to judge.
+    assert rates["burning"] == pytest.approx(50.0)
+    assert rates["fine"] == pytest.approx(0.5)
+    assert "quiet" not in rates
