@@ -122,8 +122,10 @@ def observe_release(node: Node | None, version: str | None) -> Seen:
             detail = f"it speaks protocol {_protocol(node)}: no release reaches it"
     elif image.version == version and image.state == "good":
         report = "healthy"
-    elif image.target == version and image.state in {"failed", "rolled-back"}:
-        report, detail = ("failed" if image.state == "failed" else "rolled-back"), image.error or ""
+    elif image.target == version and image.state == "failed":
+        report, detail = "failed", image.error or ""
+    elif image.target == version and image.state == "rolled-back":
+        report, detail = "rolled-back", image.error or ""
     return Seen(report, detail, node.last_seen)
 
 
