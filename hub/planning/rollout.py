@@ -251,5 +251,5 @@ def rolled_back(members: Sequence[Member], seen: Mapping[str, Seen]) -> bool:
     return all(
         seen.get(m.node_id, Seen("pending")).report in {"healthy", "gone"}
         for m in members
-        if m.state != "waiting"
+        if m.state not in {"waiting", "skipped"}
     )

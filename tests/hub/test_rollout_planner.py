@@ -85,12 +85,16 @@ def test_a_wave_reaches_at_most_max_unavailable_nodes_and_waits_for_the_soak() -
     # Soaked: the next wave begins at once, two of its nodes at a time.
     assert (wave, done) == (1, False)
     assert sorted(m.name for m in members if m.state == "targeted") == ["n2", "n3"]
-    every = {m.node_id: Seen("healthy", last_seen=300.0) for m in members}
-    members, _, done, _ = _run(strategy, members, every, wave=1, now=300.0)
-    members, _, done, _ = _run(strategy, members, every, wave=1, now=400.0)
+    ids = [m.node_id for m in members]
+
+    def every(at: float) -> dict[str, Seen]:
+        return {node_id: Seen("healthy", last_seen=at) for node_id in ids}
+
+    members, _, done, _ = _run(strategy, members, every(300.0), wave=1, now=300.0)
+    members, _, done, _ = _run(strategy, members, every(400.0), wave=1, now=400.0)
     assert sorted(m.name for m in members if m.state == "targeted") == ["n4", "n5"]
-    members, _, done, _ = _run(strategy, members, every, wave=1, now=500.0)
-    members, _, done, _ = _run(strategy, members, every, wave=1, now=600.0)
+    members, _, done, _ = _run(strategy, members, every(500.0), wave=1, now=500.0)
+    members, _, done, _ = _run(strategy, members, every(600.0), wave=1, now=600.0)
     assert done
     assert all(m.state == "updated" for m in members)
 
