@@ -214,7 +214,7 @@ class RaucHost:
         (folder / "mnt").mkdir(exist_ok=True)
         self.bus = subprocess.Popen(
             ["dbus-daemon", "--session", "--nofork", "--print-address=1"],
-            stdout=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )  # fmt: skip
         assert self.bus.stdout is not None
         self.env = {"DBUS_SESSION_BUS_ADDRESS": self.bus.stdout.readline().strip(),
@@ -262,6 +262,8 @@ class RaucHost:
         self.stop_service()
         self.bus.terminate()
         self.bus.wait(10)
+        if self.bus.stdout is not None:
+            self.bus.stdout.close()
 
 
 async def test_a_release_is_fetched_resumed_installed_by_rauc_and_marked_good_after_the_reboot(
