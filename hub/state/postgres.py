@@ -451,28 +451,18 @@ MIGRATIONS = (
         "m014_rollouts",
         """
         CREATE TABLE releases (
-            version TEXT PRIMARY KEY,
-            notes TEXT NOT NULL,
-            sha256 TEXT NOT NULL,
-            size_bytes BIGINT NOT NULL,
-            created_at DOUBLE PRECISION NOT NULL
+            version TEXT PRIMARY KEY, notes TEXT NOT NULL, sha256 TEXT NOT NULL,
+            size_bytes BIGINT NOT NULL, created_at DOUBLE PRECISION NOT NULL
         );
         CREATE TABLE update_windows (
-            site TEXT PRIMARY KEY,
-            start_min BIGINT NOT NULL,
-            end_min BIGINT NOT NULL
+            site TEXT PRIMARY KEY, start_min BIGINT NOT NULL, end_min BIGINT NOT NULL
         );
         CREATE TABLE node_releases (
-            node_id TEXT PRIMARY KEY,
-            version TEXT NOT NULL,
-            rollout_id TEXT,
+            node_id TEXT PRIMARY KEY, version TEXT NOT NULL, rollout_id TEXT,
             set_at DOUBLE PRECISION NOT NULL
         );
         CREATE TABLE placement_models (
-            deployment_id TEXT,
-            node_id TEXT,
-            model TEXT NOT NULL,
-            rollout_id TEXT,
+            deployment_id TEXT, node_id TEXT, model TEXT NOT NULL, rollout_id TEXT,
             PRIMARY KEY (deployment_id, node_id)
         );
         CREATE INDEX idx_placement_models_rollout_id ON placement_models (rollout_id);
