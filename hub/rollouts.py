@@ -34,7 +34,7 @@ from shared import protocol
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from hub.planning.rollout import Report, Strategy
+    from hub.planning.rollout import Report, RolloutState, Strategy
     from hub.settings import HubSettings
     from hub.state.rollouts import Rollout, RolloutKind
     from hub.state.store import AsyncHubStore, HubStore, Node
@@ -229,7 +229,7 @@ def _round(
         strategy, members, seen, wave=rollout.wave, wave_started_at=rollout.wave_started_at,
         now=now,
     )  # fmt: skip
-    state = "done" if result.done else "halted" if result.halted else "running"
+    state: RolloutState = "done" if result.done else "halted" if result.halted else "running"
     if state == rollout.state and not result.changed and result.wave == rollout.wave:
         return False
     reason = result.halted or ("every wave updated" if result.done else "")

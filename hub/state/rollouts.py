@@ -56,10 +56,6 @@ class Rollout:
     updated_at: float
     members: list[RolloutMember]
 
-    @property
-    def final_wave(self) -> int:
-        return max((m.wave for m in self.members), default=0)
-
 
 @dataclass(frozen=True)
 class RolloutMember:

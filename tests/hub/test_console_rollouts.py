@@ -72,7 +72,8 @@ async def test_the_rollouts_page_shows_each_wave_live_and_takes_the_operators_st
             async def node_state(name: str, wanted: str) -> dict[str, Any]:
                 while True:
                     data: dict[str, Any] = await _event(stream, "rollouts")
-                    [view] = data["rollouts"]
+                    views: list[dict[str, Any]] = data["rollouts"]
+                    view = views[0]
                     nodes = {n["name"]: n for w in view["waves"] for n in w["nodes"]}
                     if nodes[name]["state"] == wanted:
                         return view

@@ -222,7 +222,7 @@ async def _halted(fleet: Fleet, rollout_id: str) -> dict[str, Any] | None:
 
 
 async def _state_is(fleet: Fleet, rollout_id: str, state: str) -> bool:
-    return (await fleet.rollout(rollout_id))["state"] == state
+    return bool((await fleet.rollout(rollout_id))["state"] == state)
 
 
 async def test_a_node_without_an_updater_halts_the_release_at_once(fleet: Fleet) -> None:
