@@ -47,6 +47,14 @@ def _speaks_6(hub: HubSettings) -> bool:
         store.close()
 
 
+def _wave(hub: HubSettings, rollout_id: str) -> int:
+    store = open_store(hub)
+    try:
+        return store.rollout(rollout_id).wave
+    finally:
+        store.close()
+
+
 async def test_the_rollouts_page_follows_a_rollout_live_in_chromium(
     aiohttp_server: AiohttpServer, tmp_path: Path
 ) -> None:
@@ -97,6 +105,7 @@ async def test_the_rollouts_page_follows_a_rollout_live_in_chromium(
             await page.evaluate("window.kvlMarker = 'still here'")
             new = old.model_copy(update={"version": "2.0", "target": "2.0"})
             await clients["edge-a"].heartbeat({}, protocol.Capacity(image=new))
+            await until(lambda: _wave(hub, rollout.id) == 1, "the hub moves the rollout on")
             await expect(phase).to_have_text("wave 1", timeout=20_000)
             row = section.locator(
                 f'tr[data-node="{rollout.id}/{rollout.members[0].member.node_id}"]'
