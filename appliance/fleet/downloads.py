@@ -7,8 +7,9 @@ it is used; one that does not match is deleted."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from typing import TYPE_CHECKING, BinaryIO
+
+from appliance.serving.catalog import sha256_file
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -23,14 +24,6 @@ class DownloadError(Exception):
     one it named (the partial file is then deleted)."""
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _resume_offset(partial: Path, size: int) -> int:
     """Where a fetch of `size` bytes into `partial` resumes (a partial file longer than
     the file is dropped)."""
@@ -43,7 +36,7 @@ def _resume_offset(partial: Path, size: int) -> int:
 
 
 def _check(partial: Path, sha256: str, size: int) -> None:
-    got = sha256_of(partial)
+    got = sha256_file(partial)
     if got != sha256 or partial.stat().st_size != size:
         partial.unlink(missing_ok=True)
         raise DownloadError(f"the fetched file's sha256 is {got}, not {sha256}: deleted")

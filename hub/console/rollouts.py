@@ -5,19 +5,15 @@ the API and `kvl hub rollouts` call."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from hub.console.fleet import ago
-from hub.console.sse import KEEPALIVE_S, SESSION_CHECK_S, event
+from hub.console.sse import stream
 from hub.console.web import (
     SESSION,
-    console,
-    current_session,
     hub_settings,
     hub_store,
     page,
@@ -87,40 +83,12 @@ async def rollout_step(request: web.Request) -> web.StreamResponse:
 async def rollouts_stream(request: web.Request) -> web.StreamResponse:
     """`GET /console/rollouts/stream`: `rollouts` events with every rollout's view whenever
     it changes, and `logout` when the login ended."""
-    if await current_session(request) is None:
-        return web.Response(status=401, text="log in to the console first\n")
-    state = console(request)
-    settings = hub_settings(request)
-    store = hub_store(request)
-    every = settings.console.stream_every_s
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
-                 "X-Accel-Buffering": "no"}
-    )  # fmt: skip
-    await response.prepare(request)
-    last_sent: object = None
-    last_write = last_check = time.monotonic()
-    try:
-        await response.write(f"retry: {int(every * 1000) + 1000}\n\n".encode())
-        while not state.closing.is_set():
-            if time.monotonic() - last_check >= SESSION_CHECK_S:
-                last_check = time.monotonic()
-                if await current_session(request) is None:
-                    await response.write(event("logout", {}))
-                    break
-            views = await rollouts_table(store, settings)
-            payload = {"rollouts": views}
-            if payload != last_sent:
-                await response.write(event("rollouts", payload))
-                last_sent, last_write = payload, time.monotonic()
-            elif time.monotonic() - last_write >= KEEPALIVE_S:
-                await response.write(b": keepalive\n\n")
-                last_write = time.monotonic()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(state.closing.wait(), every)
-    except (ConnectionResetError, ConnectionError):
-        pass  # the browser left
-    return response
+    store, settings = hub_store(request), hub_settings(request)
+
+    async def views() -> object:
+        return {"rollouts": await rollouts_table(store, settings)}
+
+    return await stream(request, "rollouts", views)
 
 
 def rollout_routes() -> list[web.RouteDef]:

@@ -36,10 +36,11 @@ from hub.rollouts import begin
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared import pki, protocol
+from tests.hub.test_rollouts import speak_releases
 from tests.waiting import until, until_sync
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Iterator
     from pathlib import Path
 
     from pytest_aiohttp import AiohttpServer
@@ -61,14 +62,6 @@ def _targeted(hub: HubSettings) -> bool:
     store = open_store(hub)
     try:
         return bool(store.node_release_versions())
-    finally:
-        store.close()
-
-
-def _speaks_6(hub: HubSettings) -> bool:
-    store = open_store(hub)
-    try:
-        return all(n.versions.get("protocol") == "6" for n in store.nodes())
     finally:
         store.close()
 
@@ -96,7 +89,7 @@ async def give_release(
     await local.open()
     try:
         await client.heartbeat({}, protocol.Capacity())
-        await until(lambda: _speaks_6(hub), "the node's heartbeat stored")
+        await until(lambda: speak_releases(hub), "the node's heartbeat stored")
         store = open_store(hub)
         begin(store, "release", {"release": "1.1"}, Strategy(max_burn_rate=None), "test")
         store.close()
@@ -278,88 +271,90 @@ class RaucHost:
             self.bus.stdout.close()
 
 
-async def test_a_release_is_fetched_resumed_installed_by_rauc_and_marked_good_after_the_reboot(
-    aiohttp_server: AiohttpServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def rauc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RaucHost]:
+    """RAUC on this machine, slot A booted; its D-Bus session bus in this test's
+    environment, which the updater's commands inherit."""
     host = RaucHost(tmp_path / "rauc")
     try:
         host.boot("A")
         for name, value in host.env.items():
             monkeypatch.setenv(name, value)
-        bundle = host.bundle("1.1")
-        current = {"id": "boot-1"}
-        async for given in give_release(aiohttp_server, tmp_path, bundle):
-            updates = tmp_path / "node" / "updates"
-            updater = Updater(
-                given.store, Rauc("rauc", [f"--conf={host.conf}"]), updates,
-                os_release=tmp_path / "os-release", boot=lambda: current["id"],
-            )  # fmt: skip
-            (tmp_path / "os-release").write_text("IMAGE_VERSION=1.0\n")
-            # A download cut after 1000 bytes resumes from there.
-            updates.mkdir(parents=True)
-            (updates / f"{given.sha256}.raucb.part").write_bytes(bundle[:1000])
-            await updater.converge(given.client)
-            assert updater.image is not None
-            assert (_image(updater).version, _image(updater).slot) == ("1.0", "rootfs.0")
-            assert (_image(updater).state, _image(updater).target) == (
-                "installed-pending-reboot", "1.1")  # fmt: skip
-            assert list(updates.iterdir()) == []  # the bundle, installed, is gone
-            assert (tmp_path / "rauc" / "slot-b.img").read_bytes().startswith(b"rootfs 1.1")
-            # Asked again before the reboot: nothing is installed twice.
-            await updater.converge(given.client)
-            assert _image(updater).state == "installed-pending-reboot"
-
-            # The reboot: slot B boots; the node reaches the hub, and marks it good.
-            current["id"] = "boot-2"
-            host.boot("B")
-            await updater.converge(given.client)
-            assert updater.image is not None
-            assert (_image(updater).version, _image(updater).slot, _image(updater).state) == (
-                "1.1", "rootfs.1", "good")  # fmt: skip
+        yield host
     finally:
         host.close()
+
+
+async def test_a_release_is_fetched_resumed_installed_by_rauc_and_marked_good_after_the_reboot(
+    aiohttp_server: AiohttpServer, tmp_path: Path, rauc: RaucHost
+) -> None:
+    host = rauc
+    bundle = host.bundle("1.1")
+    current = {"id": "boot-1"}
+    async for given in give_release(aiohttp_server, tmp_path, bundle):
+        updates = tmp_path / "node" / "updates"
+        updater = Updater(
+            given.store, Rauc("rauc", [f"--conf={host.conf}"]), updates,
+            os_release=tmp_path / "os-release", boot=lambda: current["id"],
+        )  # fmt: skip
+        (tmp_path / "os-release").write_text("IMAGE_VERSION=1.0\n")
+        # A download cut after 1000 bytes resumes from there.
+        updates.mkdir(parents=True)
+        (updates / f"{given.sha256}.raucb.part").write_bytes(bundle[:1000])
+        await updater.converge(given.client)
+        assert updater.image is not None
+        assert (_image(updater).version, _image(updater).slot) == ("1.0", "rootfs.0")
+        assert (_image(updater).state, _image(updater).target) == (
+            "installed-pending-reboot", "1.1")  # fmt: skip
+        assert list(updates.iterdir()) == []  # the bundle, installed, is gone
+        assert (tmp_path / "rauc" / "slot-b.img").read_bytes().startswith(b"rootfs 1.1")
+        # Asked again before the reboot: nothing is installed twice.
+        await updater.converge(given.client)
+        assert _image(updater).state == "installed-pending-reboot"
+
+        # The reboot: slot B boots; the node reaches the hub, and marks it good.
+        current["id"] = "boot-2"
+        host.boot("B")
+        await updater.converge(given.client)
+        assert updater.image is not None
+        assert (_image(updater).version, _image(updater).slot, _image(updater).state) == (
+            "1.1", "rootfs.1", "good")  # fmt: skip
 
 
 async def test_a_damaged_bundle_fails_and_a_slot_that_never_booted_is_a_rollback(
-    aiohttp_server: AiohttpServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    aiohttp_server: AiohttpServer, tmp_path: Path, rauc: RaucHost
 ) -> None:
-    host = RaucHost(tmp_path / "rauc")
-    try:
-        host.boot("A")
-        for name, value in host.env.items():
-            monkeypatch.setenv(name, value)
-        bundle = host.bundle("1.1")
-        current: dict[str, Any] = {"id": "boot-1", "now": 1000.0}
-        async for given in give_release(aiohttp_server, tmp_path, bundle):
-            updates = tmp_path / "node" / "updates"
-            updater = Updater(
-                given.store, Rauc("rauc", [f"--conf={host.conf}"]), updates,
-                os_release=tmp_path / "os-release", boot=lambda: current["id"],
-                clock=lambda: float(current["now"]), retry_s=60.0,
-            )  # fmt: skip
-            (tmp_path / "os-release").write_text("IMAGE_VERSION=1.0\n")
-            # The hub's copy damaged: the node's check refuses it, nothing is installed.
-            held = given.hub.artifacts_dir / given.sha256
-            held.write_bytes(bundle[:-1] + bytes([bundle[-1] ^ 1]))
-            await updater.converge(given.client)
-            assert updater.image is not None
-            assert _image(updater).state == "failed"
-            assert "sha256" in (_image(updater).error or "")
-            assert not list(updates.glob("*.raucb*"))
-            # Not again before `retry_s`; then again, with the hub's copy whole.
-            held.write_bytes(bundle)
-            await updater.converge(given.client)
-            assert _image(updater).state == "failed"
-            current["now"] = 1100.0
-            await updater.converge(given.client)
-            assert _image(updater).state == "installed-pending-reboot"
+    host = rauc
+    bundle = host.bundle("1.1")
+    current: dict[str, Any] = {"id": "boot-1", "now": 1000.0}
+    async for given in give_release(aiohttp_server, tmp_path, bundle):
+        updates = tmp_path / "node" / "updates"
+        updater = Updater(
+            given.store, Rauc("rauc", [f"--conf={host.conf}"]), updates,
+            os_release=tmp_path / "os-release", boot=lambda: current["id"],
+            clock=lambda: float(current["now"]), retry_s=60.0,
+        )  # fmt: skip
+        (tmp_path / "os-release").write_text("IMAGE_VERSION=1.0\n")
+        # The hub's copy damaged: the node's check refuses it, nothing is installed.
+        held = given.hub.artifacts_dir / given.sha256
+        held.write_bytes(bundle[:-1] + bytes([bundle[-1] ^ 1]))
+        await updater.converge(given.client)
+        assert updater.image is not None
+        assert _image(updater).state == "failed"
+        assert "sha256" in (_image(updater).error or "")
+        assert not list(updates.glob("*.raucb*"))
+        # Not again before `retry_s`; then again, with the hub's copy whole.
+        held.write_bytes(bundle)
+        await updater.converge(given.client)
+        assert _image(updater).state == "failed"
+        current["now"] = 1100.0
+        await updater.converge(given.client)
+        assert _image(updater).state == "installed-pending-reboot"
 
-            # The reboot comes back on slot A: the new slot never came up, a rollback.
-            current["id"] = "boot-2"
-            host.boot("A")
-            await updater.converge(given.client)
-            assert updater.image is not None
-            assert (_image(updater).version, _image(updater).state) == ("1.0", "rolled-back")
-            assert "booted the previous image (1.0)" in (_image(updater).error or "")
-    finally:
-        host.close()
+        # The reboot comes back on slot A: the new slot never came up, a rollback.
+        current["id"] = "boot-2"
+        host.boot("A")
+        await updater.converge(given.client)
+        assert updater.image is not None
+        assert (_image(updater).version, _image(updater).state) == ("1.0", "rolled-back")
+        assert "booted the previous image (1.0)" in (_image(updater).error or "")

@@ -24,6 +24,7 @@ from hub.state.store import open_store
 from shared import pki, protocol
 from tests.browser.test_console_browser import ARTIFACTS, CHROMIUM, PASSWORD, Shots, _browser
 from tests.browser.test_console_browser import _create_admin as create_admin
+from tests.hub.test_rollouts import speak_releases
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -37,14 +38,6 @@ pytestmark = [
         CHROMIUM is None, reason="needs Debian's chromium: run `.venv/bin/just setup-system`"
     ),
 ]
-
-
-def _speaks_6(hub: HubSettings) -> bool:
-    store = open_store(hub)
-    try:
-        return all(n.versions.get("protocol") == "6" for n in store.nodes())
-    finally:
-        store.close()
 
 
 def _wave(hub: HubSettings, rollout_id: str) -> int:
@@ -83,7 +76,7 @@ async def test_the_rollouts_page_follows_a_rollout_live_in_chromium(
     try:
         for client in clients.values():
             await client.heartbeat({}, protocol.Capacity(image=old))
-        await until(lambda: _speaks_6(hub), "both nodes heard")
+        await until(lambda: speak_releases(hub), "both nodes heard")
         store = open_store(hub)
         rollout = begin(store, "release", {"release": "2.0"},
                         Strategy(soak_s=0.0, max_burn_rate=None), "ops")  # fmt: skip

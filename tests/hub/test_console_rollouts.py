@@ -20,6 +20,7 @@ from tests.hub.test_console import (
     settings_for,
     start,
 )
+from tests.hub.test_rollouts import speak_releases
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -27,16 +28,7 @@ if TYPE_CHECKING:
 
     from pytest_aiohttp import AiohttpServer
 
-    from hub.settings import HubSettings
     from tests.hub.conftest import HubDatabase
-
-
-def _speaks_6(hub: HubSettings, count: int) -> bool:
-    store = open_store(hub)
-    try:
-        return sum(n.versions.get("protocol") == "6" for n in store.nodes()) == count
-    finally:
-        store.close()
 
 
 async def test_the_rollouts_page_shows_each_wave_live_and_takes_the_operators_steps(
@@ -52,7 +44,7 @@ async def test_the_rollouts_page_shows_each_wave_live_and_takes_the_operators_st
         image = {"version": "1.0", "slot": "rootfs.0", "state": "good"}
         for token in tokens.values():
             await heartbeat(console, token, image=image)
-        await until(lambda: _speaks_6(hub, 2), "both nodes heard")
+        await until(lambda: speak_releases(hub), "both nodes heard")
         store = open_store(hub)
         store.add_release("1.1", "faster boot", "a" * 64, 10)
         rollout = begin(store, "release", {"release": "1.1"}, Strategy(soak_s=0.0,

@@ -122,7 +122,9 @@ async def fleet(
             await client.close()
 
 
-def _speaks_6(settings: HubSettings) -> bool:
+def speak_releases(settings: HubSettings) -> bool:
+    """Whether every node's last heartbeat, as stored, spoke protocol 6 (releases reach
+    only such nodes)."""
     store = open_store(settings)
     try:
         return all(n.versions.get("protocol") == "6" for n in store.nodes())
@@ -150,7 +152,7 @@ async def test_a_release_rolls_out_wave_by_wave_halts_on_a_rollback_and_aborts_b
 
     for name in fleet.nodes:
         await fleet.beat(name, image=_image("1.0"))
-    await until(lambda: _speaks_6(fleet.settings), "every node's heartbeat stored")
+    await until(lambda: speak_releases(fleet.settings), "every node's heartbeat stored")
 
     strategy = {"canary": 1, "waves": [50, 100], "soak_s": 0, "max_unavailable": 1,
                 "max_burn_rate": None}  # fmt: skip
@@ -230,7 +232,7 @@ async def test_a_node_without_an_updater_halts_the_release_at_once(fleet: Fleet)
     assert status == 201, body
     for name in fleet.nodes:
         await fleet.beat(name)
-    await until(lambda: _speaks_6(fleet.settings), "every node's heartbeat stored")
+    await until(lambda: speak_releases(fleet.settings), "every node's heartbeat stored")
     status, view = await fleet.call(
         "POST", "/v1/admin/rollouts",
         json={"kind": "release", "release": "2.0",
@@ -269,7 +271,7 @@ async def test_a_wrong_rollout_request_is_a_4xx_that_starts_nothing(
     assert (await fleet.call("POST", "/v1/admin/releases?version=1.0", data=b"x"))[0] == 201
     for name in fleet.nodes:
         await fleet.beat(name)
-    await until(lambda: _speaks_6(fleet.settings), "every node's heartbeat stored")
+    await until(lambda: speak_releases(fleet.settings), "every node's heartbeat stored")
     got, answer = await fleet.call("POST", "/v1/admin/rollouts", json=body)
     assert (got, answer["error"]["code"]) == (status, code), answer
     assert (await fleet.call("GET", "/v1/admin/rollouts"))[1]["data"] == []
