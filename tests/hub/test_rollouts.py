@@ -356,6 +356,27 @@ def test_releases_and_rollouts_from_the_command_line(
     assert json.loads(listed.stdout)["version"] == "3.0"
     assert kvl("hub", "rollouts", "list", *data).stdout == ""
 
+    # The node heard at protocol 6: a rollout starts, and takes the operator's steps.
+    store = open_store(settings)
+    [node] = store.nodes()
+    store.record_heartbeats([Heartbeat(node.id, 1.0, {"protocol": "6"}, protocol.Capacity())])
+    store.close()
+    started = kvl("hub", "rollouts", "start", "--release", "3.0", "--soak", "0",
+                  "--no-burn-gate", *data)  # fmt: skip
+    rollout_id = started.stdout.split()[1]
+    assert "(release 3.0): pending" in started.stdout
+    assert "canary: 0/1 updated" in started.stdout
+    shown = json.loads(kvl("hub", "rollouts", "show", rollout_id, "--json", *data).stdout)
+    assert (shown["state"], shown["strategy"]["soak_s"]) == ("pending", 0.0)
+    assert "paused at canary" in kvl("hub", "rollouts", "pause", rollout_id, *data).stdout
+    assert "resumed by cli" in kvl("hub", "rollouts", "resume", rollout_id, *data).stdout
+    assert "aborted by cli" in kvl("hub", "rollouts", "abort", rollout_id, *data).stdout
+    again = kvl("hub", "rollouts", "pause", rollout_id, *data, check=False)
+    assert (again.returncode, "cannot be paused" in again.stderr) == (1, True)
+    bad = kvl("hub", "rollouts", "start", "--release", "3.0", "--waves", "50,20", *data,
+              check=False)  # fmt: skip
+    assert bad.returncode == 2
+
 
 def test_a_backup_carries_releases_windows_and_rollouts(
     tmp_path: Path, hub_database: HubDatabase, request: pytest.FixtureRequest
