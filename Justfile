@@ -16,12 +16,13 @@ default:
 # chromium (the browser tests of the hub's console), postgresql (the hub's store for
 # several replicas; the tests and benchmarks start throwaway clusters of their own) and
 # prometheus (its `promtool` lints the hub's and the appliance's /metrics and the rules file;
-# a test scrapes a hub with it)
+# a test scrapes a hub with it), rauc (the image updater the appliance calls; a test makes
+# a bundle, with squashfs-tools, and installs it into file-backed slots)
 setup-system:
     #!/usr/bin/env bash
     set -euo pipefail
     missing=()
-    for package in wireguard-go iproute2 espeak-ng nginx nghttp2-client chromium postgresql prometheus; do
+    for package in wireguard-go iproute2 espeak-ng nginx nghttp2-client chromium postgresql prometheus rauc squashfs-tools; do
         dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed' || missing+=("$package")
     done
     if [ ${#missing[@]} -eq 0 ]; then exit 0; fi

@@ -12,6 +12,7 @@ from appliance.discovery.mdns import Announcement, Announcer, lan_addresses
 from appliance.fleet.certificates import NodeCertificate
 from appliance.fleet.identity import FleetFiles, Provisioned, lan_tls_files, provisioned
 from appliance.fleet.link import FleetLink
+from appliance.fleet.release import Updater
 from appliance.gateway import cors
 from appliance.gateway.jobs import JOBS
 from appliance.gateway.keys import (
@@ -53,6 +54,7 @@ from appliance.packages.service import PackageService
 from appliance.packages.voice import Espeak, Neural
 from appliance.serving.registry import ModelRegistry
 from appliance.state.store import AsyncStore
+from appliance.update.installer import Rauc
 from shared import __version__
 from shared.backup import serving
 
@@ -240,6 +242,15 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
         models_dir=settings.models_dir,
         packages=app[PACKAGES],
         objectives=admission.book,
+        updater=Updater(
+            app[STORE],
+            Rauc(settings.update.rauc, settings.update.rauc_options),
+            settings.updates_dir,
+            os_release=settings.update.os_release,
+            reboot=settings.update.reboot_command,
+            retry_s=settings.update.retry_s,
+            failures=app[METRICS].failures,
+        ),
     )
     link.on_certificate = on_certificate
     await link.restore_leases()

@@ -749,6 +749,48 @@ class FleetSettings(_Section):
         return self
 
 
+class UpdateSettings(_Section):
+    rauc: str = Field(
+        "rauc",
+        min_length=1,
+        max_length=300,
+        description=(
+            "The image updater's command (RAUC's CLI), by name on PATH or by path. Where it "
+            "is not installed (a development machine) the node reports no image and refuses "
+            "a release the hub gives it, saying why in its heartbeat."
+        ),
+    )
+    rauc_options: list[str] = Field(
+        default_factory=list,
+        max_length=20,
+        description=(
+            "Options put before every updater command, e.g. `--conf=/etc/rauc/system.conf` "
+            "(empty: RAUC's compiled-in defaults)."
+        ),
+    )
+    reboot_command: list[str] = Field(
+        default_factory=lambda: ["systemctl", "reboot"],
+        max_length=20,
+        description=(
+            "Run once a release is installed, to boot into it; empty: the node reports "
+            "`installed-pending-reboot` until something else reboots it."
+        ),
+    )
+    retry_s: float = Field(
+        600.0,
+        ge=1.0,
+        le=7 * 86_400,
+        description="A release that failed or rolled back is tried again after this long.",
+    )
+    os_release: Path = Field(
+        Path("/etc/os-release"),
+        description=(
+            "Where the running image states its version (`IMAGE_VERSION`), read when the "
+            "updater does not know it (an image flashed, not installed by the updater)."
+        ),
+    )
+
+
 class ResponsesSettings(_Section):
     keep_s: float = Field(
         86_400.0,
@@ -819,6 +861,10 @@ class ApplianceSettings(BaseSettings):
     fleet: FleetSettings = Field(
         default_factory=FleetSettings, description="The link to the fleet's hub."
     )
+    update: UpdateSettings = Field(
+        default_factory=UpdateSettings,
+        description="Image updates: the releases the hub rolls out, installed by RAUC.",
+    )
     responses: ResponsesSettings = Field(
         default_factory=ResponsesSettings, description="The Responses API's stored answers."
     )
@@ -846,6 +892,11 @@ class ApplianceSettings(BaseSettings):
     @property
     def models_dir(self) -> Path:
         return self.data_dir / "models"
+
+    @property
+    def updates_dir(self) -> Path:
+        """Release bundles being fetched or waiting to be installed."""
+        return self.data_dir / "updates"
 
     @property
     def packages_dir(self) -> Path:

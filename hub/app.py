@@ -17,6 +17,7 @@ from hub.api.metrics import metrics_app, metrics_route
 from hub.api.node import node_auth, node_routes
 from hub.api.openapi import openapi_route
 from hub.api.operator import operator_auth, operator_routes
+from hub.api.rollouts import rollout_routes
 from hub.certificates import HubTls
 from hub.console.app import setup_console
 from hub.fleet.heartbeats import Heartbeats, flushing
@@ -43,6 +44,7 @@ from hub.nodelogs import NodeLogs
 from hub.observability.metrics import HubMetrics
 from hub.offload import Forwarder
 from hub.reconciler import reconcile_forever
+from hub.rollouts import rollouts_forever
 from hub.state.store import AsyncHubStore
 from shared import __version__
 from shared.backup import serving
@@ -69,6 +71,7 @@ def create_app(settings: HubSettings) -> web.Application:
     app[RUNNING] = Running()
     app.add_routes(node_routes())
     app.add_routes(operator_routes())
+    app.add_routes(rollout_routes())
     app.add_routes([openapi_route(), metrics_route()])
     app[IDENTITY] = identity(settings)
     app[TLS] = HubTls(settings)  # the CA and the hub's certificate, made on first start
@@ -80,6 +83,7 @@ def create_app(settings: HubSettings) -> web.Application:
     app.cleanup_ctx.append(_node_logs)
     app.cleanup_ctx.append(_pki)
     app.cleanup_ctx.append(_placement)
+    app.cleanup_ctx.append(_rollouts)
     app.cleanup_ctx.append(_alerts)
     if settings.overlay.interface is not None:
         app.cleanup_ctx.append(_tunnel)
@@ -194,6 +198,13 @@ async def _placement(app: web.Application) -> AsyncIterator[None]:
     """The placement reconciler (hub/reconciler.py)."""
     loop = reconcile_forever(app[STORE], app[SETTINGS], app[LOOPS], app[METRICS])
     async with running(app[RUNNING], "placement", loop):
+        yield
+
+
+async def _rollouts(app: web.Application) -> AsyncIterator[None]:
+    """The rollout loop (hub/rollouts.py): staged rollouts moved on, or halted."""
+    loop = rollouts_forever(app[STORE], app[SETTINGS], app[LOOPS])
+    async with running(app[RUNNING], "rollouts", loop):
         yield
 
 

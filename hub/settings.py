@@ -147,6 +147,15 @@ class FleetSettings(BaseModel):
     placement_every_s: float = Field(
         3.0, ge=0.1, le=3600, description="Seconds between runs of the placement reconciler."
     )
+    rollout_every_s: float = Field(
+        5.0,
+        ge=0.05,
+        le=3600,
+        description=(
+            "Seconds between rounds of the rollout loop, which moves each staged rollout "
+            "on (or halts it) from what its nodes report (`kvl hub rollouts`)."
+        ),
+    )
 
     stale_after_s: float = Field(
         45.0, ge=1.0, le=86_400, description="No heartbeat for this long: the node is stale."

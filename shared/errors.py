@@ -50,6 +50,7 @@ class ErrorCode(StrEnum):
     foreign_lease = "foreign_lease"
     node_offline = "node_offline"
     node_unreachable = "node_unreachable"
+    rollout_conflict = "rollout_conflict"
     not_found = "not_found"
     model_not_found = "model_not_found"
     job_not_found = "job_not_found"
@@ -185,6 +186,12 @@ _KINDS: dict[ErrorCode, _Kind] = {
         409,
         "conflict_error",
         "hub: the node cannot be asked now (offline, revoked, or without a fleet listener)",
+    ),
+    ErrorCode.rollout_conflict: _Kind(
+        409,
+        "conflict_error",
+        "hub: a release of that version exists already, another rollout of the same thing "
+        "is active, the rollout would reach no node, or it cannot take that step in its state",
     ),
     ErrorCode.node_unreachable: _Kind(
         503,

@@ -38,6 +38,15 @@ hub reads their defaults (none). A version-5 node that calls a version-4 hub is 
 whole (400 `protocol_unsupported`, "upgrade the hub": a fleet is upgraded hub first), so
 the fields never reach a hub whose models would refuse them, and a node need not leave
 them out (it does not read the hub's version).
+
+Version 6 adds image releases. `DesiredState.release` names the image release the node
+should run (version, sha256, size; and the update window of its site), which a node
+fetches through the tunnel (`GET /v1/node/artifacts/SHA256`, resumable, digest checked)
+and installs; `Capacity.image` reports the image the node runs (version, booted slot) and
+how its last update went, and `Capacity.release_error` why a node refuses a release
+target (no updater on it). The hub's staged rollouts (hub/rollouts.py) read them. An
+older node never gets `release` (the hub leaves it out), so a rollout counts it as one
+that cannot take the release.
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ from pydantic import (
 
 from shared import jsonlimits
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 OLDEST_NODE_PROTOCOL = 2
 PROTOCOL_HEADER = "Kvl-Protocol"
 
@@ -177,6 +186,26 @@ class LanApi(Message):
     fleet_port: int | None = Field(None, ge=1, le=65535)
 
 
+# How a node's last image update went (appliance/update/): fetching the bundle, installing
+# it into the other slot, installed and waiting for a reboot, booted into it on trial
+# (not yet marked good), marked good; rolled back (the bootloader or the health check
+# went back to the previous slot), or failed before a reboot.
+ImageState = Literal[
+    "idle", "downloading", "installing", "installed-pending-reboot", "booted-trial", "good",
+    "rolled-back", "failed",
+]  # fmt: skip
+
+
+class ImageStatus(Message):
+    """The image a node runs, and how its last update went (protocol 6)."""
+
+    version: Short  # the running image's version ("" when the image does not say)
+    slot: Short = ""  # the booted slot, as the updater names it (`rootfs.0`)
+    state: ImageState = "idle"
+    target: Short | None = None  # the release the last update was for
+    error: Text | None = None  # why it failed or rolled back
+
+
 class Capacity(Message):
     """What a node has and how loaded it is, as it reports in each heartbeat. None of it
     can make a node look better than empty: no negative load, no more free memory than
@@ -210,6 +239,11 @@ class Capacity(Message):
     # lease calls have failed in a row (appliance/quotas/leases.py). 0 once a call succeeds.
     leases_lapsed: Count = 0
     lease_failures: Count = 0
+    # The image this node runs and its last update (protocol 6); None where the node has
+    # no updater (a development machine), which then names why in `release_error` when the
+    # hub gives it a release.
+    image: ImageStatus | None = None
+    release_error: Text | None = None
 
     @model_validator(mode="after")
     def _within_itself(self) -> Self:
@@ -523,6 +557,29 @@ class SeededPackage(Message):
     size: int = Field(ge=0)
 
 
+class UpdateWindow(Message):
+    """When a site lets its nodes fetch and install an image: minutes of the day, UTC,
+    from `start_min` up to `end_min` (a window past midnight has `end_min < start_min`)."""
+
+    start_min: int = Field(ge=0, le=1439)
+    end_min: int = Field(ge=0, le=1440)
+
+    def holds(self, minute: int) -> bool:
+        if self.start_min <= self.end_min:
+            return self.start_min <= minute < self.end_min
+        return minute >= self.start_min or minute < self.end_min
+
+
+class ReleaseTarget(Message):
+    """The image release a node should run (protocol 6): fetched through the tunnel by
+    sha256 (`GET /v1/node/artifacts/SHA256`), checked, installed within `window`."""
+
+    version: Name
+    sha256: Sha256
+    size_bytes: int = Field(ge=0, le=1 << 40)
+    window: UpdateWindow | None = None  # None: any time
+
+
 class DesiredState(Message):
     """What a node should hold, read in one transaction with the serial it is at."""
 
@@ -532,6 +589,7 @@ class DesiredState(Message):
     keys: list[KeyState]
     models: list[PlacedModel] = Field(default_factory=list)
     packages: list[SeededPackage] = Field(default_factory=list)
+    release: ReleaseTarget | None = None  # protocol 6
 
 
 # -- node logs (the hub reads them on the node's fleet listener) ---------------------------
@@ -592,7 +650,8 @@ ADDED_IN: dict[type[Message], dict[str, int]] = {
     EnrollAnswer: {"trust": 3, "renew_at": 3},
     HeartbeatAnswer: {"trust_digest": 3, "renew_certificate": 3},
     HeartbeatRequest: {"objectives": 4},
-    Capacity: {"leases_lapsed": 5, "lease_failures": 5},
+    Capacity: {"leases_lapsed": 5, "lease_failures": 5, "image": 6, "release_error": 6},
+    DesiredState: {"release": 6},
 }
 
 

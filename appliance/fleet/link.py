@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine
     from pathlib import Path
 
+    from appliance.fleet.release import Updater
     from appliance.observability.metrics import Metrics
     from appliance.observability.objectives import ObjectiveBook
     from appliance.packages.service import PackageService
@@ -112,6 +113,7 @@ class FleetLink:
         models_dir: Path | None = None,
         packages: PackageService | None = None,
         objectives: ObjectiveBook | None = None,
+        updater: Updater | None = None,
     ) -> None:
         self._settings = settings
         self._objectives = objectives  # the live objectives, sent in every heartbeat
@@ -123,6 +125,8 @@ class FleetLink:
             if models_dir is not None
             else None
         )
+        # The image release the hub gives this node: fetched, installed (None: off).
+        self._updater = updater
         self._leases = leases
         self._lease_call: asyncio.Task[None] | None = None
         if leases is not None:
@@ -231,6 +235,8 @@ class FleetLink:
     async def close(self) -> None:
         if self._converger is not None:
             await self._converger.close()
+        if self._updater is not None:
+            await self._updater.close()
         if self._scheduler.running:
             self._scheduler.shutdown(wait=False)
         if self._client is not None:
@@ -316,6 +322,8 @@ class FleetLink:
             await self._keep_certificate(client, answer)
             if self._converger is not None:
                 self._converger.kick(client)  # also retries what failed the last time
+            if self._updater is not None:
+                self._updater.kick(client)
         except (HubError, HubRefusedError, WireGuardError) as err:
             self.error = str(err)
             log.warning("heartbeat failed: %s", err)
@@ -429,6 +437,10 @@ class FleetLink:
             # Lease trouble, for the hub's `lease_lapsed` alert (bounded as the wire is).
             leases_lapsed=min(lapsed, protocol.COUNT_MAX),
             lease_failures=min(book.failures if book is not None else 0, protocol.COUNT_MAX),
+            # The image this node runs and its last update (protocol 6), or why it refuses
+            # the release the hub gives it.
+            image=self._updater.image if self._updater is not None else None,
+            release_error=self._updater.release_error if self._updater is not None else None,
         )
 
     def gpus(self) -> list[protocol.Gpu]:

@@ -21,6 +21,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from appliance.fleet.client import HubError
+from appliance.fleet.downloads import CHUNK, DownloadError, fetch_checked
 from appliance.packages.cache import CacheError
 from appliance.serving.registry import (
     InsufficientMemoryError,
@@ -42,21 +43,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CHUNK = 1 << 20
 MAX_BUNDLE = 1 << 30  # bytes: a package archive is held in memory while it is checked
 REFUSALS = (UnknownModelError, ModelNotReadyError, InsufficientMemoryError, ModelPinnedError)
 
 
 class PlacementError(Exception):
     """A placed model could not be fetched or loaded; retried at the next heartbeat."""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class Converger:
@@ -209,30 +201,14 @@ class Converger:
 
     async def _fetch(self, client: HubClient, model: dict[str, Any]) -> Path:
         sha256, size = str(model["sha256"]), int(model["size_bytes"])
-        self._models_dir.mkdir(parents=True, exist_ok=True)
         target = self._models_dir / f"{model['name']}-{model['version']}-{sha256[:12]}.gguf"
         partial = target.with_name(target.name + ".part")
-        offset = partial.stat().st_size if partial.exists() else 0
-        if offset > size:
-            partial.unlink()
-            offset = 0
-        if offset < size:  # a whole file left by a stop before its check needs no fetch
-            log.info(
-                "fetching %s@%s from the hub (%d MiB)", model["name"], model["version"], size >> 20
-            )
-            response = await client.artifact(sha256, offset)
-            try:
-                if response.status not in {200, 206}:
-                    raise PlacementError(f"the hub answered {response.status} for the model file")
-                mode = "ab" if response.status == 206 else "wb"  # 200: the hub sent it whole
-                with partial.open(mode) as out:
-                    async for chunk in response.content.iter_chunked(CHUNK):
-                        out.write(chunk)
-            finally:
-                response.release()
-        got = await asyncio.to_thread(_sha256, partial)
-        if got != sha256 or partial.stat().st_size != size:
-            partial.unlink(missing_ok=True)
-            raise PlacementError(f"the fetched file's sha256 is {got}, not {sha256}: deleted")
+        log.info(
+            "fetching %s@%s from the hub (%d MiB)", model["name"], model["version"], size >> 20
+        )
+        try:
+            await fetch_checked(client, sha256, size, partial)
+        except DownloadError as err:
+            raise PlacementError(str(err)) from err
         partial.replace(target)
         return target

@@ -489,6 +489,14 @@ class Store:
                     " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                     [f"desired_{part}", json.dumps([i.model_dump(mode="json") for i in items])],
                 )
+            # The image release the hub gives this node (null: none); the updater
+            # (appliance/fleet/release.py) converges on it.
+            release = None if state.release is None else state.release.model_dump(mode="json")
+            self.db.execute(
+                "INSERT INTO meta (key, value) VALUES ('desired_release', ?)"
+                " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                [json.dumps(release)],
+            )
         return serial
 
     def save_leases(self, leases: list[tuple[dict[str, Any], bool]]) -> None:

@@ -404,15 +404,22 @@ async def offload(request: web.Request) -> web.StreamResponse:
 
 
 async def artifact(request: web.Request) -> web.StreamResponse:
-    """A model file placed on the calling node, or a package archive seeded to it, by
-    sha256 (its ETag); Range requests resume a cut download."""
+    """A model file placed on the calling node, a package archive seeded to it, or the
+    image release bundle a rollout gave it, by sha256 (its ETag); Range requests resume a
+    cut download."""
     sha256 = request.match_info["sha256"].lower()
     store = request.app[STORE]
     node = request[NODE]
     placed = await store.run(store.sync.placed_models, node.id)
     seeded = await store.run(store.sync.seeded_packages, node)
-    if sha256 not in {m.sha256 for m in placed} | {p.sha256 for p in seeded}:
-        raise ApiError(ErrorCode.not_found, f"no model or package {sha256} is placed on this node")
+    release = await store.run(store.sync.release_target, node)
+    given = {m.sha256 for m in placed} | {p.sha256 for p in seeded}
+    if release is not None:
+        given.add(release.sha256)
+    if sha256 not in given:
+        raise ApiError(
+            ErrorCode.not_found, f"no model, package or release {sha256} is given to this node"
+        )
     try:
         blob = (request.app[SETTINGS].artifacts_dir / sha256).open("rb")
     except FileNotFoundError as err:

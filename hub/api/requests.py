@@ -5,7 +5,7 @@ checked against too (hub/console/pages.py), and the OpenAPI document describes
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -18,6 +18,7 @@ from pydantic import (
 
 from hub.fleet.budgets import window_s
 from hub.fleet.objectives import Grouping, SloFilters
+from hub.planning.rollout import Strategy
 from hub.state.accounts import Tenancy
 from hub.state.store import DeploymentRecord
 from shared import protocol
@@ -176,3 +177,120 @@ class ObjectivesQuery(BaseModel):
 
     def filters(self) -> SloFilters:
         return SloFilters(self.service_class, self.account, self.site, self.node)
+
+
+# -- releases and rollouts --------------------------------------------------------------------
+
+ReleaseVersion = Annotated[
+    str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._+~-]{0,99}$"), protocol.Clean
+]
+Clock = Annotated[str, StringConstraints(pattern=r"^([01][0-9]|2[0-3]):[0-5][0-9]$")]
+
+
+class ReleaseQuery(BaseModel):
+    """The query of `POST /v1/admin/releases` (the body is the bundle)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: ReleaseVersion = Field(description="the image version the bundle installs")
+    notes: Annotated[str, StringConstraints(max_length=2000), protocol.Clean] = ""
+
+
+class WindowRequest(BaseModel):
+    """A site's update window, UTC: its nodes fetch and install a release only from
+    `start` up to `end` (past midnight when `end` is earlier)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    start: Clock = Field(description="HH:MM, UTC")
+    end: Clock = Field(description="HH:MM, UTC")
+
+    def window(self) -> protocol.UpdateWindow:
+        def minutes(clock: str) -> int:
+            hours, mins = clock.split(":")
+            return int(hours) * 60 + int(mins)
+
+        return protocol.UpdateWindow(start_min=minutes(self.start), end_min=minutes(self.end))
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> Self:
+        if self.start == self.end:
+            raise ValueError("an update window from a time to the same time is empty")
+        return self
+
+
+class StrategyRequest(BaseModel):
+    """How a rollout moves: a canary, then waves by share of its nodes or by site."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    canary: int = Field(1, ge=0, le=10_000, description="nodes in the canary wave")
+    canary_nodes: list[Text] = Field(
+        default_factory=list, max_length=100, description="the canary's nodes, by name or id"
+    )
+    waves: list[float] = Field(
+        default_factory=lambda: [100.0],
+        min_length=1,
+        max_length=20,
+        description="cumulative shares of the rollout's nodes, in %, ascending (the last "
+        "wave takes the rest)",
+    )
+    sites: list[Annotated[list[Text], Field(min_length=1, max_length=100)]] = Field(
+        default_factory=list, max_length=20, description="or: the sites of each wave, in order"
+    )
+    soak_s: float = Field(300.0, ge=0, le=7 * 86_400)
+    max_unavailable: int = Field(1, ge=1, le=10_000)
+    offline_after_s: float = Field(300.0, ge=1, le=7 * 86_400)
+    max_burn_rate: float | None = Field(14.4, gt=0, le=1e6, description="None: not gated")
+    min_requests: int = Field(20, ge=1, le=1_000_000_000)
+
+    @model_validator(mode="after")
+    def _waves(self) -> Self:
+        if any(not 0 < w <= 100 for w in self.waves):
+            raise ValueError("each wave's share is above 0 and at most 100 (%)")
+        if any(b <= a for a, b in zip(self.waves, self.waves[1:], strict=False)):
+            raise ValueError("wave shares are cumulative: each above the one before")
+        if self.sites and "waves" in self.model_fields_set:
+            raise ValueError("waves by share or by site, not both")
+        return self
+
+    def strategy(self) -> Strategy:
+        return Strategy(
+            canary=self.canary,
+            canary_nodes=tuple(dict.fromkeys(self.canary_nodes)),
+            waves=tuple(self.waves),
+            sites=tuple(tuple(s) for s in self.sites),
+            soak_s=self.soak_s,
+            max_unavailable=self.max_unavailable,
+            offline_after_s=self.offline_after_s,
+            max_burn_rate=self.max_burn_rate,
+            min_requests=self.min_requests,
+        )
+
+
+class RolloutRequest(BaseModel):
+    """A staged rollout: of an image release to the fleet, or of a deployment's new model
+    to the nodes that hold its replicas."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["release", "model"]
+    release: ReleaseVersion | None = Field(None, description="kind release: its version")
+    deployment: Text | None = Field(None, description="kind model: the deployment's id")
+    model: Text | None = Field(
+        None, pattern=r"^[^@\s]+@[^@\s]+$", description="kind model: the new name@version"
+    )
+    strategy: StrategyRequest = Field(default_factory=StrategyRequest)
+
+    @model_validator(mode="after")
+    def _target(self) -> Self:
+        if self.kind == "release" and (not self.release or self.deployment or self.model):
+            raise ValueError("a release rollout names `release` (only)")
+        if self.kind == "model" and (not self.deployment or not self.model or self.release):
+            raise ValueError("a model rollout names `deployment` and `model` (only)")
+        return self
+
+    def target(self) -> dict[str, str]:
+        if self.kind == "release":
+            return {"release": str(self.release)}
+        return {"deployment": str(self.deployment), "model": str(self.model)}

@@ -5,10 +5,6 @@ routes the hub registers, and tests/hub/test_fuzz.py fuzzes every route in it.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Literal
-
 from hub.api.requests import (
     DeploymentRequest,
     DrainRequest,
@@ -18,55 +14,12 @@ from hub.api.requests import (
     TenancyRequest,
     TokenRequest,
 )
+from hub.api.rollout_routes import ROLLOUT_ROUTES
+from hub.api.route_kinds import Auth, Param, Route
 from shared import protocol
 from shared.errors import ErrorCode
 
-if TYPE_CHECKING:
-    from pydantic import BaseModel
-
-
-class Auth(StrEnum):
-    none = "none"
-    enrollment = "enrollment"  # an enrollment token, in the body
-    node = "node"  # the node token, `Authorization: Bearer kvln_…`
-    operator = "operator"  # an operator token, `Authorization: Bearer kvlo_…`
-
-
-@dataclass(frozen=True)
-class Param:
-    name: str
-    where: Literal["query", "header"]
-    description: str
-    schema: dict[str, Any]
-    required: bool = False
-
-
-@dataclass(frozen=True)
-class Route:
-    method: str
-    path: str  # as documented: an OpenAPI path template
-    summary: str
-    auth: Auth
-    request: type[BaseModel] | None = None  # the JSON body the handler parses
-    answer: type[BaseModel] | None = None  # the JSON it answers (None: a plain object)
-    status: int = 200  # of a success
-    errors: tuple[ErrorCode, ...] = ()  # beyond those of its auth and its body
-    params: tuple[Param, ...] = ()
-    # Where the body is not JSON: its media type (a package archive).
-    body_type: str | None = None
-    # Where the answer is not JSON: its media types.
-    answer_types: tuple[str, ...] = ("application/json",)
-    other_statuses: tuple[tuple[int, str], ...] = ()  # successes besides `status`
-    # The router's template where it differs from the documented path (aiohttp's
-    # `resource.canonical`: a value that holds a slash, one route for several paths).
-    router_path: str | None = None
-    # Path parameters whose values are constrained (by the router's regex).
-    path_schemas: tuple[tuple[str, dict[str, Any]], ...] = ()
-
-    @property
-    def registered(self) -> str:
-        return self.router_path or self.path
-
+__all__ = ["NODE_ROUTES", "OFFLOADED", "ROUTES", "Auth", "Param", "Route"]
 
 _AFTER = Param(
     "after",
@@ -188,8 +141,9 @@ NODE_ROUTES: tuple[Route, ...] = (
     Route(
         "GET",
         "/v1/node/artifacts/{sha256}",
-        "A model file placed on, or a package archive seeded to, the calling node, by "
-        "sha256 (its ETag); Range requests resume a cut download.",
+        "A model file placed on, a package archive seeded to, or the image release bundle "
+        "given to the calling node, by sha256 (its ETag); Range requests resume a cut "
+        "download.",
         Auth.node,
         answer_types=("application/octet-stream",),
         errors=(ErrorCode.not_found,),
@@ -459,4 +413,6 @@ OBJECTIVE_ROUTES: tuple[Route, ...] = (
     ),
 )
 
-ROUTES: tuple[Route, ...] = NODE_ROUTES + ADMIN_ROUTES + OBJECTIVE_ROUTES + ALERT_ROUTES
+ROUTES: tuple[Route, ...] = (
+    NODE_ROUTES + ADMIN_ROUTES + OBJECTIVE_ROUTES + ALERT_ROUTES + ROLLOUT_ROUTES
+)

@@ -1,5 +1,6 @@
 """`kvl hub …`: serve the hub, and manage its enrollment tokens, nodes, accounts, keys,
-models and deployments, packages, operators and console users, read the fleet's
+models and deployments, packages, image releases and staged rollouts,
+operators and console users, read the fleet's
 objectives, and back the hub up and restore it. One module per command
 group; each opens the store the one way (`common.opened_store`)."""
 
@@ -19,6 +20,7 @@ from hub.cli import (
     objectives,
     operators,
     packages,
+    rollouts,
     serve,
     tokens,
 )
@@ -44,6 +46,8 @@ for command in (
     models.undeploy,
     models.deployments,
     packages.packages,
+    rollouts.releases,
+    rollouts.rollouts,
     operators.operators,
     admin.admin,  # `kvl hub admin …`: the console's users
     ca.ca,

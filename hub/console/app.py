@@ -14,6 +14,7 @@ from hub.console.alerts import alert_routes
 from hub.console.auth import LoginThrottle
 from hub.console.objectives import objectives_routes
 from hub.console.pages import console_routes
+from hub.console.rollouts import rollout_routes
 from hub.console.web import (
     CONSOLE,
     HERE,
@@ -51,6 +52,7 @@ def setup_console(app: web.Application) -> None:
     app.add_routes(console_routes())
     app.add_routes(alert_routes())
     app.add_routes(objectives_routes())
+    app.add_routes(rollout_routes())
     app.add_routes([
         web.get("/console/static/{name}", static),
         # Last: any other console path is an HTML 404, not the API's JSON one.

@@ -1,6 +1,6 @@
-"""The fleet page's live updates: server-sent events carrying the table's rows whenever
-they change. A stream ends when the hub shuts down, when its login ends, or when the
-browser goes away."""
+"""The console's live updates: server-sent events carrying what a page shows (the fleet
+table's rows, the rollouts) whenever it changes. A stream ends when the hub shuts down,
+when its login ends, or when the browser goes away."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from hub.console.fleet import Filters, fleet_table
 from hub.console.web import console, current_session, hub_settings, hub_store
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
     from typing import Any
 
 KEEPALIVE_S = 15.0  # a comment now and then, so proxies and the browser keep the stream
@@ -29,13 +30,28 @@ def event(name: str, data: Any) -> bytes:
 async def nodes_stream(request: web.Request) -> web.StreamResponse:
     """`GET /console/nodes/stream[?site=&status=&name=]`: `nodes` events with the rows of
     the fleet table (the page's filters), and `logout` when the login ended."""
-    if await current_session(request) is None:
-        return web.Response(status=401, text="log in to the console first\n")
     state = console(request)
     settings = hub_settings(request)
     store = hub_store(request)
     filters = Filters.from_query(request.query)
-    every = settings.console.stream_every_s
+
+    async def rows() -> object:
+        nodes = await state.snapshot.nodes(store, settings.console.stream_every_s)
+        return fleet_table(nodes, settings, time.time(), filters)
+
+    return await stream(request, "nodes", rows)
+
+
+async def stream(
+    request: web.Request, name: str, read: Callable[[], Awaitable[object]]
+) -> web.StreamResponse:
+    """A live stream of a page: `name` events with what `read` answers, each time it
+    changed (every `console.stream_every_s`), and `logout` when the login ended; 401
+    without a login."""
+    if await current_session(request) is None:
+        return web.Response(status=401, text="log in to the console first\n")
+    state = console(request)
+    every = hub_settings(request).console.stream_every_s
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
                  "X-Accel-Buffering": "no"}
@@ -51,11 +67,9 @@ async def nodes_stream(request: web.Request) -> web.StreamResponse:
                 if await current_session(request) is None:
                     await response.write(event("logout", {}))
                     break
-            nodes = await state.snapshot.nodes(store, every)
-            now = time.time()
-            payload = fleet_table(nodes, settings, now, filters)
+            payload = await read()
             if payload != last_sent:
-                await response.write(event("nodes", payload))
+                await response.write(event(name, payload))
                 last_sent, last_write = payload, time.monotonic()
             elif time.monotonic() - last_write >= KEEPALIVE_S:
                 await response.write(b": keepalive\n\n")

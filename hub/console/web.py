@@ -76,6 +76,9 @@ NOTICES = {
     "undeployed": "Undeployed: its replicas are unloaded from the nodes.",
     "silenced": "Silenced: matching alerts are recorded, not sent.",
     "silence-ended": "The silence ended: matching alerts are sent again.",
+    "rollout-paused": "The rollout is paused: no node more is reached until it is resumed.",
+    "rollout-resumed": "The rollout goes on (a halt's failed nodes are judged again).",
+    "rollout-aborted": "The rollout is aborted: the nodes it reached get what they had before.",
 }
 
 

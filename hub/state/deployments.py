@@ -88,6 +88,7 @@ class DeploymentsMixin(StoreBase):
             if gone.rowcount == 0:
                 raise NotFoundError(f"no deployment {deployment_id!r}")
             self.db.execute("DELETE FROM placements WHERE deployment_id = ?", [deployment_id])
+            self.db.execute("DELETE FROM placement_models WHERE deployment_id = ?", [deployment_id])
             return self._bump()
 
     def deployments(self) -> list[DeploymentRecord]:
@@ -137,11 +138,16 @@ class DeploymentsMixin(StoreBase):
             return True
 
     def placed_models(self, node_id: str) -> list[ModelArtifact]:
-        """The models placed on a node, for its desired state."""
+        """The models placed on a node, for its desired state: each placement's
+        deployment's model, or the one a model rollout gave that placement
+        (`placement_models`, hub/state/rollouts.py)."""
         rows = self.db.execute(
             "SELECT DISTINCT m.name, m.version, m.sha256, m.size_bytes, m.format, m.memory_mib,"
             " m.ref FROM placements p JOIN deployments d ON d.id = p.deployment_id"
-            " JOIN models m ON m.ref = d.model WHERE p.node_id = ? ORDER BY m.ref",
+            " LEFT JOIN placement_models o ON o.deployment_id = p.deployment_id"
+            " AND o.node_id = p.node_id"
+            " JOIN models m ON m.ref = COALESCE(o.model, d.model) WHERE p.node_id = ?"
+            " ORDER BY m.ref",
             [node_id],
         ).fetchall()
         return [ModelArtifact(*r[:6]) for r in rows]

@@ -1,5 +1,5 @@
 """The desired state of a node: what it should hold, from several aggregates (accounts,
-keys, placed models, seeded packages), under the serial it is at."""
+keys, placed models, seeded packages, its image release), under the serial it is at."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ from hub.state.accounts import AccountsMixin
 from hub.state.api_keys import ApiKeysMixin
 from hub.state.deployments import DeploymentsMixin
 from hub.state.packages import PackagesMixin
+from hub.state.rollouts import RolloutsMixin
 from shared import protocol
 
 if TYPE_CHECKING:
     from hub.state.nodes import Node
 
 
-class DesiredStateMixin(AccountsMixin, ApiKeysMixin, DeploymentsMixin, PackagesMixin):
+class DesiredStateMixin(
+    AccountsMixin, ApiKeysMixin, DeploymentsMixin, PackagesMixin, RolloutsMixin
+):
     """What a node pulls (`GET /v1/node/state`), read across aggregates."""
 
     def desired_state(self, node: Node) -> protocol.DesiredState:
@@ -70,4 +73,7 @@ class DesiredStateMixin(AccountsMixin, ApiKeysMixin, DeploymentsMixin, PackagesM
                 ],
                 # The content packages seeded to this node: fetched the same way, pinned.
                 packages=self.seeded_packages(node),
+                # The image release a rollout gave this node (protocol 6; left out for
+                # older nodes), fetched the same way and installed within its window.
+                release=self.release_target(node),
             )

@@ -430,3 +430,50 @@ def m013_alerts(db: Database) -> None:
         foreign_keys=[("alert_id", "alerts", "id")],
     )  # fmt: skip
     db.table("alert_deliveries").create_index(["status", "next_at"])
+
+
+@migrations()
+def m014_rollouts(db: Database) -> None:
+    # Image releases (the bundle is kept under its sha256 in the artifacts folder), each
+    # site's update window (minutes of the day, UTC), and the release each node should run
+    # (set by a rollout, wave by wave).
+    db.table("releases").create(
+        {"version": str, "notes": str, "sha256": str, "size_bytes": int, "created_at": float},
+        pk="version",
+        not_null={"notes", "sha256", "size_bytes", "created_at"},
+    )
+    db.table("update_windows").create(
+        {"site": str, "start_min": int, "end_min": int},
+        pk="site",
+        not_null={"start_min", "end_min"},
+    )
+    db.table("node_releases").create(
+        {"node_id": str, "version": str, "rollout_id": str, "set_at": float},
+        pk="node_id",
+        not_null={"version", "set_at"},
+    )
+    # A model rollout's new model for one placement, over its deployment's model.
+    db.table("placement_models").create(
+        {"deployment_id": str, "node_id": str, "model": str, "rollout_id": str},
+        pk=("deployment_id", "node_id"),
+        not_null={"model"},
+    )
+    db.table("placement_models").create_index(["rollout_id"])
+    # Staged rollouts (hub/rollouts.py): target and strategy as JSON; each member node
+    # with its wave, its state in the rollout and what it had before.
+    db.table("rollouts").create(
+        {"id": str, "kind": str, "target": str, "strategy": str, "state": str, "wave": int,
+         "wave_started_at": float, "reason": str, "created_by": str, "created_at": float,
+         "updated_at": float},
+        pk="id",
+        not_null={"kind", "target", "strategy", "state", "wave", "wave_started_at", "reason",
+                  "created_by", "created_at", "updated_at"},
+    )  # fmt: skip
+    db.table("rollouts").create_index(["state"])
+    db.table("rollout_nodes").create(
+        {"rollout_id": str, "node_id": str, "name": str, "wave": int, "state": str,
+         "previous": str, "targeted_at": float, "healthy_since": float, "note": str},
+        pk=("rollout_id", "node_id"),
+        not_null={"name", "wave", "state", "note"},
+        foreign_keys=[("rollout_id", "rollouts", "id")],
+    )  # fmt: skip

@@ -447,4 +447,51 @@ MIGRATIONS = (
         CREATE INDEX idx_alert_deliveries_status_next_at ON alert_deliveries (status, next_at);
         """,
     ),
+    SQLMigration(
+        "m014_rollouts",
+        """
+        CREATE TABLE releases (
+            version TEXT PRIMARY KEY, notes TEXT NOT NULL, sha256 TEXT NOT NULL,
+            size_bytes BIGINT NOT NULL, created_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE TABLE update_windows (
+            site TEXT PRIMARY KEY, start_min BIGINT NOT NULL, end_min BIGINT NOT NULL
+        );
+        CREATE TABLE node_releases (
+            node_id TEXT PRIMARY KEY, version TEXT NOT NULL, rollout_id TEXT,
+            set_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE TABLE placement_models (
+            deployment_id TEXT, node_id TEXT, model TEXT NOT NULL, rollout_id TEXT,
+            PRIMARY KEY (deployment_id, node_id)
+        );
+        CREATE INDEX idx_placement_models_rollout_id ON placement_models (rollout_id);
+        CREATE TABLE rollouts (
+            id TEXT PRIMARY KEY,
+            kind TEXT NOT NULL,
+            target TEXT NOT NULL,
+            strategy TEXT NOT NULL,
+            state TEXT NOT NULL,
+            wave BIGINT NOT NULL,
+            wave_started_at DOUBLE PRECISION NOT NULL,
+            reason TEXT NOT NULL,
+            created_by TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE INDEX idx_rollouts_state ON rollouts (state);
+        CREATE TABLE rollout_nodes (
+            rollout_id TEXT REFERENCES rollouts (id),
+            node_id TEXT,
+            name TEXT NOT NULL,
+            wave BIGINT NOT NULL,
+            state TEXT NOT NULL,
+            previous TEXT,
+            targeted_at DOUBLE PRECISION,
+            healthy_since DOUBLE PRECISION,
+            note TEXT NOT NULL,
+            PRIMARY KEY (rollout_id, node_id)
+        );
+        """,
+    ),
 )

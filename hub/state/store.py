@@ -51,6 +51,7 @@ from hub.state.nodes import (
 from hub.state.objectives import ObjectivesMixin
 from hub.state.operators import OperatorsMixin
 from hub.state.packages import PackageRecord
+from hub.state.rollouts import Release, Rollout, RolloutConflictError
 from hub.state.tokens import EnrollmentToken, TokenProblem, TokenRefusedError, TokensMixin
 from shared import db, protocol
 from shared.keys import NODE_TOKEN, hash_key, parse_prefix
@@ -90,6 +91,9 @@ __all__ = [
     "NotFoundError",
     "PackageRecord",
     "Quota",
+    "Release",
+    "Rollout",
+    "RolloutConflictError",
     "Silence",
     "StoreBase",
     "TokenProblem",

@@ -85,3 +85,48 @@
     live.textContent = "(reconnecting…)";
   });
 })();
+
+// The rollouts page, live: each rollout's phase and reason, and each node's state, image
+// and status, from /console/rollouts/stream (text only, as above). A rollout started
+// after the page loaded shows when it is loaded again.
+(function () {
+  const root = document.querySelector("#rollouts[data-stream]");
+  if (!root || !window.EventSource) return;
+  const live = document.getElementById("rollouts-live");
+
+  function set(scope, field, text) {
+    const el = scope.querySelector('[data-field="' + field + '"]');
+    if (el && el.textContent !== text) el.textContent = text;
+  }
+
+  function show(data) {
+    for (const r of data.rollouts) {
+      const section = root.querySelector('[data-rollout="' + r.id + '"]');
+      if (!section) continue;
+      set(section, "phase", r.phase);
+      set(section, "reason", r.reason);
+      for (const w of r.waves) {
+        const updated = "(" + w.updated + "/" + w.nodes.length + ")";
+        set(section, "wave-" + w.wave, updated);
+        for (const n of w.nodes) {
+          const row = section.querySelector('[data-node="' + r.id + "/" + n.id + '"]');
+          if (!row) continue;
+          set(row, "state", n.state);
+          set(row, "running", n.running);
+          set(row, "update", n.update);
+          set(row, "status", n.status);
+          set(row, "heard", n.heard);
+          set(row, "note", n.note);
+        }
+      }
+    }
+  }
+
+  const source = new EventSource(root.dataset.stream);
+  source.addEventListener("rollouts", (e) => {
+    show(JSON.parse(e.data));
+    live.textContent = "(live, updated " + new Date().toLocaleTimeString() + ")";
+  });
+  source.addEventListener("logout", () => { source.close(); window.location.reload(); });
+  source.addEventListener("error", () => { live.textContent = "(reconnecting…)"; });
+})();

@@ -1,0 +1,1 @@
+"""Image updates: the updater's command line (installer.py, RAUC's)."""
