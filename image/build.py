@@ -69,7 +69,7 @@ DEFAULT_BUILD_DIR = HERE / "build"
 IMAGE_NAME = "kovenlab-edge.img"
 COMPRESSED_NAME = IMAGE_NAME + ".zst"
 MANIFEST_NAME = "kovenlab-edge.json"
-FORMAT = 2  # bump when the build changes in a way its inputs do not show
+FORMAT = 1  # bump when the build changes in a way its inputs do not show
 # zstd's level for the download: -10 takes the image to about half of its data in about a
 # minute on two cores; -19 saves a few percent more for ten times as long.
 ZSTD_LEVEL = 10
