@@ -1,4 +1,5 @@
-"""Build the appliance image: a raw GPT disk (UEFI, x86-64) to flash onto a site server.
+"""Build the appliance image: a raw GPT disk (UEFI, x86-64) to flash onto a site server, its
+compressed download, and its signed update bundle.
 
 `just image` runs `python -m image.build` (as root: Debian is installed with mmdebstrap, and
 the file systems keep their owners). Everything comes from this repository and Debian's
@@ -8,19 +9,37 @@ and PyPI's packages, and nothing is compiled inside the image. Steps, each cache
 1. wheels: the project's, from a clean copy of its sources; llama-cpp-python's, compiled
    once for any x86-64-v3 CPU (not for this machine's, as `just setup`'s is); and the other
    dependencies' (downloaded, or from pip's cache);
-2. Debian 12: mmdebstrap (Debian's packages only, no recommends) into a tarball;
+2. Debian 12: mmdebstrap (Debian's packages only, no recommends; no manuals, translations
+   or docs, and no kernel modules for hardware a site server does without) into a tarball;
 3. the system: that tree, with the appliance in its own environment (/opt/kovenlab/venv,
-   installed from the wheels with `--no-index`), the files of `image/system/` (systemd units,
-   fstab, network), the appliance's user, and its units enabled;
+   installed from the wheels with `--no-index`, then rid of the packages it never imports),
+   the files of `image/system/` (systemd units, fstab, network, RAUC's system.conf), the
+   boot's health check and RAUC's bootloader backend, the appliance's user, and its units
+   enabled;
 4. file systems made from folders (`mkfs.ext4 -d`; `mkfs.vfat` and mtools for the EFI
    system partition): no loop device, no mount;
 5. one GPT disk: the EFI system partition (systemd-boot, the kernel and initrd of slot A),
    root A, root B (empty: the slot an update writes), and the data partition (database,
-   packages, models), which grows to the end of the disk on first boot.
+   packages, models), which grows to the end of the disk on first boot;
+6. the download: the image compressed with zstd, and its sha256;
+7. the update bundle: root A's file system as a RAUC bundle (verity format), signed with
+   the build's development CA or an operator's key (image/bundle.py).
 
-The image and a manifest (its key, sizes, partitions, package versions) are written to
-`image/build/kovenlab-edge.img` and `.json`; a build whose inputs have not changed since
-is skipped.
+A/B updates are RAUC's (Debian's package, as Home Assistant OS uses it), not our own: RAUC
+checks a bundle's signature, writes it into the slot not booted, and asks its bootloader
+backend to make that slot primary. The backend is `bootloader=custom` with
+image/bootslots.py on systemd-boot's boot counting: a new slot's loader entry is written
+with one try (`kovenlab-b+1.conf`), systemd-boot spends it before it boots the slot, and
+an entry without tries is sorted after the other slot's, so a slot that never gets marked
+good (kovenlab-health.service, image/health.py: only once the appliance answers /readyz) is
+passed over at the next boot with nothing running on the node. RAUC's `efi` backend was
+the other route: it keeps the order in EFI boot variables (efibootmgr), which firmware may
+reset and a freshly flashed disk does not have, and it counts no tries, so a slot that
+hangs would boot again; the loader entries are on the disk, next to the kernels they boot.
+
+The image, the download, the bundle and a manifest (its key, sizes, partitions, package
+versions) are written to `image/build/`; a build whose inputs have not changed since is
+skipped.
 """
 
 from __future__ import annotations

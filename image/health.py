@@ -170,9 +170,9 @@ def check(
         "reason": why,
     }
     if why is None:
-        log.info("the appliance is ready: slot %s marked good", record["slot"])
         mark("mark-good")
         _append(checks.report, record)
+        log.info("the appliance is ready: slot %s marked good", record["slot"])
         return 0
     if counted is None:
         record["result"] = "unhealthy"
@@ -180,9 +180,9 @@ def check(
         _append(checks.report, record)
         return 1
     record["result"] = "bad"
-    log.error("%s: slot %s marked bad, rebooting into the previous slot", why, record["slot"])
     _append(checks.report, record)
     mark("mark-bad")
+    log.error("%s: slot %s marked bad, rebooting into the previous slot", why, record["slot"])
     restart()
     return 1
 
