@@ -134,8 +134,10 @@ PACKAGES = (
     # /usr is merged already (mmdebstrap): this satisfies init-system-helpers' dependency
     # without `usrmerge`, which would bring Perl (about 50 MiB) into the image
     "usr-is-merged",
-    # A/B updates: RAUC installs signed bundles into the other root slot (bootslots.py)
+    # A/B updates: RAUC installs signed bundles into the other root slot (bootslots.py);
+    # its command line asks its D-Bus service, which Debian packages on its own
     "rauc",
+    "rauc-service",
     # the appliance: Python 3.11 (its venv), llama.cpp's runtime libraries, WireGuard
     # (the kernel's module, or wireguard-go) with iproute2, narration with espeak-ng
     "python3",
