@@ -422,13 +422,22 @@ def write_files(image: Path, files: dict[str, bytes], offset: int = 0) -> None:
                          f"write {local} {parts[-1]}"]  # fmt: skip
         script = Path(work) / "commands"
         script.write_text("\n".join(commands) + "\n")
-        # mkdir of a folder that exists and rm of a file that does not only complain
+        # mkdir of a folder that exists and rm of a file that does not only complain, and
+        # debugfs exits 0 whatever a command did: each file is read back
         subprocess.run(
             [_debugfs(), "-w", "-f", str(script), f"{image}?offset={offset}"],
             capture_output=True,
             check=True,
             timeout=120,
         )
+    for target, content in files.items():
+        shown = subprocess.run(
+            [_debugfs(), "-R", f"cat {target}", f"{image}?offset={offset}"],
+            capture_output=True,
+            check=True,
+            timeout=60,
+        )
+        assert shown.stdout == content, f"debugfs did not write {target} into {image}"
 
 
 def symlink(image: Path, link: str, target: str, offset: int = 0) -> None:
