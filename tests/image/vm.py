@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from image import netns
-from image.configure import DATA_LABEL, ROOT_A_LABEL, partitions
+from image.configure import DATA_LABEL, ESP_LABEL, ROOT_A_LABEL, ROOT_B_LABEL, partitions
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -235,6 +235,9 @@ class Machine:
     qmp_port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
+    # Seen from the guest at 10.0.2.2:PORT (QEMU's user-mode network reaches this
+    # machine's loopback there)
+    host_address: str = "10.0.2.2"
 
     @property
     def serial_log(self) -> Path:
@@ -263,6 +266,21 @@ class Machine:
             self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         self.started = time.monotonic()
         return self
+
+    def console(self) -> str:
+        return self.serial_log.read_text(errors="replace") if self.serial_log.is_file() else ""
+
+    def wait_console(self, text: str, count: int = 1, bound_s: float | None = None) -> None:
+        """Until the serial console has shown `text` `count` times (the image's services log
+        to it: kovenlab-health says which slot it marked, and how)."""
+        bound = bound_s if bound_s is not None else READY_BOUND_S[self.accel]
+
+        def shown() -> bool:
+            if not self.running():
+                raise AssertionError(f"QEMU exited\n{self.diagnostics()}")
+            return self.console().count(text) >= count
+
+        wait_for(shown, f"{text!r} x{count} on the console", bound, self.diagnostics)
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -327,32 +345,147 @@ class Machine:
         )
 
 
+DEBUGFS = "debugfs"
+UNITS = ("kovenlab-firstboot", "kovenlab-appliance", "kovenlab-health", "rauc")
+
+
+def _debugfs() -> str:
+    found = shutil.which(DEBUGFS, path="/usr/sbin:/sbin:/usr/bin")
+    if found is None:
+        raise AssertionError("debugfs (e2fsprogs) is missing: run `just setup-image`")
+    return found
+
+
+def _partition(disk: Path, label: str) -> Any:
+    found = next((p for p in partitions(disk) if p.name == label), None)
+    if found is None:
+        raise AssertionError(f"{disk} has no partition {label}")
+    return found
+
+
 def journal(disk: Path, lines: int = 60) -> str:
-    """The guest's journal for the kovenlab units, read from the image file (debugfs copies
-    it out of the root file system; nothing is mounted)."""
-    debugfs = shutil.which("debugfs", path="/usr/sbin:/sbin:/usr/bin")
+    """The guest's journal for the image's units, read from the image file, from each root
+    slot that has one (debugfs copies it out of the file system; nothing is mounted)."""
     journalctl = shutil.which("journalctl")
-    if debugfs is None or journalctl is None:
+    if journalctl is None or shutil.which(DEBUGFS, path="/usr/sbin:/sbin:/usr/bin") is None:
         return "(debugfs or journalctl missing: no journal)"
-    root = next((p for p in partitions(disk) if p.name == ROOT_A_LABEL), None)
-    if root is None:
-        return "(no root partition)"
-    with tempfile.TemporaryDirectory(prefix="kvl-journal-") as out:
+    shown_all = []
+    for label in (ROOT_A_LABEL, ROOT_B_LABEL):
+        root = _partition(disk, label)
+        with tempfile.TemporaryDirectory(prefix="kvl-journal-") as out:
+            subprocess.run(
+                [_debugfs(), "-R", f"rdump /var/log/journal {out}", f"{disk}?offset={root.offset}"],
+                capture_output=True,
+                check=False,
+                timeout=120,
+            )
+            if not (Path(out) / "journal").is_dir():
+                continue
+            units = [arg for unit in UNITS for arg in ("-u", unit)]
+            shown = subprocess.run(
+                [journalctl, "-D", f"{out}/journal", "--no-pager", "-o", "short-monotonic",
+                 *units, "-n", str(lines)],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=60,
+            )  # fmt: skip
+            shown_all.append(f"[{label}]\n{shown.stdout or shown.stderr}")
+    return "\n".join(shown_all) or "(no journal in either slot)"
+
+
+def read_file(disk: Path, label: str, path: str) -> str:
+    """A file of an ext4 partition of the disk image (debugfs; nothing is mounted)."""
+    part = _partition(disk, label)
+    shown = subprocess.run(
+        [_debugfs(), "-R", f"cat {path}", f"{disk}?offset={part.offset}"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    return shown.stdout
+
+
+def write_files(image: Path, files: dict[str, bytes], offset: int = 0) -> None:
+    """Files into an ext4 file system image (folders made on the way), with debugfs -w."""
+    with tempfile.TemporaryDirectory(prefix="kvl-debugfs-") as work:
+        commands = []
+        for number, (target, content) in enumerate(sorted(files.items())):
+            local = Path(work) / str(number)
+            local.write_bytes(content)
+            local.chmod(0o755 if content.startswith(b"#!") else 0o644)
+            parts = target.strip("/").split("/")
+            commands += [f"mkdir /{'/'.join(parts[:n])}" for n in range(1, len(parts))]
+            # debugfs writes a name into its current folder, not a path
+            commands += [f"cd /{'/'.join(parts[:-1])}", f"rm {parts[-1]}",
+                         f"write {local} {parts[-1]}"]  # fmt: skip
+        script = Path(work) / "commands"
+        script.write_text("\n".join(commands) + "\n")
+        # mkdir of a folder that exists and rm of a file that does not only complain, and
+        # debugfs exits 0 whatever a command did: each file is read back
         subprocess.run(
-            [debugfs, "-R", f"rdump /var/log/journal {out}", f"{disk}?offset={root.offset}"],
+            [_debugfs(), "-w", "-f", str(script), f"{image}?offset={offset}"],
             capture_output=True,
-            check=False,
+            check=True,
             timeout=120,
         )
+    for target, content in files.items():
         shown = subprocess.run(
-            [journalctl, "-D", f"{out}/journal", "--no-pager", "-o", "short-monotonic",
-             "-u", "kovenlab-firstboot", "-u", "kovenlab-appliance", "-n", str(lines)],
+            [_debugfs(), "-R", f"cat {target}", f"{image}?offset={offset}"],
             capture_output=True,
-            text=True,
-            check=False,
+            check=True,
             timeout=60,
-        )  # fmt: skip
-        return shown.stdout or shown.stderr
+        )
+        assert shown.stdout == content, f"debugfs did not write {target} into {image}"
+
+
+def symlink(image: Path, link: str, target: str, offset: int = 0) -> None:
+    subprocess.run(
+        [_debugfs(), "-w", "-R", f"symlink {link} {target}", f"{image}?offset={offset}"],
+        capture_output=True,
+        check=True,
+        timeout=60,
+    )
+
+
+def extract_partition(disk: Path, label: str, target: Path) -> Path:
+    """One partition of the disk image as a file of its own (sparse)."""
+    part = _partition(disk, label)
+    with disk.open("rb") as source, target.open("wb") as out:
+        out.truncate(part.size)
+        copied = 0
+        while copied < part.size:
+            try:
+                data = os.lseek(source.fileno(), part.offset + copied, os.SEEK_DATA)
+            except OSError:  # only holes left
+                break
+            if data >= part.offset + part.size:
+                break
+            hole = min(os.lseek(source.fileno(), data, os.SEEK_HOLE), part.offset + part.size)
+            source.seek(data)
+            out.seek(data - part.offset)
+            remaining = hole - data
+            while remaining:
+                chunk = source.read(min(remaining, 8 * 1024 * 1024))
+                out.write(chunk)
+                remaining -= len(chunk)
+            copied = hole - part.offset
+    return target
+
+
+def loader_entries(disk: Path) -> list[str]:
+    """The names in /loader/entries of the disk image's EFI system partition (mtools)."""
+    esp = _partition(disk, ESP_LABEL)
+    shown = subprocess.run(
+        ["mdir", "-b", "-i", f"{disk}@@{esp.offset}", "::/loader/entries"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "MTOOLS_SKIP_CHECK": "1"},
+        timeout=60,
+    )
+    return sorted(line.rsplit("/", 1)[-1] for line in shown.stdout.split())
 
 
 def data_partition_end(disk: Path) -> tuple[int, int]:

@@ -1,0 +1,183 @@
+"""RAUC update bundles of the image, and the keys that sign them.
+
+A bundle (`kovenlab-edge-<version>.raucb`) holds one root file system image for a slot and
+a manifest (compatible, version), in RAUC's verity format, signed with a CMS signature. A
+node installs it with `rauc install`, which checks the signature against the keyring in its
+image (`/etc/rauc/keyring.pem`) and the compatible against its own before it writes a
+block; while it is written, every block read is checked against the bundle's hash tree.
+
+Signing: by default the build makes a development CA and a signing certificate under it,
+once, in its cache (`image/build/cache/signing/`, ignored by git and never in the image but
+for the CA's certificate). An operator signs with their own: `--signing-cert`,
+`--signing-key` and `--keyring` (or `KVL_IMAGE_SIGNING_CERT`, `KVL_IMAGE_SIGNING_KEY`,
+`KVL_IMAGE_KEYRING`), all three; `rauc bundle` checks the signature against the keyring,
+so a key that does not match the keyring fails the build.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.x509.oid import NameOID
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
+COMPATIBLE = "kovenlab-edge-x86_64"  # as /etc/rauc/system.conf says
+ROOTFS_NAME = "rootfs.ext4"
+VALID_DAYS = 3650
+
+
+@dataclass(frozen=True)
+class Signing:
+    """A signing certificate and its key, and the keyring (CA certificates) that checks it."""
+
+    cert: Path
+    key: Path
+    keyring: Path
+
+    def fingerprint(self) -> str:
+        """What the image depends on: the keyring it carries (and the certificate that signs)."""
+        digest = hashlib.sha256()
+        for path in (self.keyring, self.cert):
+            digest.update(path.read_bytes())
+        return digest.hexdigest()
+
+
+def development_signing(folder: Path) -> Signing:
+    """The build's own CA and signing certificate, made once in `folder` (kept: every bundle
+    of this build folder is signed by the same CA, so one image takes the next's bundles)."""
+    signing = Signing(folder / "signer.cert.pem", folder / "signer.key.pem", folder / "ca.cert.pem")
+    if all(path.is_file() for path in (signing.cert, signing.key, signing.keyring)):
+        return signing
+    partial = folder.with_name(folder.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True, mode=0o700)
+    now = datetime.datetime.now(tz=datetime.UTC)
+    ca_key = rsa.generate_private_key(public_exponent=65537, key_size=3072)
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Kovenlab Edge development CA")])
+    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_usage(cert_sign=True), critical=True)
+        .add_extension(ca_ski, critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = rsa.generate_private_key(public_exponent=65537, key_size=3072)
+    signer = (
+        x509.CertificateBuilder()
+        .subject_name(
+            x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Kovenlab Edge bundle signer")])
+        )
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_usage(cert_sign=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem = serialization.Encoding.PEM
+    (partial / "ca.cert.pem").write_bytes(ca.public_bytes(pem))
+    (partial / "signer.cert.pem").write_bytes(signer.public_bytes(pem))
+    secret = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    _write_private(partial / "signer.key.pem", secret)
+    # The CA's key signs nothing else: it is not kept, so no one can sign with it later.
+    if folder.exists():
+        shutil.rmtree(folder)
+    partial.rename(folder)
+    return signing
+
+
+def _usage(*, cert_sign: bool) -> x509.KeyUsage:
+    return x509.KeyUsage(
+        digital_signature=not cert_sign,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=cert_sign,
+        crl_sign=cert_sign,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "wb") as out:
+        out.write(data)
+
+
+def manifest_text(version: str, build: str) -> str:
+    return (
+        "[update]\n"
+        f"compatible={COMPATIBLE}\n"
+        f"version={version}\n"
+        f"build={build}\n"
+        "\n"
+        "[bundle]\n"
+        "format=verity\n"
+        "\n"
+        "[image.rootfs]\n"
+        f"filename={ROOTFS_NAME}\n"
+    )
+
+
+def make_bundle(
+    run: Callable[[list[str]], object],
+    work: Path,
+    rootfs: Path,
+    out: Path,
+    *,
+    version: str,
+    build: str,
+    signing: Signing,
+    level: int = 6,
+) -> Path:
+    """`rauc bundle` of one root file system image: squashfs compressed with zstd at `level`
+    (model files do not compress; the rest does), signed, checked against the keyring."""
+    content = work / "bundle"
+    if content.exists():
+        shutil.rmtree(content)
+    content.mkdir(parents=True)
+    (content / "manifest.raucm").write_text(manifest_text(version, build))
+    try:
+        os.link(rootfs, content / ROOTFS_NAME)
+    except OSError:  # another file system
+        shutil.copyfile(rootfs, content / ROOTFS_NAME)
+    partial = out.with_name(f".partial-{out.name}")  # `rauc bundle` wants the .raucb suffix
+    partial.unlink(missing_ok=True)
+    run(
+        [
+            "rauc", "bundle",
+            f"--cert={signing.cert}", f"--key={signing.key}", f"--keyring={signing.keyring}",
+            f"--mksquashfs-args=-comp zstd -Xcompression-level {level}",
+            str(content), str(partial),
+        ]
+    )  # fmt: skip
+    shutil.rmtree(content)
+    partial.rename(out)
+    return out
