@@ -7,7 +7,8 @@ and PyPI's packages, and nothing is compiled inside the image. Steps, each cache
 `image/build/` while its inputs stay the same:
 
 1. wheels: the project's, from a clean copy of its sources; llama-cpp-python's, compiled
-   once for any x86-64-v3 CPU (not for this machine's, as `just setup`'s is); and the other
+   once for any x86-64-v3 CPU (not for this machine's, as `just setup`'s is; kept per
+   machine, in the user's cache folder, not in `image/build/`); and the other
    dependencies' (downloaded, or from pip's cache);
 2. Debian 12: mmdebstrap (Debian's packages only, no recommends; no manuals, translations
    or docs, and no kernel modules for hardware a site server does without) into a tarball;
@@ -479,16 +480,28 @@ def llama_key() -> str:
     return _digest(FORMAT, _requirement("llama-cpp-python"), LLAMA_CMAKE_ARGS, sys.version_info[:2])
 
 
+def wheel_cache() -> Path:
+    """Where compiled wheels are kept: per machine, beside `just setup`'s, not in the build
+    folder, so a fresh clone (CI's, a new worktree) takes the wheel this machine compiled
+    before instead of compiling it again."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kovenlab-edge" / "image-wheels"
+
+
 def llama_wheel(paths: Paths) -> Path:
     """llama-cpp-python built for any x86-64-v3 CPU (AVX2, FMA, F16C: every server CPU
     since 2013), not for this machine's: the wheel `just setup` makes is tuned to the
     machine it runs on (-march=native), which a site server's CPU may not match. Compiled
-    once (about 13 minutes on 2 cores, at low priority), then kept in the cache."""
-    folder = paths.cache / f"llama-{llama_key()[:16]}"
+    once per machine (about 13 minutes on 2 cores, at low priority), then kept in
+    `wheel_cache()`."""
+    cache = wheel_cache()
+    folder = cache / f"llama-{llama_key()[:16]}"
     if (folder / ".complete").is_file():
-        log.info("      cached: %s", folder.relative_to(paths.build))
+        log.info("      cached: %s", folder)
         return folder
-    partial = _fresh(folder.with_name(folder.name + ".partial"))
+    # A partial folder of this process's own: two builds on one machine (a clone and a
+    # worktree) may compile at once, and neither removes the other's.
+    partial = _fresh(folder.with_name(f"{folder.name}.partial-{os.getpid()}"))
     partial.mkdir(parents=True)
     log.info(
         "      compiling %s for x86-64-v3 (once; about 13 minutes)",
@@ -505,8 +518,15 @@ def llama_wheel(paths: Paths) -> Path:
         env=env,
     )  # fmt: skip
     (partial / ".complete").write_text("\n")
-    partial.rename(folder)
-    _prune(paths.cache, "llama-*", folder)
+    try:
+        partial.rename(folder)
+    except OSError:  # another build finished the same wheel first: take it
+        if not (folder / ".complete").is_file():
+            raise
+        _fresh(partial)
+    for old in cache.glob("llama-*"):  # older wheels, not anyone's partial folder
+        if old != folder and ".partial-" not in old.name:
+            _fresh(old)
     return folder
 
 
