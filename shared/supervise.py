@@ -82,6 +82,23 @@ class Failures:
                 await body()
 
 
+async def wait_until_set(event: asyncio.Event, seconds: float | None) -> bool:
+    """Wait for `event` at most `seconds` (None: no limit); whether it was set.
+
+    Not `asyncio.wait_for`: on Python 3.11 it swallows a cancellation that arrives in the
+    same turn as the event (CPython gh-86296), so a loop stopped just as it is woken runs
+    on and its owner's close() waits for it forever. `asyncio.timeout` passes it through.
+    """
+    if event.is_set():
+        return True
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    except TimeoutError:
+        return event.is_set()
+    return True
+
+
 class _Guard:
     def __init__(self, failures: Failures, loop: str) -> None:
         self._failures = failures

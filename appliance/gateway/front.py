@@ -353,7 +353,8 @@ class Front:
         if process is not None and process.returncode is None:
             process.send_signal(signal.SIGQUIT)
             try:
-                await asyncio.wait_for(process.wait(), SHUTDOWN_S + 5)
+                async with asyncio.timeout(SHUTDOWN_S + 5):
+                    await process.wait()
             except TimeoutError:
                 process.kill()
                 await process.wait()

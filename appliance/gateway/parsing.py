@@ -21,7 +21,8 @@ BODY_TIMEOUT_S = 30.0
 async def read_json(request: web.Request) -> dict[str, Any]:
     """The request's body as a JSON object, or the error shape."""
     try:
-        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            raw = await request.read()
     except TimeoutError:
         raise ApiError(
             ErrorCode.bad_request, f"the body did not arrive within {BODY_TIMEOUT_S:g} s"

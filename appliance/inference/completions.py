@@ -704,7 +704,8 @@ class Generation:
                 self._first = False
                 left = self._first_token_s - (time.monotonic() - self._started)
                 try:
-                    return await asyncio.wait_for(self._event(), max(0.0, left))
+                    async with asyncio.timeout(max(0.0, left)):  # not wait_for: see wait_until_set
+                        return await self._event()
                 except TimeoutError:
                     self.cancel()
                     waited = time.monotonic() - self._started

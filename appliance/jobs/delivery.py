@@ -15,7 +15,6 @@ the details.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import ipaddress
 import json
@@ -32,6 +31,7 @@ from appliance.jobs.backoff import backoff_s
 from appliance.jobs.bodies import event_body
 from appliance.jobs.destinations import WebhookDestinationError, ip_literal, url_host
 from shared import __version__
+from shared.supervise import wait_until_set
 from shared.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, sign
 
 if TYPE_CHECKING:
@@ -108,8 +108,7 @@ class WebhookSender:
             timeout: float | None = self._settings.webhook_backoff_max_s
             with self._metrics.failures.guard(LOOP):
                 timeout = await self._launch_due()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            await wait_until_set(self._wake, timeout)
 
     async def _launch_due(self) -> float | None:
         """Start the deliveries that are due; how long until the next one is (None: until

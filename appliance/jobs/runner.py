@@ -20,7 +20,6 @@ never comes back).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 from collections.abc import Collection
@@ -33,6 +32,7 @@ from appliance.inference.schemas import completion_request
 from appliance.jobs.backoff import backoff_s
 from shared.classes import ServiceClass
 from shared.errors import ApiError, ErrorCode
+from shared.supervise import wait_until_set
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterator
@@ -198,8 +198,7 @@ class JobRunner:
                 timeout = self._settings.retry_max_s
                 with self._metrics.failures.guard(LOOP):
                     timeout = await self._launch_pending()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            await wait_until_set(self._wake, timeout)
 
     async def _launch_pending(self) -> float | None:
         """Start the items that may run now; seconds until an account's pause ends that

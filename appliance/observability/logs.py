@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from shared import protocol
+from shared.supervise import wait_until_set
 
 MAX_RECORDS = 5000
 MAX_BYTES = 2 << 20
@@ -200,8 +201,7 @@ class LogRing(logging.Handler):
                 if found.records or left <= 0:
                     return found
                 after = found.next_after  # records below the level: skipped, not read again
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(event.wait(), left)
+                await wait_until_set(event, left)
         finally:
             with self._guard:
                 self._waiters.discard(waiter)

@@ -44,6 +44,7 @@ from appliance.serving.engine import (
 )
 from appliance.serving.gguf import GGUFError, read_gguf
 from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, WorkerStats
+from shared.supervise import wait_until_set
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -347,10 +348,8 @@ class ModelRegistry:
             deployment = await self._deploy(record, replicas=1, pinned=False)
         if deployment.state == "loading":
             timeout = self._settings.model.load_wait_s
-            try:
-                await asyncio.wait_for(deployment.loaded.wait(), timeout)
-            except TimeoutError:
-                raise ModelNotReadyError(f"model {model!r} is still loading") from None
+            if not await wait_until_set(deployment.loaded, timeout):
+                raise ModelNotReadyError(f"model {model!r} is still loading")
         if deployment.state == "failed":
             raise ModelNotReadyError(
                 f"model {deployment.record.ref} failed to load: {deployment.error}", failed=True

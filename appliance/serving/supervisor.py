@@ -183,7 +183,8 @@ class Replica:
                 process.stdin.write(ipc.encode({"type": "shutdown"}))  # type: ignore[union-attr]
                 await process.stdin.drain()  # type: ignore[union-attr]
             try:
-                await asyncio.wait_for(process.wait(), timeout=10)
+                async with asyncio.timeout(10):
+                    await process.wait()
             except TimeoutError:
                 process.kill()
                 await process.wait()

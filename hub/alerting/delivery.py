@@ -19,6 +19,7 @@ import aiohttp
 from hub.loops import running
 from hub.state.store import HubStore
 from shared import __version__
+from shared.supervise import wait_until_set
 from shared.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, sign
 
 if TYPE_CHECKING:
@@ -125,8 +126,7 @@ async def delivering(
             sender.wake.clear()  # before the round: a change made during it wakes the next
             with failures.guard(LOOP):
                 await sender.round()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(sender.wake.wait(), EVERY_S)
+            await wait_until_set(sender.wake, EVERY_S)
 
     try:
         async with running(tasks, LOOP, forever()):

@@ -4,8 +4,6 @@ when its login ends, or when the browser goes away."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import time
 from typing import TYPE_CHECKING
@@ -14,6 +12,7 @@ from aiohttp import web
 
 from hub.console.fleet import Filters, fleet_table
 from hub.console.web import console, current_session, hub_settings, hub_store
+from shared.supervise import wait_until_set
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -74,8 +73,7 @@ async def stream(
             elif time.monotonic() - last_write >= KEEPALIVE_S:
                 await response.write(b": keepalive\n\n")
                 last_write = time.monotonic()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(state.closing.wait(), every)
+            await wait_until_set(state.closing, every)
     except (ConnectionResetError, ConnectionError):
         pass  # the browser left
     return response
