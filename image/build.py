@@ -204,6 +204,7 @@ UNITS_ENABLED = (
     "kovenlab-firstboot.service",
     "kovenlab-appliance.service",
     "kovenlab-health.service",
+    "kovenlab-reboot.path",
     "systemd-networkd.service",
     "systemd-resolved.service",
     "systemd-timesyncd.service",
@@ -670,6 +671,16 @@ def _install_files(root: Path, keyring: Path) -> None:
     description = root / "usr/lib/kovenlab/image.json"
     description.write_text(json.dumps(image_description(), indent=2) + "\n")
     description.chmod(0o644)
+    # os-release(5)'s IMAGE_ID and IMAGE_VERSION: how the appliance knows which version a
+    # flashed slot runs, before the updater has installed one (appliance/fleet/release.py).
+    os_release = root / "usr/lib/os-release"
+    kept = [
+        line
+        for line in os_release.read_text().splitlines()
+        if not line.startswith(("IMAGE_ID=", "IMAGE_VERSION="))
+    ]
+    lines = [*kept, "IMAGE_ID=kovenlab-edge", f"IMAGE_VERSION={__version__}"]
+    os_release.write_text("\n".join(lines) + "\n")
 
 
 def _venv(paths: Paths, root: Path, wheels: list[Path]) -> dict[str, str]:

@@ -148,6 +148,14 @@ class Hub:
         out = kvl("hub", "nodes", "list", "--json", "--data-dir", str(self.data), env=self.env)
         return [json.loads(line) for line in out.splitlines() if line.strip()]
 
+    def cli(self, *args: str) -> str:
+        """`kvl hub ARGS` on this hub's data directory (its store, as the running hub's)."""
+        return kvl("hub", *args, "--data-dir", str(self.data), env=self.env)
+
+    def rollout(self, rollout_id: str) -> dict[str, Any]:
+        view: dict[str, Any] = json.loads(self.cli("rollouts", "show", rollout_id, "--json"))
+        return view
+
     def log_tail(self) -> str:
         path = self.data.parent / "hub.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-20:])
@@ -171,6 +179,8 @@ def hub_in_namespace(folder: Path) -> Iterator[Hub]:
         "KVL_HUB_OVERLAY__ENDPOINT": f"{address}:{WG_PORT}",
         "KVL_HUB_OVERLAY__LISTEN_PORT": str(WG_PORT),
         "KVL_HUB_OVERLAY__INTERFACE": f"kvi{suffix}w",
+        # Rollouts move on within a second of what a node reports (5 s by default).
+        "KVL_HUB_FLEET__ROLLOUT_EVERY_S": "1",
     }
     hub = Hub(data, namespace, address, env, folder / "kovenlab.json")
     provision = ["--site", SITE, "--name", NODE_NAME, "--url", hub.url, "--expires", "2h"]
