@@ -9,25 +9,41 @@ node (through its WireGuard tunnel). The image's size is the file's, and the dat
 (the rest is holes: empty slot B, free space). Target: ready in under 30 s under KVM; under
 TCG (emulation, where KVM cannot run a stock kernel) the figures are recorded, not judged.
 
-Run (as root): ``python -m tests.benchmarks.image [--boots 3]``.
+Updates, from the hub as an operator makes them (`--updates`, on by default): a release
+(a signed bundle of the image's own root under another version) rolled out with the node as
+its canary, then a broken one (its appliance exits at once). Measured while a client polls
+the LAN API's `/readyz` every 100 ms: the seconds from the rollout's start to the node
+serving the new version (answering again from the new slot), the seconds it answered no
+200 (refused, reset, 5xx or no answer within a second), and, for the broken release, the
+seconds from losing the LAN API for the trial boot to serving again from the previous slot
+(the rollback: the trial, the health check giving up, the reboot), and from the rollout's
+start to the hub halting it.
+
+Run (as root): ``python -m tests.benchmarks.image [--boots 3] [--no-updates]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import ssl
 import tempfile
+import threading
 import time
+import urllib.error
+import urllib.request
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from shared import __version__
 from tests.benchmarks.serving import cpu_model, say
 from tests.image.vm import (
     ENROLLED_BOUND_S,
+    READY_BOUND_S,
     Hub,
     Machine,
     accelerator,
@@ -35,6 +51,9 @@ from tests.image.vm import (
     copy_image,
     hub_in_namespace,
     kvl,
+    release_bundles,
+    reported,
+    start_rollout,
     unavailable,
     wait_for,
 )
@@ -78,10 +97,125 @@ def boots(image: Path, work: Path, count: int) -> dict[str, Any]:
         return {"ready_s": ready, "first_heartbeat_s": enrolled_s, "nodes": len(hub.nodes())}
 
 
+class Poller(threading.Thread):
+    """GET /readyz every `every_s`; the moments it answered 200 and those it did not."""
+
+    def __init__(self, url: str, context: ssl.SSLContext, every_s: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        self.url, self.context, self.every_s = url, context, every_s
+        self.polls: list[tuple[float, bool]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            at = time.monotonic()
+            try:
+                with urllib.request.urlopen(self.url, timeout=1, context=self.context) as answer:
+                    ok = int(answer.status) == 200
+            except (urllib.error.URLError, OSError):
+                ok = False
+            self.polls.append((at, ok))
+            self.stop.wait(max(0.0, self.every_s - (time.monotonic() - at)))
+
+    def unavailable_s(self, since: float) -> float:
+        """Seconds after `since` without a 200: each failed poll counts until the next poll."""
+        polls = [p for p in self.polls if p[0] >= since]
+        return sum(b[0] - a[0] for a, b in itertools.pairwise(polls) if not a[1])
+
+    def outage(self, since: float) -> tuple[float, float] | None:
+        """The first run of failed polls after `since`: when it began, when a 200 came back."""
+        began = None
+        for at, ok in self.polls:
+            if at < since:
+                continue
+            if not ok and began is None:
+                began = at
+            elif ok and began is not None:
+                return began, at
+        return None
+
+    def serving_since(self, since: float) -> float | None:
+        """When the LAN API answered again after its first outage after `since`."""
+        outage = self.outage(since)
+        return None if outage is None else outage[1]
+
+
+def updates(manifest: dict[str, Any], work: Path) -> dict[str, Any]:
+    """A release rolled out to the node, then a broken one; see the module's docstring."""
+    update, broken = f"{__version__}+update", f"{__version__}+broken"
+    bundles = release_bundles(manifest, work / "bundles", {update: False, broken: True})
+    with hub_in_namespace(work) as hub:
+        disk = copy_image(Path(manifest["image"]), work / "disk.img", GROW)
+        kvl("image", "configure", str(disk), "--provisioning", str(hub.provisioning))
+        for version, bundle in bundles.items():
+            hub.cli("releases", "add", str(bundle), "--version", version)
+        tls = ssl.create_default_context(cafile=str(hub.ca))
+        with Machine(disk, work / "updates") as machine:
+            machine.wait_ready()
+            bound = ENROLLED_BOUND_S[machine.accel]
+            update_bound = 2 * READY_BOUND_S[machine.accel]
+            why = machine.diagnostics
+            wait_for(partial(_heartbeat_after, hub, 0.0), "a heartbeat", bound, why)
+            machine.wait_console("slot A marked good")
+            machine.wait_ready("https", tls)
+            node = hub.nodes()[0]["id"]
+            poller = Poller(f"https://localhost:{machine.port}/readyz", tls)
+            poller.start()
+            try:
+                say("image: rolling out an update")
+                started = time.monotonic()
+                rollout = start_rollout(hub, update, node, soak="0s")
+                machine.wait_console("slot B marked good", bound_s=update_bound)
+                wait_for(lambda: hub.rollout(rollout)["state"] == "done", "the rollout", bound, why)
+                done_s = time.monotonic() - started
+                serving = poller.serving_since(started)
+                assert serving is not None, "the LAN API never went away for the reboot"
+                update_result = {
+                    "serving_s": round(serving - started, 1),
+                    "rollout_done_s": round(done_s, 1),
+                    "unavailable_s": round(poller.unavailable_s(started), 1),
+                }
+                say(f"image: update {update_result}")
+
+                say("image: rolling out a broken release")
+                started = time.monotonic()
+                rollout = start_rollout(hub, broken, node)
+                wait_for(lambda: hub.rollout(rollout)["state"] == "halted", "the halt",
+                         update_bound, why)  # fmt: skip
+                halted_s = time.monotonic() - started
+                image = reported(hub.rollout(rollout))
+                assert image.get("state") == "rolled-back", image
+                wait_for(lambda: poller.polls[-1][1], "the LAN API again", bound, why)
+                outage = poller.outage(started)
+                assert outage is not None
+                broken_result = {
+                    "rollback_s": round(outage[1] - outage[0], 1),
+                    "rollout_halted_s": round(halted_s, 1),
+                    "unavailable_s": round(poller.unavailable_s(started), 1),
+                }
+                say(f"image: broken release {broken_result}")
+            finally:
+                poller.stop.set()
+                poller.join()
+            machine.power_off()
+    return {
+        "update": update_result,
+        "broken_release": broken_result,
+        "test_bundle_bytes": bundles[update].stat().st_size,
+        "poll_every_s": poller.every_s,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Boot-to-ready time and size of the image.")
     parser.add_argument("--boots", type=int, default=3, help="boots of one disk (3)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
+    parser.add_argument(
+        "--updates",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also roll out an update and a broken release from the hub (on)",
+    )
     args = parser.parse_args(argv)
     why = unavailable()
     if why is not None:
@@ -91,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     manifest = build_image()
     image = Path(manifest["image"])
     with tempfile.TemporaryDirectory(prefix="kvl-bench-image-") as tmp:
-        measured = boots(image, Path(tmp), max(1, args.boots))
+        measured = boots(image, Path(tmp) / "boots", max(1, args.boots))
+        updated = updates(manifest, Path(tmp) / "updates") if args.updates else None
     ready = measured["ready_s"]
     accel = accelerator()
     result = {
@@ -112,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         "nodes_enrolled": measured["nodes"],
         "target_ready_s": TARGET_READY_S,
         "target_applies": accel == "kvm",
+        "bundle_bytes": manifest["bundle"]["size_bytes"],
+        "updates": updated,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -503,3 +503,61 @@ def data_partition_end(disk: Path) -> tuple[int, int]:
     alignment, once the first boot has grown it."""
     data = next(p for p in partitions(disk) if p.name == DATA_LABEL)
     return data.offset + data.size, disk.stat().st_size
+
+
+# A release whose appliance exits at once: its trial boot never becomes ready.
+BROKEN_DROP_IN = b"[Service]\nExecStart=\nExecStart=/bin/false\n"
+
+
+def release_bundles(
+    manifest: dict[str, Any], folder: Path, releases: dict[str, bool]
+) -> dict[str, Path]:
+    """A bundle per release version (`releases`: version -> whether it is broken), each the
+    image's own root with that version in its description, signed as `just image` signs;
+    zstd -1, as a bundle read once over the tunnel needs no more."""
+    from image.build import DEFAULT_BUILD_DIR, Paths, image_description  # noqa: PLC0415
+    from image.bundle import development_signing, make_bundle  # noqa: PLC0415
+
+    def run(argv: list[str]) -> None:
+        subprocess.run(argv, check=True, capture_output=True, timeout=1200)
+
+    folder.mkdir(parents=True, exist_ok=True)
+    signing = development_signing(Paths(DEFAULT_BUILD_DIR).signing)
+    rootfs = extract_partition(Path(manifest["image"]), ROOT_A_LABEL, folder / "rootfs.ext4")
+    made: dict[str, Path] = {}
+    for n, (version, broken) in enumerate(releases.items()):
+        root = folder / f"release-{n}.ext4"
+        subprocess.run(["cp", "--sparse=always", str(rootfs), str(root)], check=True)
+        files = {
+            "/usr/lib/kovenlab/image.json": json.dumps(
+                {**image_description(), "version": version}
+            ).encode()
+        }
+        if broken:
+            drop_in = "/etc/systemd/system/kovenlab-appliance.service.d/broken.conf"
+            files[drop_in] = BROKEN_DROP_IN
+        write_files(root, files)
+        made[version] = folder / f"release-{n}.raucb"
+        make_bundle(run, folder / "work", root, made[version], version=version,
+                    build="test", signing=signing, level=1)  # fmt: skip
+        root.unlink()
+    rootfs.unlink()
+    return made
+
+
+def start_rollout(hub: Hub, version: str, node_id: str, soak: str = "2h") -> str:
+    """A rollout of release `version` with `node_id` as its canary; its id. The node may be
+    unheard for as long as it soaks (reboots under TCG take minutes)."""
+    out = hub.cli("rollouts", "start", "--release", version, "--canary-node", node_id,
+                  "--soak", soak, "--offline-after", "2h", "--no-burn-gate")  # fmt: skip
+    words = out.split()
+    assert words[:1] == ["rollout"], out
+    return words[1]
+
+
+def reported(view: dict[str, Any]) -> dict[str, Any]:
+    """What a rollout's one node last reported of its image."""
+    [wave] = view["waves"]
+    [node] = wave["nodes"]
+    image: dict[str, Any] = node.get("image") or {}
+    return image
