@@ -375,10 +375,12 @@ def _interface_holding(address: str | None) -> str | None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @config_errors_exit
 def status(config_file: Path | None, data_dir: Path | None, as_json: bool) -> None:
-    """The fleet link: enrolled? tunnel? last heartbeat and sync? outbox lag?"""
+    """The fleet link: enrolled? tunnel? last heartbeat and sync? outbox lag? The image's
+    version and its last update."""
     import time  # noqa: PLC0415
 
     from appliance.fleet.identity import FleetFiles  # noqa: PLC0415
+    from appliance.fleet.release import image_version  # noqa: PLC0415
 
     settings = _settings(config_file, data_dir)
     identity = FleetFiles(settings.fleet_dir).identity()
@@ -386,6 +388,7 @@ def status(config_file: Path | None, data_dir: Path | None, as_json: bool) -> No
     try:
         heartbeat, sync = store.meta("last_heartbeat_at"), store.meta("last_sync_at")
         lag = store.outbox_lag()
+        update = _update_summary(store.meta("image_update"))
     finally:
         store.close()
     now = time.time()
@@ -405,12 +408,28 @@ def status(config_file: Path | None, data_dir: Path | None, as_json: bool) -> No
         "last_sync": ago(sync),
         "outbox_lag": lag,
         "outbox_alarm": lag >= settings.fleet.outbox_alarm_events,
+        # As flashed (os-release); a slot the updater installed says so in `update`.
+        "image": image_version(settings.update.os_release),
+        "update": update,
     }
     if as_json:
         click.echo(json.dumps(report))
         return
     for key, value in report.items():
         click.echo(f"{key + ':':<17} {'-' if value is None else value}")
+
+
+def _update_summary(raw: str | None) -> str | None:
+    """The last image update as the updater keeps it: `VERSION: STATE (error)`."""
+    if not raw:
+        return None
+    try:
+        record = json.loads(raw)
+        summary = f"{record['target']}: {record['state']}"
+    except (ValueError, TypeError, KeyError):
+        return None  # written by another version
+    error = record.get("error")
+    return f"{summary} ({error})" if error else summary
 
 
 @appliance.command("backup")

@@ -315,6 +315,7 @@ async def test_the_cli_enrolls_and_reports_status(
         (await asyncio.to_thread(kvl, "appliance", "status", "--json", "--data-dir", data)).stdout
     )
     assert before["enrolled"] is False
+    assert before["update"] is None  # no release given yet
     done = await asyncio.to_thread(
         kvl, "appliance", "enroll", "--provisioning", str(path), "--data-dir", data
     )

@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from wireguard_tools import WireguardKey
 
+from appliance.cli import _update_summary
 from appliance.fleet.client import HubClient
 from appliance.fleet.release import Updater, image_version
 from appliance.state.store import AsyncStore
@@ -319,6 +320,10 @@ async def test_a_release_is_fetched_resumed_installed_by_rauc_and_marked_good_af
         assert updater.image is not None
         assert (_image(updater).version, _image(updater).slot, _image(updater).state) == (
             "1.1", "rootfs.1", "good")  # fmt: skip
+        # What `kvl appliance status` says of it.
+        raw = await given.store.run(given.store.sync.meta, "image_update")
+        assert _update_summary(raw) == "1.1: good"
+        assert _update_summary("{not json") is None
 
 
 async def test_a_damaged_bundle_fails_and_a_slot_that_never_booted_is_a_rollback(
