@@ -1,5 +1,6 @@
 """The console's rollouts page in a real browser (Debian's chromium, headless, driven by
-Playwright) against a real hub on loopback: a release rollout's canary is shown, and as
+Playwright) against a real hub on loopback: a release rollout started after the page loaded
+appears in it, its canary is shown, and as
 the canary's heartbeats report the new version good the page follows it into wave 1 with
 no reload; then the operator pauses it from the page. The nodes are the test's own
 protocol-6 clients (what the page shows comes from their heartbeats alone)."""
@@ -77,10 +78,6 @@ async def test_the_rollouts_page_follows_a_rollout_live_in_chromium(
         for client in clients.values():
             await client.heartbeat({}, protocol.Capacity(image=old))
         await until(lambda: speak_releases(hub), "both nodes heard")
-        store = open_store(hub)
-        rollout = begin(store, "release", {"release": "2.0"},
-                        Strategy(soak_s=0.0, max_burn_rate=None), "ops")  # fmt: skip
-        store.close()
 
         async with _browser(tmp_path / "chromium-profile") as context:
             page = await context.new_page()
@@ -89,13 +86,22 @@ async def test_the_rollouts_page_follows_a_rollout_live_in_chromium(
             await page.get_by_label("Password", exact=True).fill(PASSWORD)
             await page.get_by_role("button", name="Log in").click()
             await expect(page).to_have_url(f"{base}/console/rollouts")
+            await expect(page.get_by_text("No rollout yet.")).to_be_visible()
+
+            # A rollout started after the page loaded appears in it, with no reload.
+            await page.evaluate("window.kvlMarker = 'still here'")
+            store = open_store(hub)
+            rollout = begin(store, "release", {"release": "2.0"},
+                            Strategy(soak_s=0.0, max_burn_rate=None), "ops")  # fmt: skip
+            store.close()
             section = page.locator(f'section[data-rollout="{rollout.id}"]')
             phase = section.locator('[data-field="phase"]')
             await expect(phase).to_have_text("canary", timeout=20_000)
             await shots.take(page, "canary")
 
+            assert await page.evaluate("window.kvlMarker") == "still here"
+
             # The canary reports 2.0 good: the page moves on with no reload.
-            await page.evaluate("window.kvlMarker = 'still here'")
             new = old.model_copy(update={"version": "2.0", "target": "2.0"})
             await clients["edge-a"].heartbeat({}, protocol.Capacity(image=new))
             await until(lambda: _wave(hub, rollout.id) == 1, "the hub moves the rollout on")

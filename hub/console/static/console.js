@@ -87,12 +87,37 @@
 })();
 
 // The rollouts page, live: each rollout's phase and reason, and each node's state, image
-// and status, from /console/rollouts/stream (text only, as above). A rollout started
-// after the page loaded shows when it is loaded again.
+// and status, from /console/rollouts/stream (text only, as above). A rollout the page does
+// not show yet, or one whose state changes which steps it takes, has the list rendered
+// again by the server (its forms carry their CSRF token) and put in place, with no reload.
 (function () {
   const root = document.querySelector("#rollouts[data-stream]");
   if (!root || !window.EventSource) return;
   const live = document.getElementById("rollouts-live");
+  let refreshing = false;
+
+  async function refresh() {
+    if (refreshing) return;
+    refreshing = true;
+    try {
+      const answer = await fetch("/console/rollouts", { credentials: "same-origin" });
+      if (!answer.ok) return;
+      const doc = new DOMParser().parseFromString(await answer.text(), "text/html");
+      const fresh = doc.querySelector("#rollouts");
+      if (fresh) root.replaceChildren(...Array.from(fresh.childNodes, (n) => document.importNode(n, true)));
+    } catch (err) {
+      live.textContent = "(reconnecting…)";
+    } finally {
+      refreshing = false;
+    }
+  }
+
+  function stale(data) {
+    return data.rollouts.some((r) => {
+      const section = root.querySelector('[data-rollout="' + r.id + '"]');
+      return !section || section.dataset.state !== r.state;
+    });
+  }
 
   function set(scope, field, text) {
     const el = scope.querySelector('[data-field="' + field + '"]');
@@ -124,7 +149,9 @@
 
   const source = new EventSource(root.dataset.stream);
   source.addEventListener("rollouts", (e) => {
-    show(JSON.parse(e.data));
+    const data = JSON.parse(e.data);
+    if (stale(data)) refresh();
+    show(data);
     live.textContent = "(live, updated " + new Date().toLocaleTimeString() + ")";
   });
   source.addEventListener("logout", () => { source.close(); window.location.reload(); });
