@@ -292,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             base.say(_row(workload.name, rows[workload.name]))
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": base.commit(),
         "machine": {
             "cpu": base.cpu_model(),
             "logical_cpus": os.cpu_count(),

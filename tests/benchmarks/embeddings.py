@@ -31,7 +31,7 @@ from appliance.serving.embeddings import (
     EmbeddingEngine,
     EmbeddingOptions,
 )
-from tests.benchmarks.serving import cpu_model, say
+from tests.benchmarks.serving import commit, cpu_model, say
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "embeddings.json"
 
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = asyncio.run(run(args.texts, args.clients, args.threads))
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": commit(),
         "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count()},
         "settings": {"texts": args.texts, "clients": args.clients, "threads": args.threads},
         **figures,

@@ -48,7 +48,7 @@ from typing import Any
 import psutil
 from aiohttp import web
 
-from tests.benchmarks.serving import HOST, cpu_model, free_port, say, tree_cpu_seconds
+from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say, tree_cpu_seconds
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "http2.json"
 EVENTS = 100
@@ -273,6 +273,7 @@ def _run(work: Path, args: argparse.Namespace) -> int:
         results.setdefault(workload, {})[variant] = _medians(each)
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": commit(),
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "seconds": args.seconds,

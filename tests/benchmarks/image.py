@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from shared import __version__
-from tests.benchmarks.serving import cpu_model, say
+from tests.benchmarks.serving import commit, cpu_model, say
 from tests.image.vm import (
     ENROLLED_BOUND_S,
     READY_BOUND_S,
@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     accel = accelerator()
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": commit(),
         "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "accelerator": accel},
         "settings": {"guest_cpus": 2, "guest_memory_mib": 3072, "boots": len(ready)},
         "image": {

@@ -32,7 +32,7 @@ from hub.identity import certificates
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from tests.benchmarks.concurrency import _percentile
-from tests.benchmarks.serving import HOST, cpu_model, free_port, say
+from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say
 from tests.benchmarks.sync import wait_for_hub
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "offload.json"
@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                     process.kill()
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": commit(),
         "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count()},
         "settings": {
             "request": "/v1/completions, 16 tokens, greedy, not streamed",

@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": base.commit(),
         "machine": {
             "cpu": base.cpu_model(),
             "logical_cpus": os.cpu_count(),

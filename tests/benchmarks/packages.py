@@ -35,7 +35,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.benchmarks.serving import HOST, cpu_model, free_port, say
+from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "packages.json"
 TOPICS = [
@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             stop(process)
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": commit(),
         "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count()},
         "settings": {"model": "gemma-3-270m Q4_K_M, 2 threads", "narration": "espeak-ng"},
         **figures,

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hub.planning.placement import Deployment, Gpu, NodeSnapshot, Plan, plan
-from tests.benchmarks.serving import cpu_model, say
+from tests.benchmarks.serving import commit, cpu_model, say
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": commit(),
         "machine": {
             "cpu": cpu_model(),
             "logical_cpus": os.cpu_count(),

@@ -49,7 +49,7 @@ from appliance.serving.sampling_options import Sampling
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from appliance.validation.grammar import json_schema_to_gbnf
-from tests.benchmarks.serving import say
+from tests.benchmarks.serving import commit, say
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "structured.json"
 
@@ -275,6 +275,7 @@ def main() -> None:
         vocab = Vocabulary.load(model)
         report: dict[str, Any] = {
             "when": datetime.now(UTC).isoformat(timespec="seconds"),
+            "commit": commit(),
             "model": model.name,
             "seeds": args.seeds,
             "temperature": 1.0,

@@ -33,7 +33,7 @@ from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared.db import now_iso
 from shared.provisioning import Provisioning
-from tests.benchmarks.serving import HOST, cpu_model, free_port, say
+from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say
 from tests.conftest import NoModels
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "sync.json"
@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     rate = args.events / seconds
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": commit(),
         "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count()},
         "settings": {
             "events": args.events,
