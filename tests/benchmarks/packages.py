@@ -9,9 +9,10 @@ embedding model (1 thread, for the on_topic check):
    narration; the share that passed every check at the first attempt (the rest needed
    items made again; none may be delivered unvalidated);
 3. cached download throughput: the package's largest file fetched over and over by 16
-   concurrent clients for `--seconds`, from the appliance (authenticated, the blob's
-   digest checked, ETag) and from nginx (Debian's, `sendfile on`, one worker) serving the
-   very same blob file; bytes per second, as a ratio (target ≥ 0.8);
+   connections of h2load (C, HTTP/1.1) for `--seconds`, from the appliance (authenticated,
+   the blob's digest checked, ETag) and from nginx (Debian's, `sendfile on`, one worker)
+   serving the very same blob file; bytes per second, as a ratio (target ≥ 0.8), and each
+   server's CPU time per request;
 4. the 10-item package again from an appliance restarted with `packages.voice: neural`
    (a new version: another voice reads it), to compare the two voices' cost.
 
@@ -24,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 
-from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say
+from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say, tree_cpu_seconds
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "packages.json"
 TOPICS = [
@@ -68,32 +71,38 @@ async def ask(
         return time.perf_counter() - started, answer
 
 
-async def hammer(url: str, headers: dict[str, str], seconds: float) -> dict[str, float]:
-    """CLIENTS clients fetching `url` back to back for `seconds`: bytes/s and requests/s."""
-    done = {"bytes": 0, "requests": 0}
-    deadline = time.perf_counter() + seconds
-    connector = aiohttp.TCPConnector(limit=CLIENTS)
-    async with aiohttp.ClientSession(connector=connector) as session:
-
-        async def client() -> None:
-            while time.perf_counter() < deadline:
-                async with session.get(url, headers=headers) as response:
-                    body = await response.read()
-                    if response.status != 200:
-                        raise RuntimeError(f"{url}: {response.status}")
-                    done["bytes"] += len(body)
-                    done["requests"] += 1
-
-        started = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(CLIENTS)))
-        elapsed = time.perf_counter() - started
+def h2load(
+    url: str, headers: dict[str, str], seconds: float, server: psutil.Process
+) -> dict[str, float]:
+    """CLIENTS connections of h2load (HTTP/1.1, one request at a time each) fetching `url`
+    back to back for `seconds`: bytes/s, requests/s, and the server's CPU per request (its
+    process tree's user + system time over the run). A client in C, so what is measured is
+    the server, not the client's own cost."""
+    argv = ["h2load", "--h1", f"-c{CLIENTS}", "-m1", f"-D{max(1, round(seconds))}"]
+    for name, value in headers.items():
+        argv += ["-H", f"{name}: {value}"]
+    cpu_before = tree_cpu_seconds(server)
+    out = subprocess.run([*argv, url], check=True, capture_output=True, text=True).stdout
+    cpu = tree_cpu_seconds(server) - cpu_before
+    counts = re.search(r"(\d+) done, (\d+) succeeded, (\d+) failed, (\d+) errored", out)
+    finished = re.search(r"finished in ([\d.]+)s", out)
+    traffic = re.search(r"traffic: \S+ \((\d+)\) total", out)
+    codes = re.search(r"status codes: (\d+) 2xx", out)
+    if counts is None or finished is None or traffic is None or codes is None:
+        raise RuntimeError(f"h2load said what this cannot read:\n{out}")
+    done, succeeded = int(counts.group(1)), int(codes.group(1))
+    if done == 0 or succeeded != done or int(counts.group(3)) or int(counts.group(4)):
+        raise RuntimeError(f"{url}: not every answer was a 200:\n{out}")
+    elapsed = float(finished.group(1))
     return {
-        "mib_per_s": round(done["bytes"] / elapsed / 2**20, 1),
-        "requests_per_s": round(done["requests"] / elapsed, 1),
+        "mib_per_s": round(int(traffic.group(1)) / elapsed / 2**20, 1),
+        "requests_per_s": round(done / elapsed, 1),
+        "server_cpu_us_per_request": round(cpu / done * 1e6, 1),
     }
 
 
 def start_nginx(work: Path, root: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """Debian's nginx serving `root` as files: sendfile, one worker."""
     nginx = shutil.which("nginx", path=f"{os.environ.get('PATH', '')}:/usr/sbin")
     if nginx is None:
         raise RuntimeError("nginx is not installed: run `just setup`")
@@ -116,7 +125,9 @@ def start_nginx(work: Path, root: Path) -> tuple[subprocess.Popen[bytes], int]:
     return process, port
 
 
-async def measure(base: str, key: str, seconds: float, work: Path, blobs: Path) -> dict[str, Any]:
+async def measure(
+    base: str, key: str, seconds: float, work: Path, blobs: Path, *, appliance: psutil.Process
+) -> dict[str, Any]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         say("packages: a 10-item package with narration")
         seconds_ten, package = await ask(session, base, key, TEN)
@@ -138,12 +149,17 @@ async def measure(base: str, key: str, seconds: float, work: Path, blobs: Path) 
     largest = max(manifest["files"], key=lambda f: f["size"])
     url = f"{base}/v1/packages/{package['id']}/files/{largest['path']}"
     say(f"packages: downloads of {largest['path']} ({largest['size']} bytes), appliance")
-    appliance = await hammer(url, {"Authorization": f"Bearer {key}"}, seconds)
+    ours = await asyncio.to_thread(
+        h2load, url, {"Authorization": f"Bearer {key}"}, seconds, appliance
+    )
     nginx, port = start_nginx(work, blobs)
     try:
         await asyncio.sleep(0.5)
         say("packages: the same blob from nginx")
-        peer = await hammer(f"http://{HOST}:{port}/{largest['sha256']}", {}, seconds)
+        peer = await asyncio.to_thread(
+            h2load, f"http://{HOST}:{port}/{largest['sha256']}", {}, seconds,
+            psutil.Process(nginx.pid),
+        )  # fmt: skip
     finally:
         nginx.terminate()
         nginx.wait(timeout=30)
@@ -168,9 +184,10 @@ async def measure(base: str, key: str, seconds: float, work: Path, blobs: Path) 
             "file_bytes": largest["size"],
             "clients": CLIENTS,
             "seconds": seconds,
-            "appliance": appliance,
+            "client": "h2load --h1, one request at a time per connection",
+            "appliance": ours,
             "nginx": peer,
-            "ratio": round(appliance["mib_per_s"] / peer["mib_per_s"], 2),
+            "ratio": round(ours["mib_per_s"] / peer["mib_per_s"], 2),
             "target_ratio": 0.8,
         },
     }
@@ -240,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         ).stdout.strip()  # fmt: skip
         process, base = serve(data, env, work / "appliance.log")
         try:
+            blobs = data / "packages" / "blobs" / "sha256"
             figures = asyncio.run(
-                measure(base, key, args.seconds, work, data / "packages" / "blobs" / "sha256")
+                measure(base, key, args.seconds, work, blobs, appliance=psutil.Process(process.pid))
             )
         finally:
             stop(process)
