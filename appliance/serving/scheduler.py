@@ -14,7 +14,8 @@ between steps. The engine that owns a :class:`SchedulerState` drives it like thi
         # (prompt, then its sampled tokens) at those positions, seq_id = entry.slot, logits
         # on the last token where entry.wants_logits; llama_decode; sample those entries
         state, ended = apply_step(state, plan, StepOutcome(finished={...stop/cancelled...}))
-        # clear the KV cache of every ended.slot before its slot is planned again
+        # clear the KV cache of every ended.slot before its slot is planned again, or keep
+        # it and say so with retain(); at admission, clear a slot from Admission.reused on
 
 Admission is FIFO within a priority (higher first; all equal by default). Two rules serve
 the service classes: ``reserved_slots`` are taken only by sequences of at least
@@ -118,11 +119,11 @@ class SequenceState:
     cached: int = 0
     # Tokens it generated before a preemption, now the end of its prompt.
     carried: int = 0
+    generated: int = 0  # tokens sampled; the last one is not in the KV cache yet
     # The prompt's token ids, to match against what free slots kept (:func:`retain`); may
     # be empty, then it never reuses a slot. A preempted sequence keeps its first prompt
     # here: still a prefix of what it prefills again.
     tokens: tuple[int, ...] = field(default=(), repr=False)
-    generated: int = 0  # tokens sampled; the last one is not in the KV cache yet
 
     @property
     def prefilling(self) -> bool:
@@ -159,7 +160,8 @@ class Rejected:
 
 @dataclass(frozen=True)
 class Admission:
-    """A waiting sequence takes a free slot this step (its KV cells are already clear).
+    """A waiting sequence takes a free slot this step (its KV cells are clear, or hold what
+    :func:`retain` says).
 
     The engine copies the KV of the first ``cached`` prompt tokens into the slot before it
     decodes the step; the plan's prefill for this sequence starts after them.
@@ -428,7 +430,8 @@ def apply_step(
     state: SchedulerState, plan: StepPlan, outcome: StepOutcome | None = None
 ) -> tuple[SchedulerState, tuple[Ended, ...]]:
     """Advance past a decoded step: record the tokens fed and sampled, and end sequences that
-    stopped, were cancelled, or reached max_new_tokens. Each ended slot's KV must be cleared.
+    stopped, were cancelled, or reached max_new_tokens. Each ended slot's KV must be cleared,
+    or kept and reported with :func:`retain`.
 
     Raises PlanMismatchError if ``plan`` was not made from ``state``.
     """
