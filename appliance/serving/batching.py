@@ -245,7 +245,11 @@ class BatchEngine:
         request = job.request
         seq_id = self._state.next_id  # the id submit() gives it
         where = self._prefix.place(
-            seq_id, request.prompt_tokens, self._unstarted(), siblings=request.share_prompt
+            seq_id,
+            request.prompt_tokens,
+            self._unstarted(),
+            siblings=request.share_prompt,
+            kept=sched.kept_prefix(self._state, request.prompt_tokens) if self._keep else 0,
         )
         if isinstance(where, px.Build):
             llama_cpp.llama_memory_seq_rm(self._memory, self._store, -1, -1)

@@ -311,6 +311,15 @@ def retain(state: SchedulerState, slot: int, tokens: tuple[int, ...]) -> Schedul
     return replace(state, kept=kept, kept_count=state.kept_count + 1)
 
 
+def kept_prefix(state: SchedulerState, tokens: tuple[int, ...]) -> int:
+    """The most of a prompt's first tokens that a free slot holds (less its last token,
+    which is always computed): what the prompt would reuse if admitted now."""
+    if not tokens:
+        return 0
+    longest = max((common_prefix(tokens, k.tokens) for k in state.kept.values()), default=0)
+    return min(longest, len(tokens) - 1)
+
+
 def reusable(seq: SequenceState, kept: Kept | None) -> int:
     """How many of the prompt's first tokens a slot that keeps ``kept`` already holds: the
     common prefix, less the prompt's last token, which is always decoded (its logits give

@@ -257,7 +257,9 @@ def test_a_conversations_next_turn_reuses_the_cells_its_slot_kept(
                 n_slots=2,
                 n_batch=128,
                 n_threads=2,
-                prefix_min_tokens=0,
+                # The shared prefix store is on, as in service: turn two starts with turn
+                # one's prompt, which must not make it build a store of that instead.
+                prefix_min_tokens=32,
                 cache_prompt=keep,
             ),
         )
@@ -303,6 +305,7 @@ def test_a_conversations_next_turn_reuses_the_cells_its_slot_kept(
         reused = engine.slot_tokens_reused
     finally:
         stop(engine, thread)
+    assert engine.prefix_tokens_reused == reused  # none copied from a store
     # All of turn one that went through the model: the prompt and the answer but its last
     # token, unless that ended the answer (an end-of-generation token has no logprob).
     assert len(first) + len(answer) - 1 <= reused <= len(first) + len(answer)

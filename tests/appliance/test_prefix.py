@@ -44,6 +44,23 @@ def test_the_store_is_capped_and_a_prompt_keeps_its_last_token_to_decode() -> No
     assert share.place(2, SYSTEM[:50], unstarted=set()) == Reuse(49)
 
 
+def test_a_prompt_whose_start_a_slot_kept_builds_and_waits_only_for_more() -> None:
+    # A chat's turn two starts with turn one's prompt (and answer), which a slot kept: a
+    # store of that prompt would make it compute everything the slot already holds.
+    share = PrefixShare(min_tokens=16, max_tokens=512)
+    share.place(0, prompt(1, 2), unstarted=set())
+    assert share.place(1, prompt(1, 2, 3), unstarted=set(), kept=82) == Alone()
+    assert share.builder is None
+    # A slot that holds less than the common part: building is still worth it.
+    assert share.place(2, prompt(4), unstarted=set(), kept=40) == Build(builder=None, length=80)
+    # While it is built: wait only if it gives more than the slot.
+    assert share.place(3, prompt(5), unstarted=set(), kept=80) == Alone()
+    assert share.place(4, prompt(6), unstarted=set(), kept=79) == Park()
+    assert share.progress(2, 80)
+    # A store that holds it is offered anyway: the scheduler takes the larger.
+    assert share.place(5, prompt(7), unstarted=set(), kept=90) == Reuse(80)
+
+
 def test_short_common_prefixes_and_a_disabled_share_place_alone() -> None:
     share = PrefixShare(min_tokens=16, max_tokens=512)
     share.place(0, (1, 2, 3, 4), unstarted=set())

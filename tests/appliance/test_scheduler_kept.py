@@ -12,6 +12,7 @@ from appliance.serving.scheduler import (
     SchedulerConfig,
     SchedulerState,
     apply_step,
+    kept_prefix,
     plan_step,
     retain,
     submit,
@@ -162,3 +163,12 @@ def test_only_a_free_slot_can_keep_cells() -> None:
 def test_tokens_must_be_the_whole_prompt() -> None:
     with pytest.raises(ValueError, match="2 tokens given for a prompt of 3"):
         submit(SchedulerState(CONFIG), 3, 4, tokens=(1, 2))
+
+
+def test_kept_prefix_is_what_the_best_free_slot_would_give() -> None:
+    state = keeping((1, 2, 3, 4), None, (1, 2, 9))
+    assert kept_prefix(state, (1, 2, 3, 5)) == 3
+    assert kept_prefix(state, (1, 2, 3)) == 2  # its last token is computed
+    assert kept_prefix(state, (7, 7)) == 0
+    assert kept_prefix(state, ()) == 0
+    assert kept_prefix(SchedulerState(CONFIG), (1, 2, 3)) == 0
