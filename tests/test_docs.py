@@ -29,6 +29,7 @@ from shared.config import example_yaml, iter_fields
 from shared.errors import ErrorCode
 from tests.benchmarks.api import markdown
 from tests.benchmarks.fleet import baseline_markdown
+from tests.benchmarks.image import markdown as image_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS_DIR = REPO / "docs"
@@ -307,6 +308,13 @@ def test_the_api_benchmark_tables_are_its_recorded_result() -> None:
     result = json.loads((REPO / "tests/benchmarks/results/api.json").read_text())
     assert markdown(result) in (REPO / "docs/benchmarks.md").read_text()
     assert result["commit"]
+
+
+def test_the_image_benchmark_table_is_its_recorded_result() -> None:
+    """docs/benchmarks.md shows the figures of tests/benchmarks/results/image.json, as
+    `tests.benchmarks.image.markdown` writes them."""
+    result = json.loads((REPO / "tests/benchmarks/results/image.json").read_text())
+    assert image_markdown(result) in (REPO / "docs/benchmarks.md").read_text()
 
 
 @pytest.mark.parametrize(

@@ -131,6 +131,12 @@ class Updater:
         error = record.error[:ERROR_CHARS] if record.error else None
         record = replace(record, at=self._clock(), error=error)
         await self._store.run(self._store.sync.set_meta, "image_update", json.dumps(asdict(record)))
+        if self.image is not None:
+            # Heartbeats during a download or an install (minutes) say so, not the state
+            # the last refresh read before it began.
+            self.image = self.image.model_copy(
+                update={"state": record.state, "target": record.target[:200], "error": error}
+            )
         return record
 
     async def _target(self) -> protocol.ReleaseTarget | None:

@@ -286,6 +286,20 @@ def rauc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RaucHost]:
         host.close()
 
 
+class Watched(Rauc):
+    """RAUC's CLI, noting what the updater reports (its heartbeat's image) as it installs."""
+
+    def __init__(self, binary: str, options: list[str]) -> None:
+        super().__init__(binary, options)
+        self.updater: Updater | None = None
+        self.seen: list[tuple[str, str | None]] = []
+
+    def install(self, bundle: Path) -> None:
+        image = self.updater.image if self.updater is not None else None
+        self.seen.append((image.state, image.target) if image is not None else ("", None))
+        super().install(bundle)
+
+
 async def test_a_release_is_fetched_resumed_installed_by_rauc_and_marked_good_after_the_reboot(
     aiohttp_server: AiohttpServer, tmp_path: Path, rauc: RaucHost
 ) -> None:
@@ -294,10 +308,12 @@ async def test_a_release_is_fetched_resumed_installed_by_rauc_and_marked_good_af
     current = {"id": "boot-1"}
     async for given in give_release(aiohttp_server, tmp_path, bundle):
         updates = tmp_path / "node" / "updates"
+        watched = Watched("rauc", [f"--conf={host.conf}"])
         updater = Updater(
-            given.store, Rauc("rauc", [f"--conf={host.conf}"]), updates,
+            given.store, watched, updates,
             os_release=tmp_path / "os-release", boot=lambda: current["id"],
         )  # fmt: skip
+        watched.updater = updater
         (tmp_path / "os-release").write_text("IMAGE_VERSION=1.0\n")
         # A download cut after 1000 bytes resumes from there.
         updates.mkdir(parents=True)
@@ -307,6 +323,8 @@ async def test_a_release_is_fetched_resumed_installed_by_rauc_and_marked_good_af
         assert (_image(updater).version, _image(updater).slot) == ("1.0", "rootfs.0")
         assert (_image(updater).state, _image(updater).target) == (
             "installed-pending-reboot", "1.1")  # fmt: skip
+        # A heartbeat sent while RAUC installed said so (not what the last refresh read).
+        assert watched.seen == [("installing", "1.1")]
         assert list(updates.iterdir()) == []  # the bundle, installed, is gone
         assert (tmp_path / "rauc" / "slot-b.img").read_bytes().startswith(b"rootfs 1.1")
         # Asked again before the reboot: nothing is installed twice.

@@ -206,6 +206,62 @@ def updates(manifest: dict[str, Any], work: Path) -> dict[str, Any]:
     }
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """The table docs/benchmarks.md shows, from a result (a test keeps them equal)."""
+    accel = result["machine"]["accelerator"]
+    later = result["later_boots_ready_s"]
+    lines = [
+        (
+            f"Commit `{result.get('commit', 'unknown')}`, {result['date'][:10]}, "
+            f"{result['machine']['cpu']}, {result['machine']['logical_cpus']} CPUs, QEMU with "
+            f"{accel.upper()}."
+        ),
+        "",
+        f"| | this machine ({accel.upper()}) | target (KVM) |",
+        "|---|---|---|",
+        (
+            "| first boot to `/readyz` 200 (partition grown, provisioning file applied, model put "
+            f"onto the data partition, enrolled) | {result['first_boot_ready_s']} s | **< 30 s** |"
+        ),
+    ]
+    if later:
+        lines.append(
+            f"| later boot to `/readyz` 200 (HTTPS) | {', '.join(f'{s} s' for s in later)} | "
+            "**< 30 s** |"
+        )
+    lines += [
+        (
+            "| first heartbeat at the hub, through the tunnel (at most) | "
+            f"{result['first_heartbeat_s']} s | |"
+        ),
+        (
+            f"| image file / data in it | {result['image']['size_bytes'] / 2**30:.2f} GiB / "
+            f"{result['image']['allocated_bytes'] / 2**30:.2f} GiB | |"
+        ),
+        f"| update bundle (`just image`) | {result['bundle_bytes'] / 2**20:.0f} MiB | |",
+    ]
+    updates = result.get("updates")
+    if updates:
+        u, b = updates["update"], updates["broken_release"]
+        lines += [
+            (
+                "| a release rolled out by the hub: rollout start to the LAN API serving the new "
+                f"version (fetch through the tunnel, install, reboot) | {u['serving_s']} s | |"
+            ),
+            (
+                "| the same: LAN API unavailable (polled every "
+                f"{updates['poll_every_s'] * 1000:.0f} ms) | {u['unavailable_s']} s | |"
+            ),
+            (
+                "| a broken release: rollback, from losing the LAN API for its trial boot to "
+                f"serving from the previous slot | {b['rollback_s']} s | |"
+            ),
+            f"| the same: rollout start to the hub halting it | {b['rollout_halted_s']} s | |",
+            f"| the same: LAN API unavailable | {b['unavailable_s']} s | |",
+        ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Boot-to-ready time and size of the image.")
     parser.add_argument("--boots", type=int, default=3, help="boots of one disk (3)")
