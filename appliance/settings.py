@@ -199,6 +199,15 @@ class ModelSettings(_Section):
             "choices of one request (`n`) share their prompt."
         ),
     )
+    cache_prompt: bool = Field(
+        default=True,
+        description=(
+            "A slot keeps the KV cache of the request that ended in it, and a new request "
+            "takes the slot holding the longest start of its prompt, computing only the rest: "
+            "a chat's next turn repeats every earlier turn, so it skips most of its prompt. "
+            "On sliding-window models only conversations shorter than the window are kept."
+        ),
+    )
     max_queue: int = Field(
         16,
         ge=0,

@@ -218,7 +218,8 @@ class Metrics:
         )
         self.prefix_tokens_reused = Counter(
             "kvl_prefix_tokens_reused",
-            "Prompt tokens whose KV was copied from a shared prefix instead of computed.",
+            "Prompt tokens whose KV was copied from a shared prefix, or kept in a slot from "
+            "the request before, instead of computed.",
             ["model"],
             registry=r,
         )

@@ -14,6 +14,13 @@ admission (appliance.serving.prefix decides who builds, who waits and who reuses
 that say they share their prompt (the ``n`` choices of one OpenAI request) go through the
 same store, so the prompt is computed once for all of them.
 
+With ``cache_prompt`` a slot keeps its cells when its sequence ends (as llama-server does):
+chat clients send every earlier turn again with each new one, so the next turn's prompt
+starts with the tokens a slot still holds. The scheduler gives it that slot; here the cells
+after the common part are removed and prefill starts there. A sequence that failed or was
+cancelled leaves cells nobody vouches for: its slot is cleared, as is a slot whose cells a
+sliding window may drop (:meth:`BatchEngine._keepable`).
+
 Logprobs, when a request asks for them, are read from the raw logits of each sampled
 position before the next decode overwrites them; a request without them pays nothing.
 """
@@ -111,9 +118,12 @@ class BatchEngine:
         self._parked: list[Job] = []  # waiting for the shared prefix they need to be built
         self._store = options.n_slots  # the llama.cpp sequence id that holds the prefix
         self._prefix = px.PrefixShare(min_tokens=0, max_tokens=0)  # set up by load()
+        self._keep = False  # slots keep their cells when sequences end; set up by load()
+        self._n_swa = 0
         self.events_out = 0
         # Counters for the worker's heartbeat: read from another thread, written by this one.
-        self.prefix_tokens_reused = 0  # prompt tokens copied instead of computed
+        self.prefix_tokens_reused = 0  # prompt tokens copied or kept instead of computed
+        self.slot_tokens_reused = 0  # of those, kept in a slot from the sequence before
         self.tokens_generated = 0
         self.preemptions = 0
         self.step_sizes: deque[int] = deque(maxlen=100_000)  # tokens per llama_decode call
@@ -136,6 +146,11 @@ class BatchEngine:
         # The store holds at most one slot's context, and on a sliding-window model less
         # than the window (appliance.serving.prefix says why).
         n_swa = int(llama_cpp.llama_model_n_swa(model))
+        self._n_swa = n_swa
+        # A recurrent state cannot be cut back to a common prefix: such models keep nothing.
+        self._keep = o.cache_prompt and not (
+            llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
+        )
         store_max = min(o.n_ctx - 1, n_swa - 1) if n_swa > 0 else o.n_ctx - 1
         self._prefix = px.PrefixShare(min_tokens=o.prefix_min_tokens, max_tokens=store_max)
         cparams = llama_cpp.llama_context_default_params()
@@ -157,8 +172,9 @@ class BatchEngine:
             if o.flash_attn
             else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
-        # Every sequence's cells are cleared when it ends (no reuse across requests), so
-        # sliding-window layers need only their window: far less memory than full size.
+        # Sliding-window layers need only their window: far less memory than full size. The
+        # price: a kept slot whose sequence outgrew the window has lost its first cells
+        # there, so only sequences shorter than the window are kept (_keepable).
         cparams.swa_full = False
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
@@ -229,7 +245,11 @@ class BatchEngine:
         request = job.request
         seq_id = self._state.next_id  # the id submit() gives it
         where = self._prefix.place(
-            seq_id, request.prompt_tokens, self._unstarted(), siblings=request.share_prompt
+            seq_id,
+            request.prompt_tokens,
+            self._unstarted(),
+            siblings=request.share_prompt,
+            kept=sched.kept_prefix(self._state, request.prompt_tokens) if self._keep else 0,
         )
         if isinstance(where, px.Build):
             llama_cpp.llama_memory_seq_rm(self._memory, self._store, -1, -1)
@@ -245,6 +265,7 @@ class BatchEngine:
             request.max_tokens,
             priority=request.priority,
             cached=cached,
+            tokens=request.prompt_tokens if self._keep else (),
         )
         if isinstance(result, sched.Rejected):
             job.emit(Failed(ValueError(result.message)))
@@ -294,7 +315,10 @@ class BatchEngine:
                     self._end(ended)
 
     def _step(self) -> None:
-        plan = sched.plan_step(self._state)
+        # The builder's prefill writes the shared prefix into the store as well: it must
+        # compute all of it, not start after what a kept slot holds.
+        builder = self._prefix.builder
+        plan = sched.plan_step(self._state, no_reuse=() if builder is None else (builder,))
         self._enter(plan)
         n, outputs = self._fill_batch(plan)
         self.step_sizes.append(n)
@@ -325,6 +349,12 @@ class BatchEngine:
             self.preemptions += 1
             self._seqs[preemption.seq_id].emit(SlotChange(holds=False))
         for admission in plan.admitted:
+            if self._keep:
+                # Whatever the slot kept past the part this prompt shares goes; all of it
+                # when nothing is reused.
+                llama_cpp.llama_memory_seq_rm(self._memory, admission.slot, admission.reused, -1)
+                self.prefix_tokens_reused += admission.reused
+                self.slot_tokens_reused += admission.reused
             if admission.cached:
                 llama_cpp.llama_memory_seq_cp(
                     self._memory, self._store, admission.slot, 0, admission.cached
@@ -332,7 +362,7 @@ class BatchEngine:
                 self.prefix_tokens_reused += admission.cached
             self._prefix.admitted(admission.seq_id)
             seq = self._seqs[admission.seq_id]
-            seq.cached += admission.cached
+            seq.cached += admission.cached + admission.reused
             seq.emit(SlotChange(holds=True))
             if seq.sampler is None:  # else a preempted sequence resumes, its sampler intact
                 seq.admitted = time.perf_counter()
@@ -432,7 +462,12 @@ class BatchEngine:
     def _end(self, ended: sched.Ended) -> None:
         seq = self._seqs.pop(ended.seq_id)
         if ended.slot is not None:
-            llama_cpp.llama_memory_seq_rm(self._memory, ended.slot, -1, -1)
+            # Every token but the last sampled one went through llama_decode.
+            held = tuple(seq.tokens[:-1])
+            if ended.reason != "cancelled" and not seq.failed and self._keepable(ended.slot, held):
+                self._state = sched.retain(self._state, ended.slot, held)
+            else:
+                llama_cpp.llama_memory_seq_rm(self._memory, ended.slot, -1, -1)
         self._prefix_ended(ended.seq_id)
         if seq.sampler is not None:
             seq.sampler.free()
@@ -454,6 +489,21 @@ class BatchEngine:
                 cached_tokens=seq.cached,
             )
         )
+
+    def _keepable(self, slot: int, held: tuple[int, ...]) -> bool:
+        """Whether the slot's cells are exactly ``held``, and stay so while it is free.
+
+        llama.cpp lets another sequence overwrite a cell that its own sequence's sliding
+        window has left behind (one at least the window below its last position): a kept
+        slot whose tokens reach the window could lose its first cells at any step. Shorter
+        ones lose none. The positions are checked too, so a sequence whose cells are not
+        what its tokens say (an engine bug) costs a recomputation, not a wrong answer.
+        """
+        if not self._keep or not held or (self._n_swa > 0 and len(held) >= self._n_swa):
+            return False
+        first = llama_cpp.llama_memory_seq_pos_min(self._memory, slot)
+        last = llama_cpp.llama_memory_seq_pos_max(self._memory, slot)
+        return bool(first == 0 and last == len(held) - 1)
 
     @staticmethod
     def _delta(seq: _Sequence, text: str) -> TextDelta:

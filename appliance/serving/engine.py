@@ -95,7 +95,8 @@ class Finished:
     duration_s: float
     text: str
     queue_s: float | None = None  # arrival to a slot; None if it never got one
-    # Prompt tokens whose KV was copied from the shared prefix store instead of computed.
+    # Prompt tokens whose KV was not computed: copied from the shared prefix store, or kept
+    # in the slot from the request before (cache_prompt).
     cached_tokens: int = 0
 
 
@@ -177,6 +178,9 @@ class EngineOptions:
     # copied to each sequence that starts with it (appliance.serving.prefix); 0: only for
     # requests that say they share their prompt (GenerationRequest.share_prompt).
     prefix_min_tokens: int = 64
+    # Keep a slot's KV when its sequence ends, for a later prompt that starts with the same
+    # tokens (a chat's next turn) to skip them (appliance.serving.scheduler, retain).
+    cache_prompt: bool = True
     # Service classes: slots only S2 may take, and S0 sequences yielding to higher classes.
     reserved_slots: int = 0
     preemption: bool = True

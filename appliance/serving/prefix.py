@@ -12,6 +12,12 @@ and the store, in the same batch entries. Prompts that need the prefix while it 
 built wait for it (*park*) rather than compute it again; once it is there they start with it
 (:class:`Reuse`), and their prefill begins after it.
 
+A slot that kept the cells of an earlier request (a conversation's previous turn, see
+appliance.serving.scheduler) may already hold the start of a prompt: ``kept`` says how much.
+A build or a wait that would give no more than that is not worth it, and the prompt goes
+alone to that slot; without this a chat's next turn, which starts with its previous prompt,
+would build a store of that prompt and compute it all again.
+
 Sliding-window models: a prefix that is longer than the window would be partly dropped from
 the sliding-window layers' cache, so the store holds at most ``window - 1`` tokens of it
 (the rest is prefilled per sequence). A store that is only ever read never leaves its window.
@@ -92,6 +98,7 @@ class PrefixShare:
         unstarted: set[int],
         *,
         siblings: bool = False,
+        kept: int = 0,
     ) -> PrefixPlan:
         """Decide for an arriving prompt. ``unstarted``: sequences that have not prefilled a
         token yet (one of them may become the builder instead of the newcomer). Call
@@ -99,13 +106,15 @@ class PrefixShare:
 
         ``siblings``: the same prompt comes again at once (OpenAI's ``n``), so all of it but
         its last token is worth a store, however short, and even when ``min_tokens`` is 0.
+        ``kept``: how many of its first tokens a free slot already holds; no build or wait
+        for a prefix that is not longer (siblings ignore it: the others need the store).
         """
         if not (self.enabled or (siblings and self.max_tokens > 0)):
             return Alone()
         if siblings:
             where = self._place_sibling(seq_id, prompt, unstarted)
         else:
-            where = self._place(seq_id, prompt, unstarted)
+            where = self._place(seq_id, prompt, unstarted, kept)
         if isinstance(where, Park) or (isinstance(where, Build) and where.builder is not None):
             # It waits, so it is not remembered: a waiting prompt gets no sequence id until
             # it is placed again.
@@ -118,16 +127,19 @@ class PrefixShare:
     def _shares(self, n: int) -> bool:
         return self.enabled and n >= self.min_tokens
 
-    def _place(self, seq_id: int, prompt: tuple[int, ...], unstarted: set[int]) -> PrefixPlan:
+    def _place(
+        self, seq_id: int, prompt: tuple[int, ...], unstarted: set[int], kept: int
+    ) -> PrefixPlan:
         if self.tokens:
             n = min(common_prefix(prompt, self.tokens), len(prompt) - 1)
             if self._shares(n):
-                return Reuse(n)
+                return Reuse(n)  # the scheduler takes the larger of this and kept
         if self.builder is not None:
-            return Park() if self._shares(common_prefix(prompt, self.target)) else Alone()
+            n = common_prefix(prompt, self.target)
+            return Park() if self._shares(n) and n > kept else Alone()
         if self.readers:
             return Alone()
-        return self._build(seq_id, prompt, unstarted)
+        return self._build(seq_id, prompt, unstarted, kept)
 
     def _place_sibling(
         self, seq_id: int, prompt: tuple[int, ...], unstarted: set[int]
@@ -162,7 +174,9 @@ class PrefixShare:
         self.builder, self.target, self.tokens = builder, prompt[:whole], ()
         return Build(None if builder == seq_id else builder, whole)
 
-    def _build(self, seq_id: int, prompt: tuple[int, ...], unstarted: set[int]) -> PrefixPlan:
+    def _build(
+        self, seq_id: int, prompt: tuple[int, ...], unstarted: set[int], kept: int
+    ) -> PrefixPlan:
         """Start a store for the longest prefix this prompt shares with a recent one."""
         best, partner = 0, None
         for other_id, other in self._recent:
@@ -174,7 +188,7 @@ class PrefixShare:
         other_id, other = partner
         # Everyone who reads the store decodes at least its own last prompt token.
         length = min(best, len(prompt) - 1, len(other) - 1, self.max_tokens)
-        if not self._shares(length):
+        if not self._shares(length) or length <= kept:
             return Alone()
         builder = other_id if other_id in unstarted else seq_id
         self.builder, self.target, self.tokens = builder, prompt[:length], ()

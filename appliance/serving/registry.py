@@ -445,6 +445,7 @@ class ModelRegistry:
             n_slots=m.n_slots,
             flash_attn=m.flash_attn,
             prefix_min_tokens=m.prefix_min_tokens,
+            cache_prompt=m.cache_prompt,
             reserved_slots=self._settings.classes.reserved_slots,
             preemption=self._settings.classes.preemption,
         )

@@ -14,7 +14,8 @@ between steps. The engine that owns a :class:`SchedulerState` drives it like thi
         # (prompt, then its sampled tokens) at those positions, seq_id = entry.slot, logits
         # on the last token where entry.wants_logits; llama_decode; sample those entries
         state, ended = apply_step(state, plan, StepOutcome(finished={...stop/cancelled...}))
-        # clear the KV cache of every ended.slot before its slot is planned again
+        # clear the KV cache of every ended.slot before its slot is planned again, or keep
+        # it and say so with retain(); at admission, clear a slot from Admission.reused on
 
 Admission is FIFO within a priority (higher first; all equal by default). Two rules serve
 the service classes: ``reserved_slots`` are taken only by sequences of at least
@@ -22,6 +23,14 @@ the service classes: ``reserved_slots`` are taken only by sequences of at least
 priority (S0) that finds no slot takes the slot of the youngest running S0 sequence, which
 goes back to the queue with what it generated so far folded into its prompt: it resumes
 later by prefilling that again, its sampler state intact in the engine.
+
+A slot keeps the KV of the sequence that last ran in it, when the engine says so
+(:func:`retain`): a chat client sends each turn with every earlier turn and answer repeated,
+so the next request's prompt starts with the tokens the slot already holds. As llama-server
+does (``cache_prompt``), a waiting sequence takes the free slot whose kept tokens share the
+longest prefix with its prompt, and its prefill starts after that common part
+(:attr:`Admission.reused`); with no match it takes a slot that keeps nothing, else the one
+kept longest ago, so a conversation that may come back is overwritten last.
 """
 
 from __future__ import annotations
@@ -30,8 +39,10 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Literal
 
+from appliance.serving.prefix import common_prefix
+
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Container, Iterable, Mapping
 
 FinishReason = Literal["stop", "length", "cancelled"]
 EntryKind = Literal["prefill", "decode"]
@@ -109,6 +120,10 @@ class SequenceState:
     # Tokens it generated before a preemption, now the end of its prompt.
     carried: int = 0
     generated: int = 0  # tokens sampled; the last one is not in the KV cache yet
+    # The prompt's token ids, to match against what free slots kept (:func:`retain`); may
+    # be empty, then it never reuses a slot. A preempted sequence keeps its first prompt
+    # here: still a prefix of what it prefills again.
+    tokens: tuple[int, ...] = field(default=(), repr=False)
 
     @property
     def prefilling(self) -> bool:
@@ -145,15 +160,22 @@ class Rejected:
 
 @dataclass(frozen=True)
 class Admission:
-    """A waiting sequence takes a free slot this step (its KV cells are already clear).
+    """A waiting sequence takes a free slot this step (its KV cells are clear, or hold what
+    :func:`retain` says).
 
     The engine copies the KV of the first ``cached`` prompt tokens into the slot before it
     decodes the step; the plan's prefill for this sequence starts after them.
+
+    ``reused``: the slot kept the KV of this many of the prompt's first tokens from the
+    sequence before (:func:`retain`); the engine removes the slot's cells from there on and
+    prefill starts there. At most one of ``cached`` and ``reused`` is set (the larger wins);
+    with neither, the engine clears the slot's cells, kept ones included.
     """
 
     seq_id: int
     slot: int
     cached: int = 0
+    reused: int = 0
 
 
 @dataclass(frozen=True)
@@ -210,11 +232,23 @@ class Ended:
 
 
 @dataclass(frozen=True)
+class Kept:
+    """What a free slot's KV cells still hold: the first ``len(tokens)`` positions of the
+    sequence that ran in it, which were these tokens."""
+
+    tokens: tuple[int, ...] = field(repr=False)
+    stamp: int  # when it was kept; the smallest was kept longest ago
+
+
+@dataclass(frozen=True)
 class SchedulerState:
     config: SchedulerConfig
     waiting: tuple[SequenceState, ...] = ()  # in admission order (SequenceState.queue_key)
     running: tuple[SequenceState, ...] = ()  # hold a slot; in queue_key order
     next_id: int = 0
+    # Free slots whose cells were kept by retain(), by slot: until a sequence takes it.
+    kept: Mapping[int, Kept] = field(default_factory=dict)
+    kept_count: int = 0  # retain() calls so far: the next Kept.stamp
 
     @property
     def idle(self) -> bool:
@@ -234,10 +268,14 @@ def submit(
     max_new_tokens: int,
     priority: int = 0,
     cached: int = 0,
+    *,
+    tokens: tuple[int, ...] = (),
 ) -> tuple[SchedulerState, Queued | Rejected]:
     """Queue a sequence, or reject it when it could never fit in one slot. ``cached``: how
     many of its prompt tokens the engine will copy from a shared prefix at admission; at
     least the last prompt token is always decoded, to sample the first new token from.
+    ``tokens``: the prompt itself (``prompt_len`` of them), or empty; with them it may take
+    a slot that kept a prefix of it (:func:`retain`).
 
     The gateway checks lengths before this; ValueError here means a caller bug.
     """
@@ -245,6 +283,8 @@ def submit(
         raise ValueError("a sequence needs at least one prompt token and one new token")
     if not 0 <= cached < prompt_len:
         raise ValueError(f"cached is {cached}, must be in [0, prompt_len)")
+    if tokens and len(tokens) != prompt_len:
+        raise ValueError(f"{len(tokens)} tokens given for a prompt of {prompt_len}")
     n_ctx = state.config.n_ctx_per_slot
     if prompt_len + max_new_tokens > n_ctx:
         message = (
@@ -252,9 +292,42 @@ def submit(
             f"a slot holds {n_ctx}"
         )
         return state, Rejected(RejectReason.context_length_exceeded, message)
-    seq = SequenceState(state.next_id, prompt_len, max_new_tokens, priority, cached=cached)
+    seq = SequenceState(
+        state.next_id, prompt_len, max_new_tokens, priority, cached=cached, tokens=tokens
+    )
     waiting = _ordered((*state.waiting, seq))
     return replace(state, waiting=waiting, next_id=state.next_id + 1), Queued(seq.seq_id)
+
+
+def retain(state: SchedulerState, slot: int, tokens: tuple[int, ...]) -> SchedulerState:
+    """The engine kept the KV cells of a sequence that ended in ``slot`` (it is free now):
+    ``tokens`` are the tokens at positions ``0 .. len(tokens) - 1`` there. A later sequence
+    whose prompt starts with some of them may take the slot and skip computing those."""
+    if slot in state.kept or slot not in state.free_slots():
+        raise ValueError(f"slot {slot} is not free, or keeps cells already")
+    if not 0 < len(tokens) <= state.config.n_ctx_per_slot:
+        raise ValueError(f"{len(tokens)} tokens cannot be what a slot holds")
+    kept = {**state.kept, slot: Kept(tokens, state.kept_count)}
+    return replace(state, kept=kept, kept_count=state.kept_count + 1)
+
+
+def kept_prefix(state: SchedulerState, tokens: tuple[int, ...]) -> int:
+    """The most of a prompt's first tokens that a free slot holds (less its last token,
+    which is always computed): what the prompt would reuse if admitted now."""
+    if not tokens:
+        return 0
+    longest = max((common_prefix(tokens, k.tokens) for k in state.kept.values()), default=0)
+    return min(longest, len(tokens) - 1)
+
+
+def reusable(seq: SequenceState, kept: Kept | None) -> int:
+    """How many of the prompt's first tokens a slot that keeps ``kept`` already holds: the
+    common prefix, less the prompt's last token, which is always decoded (its logits give
+    the first new token). 0 when that is no better than the shared prefix it copies."""
+    if kept is None or not seq.tokens:
+        return 0
+    n = min(common_prefix(seq.tokens, kept.tokens), seq.prompt_len - 1)
+    return n if n > seq.cached else 0
 
 
 def cancel(state: SchedulerState, seq_id: int) -> tuple[SchedulerState, Ended | None]:
@@ -271,18 +344,20 @@ def cancel(state: SchedulerState, seq_id: int) -> tuple[SchedulerState, Ended | 
     return state, Ended(seq_id, seq.slot, "cancelled", seq.carried + seq.generated)
 
 
-def plan_step(state: SchedulerState) -> StepPlan:
+def plan_step(state: SchedulerState, no_reuse: Container[int] = ()) -> StepPlan:
     """Plan one decode step: fill free slots from the queue, decode every sequence past its
-    prompt, then spend the rest of ``n_batch`` on prompt chunks in queue order.
+    prompt, then spend the rest of ``n_batch`` on prompt chunks in queue order. Sequences in
+    ``no_reuse`` must prefill their prompt from the start (the engine writes it somewhere
+    else too as it goes): they reuse no slot's kept cells.
 
     Greedy in queue order so the oldest prompt reaches its first token soonest; no sequence
     starves because the oldest prefilling one always gets at least one token (n_batch >=
     n_slots and it is not decoding), and younger ones never get ahead of it.
     """
     config = state.config
-    preempted, admitted = _admissions(state)
-    slots = {a.seq_id: a.slot for a in admitted}
-    started = [_admit(seq, slots[seq.seq_id]) for seq in state.waiting if seq.seq_id in slots]
+    preempted, admitted = _admissions(state, no_reuse)
+    by_id = {a.seq_id: a for a in admitted}
+    started = [_admit(seq, by_id[seq.seq_id]) for seq in state.waiting if seq.seq_id in by_id]
     gone = {p.seq_id for p in preempted}
     running = [seq for seq in state.running if seq.seq_id not in gone]
     decodes = [
@@ -302,7 +377,9 @@ def plan_step(state: SchedulerState) -> StepPlan:
     return StepPlan(preempted, admitted, (*decodes, *prefills))
 
 
-def _admissions(state: SchedulerState) -> tuple[tuple[Preemption, ...], tuple[Admission, ...]]:
+def _admissions(
+    state: SchedulerState, no_reuse: Container[int]
+) -> tuple[tuple[Preemption, ...], tuple[Admission, ...]]:
     """Waiting sequences take free slots in queue order, within the reservation; one that
     finds none may take a preemptible sequence's slot. The first that can do neither stops
     the rest (the queue is in priority order, so nobody behind it could either)."""
@@ -322,8 +399,10 @@ def _admissions(state: SchedulerState) -> tuple[tuple[Preemption, ...], tuple[Ad
     admitted: list[Admission] = []
     for seq in state.waiting:
         high = seq.priority >= config.reserved_priority
+        reused = 0
         if free and (high or low < low_cap):
-            slot = free.pop(0)
+            slot, reused = _choose_slot(state, seq, free, reuse=seq.seq_id not in no_reuse)
+            free.remove(slot)
         elif victims and seq.priority > config.preemptible_priority:
             victim = victims.pop(0)
             slot = _slot(victim)
@@ -331,17 +410,37 @@ def _admissions(state: SchedulerState) -> tuple[tuple[Preemption, ...], tuple[Ad
             low -= 1  # the victim's priority is below reserved_priority
         else:
             break
-        admitted.append(Admission(seq.seq_id, slot, seq.cached))
+        if reused:
+            admitted.append(Admission(seq.seq_id, slot, reused=reused))
+        else:
+            admitted.append(Admission(seq.seq_id, slot, seq.cached))
         if not high:
             low += 1
     return tuple(preempted), tuple(admitted)
+
+
+def _choose_slot(
+    state: SchedulerState, seq: SequenceState, free: list[int], *, reuse: bool
+) -> tuple[int, int]:
+    """The free slot that already holds the most of the prompt, and how much; with none, a
+    slot that keeps nothing, else the one kept longest ago (a conversation that was active
+    more recently is likelier to come back)."""
+    if reuse:
+        best, slot = max((reusable(seq, state.kept.get(s)), -s) for s in free)
+        if best > 0:
+            return -slot, best
+    empty = [s for s in free if s not in state.kept]
+    if empty:
+        return empty[0], 0
+    return min(free, key=lambda s: state.kept[s].stamp), 0
 
 
 def apply_step(
     state: SchedulerState, plan: StepPlan, outcome: StepOutcome | None = None
 ) -> tuple[SchedulerState, tuple[Ended, ...]]:
     """Advance past a decoded step: record the tokens fed and sampled, and end sequences that
-    stopped, were cancelled, or reached max_new_tokens. Each ended slot's KV must be cleared.
+    stopped, were cancelled, or reached max_new_tokens. Each ended slot's KV must be cleared,
+    or kept and reported with :func:`retain`.
 
     Raises PlanMismatchError if ``plan`` was not made from ``state``.
     """
@@ -365,7 +464,14 @@ def apply_step(
             kept.append(seq)
         else:
             ended.append(Ended(seq.seq_id, seq.slot, reason, seq.carried + seq.generated))
-    new_state = replace(state, waiting=_ordered(waiting.values()), running=_ordered(kept))
+    # A slot taken this step no longer keeps what it held: its new sequence overwrites it.
+    taken = {a.slot for a in plan.admitted}
+    new_state = replace(
+        state,
+        waiting=_ordered(waiting.values()),
+        running=_ordered(kept),
+        kept={slot: k for slot, k in state.kept.items() if slot not in taken},
+    )
     return new_state, tuple(sorted(ended, key=lambda e: e.seq_id))
 
 
@@ -386,7 +492,7 @@ def _advance(
         if seq is None or admission.slot in used:
             raise PlanMismatchError(f"sequence {admission.seq_id} cannot take its planned slot")
         used.add(admission.slot)
-        running[seq.seq_id] = _admit(seq, admission.slot)
+        running[seq.seq_id] = _admit(seq, admission)
     sampled: set[int] = set()
     for entry in plan.entries:
         seq = running.get(entry.seq_id)
@@ -415,8 +521,8 @@ def _requeue(seq: SequenceState) -> SequenceState:
     )
 
 
-def _admit(seq: SequenceState, slot: int) -> SequenceState:
-    return replace(seq, slot=slot, prefilled=seq.cached)
+def _admit(seq: SequenceState, admission: Admission) -> SequenceState:
+    return replace(seq, slot=admission.slot, prefilled=max(admission.cached, admission.reused))
 
 
 def _ordered(seqs: Iterable[SequenceState]) -> tuple[SequenceState, ...]:

@@ -77,10 +77,18 @@ def run(
     cancel_first: bool = False,
     keep_first_logits: bool = False,
 ) -> Ran:
-    """Queue every prompt before the engine starts, run to the end."""
+    """Queue every prompt before the engine starts, run to the end. Slots keep nothing
+    between requests: what is reused comes from the prefix store alone."""
     engine = BatchEngine(
         model,
-        EngineOptions(n_ctx=512, n_slots=slots, n_batch=128, n_threads=2, prefix_min_tokens=share),
+        EngineOptions(
+            n_ctx=512,
+            n_slots=slots,
+            n_batch=128,
+            n_threads=2,
+            prefix_min_tokens=share,
+            cache_prompt=False,
+        ),
     )
     engine.load()
     engine.keep_first_logits = keep_first_logits
@@ -233,3 +241,92 @@ def test_s2_preempts_a_running_s0_sequence_which_resumes_and_completes(
     assert done.completion_tokens == 48 or done.finish_reason == "stop"
     streamed = "".join(e.text for e in background.events if isinstance(e, TextDelta))
     assert streamed == done.text
+
+
+def test_a_conversations_next_turn_reuses_the_cells_its_slot_kept(
+    default_model: ModelRecord,
+) -> None:
+    """Turn two of a chat repeats turn one and its answer: it goes to the slot that ran turn
+    one, computes only what is new, and the model sees the same prompt as without reuse."""
+
+    def start(*, keep: bool) -> tuple[BatchEngine, threading.Thread]:
+        engine = BatchEngine(
+            default_model,
+            EngineOptions(
+                n_ctx=512,
+                n_slots=2,
+                n_batch=128,
+                n_threads=2,
+                # The shared prefix store is on, as in service: turn two starts with turn
+                # one's prompt, which must not make it build a store of that instead.
+                prefix_min_tokens=32,
+                cache_prompt=keep,
+            ),
+        )
+        engine.load()
+        engine.keep_first_logits = True
+        thread = threading.Thread(target=engine.serve_forever)
+        thread.start()
+        return engine, thread
+
+    def stop(engine: BatchEngine, thread: threading.Thread) -> None:
+        engine.jobs.put(None)
+        thread.join(60)
+        engine.close()
+
+    def send(engine: BatchEngine, *prompts: tuple[int, ...]) -> list[Outcome]:
+        outcomes = [Outcome() for _ in prompts]
+        for prompt, outcome in zip(prompts, outcomes, strict=True):
+            request = GenerationRequest(
+                prompt_tokens=prompt, max_tokens=12, sampling=Sampling(temperature=0.0), logprobs=0
+            )
+            engine.jobs.put(Job(request, outcome.emit, threading.Event()))
+        for outcome in outcomes:
+            assert outcome.done.wait(120), "a request never ended"
+        return outcomes
+
+    engine, thread = start(keep=True)
+    try:
+        assert engine.vocab is not None
+        vocab = engine.vocab
+        first = tuple(vocab.tokenize(SYSTEM + QUESTIONS[0], chat=False))
+        # Another client's conversation in the other slot: turn two must find its own.
+        other = tuple(vocab.tokenize("Write a short poem about trains at night.", chat=False))
+        turn_one, _ = send(engine, first, other)
+        assert engine.slot_tokens_reused == 0  # both slots were empty
+        answer = tuple(
+            lp.id for e in turn_one.events if isinstance(e, TextDelta) for lp in e.logprobs
+        )
+        assert answer
+        # Not a prompt's start, so no BOS (a chat template's text is tokenized like this).
+        follow_up = tuple(vocab.tokenize(" Thank you. And on Sunday?", chat=True))
+        second = first + answer + follow_up
+        (turn_two,) = send(engine, second)
+        reused = engine.slot_tokens_reused
+    finally:
+        stop(engine, thread)
+    assert engine.prefix_tokens_reused == reused  # none copied from a store
+    # All of turn one that went through the model: the prompt and the answer but its last
+    # token, unless that ended the answer (an end-of-generation token has no logprob).
+    assert len(first) + len(answer) - 1 <= reused <= len(first) + len(answer)
+    assert turn_two.finished.cached_tokens == reused
+    assert turn_two.finished.completion_tokens > 0
+
+    plain_engine, plain_thread = start(keep=False)
+    try:
+        (plain,) = send(plain_engine, second)
+    finally:
+        stop(plain_engine, plain_thread)
+    assert plain_engine.slot_tokens_reused == 0
+    assert plain.finished.cached_tokens == 0
+    # The first answer token's logits with the kept cells and with all computed afresh:
+    # within the rounding of another batch layout (MAX_DRIFT, measured above).
+    (mine,) = engine.first_logits[second]
+    (theirs,) = plain_engine.first_logits[second]
+    assert mine.size == theirs.size > 0
+    drift = np.abs(mine - theirs)
+    assert float(drift.max()) < MAX_DRIFT
+    assert float(drift.mean()) < MEAN_DRIFT
+    # The measure tells prompts apart: turn one's first logits are far from turn two's.
+    (one,) = engine.first_logits[first]
+    assert float(np.abs(one - mine).max()) > MAX_DRIFT

@@ -44,6 +44,23 @@ def test_the_store_is_capped_and_a_prompt_keeps_its_last_token_to_decode() -> No
     assert share.place(2, SYSTEM[:50], unstarted=set()) == Reuse(49)
 
 
+def test_a_prompt_whose_start_a_slot_kept_builds_and_waits_only_for_more() -> None:
+    # A chat's turn two starts with turn one's prompt (and answer), which a slot kept: a
+    # store of that prompt would make it compute everything the slot already holds.
+    share = PrefixShare(min_tokens=16, max_tokens=512)
+    share.place(0, prompt(1, 2), unstarted=set())
+    assert share.place(1, prompt(1, 2, 3), unstarted=set(), kept=82) == Alone()
+    assert share.builder is None
+    # A slot that holds less than the common part: building is still worth it.
+    assert share.place(2, prompt(4), unstarted=set(), kept=40) == Build(builder=None, length=80)
+    # While it is built: wait only if it gives more than the slot.
+    assert share.place(3, prompt(5), unstarted=set(), kept=80) == Alone()
+    assert share.place(4, prompt(6), unstarted=set(), kept=79) == Park()
+    assert share.progress(2, 80)
+    # A store that holds it is offered anyway: the scheduler takes the larger.
+    assert share.place(5, prompt(7), unstarted=set(), kept=90) == Reuse(80)
+
+
 def test_short_common_prefixes_and_a_disabled_share_place_alone() -> None:
     share = PrefixShare(min_tokens=16, max_tokens=512)
     share.place(0, (1, 2, 3, 4), unstarted=set())
@@ -136,39 +153,49 @@ prompts = st.tuples(prefixes, st.lists(st.integers(0, 5), min_size=1, max_size=6
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(st.lists(st.tuples(prompts, st.integers(0, 3), st.booleans()), min_size=1, max_size=30))
+@given(
+    st.lists(
+        st.tuples(prompts, st.integers(0, 3), st.booleans(), st.integers(0, 24)),
+        min_size=1,
+        max_size=30,
+    )
+)
 def test_a_reader_copies_only_what_the_store_holds_and_every_park_is_released(
-    traffic: list[tuple[tuple[int, ...], int, bool]],
+    traffic: list[tuple[tuple[int, ...], int, bool, int]],
 ) -> None:
     """A stand-in engine: each arrival is placed; between arrivals a running sequence may
     prefill (a builder completes its part) or end. Checked: a Reuse names tokens that are in
     the store and match the prompt; a store changes only when no reader waits; a build's
     target is a prefix of its builder's prompt; parked prompts are released when the store
     is complete or its builder left, and then placed without parking again. Some arrivals
-    are siblings (share_prompt), which may share fewer than min_tokens."""
+    are siblings (share_prompt), which may share fewer than min_tokens; some find a slot
+    that kept the start of their prompt, and build only a longer prefix."""
     share = PrefixShare(min_tokens=16, max_tokens=64)
     prompts_by_id: dict[int, tuple[int, ...]] = {}
     unstarted: set[int] = set()
-    parked: list[tuple[tuple[int, ...], bool]] = []
+    parked: list[tuple[tuple[int, ...], bool, int]] = []
     next_id = 0
 
-    def place(p: tuple[int, ...], sibling: bool) -> None:
+    def place(p: tuple[int, ...], sibling: bool, kept: int) -> None:
         nonlocal next_id
         before = (share.tokens, set(share.readers))
-        placement = share.place(next_id, p, unstarted, siblings=sibling)
+        placement = share.place(next_id, p, unstarted, siblings=sibling, kept=kept)
         if isinstance(placement, Build):
             assert not before[1], "the store changed under a waiting reader"
             assert placement.length <= 64
+            assert sibling or placement.length > kept
         if isinstance(placement, Park) or (
             isinstance(placement, Build) and placement.builder is not None
         ):
             assert share.builder is not None
+            if isinstance(placement, Park) and not sibling:
+                assert common_prefix(p, share.target) > kept  # more than its slot holds
             if isinstance(placement, Build):
                 assert placement.builder is not None
                 owner = prompts_by_id[placement.builder]
                 assert share.target == owner[: placement.length]
                 assert placement.length < len(owner)
-            parked.append((p, sibling))
+            parked.append((p, sibling, kept))
             return
         if isinstance(placement, Reuse):
             assert (1 if sibling else 16) <= placement.cached < len(p)
@@ -183,11 +210,11 @@ def test_a_reader_copies_only_what_the_store_holds_and_every_park_is_released(
     def release() -> None:
         again = list(parked)
         parked.clear()
-        for p, sibling in again:
-            place(p, sibling)
+        for p, sibling, kept in again:
+            place(p, sibling, kept)
 
-    for p, action, sibling in traffic:
-        place(p, sibling)
+    for p, action, sibling, kept in traffic:
+        place(p, sibling, kept)
         live = sorted(prompts_by_id)
         if not live:
             continue

@@ -76,10 +76,18 @@ class Engine:
     """A loaded BatchEngine serving on its own thread."""
 
     def __init__(self, model: ModelRecord, *, slots: int = 2, share: int = 0) -> None:
+        # Slots keep no cells between requests: these tests send the same prompt again and
+        # count what is copied, or compare greedy answers, which a prompt decoded on top of
+        # kept cells (another batch layout) could flip in a near-tie.
         self.engine = BatchEngine(
             model,
             EngineOptions(
-                n_ctx=512, n_slots=slots, n_batch=128, n_threads=2, prefix_min_tokens=share
+                n_ctx=512,
+                n_slots=slots,
+                n_batch=128,
+                n_threads=2,
+                prefix_min_tokens=share,
+                cache_prompt=False,
             ),
         )
         self.engine.load()

@@ -34,6 +34,7 @@ from appliance.serving.scheduler import (
     apply_step,
     cancel,
     plan_step,
+    retain,
     submit,
 )
 
@@ -229,6 +230,10 @@ def test_a_config_names_every_problem_at_once() -> None:
 # -- properties ------------------------------------------------------------------------------
 
 
+def token_strings(min_size: int, max_size: int) -> st.SearchStrategy[tuple[int, ...]]:
+    return st.lists(st.integers(0, 1), min_size=min_size, max_size=max_size).map(tuple)
+
+
 @st.composite
 def configs(draw: st.DrawFn) -> SchedulerConfig:
     n_slots = draw(st.integers(1, 4))
@@ -279,7 +284,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Some arrivals share a prefix whose KV the engine copies in at admission.
         cached = data.draw(st.integers(0, prompt_len - 1))
         priority = data.draw(self.priorities)
-        self.state, result = submit(before, prompt_len, max_new_tokens, priority, cached)
+        # Some bring their tokens, from an alphabet small enough that kept slots match.
+        tokens = data.draw(st.one_of(st.just(()), token_strings(prompt_len, prompt_len)))
+        self.state, result = submit(
+            before, prompt_len, max_new_tokens, priority, cached, tokens=tokens
+        )
         if prompt_len + max_new_tokens > before.config.n_ctx_per_slot:
             assert isinstance(result, Rejected)
             assert self.state is before
@@ -288,6 +297,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         ahead = sum(work(seq) for seq in (*before.waiting, *before.running))
         own = prompt_len - cached + max_new_tokens
         self.deadline[result.seq_id] = self.steps + ahead + own
+
+    @rule(data=st.data())
+    def keep_a_free_slot(self, data: st.DataObject) -> None:
+        """The engine kept the cells of a sequence that ended in a free slot."""
+        before = self.state
+        free = [slot for slot in before.free_slots() if slot not in before.kept]
+        if not free:
+            return
+        slot = data.draw(st.sampled_from(free))
+        tokens = data.draw(token_strings(1, before.config.n_ctx_per_slot))
+        self.state = retain(before, slot, tokens)
+        assert self.state.kept[slot].tokens == tokens
 
     @rule(data=st.data())
     def cancel_between_steps(self, data: st.DataObject) -> None:
@@ -359,6 +380,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert all(seq.slot is None for seq in self.state.waiting)
 
     @invariant()
+    def only_free_slots_keep_cells(self) -> None:
+        assert not set(self.state.kept) & {seq.slot for seq in self.state.running}
+
+    @invariant()
     def queues_stay_in_order(self) -> None:
         for seqs in (self.state.waiting, self.state.running):
             keys = [queue_order(seq) for seq in seqs]
@@ -385,9 +410,17 @@ def check_admissions(before: SchedulerState, plan: StepPlan) -> dict[int, Sequen
     assert {a.slot for a in plan.admitted} <= set(free)
     holders = {seq.seq_id: seq for seq in before.running}
     for a, seq in zip(plan.admitted, head, strict=True):
-        # The cached prefix is in the slot once admitted: prefill starts after it.
-        assert a.cached == seq.cached
-        holders[a.seq_id] = replace(seq, slot=a.slot, prefilled=seq.cached)
+        if a.reused:
+            # Kept cells that hold the start of the prompt, more of it than the shared
+            # prefix would give; its last token is always computed.
+            assert a.cached == 0
+            assert seq.cached < a.reused < seq.prompt_len
+            assert seq.tokens[: a.reused] == before.kept[a.slot].tokens[: a.reused]
+        else:
+            assert a.cached == seq.cached
+        # What the slot holds once admitted is not computed again: prefill starts after it.
+        prefilled = max(a.cached, a.reused)
+        holders[a.seq_id] = replace(seq, slot=a.slot, prefilled=prefilled)
     return holders
 
 
