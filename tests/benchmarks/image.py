@@ -98,22 +98,35 @@ def boots(image: Path, work: Path, count: int) -> dict[str, Any]:
 
 
 class Poller(threading.Thread):
-    """GET /readyz every `every_s`; the moments it answered 200 and those it did not."""
+    """GET /readyz every `every_s`; the moments it answered 200 and those it did not. The
+    node serves its LAN over HTTP until its first restart after enrolling, over HTTPS from
+    then on (one port): a poll that the scheme in use does not answer tries the other."""
 
-    def __init__(self, url: str, context: ssl.SSLContext, every_s: float = 0.1) -> None:
+    def __init__(self, port: int, context: ssl.SSLContext, every_s: float = 0.1) -> None:
         super().__init__(daemon=True)
-        self.url, self.context, self.every_s = url, context, every_s
+        self.port, self.context, self.every_s = port, context, every_s
         self.polls: list[tuple[float, bool]] = []
         self.stop = threading.Event()
+        self.scheme = "http"
+
+    def _ready(self, scheme: str) -> bool:
+        host = "localhost" if scheme == "https" else "127.0.0.1"
+        url = f"{scheme}://{host}:{self.port}/readyz"
+        context = self.context if scheme == "https" else None
+        try:
+            with urllib.request.urlopen(url, timeout=1, context=context) as answer:
+                return int(answer.status) == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def run(self) -> None:
         while not self.stop.is_set():
             at = time.monotonic()
-            try:
-                with urllib.request.urlopen(self.url, timeout=1, context=self.context) as answer:
-                    ok = int(answer.status) == 200
-            except (urllib.error.URLError, OSError):
-                ok = False
+            ok = self._ready(self.scheme)
+            if not ok:
+                other = "https" if self.scheme == "http" else "http"
+                if self._ready(other):
+                    ok, self.scheme = True, other
             self.polls.append((at, ok))
             self.stop.wait(max(0.0, self.every_s - (time.monotonic() - at)))
 
@@ -157,10 +170,10 @@ def updates(manifest: dict[str, Any], work: Path) -> dict[str, Any]:
             why = machine.diagnostics
             wait_for(partial(_heartbeat_after, hub, 0.0), "a heartbeat", bound, why)
             machine.wait_console("slot A marked good")
-            machine.wait_ready("https", tls)
             node = hub.nodes()[0]["id"]
-            poller = Poller(f"https://localhost:{machine.port}/readyz", tls)
+            poller = Poller(machine.port, tls)
             poller.start()
+            wait_for(lambda: bool(poller.polls) and poller.polls[-1][1], "polls", bound, why)
             try:
                 say("image: rolling out an update")
                 started = time.monotonic()
