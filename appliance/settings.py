@@ -200,12 +200,15 @@ class ModelSettings(_Section):
         ),
     )
     cache_prompt: bool = Field(
-        default=True,
+        default=False,
         description=(
             "A slot keeps the KV cache of the request that ended in it, and a new request "
             "takes the slot holding the longest start of its prompt, computing only the rest: "
             "a chat's next turn repeats every earlier turn, so it skips most of its prompt. "
-            "On sliding-window models only conversations shorter than the window are kept."
+            "On sliding-window models only conversations shorter than the window are kept. "
+            "Off by default: an answer then depends on what the slot held before (llama.cpp's "
+            "arithmetic differs with the batch's shape), so a greedy request repeated, or a "
+            "job's item against the same request sent to its route, may answer differently."
         ),
     )
     max_queue: int = Field(

@@ -180,7 +180,7 @@ class EngineOptions:
     prefix_min_tokens: int = 64
     # Keep a slot's KV when its sequence ends, for a later prompt that starts with the same
     # tokens (a chat's next turn) to skip them (appliance.serving.scheduler, retain).
-    cache_prompt: bool = True
+    cache_prompt: bool = False
     # Service classes: slots only S2 may take, and S0 sequences yielding to higher classes.
     reserved_slots: int = 0
     preemption: bool = True
