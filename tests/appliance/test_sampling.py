@@ -228,6 +228,17 @@ def test_top_k_1_and_min_p_1_sample_as_greedy_does(engine: Engine) -> None:
         assert engine.run(engine.request(CAPITAL, cut, max_tokens=16)).finished.text == greedy
 
 
+def test_greedy_by_argmax_picks_what_llama_cpps_greedy_sampler_picks(engine: Engine) -> None:
+    # A plain greedy request takes the largest logit itself (Sampler._argmax); a neutral bias
+    # keeps the same request on llama.cpp's own sampler chain (bias, then greedy). Same
+    # prompts one at a time, so the same logits: every token must agree.
+    neutral = Sampling(temperature=0.0, logit_bias=((BANANA, 0.0),))
+    for text in (CAPITAL, "one one one one", "Write a list of three fruits:"):
+        fast = engine.run(engine.request(text, max_tokens=24, logprobs=0)).ids
+        chain = engine.run(engine.request(text, neutral, max_tokens=24, logprobs=0)).ids
+        assert fast == chain, text
+
+
 def test_neutral_min_p_and_repeat_penalty_change_nothing_and_a_real_one_does(
     engine: Engine,
 ) -> None:
