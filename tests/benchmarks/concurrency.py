@@ -49,7 +49,7 @@ import psutil
 
 from tests.benchmarks import serving as base
 from tests.benchmarks.llama_server import build_llama_server, gpu_names
-from tests.benchmarks.report import headline, table
+from tests.benchmarks.report import DASH, TIMES, headline, table
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -349,7 +349,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{settings['waves']} requests per stream",
     ]
     if repeats > 1:
-        more.append(f"ratio: median (min–max) of {repeats} repeats")
+        more.append(f"ratio: median (min{DASH}max) of {repeats} repeats")
     rows = [
         [
             _label(name, row, settings),
@@ -374,7 +374,7 @@ def _label(name: str, row: dict[str, Any], settings: dict[str, Any]) -> str:
     if name == "conversation":
         # Older results did not record the turns (nor run this workload).
         turns = settings.get("conversation_turns")
-        return f"conversations, {streams} streams" + (f" × {turns} turns" if turns else "")
+        return f"conversations, {streams} streams" + (f" {TIMES} {turns} turns" if turns else "")
     if name.startswith("streams_"):
         return f"{streams} stream{'s' if streams > 1 else ''}"
     return name
@@ -385,7 +385,7 @@ def _ratio_cell(row: dict[str, Any], wanted: float | None) -> str:
     where the result has repeats, else its one ratio; bold where a target applies."""
     spread = row.get("ratio_spread")
     if spread:
-        text = f"{spread['median']:.2f} ({spread['min']:.2f}–{spread['max']:.2f})"
+        text = f"{spread['median']:.2f} ({spread['min']:.2f}{DASH}{spread['max']:.2f})"
     else:
         text = f"{row['ratios']['aggregate_tok_s']:.2f}"
     return f"**{text}**" if wanted is not None else text

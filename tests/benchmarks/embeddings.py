@@ -31,8 +31,8 @@ from appliance.serving.embeddings import (
     EmbeddingEngine,
     EmbeddingOptions,
 )
+from tests.benchmarks.report import TIMES, headline, table
 from tests.benchmarks.serving import commit, cpu_model, say
-from tests.benchmarks.report import headline, table
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "embeddings.json"
 
@@ -152,7 +152,7 @@ def markdown(result: dict[str, Any]) -> str:
                     f"{many['texts_per_s']:.1f}",
                     latency(many),
                 ],
-                ["batched / one at a time", f"**{result['ratio_texts_per_s']}×**", ""],
+                ["batched / one at a time", f"**{result['ratio_texts_per_s']}{TIMES}**", ""],
             ],
         ),
     ]) + "\n"  # fmt: skip

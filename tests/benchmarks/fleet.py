@@ -351,13 +351,21 @@ def handshakes_markdown(result: dict[str, Any]) -> str:
         headline(result),
         "",
         *table(
-            [f"{nodes:,} nodes", "hub CPU ms per call, kept connections", "a handshake each call",
-             "ratio", "a handshake each call: calls", "held"],
+            [
+                f"{nodes:,} nodes",
+                "hub CPU ms per call, kept connections",
+                "a handshake each call",
+                "ratio",
+                "a handshake each call: calls",
+                "held",
+            ],
             rows,
-        ),  # fmt: skip
+        ),
         "",
-        f"A handshake costs the hub about {span(extra)} ms of CPU more than a call on a kept "
-        "connection.",
+        (
+            f"A handshake costs the hub about {span(extra)} ms of CPU more than a call on a "
+            "kept connection."
+        ),
     ]
     return "\n".join(lines) + "\n"
 
@@ -402,7 +410,9 @@ def _held_sentence(result: dict[str, Any]) -> str:
     return sentence
 
 
-def _cpu_against(fleets: list[dict[str, Any]], baselines: list[dict[str, Any]], commit: str) -> list[str]:
+def _cpu_against(
+    fleets: list[dict[str, Any]], baselines: list[dict[str, Any]], commit: str
+) -> list[str]:
     """Hub CPU per call, today's hub against the baseline's, run by run."""
     first = baselines[0]
     now_mode = MODES.get(fleets[0].get("mode", "mtls"), fleets[0].get("mode", ""))
@@ -455,7 +465,7 @@ def _where(fleet: dict[str, Any]) -> str:
     return f"{_store(fleet)}, {fleet['replicas']} replica{'s' if fleet['replicas'] > 1 else ''}"
 
 
-def _yes(held: bool) -> str:  # noqa: FBT001
+def _yes(held: bool) -> str:
     return "**yes**" if held else "no"
 
 

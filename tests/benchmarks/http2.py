@@ -48,7 +48,7 @@ from typing import Any
 import psutil
 from aiohttp import web
 
-from tests.benchmarks.report import headline, table
+from tests.benchmarks.report import TIMES, headline, table
 from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say, tree_cpu_seconds
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "http2.json"
@@ -318,10 +318,8 @@ def markdown(result: dict[str, Any], in_process: dict[str, Any] | None = None) -
         figures = sources[source]["results"].get(workload, {}).get(variant)
         if not figures:
             return "—"
-        text = (
-            f"{figures['server_cpu_us_per_request']:,.0f} / "
-            f"{_ms(figures['latency_ms_one_client'])}"
-        )
+        cpu, latency = figures["server_cpu_us_per_request"], figures["latency_ms_one_client"]
+        text = f"{cpu:,.0f} / {_latency(latency)}"
         return f"**{text}**" if variant == "h2-front" else text
 
     label = {
@@ -329,7 +327,11 @@ def markdown(result: dict[str, Any], in_process: dict[str, Any] | None = None) -
         "models": "`GET /v1/models` (API key)",
         "sse": f"SSE, {result['events_per_stream']} events",
     }
-    lines = [headline(result, f"{result['rounds']} rounds of {result['seconds']} s, medians")]
+    more = [f"{result['rounds']} rounds of {result['seconds']} s, medians"]
+    if result.get("loadavg_after"):
+        # This suite ran beside other work: its load says how much.
+        more.append(f"load average at the end {result['loadavg_after'][0]:.1f}")
+    lines = [headline(result, *more)]
     if in_process and any(source == "in_process" for _, source, _ in columns):
         lines.append(
             "The column of h2 in the app's process is another run's, of the commit that had it: "
@@ -363,7 +365,7 @@ def _cpu(figures: dict[str, float]) -> float:
     return figures["server_cpu_us_per_request"]
 
 
-def _ms(value: float) -> str:
+def _latency(value: float) -> str:
     """Two decimals under 2 ms, one above: the precision h2load's means carry here."""
     return f"{value:.2f}" if value < 2 else f"{value:.1f}"
 
@@ -380,7 +382,7 @@ def _cpu_sentence(sources: dict[str, dict[str, Any]], workloads: list[str]) -> s
             continue
         results = sources[source]["results"]
         ratios = [
-            f"{SHORT.get(w, w)} {_cpu(results[w][variant]) / _cpu(results[w]['http1']):.2f}×"
+            f"{SHORT.get(w, w)} {_cpu(results[w][variant]) / _cpu(results[w]['http1']):.2f}{TIMES}"
             for w in workloads
             if variant in results.get(w, {}) and "http1" in results.get(w, {})
         ]

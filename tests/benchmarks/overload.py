@@ -43,7 +43,7 @@ import psutil
 from tests.benchmarks import serving as base
 from tests.benchmarks.concurrency import _percentile
 from tests.benchmarks.llama_server import build_llama_server
-from tests.benchmarks.report import headline, table, target
+from tests.benchmarks.report import TIMES, headline, table, target
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overload.json"
 SLOTS = 4
@@ -346,8 +346,8 @@ def _overload_sentence(result: dict[str, Any], loads: list[str]) -> str:
     ratios, wanted = result["ratios"], result["targets"].get("p99_ttft_ratio_3x_to_0_8x")
     tail = ratios["appliance_p99_ttft_3x_over_0_8x"]
     low, top = _load_label(loads[0]), _load_label(loads[-1])
-    verdict = "" if wanted is None else (
-        f"target ≤ {wanted:g}{'' if tail <= wanted else ': missed'}; "
+    verdict = (
+        "" if wanted is None else (f"target ≤ {wanted:g}{'' if tail <= wanted else ': missed'}; ")
     )
     shed = sum(result["appliance"][load].get("shed_429", 0) for load in loads)
     dropped = (
@@ -357,9 +357,9 @@ def _overload_sentence(result: dict[str, Any], loads: list[str]) -> str:
     )
     served = result["appliance"][loads[-1]]["served"]
     return (
-        f"At {top} the appliance's p99 TTFT is **{tail:.2f}×** its p99 at {low} ({verdict}"
+        f"At {top} the appliance's p99 TTFT is **{tail:.2f}{TIMES}** its p99 at {low} ({verdict}"
         f"{served} requests served at {top}) and "
-        f"{ratios['p99_ttft_3x_appliance_over_llama_server']}× llama-server's at {top}. "
+        f"{ratios['p99_ttft_3x_appliance_over_llama_server']}{TIMES} llama-server's at {top}. "
         f"{dropped}."
     )
 
@@ -369,7 +369,7 @@ def _load_factor(key: str) -> float:
 
 
 def _load_label(key: str) -> str:
-    return f"{_load_factor(key):g}×"
+    return f"{_load_factor(key):g}{TIMES}"
 
 
 def _latency(p50_ms: float, p99_ms: float) -> str:

@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-from tests.benchmarks.report import headline, table
+from tests.benchmarks.report import TIMES, headline, table
 from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say, tree_cpu_seconds
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "packages.json"
@@ -288,7 +288,9 @@ def markdown(result: dict[str, Any]) -> str:
     """The table docs/benchmarks.md shows, from a result (a test keeps them equal;
     `python -m tests.benchmarks.tables` writes it there)."""
     ten, valid, download = (
-        result["ten_items_with_narration"], result["first_pass_validity"], result["download"]
+        result["ten_items_with_narration"],
+        result["first_pass_validity"],
+        result["download"],
     )
     rows = [
         [
@@ -346,9 +348,9 @@ def _download_row(download: dict[str, Any]) -> list[str]:
         ),
         (
             f"{download['appliance']['mib_per_s']:,.0f} / {download['nginx']['mib_per_s']:,.0f} "
-            f"MiB/s: **{download['ratio']:.2f}×**"
+            f"MiB/s: **{download['ratio']:.2f}{TIMES}**"
         ),
-        f"≥ {download['target_ratio']}×",
+        f"≥ {download['target_ratio']}{TIMES}",
     ]
 
 
@@ -360,7 +362,7 @@ def _download_cpu(download: dict[str, Any]) -> str:
         return ""
     return (
         f"CPU per download: the appliance {ours:,.0f} µs, nginx {theirs:,.0f} µs "
-        f"({ours / theirs:.1f}×)."
+        f"({ours / theirs:.1f}{TIMES})."
     )
 
 

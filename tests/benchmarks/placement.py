@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hub.planning.placement import Deployment, Gpu, NodeSnapshot, Plan, plan
-from tests.benchmarks.serving import commit, cpu_model, say
 from tests.benchmarks.report import headline, table
+from tests.benchmarks.serving import commit, cpu_model, say
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -245,10 +245,7 @@ def markdown(result: dict[str, Any]) -> str:
             "",
         ],
         [
-            (
-                "again, 1 % of the nodes gone past the grace period "
-                f"({result['churn_moved']} moved)"
-            ),
+            (f"again, 1 % of the nodes gone past the grace period ({result['churn_moved']} moved)"),
             ms(result["churn_s"], "median"),
             ms(result["churn_s"], "max"),
             "",
@@ -258,7 +255,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['nodes']:,} nodes, {result['deployments']} deployments, "
         f"{result['runs']} runs, seed {result['seed']}"
     )
-    return "\n".join([headline(result, more), "", *table(["", "median", "max", "target"], rows)]) + "\n"
+    return (
+        "\n".join([headline(result, more), "", *table(["", "median", "max", "target"], rows)])
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# Written as escapes: ruff takes the characters themselves for look-alikes of x and -.
+TIMES = "\N{MULTIPLICATION SIGN}"
+DASH = "\N{EN DASH}"
+
 
 def headline(result: dict[str, Any], *more: str) -> str:
     """`Commit `abc`, 2026-12-01, AMD EPYC, 2 CPUs, …`: which code, when, on what."""
@@ -57,8 +61,10 @@ def target(value: float | None, wanted: float | None, *, at_least: bool = True) 
 
 
 def span(values: list[float], digits: int = 2) -> str:
-    """`1.24–1.59`, or one figure when they are all the same."""
+    """`1.24-1.59` (an en dash between), or one figure when they are all the same."""
     low, high = min(values), max(values)
-    return f"{low:.{digits}f}" if f"{low:.{digits}f}" == f"{high:.{digits}f}" else (
-        f"{low:.{digits}f}–{high:.{digits}f}"
+    return (
+        f"{low:.{digits}f}"
+        if f"{low:.{digits}f}" == f"{high:.{digits}f}"
+        else (f"{low:.{digits}f}{DASH}{high:.{digits}f}")
     )

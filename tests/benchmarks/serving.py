@@ -69,7 +69,7 @@ import psutil
 
 from appliance.serving.catalog import sha256_file
 from tests.benchmarks.llama_server import build_llama_server, gpu_names, on_gpu
-from tests.benchmarks.report import headline, table, target
+from tests.benchmarks.report import TIMES, headline, table, target
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -776,7 +776,7 @@ def markdown(result: dict[str, Any]) -> str:
             result,
             f"{settings['n_threads']} threads, context {settings['n_ctx']}",
             (
-                f"{len(settings['prompts'])} prompts × {settings['runs']} runs × "
+                f"{len(settings['prompts'])} prompts {TIMES} {settings['runs']} runs {TIMES} "
                 f"{settings['rounds']} rounds of {settings['max_tokens']} tokens, medians"
             ),
         ),

@@ -22,6 +22,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import FleetLink, enroll
@@ -33,8 +34,8 @@ from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared.db import now_iso
 from shared.provisioning import Provisioning
-from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say
 from tests.benchmarks.report import headline, table
+from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say
 from tests.conftest import NoModels
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "sync.json"

@@ -70,12 +70,8 @@ TABLES: tuple[Table, ...] = (
     Table("overload", BENCHMARKS_MD, ("overload.json",), overload.markdown),
     Table("sync", BENCHMARKS_MD, ("sync.json",), sync.markdown),
     Table("fleet", BENCHMARKS_MD, ("fleet.json",), fleet.markdown),
-    Table(
-        "fleet-handshakes", BENCHMARKS_MD, ("fleet-handshakes.json",), fleet.handshakes_markdown
-    ),
-    Table(
-        "fleet-objectives", BENCHMARKS_MD, ("fleet-objectives.json",), fleet.baseline_markdown
-    ),
+    Table("fleet-handshakes", BENCHMARKS_MD, ("fleet-handshakes.json",), fleet.handshakes_markdown),
+    Table("fleet-objectives", BENCHMARKS_MD, ("fleet-objectives.json",), fleet.baseline_markdown),
     Table(
         "fleet-objectives-repeat",
         BENCHMARKS_MD,
