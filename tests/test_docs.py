@@ -9,6 +9,8 @@ outside the repository, and every path, module and setting a doc names exists.
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 from pathlib import Path
 
@@ -26,6 +28,8 @@ from hub.settings import HubSettings
 from shared.cli import main
 from shared.config import example_yaml, iter_fields
 from shared.errors import ErrorCode
+from tests.benchmarks import concurrency
+from tests.benchmarks.report import DASH, TIMES
 from tests.benchmarks.tables import NOT_SHOWN, RESULTS, TABLES, Table
 from tests.benchmarks.tables import block as results_block
 
@@ -323,3 +327,22 @@ def test_every_result_is_shown_or_said_why_not() -> None:
     assert set(NOT_SHOWN) <= files, "NOT_SHOWN names results that are not there"
     assert not shown & set(NOT_SHOWN), "results both shown and listed as not shown"
     assert len({table.name for table in TABLES}) == len(TABLES), "two blocks of one name"
+
+
+def test_the_concurrency_table_shows_the_spread_of_repeats() -> None:
+    """A result with repeats (concurrency.py's `--repeats`) shows each ratio as the median
+    and range of its repeats, and a conversation workload with its turns; results from
+    before the repeats keep their one ratio."""
+    result = json.loads((RESULTS / "concurrency.json").read_text())
+    repeated = copy.deepcopy(result)
+    repeated["settings"]["conversation_turns"] = 6
+    repeated["targets"]["conversation"] = 1.2
+    repeated["workloads"]["conversation"] = copy.deepcopy(repeated["workloads"]["streams_8"])
+    for row in repeated["workloads"].values():
+        row["repeats"] = [{"aggregate_tok_s": 1.0}] * 3
+        row["ratio_spread"] = {"min": 1.02, "median": 1.061, "max": 1.08}
+    text = concurrency.markdown(repeated)
+    assert f"ratio: median (min{DASH}max) of 3 repeats" in text
+    assert f"| **1.06 (1.02{DASH}1.08)** | ≥ 1.2 |" in text
+    assert f"| conversations, 8 streams {TIMES} 6 turns |" in text
+    assert f"(1.02{DASH}1.08)" not in concurrency.markdown(result)

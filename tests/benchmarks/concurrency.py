@@ -392,7 +392,7 @@ def _ratio_cell(row: dict[str, Any], wanted: float | None) -> str:
 
 
 def _target_cell(wanted: float | None) -> str:
-    return f"≥ {wanted:g}" if wanted is not None else ""
+    return f"≥ {wanted}" if wanted is not None else ""
 
 
 def _versus(row: dict[str, Any], key: str) -> str:
