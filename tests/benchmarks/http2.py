@@ -327,15 +327,13 @@ def markdown(result: dict[str, Any], in_process: dict[str, Any] | None = None) -
         "models": "`GET /v1/models` (API key)",
         "sse": f"SSE, {result['events_per_stream']} events",
     }
-    more = [f"{result['rounds']} rounds of {result['seconds']} s, medians"]
-    if result.get("loadavg_after"):
-        # This suite ran beside other work: its load says how much.
-        more.append(f"load average at the end {result['loadavg_after'][0]:.1f}")
-    lines = [headline(result, *more)]
+    lines = [headline(result, *_conditions(result))]
     if in_process and any(source == "in_process" for _, source, _ in columns):
+        # The in-process design is not run any more: its column is the run of the commit
+        # that had it, and says so.
         lines.append(
-            "The column of h2 in the app's process is another run's, of the commit that had it: "
-            + headline(in_process, f"{in_process['rounds']} rounds of {in_process['seconds']} s")
+            "The column of h2 in the app's process is the run of `http2-in-process.json`. "
+            + headline(in_process, *_conditions(in_process))
         )
     lines += [
         "",
@@ -355,6 +353,14 @@ def markdown(result: dict[str, Any], in_process: dict[str, Any] | None = None) -
         _cpu_sentence(sources, workloads),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _conditions(result: dict[str, Any]) -> list[str]:
+    """How a run was made, and the machine's load: this suite ran beside other work."""
+    more = [f"{result['rounds']} rounds of {result['seconds']} s, medians"]
+    if result.get("loadavg_after"):
+        more.append(f"load average at the end {result['loadavg_after'][0]:.1f}")
+    return more
 
 
 def _has(source: dict[str, Any], variant: str) -> bool:
