@@ -252,7 +252,8 @@ def baseline_markdown(result: dict[str, Any]) -> str:
         "",
         (
             f"| {result['fleets'][0]['nodes']:,} nodes | heartbeat p50 / p99, before "
-            f"(`{result['baseline'][0]['hub_commit']}`) | after (`{result['commit']}`) | "
+            f"(`{result['baseline'][0]['hub_commit']}`) | "
+            f"after (`{result['fleets'][0]['hub_commit']}`) | "
             "sync p50 / p99, before | after | "
             "hub CPU ms per call, before | after | after / before | held, before | after |"
         ),
@@ -324,7 +325,7 @@ def markdown(result: dict[str, Any]) -> str:
         _held_sentence(result),
     ]  # fmt: skip
     if result.get("baseline"):
-        lines += ["", *_cpu_against(result["fleets"], result["baseline"], result["commit"])]
+        lines += ["", *_cpu_against(result["fleets"], result["baseline"], result.get("commit"))]
     return "\n".join(lines) + "\n"
 
 
@@ -411,7 +412,7 @@ def _held_sentence(result: dict[str, Any]) -> str:
 
 
 def _cpu_against(
-    fleets: list[dict[str, Any]], baselines: list[dict[str, Any]], commit: str
+    fleets: list[dict[str, Any]], baselines: list[dict[str, Any]], commit: str | None
 ) -> list[str]:
     """Hub CPU per call, today's hub against the baseline's, run by run."""
     first = baselines[0]
@@ -435,7 +436,7 @@ def _cpu_against(
             f"hub CPU ms per call, before (`{first['hub_commit']}`, "
             f"{MODES.get(first.get('mode', ''), first.get('mode', ''))})"
         ),
-        f"after (`{commit}`, {now_mode})",
+        f"after (`{commit}`, {now_mode})" if commit else f"after ({now_mode})",
         "after / before",
     ]
     return [
