@@ -150,6 +150,7 @@ bench suite="all" *args: setup
         *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, fleet, placement, offload, packages, chat_quality, http2, structured, image, api, all)" >&2; exit 2 ;;
     esac
     for s in $suites; do {{ py }} -m "tests.benchmarks.$s" {{ args }}; done
+    {{ py }} -m tests.benchmarks.tables  # the docs' results tables, rewritten from the new results
 
 # On a machine with an NVIDIA GPU: llama.cpp rebuilt with CUDA (setup-gpu), then the serving
 # benchmark, and the concurrency one at 1, 8 and 64 streams, against llama-server built with

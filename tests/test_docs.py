@@ -9,6 +9,7 @@ outside the repository, and every path, module and setting a doc names exists.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -27,9 +28,10 @@ from hub.settings import HubSettings
 from shared.cli import main
 from shared.config import example_yaml, iter_fields
 from shared.errors import ErrorCode
-from tests.benchmarks.api import markdown
-from tests.benchmarks.fleet import baseline_markdown
-from tests.benchmarks.image import markdown as image_markdown
+from tests.benchmarks import concurrency
+from tests.benchmarks.report import DASH, TIMES
+from tests.benchmarks.tables import NOT_SHOWN, RESULTS, TABLES, Table
+from tests.benchmarks.tables import block as results_block
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS_DIR = REPO / "docs"
@@ -302,26 +304,45 @@ def test_no_doc_names_a_file_outside_the_repository(doc: Path) -> None:
             )
 
 
-def test_the_api_benchmark_tables_are_its_recorded_result() -> None:
-    """docs/benchmarks.md shows the figures of tests/benchmarks/results/api.json, as
-    `tests.benchmarks.api.markdown` writes them; a re-run updates both."""
-    result = json.loads((REPO / "tests/benchmarks/results/api.json").read_text())
-    assert markdown(result) in (REPO / "docs/benchmarks.md").read_text()
-    assert result["commit"]
+@pytest.mark.parametrize("table", TABLES, ids=lambda table: table.name)
+def test_each_results_table_is_what_its_results_write(table: Table) -> None:
+    """Each marked block of results in the docs holds what its suite's `markdown` writes
+    from its JSON result; `python -m tests.benchmarks.tables` rewrites them after a run."""
+    for name in table.results:
+        assert (RESULTS / name).is_file(), f"{table.name}: no results/{name}"
+    shown = results_block(TEXT[REPO / table.doc], table.name)
+    assert shown is not None, f"{table.doc} has no block `{table.name}` (its markers)"
+    assert shown == table.text(), (
+        f"{table.doc}: the block `{table.name}` differs from its results; "
+        "run `python -m tests.benchmarks.tables`"
+    )
 
 
-def test_the_image_benchmark_table_is_its_recorded_result() -> None:
-    """docs/benchmarks.md shows the figures of tests/benchmarks/results/image.json, as
-    `tests.benchmarks.image.markdown` writes them."""
-    result = json.loads((REPO / "tests/benchmarks/results/image.json").read_text())
-    assert image_markdown(result) in (REPO / "docs/benchmarks.md").read_text()
+def test_every_result_is_shown_or_said_why_not() -> None:
+    """A new results file needs a block in the docs (tests/benchmarks/tables.py's TABLES)
+    or a reason in NOT_SHOWN; and neither names a file that is not there."""
+    files = {path.name for path in RESULTS.glob("*.json")}
+    shown = {name for table in TABLES for name in table.results}
+    assert files - shown - set(NOT_SHOWN) == set(), "results no table shows"
+    assert set(NOT_SHOWN) <= files, "NOT_SHOWN names results that are not there"
+    assert not shown & set(NOT_SHOWN), "results both shown and listed as not shown"
+    assert len({table.name for table in TABLES}) == len(TABLES), "two blocks of one name"
 
 
-@pytest.mark.parametrize(
-    "name", ["fleet-objectives", "fleet-objectives-repeat", "fleet-objectives-10000"]
-)
-def test_the_fleet_objectives_tables_are_their_recorded_results(name: str) -> None:
-    """docs/benchmarks.md shows each run of tests/benchmarks/results/fleet-objectives*.json
-    as `tests.benchmarks.fleet.baseline_markdown` writes it."""
-    result = json.loads((REPO / f"tests/benchmarks/results/{name}.json").read_text())
-    assert baseline_markdown(result) in (REPO / "docs/benchmarks.md").read_text()
+def test_the_concurrency_table_shows_the_spread_of_repeats() -> None:
+    """A result with repeats (concurrency.py's `--repeats`) shows each ratio as the median
+    and range of its repeats, and a conversation workload with its turns; results from
+    before the repeats keep their one ratio."""
+    result = json.loads((RESULTS / "concurrency.json").read_text())
+    repeated = copy.deepcopy(result)
+    repeated["settings"]["conversation_turns"] = 6
+    repeated["targets"]["conversation"] = 1.2
+    repeated["workloads"]["conversation"] = copy.deepcopy(repeated["workloads"]["streams_8"])
+    for row in repeated["workloads"].values():
+        row["repeats"] = [{"aggregate_tok_s": 1.0}] * 3
+        row["ratio_spread"] = {"min": 1.02, "median": 1.061, "max": 1.08}
+    text = concurrency.markdown(repeated)
+    assert f"ratio: median (min{DASH}max) of 3 repeats" in text
+    assert f"| **1.06 (1.02{DASH}1.08)** | ≥ 1.2 |" in text
+    assert f"| conversations, 8 streams {TIMES} 6 turns |" in text
+    assert f"(1.02{DASH}1.08)" not in concurrency.markdown(result)

@@ -51,6 +51,7 @@ from appliance.grpc.proto.kovenlab.edge.v1 import inference_pb2_grpc as pb_grpc
 from shared import pki
 from tests.benchmarks import serving as base
 from tests.benchmarks.llama_server import build_llama_server
+from tests.benchmarks.report import headline
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "api.json"
 STREAMS = (1, 8)  # the transports: one stream, and eight at once
@@ -511,12 +512,9 @@ def main(argv: list[str] | None = None) -> int:
 def markdown(result: dict[str, Any]) -> str:
     """The tables docs/benchmarks.md shows, from a result (a test keeps them equal)."""
     w = result["workloads"]
+    load = result.get("machine", {}).get("load_average")
     lines = [
-        (
-            f"Commit `{result['commit']}`, {result['date'][:10]}, {result['machine']['cpu']}, "
-            f"{result['machine']['logical_cpus']} CPUs, load average at the end "
-            f"{result['machine']['load_average'][0]:.1f}."
-        ),
+        headline(result, *([f"load average at the end {load[0]:.1f}"] if load else [])),
         "",
         "| workload | appliance | llama-server | ratio |",
         "|---|---|---|---|",

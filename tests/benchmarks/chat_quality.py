@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.serving.catalog import CHAT_MODEL_NAME, DEFAULT_MODEL_NAME
+from tests.benchmarks.report import headline, table
 from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "chat-quality.json"
@@ -398,6 +399,31 @@ def main(argv: list[str] | None = None) -> int:
             f"missed: {', '.join(failed) or 'none'}"
         )
     return 0
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The figures of README.md's table of the embedded models, from a result (a test keeps
+    them equal; `python -m tests.benchmarks.tables` writes them there)."""
+    machine, settings = result.get("machine", {}), result["settings"]
+    more = [f"{settings['threads']} threads, greedy"]
+    if machine.get("avx512"):
+        more.insert(0, "AVX-512")
+    before, after = result.get("loadavg_before"), result.get("loadavg_after")
+    if before and after:
+        # Load times stretch with other work on the machine.
+        more.append(f"load average {before[0]:.1f} before, {after[0]:.1f} after")
+    rows = [
+        [
+            f"`{name}`",
+            f"{m['followed']}/{m['total']}",
+            f"{m['on_topic']}/{m['total']}",
+            f"{m['load_s_median']:.2f} s",
+            f"{m['worker_resident_mib']:.0f} MiB",
+        ]
+        for name, m in result["models"].items()
+    ]
+    header = ["model", "instructions followed", "on topic", "load", "worker memory"]
+    return "\n".join([headline(result, *more), "", *table(header, rows)]) + "\n"
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ import psutil
 
 from tests.benchmarks import serving as base
 from tests.benchmarks.llama_server import build_llama_server, gpu_names
+from tests.benchmarks.report import DASH, TIMES, headline, table
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -385,6 +386,66 @@ def _row(name: str, row: dict[str, Any]) -> str:
         f"({ratios['aggregate_tok_s']}x); TTFT p50 {app['ttft_ms_p50']} vs {ref['ttft_ms_p50']} "
         f"ms, p99 {app['ttft_ms_p99']} vs {ref['ttft_ms_p99']} ms"
     )
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The table docs/benchmarks.md shows, from a result (a test keeps them equal;
+    `python -m tests.benchmarks.tables` writes it there)."""
+    settings, workloads = result["settings"], result["workloads"]
+    repeats = max((len(w.get("repeats", [])) for w in workloads.values()), default=0)
+    more = [
+        f"{settings['n_threads']} threads, context {settings['n_ctx_per_slot']} per slot",
+        f"{settings['waves']} requests per stream",
+    ]
+    if repeats > 1:
+        more.append(f"ratio: median (min{DASH}max) of {repeats} repeats")
+    rows = [
+        [
+            _label(name, row, settings),
+            f"{row['appliance']['aggregate_tok_s']:.1f}",
+            f"{row['llama_server']['aggregate_tok_s']:.1f}",
+            _ratio_cell(row, result.get("targets", {}).get(name)),
+            _target_cell(result.get("targets", {}).get(name)),
+            _versus(row, "ttft_ms_p50"),
+            _versus(row, "ttft_ms_p99"),
+        ]
+        for name, row in workloads.items()
+    ]
+    header = ["workload", "appliance tok/s", "llama-server tok/s", "ratio", "target"]
+    header += ["TTFT p50 (ms)", "TTFT p99 (ms)"]
+    return "\n".join([headline(result, *more), "", *table(header, rows)]) + "\n"
+
+
+def _label(name: str, row: dict[str, Any], settings: dict[str, Any]) -> str:
+    streams = row["streams"]
+    if name == "shared_prefix":
+        return f"shared prefix, {streams} streams"
+    if name == "conversation":
+        # Older results did not record the turns (nor run this workload).
+        turns = settings.get("conversation_turns")
+        return f"conversations, {streams} streams" + (f" {TIMES} {turns} turns" if turns else "")
+    if name.startswith("streams_"):
+        return f"{streams} stream{'s' if streams > 1 else ''}"
+    return name
+
+
+def _ratio_cell(row: dict[str, Any], wanted: float | None) -> str:
+    """Aggregate tok/s, appliance / llama-server: the median of the repeats and their range
+    where the result has repeats, else its one ratio; bold where a target applies."""
+    spread = row.get("ratio_spread")
+    if spread:
+        text = f"{spread['median']:.2f} ({spread['min']:.2f}{DASH}{spread['max']:.2f})"
+    else:
+        text = f"{row['ratios']['aggregate_tok_s']:.2f}"
+    return f"**{text}**" if wanted is not None else text
+
+
+def _target_cell(wanted: float | None) -> str:
+    return f"≥ {wanted}" if wanted is not None else ""
+
+
+def _versus(row: dict[str, Any], key: str) -> str:
+    return f"{row['appliance'][key]:.0f} vs {row['llama_server'][key]:.0f}"
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from appliance.serving.embeddings import (
     EmbeddingEngine,
     EmbeddingOptions,
 )
+from tests.benchmarks.report import TIMES, headline, table
 from tests.benchmarks.serving import commit, cpu_model, say
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "embeddings.json"
@@ -128,6 +129,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     say(f"written to {args.out}")
     return 0
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The table docs/benchmarks.md shows, from a result (a test keeps them equal;
+    `python -m tests.benchmarks.tables` writes it there)."""
+    settings, one, many = result["settings"], result["one_at_a_time"], result["batched"]
+
+    def latency(figures: dict[str, Any]) -> str:
+        return f"{figures['latency_ms_p50']:.0f} / {figures['latency_ms_p99']:.0f} ms"
+
+    more = f"{settings['threads']} threads, {result['provider']}, {settings['texts']} texts"
+    return "\n".join([
+        headline(result, more),
+        "",
+        *table(
+            ["", "texts/s", "latency p50 / p99 per request"],
+            [
+                ["one request at a time", f"{one['texts_per_s']:.1f}", latency(one)],
+                [
+                    f"{settings['clients']} concurrent single-text clients, dynamic batcher",
+                    f"{many['texts_per_s']:.1f}",
+                    latency(many),
+                ],
+                ["batched / one at a time", f"**{result['ratio_texts_per_s']}{TIMES}**", ""],
+            ],
+        ),
+    ]) + "\n"  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from tests.benchmarks.report import headline, span, table
 from tests.benchmarks.serving import HOST, checkout, commit, cpu_model, free_port, say
 from tests.benchmarks.sync import wait_for_hub
 from tests.postgres import cluster
@@ -247,9 +248,12 @@ def baseline_markdown(result: dict[str, Any]) -> str:
     """The table docs/benchmarks.md shows of a run with `--baseline`: each fleet run both
     ways, today's hub against the baseline's, the same load from the same simulator."""
     lines = [
+        headline(result),
+        "",
         (
             f"| {result['fleets'][0]['nodes']:,} nodes | heartbeat p50 / p99, before "
-            f"(`{result['baseline'][0]['hub_commit']}`) | after (`{result['commit']}`) | "
+            f"(`{result['baseline'][0]['hub_commit']}`) | "
+            f"after (`{result['fleets'][0]['hub_commit']}`) | "
             "sync p50 / p99, before | after | "
             "hub CPU ms per call, before | after | after / before | held, before | after |"
         ),
@@ -275,7 +279,201 @@ def baseline_markdown(result: dict[str, Any]) -> str:
             f"| {before['hub_cpu_ms_per_call']:.3f} | {now['hub_cpu_ms_per_call']:.3f} "
             f"| {ratio:.2f} | {held(before)} | {held(now)} |"
         )
+    for before in result["baseline"]:
+        lines += ["", _simulator_sentence(before, _same(result["fleets"], before))]
     return "\n".join(lines) + "\n"
+
+
+def _simulator_sentence(before: dict[str, Any], now: dict[str, Any]) -> str:
+    """What the simulator saw of each hub: whether the load it offered was the load sent."""
+
+    def both(figure: Any) -> str:
+        return f"{figure(before)} / {figure(now)}"
+
+    return (
+        f"{_where(now)}, before / after: enrollment p99 "
+        f"{both(lambda f: f['enrollment']['p99_ms'])} ms, first heartbeat p99 "
+        f"{both(lambda f: f['first_heartbeat']['p99_ms'])} ms; the simulator's send lag p50 "
+        f"{both(lambda f: f['send_lag_ms']['p50'])} ms, its CPU per call "
+        f"{both(lambda f: f['simulator_cpu_ms_per_call'])} ms."
+    )
+
+
+MODES = {"mtls": "mutual TLS", "token": "token only", "handshakes": "a handshake each call"}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The tables docs/benchmarks.md shows of a fleet run: every fleet, and with
+    `--baseline` the hub's CPU per call against the baseline's (a test keeps them equal;
+    `python -m tests.benchmarks.tables` writes them there)."""
+    settings = result["settings"]
+    lines = [
+        headline(
+            result,
+            f"{settings['interval_s']:g}-s heartbeats, {settings['duration_s']:g} s of load",
+        ),
+        "",
+        *table(
+            [
+                "store", "replicas", "nodes", "calls/s", "heartbeat p50 / p99", "sync p50 / p99",
+                "simulator's lag p99", "first heartbeat (its handshake) p50 / p99",
+                "CPU ms per call: hub (+ PostgreSQL) / simulator", "held",
+            ],
+            [_fleet_row(fleet) for fleet in result["fleets"]],
+        ),
+        "",
+        _held_sentence(result),
+    ]  # fmt: skip
+    if result.get("baseline"):
+        lines += ["", *_cpu_against(result["fleets"], result["baseline"], result.get("commit"))]
+    return "\n".join(lines) + "\n"
+
+
+def handshakes_markdown(result: dict[str, Any]) -> str:
+    """The table docs/benchmarks.md shows of a `--handshakes` run: the hub's CPU per call
+    on kept connections against a new connection and handshake for every call."""
+    rows = []
+    extra = []
+    for each in result["handshakes"]:
+        kept = _same(result["fleets"], each)
+        failed = _failed(each)
+        calls = each["heartbeats"]["calls"] + each["sync"]["calls"]
+        extra.append(each["hub_cpu_ms_per_call"] - kept["hub_cpu_ms_per_call"])
+        rows.append([
+            _where(each),
+            f"{kept['hub_cpu_ms_per_call']:.3f}",
+            f"{each['hub_cpu_ms_per_call']:.3f}",
+            f"{each['hub_cpu_ms_per_call'] / kept['hub_cpu_ms_per_call']:.2f}",
+            f"{failed:,} of {calls:,} calls failed" if failed else "none failed",
+            _yes(each["held"]),
+        ])  # fmt: skip
+    nodes = result["handshakes"][0]["nodes"]
+    lines = [
+        headline(result),
+        "",
+        *table(
+            [
+                f"{nodes:,} nodes",
+                "hub CPU ms per call, kept connections",
+                "a handshake each call",
+                "ratio",
+                "a handshake each call: calls",
+                "held",
+            ],
+            rows,
+        ),
+        "",
+        (
+            f"A handshake costs the hub about {span(extra)} ms of CPU more than a call on a "
+            "kept connection."
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _fleet_row(fleet: dict[str, Any]) -> list[str]:
+    beats, sync, first = fleet["heartbeats"], fleet["sync"], fleet["first_heartbeat"]
+    hub = f"{fleet['hub_cpu_ms_per_call']}"
+    if fleet["store"] == "postgres":
+        hub += f" + {fleet['database_cpu_ms_per_call']}"
+    return [
+        _store(fleet),
+        str(fleet["replicas"]),
+        f"{fleet['nodes']:,}",
+        f"{beats['per_s'] + sync['per_s']:,.0f}",
+        f"{beats['p50_ms']} / {beats['p99_ms']} ms",
+        f"{sync['p50_ms']} / {sync['p99_ms']} ms",
+        f"{fleet['send_lag_ms']['p99']} ms",
+        f"{first['p50_ms']} / {first['p99_ms']} ms",
+        f"{hub} / {fleet['simulator_cpu_ms_per_call']}",
+        _yes(fleet["held"]),
+    ]
+
+
+def _held_sentence(result: dict[str, Any]) -> str:
+    """The largest fleet each store and number of replicas held, and what was not run."""
+    target = result.get("target", TARGET)["p99_ms"]
+    largest = result.get("largest_held_p99_under_100ms", {})
+    # The result names a combination as "sqlite, 2 replicas".
+    names = {"sqlite": "SQLite", "postgres": "PostgreSQL"}
+    held = "; ".join(
+        f"{names.get(where.split(',')[0], where.split(',')[0])},{where.partition(',')[2]}: "
+        f"{nodes:,} nodes"
+        for where, nodes in largest.items()
+    )
+    sentence = (
+        f"Largest fleet held (no call failed, every event new at the hub exactly once, "
+        f"heartbeat and sync p99 under {target:g} ms): {held or 'none'}."
+    )
+    not_run = result.get("not_run", {})
+    if not_run:
+        sentence += " Not run: " + "; ".join(f"{k} ({v})" for k, v in not_run.items()) + "."
+    return sentence
+
+
+def _cpu_against(
+    fleets: list[dict[str, Any]], baselines: list[dict[str, Any]], commit: str | None
+) -> list[str]:
+    """Hub CPU per call, today's hub against the baseline's, run by run."""
+    first = baselines[0]
+    now_mode = MODES.get(fleets[0].get("mode", "mtls"), fleets[0].get("mode", ""))
+    rows = []
+    ratios = []
+    p99s = []
+    for before in baselines:
+        now = _same(fleets, before)
+        ratios.append(now["hub_cpu_ms_per_call"] / before["hub_cpu_ms_per_call"])
+        p99s += [now["heartbeats"]["p99_ms"], now["sync"]["p99_ms"]]
+        rows.append([
+            _where(before),
+            f"{before['hub_cpu_ms_per_call']:.3f}",
+            f"{now['hub_cpu_ms_per_call']:.3f}",
+            f"{ratios[-1]:.2f}",
+        ])  # fmt: skip
+    header = [
+        f"{first['nodes']:,} nodes",
+        (
+            f"hub CPU ms per call, before (`{first['hub_commit']}`, "
+            f"{MODES.get(first.get('mode', ''), first.get('mode', ''))})"
+        ),
+        f"after (`{commit}`, {now_mode})" if commit else f"after ({now_mode})",
+        "after / before",
+    ]
+    return [
+        *table(header, rows),
+        "",
+        (
+            f"Hub CPU per call after / before: {span(ratios)}; today's heartbeat and sync "
+            f"p99s between {min(p99s)} and {max(p99s)} ms."
+        ),
+    ]
+
+
+def _same(fleets: list[dict[str, Any]], other: dict[str, Any]) -> dict[str, Any]:
+    """The run of `fleets` with the store, replicas and nodes of `other`."""
+    key = (other["store"], other["replicas"], other["nodes"])
+    (match,) = [f for f in fleets
+                if (f["store"], f["replicas"], f["nodes"]) == key
+                and f.get("mode") != "handshakes"]  # fmt: skip
+    return match
+
+
+def _store(fleet: dict[str, Any]) -> str:
+    return "SQLite" if fleet["store"] == "sqlite" else "PostgreSQL"
+
+
+def _where(fleet: dict[str, Any]) -> str:
+    return f"{_store(fleet)}, {fleet['replicas']} replica{'s' if fleet['replicas'] > 1 else ''}"
+
+
+def _yes(held: bool) -> str:
+    return "**yes**" if held else "no"
+
+
+def _failed(fleet: dict[str, Any]) -> int:
+    return sum(
+        count for calls in ("heartbeats", "sync") for count in fleet[calls]["failed"].values()
+    )
 
 
 def held(report: dict[str, Any]) -> bool:

@@ -48,6 +48,7 @@ from typing import Any
 import psutil
 from aiohttp import web
 
+from tests.benchmarks.report import TIMES, headline, table
 from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say, tree_cpu_seconds
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "http2.json"
@@ -290,6 +291,115 @@ def _run(work: Path, args: argparse.Namespace) -> int:
         for variant, figures in variants.items():
             say(f"{workload:8} {variant:12} {json.dumps(figures)}")
     return 0
+
+
+# The columns of docs/benchmarks.md's table: (label, which result, its variant).
+COLUMNS = (
+    ("HTTP/1.1, the app", "front", "http1"),
+    ("h2 in the app's process", "in_process", "h2"),
+    ("h2, nginx in front", "front", "h2-front"),
+    ("HTTP/1.1, nginx in front", "front", "http1-front"),
+)
+
+
+def markdown(result: dict[str, Any], in_process: dict[str, Any] | None = None) -> str:
+    """The table docs/benchmarks.md shows, from a result and, for the column of HTTP/2
+    served in the app's process (a design measured and not kept, so no longer run), the
+    result of the commit that had it: each column says which run it comes from."""
+    sources = {"front": result, "in_process": in_process or {}}
+    columns = [c for c in COLUMNS if _has(sources[c[1]], c[2])]
+    workloads = list(result["results"])
+
+    def cell(workload: str, source: str, variant: str, key: str, fmt: str) -> str:
+        figures = sources[source]["results"].get(workload, {}).get(variant)
+        return format(figures[key], fmt) if figures else "—"
+
+    def cost(workload: str, source: str, variant: str) -> str:
+        figures = sources[source]["results"].get(workload, {}).get(variant)
+        if not figures:
+            return "—"
+        cpu, latency = figures["server_cpu_us_per_request"], figures["latency_ms_one_client"]
+        text = f"{cpu:,.0f} / {_latency(latency)}"
+        return f"**{text}**" if variant == "h2-front" else text
+
+    label = {
+        "healthz": "`GET /healthz`",
+        "models": "`GET /v1/models` (API key)",
+        "sse": f"SSE, {result['events_per_stream']} events",
+    }
+    lines = [headline(result, *_conditions(result))]
+    if in_process and any(source == "in_process" for _, source, _ in columns):
+        # The in-process design is not run any more: its column is the run of the commit
+        # that had it, and says so.
+        lines.append(
+            "The column of h2 in the app's process is the run of `http2-in-process.json`. "
+            + headline(in_process, *_conditions(in_process))
+        )
+    lines += [
+        "",
+        *table(
+            ["CPU per request (µs) / latency (ms)", *(c[0] for c in columns)],
+            [[label.get(w, w), *(cost(w, c[1], c[2]) for c in columns)] for w in workloads],
+        ),
+        "",
+        *table(
+            [f"requests/s, {result['connections']} connections", *(c[0] for c in columns)],
+            [
+                [label.get(w, w), *(cell(w, c[1], c[2], "requests_per_s", ",.0f") for c in columns)]
+                for w in workloads
+            ],
+        ),
+        "",
+        _cpu_sentence(sources, workloads),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _conditions(result: dict[str, Any]) -> list[str]:
+    """How a run was made, and the machine's load: this suite ran beside other work."""
+    more = [f"{result['rounds']} rounds of {result['seconds']} s, medians"]
+    if result.get("loadavg_after"):
+        more.append(f"load average at the end {result['loadavg_after'][0]:.1f}")
+    return more
+
+
+def _has(source: dict[str, Any], variant: str) -> bool:
+    return any(variant in figures for figures in source.get("results", {}).values())
+
+
+def _cpu(figures: dict[str, float]) -> float:
+    return figures["server_cpu_us_per_request"]
+
+
+def _latency(value: float) -> str:
+    """Two decimals under 2 ms, one above: the precision h2load's means carry here."""
+    return f"{value:.2f}" if value < 2 else f"{value:.1f}"
+
+
+SHORT = {"healthz": "`/healthz`", "models": "`/v1/models`", "sse": "SSE"}
+
+
+def _cpu_sentence(sources: dict[str, dict[str, Any]], workloads: list[str]) -> str:
+    """CPU per request against HTTP/1.1 served by the app, each against the HTTP/1.1 of its
+    own run; and what each process held at the end."""
+    parts = []
+    for name, source, variant in COLUMNS:
+        if variant == "http1" or not _has(sources[source], variant):
+            continue
+        results = sources[source]["results"]
+        ratios = [
+            f"{SHORT.get(w, w)} {_cpu(results[w][variant]) / _cpu(results[w]['http1']):.2f}{TIMES}"
+            for w in workloads
+            if variant in results.get(w, {}) and "http1" in results.get(w, {})
+        ]
+        parts.append(f"{name}: {', '.join(ratios)}")
+    rss = sources["front"]["rss_after"]
+    return (
+        "CPU per request against HTTP/1.1 served by the app (in the same run): "
+        + "; ".join(parts)
+        + f". Resident at the end: the appliance {rss['appliance_mib']} MiB, nginx's master "
+        f"and worker {rss['nginx_mib']} MiB."
+    )
 
 
 if __name__ == "__main__":

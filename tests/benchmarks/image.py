@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from shared import __version__
+from tests.benchmarks.report import headline
 from tests.benchmarks.serving import commit, cpu_model, say
 from tests.image.vm import (
     ENROLLED_BOUND_S,
@@ -224,11 +225,7 @@ def markdown(result: dict[str, Any]) -> str:
     accel = result["machine"]["accelerator"]
     later = result["later_boots_ready_s"]
     lines = [
-        (
-            f"Commit `{result.get('commit', 'unknown')}`, {result['date'][:10]}, "
-            f"{result['machine']['cpu']}, {result['machine']['logical_cpus']} CPUs, QEMU with "
-            f"{accel.upper()}."
-        ),
+        headline(result, f"QEMU with {accel.upper()}"),
         "",
         f"| | this machine ({accel.upper()}) | target (KVM) |",
         "|---|---|---|",

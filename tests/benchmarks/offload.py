@@ -32,6 +32,7 @@ from hub.identity import certificates
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from tests.benchmarks.concurrency import _percentile
+from tests.benchmarks.report import headline, table
 from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say
 from tests.benchmarks.sync import wait_for_hub
 
@@ -221,6 +222,31 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     say(json.dumps(result, indent=2))
     return 0
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The table docs/benchmarks.md shows, from a result (a test keeps them equal;
+    `python -m tests.benchmarks.tables` writes it there)."""
+    rows = [
+        ("direct to B", result["direct_ms"], False),
+        ("through A and the hub to B", result["offloaded_ms"], False),
+        ("added by the two hops (per round)", result["added_ms"], True),
+    ]
+    served = ", ".join(f"`{node}`" for node in result["served_by"])
+    return "\n".join([
+        headline(result, f"{result['rounds']} rounds"),
+        "",
+        *table(
+            ["", "p50", "p99"],
+            [
+                [label, f"**{ms['p50']:.1f} ms**" if bold else f"{ms['p50']:.0f} ms",
+                 f"{ms['p99']:.0f} ms"]
+                for label, ms, bold in rows
+            ],
+        ),
+        "",
+        f"The offloaded requests were served by {served} (`X-Kvl-Served-By`).",
+    ]) + "\n"  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import psutil
 from tests.benchmarks import serving as base
 from tests.benchmarks.concurrency import _percentile
 from tests.benchmarks.llama_server import build_llama_server
+from tests.benchmarks.report import TIMES, headline, table, target
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overload.json"
 SLOTS = 4
@@ -273,6 +274,109 @@ def main(argv: list[str] | None = None) -> int:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The table docs/benchmarks.md shows, and the sentence of its ratios, from a result (a
+    test keeps them equal; `python -m tests.benchmarks.tables` writes them there)."""
+    settings, targets = result["settings"], result["targets"]
+    servers = (("appliance", "appliance"), ("llama_server", "llama-server"))
+    loads = sorted(
+        (key for key in result["appliance"] if key.startswith("load_")), key=_load_factor
+    )
+    top = loads[-1]
+    columns = [(server, label, load) for server, label in servers for load in loads]
+
+    def row(name: str, cell: Any) -> list[str]:
+        return [name, *(cell(server, load) for server, _, load in columns)]
+
+    def capacity(server: str, load: str) -> str:
+        return f"{result[server]['capacity_rps']:.2f}" if load == loads[0] else ""
+
+    def counts(server: str, load: str) -> str:
+        at = result[server][load]
+        refused = at["refused_429"] + at.get("shed_429", 0)
+        return f"{at['sent']} / {at['served']} / {refused}"
+
+    def ttft(server: str, load: str) -> str:
+        return _latency(result[server][load]["ttft_ms_p50"], result[server][load]["ttft_ms_p99"])
+
+    def goodput(server: str, load: str) -> str:
+        share = result[server][load]["goodput_share_of_capacity"]
+        if server == "appliance" and load == top:
+            return target(share, targets.get("goodput_share"))
+        return f"{share:.2f}"
+
+    def refusals(server: str, load: str) -> str:
+        at = result[server][load]
+        if at.get("refusal_ms_p99") is None:
+            return ""
+        p99 = f"{at['refusal_ms_p99']:.1f} ms"
+        wanted = targets.get("refusal_p99_ms")
+        if server == "appliance" and load == top and wanted is not None:
+            p99 = f"**{p99}** (target < {wanted:g} ms)"
+        return f"{at['refusal_ms_p50']:.1f} / {p99}"
+
+    first_token = f"{settings['s1_first_token_s']:g} s"
+    lines = [
+        headline(
+            result,
+            f"{settings['slots']} slots",
+            f"{settings['max_tokens']}-token completions, {settings['duration_s']:g} s a load",
+        ),
+        "",
+        *table(
+            ["", *(f"{label} {_load_label(load)}" for _, label, load in columns)],
+            [
+                row("capacity (requests/s)", capacity),
+                row("sent / served / refused (429)", counts),
+                row("TTFT p50 / p99 of those served", ttft),
+                row(f"goodput (first token within {first_token}), share of capacity", goodput),
+                row("429 latency p50 / p99", refusals),
+            ],
+        ),
+        "",
+        _overload_sentence(result, loads),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _overload_sentence(result: dict[str, Any], loads: list[str]) -> str:
+    """The tail at the top load against the lowest, and what the queue shed."""
+    ratios, wanted = result["ratios"], result["targets"].get("p99_ttft_ratio_3x_to_0_8x")
+    tail = ratios["appliance_p99_ttft_3x_over_0_8x"]
+    low, top = _load_label(loads[0]), _load_label(loads[-1])
+    verdict = (
+        "" if wanted is None else (f"target ≤ {wanted:g}{'' if tail <= wanted else ': missed'}; ")
+    )
+    shed = sum(result["appliance"][load].get("shed_429", 0) for load in loads)
+    dropped = (
+        "No request was shed from the appliance's queue after admission"
+        if shed == 0
+        else f"{shed} requests were shed from the appliance's queue after admission"
+    )
+    served = result["appliance"][loads[-1]]["served"]
+    return (
+        f"At {top} the appliance's p99 TTFT is **{tail:.2f}{TIMES}** its p99 at {low} ({verdict}"
+        f"{served} requests served at {top}) and "
+        f"{ratios['p99_ttft_3x_appliance_over_llama_server']}{TIMES} llama-server's at {top}. "
+        f"{dropped}."
+    )
+
+
+def _load_factor(key: str) -> float:
+    return float(key.removeprefix("load_").removesuffix("x"))
+
+
+def _load_label(key: str) -> str:
+    return f"{_load_factor(key):g}{TIMES}"
+
+
+def _latency(p50_ms: float, p99_ms: float) -> str:
+    """`68 / 93 ms`, or in seconds once the tail reaches them: `24.4 / 49.8 s`."""
+    if p99_ms >= 10_000:
+        return f"{p50_ms / 1000:.1f} / {p99_ms / 1000:.1f} s"
+    return f"{p50_ms:.0f} / {p99_ms:.0f} ms"
 
 
 if __name__ == "__main__":

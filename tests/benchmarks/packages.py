@@ -38,6 +38,7 @@ from typing import Any
 import aiohttp
 import psutil
 
+from tests.benchmarks.report import TIMES, headline, table
 from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say, tree_cpu_seconds
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "packages.json"
@@ -281,6 +282,88 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     say(json.dumps(result, indent=2))
     return 0
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The table docs/benchmarks.md shows, from a result (a test keeps them equal;
+    `python -m tests.benchmarks.tables` writes it there)."""
+    ten, valid, download = (
+        result["ten_items_with_narration"],
+        result["first_pass_validity"],
+        result["download"],
+    )
+    rows = [
+        [
+            (
+                "a validated 10-item package with narration, "
+                f"{result['settings']['narration']} ({ten['files']} files, "
+                f"{ten['bytes'] / 1e6:.1f} MB)"
+            ),
+            _attempts(ten),
+            "—",
+        ],
+    ]
+    neural = result.get("ten_items_neural_voice")
+    if neural:
+        voice = neural["voice"]
+        rows.append([
+            f"the same, narrated by the neural voice ({voice['engine']}, `{voice['voice']}`)",
+            _attempts(neural),
+            "—",
+        ])  # fmt: skip
+    rows += [
+        ["the same request again (cache hit)", f"{ten['cache_hit_s'] * 1000:.0f} ms", "—"],
+        [
+            f"first-pass validity over {valid['generations']} generations (on_topic judged)",
+            (
+                f"{valid['first_pass']} of {valid['generations']} (**{valid['rate']:.2f}**); "
+                f"{valid['valid_after_retries']} valid after retries, "
+                f"{valid['failed_after_retries']} refused; median {valid['median_s']} s"
+            ),
+            "—",
+        ],
+        _download_row(download),
+    ]
+    cpu = _download_cpu(download)
+    lines = [headline(result, result["settings"]["model"]), "", *table(
+        ["", "figure", "target"], rows
+    )]  # fmt: skip
+    if cpu:
+        lines += ["", cpu]
+    return "\n".join(lines) + "\n"
+
+
+def _attempts(figures: dict[str, Any]) -> str:
+    n = figures["attempts"]
+    return f"{figures['seconds']} s ({n} attempt{'s' if n != 1 else ''})"
+
+
+def _download_row(download: dict[str, Any]) -> list[str]:
+    # Results before h2load drove both servers do not name their client: a Python one.
+    client = download.get("client", "client not recorded: a Python one, before h2load")
+    return [
+        (
+            f"cached download, {download['file_bytes'] / 1000:.0f} KB file, "
+            f"{download['clients']} clients ({client}): appliance / nginx"
+        ),
+        (
+            f"{download['appliance']['mib_per_s']:,.0f} / {download['nginx']['mib_per_s']:,.0f} "
+            f"MiB/s: **{download['ratio']:.2f}{TIMES}**"
+        ),
+        f"≥ {download['target_ratio']}{TIMES}",
+    ]
+
+
+def _download_cpu(download: dict[str, Any]) -> str:
+    """Each server's CPU per download, where the result has it (h2load's runs)."""
+    ours = download["appliance"].get("server_cpu_us_per_request")
+    theirs = download["nginx"].get("server_cpu_us_per_request")
+    if ours is None or theirs is None:
+        return ""
+    return (
+        f"CPU per download: the appliance {ours:,.0f} µs, nginx {theirs:,.0f} µs "
+        f"({ours / theirs:.1f}{TIMES})."
+    )
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hub.planning.placement import Deployment, Gpu, NodeSnapshot, Plan, plan
+from tests.benchmarks.report import headline, table
 from tests.benchmarks.serving import commit, cpu_model, say
 
 if TYPE_CHECKING:
@@ -215,6 +216,49 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "meets" if cold["max"] < TARGET_S else "MISSES"
     say(f"placement: cold median {cold['median']} s, warm {warm['median']} s: {verdict} the target")
     return 0
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The table docs/benchmarks.md shows, from a result (a test keeps them equal;
+    `python -m tests.benchmarks.tables` writes it there)."""
+    target_ms = result["target_s"] * 1000
+    short = result["unplaced_deployments"]
+
+    def ms(times: dict[str, float], key: str) -> str:
+        return f"{times[key] * 1000:.0f} ms"
+
+    rows = [
+        [
+            (
+                f"from scratch ({result['replicas_placed']} of {result['replicas_wanted']} "
+                f"replicas placed; {short} deployment{'s' if short != 1 else ''} short, each "
+                "with its reason)"
+            ),
+            f"**{ms(result['cold_s'], 'median')}**",
+            ms(result["cold_s"], "max"),
+            f"< {target_ms:,.0f} ms",
+        ],
+        [
+            f"again, with that plan in force ({result['warm_moved']} moved)",
+            ms(result["warm_s"], "median"),
+            ms(result["warm_s"], "max"),
+            "",
+        ],
+        [
+            (f"again, 1 % of the nodes gone past the grace period ({result['churn_moved']} moved)"),
+            ms(result["churn_s"], "median"),
+            ms(result["churn_s"], "max"),
+            "",
+        ],
+    ]
+    more = (
+        f"{result['nodes']:,} nodes, {result['deployments']} deployments, "
+        f"{result['runs']} runs, seed {result['seed']}"
+    )
+    return (
+        "\n".join([headline(result, more), "", *table(["", "median", "max", "target"], rows)])
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ import psutil
 
 from appliance.serving.catalog import sha256_file
 from tests.benchmarks.llama_server import build_llama_server, gpu_names, on_gpu
+from tests.benchmarks.report import TIMES, headline, table, target
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -763,6 +764,79 @@ def _model_file(data_dir: Path) -> Path:
     if len(found) != 1:
         raise RuntimeError(f"expected one model in {data_dir / 'models'}, found {found}")
     return found[0]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The single-stream table docs/benchmarks.md shows, from a result (a test keeps them
+    equal; `python -m tests.benchmarks.tables` writes it there)."""
+    app, ref, ratios = result["appliance"], result["llama_server"], result["ratios"]
+    settings = result["settings"]
+    lines = [
+        headline(
+            result,
+            f"{settings['n_threads']} threads, context {settings['n_ctx']}",
+            (
+                f"{len(settings['prompts'])} prompts {TIMES} {settings['runs']} runs {TIMES} "
+                f"{settings['rounds']} rounds of {settings['max_tokens']} tokens, medians"
+            ),
+        ),
+        "",
+        *table(
+            ["", "appliance", "llama-server", "ratio"],
+            [
+                [
+                    "decode tokens/s, single stream",
+                    f"{app['decode_tok_s_median']:.1f}",
+                    f"{ref['decode_tok_s_median']:.1f}",
+                    target(ratios["decode_tok_s"], ratios.get("decode_tok_s_target")),
+                ],
+                [
+                    "time to first token",
+                    f"{app['ttft_ms_median']:.1f} ms",
+                    f"{ref['ttft_ms_median']:.1f} ms",
+                    target(ratios["ttft_ms"], None),
+                ],
+                [
+                    "peak RSS (gateway + worker)",
+                    f"{app['peak_rss_mib']:.0f} MiB",
+                    f"{ref['peak_rss_mib']:.0f} MiB",
+                    target(ratios["peak_rss"], None),
+                ],
+                [
+                    "CPU per token",
+                    f"{app['cpu_ms_per_token']:.1f} ms",
+                    f"{ref['cpu_ms_per_token']:.1f} ms",
+                    target(ratios["cpu_ms_per_token"], None),
+                ],
+            ],
+        ),
+    ]
+    if "baseline" in result:
+        lines += ["", *_baseline_table(result)]
+    return "\n".join(lines) + "\n"
+
+
+def _baseline_table(result: dict[str, Any]) -> list[str]:
+    """`--baseline REF`: today's appliance against the one of REF, in the same run."""
+    now, before = result["appliance"], result["baseline"]["appliance"]
+    rows = [
+        ("decode tokens/s", "decode_tok_s_median", "", 1),
+        ("time to first token", "ttft_ms_median", " ms", 1),
+        ("CPU per token", "cpu_ms_per_token", " ms", 1),
+        ("peak RSS (gateway + worker)", "peak_rss_mib", " MiB", 0),
+    ]
+    return table(
+        ["", f"appliance of `{result['baseline']['commit']}`", "today's", "today / before"],
+        [
+            [
+                label,
+                f"{before[key]:.{digits}f}{unit}",
+                f"{now[key]:.{digits}f}{unit}",
+                target(result["ratios_to_baseline"].get(key), None),
+            ]
+            for label, key, unit, digits in rows
+        ],
+    )
 
 
 if __name__ == "__main__":

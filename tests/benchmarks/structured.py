@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -49,7 +50,8 @@ from appliance.serving.sampling_options import Sampling
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from appliance.validation.grammar import json_schema_to_gbnf
-from tests.benchmarks.serving import commit, say
+from tests.benchmarks.report import headline, table
+from tests.benchmarks.serving import commit, cpu_model, say
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "structured.json"
 
@@ -276,6 +278,8 @@ def main() -> None:
         report: dict[str, Any] = {
             "when": datetime.now(UTC).isoformat(timespec="seconds"),
             "commit": commit(),
+            # Which machine, as the other suites record it (results before this lack it).
+            "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count()},
             "model": model.name,
             "seeds": args.seeds,
             "temperature": 1.0,
@@ -327,6 +331,44 @@ def main() -> None:
     for name, entry in report["schemas"].items():
         say(f"{name}: compile ms {entry['compile_ms']}, valid of {args.seeds} {entry['valid']}")
     say(f"wrote {args.out}")
+
+
+WAYS = ("port", "bundled", "llguidance")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The table docs/benchmarks.md shows, from a result (a test keeps them equal;
+    `python -m tests.benchmarks.tables` writes it there)."""
+    seeds = result["seeds"]
+
+    def figures(entry: dict[str, Any], key: str, fmt: str) -> str:
+        cells = [format(entry[key][way], fmt) if way in entry[key] else "—" for way in WAYS]
+        if key == "valid":
+            cells[0] = f"**{cells[0]}**"
+        return " / ".join(cells)
+
+    rows = [
+        [name, figures(entry, "compile_ms", ".3f"), figures(entry, "valid", "d")]
+        for name, entry in result["schemas"].items()
+    ]
+    accepted = "yes" if result.get("llguidance_grammar_accepted_by_llama_cpp") else "no"
+    more = (
+        f"{result['model']}, temperature {result['temperature']}, {seeds} seeds per schema and "
+        f"way, {result['max_tokens']} tokens at most"
+    )
+    return "\n".join([
+        headline(result, more),
+        "",
+        *table(
+            ["schema", "compile ms: " + " / ".join(WAYS), f"valid of {seeds}: " + " / ".join(WAYS)],
+            rows,
+        ),
+        "",
+        (
+            f"llguidance's one-off index of the vocabulary: {result['llguidance_tokenizer_s']} s; "
+            f"llama.cpp's grammar sampler takes llguidance's grammar: {accepted}."
+        ),
+    ]) + "\n"  # fmt: skip
 
 
 if __name__ == "__main__":

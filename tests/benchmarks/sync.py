@@ -22,6 +22,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import FleetLink, enroll
@@ -33,6 +34,7 @@ from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared.db import now_iso
 from shared.provisioning import Provisioning
+from tests.benchmarks.report import headline, table
 from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say
 from tests.conftest import NoModels
 
@@ -199,6 +201,29 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     say(json.dumps(result, indent=2))
     return 0
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The table docs/benchmarks.md shows, from a result (a test keeps them equal;
+    `python -m tests.benchmarks.tables` writes it there)."""
+    settings = result["settings"]
+    return "\n".join([
+        headline(result, settings["hub"]),
+        "",
+        *table(
+            ["events in the outbox", "batch", "drained in", "events/s", "in the hub's ledger",
+             "lost", "duplicated"],
+            [[
+                f"{settings['events']:,}",
+                f"{settings['batch']:,}",
+                f"{result['drain_s']:.1f} s",
+                f"**{result['events_per_s']:,.0f}** (target ≥ {result['target_events_per_s']:,})",
+                f"{result['in_ledger']:,}",
+                f"{result['lost']:,}",
+                f"{result['duplicated']:,}",
+            ]],
+        ),
+    ]) + "\n"  # fmt: skip
 
 
 if __name__ == "__main__":
