@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import TYPE_CHECKING, Any
 
@@ -31,8 +32,13 @@ def finish_reason(finished: Finished) -> str:
 def system_fingerprint(prepared: Prepared) -> str:
     """What decides the answers besides the request: this software and the model file (a
     client comparing seeded answers learns when either changed)."""
-    seed = f"{__version__}:{prepared.engine.record.sha256}".encode()
-    return "fp_" + hashlib.sha256(seed).hexdigest()[:12]
+    return _fingerprint(prepared.engine.record.sha256)
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(model_sha256: str) -> str:
+    # Every streamed chunk carries it: hashed once per model, not once per token.
+    return "fp_" + hashlib.sha256(f"{__version__}:{model_sha256}".encode()).hexdigest()[:12]
 
 
 def _head(prepared: Prepared, *, chunk: bool) -> dict[str, Any]:

@@ -68,6 +68,10 @@ log = logging.getLogger(__name__)
 Emit = Callable[[Event | Failed | SlotChange], None]
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass
 class _Sequence:
     request: GenerationRequest
@@ -132,6 +136,9 @@ class BatchEngine:
         # Off in service; then it costs one test per token.
         self.keep_first_logits = False
         self.first_logits: dict[tuple[int, ...], list[np.ndarray[Any, Any]]] = {}
+        # Called on this thread after each turn of the loop (a step, or the jobs that came):
+        # the worker writes the turn's events to its pipe then, in one write.
+        self.after_turn: Callable[[], None] = _nothing
 
     def load(self) -> None:
         verify(self.record)
@@ -223,23 +230,31 @@ class BatchEngine:
 
     def serve_forever(self) -> None:
         """Step until ``None`` arrives in ``jobs``; blocks while there is nothing to do."""
-        while True:
-            arrived: list[Job | None] = []
-            if self._state.idle:
-                arrived.append(self.jobs.get())
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    arrived.append(self.jobs.get_nowait())
-            for job in arrived:
-                if job is None:
-                    self._cancel_all()
-                    return
-                self._admit(job)
-            self._cancel_waiting()
-            if self._state.idle and self._parked:  # pragma: no cover - a builder always ends
-                self._unpark()
-            if not self._state.idle:
-                self._step()
+        try:
+            while self._turn():
+                self.after_turn()
+        finally:
+            self.after_turn()
+
+    def _turn(self) -> bool:
+        """Admit what arrived (waiting for it when idle), then one step; False at ``None``."""
+        arrived: list[Job | None] = []
+        if self._state.idle:
+            arrived.append(self.jobs.get())
+        with contextlib.suppress(queue.Empty):
+            while True:
+                arrived.append(self.jobs.get_nowait())
+        for job in arrived:
+            if job is None:
+                self._cancel_all()
+                return False
+            self._admit(job)
+        self._cancel_waiting()
+        if self._state.idle and self._parked:  # pragma: no cover - a builder always ends
+            self._unpark()
+        if not self._state.idle:
+            self._step()
+        return True
 
     def _admit(self, job: Job) -> None:
         request = job.request

@@ -5,8 +5,9 @@ record and engine options as JSON). Commands arrive on stdin and events leave on
 one JSON object per line (appliance.serving.ipc); logs go to stderr. A crash here costs
 only this worker's in-flight requests; the supervisor restarts it.
 
-Plain threads, no event loop: the batching thread writes each token's event to stdout
-itself, so a token costs one pipe write and no thread hand-off on this side.
+Plain threads, no event loop: the batching thread writes the events of each step to stdout
+itself, all of them in one write after the step (one pipe write and one wake-up of the
+appliance a step, not one a token), and no thread hand-off on this side.
 """
 
 from __future__ import annotations
@@ -39,9 +40,24 @@ class Worker:
         self._lock = threading.Lock()
         self._out = sys.stdout.buffer
         self._stop = threading.Event()
+        # Events of the current step, encoded; only the batching thread adds and flushes.
+        self._held: list[bytes] = []
+        engine.after_turn = self.flush
 
     def send(self, message: dict[str, Any]) -> None:
-        data = ipc.encode(message)
+        self._write(ipc.encode(message))
+
+    def flush(self) -> None:
+        """Write the events the batching thread held back this turn."""
+        if self._held:
+            data = b"".join(self._held)
+            self._held.clear()
+            self._write(data)
+
+    def _hold(self, message: dict[str, Any]) -> None:
+        self._held.append(ipc.encode(message))
+
+    def _write(self, data: bytes) -> None:
         with self._lock:
             try:
                 self._out.write(data)
@@ -79,22 +95,23 @@ class Worker:
             )
 
     def _emit(self, request_id: str, event: Event | Failed | SlotChange) -> None:
+        """The engine's events (on the batching thread), held until the turn ends."""
         self.events_out += 1
         if isinstance(event, SlotChange):
-            self.send({"type": "slot", "id": request_id, "holds": event.holds})
+            self._hold({"type": "slot", "id": request_id, "holds": event.holds})
             return
         if isinstance(event, Failed):
             self.cancels.pop(request_id, None)
             kind = "grammar" if isinstance(event.error, GrammarError) else "internal"
             if kind == "internal":
                 log.error("generation %s failed: %s", request_id, event.error)
-            self.send(
+            self._hold(
                 {"type": "error", "id": request_id, "kind": kind, "message": str(event.error)}
             )
             return
         if isinstance(event, Finished):
             self.cancels.pop(request_id, None)
-        self.send(ipc.event_message(request_id, event))
+        self._hold(ipc.event_message(request_id, event))
 
     def read_commands(self) -> None:
         for line in sys.stdin.buffer:

@@ -19,6 +19,14 @@ p99 TTFT of admitted requests at most 1.5x its p99 at 0.8x; goodput at least 90 
 capacity; 429s answered with p99 under 10 ms. llama-server's p99 TTFT at 3x is reported
 beside the appliance's, as a ratio.
 
+The 429 latency is measured a second way, with a client that costs little CPU: while
+closed-loop clients keep every slot busy and the queue predicted past the objective, ``wrk``
+(C, Debian's package) sends ``--wrk-connections`` connections of completion requests for
+``--wrk-s`` seconds, every one refused at the door; its latency percentiles, and the
+gateway's CPU per refusal (its CPU over the wrk run, less what the busy clients cost it in
+as long a run without wrk) are reported. llama-server refuses nothing, so there is no peer
+figure for refusals.
+
 Run: ``python -m tests.benchmarks.overload``.
 """
 
@@ -28,6 +36,8 @@ import argparse
 import asyncio
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -190,7 +200,12 @@ def start(
     return base.Server(name, f"http://{base.HOST}:{port}", "/health", {}, proc, log_path)
 
 
-def measure(server: base.Server, args: Any) -> dict[str, Any]:
+def _brief(figures: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in figures.items() if k != "output"}
+
+
+def measure(server: base.Server, args: Any, *, keep: bool = False) -> dict[str, Any]:
+    """Capacity, then each load; the server is stopped after unless ``keep``."""
     try:
         base.wait_ready(server, timeout_s=600)
         cap = asyncio.run(capacity(server, args.capacity_s, args.max_tokens))
@@ -206,7 +221,109 @@ def measure(server: base.Server, args: Any) -> dict[str, Any]:
             base.say(f"  {server.name} at {factor}x: {figures[f'load_{factor}x']}")
         return figures
     finally:
-        base.stop(server)
+        if not keep:
+            base.stop(server)
+
+
+def _wrk_script(key: str) -> str:
+    """wrk's request: a streamed completion, as the open-loop clients send."""
+    body = json.dumps(
+        {
+            "model": base.MODEL,
+            "prompt": PROMPTS[0],
+            "max_tokens": 32,
+            "temperature": 0.0,
+            "stream": True,
+        }
+    )
+    return (
+        'wrk.method = "POST"\n'
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f'wrk.headers["Authorization"] = "Bearer {key}"\n'
+        f"wrk.body = [==[{body}]==]\n"
+    )
+
+
+async def _busy(server: base.Server, stop: asyncio.Event, max_tokens: int) -> None:
+    """Closed-loop clients, two per slot, until ``stop``: the slots stay taken and the queue
+    long enough that the door's prediction refuses what else arrives."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+
+        async def client(i: int) -> None:
+            while not stop.is_set():
+                prompt = PROMPTS[i % len(PROMPTS)]
+                await one(session, server, prompt, max_tokens, time.perf_counter())
+                i += 1
+
+        await asyncio.gather(*(client(i) for i in range(2 * SLOTS)))
+
+
+def _gateway_cpu_s(server: base.Server) -> float:
+    times = psutil.Process(server.proc.pid).cpu_times()
+    return times.user + times.system
+
+
+async def _phase(
+    server: base.Server, seconds: float, command: list[str] | None
+) -> tuple[float, str]:
+    """Gateway CPU seconds over ``seconds`` of busy clients (and ``command`` run meanwhile),
+    and the command's output."""
+    stop = asyncio.Event()
+    busy = asyncio.create_task(_busy(server, stop, 128))
+    await asyncio.sleep(2.0)  # the slots fill and the queue forms
+    before = _gateway_cpu_s(server)
+    output = ""
+    if command is None:
+        await asyncio.sleep(seconds)
+    else:
+        proc = await asyncio.create_subprocess_exec(
+            *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        )
+        out, _ = await proc.communicate()
+        output = out.decode(errors="replace")
+    used = _gateway_cpu_s(server) - before
+    stop.set()
+    await busy
+    return used, output
+
+
+def refusals_with_wrk(server: base.Server, key: str, args: Any, work: Path) -> dict[str, Any]:
+    """429 latency and the gateway's CPU per refusal, from wrk (see the module docstring)."""
+    wrk = shutil.which("wrk")
+    if wrk is None:
+        raise RuntimeError("wrk is not installed: run `just setup-system` as root")
+    script = work / "refusal.lua"
+    script.write_text(_wrk_script(key))
+    seconds = f"{args.wrk_s:g}s"
+    command = [wrk, "-t1", f"-c{args.wrk_connections}", f"-d{seconds}", "--latency"]
+    command += ["-s", str(script), server.base_url + "/v1/completions"]
+    quiet_cpu, _ = asyncio.run(_phase(server, args.wrk_s, None))
+    loaded_cpu, output = asyncio.run(_phase(server, args.wrk_s, command))
+    return {"wrk": " ".join(command[1:-1]), **_wrk_figures(output, loaded_cpu - quiet_cpu)}
+
+
+def _wrk_figures(output: str, cpu_s: float) -> dict[str, Any]:
+    def ms(text: str) -> float:
+        value, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", text).groups()  # type: ignore[union-attr]
+        return round(float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit], 3)
+
+    latency = dict(re.findall(r"^\s+(50|75|90|99)%\s+(\S+)$", output, re.MULTILINE))
+    total = re.search(r"(\d+) requests in", output)
+    non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", output)
+    errors = re.search(r"Socket errors: (.*)", output)
+    requests = int(total.group(1)) if total else 0
+    return {
+        "requests": requests,
+        "refused": int(non_2xx.group(1)) if non_2xx else 0,
+        "socket_errors": errors.group(1) if errors else None,
+        "latency_ms_p50": ms(latency["50"]) if "50" in latency else None,
+        "latency_ms_p90": ms(latency["90"]) if "90" in latency else None,
+        "latency_ms_p99": ms(latency["99"]) if "99" in latency else None,
+        "gateway_cpu_ms_per_refusal": round(cpu_s * 1000 / requests, 3) if requests else None,
+        "output": output,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens (32)")
     parser.add_argument("--admit-s", type=float, default=0.1, help="S1 SLO.A (0.1)")
     parser.add_argument("--first-token-s", type=float, default=0.25, help="S1 SLO.B (0.25)")
+    parser.add_argument("--wrk-s", type=float, default=10.0, help="wrk's refusal run (10)")
+    parser.add_argument("--wrk-connections", type=int, default=4, help="wrk connections (4)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
     args = parser.parse_args(argv)
     build_llama_server()
@@ -226,9 +345,13 @@ def main(argv: list[str] | None = None) -> int:
         data_dir = work / "data"
         key = base.create_key(data_dir)
         base.say("overload: the appliance")
-        results["appliance"] = measure(
-            start("appliance", work, data_dir, key, model=None, args=args), args
-        )
+        server = start("appliance", work, data_dir, key, model=None, args=args)
+        results["appliance"] = measure(server, args, keep=True)
+        try:
+            results["appliance"]["refusals_wrk"] = refusals_with_wrk(server, key, args, work)
+            base.say(f"  appliance, wrk: {_brief(results['appliance']['refusals_wrk'])}")
+        finally:
+            base.stop(server)
         model = base._model_file(data_dir)
         base.say("overload: llama-server")
         results["llama_server"] = measure(
@@ -240,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         "appliance_p99_ttft_3x_over_0_8x": _ratio(high["ttft_ms_p99"], low["ttft_ms_p99"]),
         "appliance_goodput_share_3x": high["goodput_share_of_capacity"],
         "appliance_refusal_ms_p99_3x": high["refusal_ms_p99"],
+        "appliance_refusal_ms_p99_wrk": app["refusals_wrk"]["latency_ms_p99"],
         "p99_ttft_3x_appliance_over_llama_server": _ratio(
             high["ttft_ms_p99"], ref["load_3.0x"]["ttft_ms_p99"]
         ),
@@ -259,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
             "capacity_s": args.capacity_s,
             "s1_admit_s": args.admit_s,
             "s1_first_token_s": args.first_token_s,
+            "wrk_s": args.wrk_s,
+            "wrk_connections": args.wrk_connections,
             "prompts": list(PROMPTS),
         },
         "targets": TARGETS,
@@ -339,7 +465,23 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         _overload_sentence(result, loads),
     ]
+    if (wrk := result["appliance"].get("refusals_wrk")) is not None:
+        lines += ["", _wrk_sentence(wrk, result["targets"].get("refusal_p99_ms"))]
     return "\n".join(lines) + "\n"
+
+
+def _wrk_sentence(wrk: dict[str, Any], wanted: float | None) -> str:
+    """The refusals wrk measured, while every slot was busy."""
+    p99 = wrk["latency_ms_p99"]
+    verdict = (
+        "" if wanted is None else f" (target < {wanted:g} ms{'' if p99 < wanted else ': missed'})"
+    )
+    return (
+        f"Refusals measured with wrk (`{wrk['wrk']}`, every slot busy): {wrk['requests']:,} "
+        f"requests, {wrk['refused']:,} answered 429, latency p50 / p90 / p99 "
+        f"{wrk['latency_ms_p50']:.2f} / {wrk['latency_ms_p90']:.2f} / **{p99:.2f} ms**{verdict}; "
+        f"the gateway's CPU per refusal {wrk['gateway_cpu_ms_per_refusal']:.3f} ms."
+    )
 
 
 def _overload_sentence(result: dict[str, Any], loads: list[str]) -> str:
