@@ -12,8 +12,8 @@ default:
 
 # Install the Debian packages the project runs: wireguard-go (tunnels where the kernel has no
 # WireGuard), iproute2, espeak-ng (narration), nginx (HTTP/2 in front of the LAN API, and the
-# peer of the package benchmark), nghttp2-client (h2load, the load of the http2 and package
-# benchmarks), wrk (the overload benchmark's refusals, a client that costs little CPU),
+# peer of the package benchmark), nghttp2-client (h2load: the load of the http2 and package
+# benchmarks, and the overload benchmark's refusals),
 # chromium (the browser tests of the hub's console), postgresql (the hub's store for
 # several replicas; the tests and benchmarks start throwaway clusters of their own) and
 # prometheus (its `promtool` lints the hub's and the appliance's /metrics and the rules file;
@@ -23,7 +23,7 @@ setup-system:
     #!/usr/bin/env bash
     set -euo pipefail
     missing=()
-    for package in wireguard-go iproute2 espeak-ng nginx nghttp2-client wrk chromium postgresql prometheus rauc squashfs-tools; do
+    for package in wireguard-go iproute2 espeak-ng nginx nghttp2-client chromium postgresql prometheus rauc squashfs-tools; do
         dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed' || missing+=("$package")
     done
     if [ ${#missing[@]} -eq 0 ]; then exit 0; fi

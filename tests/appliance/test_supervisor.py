@@ -8,6 +8,7 @@ import os
 import signal
 from typing import Any
 
+import psutil
 import pytest
 from pytest_aiohttp import AiohttpClient
 
@@ -16,6 +17,7 @@ from appliance.gateway.keys import REGISTRY
 from appliance.serving.engine import EngineOptions, Finished, GenerationRequest, TextDelta
 from appliance.serving.sampling_options import Sampling
 from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, WorkerUnavailableError
+from appliance.serving.worker import WORKER_NICE
 from appliance.settings import ApplianceSettings
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
@@ -43,6 +45,10 @@ async def test_kill_9_mid_stream(
     assert replica is not None
     first_pid = replica.pid
     assert first_pid is not None
+    # The worker runs below the gateway's priority (appliance.serving.worker, WORKER_NICE).
+    assert psutil.Process(first_pid).nice() == min(
+        19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICE
+    )
 
     stream = await client.post(
         "/v1/completions", headers=auth(api_key), json={**LONG, "stream": True}

@@ -20,12 +20,12 @@ capacity; 429s answered with p99 under 10 ms. llama-server's p99 TTFT at 3x is r
 beside the appliance's, as a ratio.
 
 The 429 latency is measured a second way, with a client that costs little CPU: while
-closed-loop clients keep every slot busy and the queue predicted past the objective, ``wrk``
-(C, Debian's package) sends ``--wrk-connections`` connections of completion requests for
-``--wrk-s`` seconds, every one refused at the door; its latency percentiles, and the
-gateway's CPU per refusal (its CPU over the wrk run, less what the busy clients cost it in
-as long a run without wrk) are reported. llama-server refuses nothing, so there is no peer
-figure for refusals.
+closed-loop clients keep every slot busy (the server at capacity), ``h2load`` (C) sends
+completion requests on a fixed schedule at twice the capacity for ``--refusal-s`` seconds
+(3x in all), each on its own connection; the refusals' latency percentiles come from its
+per-request log, and the gateway's CPU per request is its CPU over that run less what the
+busy clients cost it in as long a run without h2load. llama-server refuses nothing, so
+there is no peer figure for refusals.
 
 Run: ``python -m tests.benchmarks.overload``.
 """
@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -59,6 +58,8 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overload.json"
 SLOTS = 4
 PROMPTS = base.PROMPTS
 TARGETS = {"p99_ttft_ratio_3x_to_0_8x": 1.5, "goodput_share": 0.9, "refusal_p99_ms": 10.0}
+# h2load's requests on top of closed-loop clients that keep the slots busy: 3x in all.
+REFUSAL_LOAD = 2.0
 
 
 @dataclass
@@ -201,7 +202,7 @@ def start(
 
 
 def _brief(figures: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in figures.items() if k != "output"}
+    return {k: v for k, v in figures.items() if k != "h2load_summary"}
 
 
 def measure(server: base.Server, args: Any, *, keep: bool = False) -> dict[str, Any]:
@@ -223,25 +224,6 @@ def measure(server: base.Server, args: Any, *, keep: bool = False) -> dict[str, 
     finally:
         if not keep:
             base.stop(server)
-
-
-def _wrk_script(key: str) -> str:
-    """wrk's request: a streamed completion, as the open-loop clients send."""
-    body = json.dumps(
-        {
-            "model": base.MODEL,
-            "prompt": PROMPTS[0],
-            "max_tokens": 32,
-            "temperature": 0.0,
-            "stream": True,
-        }
-    )
-    return (
-        'wrk.method = "POST"\n'
-        'wrk.headers["Content-Type"] = "application/json"\n'
-        f'wrk.headers["Authorization"] = "Bearer {key}"\n'
-        f"wrk.body = [==[{body}]==]\n"
-    )
 
 
 async def _busy(server: base.Server, stop: asyncio.Event, max_tokens: int) -> None:
@@ -289,40 +271,47 @@ async def _phase(
     return used, output
 
 
-def refusals_with_wrk(server: base.Server, key: str, args: Any, work: Path) -> dict[str, Any]:
-    """429 latency and the gateway's CPU per refusal, from wrk (see the module docstring)."""
-    wrk = shutil.which("wrk")
-    if wrk is None:
-        raise RuntimeError("wrk is not installed: run `just setup-system` as root")
-    script = work / "refusal.lua"
-    script.write_text(_wrk_script(key))
-    seconds = f"{args.wrk_s:g}s"
-    command = [wrk, "-t1", f"-c{args.wrk_connections}", f"-d{seconds}", "--latency"]
-    command += ["-s", str(script), server.base_url + "/v1/completions"]
-    quiet_cpu, _ = asyncio.run(_phase(server, args.wrk_s, None))
-    loaded_cpu, output = asyncio.run(_phase(server, args.wrk_s, command))
-    return {"wrk": " ".join(command[1:-1]), **_wrk_figures(output, loaded_cpu - quiet_cpu)}
-
-
-def _wrk_figures(output: str, cpu_s: float) -> dict[str, Any]:
-    def ms(text: str) -> float:
-        value, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", text).groups()  # type: ignore[union-attr]
-        return round(float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit], 3)
-
-    latency = dict(re.findall(r"^\s+(50|75|90|99)%\s+(\S+)$", output, re.MULTILINE))
-    total = re.search(r"(\d+) requests in", output)
-    non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", output)
-    errors = re.search(r"Socket errors: (.*)", output)
-    requests = int(total.group(1)) if total else 0
+def refusals_with_h2load(
+    server: base.Server, key: str, cap: float, args: Any, work: Path
+) -> dict[str, Any]:
+    """429 latency and the gateway's CPU per refusal, from h2load (module docstring)."""
+    h2load = shutil.which("h2load")
+    if h2load is None:
+        raise RuntimeError("h2load is not installed: run `just setup-system` as root")
+    body = work / "refusal.json"
+    body.write_text(
+        json.dumps(
+            {"model": base.MODEL, "prompt": PROMPTS[0], "max_tokens": args.max_tokens,
+             "temperature": 0.0, "stream": True}
+        )
+    )  # fmt: skip
+    log_file = work / "refusals.tsv"
+    rate = REFUSAL_LOAD * cap
+    count = max(1, round(rate * args.refusal_s))
+    # One request per connection, a connection every 1/rate seconds: arrivals on a fixed
+    # schedule, like the open-loop clients, whatever the answers take.
+    command = [h2load, "--h1", "-c", str(count), "-n", str(count), "-r", "1"]
+    command += ["--rate-period", f"{1000 / rate:.0f}ms", "-d", str(body)]
+    command += ["-H", f"authorization: Bearer {key}", "-H", "content-type: application/json"]
+    command += ["--log-file", str(log_file), server.base_url + "/v1/completions"]
+    quiet_cpu, _ = asyncio.run(_phase(server, args.refusal_s, None))
+    loaded_cpu, output = asyncio.run(_phase(server, args.refusal_s, command))
+    rows = [line.split("\t") for line in log_file.read_text().splitlines() if line.strip()]
+    refused = sorted(int(row[2]) / 1000 for row in rows if row[1] == "429")
+    statuses: dict[str, int] = {}
+    for row in rows:
+        statuses[row[1]] = statuses.get(row[1], 0) + 1
     return {
-        "requests": requests,
-        "refused": int(non_2xx.group(1)) if non_2xx else 0,
-        "socket_errors": errors.group(1) if errors else None,
-        "latency_ms_p50": ms(latency["50"]) if "50" in latency else None,
-        "latency_ms_p90": ms(latency["90"]) if "90" in latency else None,
-        "latency_ms_p99": ms(latency["99"]) if "99" in latency else None,
-        "gateway_cpu_ms_per_refusal": round(cpu_s * 1000 / requests, 3) if requests else None,
-        "output": output,
+        "rate_rps": round(rate, 2),
+        "requests": len(rows),
+        "statuses": statuses,
+        "latency_ms_p50": round(statistics.median(refused), 2) if refused else None,
+        "latency_ms_p99": round(_percentile(refused, 0.99), 2) if refused else None,
+        "latency_ms_max": round(refused[-1], 2) if refused else None,
+        "gateway_cpu_ms_per_request": (
+            round((loaded_cpu - quiet_cpu) * 1000 / len(rows), 3) if rows else None
+        ),
+        "h2load_summary": [line for line in output.splitlines() if line.strip()][-12:],
     }
 
 
@@ -334,8 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens (32)")
     parser.add_argument("--admit-s", type=float, default=0.1, help="S1 SLO.A (0.1)")
     parser.add_argument("--first-token-s", type=float, default=0.25, help="S1 SLO.B (0.25)")
-    parser.add_argument("--wrk-s", type=float, default=10.0, help="wrk's refusal run (10)")
-    parser.add_argument("--wrk-connections", type=int, default=4, help="wrk connections (4)")
+    parser.add_argument(
+        "--refusal-s", type=float, default=30.0, help="h2load's run of refused requests (30)"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
     args = parser.parse_args(argv)
     build_llama_server()
@@ -348,8 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         server = start("appliance", work, data_dir, key, model=None, args=args)
         results["appliance"] = measure(server, args, keep=True)
         try:
-            results["appliance"]["refusals_wrk"] = refusals_with_wrk(server, key, args, work)
-            base.say(f"  appliance, wrk: {_brief(results['appliance']['refusals_wrk'])}")
+            cap = results["appliance"]["capacity_rps"]
+            figures = refusals_with_h2load(server, key, cap, args, work)
+            results["appliance"]["refusals_h2load"] = figures
+            base.say(f"  appliance, h2load: {_brief(figures)}")
         finally:
             base.stop(server)
         model = base._model_file(data_dir)
@@ -363,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         "appliance_p99_ttft_3x_over_0_8x": _ratio(high["ttft_ms_p99"], low["ttft_ms_p99"]),
         "appliance_goodput_share_3x": high["goodput_share_of_capacity"],
         "appliance_refusal_ms_p99_3x": high["refusal_ms_p99"],
-        "appliance_refusal_ms_p99_wrk": app["refusals_wrk"]["latency_ms_p99"],
+        "appliance_refusal_ms_p99_h2load": app["refusals_h2load"]["latency_ms_p99"],
         "p99_ttft_3x_appliance_over_llama_server": _ratio(
             high["ttft_ms_p99"], ref["load_3.0x"]["ttft_ms_p99"]
         ),
@@ -383,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             "capacity_s": args.capacity_s,
             "s1_admit_s": args.admit_s,
             "s1_first_token_s": args.first_token_s,
-            "wrk_s": args.wrk_s,
-            "wrk_connections": args.wrk_connections,
+            "refusal_s": args.refusal_s,
+            "refusal_load": REFUSAL_LOAD,
             "prompts": list(PROMPTS),
         },
         "targets": TARGETS,
@@ -465,22 +457,23 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         _overload_sentence(result, loads),
     ]
-    if (wrk := result["appliance"].get("refusals_wrk")) is not None:
-        lines += ["", _wrk_sentence(wrk, result["targets"].get("refusal_p99_ms"))]
+    if (refusals := result["appliance"].get("refusals_h2load")) is not None:
+        lines += ["", _h2load_sentence(refusals, result["targets"].get("refusal_p99_ms"))]
     return "\n".join(lines) + "\n"
 
 
-def _wrk_sentence(wrk: dict[str, Any], wanted: float | None) -> str:
-    """The refusals wrk measured, while every slot was busy."""
-    p99 = wrk["latency_ms_p99"]
+def _h2load_sentence(refusals: dict[str, Any], wanted: float | None) -> str:
+    """The refusals h2load measured, while every slot was busy."""
+    p99 = refusals["latency_ms_p99"]
     verdict = (
         "" if wanted is None else f" (target < {wanted:g} ms{'' if p99 < wanted else ': missed'})"
     )
+    refused = refusals["statuses"].get("429", 0)
     return (
-        f"Refusals measured with wrk (`{wrk['wrk']}`, every slot busy): {wrk['requests']:,} "
-        f"requests, {wrk['refused']:,} answered 429, latency p50 / p90 / p99 "
-        f"{wrk['latency_ms_p50']:.2f} / {wrk['latency_ms_p90']:.2f} / **{p99:.2f} ms**{verdict}; "
-        f"the gateway's CPU per refusal {wrk['gateway_cpu_ms_per_refusal']:.3f} ms."
+        f"Refusals measured with h2load at {refusals['rate_rps']:g} requests/s on top of "
+        f"clients keeping every slot busy: {refused} of {refusals['requests']} answered 429, "
+        f"latency p50 / p99 {refusals['latency_ms_p50']:.2f} / **{p99:.2f} ms**{verdict}; "
+        f"the gateway's CPU {refusals['gateway_cpu_ms_per_request']:.3f} ms a request."
     )
 
 
