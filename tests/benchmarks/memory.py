@@ -127,12 +127,12 @@ def processes(gateway: int) -> dict[str, dict[str, float]]:
 
 def complete(server: Server, prompt: str, max_tokens: int) -> None:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-    request = urllib.request.Request(  # noqa: S310 - loopback
+    request = urllib.request.Request(
         server.base_url + "/v1/completions",
         data=json.dumps(body).encode(),
         headers={**server.headers, "Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=300) as resp:  # noqa: S310
+    with urllib.request.urlopen(request, timeout=300) as resp:
         json.load(resp)
 
 
@@ -175,7 +175,7 @@ def measure(code: Path | None, work: Path, args: argparse.Namespace, name: str) 
 
 def total_peak(run: dict[str, Any]) -> float:
     after = run["after_completions"]
-    return round(after["gateway"]["VmHWM"] + after["worker"]["VmHWM"], 1)
+    return round(float(after["gateway"]["VmHWM"]) + float(after["worker"]["VmHWM"]), 1)
 
 
 def main(argv: list[str] | None = None) -> int:
