@@ -32,9 +32,10 @@ from shared.provisioning import Provisioning
 from shared.wireguard import Endpoint, InterfaceConfig, Peer, Tunnel, WireGuardError
 
 if TYPE_CHECKING:
-    from apscheduler.schedulers.asyncio import AsyncIOScheduler
     from collections.abc import Awaitable, Callable, Coroutine
     from pathlib import Path
+
+    from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
     from appliance.fleet.release import Updater
     from appliance.observability.metrics import Metrics
