@@ -9,7 +9,6 @@ sampler), counts no tokens while streaming, and measures no first-token time.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import logging
 import os
@@ -18,13 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import psutil
-
 from appliance.serving.chat import select_template
 from appliance.serving.gguf import GGUFInfo, read_gguf
 from appliance.serving.sampling_options import Sampling
 
 if TYPE_CHECKING:
+    import asyncio
     from collections.abc import Callable
 
     from appliance.state.records import ModelRecord
@@ -126,6 +124,10 @@ class Run:
     def __init__(
         self, loop: asyncio.AbstractEventLoop, on_cancel: Callable[[], None] | None = None
     ) -> None:
+        # The gateway's side of a generation: the model worker, which imports this module
+        # too, never makes one, nor loads asyncio (about 7 MiB with ssl and its kin).
+        import asyncio  # noqa: PLC0415
+
         self._loop = loop
         self._queue: asyncio.Queue[Event | Failed] = asyncio.Queue()
         self.cancelled = threading.Event()  # set by cancel(); read by the engine thread
@@ -283,4 +285,6 @@ def _nothing() -> None:
 
 def default_threads() -> int:
     """Physical cores, as llama-server picks; llama-cpp-python's own default is half the CPUs."""
+    import psutil  # noqa: PLC0415 - the worker is given its threads, and needs no psutil
+
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
