@@ -211,12 +211,31 @@ class Vocabulary:
 
     @classmethod
     def load(cls, record: ModelRecord) -> Vocabulary:
-        """The vocabulary alone (no weights). Blocking."""
+        """The vocabulary alone (no weights), through llama.cpp's C API as the worker loads
+        its model: llama-cpp-python's ``Llama`` would bring the package's high-level half
+        into the gateway (numpy, diskcache: see appliance/serving/llama_package.py).
+        Blocking."""
         import llama_cpp  # noqa: PLC0415
+        from llama_cpp._logger import set_verbose  # noqa: PLC0415
 
-        llm = llama_cpp.Llama(model_path=record.path, vocab_only=True, verbose=False)
-        vocab = llm._model.vocab  # noqa: SLF001 - the vocab handle is not exposed otherwise
-        return cls(vocab, read_gguf(Path(record.path)), llm.close)
+        # llama.cpp's log through llama-cpp-python's callback: errors only, as
+        # `Llama(verbose=False)` left it (the loader reports every key it reads).
+        set_verbose(False)
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        model = llama_cpp.llama_model_load_from_file(record.path.encode(), params)
+        if not model:
+            raise ValueError(f"llama.cpp could not read the vocabulary of {record.path}")
+        freed = False
+
+        def release() -> None:
+            nonlocal freed
+            if not freed:
+                freed = True
+                llama_cpp.llama_model_free(model)
+
+        return cls(llama_cpp.llama_model_get_vocab(model), read_gguf(Path(record.path)), release)
 
     @classmethod
     def of_model(cls, model: Any, record: ModelRecord) -> Vocabulary:

@@ -1,12 +1,13 @@
 """``llama_cpp`` without llama-cpp-python's high-level half until something asks for it.
 
 The package's ``__init__`` imports both halves: the C API (``llama_cpp.llama_cpp``, ctypes
-bindings, what the model worker uses) and ``Llama`` with its chat formats, caches and
-grammar helpers (``llama_cpp.llama``), which bring jinja2, diskcache with sqlite3 and
-multiprocessing: about 10 MiB in every model worker, for nothing it calls. :func:`install`
-puts a package module in ``sys.modules`` that holds the C API's names, as the real one
-does, and imports ``llama_cpp.llama`` on the first name it lacks (``llama_cpp.Llama``, which
-the gateway's vocabulary uses), so ``import llama_cpp`` serves both as before.
+bindings, all the appliance calls) and ``Llama`` with its chat formats, caches and grammar
+helpers (``llama_cpp.llama``), which bring numpy, jinja2, diskcache with sqlite3 and
+multiprocessing: about 10 MiB in a model worker (which needs numpy anyway) and 20 in the
+gateway, for nothing they call. :func:`install` puts a package module in ``sys.modules``
+whose names come from the C API, as the real one's do, or, for a name the C API lacks
+(``llama_cpp.Llama``, ``LlamaGrammar``), from ``llama_cpp.llama``, imported then; both on
+first use, so ``import llama_cpp`` stays free until it is used.
 """
 
 from __future__ import annotations
@@ -26,12 +27,19 @@ class _Package(types.ModuleType):
             return version("llama_cpp_python")
         if name.startswith("__"):
             raise AttributeError(name)
-        # The high-level names, as the package's own `from .llama import *` gives them.
-        high = importlib.import_module("llama_cpp.llama")
-        try:
-            value = getattr(high, name)
-        except AttributeError:
-            raise AttributeError(f"module 'llama_cpp' has no attribute {name!r}") from None
+        # `from .llama_cpp import *` then `from .llama import *`, as the package's own
+        # __init__ does, each name as it is first asked for.
+        low = importlib.import_module("llama_cpp.llama_cpp")
+        if not name.startswith("_") and name in vars(low):
+            value = vars(low)[name]
+        else:
+            high = importlib.import_module("llama_cpp.llama")
+            if name in vars(self):  # a submodule, set here as it was imported
+                return vars(self)[name]
+            try:
+                value = getattr(high, name)
+            except AttributeError:
+                raise AttributeError(f"module 'llama_cpp' has no attribute {name!r}") from None
         setattr(self, name, value)
         return value
 
@@ -49,12 +57,3 @@ def install() -> None:
     package.__path__ = list(spec.submodule_search_locations)
     package.__package__ = "llama_cpp"
     sys.modules["llama_cpp"] = package
-    try:
-        low = importlib.import_module("llama_cpp.llama_cpp")
-    except BaseException:
-        del sys.modules["llama_cpp"]
-        raise
-    # `from .llama_cpp import *`: its public names on the package.
-    for name, value in vars(low).items():
-        if not name.startswith("_"):
-            setattr(package, name, value)

@@ -144,6 +144,7 @@ def probe(body: str, code: Path | None) -> dict[str, Any]:
         capture_output=True,
         text=True,
         env=appliance_env(code),
+        cwd=code,  # `python -c` imports from the current folder first
     ).stdout
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
