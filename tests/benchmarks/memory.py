@@ -53,7 +53,9 @@ from tests.benchmarks.serving import (
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "memory.json"
 DEFAULT_MODELS = Path("/tmp/mem/data/models")  # noqa: S108 - a cache of an earlier run, if any
 ROOT = Path(__file__).resolve().parents[2]
-# Top-level packages worth naming when they are loaded: each costs megabytes.
+# Packages worth naming when they are loaded: each costs megabytes (llama_cpp's package
+# module costs nothing until a name of one of its halves is used: see
+# appliance/serving/llama_package.py).
 HEAVY = (
     "aiohttp",
     "apscheduler",
@@ -63,7 +65,8 @@ HEAVY = (
     "grpc",
     "jinja2",
     "jsonschema",
-    "llama_cpp",
+    "llama_cpp.llama_cpp",  # the C API
+    "llama_cpp.llama",  # llama-cpp-python's high-level half (Llama)
     "numpy",
     "onnxruntime",
     "opentelemetry",
