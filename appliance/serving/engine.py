@@ -217,14 +217,17 @@ class Vocabulary:
         Blocking."""
         import llama_cpp  # noqa: PLC0415
         from llama_cpp._logger import set_verbose  # noqa: PLC0415
+        from llama_cpp._utils import suppress_stdout_stderr  # noqa: PLC0415
 
-        # llama.cpp's log through llama-cpp-python's callback: errors only, as
-        # `Llama(verbose=False)` left it (the loader reports every key it reads).
+        # Quiet, as `Llama(verbose=False)` was: llama.cpp's log through llama-cpp-python's
+        # callback, errors only, and nothing at all while loading (the loader reports
+        # every key it reads, and warns of the vocabulary's oddities).
         set_verbose(False)
-        llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
-        model = llama_cpp.llama_model_load_from_file(record.path.encode(), params)
+        with suppress_stdout_stderr(disable=False):
+            llama_cpp.llama_backend_init()
+            model = llama_cpp.llama_model_load_from_file(record.path.encode(), params)
         if not model:
             raise ValueError(f"llama.cpp could not read the vocabulary of {record.path}")
         freed = False
