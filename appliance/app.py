@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from appliance.discovery.mdns import Announcement, Announcer, lan_addresses
 from appliance.fleet.certificates import NodeCertificate
 from appliance.fleet.identity import FleetFiles, Provisioned, lan_tls_files, provisioned
 from appliance.fleet.link import FleetLink
@@ -61,11 +60,13 @@ from shared.backup import serving
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from appliance.discovery.mdns import Announcer
     from appliance.grpc.server import GrpcServer
     from appliance.settings import ApplianceSettings
 
 log = logging.getLogger(__name__)
-ANNOUNCER = web.AppKey("announcer", Announcer)
+# Discovery may be off: zeroconf (about 14 MiB) is imported only when it is on.
+ANNOUNCER: web.AppKey[Announcer] = web.AppKey("announcer")
 FLEET = web.AppKey("fleet", FleetLink)
 # gRPC is off unless turned on: its module (grpcio, protobuf) is imported only then.
 GRPC: web.AppKey[GrpcServer] = web.AppKey("grpc")
@@ -351,6 +352,9 @@ async def _grpc(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _discovery(app: web.Application) -> AsyncIterator[None]:
+    # zeroconf only when discovery is on (ANNOUNCER).
+    from appliance.discovery.mdns import Announcement, Announcer, lan_addresses  # noqa: PLC0415
+
     settings = app[SETTINGS]
     announcer = Announcer(
         Announcement(

@@ -6,18 +6,32 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sqlite3
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Generic, ParamSpec, Protocol, TypeVar
 
-from sqlite_utils import Database
-
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
 
+# sqlite_utils imports numpy and pandas when they are installed, only to map their scalar
+# types to column types; nothing here stores either. numpy is installed (the embeddings,
+# the model worker), and would cost every process that opens a database about 18 MiB: so
+# sqlite_utils is imported with both hidden (None in sys.modules: `import` raises
+# ImportError), unless something has loaded them already. Import sqlite_utils from here.
+_HIDDEN = [name for name in ("numpy", "pandas") if name not in sys.modules]
+for _name in _HIDDEN:
+    sys.modules[_name] = None  # type: ignore[assignment]
+try:
+    from sqlite_utils import Database
     from sqlite_utils.migrations import Migrations
+finally:
+    for _name in _HIDDEN:
+        del sys.modules[_name]
+
+__all__ = ["Database", "Migrations"]
 
 P = ParamSpec("P")
 T = TypeVar("T")

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from shared import pki
 from shared.keys import PREFIX_LEN, generate_key
 
 if TYPE_CHECKING:
@@ -48,6 +47,8 @@ class Hub:
     fingerprint: str
 
     def pin(self) -> bytes:
+        from shared import pki  # noqa: PLC0415 - cryptography (14 MiB): only when enrolling
+
         return pki.fingerprint_bytes(self.fingerprint)
 
 

@@ -13,11 +13,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from shared.protocol import TRACE_HEADERS
@@ -27,6 +22,8 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping
+
+    from opentelemetry.sdk.trace import TracerProvider
 
 Attribute = str | bool | int | float | Sequence[str]
 
@@ -52,6 +49,19 @@ class Tracing:
         disabled when ``endpoint`` is None."""
         if endpoint is None:
             return cls()
+        # The SDK and the OTLP exporter (protobuf with it: about 13 MiB) only when spans
+        # are exported; without an endpoint the API's no-op tracer is all there is.
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
+            OTLPSpanExporter,
+        )
+        from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
+        from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
+        from opentelemetry.sdk.trace.sampling import (  # noqa: PLC0415
+            ParentBased,
+            TraceIdRatioBased,
+        )
+
         resource = Resource.create({"service.name": service, **(attributes or {})})
         provider = TracerProvider(
             resource=resource, sampler=ParentBased(TraceIdRatioBased(sample_ratio))

@@ -43,8 +43,6 @@ from ipaddress import (
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol, TypeAlias
 
-from wireguard_tools import WireguardKey
-
 from shared.files import write_private
 
 if TYPE_CHECKING:
@@ -135,12 +133,18 @@ class KeyPair:
 
 def generate_keypair() -> KeyPair:
     """A fresh Curve25519 key pair (wireguard-tools clamps the private key as `wg` does)."""
+    # wireguard_tools (with segno, its QR codes: about 13 MiB) only for the keys, which a
+    # node makes once: not in every process that imports this module.
+    from wireguard_tools import WireguardKey  # noqa: PLC0415
+
     private = WireguardKey.generate()
     return KeyPair(private_key=str(private), public_key=str(private.public_key()))
 
 
 def public_key_of(private_key: str) -> str:
     """The public key that goes with `private_key`."""
+    from wireguard_tools import WireguardKey  # noqa: PLC0415 - see generate_keypair
+
     raw = _key_bytes(private_key, "private key", secret=True)
     return str(WireguardKey(raw).public_key())
 

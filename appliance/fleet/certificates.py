@@ -21,8 +21,11 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from shared import pki, tls
+from shared import tls
 from shared.files import write_private, write_public
+
+# shared.pki (cryptography: about 14 MiB) is imported where a certificate is handled, not
+# with this module: a node that has none (one outside a fleet) never loads it.
 
 if TYPE_CHECKING:
     import ssl
@@ -80,6 +83,8 @@ class NodeCertificate:
         again)."""
         if not (self.cert_path.is_file() and self.key_path.is_file() and self.trust_path.is_file()):
             return False
+        from shared import pki  # noqa: PLC0415
+
         try:
             issued = pki.Issued(self.cert_path.read_bytes(), self.key_path.read_bytes())
             return pki.key_matches(issued)
@@ -98,11 +103,17 @@ class NodeCertificate:
         return None if trust is None else "sha256:" + hashlib.sha256(trust).hexdigest()
 
     def names(self) -> list[str]:
-        return pki.names_of(self.cert_path.read_bytes()) if self.cert_path.is_file() else []
+        if not self.cert_path.is_file():
+            return []
+        from shared import pki  # noqa: PLC0415
+
+        return pki.names_of(self.cert_path.read_bytes())
 
     def hub_uri(self) -> str | None:
         """The identity the hub's certificate carries: the fleet domain is in ours."""
         if self._hub_uri is None and self.cert_path.is_file():
+            from shared import pki  # noqa: PLC0415
+
             for uri in pki.uris_of(pki.load_certificate(self.cert_path.read_bytes())):
                 head, _, _ = uri.rpartition("/node/")
                 if head.startswith("spiffe://"):
@@ -115,6 +126,8 @@ class NodeCertificate:
         """A signing request for a new key (kept until the certificate comes back), for
         this node's name, its `.local` name, ``addresses`` and loopback; the hub adds its
         name under the fleet's domain and its overlay address."""
+        from shared import pki  # noqa: PLC0415
+
         key_pem, csr_pem = pki.new_request(sorted({name, f"{name}.local", *LOOPBACK, *addresses}))
         self._pending_key = key_pem
         return csr_pem.decode()
@@ -133,6 +146,8 @@ class NodeCertificate:
         self._refresh()
 
     def save_trust(self, trust_pem: bytes) -> None:
+        from shared import pki  # noqa: PLC0415
+
         pki.split_bundle(trust_pem)  # certificates only, or ValueError
         self.directory.mkdir(parents=True, exist_ok=True)
         write_public(self.trust_path, trust_pem)
@@ -143,6 +158,8 @@ class NodeCertificate:
         none yet, a third of its lifetime left, or LAN addresses it does not name."""
         if not self.present:
             return "no certificate yet"
+        from shared import pki  # noqa: PLC0415
+
         pem = self.cert_path.read_bytes()
         if at >= pki.renew_at(pem).timestamp():
             return "a third of its lifetime is left"
@@ -154,6 +171,8 @@ class NodeCertificate:
     def not_after(self) -> float | None:
         if not self.cert_path.is_file():
             return None
+        from shared import pki  # noqa: PLC0415
+
         return pki.load_certificate(self.cert_path.read_bytes()).not_valid_after_utc.timestamp()
 
     # ---- TLS contexts

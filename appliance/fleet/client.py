@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 import aiohttp
 from pydantic import ValidationError
 
-from shared import jsonlimits, pki, protocol, tls
+from shared import jsonlimits, protocol, tls
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -62,6 +62,8 @@ async def bootstrap(hub_url: str, pin: bytes) -> Verification:
     the hub), or, where no CA of the bundle matches, the hub's own certificate by its
     fingerprint. The bundle is fetched without verification, and only a CA it holds
     that the pin names is used: the pin is what is trusted."""
+    from shared import pki  # noqa: PLC0415 - cryptography (14 MiB): only when enrolling
+
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session,

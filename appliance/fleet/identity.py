@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict
 
 from appliance.fleet.certificates import NodeCertificate
-from shared import pki
 from shared.files import write_private
 from shared.provisioning import BootstrapKey, Provisioning, ProvisioningError
 from shared.wireguard import KeyPair, ensure_keypair
@@ -51,6 +50,8 @@ class Identity(BaseModel):
     hub_fingerprint: str
 
     def pin(self) -> bytes:
+        from shared import pki  # noqa: PLC0415 - cryptography (14 MiB): only when enrolling
+
         return pki.fingerprint_bytes(self.hub_fingerprint)
 
 

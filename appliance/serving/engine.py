@@ -9,7 +9,6 @@ sampler), counts no tokens while streaming, and measures no first-token time.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import logging
 import os
@@ -18,13 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import psutil
-
 from appliance.serving.chat import select_template
 from appliance.serving.gguf import GGUFInfo, read_gguf
 from appliance.serving.sampling_options import Sampling
 
 if TYPE_CHECKING:
+    import asyncio
     from collections.abc import Callable
 
     from appliance.state.records import ModelRecord
@@ -126,6 +124,10 @@ class Run:
     def __init__(
         self, loop: asyncio.AbstractEventLoop, on_cancel: Callable[[], None] | None = None
     ) -> None:
+        # The gateway's side of a generation: the model worker, which imports this module
+        # too, never makes one, nor loads asyncio (about 7 MiB with ssl and its kin).
+        import asyncio  # noqa: PLC0415
+
         self._loop = loop
         self._queue: asyncio.Queue[Event | Failed] = asyncio.Queue()
         self.cancelled = threading.Event()  # set by cancel(); read by the engine thread
@@ -209,12 +211,34 @@ class Vocabulary:
 
     @classmethod
     def load(cls, record: ModelRecord) -> Vocabulary:
-        """The vocabulary alone (no weights). Blocking."""
+        """The vocabulary alone (no weights), through llama.cpp's C API as the worker loads
+        its model: llama-cpp-python's ``Llama`` would bring the package's high-level half
+        into the gateway (numpy, diskcache: see appliance/serving/llama_package.py).
+        Blocking."""
         import llama_cpp  # noqa: PLC0415
+        from llama_cpp._logger import set_verbose  # noqa: PLC0415
+        from llama_cpp._utils import suppress_stdout_stderr  # noqa: PLC0415
 
-        llm = llama_cpp.Llama(model_path=record.path, vocab_only=True, verbose=False)
-        vocab = llm._model.vocab  # noqa: SLF001 - the vocab handle is not exposed otherwise
-        return cls(vocab, read_gguf(Path(record.path)), llm.close)
+        # Quiet, as `Llama(verbose=False)` was: llama.cpp's log through llama-cpp-python's
+        # callback, errors only, and nothing at all while loading (the loader reports
+        # every key it reads, and warns of the vocabulary's oddities).
+        set_verbose(False)
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        with suppress_stdout_stderr(disable=False):
+            llama_cpp.llama_backend_init()
+            model = llama_cpp.llama_model_load_from_file(record.path.encode(), params)
+        if not model:
+            raise ValueError(f"llama.cpp could not read the vocabulary of {record.path}")
+        freed = False
+
+        def release() -> None:
+            nonlocal freed
+            if not freed:
+                freed = True
+                llama_cpp.llama_model_free(model)
+
+        return cls(llama_cpp.llama_model_get_vocab(model), read_gguf(Path(record.path)), release)
 
     @classmethod
     def of_model(cls, model: Any, record: ModelRecord) -> Vocabulary:
@@ -283,4 +307,6 @@ def _nothing() -> None:
 
 def default_threads() -> int:
     """Physical cores, as llama-server picks; llama-cpp-python's own default is half the CPUs."""
+    import psutil  # noqa: PLC0415 - the worker is given its threads, and needs no psutil
+
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1

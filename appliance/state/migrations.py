@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING
 
-from sqlite_utils.migrations import Migrations
+from shared.db import Migrations  # sqlite_utils without numpy (see shared/db.py)
 
 if TYPE_CHECKING:
     from sqlite_utils import Database

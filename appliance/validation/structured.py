@@ -14,9 +14,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import jsonschema
-from jsonschema.exceptions import SchemaError
-
 from appliance.validation.grammar import SchemaConversionError, json_schema_to_gbnf
 
 # Any JSON object, with the converter's string rule (no raw control characters).
@@ -54,6 +51,10 @@ def json_object_output() -> StructuredOutput:
 
 
 def json_schema_output(schema: dict[str, Any], name: str | None = None) -> StructuredOutput:
+    # jsonschema (about 9 MiB) on the first request with a schema, not in every gateway.
+    import jsonschema  # noqa: PLC0415
+    from jsonschema.exceptions import SchemaError  # noqa: PLC0415
+
     try:
         validator_cls = jsonschema.validators.validator_for(schema)
         validator_cls.check_schema(schema)

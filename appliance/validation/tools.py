@@ -25,9 +25,6 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-import jsonschema
-from jsonschema.exceptions import SchemaError
-
 from appliance.validation.grammar import GrammarBuilder, SchemaConversionError, literal
 
 if TYPE_CHECKING:
@@ -122,6 +119,10 @@ def new_call_id() -> str:
 
 def parse_tools(tools: list[dict[str, Any]]) -> list[FunctionTool]:
     """OpenAI's ``tools`` (``{"type": "function", "function": {...}}``) checked and read."""
+    # jsonschema (about 9 MiB) on the first request with tools, not in every gateway.
+    import jsonschema  # noqa: PLC0415
+    from jsonschema.exceptions import SchemaError  # noqa: PLC0415
+
     parsed: list[FunctionTool] = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
@@ -239,6 +240,8 @@ def plan_tools(
     fmt: ToolFormat = (
         "hermes" if template is not None and template.tool_format == "hermes" else "generic"
     )
+    import jsonschema  # noqa: PLC0415 - see parse_tools
+
     validators = {}
     for tool in callable_tools:
         cls = jsonschema.validators.validator_for(tool.parameters)

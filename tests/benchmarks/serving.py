@@ -338,6 +338,9 @@ def start_appliance(
             stdout=log,
             stderr=subprocess.STDOUT,
             env=appliance_env(code),
+            # The model worker runs as `python -m`, whose first import path is the current
+            # folder: in this checkout's, the baseline's workers would run today's code.
+            cwd=code,
         )
     return Server(
         name=name,

@@ -1,0 +1,143 @@
+"""What the gateway and the model worker import: only what their configuration uses.
+
+Each check runs in a fresh interpreter (this one has imported everything), from this
+checkout, and reads its ``sys.modules``. The packages named here cost megabytes of resident
+memory each (tests/benchmarks/memory.py measures them): gRPC with protobuf about 20,
+numpy 18, zeroconf 14, cryptography 14, wireguard_tools with segno 13, the OpenTelemetry
+SDK with its exporter 13, jsonschema 9; llama-cpp-python's high-level half (``Llama``)
+brings numpy, jinja2 and diskcache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from appliance.state.records import ModelRecord
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# As `kvl appliance serve` builds its app (appliance/cli.py), without serving it.
+_GATEWAY = """
+from pathlib import Path
+from appliance.settings import ApplianceSettings
+from shared.cli import settings_from
+from appliance.app import create_app
+from appliance.gateway import server
+create_app(settings_from(ApplianceSettings, None, Path({data_dir!r})))
+"""
+_PRINT = "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))\n"
+
+# Never in the gateway of the default configuration (discovery off).
+GATEWAY_NEVER = (
+    "grpc",
+    "google.protobuf",
+    "appliance.grpc.server",
+    "numpy",
+    "onnxruntime",
+    "zeroconf",
+    "opentelemetry.sdk",
+    "opentelemetry.exporter",
+    "cryptography",
+    "wireguard_tools",
+    "segno",
+    "apscheduler",
+    "jsonschema",
+    "llama_cpp.llama",
+)
+# Never in the model worker: it speaks JSON lines on its pipes and calls llama.cpp's C API.
+WORKER_NEVER = (
+    "pydantic",
+    "sqlite3",
+    "sqlite_utils",
+    "aiohttp",
+    "asyncio",
+    "jinja2",
+    "diskcache",
+    "psutil",
+    "llama_cpp.llama",
+)
+
+
+def _modules(code: str, **env: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", code + _PRINT],
+        cwd=ROOT,  # `python -c` imports from the current folder first: this checkout
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    loaded: list[str] = json.loads(out.strip().splitlines()[-1])
+    return set(loaded)
+
+
+def _present(modules: set[str], names: tuple[str, ...]) -> list[str]:
+    return [n for n in names if any(m == n or m.startswith(n + ".") for m in modules)]
+
+
+def test_the_default_gateway_imports_none_of_the_optional_features(tmp_path: Path) -> None:
+    modules = _modules(
+        _GATEWAY.format(data_dir=str(tmp_path)),
+        KVL_DISCOVERY__ENABLED="false",
+    )
+    assert _present(modules, GATEWAY_NEVER) == []
+    assert "appliance.app" in modules  # the app was built
+
+
+def test_the_model_worker_imports_neither_the_gateways_stack_nor_llama_cpps_high_level_half() -> (
+    None
+):
+    modules = _modules("import appliance.serving.worker")
+    assert _present(modules, WORKER_NEVER) == []
+    assert "numpy" in modules  # its sampler's, and all of what it needs is there
+
+
+def test_the_gateways_vocabulary_comes_without_llama_cpps_high_level_half(
+    default_model: ModelRecord,
+) -> None:
+    code = (
+        "from appliance.serving.engine import Vocabulary\n"
+        "from appliance.state.records import ModelRecord\n"
+        f"vocab = Vocabulary.load(ModelRecord(**{dataclasses.asdict(default_model)!r}))\n"
+        "assert vocab.tokenize('Hello', chat=False)\n"
+        "vocab.close()\n"
+        "vocab.close()  # twice is harmless\n"
+    )
+    modules = _modules(code)
+    assert _present(modules, ("llama_cpp.llama", "numpy", "diskcache")) == []
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "llama_cpp.llama_backend_init",  # the C API's names, as the package has them
+        "llama_cpp.LLAMA_TOKEN_NULL",
+        "llama_cpp.Llama",  # the high-level half's, imported on first use
+        "llama_cpp.LlamaGrammar",
+        "llama_cpp.llama",  # a submodule
+        "llama_cpp.__version__",
+    ],
+)
+def test_llama_cpp_answers_every_name_as_its_own_package_does(expression: str) -> None:
+    code = (
+        "import appliance.serving\n"
+        "import llama_cpp\n"
+        f"light = {expression}\n"
+        "assert light is not None\n"
+    )
+    _modules(code)
+
+
+def test_llama_cpp_loads_nothing_until_a_name_is_asked_for() -> None:
+    modules = _modules("import appliance.serving.engine, llama_cpp")
+    assert _present(modules, ("llama_cpp.llama_cpp", "llama_cpp.llama")) == []
