@@ -224,5 +224,42 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """The table docs/benchmarks.md shows (`python -m tests.benchmarks.tables` writes it)."""
+    from tests.benchmarks.report import headline, table  # noqa: PLC0415 - docs only
+
+    runs = [("baseline", result["baseline"])] if "baseline" in result else []
+    runs.append(("appliance", result["appliance"]))
+    labels = [
+        f"before (`{run['commit']}`)" if name == "baseline" else f"after (`{result['commit']}`)"
+        for name, run in runs
+    ]
+
+    def peak(run: dict[str, Any], process: str) -> str:
+        figures = run["after_completions"][process]
+        return f"{figures['VmHWM']:.0f} MiB ({figures['RssAnon']:.0f} anonymous)"
+
+    def imports(run: dict[str, Any], which: str) -> str:
+        return f"{run['imports'][which]['cost_mib']:.0f} MiB"
+
+    rows = [
+        ["gateway, peak RSS", *(peak(run, "gateway") for _, run in runs)],
+        ["worker, peak RSS", *(peak(run, "worker") for _, run in runs)],
+        ["both, peak RSS", *(f"**{total_peak(run):.0f} MiB**" for _, run in runs)],
+        ["the gateway's imports", *(imports(run, "app") for _, run in runs)],
+        ["the worker's imports", *(imports(run, "worker") for _, run in runs)],
+    ]
+    settings = result["settings"]
+    lines = [
+        headline(
+            result,
+            f"one slot, context {settings.get('KVL_MODEL__N_CTX')}, embeddings and discovery off",
+        ),
+        "",
+        *table(["", *labels], rows),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

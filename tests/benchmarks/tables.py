@@ -33,6 +33,7 @@ from tests.benchmarks import (
     fleet,
     http2,
     image,
+    memory,
     offload,
     overload,
     packages,
@@ -66,6 +67,7 @@ class Table:
 
 TABLES: tuple[Table, ...] = (
     Table("serving", BENCHMARKS_MD, ("serving.json",), serving.markdown),
+    Table("memory", BENCHMARKS_MD, ("memory.json",), memory.markdown),
     Table("concurrency", BENCHMARKS_MD, ("concurrency.json",), concurrency.markdown),
     Table("overload", BENCHMARKS_MD, ("overload.json",), overload.markdown),
     Table("sync", BENCHMARKS_MD, ("sync.json",), sync.markdown),
