@@ -264,7 +264,10 @@ def commit(ref: str = "HEAD") -> str:
     sha = subprocess.run(["git", "rev-parse", "--short=12", ref], cwd=root, check=True,
                          capture_output=True, text=True).stdout.strip()  # fmt: skip
     if ref == "HEAD":
-        status = ["git", "status", "--porcelain", "--untracked-files=no"]
+        # The results the suites write are outputs, not changes to the code measured: a
+        # suite run after another is still of the commit.
+        status = ["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                  ":!tests/benchmarks/results", ":!docs/benchmarks.md", ":!README.md"]  # fmt: skip
         dirty = subprocess.run(status, cwd=root, check=True, capture_output=True, text=True).stdout
         if dirty.strip():
             sha += "+changes"
