@@ -23,14 +23,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import urllib.request
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +38,9 @@ from tests.benchmarks.serving import (
     Server,
     appliance_env,
     checkout,
-    commit,
-    cpu_model,
     create_key,
     say,
+    stamp,
     start_appliance,
     stop,
     wait_ready,
@@ -193,15 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     result: dict[str, Any] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit(),
-        "machine": {
-            "cpu": cpu_model(),
-            "logical_cpus": os.cpu_count(),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
+        **stamp(),
         "settings": {
             key: value for key, value in appliance_env().items() if key.startswith("KVL_")
         },
