@@ -135,7 +135,8 @@ test *args: setup setup-image lint
 
 # Benchmarks against peers measured in the same run (writes tests/benchmarks/results/*.json):
 # serving (one stream vs llama-server), concurrency (1-16 streams and a shared prefix vs
-# llama-server -np N), embeddings (batched vs one at a time), overload, sync, fleet,
+# llama-server -np N), memory (peak RSS of gateway and worker vs llama-server), embeddings
+# (batched vs one at a time), overload, sync, fleet,
 # placement (the planner at 10,000 nodes), offload (vs a direct call), packages (vs nginx),
 # chat_quality (the embedded models on twelve instructions), http2 (nginx in front vs
 # HTTP/1.1 served by the app), structured (the JSON Schema converter vs llama-cpp-python's
@@ -146,9 +147,9 @@ bench suite="all" *args: setup
     #!/usr/bin/env bash
     set -euo pipefail
     case "{{ suite }}" in
-        all) suites="serving concurrency embeddings overload sync fleet placement offload packages chat_quality http2 structured image api" ;;
-        serving|concurrency|embeddings|overload|sync|fleet|placement|offload|packages|chat_quality|http2|structured|image|api) suites="{{ suite }}" ;;
-        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, embeddings, overload, sync, fleet, placement, offload, packages, chat_quality, http2, structured, image, api, all)" >&2; exit 2 ;;
+        all) suites="serving concurrency memory embeddings overload sync fleet placement offload packages chat_quality http2 structured image api" ;;
+        serving|concurrency|memory|embeddings|overload|sync|fleet|placement|offload|packages|chat_quality|http2|structured|image|api) suites="{{ suite }}" ;;
+        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, memory, embeddings, overload, sync, fleet, placement, offload, packages, chat_quality, http2, structured, image, api, all)" >&2; exit 2 ;;
     esac
     for s in $suites; do {{ py }} -m "tests.benchmarks.$s" {{ args }}; done
     {{ py }} -m tests.benchmarks.tables  # the docs' results tables, rewritten from the new results

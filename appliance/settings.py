@@ -180,6 +180,15 @@ class ModelSettings(_Section):
         default=True,
         description="Flash attention (llama-server's default too); about 7% faster on CPU.",
     )
+    worker_nice: int = Field(
+        5,
+        ge=0,
+        le=19,
+        description=(
+            "Niceness the model worker adds to its own: below the gateway's priority, decoding "
+            "yields the moment the gateway has a refusal to send or a token to deliver."
+        ),
+    )
     n_slots: int = Field(
         4,
         ge=1,

@@ -176,6 +176,7 @@ class EngineOptions:
     n_gpu_layers: int = 0
     max_queue: int = 16
     flash_attn: bool = True
+    worker_nice: int = 5  # added to the worker's niceness (appliance.serving.worker)
     # A prompt prefix shared by at least this many tokens is computed once and its KV
     # copied to each sequence that starts with it (appliance.serving.prefix); 0: only for
     # requests that say they share their prompt (GenerationRequest.share_prompt).

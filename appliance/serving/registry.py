@@ -444,6 +444,7 @@ class ModelRegistry:
             max_queue=m.max_queue,
             n_slots=m.n_slots,
             flash_attn=m.flash_attn,
+            worker_nice=m.worker_nice,
             prefix_min_tokens=m.prefix_min_tokens,
             cache_prompt=m.cache_prompt,
             reserved_slots=self._settings.classes.reserved_slots,

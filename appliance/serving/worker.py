@@ -30,11 +30,6 @@ from appliance.state.records import ModelRecord
 
 log = logging.getLogger("kvl.worker")
 
-# Niceness added to the worker's own. The gateway answers the LAN (a refusal in
-# milliseconds, each token as it comes) with little CPU; the model takes every core it is
-# given. Below the gateway's priority, the model yields the moment the gateway has work,
-# instead of the gateway waiting for a time slice behind both decode threads.
-WORKER_NICE = 5
 
 
 class Worker:
@@ -148,11 +143,16 @@ def main() -> None:
         format="%(asctime)s %(levelname)s worker[%(process)d] %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    with contextlib.suppress(OSError):  # a process may always lower its priority
-        os.nice(WORKER_NICE)
     spec = json.loads(sys.argv[1])
+    options = EngineOptions(**spec["options"])
+    # The gateway answers the LAN (a refusal in milliseconds, each token as it comes) with
+    # little CPU; the model takes every core it is given. Below the gateway's priority
+    # (`model.worker_nice`), the model yields the moment the gateway has work, instead of
+    # the gateway waiting for a time slice behind both decode threads.
+    with contextlib.suppress(OSError):  # a process may always lower its priority
+        os.nice(options.worker_nice)
     record = ModelRecord(**spec["record"])
-    engine = BatchEngine(record, EngineOptions(**spec["options"]))
+    engine = BatchEngine(record, options)
     engine.load()
     worker = Worker(engine, float(spec.get("heartbeat_s", 1.0)))
     worker.send(

@@ -17,7 +17,6 @@ from appliance.gateway.keys import REGISTRY
 from appliance.serving.engine import EngineOptions, Finished, GenerationRequest, TextDelta
 from appliance.serving.sampling_options import Sampling
 from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, WorkerUnavailableError
-from appliance.serving.worker import WORKER_NICE
 from appliance.settings import ApplianceSettings
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
@@ -37,7 +36,10 @@ def auth(key: str) -> dict[str, str]:
 async def test_kill_9_mid_stream(
     aiohttp_client: AiohttpClient, settings: ApplianceSettings, api_key: str
 ) -> None:
-    app = create_app(settings)
+    # The worker runs below the gateway's priority by `model.worker_nice` (5 by default).
+    assert settings.model.worker_nice == 5
+    model = settings.model.model_copy(update={"worker_nice": 7})
+    app = create_app(settings.model_copy(update={"model": model}))
     client: Client = await aiohttp_client(app)
     host = app[REGISTRY]
     await host.wait_loaded()
@@ -45,10 +47,7 @@ async def test_kill_9_mid_stream(
     assert replica is not None
     first_pid = replica.pid
     assert first_pid is not None
-    # The worker runs below the gateway's priority (appliance.serving.worker, WORKER_NICE).
-    assert psutil.Process(first_pid).nice() == min(
-        19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICE
-    )
+    assert psutil.Process(first_pid).nice() == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7)
 
     stream = await client.post(
         "/v1/completions", headers=auth(api_key), json={**LONG, "stream": True}

@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import datetime
 import json
-import os
 import ssl
 import statistics
 import subprocess
@@ -493,13 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     if set(plans) <= chosen:
         _ratios(rows)
     result = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": base.commit(),
-        "machine": {
-            "cpu": base.cpu_model(),
-            "logical_cpus": os.cpu_count(),
-            "load_average": os.getloadavg(),
-        },
+        **base.stamp(),
         "llama_server_build": build.info,
         "workloads": rows,
     }

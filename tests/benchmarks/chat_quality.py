@@ -31,13 +31,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from appliance.serving.catalog import CHAT_MODEL_NAME, DEFAULT_MODEL_NAME
 from tests.benchmarks.report import headline, table
-from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say
+from tests.benchmarks.serving import HOST, free_port, say, stamp
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "chat-quality.json"
 MODELS = (CHAT_MODEL_NAME, DEFAULT_MODEL_NAME)
@@ -355,13 +354,6 @@ def measure(work: Path, loads: int) -> dict[str, Any]:
             process.wait()
 
 
-def _avx512() -> bool:
-    try:
-        return " avx512f" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Instruction following of the embedded models.")
     parser.add_argument("--loads", type=int, default=3, help="timed loads of each model")
@@ -373,9 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         models = measure(Path(tmp), args.loads)
     loadavg_after = os.getloadavg()
     result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit(),
-        "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "avx512": _avx512()},
+        **stamp(),
         "loadavg_before": [round(x, 2) for x in loadavg_before],
         "loadavg_after": [round(x, 2) for x in loadavg_after],
         "settings": {

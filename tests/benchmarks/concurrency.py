@@ -38,13 +38,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -302,14 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[workload.name] = _summarised(runs)
             base.say(f"  {workload.name}: ratio spread {rows[workload.name]['ratio_spread']}")
     result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": base.commit(),
-        "machine": {
-            "cpu": base.cpu_model(),
-            "logical_cpus": os.cpu_count(),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "gpus": gpu_names(),
-        },
+        **base.stamp(gpus=gpu_names()),
         "settings": {
             "n_threads": base.N_THREADS,
             "n_ctx_per_slot": base.N_CTX,

@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ from appliance.serving.embeddings import (
     EmbeddingOptions,
 )
 from tests.benchmarks.report import TIMES, headline, table
-from tests.benchmarks.serving import commit, cpu_model, say
+from tests.benchmarks.serving import say, stamp
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "embeddings.json"
 
@@ -112,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     figures = asyncio.run(run(args.texts, args.clients, args.threads))
     result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit(),
-        "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count()},
+        **stamp(),
         "settings": {"texts": args.texts, "clients": args.clients, "threads": args.threads},
         **figures,
     }

@@ -36,14 +36,13 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from tests.benchmarks.report import headline, span, table
-from tests.benchmarks.serving import HOST, checkout, commit, cpu_model, free_port, say
+from tests.benchmarks.serving import HOST, checkout, commit, free_port, say, stamp
 from tests.benchmarks.sync import wait_for_hub
 from tests.postgres import cluster
 
@@ -561,9 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         for count in args.replicas
     }  # fmt: skip
     result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit(),
-        "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count()},
+        **stamp(),
         "settings": {
             "hub": "kvl hub serve per replica, HTTPS on loopback, no tunnel; SQLite WAL with "
             "synchronous=FULL, or PostgreSQL (Debian's server, fsync and synchronous_commit "

@@ -27,21 +27,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import ssl
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
-from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from shared import __version__
 from tests.benchmarks.report import headline
-from tests.benchmarks.serving import commit, cpu_model, say
+from tests.benchmarks.serving import say, stamp
 from tests.image.vm import (
     ENROLLED_BOUND_S,
     READY_BOUND_S,
@@ -296,9 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     ready = measured["ready_s"]
     accel = accelerator()
     result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit(),
-        "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "accelerator": accel},
+        **stamp(accelerator=accel),
         "settings": {"guest_cpus": 2, "guest_memory_mib": 3072, "boots": len(ready)},
         "image": {
             "size_bytes": manifest["size_bytes"],

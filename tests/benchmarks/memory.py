@@ -23,14 +23,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import urllib.request
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +38,15 @@ from tests.benchmarks.serving import (
     Server,
     appliance_env,
     checkout,
-    commit,
-    cpu_model,
     create_key,
     say,
+    stamp,
     start_appliance,
     stop,
     wait_ready,
 )
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "memory.json"
-DEFAULT_MODELS = Path("/tmp/mem/data/models")  # noqa: S108 - a cache of an earlier run, if any
 ROOT = Path(__file__).resolve().parents[2]
 # Packages worth naming when they are loaded: each costs megabytes (llama_cpp's package
 # module costs nothing until a name of one of its halves is used: see
@@ -186,22 +181,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Where the appliance's memory goes.")
     parser.add_argument("--completions", type=int, default=3, help="completions sent (3)")
     parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each (32)")
-    parser.add_argument("--models-from", type=Path, default=DEFAULT_MODELS)
+    parser.add_argument(
+        "--models-from",
+        type=Path,
+        help="a folder of GGUF files to copy in (an earlier data dir's models/), instead of "
+        "the appliance assembling its default model",
+    )
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     parser.add_argument("--baseline", help="also measure the appliance of this commit")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
     args = parser.parse_args(argv)
 
     result: dict[str, Any] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit(),
-        "machine": {
-            "cpu": cpu_model(),
-            "logical_cpus": os.cpu_count(),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
+        **stamp(),
         "settings": {
             key: value for key, value in appliance_env().items() if key.startswith("KVL_")
         },

@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from hub.settings import HubSettings
 from hub.state.store import open_store
 from tests.benchmarks.concurrency import _percentile
 from tests.benchmarks.report import headline, table
-from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say
+from tests.benchmarks.serving import HOST, free_port, say, stamp
 from tests.benchmarks.sync import wait_for_hub
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "offload.json"
@@ -208,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 except subprocess.TimeoutExpired:
                     process.kill()
     result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit(),
-        "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count()},
+        **stamp(),
         "settings": {
             "request": "/v1/completions, 16 tokens, greedy, not streamed",
             "nodes": "two appliances, 1 thread each, one slot; A's held by a long request",

@@ -35,14 +35,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import statistics
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -361,13 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     }
     result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": base.commit(),
-        "machine": {
-            "cpu": base.cpu_model(),
-            "logical_cpus": os.cpu_count(),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        },
+        **base.stamp(),
         "settings": {
             "slots": SLOTS,
             "max_tokens": args.max_tokens,

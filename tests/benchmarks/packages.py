@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,13 @@ import aiohttp
 import psutil
 
 from tests.benchmarks.report import TIMES, headline, table
-from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say, tree_cpu_seconds
+from tests.benchmarks.serving import (
+    HOST,
+    free_port,
+    say,
+    stamp,
+    tree_cpu_seconds,
+)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "packages.json"
 TOPICS = [
@@ -272,9 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop(process)
     result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit(),
-        "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count()},
+        **stamp(),
         "settings": {"model": "gemma-3-270m Q4_K_M, 2 threads", "narration": "espeak-ng"},
         **figures,
     }

@@ -18,19 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import time
 from dataclasses import replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hub.planning.placement import Deployment, Gpu, NodeSnapshot, Plan, plan
 from tests.benchmarks.report import headline, table
-from tests.benchmarks.serving import commit, cpu_model, say
+from tests.benchmarks.serving import say, stamp
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -189,13 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     churn, after = timed(deployments, outage, first.assignments, args.runs)
 
     result: dict[str, Any] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit(),
-        "machine": {
-            "cpu": cpu_model(),
-            "logical_cpus": os.cpu_count(),
-            "python": platform.python_version(),
-        },
+        **stamp(),
         "seed": args.seed,
         "runs": args.runs,
         "nodes": len(nodes),

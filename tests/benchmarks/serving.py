@@ -568,6 +568,34 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
+def stamp(**machine: Any) -> dict[str, Any]:
+    """What a result opens with: when it was measured, of which commit, on what machine
+    (`machine` adds a suite's own facts: its GPUs, its accelerator). The load average says
+    whether the machine was quiet; AVX-512 or not changes llama.cpp's kernels."""
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": commit(),
+        "machine": {
+            "cpu": cpu_model(),
+            "logical_cpus": os.cpu_count(),
+            "physical_cores": psutil.cpu_count(logical=False),
+            "avx512": avx512(),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "load_average": [round(x, 2) for x in os.getloadavg()],
+            **machine,
+        },
+    }
+
+
+def avx512() -> bool:
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def cpu_model() -> str:
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -691,17 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     app = summarize(app_phases)
     ref = summarize(ref_phases)
     result: dict[str, Any] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit(),
-        "machine": {
-            "cpu": cpu_model(),
-            "logical_cpus": os.cpu_count(),
-            "physical_cores": psutil.cpu_count(logical=False),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "platform": platform.platform(),
-            "gpus": gpu_names(),
-            "python": platform.python_version(),
-        },
+        **stamp(gpus=gpu_names()),
         "model": {"file": model_name, "sha256": model_sha, "bytes": model_bytes},
         "settings": {
             "runs": args.runs,

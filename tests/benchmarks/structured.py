@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +49,7 @@ from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from appliance.validation.grammar import json_schema_to_gbnf
 from tests.benchmarks.report import headline, table
-from tests.benchmarks.serving import commit, cpu_model, say
+from tests.benchmarks.serving import say, stamp
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "structured.json"
 
@@ -276,10 +274,7 @@ def main() -> None:
         store.close()
         vocab = Vocabulary.load(model)
         report: dict[str, Any] = {
-            "when": datetime.now(UTC).isoformat(timespec="seconds"),
-            "commit": commit(),
-            # Which machine, as the other suites record it (results before this lack it).
-            "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count()},
+            **stamp(),
             "model": model.name,
             "seeds": args.seeds,
             "temperature": 1.0,

@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +33,7 @@ from hub.state.store import open_store
 from shared.db import now_iso
 from shared.provisioning import Provisioning
 from tests.benchmarks.report import headline, table
-from tests.benchmarks.serving import HOST, commit, cpu_model, free_port, say
+from tests.benchmarks.serving import HOST, free_port, say, stamp
 from tests.conftest import NoModels
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "sync.json"
@@ -181,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             hub_store.close()
     rate = args.events / seconds
     result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit(),
-        "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count()},
+        **stamp(),
         "settings": {
             "events": args.events,
             "batch": args.batch,
