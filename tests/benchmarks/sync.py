@@ -104,12 +104,9 @@ async def drain(settings: FleetSettings, fleet_dir: Path, db_path: Path) -> tupl
         await store.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Outbox drain into the hub after a reconnect.")
-    parser.add_argument("--events", type=int, default=100_000, help="backlog (100000)")
-    parser.add_argument("--batch", type=int, default=1000, help="events per request (1000)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
-    args = parser.parse_args(argv)
+def once(events: int, batch: int) -> tuple[float, int, int, int]:
+    """One drain of a fresh node into a fresh hub: seconds, acknowledged, in the ledger,
+    distinct in the ledger."""
     with tempfile.TemporaryDirectory(prefix="kvl-bench-") as tmp:
         work = Path(tmp)
         port = free_port()
@@ -128,24 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         config.write_text("overlay:\n  interface: null\nserver:\n  require_overlay_source: false\n")
         with (work / "hub.log").open("wb") as log:
             process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "shared.cli",
-                    "hub",
-                    "serve",
-                    "--config",
-                    str(config),
-                    "--data-dir",
-                    str(work / "hub"),
-                    "--host",
-                    HOST,
-                    "--port",
-                    str(port),
-                ],
+                [sys.executable, "-m", "shared.cli", "hub", "serve", "--config", str(config),
+                 "--data-dir", str(work / "hub"), "--host", HOST, "--port", str(port)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-            )
+            )  # fmt: skip
         url = f"https://{HOST}:{port}"
         try:
             wait_for_hub(url, process)
@@ -159,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(enroll(FleetFiles(fleet_dir), provisioning))
             db_path = work / "node" / "appliance.db"
             node = Store(db_path)
-            fill(node, args.events)
+            fill(node, events)
             node.close()
-            say(f"sync: draining {args.events} events into the hub")
-            settings = FleetSettings(tunnel=False, sync_batch=args.batch)
+            say(f"sync: draining {events} events into the hub")
+            settings = FleetSettings(tunnel=False, sync_batch=batch)
             seconds, sent = asyncio.run(drain(settings, fleet_dir, db_path))
         finally:
             process.terminate()
@@ -170,28 +154,44 @@ def main(argv: list[str] | None = None) -> int:
         hub_store = open_store(hub)
         try:
             stored = hub_store.ledger_count()
-            distinct = int(
-                next(iter(hub_store.db.query("SELECT COUNT(DISTINCT event_id) AS n FROM ledger")))[
-                    "n"
-                ]
-            )
+            query = "SELECT COUNT(DISTINCT event_id) AS n FROM ledger"
+            distinct = int(next(iter(hub_store.db.query(query)))["n"])
         finally:
             hub_store.close()
-    rate = args.events / seconds
+    return seconds, sent, stored, distinct
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Outbox drain into the hub after a reconnect.")
+    parser.add_argument("--events", type=int, default=100_000, help="backlog (100000)")
+    parser.add_argument("--batch", type=int, default=1000, help="events per request (1000)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="drains, each fresh; the median is reported (3)"
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
+    args = parser.parse_args(argv)
+    # One drain takes about ten seconds here, and another process's burst moves it by a
+    # quarter: the median of several, with their range, is the figure.
+    runs = [once(args.events, args.batch) for _ in range(max(1, args.repeats))]
+    rates = [args.events / seconds for seconds, *_ in runs]
+    seconds, sent, stored, _ = sorted(runs)[len(runs) // 2]
     result = {
         **stamp(),
         "settings": {
             "events": args.events,
             "batch": args.batch,
+            "repeats": len(runs),
             "hub": "SQLite, HTTPS on loopback",
         },
         "drain_s": round(seconds, 2),
-        "events_per_s": round(rate, 1),
+        "events_per_s": round(args.events / seconds, 1),
+        "events_per_s_range": [round(min(rates), 1), round(max(rates), 1)],
         "target_events_per_s": TARGET_EVENTS_S,
         "acknowledged": sent,
         "in_ledger": stored,
-        "lost": args.events - distinct,
-        "duplicated": stored - distinct,
+        # Over every drain: each must have delivered every event once.
+        "lost": sum(args.events - d for *_, d in runs),
+        "duplicated": sum(st - d for _, _, st, d in runs),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -213,13 +213,21 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{settings['events']:,}",
                 f"{settings['batch']:,}",
                 f"{result['drain_s']:.1f} s",
-                f"**{result['events_per_s']:,.0f}** (target ≥ {result['target_events_per_s']:,})",
+                _rate(result),
                 f"{result['in_ledger']:,}",
                 f"{result['lost']:,}",
                 f"{result['duplicated']:,}",
             ]],
         ),
     ]) + "\n"  # fmt: skip
+
+
+def _rate(result: dict[str, Any]) -> str:
+    rate = f"**{result['events_per_s']:,.0f}**"
+    if (spread := result.get("events_per_s_range")) is not None:
+        repeats = result["settings"]["repeats"]
+        rate += f" (median of {repeats}, {spread[0]:,.0f}\N{EN DASH}{spread[1]:,.0f})"
+    return f"{rate} (target ≥ {result['target_events_per_s']:,})"
 
 
 if __name__ == "__main__":
