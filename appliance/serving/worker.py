@@ -31,7 +31,6 @@ from appliance.state.records import ModelRecord
 log = logging.getLogger("kvl.worker")
 
 
-
 class Worker:
     def __init__(self, engine: BatchEngine, heartbeat_s: float) -> None:
         self.engine = engine
