@@ -48,10 +48,19 @@ class EmbeddedModel:
     def version(self) -> str:
         from importlib.metadata import PackageNotFoundError, distribution  # noqa: PLC0415
 
+        # Found once per process: finding a distribution scans every folder of sys.path
+        # (0.35 ms each time, twice in every `GET /v1/models`). A package not installed is
+        # looked for again, so one installed later is seen.
+        if (known := _VERSIONS.get(self.package)) is not None:
+            return known
         try:
-            return distribution(self.package).version
+            version = _VERSIONS[self.package] = distribution(self.package).version
         except PackageNotFoundError:
             raise ModelFileError(f"{self.name}: {_missing(self.package)}") from None
+        return version
+
+
+_VERSIONS: dict[str, str] = {}
 
 
 def _missing(package: str) -> str:
