@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import pytest
-from aiohttp import web
+from aiohttp import web, web_app
 from aiohttp.test_utils import TestClient
 from pytest_aiohttp import AiohttpClient
 
@@ -35,6 +35,20 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 Client = TestClient[web.Request, web.Application]
+
+
+@pytest.fixture(autouse=True)
+def _forget_built_middlewares() -> Iterator[None]:
+    """aiohttp keeps each handler's middleware chain in a process-wide cache of 1,024
+    entries keyed by its applications (`aiohttp.web_app._cached_build_middleware`): built
+    once in a server's life, but here it kept every test's app alive, with its model
+    registry, its ONNX session and its event loop, about 100 MiB a test (the test process
+    reached 14 GiB). Emptied after each test; a later request of an app that lives on only
+    builds its chain again."""
+    yield
+    cache = getattr(web_app, "_cached_build_middleware", None)
+    if cache is not None:
+        cache.cache_clear()
 
 
 def _quiet_progress(label: str, total: int) -> ProgressBar:
