@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -16,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from hub.keys import METRICS, REQUEST_ID
 from shared import protocol
 from shared.errors import ApiError, ErrorCode, error_body
+from shared.tracing import new_request_id
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 M = TypeVar("M", bound=BaseModel)
@@ -33,7 +33,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error in the one error shape, with the request's id (`X-Kvl-Request-Id`,
     also in the log): ours, aiohttp's, and any other exception, which is a bug, logged
     with its traceback and answered 500 `internal_error`, never a plain-text page."""
-    request_id = secrets.token_hex(8)
+    request_id = new_request_id()
     request[REQUEST_ID] = request_id
     started = time.perf_counter()
     code: ErrorCode | None = None

@@ -196,7 +196,9 @@ class Simulator:
             timeout=aiohttp.ClientTimeout(total=30),
         )
         self._files = tempfile.TemporaryDirectory(prefix="kvl-simulated-")
-        # Nodes without certificates are nodes of protocol 2, the version before them.
+        # Nodes without certificates are nodes of protocol 2, the version before them,
+        # and send no objectives (protocol 4).
+        self._objectives = self.certificates
         self._headers = (
             protocol.HEADERS
             if self.certificates
@@ -237,13 +239,15 @@ class Simulator:
     async def _speak_the_hubs_version(self) -> None:
         """The nodes speak the newest protocol both they and the hub know: a hub of an
         earlier commit (a benchmark's baseline) refuses a node newer than itself, and
-        what the simulated nodes send is the same in every version since objectives."""
+        what the simulated nodes send is the same in every version since certificates, but
+        the objectives (protocol 4), which a node of an earlier version does not send."""
         async with self._session.get(f"{self._urls[0]}/healthz", ssl=self._ssl) as response:
             health = await response.json(content_type=None)
         version = min(protocol.PROTOCOL_VERSION, int(health.get("protocol", 0)))
-        if version < 4:
-            raise RuntimeError(f"the hub speaks protocol {version}: the simulator needs 4")
+        if version < 3:
+            raise RuntimeError(f"the hub speaks protocol {version}: certificates need 3")
         self._headers = {protocol.PROTOCOL_HEADER: str(version)}
+        self._objectives = version >= protocol.ADDED_IN[protocol.HeartbeatRequest]["objectives"]
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
@@ -378,11 +382,9 @@ class Simulator:
                 url = urls[index]
                 if kind == _BEAT:
                     beats[index] += 1
-                    body = {
-                        "versions": VERSIONS,
-                        "capacity": _capacity(rng),
-                        "objectives": _objectives(index, beats[index]),
-                    }
+                    body = {"versions": VERSIONS, "capacity": _capacity(rng)}
+                    if self._objectives:
+                        body["objectives"] = _objectives(index, beats[index])
                     call(self._beat(url, callers[index], body, due, load))
                     if events:
                         heapq.heappush(schedule, (due + interval_s / 2, index, _SYNC))

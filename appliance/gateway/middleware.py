@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -26,6 +25,7 @@ from appliance.gateway.offload import OFFLOADED_PREFIX
 from appliance.inference.authentication import authenticate as authenticate_key
 from shared import tls
 from shared.errors import ApiError, ErrorCode, error_body
+from shared.tracing import new_request_id
 
 if TYPE_CHECKING:
     from appliance.state.store import ApiKey
@@ -49,7 +49,7 @@ def route_label(request: web.Request) -> str:
 @web.middleware
 async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Outermost: request id, then every failure as the error shape, then the metrics."""
-    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    request_id = request.headers.get("X-Request-Id") or new_request_id()
     request[REQUEST_ID] = request_id
     started = time.perf_counter()
     route = route_label(request)
