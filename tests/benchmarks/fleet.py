@@ -397,7 +397,7 @@ def _held_sentence(result: dict[str, Any]) -> str:
     names = {"sqlite": "SQLite", "postgres": "PostgreSQL"}
     held = "; ".join(
         f"{names.get(where.split(',')[0], where.split(',')[0])},{where.partition(',')[2]}: "
-        f"{nodes:,} nodes"
+        + (f"{nodes:,} nodes" if nodes else "none of the sizes run")
         for where, nodes in largest.items()
     )
     sentence = (
@@ -428,6 +428,11 @@ def _cpu_against(
             f"{before['hub_cpu_ms_per_call']:.3f}",
             f"{now['hub_cpu_ms_per_call']:.3f}",
             f"{ratios[-1]:.2f}",
+            # Both hubs' tails and whether each held, on the same machine in the same
+            # run: what the figures of an earlier day's run cannot say.
+            f"{before['heartbeats']['p99_ms']} / {now['heartbeats']['p99_ms']} ms",
+            f"{before['sync']['p99_ms']} / {now['sync']['p99_ms']} ms",
+            f"{_yes(before['held'])} / {_yes(now['held'])}",
         ])  # fmt: skip
     header = [
         f"{first['nodes']:,} nodes",
@@ -437,6 +442,9 @@ def _cpu_against(
         ),
         f"after (`{commit}`, {now_mode})" if commit else f"after ({now_mode})",
         "after / before",
+        "heartbeat p99, before / after",
+        "sync p99, before / after",
+        "held, before / after",
     ]
     return [
         *table(header, rows),
