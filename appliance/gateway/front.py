@@ -17,23 +17,24 @@ the API's error shape. The certificate files are watched: a renewed certificate 
 fleet's, or the operator's file replaced) is taken once it pairs with its key, by a reload
 (SIGHUP) that keeps open connections; an nginx that exits is started again.
 
-Package files (`GET`/`HEAD /v1/packages/{id}/files/{path}`) are sent by nginx itself, from
-the package cache's blob folder with sendfile, once the app has decided: nginx asks it
-first (an `auth_request` subrequest to `DECIDE` + the request's URI, with the client's
-headers and a token only nginx knows), and the app checks all it checks for the route
-itself (the key and its throttle, the account's packages, `?version=`, a blob known good)
-and answers 200 with the blob's name (its sha256, which the app checked; nginx serves no
-other name) and the headers to send, or 204: let the app answer. A 204, a request with a
-condition (`If-*`), an `Origin`, a Range other than one plain range, or a method other than
-GET and HEAD is passed to the app whole, as every other route: every refusal is the app's,
-in the error shape. nginx keeps a 200 decision for a second (whole seconds: less than 2 s),
-keyed on the URI and the Authorization header, so repeated downloads do not reach the
-interpreter at all; a key revoked or a package withdrawn may still download through the
-front for that long. Those keys are written in cache files of the private directory.
-When the appliance runs as root, the workers (nobody) read the blobs through nogroup: a
-blob nginx is told to send is made group-readable (0640, root:nogroup); the folders down
-to it must let them through already (the data directory is not opened up: if it is
-private, package files go through the app).
+Package files (`GET`/`HEAD /v1/packages/{id}/files/{path}`) are sent by nginx itself, with
+sendfile, from the package cache's blob folder, once the app has decided: nginx asks it
+first (an `auth_request` subrequest to DECIDE + the request's URI, with the client's
+headers and a token only nginx has), the app checks all that `package_file` checks (the
+key and its throttle, without counting a failure; the account's packages; `?version=`; a
+blob known good; a range that can be met) and answers 200 with the blob's name (the
+sha256 it checked: nginx serves no name from the URL) and the headers to send, or 204:
+the app answers itself, as it does a request with a condition (`If-*`), an `Origin`, a
+range other than one plain one, or a method other than GET and HEAD, which nginx passes
+on whole (a 418 of its own leads there): every refusal is the app's, in the error shape.
+(X-Accel-Redirect would need no subrequest, but nginx never caches such an answer.)
+nginx keeps a 200 for DECISION_S (it counts whole seconds: under 2 s), keyed on the
+Authorization header, the Range and the URI, so repeated downloads never reach the
+interpreter: a key revoked or a package withdrawn may still download that long. The keys
+are in the cache's files, in the private directory, gone a few seconds after last use.
+Run as root, nginx's workers are nobody: a blob the app decides on is made readable to
+their group (0640, nogroup); the folders down to the blobs must let others through
+already (the data directory is not opened: if it is private, files go through the app).
 """
 
 from __future__ import annotations
