@@ -33,8 +33,10 @@ Authorization header, the Range and the URI, so repeated downloads never reach t
 interpreter: a key revoked or a package withdrawn may still download that long. The keys
 are in the cache's files, in the private directory, gone a few seconds after last use.
 Run as root, nginx's workers are nobody: a blob the app decides on is made readable to
-their group (0640, nogroup); the folders down to the blobs must let others through
-already (the data directory is not opened: if it is private, files go through the app).
+their group (0640, nogroup), and a folder from the data directory down to the blobs that
+keeps them out is given to that group to go through only (0710), where nothing else in it
+is open to others (let_through); otherwise, or above the data directory, nothing is
+opened and the app sends the files.
 """
 
 from __future__ import annotations
@@ -165,23 +167,45 @@ def _quoted(path: Path) -> str:
     return f'"{text}"'
 
 
-def _passable(folder: Path) -> bool:
-    """Whether nobody:nogroup may go through ``folder`` and every folder above it (the
-    blobs' own permissions are set as each is decided, see Front.share)."""
+def _passes(stat: os.stat_result, uid: int, gid: int) -> bool:
+    """Whether a user uid:gid (no other groups) may go through a folder of ``stat``."""
+    if stat.st_uid == uid:
+        return bool(stat.st_mode & 0o100)
+    if stat.st_gid == gid:
+        return bool(stat.st_mode & 0o010)
+    return bool(stat.st_mode & 0o001)
+
+
+def let_through(blobs: Path, within: Path) -> bool:
+    """Let nobody:nogroup (root's nginx workers) through the folders down to ``blobs``,
+    opening none above ``within`` (the data directory) and none it would see more by: a
+    folder that keeps them out is given to the group nogroup, to go through only (0710:
+    not even listed), and only if nothing else in it is open to others or to that group
+    (then they reach only what they reach now). False, with nothing changed below the
+    folder found, where that cannot be: nginx then sends no file."""
     nobody = pwd.getpwnam("nobody")
-    for each in (folder, *folder.parents):
-        try:
-            stat = each.stat()
-        except OSError:
+    chain = [blobs, *blobs.parents][::-1]  # from / down to the blobs
+    for depth, folder in enumerate(chain):
+        stat = folder.stat()
+        if _passes(stat, nobody.pw_uid, nobody.pw_gid):
+            continue
+        if folder != within and within not in folder.parents:
+            log.warning("%s keeps nginx's workers (nobody) out, above the data directory", folder)
             return False
-        if stat.st_uid == nobody.pw_uid:
-            bit = 0o100
-        elif stat.st_gid == nobody.pw_gid:
-            bit = 0o010
-        else:
-            bit = 0o001
-        if not stat.st_mode & bit:
-            return False
+        if folder != blobs:  # the blobs are the workers' to read (Front.share)
+            below = chain[depth + 1].name
+            for entry in os.scandir(folder):
+                seen = entry.stat(follow_symlinks=False)
+                if entry.name != below and (
+                    seen.st_mode & 0o007 or (seen.st_gid == nobody.pw_gid and seen.st_mode & 0o070)
+                ):
+                    log.warning("%s is open to others: its folder stays closed", entry.path)
+                    return False
+        # The old group's rights first taken away, or nogroup would have them a moment.
+        folder.chmod(stat.st_mode & 0o707)
+        os.chown(folder, -1, nobody.pw_gid)
+        folder.chmod((stat.st_mode & 0o707) | 0o010)
+        log.info("%s: nginx's workers (nogroup) may go through it now", folder)
     return True
 
 
@@ -225,9 +249,11 @@ class Front:
         max_streams: int,
         max_body_bytes: int,
         blobs: Path | None = None,
+        data_dir: Path | None = None,
     ) -> None:
         """``blobs``: the package cache's blob folder, whose files nginx may send itself
-        (None: every request goes to the app)."""
+        (None: every request goes to the app); under root, the folders from ``data_dir``
+        down to it may be opened to nginx's workers (let_through)."""
         self._binary = binary
         self._host = host
         self._port = port
@@ -242,6 +268,7 @@ class Front:
         self._stopping = False
         self._seen = self._stat()
         self.blobs = blobs
+        self._data_dir = data_dir
         # What the decision route asks nginx for: nobody else can send it.
         self.token = secrets.token_urlsafe(24)
         # Root's workers run as nobody: blobs they send are shared with their group.
@@ -414,12 +441,18 @@ class Front:
             os.chown(self.directory, nobody.pw_uid, nobody.pw_gid)
             with contextlib.suppress(FileNotFoundError):
                 os.chown(self.upstream, nobody.pw_uid, nobody.pw_gid)
-        if self.blobs is not None and self.group is not None and not _passable(self.blobs):
-            log.warning(
-                "nginx's workers (nobody) cannot reach %s: package files go through the app",
-                self.blobs,
-            )
-            self.blobs = None
+        if self.blobs is not None and self.group is not None:
+            try:
+                reached = let_through(self.blobs, self._data_dir or self.blobs)
+            except OSError as err:
+                log.warning("could not open the way to %s: %s", self.blobs, err)
+                reached = False
+            if not reached:
+                log.warning(
+                    "nginx's workers (nobody) cannot reach %s: package files go through the app",
+                    self.blobs,
+                )
+                self.blobs = None
         (self.directory / "nginx.conf").write_text(self.config())
         for attempt in range(1, START_ATTEMPTS + 1):
             try:

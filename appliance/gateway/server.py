@@ -136,6 +136,7 @@ def _front(app: web.Application, host: str, port: int, tls: bool) -> Front | Non
         max_streams=settings.server.http2_max_streams,
         max_body_bytes=settings.server.max_body_bytes,
         blobs=blob_dir(settings.packages_dir),
+        data_dir=settings.data_dir,
     )
 
 

@@ -8,6 +8,7 @@ nginx kept is used within its second only.
 
 from __future__ import annotations
 
+import grp
 import os
 import re
 import shutil
@@ -90,16 +91,20 @@ def _app_socket(appliance: Appliance) -> Path:
 
 @pytest.fixture(scope="module")
 def seeded() -> Iterator[Seeded]:
-    # Not pytest's folder, which is root's alone: under root, nginx's workers (nobody)
-    # must be let through the folders down to the blobs (mode 711: not listed).
+    # Not pytest's folder, which is root's alone: the appliance opens nothing above its
+    # data directory to nginx's workers (nobody). The data directory is private (made
+    # under umask 077, as a hardened service's): the appliance lets them through it.
     folder = Path(tempfile.mkdtemp(prefix="kvl-front-files-"))
     folder.chmod(0o711)
     names: dict[str, str] = {}
+    umask = os.umask(0o077)
     try:
         appliance = start(folder, seed=lambda data: _seed(data, names))
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
+    finally:
+        os.umask(umask)
     try:
         yield Seeded(
             appliance,
@@ -332,6 +337,15 @@ def test_nobody_reads_the_blobs_sent_and_nothing_else(seeded: Seeded) -> None:
     for private in (data / "appliance.db", data / "packages" / "index.json"):
         assert private.exists()
         assert not nobody_reads(private), private
+    # The folders down to the blobs: nogroup goes through them, and lists none.
+    nogroup = grp.getgrnam("nogroup").gr_gid
+    for folder in (data, data / "packages", seeded.blobs):
+        assert folder.stat().st_gid == nogroup, folder
+        assert folder.stat().st_mode & 0o777 == 0o710, folder
+    listing = subprocess.run(
+        ["runuser", "-u", "nobody", "--", "ls", str(seeded.blobs)], capture_output=True, check=False
+    )
+    assert listing.returncode != 0
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="nginx's workers are nobody only under root")
@@ -352,4 +366,5 @@ def test_a_private_data_directory_is_not_opened_files_go_through_the_app(
     assert response.content == b'{"items": []}'
     assert "x-request-id" in response.headers  # the app's answer
     assert tmp_path.stat().st_mode & 0o777 == 0o700  # left as it was
+    assert tmp_path.stat().st_gid == 0
     assert "package files go through the app" in appliance.log.read_text()
