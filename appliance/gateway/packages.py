@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import os
 from functools import partial
 from typing import TYPE_CHECKING
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 
     from appliance.packages.cache import CachedPackage, PackageCache
     from appliance.packages.model import FileEntry
+
+log = logging.getLogger(__name__)
 
 PACKAGES = web.AppKey("packages", PackageService)
 PACKAGES_URL = "/v1/packages"
@@ -174,7 +177,11 @@ async def decide_file(request: web.Request) -> web.Response:
         size = os.fstat(blob.fileno()).st_size
         if name is None or not printable or not satisfiable(request, size):
             return web.Response(status=204)  # the app's own answer says what is wrong
-        front.share(blob.fileno())
+        try:
+            front.share(blob.fileno())
+        except OSError as err:  # nginx could not read it: the app sends it
+            log.warning("the front's workers cannot be let read %s: %s", name, err)
+            return web.Response(status=204)
     return web.Response(
         status=200,
         headers={
