@@ -352,6 +352,11 @@ class Front:
             for name in (BLOB_HEADER, TYPE_HEADER, CACHE_CONTROL_HEADER)
         }
         asked = "".join("$http_" + h.lower().replace("-", "_") for h in _ASKED)
+        # A cached proxy drops these from what it passes on: the app decides on them.
+        kept = "".join(
+            f"            proxy_set_header {h} $http_{h.lower().replace('-', '_')};\n"
+            for h in ("Range", *CONDITIONS)
+        )
         http = (
             # Only nginx's user reads the cache (it holds Authorization headers); an entry
             # lives DECISION_S, its file a little longer.
@@ -399,6 +404,7 @@ class Front:
             '            proxy_set_header Connection "";\n'
             f"            proxy_set_header {TOKEN_HEADER} {self.token};\n"
             f"            proxy_set_header {METHOD_HEADER} $request_method;\n"
+            f"{kept}"
             "            proxy_pass_request_body off;\n"
             '            proxy_set_header Content-Length "";\n'
             "            proxy_next_upstream off;\n"
