@@ -267,8 +267,8 @@ class Front:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._seen = self._stat()
-        self.blobs = blobs
-        self._data_dir = data_dir
+        self.blobs = None if blobs is None else blobs.absolute()
+        self._data_dir = None if data_dir is None else data_dir.absolute()
         # What the decision route asks nginx for: nobody else can send it.
         self.token = secrets.token_urlsafe(24)
         # Root's workers run as nobody: blobs they send are shared with their group.
