@@ -89,22 +89,26 @@ def _app_socket(appliance: Appliance) -> Path:
     return Path(args[args.index("-p") + 1]) / "app.sock"
 
 
-@pytest.fixture(scope="module")
-def seeded() -> Iterator[Seeded]:
+def _start_seeded(names: dict[str, str]) -> tuple[Path, Appliance]:
     # Not pytest's folder, which is root's alone: the appliance opens nothing above its
     # data directory to nginx's workers (nobody). The data directory is private (made
     # under umask 077, as a hardened service's): the appliance lets them through it.
     folder = Path(tempfile.mkdtemp(prefix="kvl-front-files-"))
     folder.chmod(0o711)
-    names: dict[str, str] = {}
     umask = os.umask(0o077)
     try:
-        appliance = start(folder, seed=lambda data: _seed(data, names))
+        return folder, start(folder, seed=lambda data: _seed(data, names))
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
     finally:
         os.umask(umask)
+
+
+@pytest.fixture(scope="module")
+def seeded() -> Iterator[Seeded]:
+    names: dict[str, str] = {}
+    folder, appliance = _start_seeded(names)
     try:
         yield Seeded(
             appliance,
@@ -362,6 +366,26 @@ def test_nobody_reads_the_blobs_sent_and_nothing_else(seeded: Seeded) -> None:
         ["runuser", "-u", "nobody", "--", "ls", str(seeded.blobs)], capture_output=True, check=False
     )
     assert listing.returncode != 0
+
+
+def test_a_failed_key_is_counted_once_and_a_throttled_address_refused() -> None:
+    """Three failures a minute are allowed (test_http2's start): the decision does not
+    count them, the app's answer does, once; then the address waits, whatever key it
+    sends. (An appliance of its own: loopback is throttled after this.)"""
+    names: dict[str, str] = {}
+    folder, appliance = _start_seeded(names)
+    url = f"/v1/packages/{names['mine']}/files/items.json"
+    try:
+        with appliance.client() as client:
+            wrong = {"Authorization": "Bearer kvl_wrong"}
+            codes = [client.get(url, headers=wrong).json()["error"]["code"] for _ in range(4)]
+            throttled = client.get(url)  # the valid key, asked for the first time
+    finally:
+        stop(appliance)
+        shutil.rmtree(folder, ignore_errors=True)
+    assert codes == ["invalid_api_key"] * 3 + ["too_many_auth_failures"], codes
+    assert throttled.status_code == 429
+    assert throttled.json()["error"]["code"] == "too_many_auth_failures"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="nginx's workers are nobody only under root")
