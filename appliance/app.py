@@ -13,6 +13,7 @@ from appliance.fleet.identity import FleetFiles, Provisioned, lan_tls_files, pro
 from appliance.fleet.link import FleetLink
 from appliance.fleet.release import Updater
 from appliance.gateway import cors
+from appliance.gateway.front import DECIDE, FILES_ROUTE
 from appliance.gateway.jobs import JOBS
 from appliance.gateway.keys import (
     ACCOUNTS,
@@ -32,7 +33,7 @@ from appliance.gateway.keys import (
 )
 from appliance.gateway.middleware import authenticate, errors_and_metrics
 from appliance.gateway.offload import Offload
-from appliance.gateway.packages import PACKAGES, PACKAGES_URL
+from appliance.gateway.packages import PACKAGES, PACKAGES_URL, decide_file
 from appliance.gateway.responses import RESPONSES
 from appliance.gateway.routes import ROUTES
 from appliance.gateway.server import FleetListener
@@ -92,6 +93,8 @@ def create_app(settings: ApplianceSettings) -> web.Application:
     )
     for route in ROUTES:
         app.router.add_route(route.method, route.router_path or route.path, route.handler)
+    # Not the API's: the TLS front's nginx asks here (front.py); a 404 to anyone else.
+    app.router.add_get(f"{DECIDE}{FILES_ROUTE}", decide_file)
     if settings.grpc.enabled:
         app.cleanup_ctx.append(_grpc_port)  # first: a port that is taken stops the start
     app.cleanup_ctx.append(_store)

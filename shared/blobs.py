@@ -69,6 +69,19 @@ async def send_blob(
     return response
 
 
+def satisfiable(request: web.Request, size: int) -> bool:
+    """Whether the request's Range, if it sends one, can be met from ``size`` bytes (what
+    ``send_blob`` answers 206 to, not 416)."""
+    if request.headers.get(hdrs.RANGE) is None:
+        return True
+    try:
+        asked = request.http_range
+        _resolve(asked.start, asked.stop, size)
+    except ValueError:
+        return False
+    return True
+
+
 def _matches(sha256: str, etags: tuple[ETag, ...], *, weak: bool) -> bool:
     return any(t.value in (sha256, ETAG_ANY) and (weak or not t.is_weak) for t in etags)
 

@@ -16,6 +16,27 @@ answers (a bad request, a body too large, headers too large, the app unreachable
 the API's error shape. The certificate files are watched: a renewed certificate (the
 fleet's, or the operator's file replaced) is taken once it pairs with its key, by a reload
 (SIGHUP) that keeps open connections; an nginx that exits is started again.
+
+Package files (`GET`/`HEAD /v1/packages/{id}/files/{path}`) are sent by nginx itself, with
+sendfile, from the package cache's blob folder, once the app has decided: nginx asks it
+first (an `auth_request` subrequest to DECIDE + the request's URI, with the client's
+headers and a token only nginx has), the app checks all that `package_file` checks (the
+key and its throttle, without counting a failure; the account's packages; `?version=`; a
+blob known good; a range that can be met) and answers 200 with the blob's name (the
+sha256 it checked: nginx serves no name from the URL) and the headers to send, or 204:
+the app answers itself, as it does a request with a condition (`If-*`), an `Origin`, a
+range other than one plain one, or a method other than GET and HEAD, which nginx passes
+on whole (a 418 of its own leads there): every refusal is the app's, in the error shape.
+(X-Accel-Redirect would need no subrequest, but nginx never caches such an answer.)
+nginx keeps a 200 for DECISION_S (it counts whole seconds: under 2 s), keyed on the
+Authorization header, the Range and the URI, so repeated downloads never reach the
+interpreter: a key revoked or a package withdrawn may still download that long. The keys
+are in the cache's files, in the private directory, gone a few seconds after last use.
+Run as root, nginx's workers are nobody: a blob the app decides on is made readable to
+their group (0640, nogroup), and a folder from the data directory down to the blobs that
+keeps them out is given to that group to go through only (0710), where nothing else in it
+is open to others (let_through); otherwise, or above the data directory, nothing is
+opened and the app sends the files.
 """
 
 from __future__ import annotations
@@ -23,10 +44,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import grp
 import json
 import logging
 import os
 import pwd
+import re
+import secrets
 import shutil
 import signal
 import ssl
@@ -34,10 +58,13 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
+from aiohttp import web
+
 from shared.errors import ErrorCode, error_body
 
 if TYPE_CHECKING:
-    from aiohttp import web
+    from collections.abc import Mapping
+
     from aiohttp.abc import AbstractStreamWriter
     from aiohttp.http_parser import RawRequestMessage
     from aiohttp.streams import StreamReader
@@ -76,6 +103,55 @@ _ERRORS = (
 )
 _PR_SET_PDEATHSIG = 1
 START_ATTEMPTS = 3  # nginx starts at most this many times before the appliance gives up
+# Package files nginx may send itself: the app's decision is asked at DECIDE + the URI.
+DECIDE = "/.kvl-front/decide"
+FILES_ROUTE = "/v1/packages/{id}/files/{path:[^{}]+}"
+# nginx's token: the decision route answers nobody else.
+TOKEN_HEADER = "X-Kvl-Front"  # noqa: S105 (a header's name, no secret)
+METHOD_HEADER = "X-Kvl-Method"  # the client's method (a subrequest is a GET)
+BLOB_HEADER = "X-Kvl-Blob"  # the decision: the blob's sha256 (its file's name)
+TYPE_HEADER = "X-Kvl-Content-Type"
+CACHE_CONTROL_HEADER = "X-Kvl-Cache-Control"
+DECISION_S = 1  # nginx keeps a decision this long (it counts whole seconds)
+# The requests nginx may answer from a blob: GET or HEAD, no condition, no CORS, and at
+# most one plain range (nginx and the app answer other ranges differently; the app also
+# says whether the range can be met). Written once here, for nginx (a map) and for the
+# app (may_send): both must agree.
+CONDITIONS = ("If-Match", "If-None-Match", "If-Modified-Since", "If-Unmodified-Since", "If-Range")
+_ASKED = ("Origin", *CONDITIONS)
+_PLAIN_RANGE = "bytes=([0-9]+-[0-9]*|-0*[1-9][0-9]*)"  # not -0: nginx refuses it
+_BLOB_NAME = re.compile(r"[0-9a-f]{64}")
+
+
+def may_send(method: str, headers: Mapping[str, str]) -> bool:
+    """Whether nginx may send a package file itself for a request like this one."""
+    if method not in ("GET", "HEAD") or any(h in headers for h in _ASKED):
+        return False
+    asked = headers.get("Range")
+    return asked is None or re.fullmatch(_PLAIN_RANGE, asked) is not None
+
+
+def blob_name(sha256: str) -> str | None:
+    """``sha256`` when it names a blob (64 hex digits), else None: nothing else reaches
+    nginx as a file name."""
+    return sha256 if _BLOB_NAME.fullmatch(sha256) else None
+
+
+# How a request is passed to the app (`location /`, and the files' fallback).
+_PROXIED = (
+    "            proxy_http_version 1.1;\n"
+    "            proxy_set_header Host $http_host;\n"
+    "            proxy_set_header X-Forwarded-For $remote_addr;\n"
+    "            proxy_set_header Upgrade $http_upgrade;\n"
+    "            proxy_set_header Connection $connection_upgrade;\n"
+    f'            proxy_set_header {TOKEN_HEADER} "";\n'
+    "            proxy_buffering off;\n"
+    "            proxy_request_buffering off;\n"
+    "            proxy_next_upstream off;\n"
+    # A completion may wait for a slot, a model, then generate for minutes.
+    "            proxy_read_timeout 3600s;\n"
+    "            proxy_send_timeout 3600s;\n"
+)
 
 
 def _kill_group(pgid: int) -> None:
@@ -91,14 +167,56 @@ def _quoted(path: Path) -> str:
     return f'"{text}"'
 
 
+def _passes(stat: os.stat_result, uid: int, gid: int) -> bool:
+    """Whether a user uid:gid (no other groups) may go through a folder of ``stat``."""
+    if stat.st_uid == uid:
+        return bool(stat.st_mode & 0o100)
+    if stat.st_gid == gid:
+        return bool(stat.st_mode & 0o010)
+    return bool(stat.st_mode & 0o001)
+
+
+def let_through(blobs: Path, within: Path) -> bool:
+    """Let nobody:nogroup (root's nginx workers) through the folders down to ``blobs``,
+    opening none above ``within`` (the data directory) and none it would see more by: a
+    folder that keeps them out is given to the group nogroup, to go through only (0710:
+    not even listed), and only if nothing else in it is open to others or to that group
+    (then they reach only what they reach now). False, with nothing changed below the
+    folder found, where that cannot be: nginx then sends no file."""
+    nobody = pwd.getpwnam("nobody")
+    chain = [blobs, *blobs.parents][::-1]  # from / down to the blobs
+    for depth, folder in enumerate(chain):
+        stat = folder.stat()
+        if _passes(stat, nobody.pw_uid, nobody.pw_gid):
+            continue
+        if folder != within and within not in folder.parents:
+            log.warning("%s keeps nginx's workers (nobody) out, above the data directory", folder)
+            return False
+        if folder != blobs:  # the blobs are the workers' to read (Front.share)
+            below = chain[depth + 1].name
+            for entry in os.scandir(folder):
+                seen = entry.stat(follow_symlinks=False)
+                if entry.name != below and (
+                    seen.st_mode & 0o007 or (seen.st_gid == nobody.pw_gid and seen.st_mode & 0o070)
+                ):
+                    log.warning("%s is open to others: its folder stays closed", entry.path)
+                    return False
+        # The old group's rights first taken away, or nogroup would have them a moment.
+        folder.chmod(stat.st_mode & 0o707)
+        os.chown(folder, -1, nobody.pw_gid)
+        folder.chmod((stat.st_mode & 0o707) | 0o010)
+        log.info("%s: nginx's workers (nogroup) may go through it now", folder)
+    return True
+
+
 def nginx_binary() -> str | None:
     """Debian's nginx, where `apt-get install nginx` puts it (or on PATH)."""
     return shutil.which("nginx", path=f"{os.environ.get('PATH', '')}:/usr/sbin")
 
 
-def trust_forwarded(server: web.Server) -> None:
+def trust_forwarded(server: web.Server, front: Front | None = None) -> None:
     """Requests of ``server`` (the private socket's: nginx's only) are from the client
-    nginx names in X-Forwarded-For, over HTTPS."""
+    nginx names in X-Forwarded-For, over HTTPS; they carry ``front`` (FRONT)."""
     make = server.request_factory
 
     def request_factory(
@@ -109,7 +227,10 @@ def trust_forwarded(server: web.Server) -> None:
         task: asyncio.Task[None],
     ) -> BaseRequest:
         request = make(message, payload, protocol, writer, task)
-        return request.clone(remote=message.headers.get("X-Forwarded-For", ""), scheme="https")
+        forwarded = request.clone(remote=message.headers.get("X-Forwarded-For", ""), scheme="https")
+        if front is not None:
+            forwarded[FRONT] = front
+        return forwarded
 
     server.request_factory = request_factory
 
@@ -127,7 +248,12 @@ class Front:
         certificate: tuple[Path, Path],
         max_streams: int,
         max_body_bytes: int,
+        blobs: Path | None = None,
+        data_dir: Path | None = None,
     ) -> None:
+        """``blobs``: the package cache's blob folder, whose files nginx may send itself
+        (None: every request goes to the app); under root, the folders from ``data_dir``
+        down to it may be opened to nginx's workers (let_through)."""
         self._binary = binary
         self._host = host
         self._port = port
@@ -141,6 +267,12 @@ class Front:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._seen = self._stat()
+        self.blobs = None if blobs is None else blobs.absolute()
+        self._data_dir = None if data_dir is None else data_dir.absolute()
+        # What the decision route asks nginx for: nobody else can send it.
+        self.token = secrets.token_urlsafe(24)
+        # Root's workers run as nobody: blobs they send are shared with their group.
+        self.group = grp.getgrnam("nogroup").gr_gid if os.geteuid() == 0 else None
 
     # -- the configuration
 
@@ -170,6 +302,7 @@ class Front:
                 "        }\n"
             )
         cert, key = self._certificate
+        files_http, files_server = self._files_config()
         # Root starts nginx's workers as nobody (the socket is theirs then, see start).
         user = "user nobody nogroup;\n" if os.geteuid() == 0 else ""
         return (
@@ -185,6 +318,7 @@ class Front:
             "    access_log off;\n"
             "    server_tokens off;\n"
             f"{temps}"
+            f"{files_http}"
             "    map $http_upgrade $connection_upgrade { default upgrade; '' ''; }\n"
             f"    upstream appliance {{ server unix:{self.upstream}; keepalive 64; }}\n"
             "    server {\n"
@@ -199,22 +333,110 @@ class Front:
             f"{''.join(pages)}"
             "        location / {\n"
             "            proxy_pass http://appliance;\n"
-            "            proxy_http_version 1.1;\n"
-            "            proxy_set_header Host $http_host;\n"
-            "            proxy_set_header X-Forwarded-For $remote_addr;\n"
-            "            proxy_set_header Upgrade $http_upgrade;\n"
-            "            proxy_set_header Connection $connection_upgrade;\n"
-            "            proxy_buffering off;\n"
-            "            proxy_request_buffering off;\n"
-            "            proxy_next_upstream off;\n"
-            # A completion may wait for a slot, a model, then generate for minutes.
-            "            proxy_read_timeout 3600s;\n"
-            "            proxy_send_timeout 3600s;\n"
+            f"{_PROXIED}"
             "        }\n"
+            f"{files_server}"
             f"{''.join(named)}"
             "    }\n"
             "}\n"
         )
+
+    def _files_config(self) -> tuple[str, str]:
+        """The http-level and server-level configuration that lets nginx send package files
+        once the app said so (see the module's docstring); empty without ``blobs``."""
+        if self.blobs is None:
+            return "", ""
+        d = self.directory
+        header = {  # the decision's headers, as nginx names them
+            name: "$upstream_http_" + name.lower().replace("-", "_")
+            for name in (BLOB_HEADER, TYPE_HEADER, CACHE_CONTROL_HEADER)
+        }
+        asked = "".join("$http_" + h.lower().replace("-", "_") for h in _ASKED)
+        # A cached proxy drops these from what it passes on: the app decides on them.
+        kept = "".join(
+            f"            proxy_set_header {h} $http_{h.lower().replace('-', '_')};\n"
+            for h in ("Range", *CONDITIONS)
+        )
+        http = (
+            # Only nginx's user reads the cache (it holds Authorization headers); an entry
+            # lives DECISION_S, its file a little longer.
+            f"    proxy_cache_path {d}/decisions levels=1:2 keys_zone=kvl_decisions:1m\n"
+            "                     max_size=64m inactive=10s use_temp_path=off;\n"
+            f'    map "$request_method:{asked}:$http_range" $kvl_app_answers {{\n'
+            f'        "~^(GET|HEAD)::({_PLAIN_RANGE})?$" 0;\n'
+            "        default 1;\n"
+            "    }\n"
+            # The one file name nginx serves: a sha256, else one that is never there.
+            "    map $kvl_decision $kvl_blob {\n"
+            '        "~^[0-9a-f]{64}$" $kvl_decision;\n'
+            '        default "-";\n'
+            "    }\n"
+            f"    map {header[BLOB_HEADER]} $kvl_undecided {{ '' 1; default 0; }}\n"
+        )
+        server = (
+            # A request nginx may not send a file for (418, below) goes to the app whole.
+            "        error_page 418 = @kvl_app;\n"
+            "        location ~ ^/v1/packages/[^/]+/files/. {\n"
+            "            if ($kvl_app_answers) { return 418; }\n"
+            f"            auth_request {DECIDE};\n"
+            f"            auth_request_set $kvl_decision {header[BLOB_HEADER]};\n"
+            f"            auth_request_set $kvl_type {header[TYPE_HEADER]};\n"
+            f"            auth_request_set $kvl_cache_control {header[CACHE_CONTROL_HEADER]};\n"
+            f"            root {_quoted(self.blobs)};\n"
+            # The app said 204 (its own answer), or the blob went since: the app answers.
+            "            try_files /$kvl_blob @kvl_app;\n"
+            "            types { }\n"
+            '            default_type "";\n'
+            "            etag off;\n"
+            "            max_ranges 1;\n"
+            "            sendfile on;\n"
+            "            add_header Content-Type $kvl_type;\n"
+            '            add_header ETag "\\"$kvl_blob\\"";\n'
+            "            add_header Cache-Control $kvl_cache_control;\n"
+            '            add_header Last-Modified "";  # the app sends none\n'
+            "        }\n"
+            f"        location = {DECIDE} {{\n"
+            "            internal;\n"
+            f"            proxy_pass http://appliance{DECIDE}$request_uri;\n"
+            "            proxy_http_version 1.1;\n"
+            "            proxy_set_header Host $http_host;\n"
+            "            proxy_set_header X-Forwarded-For $remote_addr;\n"
+            '            proxy_set_header Connection "";\n'
+            f"            proxy_set_header {TOKEN_HEADER} {self.token};\n"
+            f"            proxy_set_header {METHOD_HEADER} $request_method;\n"
+            f"{kept}"
+            "            proxy_pass_request_body off;\n"
+            '            proxy_set_header Content-Length "";\n'
+            "            proxy_next_upstream off;\n"
+            "            proxy_cache kvl_decisions;\n"
+            # The decision says whether the range can be met: a range is part of it.
+            '            proxy_cache_key "$http_authorization\\n$http_range\\n$request_uri";\n'
+            f"            proxy_cache_valid 200 {DECISION_S}s;\n"
+            "            proxy_ignore_headers Cache-Control Expires Set-Cookie Vary\n"
+            "                X-Accel-Expires X-Accel-Redirect X-Accel-Limit-Rate\n"
+            "                X-Accel-Buffering X-Accel-Charset;\n"
+            "            proxy_no_cache $kvl_undecided;\n"
+            "        }\n"
+            "        location @kvl_app {\n"
+            # The request as the client sent it (not the URI try_files or a 418 left).
+            "            proxy_pass http://appliance$request_uri;\n"
+            f"{_PROXIED}"
+            "        }\n"
+        )
+        return http, server
+
+    def share(self, blob: int) -> None:
+        """Let nginx's workers read the open ``blob`` (a file of ``blobs``): when root runs
+        the appliance, they are nobody, and read it through their group; the cache writes
+        blobs owner-only (a repaired one again), so this is checked at each decision (an
+        fstat), and changed once."""
+        if self.group is None:
+            return
+        stat = os.fstat(blob)
+        if stat.st_gid != self.group:
+            os.fchown(blob, -1, self.group)
+        if stat.st_mode & 0o777 != 0o640:
+            os.fchmod(blob, 0o640)
 
     # -- the process
 
@@ -225,6 +447,18 @@ class Front:
             os.chown(self.directory, nobody.pw_uid, nobody.pw_gid)
             with contextlib.suppress(FileNotFoundError):
                 os.chown(self.upstream, nobody.pw_uid, nobody.pw_gid)
+        if self.blobs is not None and self.group is not None:
+            try:
+                reached = let_through(self.blobs, self._data_dir or self.blobs)
+            except OSError as err:
+                log.warning("could not open the way to %s: %s", self.blobs, err)
+                reached = False
+            if not reached:
+                log.warning(
+                    "nginx's workers (nobody) cannot reach %s: package files go through the app",
+                    self.blobs,
+                )
+                self.blobs = None
         (self.directory / "nginx.conf").write_text(self.config())
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
@@ -364,3 +598,7 @@ class Front:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+# Set on each request of the private socket (trust_forwarded): the front it came through.
+FRONT = web.RequestKey("front", Front)

@@ -8,15 +8,29 @@ its account asked for and the ones the hub seeded; an admin key sees them all.""
 from __future__ import annotations
 
 import asyncio
+import hmac
+import logging
+import os
 from functools import partial
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict
 
+from appliance.gateway.front import (
+    BLOB_HEADER,
+    CACHE_CONTROL_HEADER,
+    FRONT,
+    METHOD_HEADER,
+    TOKEN_HEADER,
+    TYPE_HEADER,
+    blob_name,
+    may_send,
+)
 from appliance.gateway.jobs import JOBS
-from appliance.gateway.keys import api_key
+from appliance.gateway.keys import ADMISSION, METRICS, REQUEST_KEY, STORE, api_key
 from appliance.gateway.parsing import read_json
+from appliance.inference.authentication import authenticate
 from appliance.inference.schemas import parse_body
 from appliance.jobs.bodies import job_object
 from appliance.packages.cache import CorruptBlobError, NotCachedError
@@ -24,12 +38,17 @@ from appliance.packages.exports import ExportError, export_h5p, export_moodle_xm
 from appliance.packages.model import PackageRequest
 from appliance.packages.service import PackageService, package_summary, package_view
 from appliance.state.jobs import NewItem
-from shared.blobs import IMMUTABLE, REVALIDATE, send_blob
+from shared.blobs import IMMUTABLE, REVALIDATE, satisfiable, send_blob
 from shared.errors import ApiError, ErrorCode
 from shared.oci import BUNDLE_MEDIA_TYPE
 
 if TYPE_CHECKING:
+    from io import BufferedReader
+
     from appliance.packages.cache import CachedPackage, PackageCache
+    from appliance.packages.model import FileEntry
+
+log = logging.getLogger(__name__)
 
 PACKAGES = web.AppKey("packages", PackageService)
 PACKAGES_URL = "/v1/packages"
@@ -114,8 +133,69 @@ async def get_package(request: web.Request) -> web.Response:
 
 
 async def package_file(request: web.Request) -> web.StreamResponse:
-    """One file of a package, checked against its sha256 before it is served. The common
-    case (a blob already known good) is answered on the loop; the rest waits on a thread."""
+    """One file of a package, checked against its sha256 before it is served."""
+    entry, blob, asked = await _open_file(request)
+    with blob:
+        # A named version never changes; the newest may.
+        return await send_blob(
+            request,
+            blob,
+            sha256=entry.sha256,
+            media_type=entry.media_type,
+            cache_control=IMMUTABLE if asked else REVALIDATE,
+        )
+
+
+async def decide_file(request: web.Request) -> web.Response:
+    """The TLS front's question (front.py): may nginx send this package file itself? 200
+    with the blob's name and the headers to send, after every check `package_file` makes;
+    204 where the app answers itself (a refusal, a condition, a range of its own). Only the
+    front's nginx, with its token, is answered: to anyone else this is no route (404)."""
+    front = request.get(FRONT)
+    token = request.headers.get(TOKEN_HEADER, "").encode()
+    if front is None or front.blobs is None or not hmac.compare_digest(token, front.token.encode()):
+        raise web.HTTPNotFound
+    if not may_send(request.headers.get(METHOD_HEADER, ""), request.headers):
+        return web.Response(status=204)
+    app = request.app
+    try:
+        # Only asked: a refusal is counted (and throttled) when the app makes it.
+        request[REQUEST_KEY] = await authenticate(
+            request.headers.get("Authorization", ""),
+            request.remote or "unknown",
+            store=app[STORE],
+            admission=app[ADMISSION],
+            metrics=app[METRICS],
+            count=False,
+        )
+        entry, blob, asked = await _open_file(request)
+    except ApiError:
+        return web.Response(status=204)
+    with blob:
+        name = blob_name(entry.sha256)
+        printable = entry.media_type.isascii() and entry.media_type.isprintable()
+        size = os.fstat(blob.fileno()).st_size
+        if name is None or not printable or not satisfiable(request, size):
+            return web.Response(status=204)  # the app's own answer says what is wrong
+        try:
+            front.share(blob.fileno())
+        except OSError as err:  # nginx could not read it: the app sends it
+            log.warning("the front's workers cannot be let read %s: %s", name, err)
+            return web.Response(status=204)
+    return web.Response(
+        status=200,
+        headers={
+            BLOB_HEADER: name,
+            TYPE_HEADER: entry.media_type,
+            CACHE_CONTROL_HEADER: IMMUTABLE if asked else REVALIDATE,
+        },
+    )
+
+
+async def _open_file(request: web.Request) -> tuple[FileEntry, BufferedReader, str | None]:
+    """The file the path names, its blob open and known good, and the `?version=` asked.
+    The common case (a blob already known good) is answered on the loop; the rest waits on
+    a thread."""
     cache = _cache(request)
     package_id, path = request.match_info["id"], request.match_info["path"]
     version = asked = request.query.get("version")
@@ -130,15 +210,7 @@ async def package_file(request: web.Request) -> web.StreamResponse:
     except CorruptBlobError as err:
         raise ApiError(ErrorCode.package_corrupt, str(err), retry_after=1) from err
     entry, blob = opened
-    with blob:
-        # A named version never changes; the newest may.
-        return await send_blob(
-            request,
-            blob,
-            sha256=entry.sha256,
-            media_type=entry.media_type,
-            cache_control=IMMUTABLE if asked else REVALIDATE,
-        )
+    return entry, blob, asked
 
 
 async def package_export(request: web.Request) -> web.Response:

@@ -15,6 +15,7 @@ from appliance.gateway import (
     speech,
     websocket,
 )
+from appliance.gateway.front import FILES_ROUTE
 from appliance.gateway.jobs import JobRequest
 from appliance.gateway.openapi import Route, build_openapi
 from appliance.gateway.schemas import AccountRequest, AdminModelRequest, KeyRequest
@@ -260,7 +261,7 @@ ROUTES: tuple[Route, ...] = (
         "sha256) and Range.",
         auth=True,
         errors=(*_AUTH, ErrorCode.package_not_found, ErrorCode.package_corrupt),
-        router_path="/v1/packages/{id}/files/{path:[^{}]+}",
+        router_path=FILES_ROUTE,
     ),
     Route(
         "GET",

@@ -19,6 +19,7 @@ from aiohttp.web_protocol import RequestHandler
 from appliance.fleet.identity import lan_tls_files
 from appliance.gateway.front import UPSTREAM_LIMITS, Front, nginx_binary, trust_forwarded
 from appliance.gateway.keys import SETTINGS
+from appliance.packages.cache import blob_dir
 from shared.errors import ErrorCode, error_body
 
 if TYPE_CHECKING:
@@ -134,6 +135,8 @@ def _front(app: web.Application, host: str, port: int, tls: bool) -> Front | Non
         certificate=files,
         max_streams=settings.server.http2_max_streams,
         max_body_bytes=settings.server.max_body_bytes,
+        blobs=blob_dir(settings.packages_dir),
+        data_dir=settings.data_dir,
     )
 
 
@@ -163,7 +166,7 @@ def run(
             if front is None:
                 await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
             elif runner.server is not None:  # set up above
-                trust_forwarded(runner.server)
+                trust_forwarded(runner.server, front)
                 await web.UnixSite(runner, str(front.upstream)).start()
                 await front.start()
             on_started()

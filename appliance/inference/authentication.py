@@ -24,11 +24,15 @@ async def authenticate(
     store: AsyncStore,
     admission: AdmissionControl,
     metrics: Metrics,
+    count: bool = True,
 ) -> ApiKey:
     """The key of an `authorization` value (`Bearer <key>`), not revoked, from an
-    `address` that is not throttled; ApiError otherwise."""
+    `address` that is not throttled; ApiError otherwise. `count=False` only asks: a failure
+    is not counted (the TLS front's decisions, whose refusals the app then makes itself)."""
+    failed = admission.auth_failed if count else _uncounted
     if (wait := admission.auth_throttled(address)) > 0:
-        metrics.auth_throttled.inc()
+        if count:
+            metrics.auth_throttled.inc()
         raise ApiError(
             ErrorCode.too_many_auth_failures,
             f"too many failed authentications from {address}; retry after {wait:.0f} s",
@@ -36,7 +40,7 @@ async def authenticate(
         )
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        admission.auth_failed(address)
+        failed(address)
         raise ApiError(
             ErrorCode.missing_api_key,
             "send your API key as `Authorization: Bearer <key>`; create one with "
@@ -44,9 +48,13 @@ async def authenticate(
         )
     key = await store.authenticate(token.strip())
     if key is None:
-        admission.auth_failed(address)
+        failed(address)
         raise ApiError(ErrorCode.invalid_api_key, "the API key is not valid")
     if key.revoked:
-        admission.auth_failed(address)
+        failed(address)
         raise ApiError(ErrorCode.revoked_api_key, f"the API key {key.prefix} was revoked")
     return key
+
+
+def _uncounted(_address: str) -> None:
+    return None

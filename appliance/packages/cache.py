@@ -161,7 +161,7 @@ class PackageCache:
         self, root: Path, *, max_bytes: int, clock: Callable[[], float] = time.time
     ) -> None:
         self.root, self.max_bytes, self._clock = root, max_bytes, clock
-        self._blob_dir = root / "blobs" / "sha256"
+        self._blob_dir = blob_dir(root)
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._verified: dict[str, tuple[int, int]] = {}  # hex -> (size, mtime_ns) hashed ok
@@ -213,7 +213,8 @@ class PackageCache:
                 blobs |= {expected[p].sha256: data for p, data in files.items()}
                 for hex_digest, data in [*blobs.items(), (digest, raw)]:  # the manifest last
                     if not self._blob_ok(hex_digest):  # absent, or damaged and now repaired
-                        # Owner-only is fine: the appliance serves blobs itself (open_file).
+                        # Owner-only: the appliance serves blobs, or lets the TLS front
+                        # send one it decided on (made readable to its workers then).
                         write_private(self._blob_dir / hex_digest, data)
                 self._entries[ref] = _Entry(
                     manifest, digest, oci, len(raw), pinned=False, last_used=self._clock()
@@ -559,6 +560,11 @@ class PackageCache:
         except (OSError, ValueError, KeyError, TypeError, AttributeError, ValidationError):
             return None
         return entry
+
+
+def blob_dir(root: Path) -> Path:
+    """The folder of a cache's blobs, each named by its sha256 (the TLS front sends them)."""
+    return root / "blobs" / "sha256"
 
 
 def _files(oci: dict[str, Any]) -> dict[str, FileEntry]:

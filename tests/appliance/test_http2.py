@@ -16,7 +16,7 @@ import socket
 import ssl
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -110,14 +110,21 @@ def wait_https(appliance: Appliance, timeout_s: float = 120.0) -> None:
     raise AssertionError("the appliance did not answer over HTTPS")
 
 
-def start(folder: Path, extra: dict[str, str] | None = None) -> Appliance:
-    """A TLS appliance without a model (the routes tested here need none)."""
+def start(
+    folder: Path,
+    extra: dict[str, str] | None = None,
+    seed: Callable[[Path], None] | None = None,
+) -> Appliance:
+    """A TLS appliance without a model (the routes tested here need none); ``seed`` is
+    given its data directory before it starts."""
     ca = pki.new_ca("test CA")
     (folder / "ca.crt").write_bytes(ca.cert_pem)
     (folder / "ca.key").write_bytes(ca.key_pem)
     issue(ca, folder, "appliance.test")
     data = folder / "data"
     key = kvl("appliance", "keys", "create", "--account", "h2", "--data-dir", str(data))
+    if seed is not None:
+        seed(data)
     port = free_port()
     env = {
         "KVL_SERVER__TLS_CERT_FILE": str(folder / "server.crt"),
