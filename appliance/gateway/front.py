@@ -31,7 +31,8 @@ on whole (a 418 of its own leads there): every refusal is the app's, in the erro
 nginx keeps a 200 for DECISION_S (it counts whole seconds: under 2 s), keyed on the
 Authorization header, the Range and the URI, so repeated downloads never reach the
 interpreter: a key revoked or a package withdrawn may still download that long. The keys
-are in the cache's files, in the private directory, gone a few seconds after last use.
+are in the cache's files, in a private folder on /dev/shm (memory: never on a disk), gone a
+few seconds after last use.
 Run as root, nginx's workers are nobody: a blob the app decides on is made readable to
 their group (0640, nogroup), and a folder from the data directory down to the blobs that
 keeps them out is given to that group to go through only (0710), where nothing else in it
@@ -214,6 +215,17 @@ def nginx_binary() -> str | None:
     return shutil.which("nginx", path=f"{os.environ.get('PATH', '')}:/usr/sbin")
 
 
+def _memory_folder() -> Path | None:
+    """A new private folder on /dev/shm (memory), or None where there is none."""
+    shm = Path("/dev/shm")  # noqa: S108 - a tmpfs by design; the folder is mkdtemp's (0700)
+    if not shm.is_dir() or not os.access(shm, os.W_OK | os.X_OK):
+        return None
+    try:
+        return Path(tempfile.mkdtemp(prefix="kvl-front-decisions-", dir=shm))
+    except OSError:
+        return None
+
+
 def trust_forwarded(server: web.Server, front: Front | None = None) -> None:
     """Requests of ``server`` (the private socket's: nginx's only) are from the client
     nginx names in X-Forwarded-For, over HTTPS; they carry ``front`` (FRONT)."""
@@ -263,6 +275,10 @@ class Front:
         # Short (a unix socket's path has 108 bytes at most) and private.
         self.directory = Path(tempfile.mkdtemp(prefix="kvl-front-"))
         self.upstream = self.directory / "app.sock"
+        # The decisions' cache holds the Authorization headers it is keyed on: kept in
+        # memory (a tmpfs) where there is one, so a key never reaches a disk, even when a
+        # crash leaves the folder behind; else in the private folder.
+        self.decisions = _memory_folder() or self.directory / "decisions"
         self._process: asyncio.subprocess.Process | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -346,7 +362,6 @@ class Front:
         once the app said so (see the module's docstring); empty without ``blobs``."""
         if self.blobs is None:
             return "", ""
-        d = self.directory
         header = {  # the decision's headers, as nginx names them
             name: "$upstream_http_" + name.lower().replace("-", "_")
             for name in (BLOB_HEADER, TYPE_HEADER, CACHE_CONTROL_HEADER)
@@ -360,7 +375,7 @@ class Front:
         http = (
             # Only nginx's user reads the cache (it holds Authorization headers); an entry
             # lives DECISION_S, its file a little longer.
-            f"    proxy_cache_path {d}/decisions levels=1:2 keys_zone=kvl_decisions:1m\n"
+            f"    proxy_cache_path {self.decisions} levels=1:2 keys_zone=kvl_decisions:1m\n"
             "                     max_size=64m inactive=10s use_temp_path=off;\n"
             f'    map "$request_method:{asked}:$http_range" $kvl_app_answers {{\n'
             f'        "~^(GET|HEAD)::({_PLAIN_RANGE})?$" 0;\n'
@@ -445,6 +460,8 @@ class Front:
         if os.geteuid() == 0:
             nobody = pwd.getpwnam("nobody")
             os.chown(self.directory, nobody.pw_uid, nobody.pw_gid)
+            if self.decisions.parent != self.directory:
+                os.chown(self.decisions, nobody.pw_uid, nobody.pw_gid)
             with contextlib.suppress(FileNotFoundError):
                 os.chown(self.upstream, nobody.pw_uid, nobody.pw_gid)
         if self.blobs is not None and self.group is not None:
@@ -598,6 +615,7 @@ class Front:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         shutil.rmtree(self.directory, ignore_errors=True)
+        shutil.rmtree(self.decisions, ignore_errors=True)
 
 
 # Set on each request of the private socket (trust_forwarded): the front it came through.
