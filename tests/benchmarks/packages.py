@@ -447,7 +447,7 @@ def markdown(result: dict[str, Any]) -> str:
         cpu = _download_cpu(download)
     else:
         rows.append(_download_row(download, "the app straight, plain HTTP"))
-        rows.append(_download_row(front, "through the TLS front (nginx sends the file)"))
+        rows.append(_download_row(front, "through the TLS front, nginx sending the file"))
         cpu = " ".join(
             filter(None, [_download_cpu(download), _download_cpu(front, "through the front")])
         )
