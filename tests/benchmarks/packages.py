@@ -32,10 +32,13 @@ import json
 import os
 import re
 import shutil
+import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -152,7 +155,18 @@ def start_nginx(
     )
     temp.mkdir(exist_ok=True)
     process = subprocess.Popen([nginx, "-c", str(conf), "-p", str(work)])
-    return process, port
+    # Returned once it listens, so no run measures nginx's start.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection((HOST, port), timeout=1).close()
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"nginx did not start; see {work}/nginx-error.log") from None
+            time.sleep(0.05)
+        else:
+            return process, port
 
 
 async def measure(
@@ -184,7 +198,6 @@ async def measure(
     )
     nginx, port = start_nginx(work, blobs)
     try:
-        await asyncio.sleep(0.5)
         say("packages: the same blob from nginx")
         peer = await asyncio.to_thread(
             h2load, f"http://{HOST}:{port}/{largest['sha256']}", {}, seconds,
@@ -224,15 +237,17 @@ async def measure(
     }
 
 
-def answered(base: str, route: str) -> float:
-    """How many requests of `route` the appliance at `base` answered (its metrics)."""
-    import ssl  # noqa: PLC0415
-    import urllib.request  # noqa: PLC0415
-
+def _unchecked() -> ssl.SSLContext:
+    """A client context for the bench's own self-signed certificate (not checked)."""
     context = ssl.create_default_context()
     context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE  # the bench's own certificate
-    with urllib.request.urlopen(f"{base}/metrics", timeout=30, context=context) as got:
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def answered(base: str, route: str) -> float:
+    """How many requests of `route` the appliance at `base` answered (its metrics)."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30, context=_unchecked()) as got:
         text = got.read().decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
@@ -276,7 +291,6 @@ def front_download(
         raise RuntimeError(f"the app sent {sent_by_app:.0f} files itself: see the log")
     nginx, port = start_nginx(work, data / "packages" / "blobs" / "sha256", (cert, private))
     try:
-        time.sleep(0.5)
         say("packages: the same blob from nginx over TLS")
         peer = h2load(
             f"https://{HOST}:{port}/{file['sha256']}", {}, seconds, psutil.Process(nginx.pid)
@@ -301,13 +315,7 @@ def serve(
 ) -> tuple[subprocess.Popen[bytes], str]:
     """`kvl appliance serve` on a free port, once it answers /readyz (over HTTPS with
     `tls`: the certificate is the bench's own, not checked)."""
-    import ssl  # noqa: PLC0415
-    import urllib.request  # noqa: PLC0415
-
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-
+    context = _unchecked() if tls else None
     port = free_port()
     with log.open("ab") as out:
         process = subprocess.Popen(
@@ -319,9 +327,7 @@ def serve(
     deadline = time.monotonic() + 600
     while True:
         try:
-            with urllib.request.urlopen(
-                f"{base}/readyz", timeout=2, context=context if tls else None
-            ) as ready:
+            with urllib.request.urlopen(f"{base}/readyz", timeout=2, context=context) as ready:
                 if ready.status == 200:
                     return process, base
         except OSError:
