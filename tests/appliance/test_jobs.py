@@ -909,6 +909,9 @@ async def test_a_job_survives_kill_9_and_completes_each_item_once(
             async with ClientSession(base_url, headers=auth(key)) as http:
                 job = await wait_for(lambda: fetch_json(http, f"/v1/jobs/{job_id}"), timeout_s=180)
                 page = await fetch_json(http, f"/v1/jobs/{job_id}/results")
+                # The webhook goes out after the job completes: wait for it while the
+                # appliance that sends it still runs, not after it has been stopped.
+                await receiver.wait(1)
         finally:
             process.terminate()
             try:
@@ -927,7 +930,6 @@ async def test_a_job_survives_kill_9_and_completes_each_item_once(
     usage = job_usage(db_path)
     assert len(usage) == total
     assert {u["status"] for u in usage} == {200}
-    await receiver.wait(1)
     [event] = receiver.effects
     assert not receiver.refused
     assert (event["type"], event["data"]["id"]) == ("job.completed", job_id)
