@@ -101,6 +101,27 @@ app = create_app(settings_from(ApplianceSettings, None, {data_dir!r}))
 """
 
 
+# The gateway's copy of the model's vocabulary: llama.cpp's C API loading the GGUF with
+# `vocab_only`, as appliance/serving/engine.py's `Vocabulary.load` does, in a fresh
+# interpreter that already imported the C API (so only the vocabulary is counted).
+_VOCABULARY = """
+import json, re
+import llama_cpp.llama_cpp as L
+def rss():
+    s = open("/proc/self/status").read()
+    return int(re.search(r"VmRSS:\\s+(\\d+)", s).group(1)) * 1024
+L.llama_backend_init()
+before = rss()
+params = L.llama_model_default_params()
+params.vocab_only = True
+model = L.llama_model_load_from_file({path!r}.encode(), params)
+assert model, "llama.cpp could not read the vocabulary"
+after = rss()
+n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+print(json.dumps({{"cost_mib": round((after - before) / 2**20, 1), "n_vocab": n_vocab}}))
+"""
+
+
 def status_mib(pid: int) -> dict[str, float]:
     """VmRSS, RssAnon, RssFile and VmHWM of one process, in MiB."""
     found: dict[str, float] = {}
@@ -145,6 +166,20 @@ def probe(body: str, code: Path | None) -> dict[str, Any]:
         cwd=code,  # `python -c` imports from the current folder first
     ).stdout
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def vocabulary(data_dir: Path) -> dict[str, Any]:
+    """What the gateway's copy of the served model's vocabulary costs in RSS."""
+    [gguf] = sorted((data_dir / "models").glob("*.gguf"))[:1]
+    out = subprocess.run(
+        [sys.executable, "-c", _VOCABULARY.format(path=str(gguf))],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    result["model"] = gguf.name
     return result
 
 
@@ -207,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             result["baseline"] = {"commit": sha, **measure(folder, work, args, "baseline")}
         say("measuring this appliance")
         result["appliance"] = measure(ROOT, work, args, "appliance")
+        result["vocabulary"] = vocabulary(work / "data-appliance")
     result["peak_rss_mib"] = total_peak(result["appliance"])
     if "baseline" in result:
         result["baseline"]["peak_rss_mib"] = total_peak(result["baseline"])
@@ -250,6 +286,16 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         *table(["", *labels], rows),
     ]
+    if "vocabulary" in result:
+        vocab = result["vocabulary"]
+        lines += [
+            "",
+            (
+                f"Of the gateway's memory, its copy of the model's vocabulary (llama.cpp, "
+                f"`vocab_only`; {vocab['n_vocab']:,} tokens of `{vocab['model']}`): "
+                f"**{vocab['cost_mib']:.0f} MiB**."
+            ),
+        ]
     return "\n".join(lines) + "\n"
 
 
