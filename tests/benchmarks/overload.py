@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shutil
 import statistics
@@ -66,6 +67,22 @@ class Outcome:
     ttft_s: float | None  # from the scheduled time
     latency_s: float  # scheduled time to the end of the response
     shed: bool = False  # a 429 for a request dropped from the queue, not refused at the door
+    retry_after_s: float | None = None  # a refusal's Retry-After
+
+
+async def honour_retry_after(outcome: Outcome, stop: asyncio.Event | None = None) -> None:
+    """What a closed-loop client does after a refusal before it asks again: wait the
+    refusal's Retry-After, as OpenAI's SDKs do (or until ``stop``). A closed-loop client
+    that asked again at once would send the gateway a thousand refusals a second, and the
+    figures would measure that flood instead of the load they name."""
+    if outcome.status == 200:
+        return
+    wait = outcome.retry_after_s if outcome.retry_after_s is not None else 1.0
+    if stop is None:
+        await asyncio.sleep(wait)
+        return
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), wait)
 
 
 async def one(
@@ -85,8 +102,13 @@ async def one(
         ) as resp:
             if resp.status != 200:
                 text = await resp.text()
+                retry = resp.headers.get("Retry-After")
                 return Outcome(
-                    resp.status, None, time.perf_counter() - due, "dropped from the queue" in text
+                    resp.status,
+                    None,
+                    time.perf_counter() - due,
+                    "dropped from the queue" in text,
+                    float(retry) if retry else None,
                 )
             async for raw in resp.content:
                 if (
@@ -117,6 +139,8 @@ async def capacity(server: base.Server, seconds: float, max_tokens: int) -> floa
                 )
                 if outcome.status == 200:
                     done += 1
+                else:
+                    await honour_retry_after(outcome)
                 i += 1
 
         started = time.perf_counter()
@@ -234,7 +258,8 @@ async def _busy(server: base.Server, stop: asyncio.Event, max_tokens: int) -> No
         async def client(i: int) -> None:
             while not stop.is_set():
                 prompt = PROMPTS[i % len(PROMPTS)]
-                await one(session, server, prompt, max_tokens, time.perf_counter())
+                outcome = await one(session, server, prompt, max_tokens, time.perf_counter())
+                await honour_retry_after(outcome, stop)
                 i += 1
 
         await asyncio.gather(*(client(i) for i in range(2 * SLOTS)))
