@@ -675,6 +675,22 @@ class ClassSettings(_Section):
         le=1_000_000,
         description="Failed authentications one client address may make per minute before 429.",
     )
+    refusals_per_second: float = Field(
+        20.0,
+        ge=0.1,
+        le=1_000_000,
+        description=(
+            "429s (overloaded, queue full, a quota) one API key gets answered at once each "
+            "second; beyond that, each is held `refusal_hold_s` first: a client that asks "
+            "again without waiting its Retry-After is slowed, not served a flood of refusals."
+        ),
+    )
+    refusal_hold_s: float = Field(
+        1.0,
+        ge=0,
+        le=60,
+        description="How long a refusal beyond `refusals_per_second` is held (0: never).",
+    )
 
     @model_validator(mode="before")
     @classmethod

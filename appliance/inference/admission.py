@@ -9,6 +9,7 @@ the metrics of every decision.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import OrderedDict
@@ -34,6 +35,11 @@ if TYPE_CHECKING:
 DAY_S = 86_400.0
 MINUTE_S = 60.0
 _MAX_CLIENTS = 10_000  # addresses remembered by the authentication throttle
+_MAX_KEYS = 10_000  # keys remembered by the refusal hold
+# Refusals of one key held at once; beyond, they are answered at once (a client with more
+# connections than this costs what it costs, but cannot make the gateway hold sockets
+# without bound).
+_MAX_HELD = 256
 
 
 class AdmissionControl:
@@ -45,6 +51,8 @@ class AdmissionControl:
         self._minute: dict[int, TokenBucket] = {}  # account id -> requests per minute
         self._day: dict[int, TokenBucket] = {}  # account id -> tokens per day
         self._auth: OrderedDict[str, TokenBucket] = OrderedDict()  # client address -> failures
+        self._refusals: OrderedDict[int, TokenBucket] = OrderedDict()  # key id -> 429s a second
+        self._held: dict[int, int] = {}  # key id -> its refusals being held now
         self.outbox_full = False  # set by the fleet link: the outbox is at its bound
         # Budgets across the fleet: leases from the hub (the fleet link renews them).
         self.leases = LeaseBook(
@@ -255,6 +263,45 @@ class AdmissionControl:
             m.slo_misses.labels(klass.value, "first_token").inc()
         if finished.duration_s > objectives.complete_s:
             m.slo_misses.labels(klass.value, "complete").inc()
+
+    # -- clients that do not wait ------------------------------------------------------------
+
+    async def hold_refusal(self, key_id: int) -> bool:
+        """Hold a 429 of this key for `classes.refusal_hold_s` before it is answered, when the
+        key was refused more than `classes.refusals_per_second` times in the last second;
+        True if it was held.
+
+        A refusal costs the gateway a parse, a key check and a prediction: well under a
+        millisecond, but a client in a loop that asks again the moment it is refused (not
+        waiting its Retry-After) sends a thousand a second, and the CPU that takes from the
+        model's decode threads (which wait on each other at every step) stalls every
+        account's generation. A held refusal costs nothing while it waits, and such a client
+        then asks once per hold per connection. A burst of one key's users under overload
+        (within the rate) is still refused at once."""
+        settings = self._settings
+        if settings.refusal_hold_s <= 0:
+            return False
+        now = time.monotonic()
+        bucket = self._refusals.get(key_id)
+        if bucket is None:
+            rate = settings.refusals_per_second
+            bucket = self._refusals[key_id] = TokenBucket.full(rate, 1.0, now)
+            while len(self._refusals) > _MAX_KEYS:
+                self._refusals.popitem(last=False)
+        self._refusals.move_to_end(key_id)
+        held = self._held.get(key_id, 0)
+        if bucket.take(1, now) == 0 or held >= _MAX_HELD:
+            return False
+        self._held[key_id] = held + 1
+        self._metrics.refusals_held.inc()
+        try:
+            await asyncio.sleep(settings.refusal_hold_s)
+        finally:
+            if (left := self._held[key_id] - 1) > 0:
+                self._held[key_id] = left
+            else:
+                del self._held[key_id]
+        return True
 
     # -- failed authentication ---------------------------------------------------------------
 

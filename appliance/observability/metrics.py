@@ -174,6 +174,12 @@ class Metrics:
             "Requests refused because their address failed authentication too often.",
             registry=r,
         )
+        self.refusals_held = Counter(
+            "kvl_refusals_held",
+            "429s held before they were answered: their key was refused more than "
+            "classes.refusals_per_second times a second (a client not waiting its Retry-After).",
+            registry=r,
+        )
         self.class_ttft_seconds = Histogram(
             "kvl_class_time_to_first_token_seconds",
             "Time from arrival at the worker to the first token, by service class.",

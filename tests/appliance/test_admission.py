@@ -243,3 +243,46 @@ async def test_failed_authentication_is_throttled_per_address(
     # From this address even a good key waits: guessing is what is being slowed down.
     good = {"Authorization": f"Bearer {keys[ServiceClass.S1]}"}
     assert (await client.get("/v1/models", headers=good)).status == 429
+
+
+def _held(text: str) -> float:
+    [line] = [x for x in text.splitlines() if x.startswith("kvl_refusals_held_total ")]
+    return float(line.split()[1])
+
+
+async def test_a_key_that_asks_again_without_waiting_is_held_and_no_other_key_is(
+    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+) -> None:
+    client, keys = await appliance(
+        aiohttp_client,
+        tmp_path,
+        default_model,
+        {
+            "s1": {"requests_per_minute": 1},
+            "s2": {"requests_per_minute": 1},
+            "refusals_per_second": 1,
+            "refusal_hold_s": 0.2,
+        },
+    )
+    body = {"model": "no-such-model", "prompt": "x"}  # cheap: refused after the quota check
+    s1 = {"Authorization": f"Bearer {keys[ServiceClass.S1]}"}
+    s2 = {"Authorization": f"Bearer {keys[ServiceClass.S2]}"}
+    assert (await client.post("/v1/completions", headers=s1, json=body)).status == 404
+    first = await client.post("/v1/completions", headers=s1, json=body)
+    assert first.status == 429
+    assert _held(await (await client.get("/metrics")).text()) == 0  # within the rate: at once
+
+    # A client in a loop that asks again the moment it is refused: each answer is still the
+    # same 429 with its Retry-After, but most are held first (one a second is not: 0.2 s of
+    # hold refills a fifth of one), so the loop runs at the hold's pace, not the CPU's.
+    answers = [await client.post("/v1/completions", headers=s1, json=body) for _ in range(20)]
+    assert {a.status for a in answers} == {429}
+    assert {(await a.json())["error"]["code"] for a in answers} == {ErrorCode.rate_limit_exceeded}
+    assert all(int(a.headers["Retry-After"]) >= 1 for a in answers)
+    held = _held(await (await client.get("/metrics")).text())
+    assert 10 <= held <= 20, held
+
+    # Another key is not held for this one's loop: its first refusal is within its own rate.
+    assert (await client.post("/v1/completions", headers=s2, json=body)).status == 404
+    assert (await client.post("/v1/completions", headers=s2, json=body)).status == 429
+    assert _held(await (await client.get("/metrics")).text()) == held

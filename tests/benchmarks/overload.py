@@ -340,8 +340,9 @@ def refusals_with_h2load(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Open-loop overload, appliance vs llama-server.")
-    # 60 s: at 0.8x about 200 requests, so the p99 is not the single slowest one.
-    parser.add_argument("--duration-s", type=float, default=60.0, help="per load level (60)")
+    # 150 s: at 0.8x about 350 requests on two cores, so the p99 is the fourth slowest,
+    # not one outlier (at 60 s it was the second of ~150 and moved by a third between runs).
+    parser.add_argument("--duration-s", type=float, default=150.0, help="per load level (150)")
     parser.add_argument("--capacity-s", type=float, default=15.0, help="capacity run (15)")
     parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens (32)")
     parser.add_argument("--admit-s", type=float, default=0.1, help="S1 SLO.A (0.1)")
