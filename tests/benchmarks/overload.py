@@ -192,7 +192,14 @@ def summarize(
 
 
 def start(
-    name: str, work: Path, data_dir: Path, key: str, *, model: Path | None, args: Any
+    name: str,
+    work: Path,
+    data_dir: Path,
+    key: str,
+    *,
+    model: Path | None,
+    args: Any,
+    extra_env: dict[str, str] | None = None,
 ) -> base.Server:
     port = base.free_port()
     log_path = work / f"{name}-overload.log"
@@ -207,6 +214,7 @@ def start(
                 "KVL_CLASSES__S1__ADMIT_S": str(args.admit_s),
                 "KVL_CLASSES__S1__FIRST_TOKEN_S": str(args.first_token_s),
                 "KVL_CLASSES__S1__REQUESTS_PER_MINUTE": "0",
+                **(extra_env or {}),
             }
         )
         with log_path.open("ab") as log:
@@ -294,6 +302,66 @@ async def _phase(
     return used, output
 
 
+async def _flood_phase(server: base.Server, seconds: float, *, wait: bool) -> dict[str, Any]:
+    """Completion tokens a second of two closed-loop clients a slot, which wait a refusal's
+    Retry-After before they ask again or (``wait=False``) ask again at once, and the
+    refusals a second they got."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    tokens = refused = 0
+    stop = asyncio.Event()
+    body = {"model": base.MODEL, "max_tokens": 128, "temperature": 0.0, "stream": True}
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+
+        async def ask(i: int) -> Outcome:
+            nonlocal tokens, refused
+            prompt = PROMPTS[i % len(PROMPTS)]
+            async with session.post(
+                server.base_url + "/v1/completions",
+                json={**body, "prompt": prompt},
+                headers=server.headers,
+            ) as resp:
+                if resp.status != 200:
+                    await resp.read()
+                    refused += 1
+                    retry = resp.headers.get("Retry-After")
+                    return Outcome(
+                        resp.status, None, 0.0, retry_after_s=float(retry) if retry else None
+                    )
+                async for raw in resp.content:
+                    if raw.startswith(b"data: {"):
+                        tokens += 1
+                return Outcome(200, None, 0.0)
+
+        async def client(i: int) -> None:
+            while not stop.is_set():
+                outcome = await ask(i)
+                if wait:
+                    await honour_retry_after(outcome, stop)
+                i += 1
+
+        clients = [asyncio.create_task(client(i)) for i in range(2 * SLOTS)]
+        await asyncio.sleep(3.0)  # the slots fill
+        before, started = (tokens, refused), time.perf_counter()
+        await asyncio.sleep(seconds)
+        elapsed = time.perf_counter() - started
+        figures = {
+            "tokens_per_s": round((tokens - before[0]) / elapsed, 1),
+            "refusals_per_s": round((refused - before[1]) / elapsed, 1),
+        }
+        stop.set()
+        await asyncio.gather(*clients)
+    return figures
+
+
+def flood(server: base.Server, seconds: float) -> dict[str, Any]:
+    """Two clients a slot that wait their Retry-After, then as many that do not."""
+    return {
+        "waiting": asyncio.run(_flood_phase(server, seconds, wait=True)),
+        "not_waiting": asyncio.run(_flood_phase(server, seconds, wait=False)),
+    }
+
+
 def refusals_with_h2load(
     server: base.Server, key: str, cap: float, args: Any, work: Path
 ) -> dict[str, Any]:
@@ -350,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--refusal-s", type=float, default=30.0, help="h2load's run of refused requests (30)"
     )
+    parser.add_argument(
+        "--flood-s", type=float, default=15.0, help="each phase of the no-waiting flood (15)"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
     args = parser.parse_args(argv)
     build_llama_server()
@@ -366,8 +437,26 @@ def main(argv: list[str] | None = None) -> int:
             figures = refusals_with_h2load(server, key, cap, args, work)
             results["appliance"]["refusals_h2load"] = figures
             base.say(f"  appliance, h2load: {_brief(figures)}")
+            results["appliance"]["flood"] = flood(server, args.flood_s)
+            base.say(f"  appliance, clients that do not wait: {results['appliance']['flood']}")
         finally:
             base.stop(server)
+        # The same flood with the refusal hold off: what it spares the other clients.
+        unheld = start(
+            "appliance-unheld",
+            work,
+            data_dir,
+            key,
+            model=None,
+            args=args,
+            extra_env={"KVL_CLASSES__REFUSAL_HOLD_S": "0"},
+        )
+        try:
+            base.wait_ready(unheld, timeout_s=600)
+            results["appliance"]["flood_unheld"] = flood(unheld, args.flood_s)
+            base.say(f"  appliance, no hold: {results['appliance']['flood_unheld']}")
+        finally:
+            base.stop(unheld)
         model = base._model_file(data_dir)
         base.say("overload: llama-server")
         results["llama_server"] = measure(
@@ -395,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             "s1_first_token_s": args.first_token_s,
             "refusal_s": args.refusal_s,
             "refusal_load": REFUSAL_LOAD,
+            "flood_s": args.flood_s,
             "prompts": list(PROMPTS),
         },
         "targets": TARGETS,
@@ -477,7 +567,23 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     if (refusals := result["appliance"].get("refusals_h2load")) is not None:
         lines += ["", _h2load_sentence(refusals, result["targets"].get("refusal_p99_ms"))]
+    if "flood" in result["appliance"] and "flood_unheld" in result["appliance"]:
+        lines += ["", _flood_sentence(result["appliance"], settings["slots"])]
     return "\n".join(lines) + "\n"
+
+
+def _flood_sentence(appliance: dict[str, Any], slots: int) -> str:
+    """What clients that do not wait their Retry-After cost the node, held and not."""
+    held, unheld = appliance["flood"], appliance["flood_unheld"]
+    return (
+        f"Clients that do not wait: {2 * slots} closed-loop clients (two a slot) that wait a "
+        f"refusal's Retry-After make {held['waiting']['tokens_per_s']:g} tokens/s; as many "
+        f"that ask again the moment they are refused make "
+        f"**{held['not_waiting']['tokens_per_s']:g} tokens/s** with the refusal hold "
+        f"({held['not_waiting']['refusals_per_s']:g} refusals/s answered) and "
+        f"{unheld['not_waiting']['tokens_per_s']:g} tokens/s without it "
+        f"(`classes.refusal_hold_s=0`: {unheld['not_waiting']['refusals_per_s']:g} refusals/s)."
+    )
 
 
 def _h2load_sentence(refusals: dict[str, Any], wanted: float | None) -> str:
