@@ -203,7 +203,7 @@ def start(
 ) -> base.Server:
     port = base.free_port()
     log_path = work / f"{name}-overload.log"
-    if name == "appliance":
+    if name.startswith("appliance"):
         command = [*base.kvl_executable(), "appliance", "serve", "--data-dir", str(data_dir)]
         command += ["--host", base.HOST, "--port", str(port)]
         env = base.appliance_env()
