@@ -411,10 +411,14 @@ def main(argv: list[str] | None = None) -> int:
     # 150 s: at 0.8x about 350 requests on two cores, so the p99 is the fourth slowest,
     # not one outlier (at 60 s it was the second of ~150 and moved by a third between runs).
     parser.add_argument("--duration-s", type=float, default=150.0, help="per load level (150)")
-    parser.add_argument("--capacity-s", type=float, default=15.0, help="capacity run (15)")
+    # 30 s: at 15 s the capacity (the goodput share's denominator) moved by 8 % between runs.
+    parser.add_argument("--capacity-s", type=float, default=30.0, help="capacity run (30)")
     parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens (32)")
-    parser.add_argument("--admit-s", type=float, default=0.1, help="S1 SLO.A (0.1)")
-    parser.add_argument("--first-token-s", type=float, default=0.25, help="S1 SLO.B (0.25)")
+    # The queue the objectives allow is the 3x tail: with SLO.A 0.1 s and SLO.B 0.25 s the
+    # 3x p99 TTFT was 176-182 ms in four runs of 150 s (0.8x: 111-136 ms); see
+    # docs/benchmarks.md.
+    parser.add_argument("--admit-s", type=float, default=0.075, help="S1 SLO.A (0.075)")
+    parser.add_argument("--first-token-s", type=float, default=0.2, help="S1 SLO.B (0.2)")
     parser.add_argument(
         "--refusal-s", type=float, default=30.0, help="h2load's run of refused requests (30)"
     )
@@ -535,14 +539,12 @@ def markdown(result: dict[str, Any]) -> str:
         return f"{share:.2f}"
 
     def refusals(server: str, load: str) -> str:
+        # The target is read against h2load's figure (the sentence below the table): these
+        # clients are Python, sharing the two cores with the server they time.
         at = result[server][load]
         if at.get("refusal_ms_p99") is None:
             return ""
-        p99 = f"{at['refusal_ms_p99']:.1f} ms"
-        wanted = targets.get("refusal_p99_ms")
-        if server == "appliance" and load == top and wanted is not None:
-            p99 = f"**{p99}** (target < {wanted:g} ms)"
-        return f"{at['refusal_ms_p50']:.1f} / {p99}"
+        return f"{at['refusal_ms_p50']:.1f} / {at['refusal_ms_p99']:.1f} ms"
 
     first_token = f"{settings['s1_first_token_s']:g} s"
     lines = [
@@ -559,7 +561,7 @@ def markdown(result: dict[str, Any]) -> str:
                 row("sent / served / refused (429)", counts),
                 row("TTFT p50 / p99 of those served", ttft),
                 row(f"goodput (first token within {first_token}), share of capacity", goodput),
-                row("429 latency p50 / p99", refusals),
+                row("429 latency p50 / p99 (Python clients)", refusals),
             ],
         ),
         "",
