@@ -39,16 +39,6 @@ _HTTP_CODES = {
     405: ErrorCode.method_not_allowed,
     413: ErrorCode.request_too_large,
 }
-# Refusals for load or a quota, which say Retry-After: a key refused more often than
-# `classes.refusals_per_second` has them held first (AdmissionControl.hold_refusal).
-_HELD = frozenset(
-    {
-        ErrorCode.overloaded,
-        ErrorCode.queue_full,
-        ErrorCode.rate_limit_exceeded,
-        ErrorCode.insufficient_quota,
-    }
-)
 
 
 def route_label(request: web.Request) -> str:
@@ -99,8 +89,8 @@ async def _answer(
     except ApiError as err:
         code = err.code
         response = web.json_response(err.body(), status=err.status, headers=err.headers())
-        if code in _HELD and (key := request.get(REQUEST_KEY)) is not None:
-            await request.app[ADMISSION].hold_refusal(key.id)
+        if (key := request.get(REQUEST_KEY)) is not None:
+            await request.app[ADMISSION].hold_refusal(key.id, code)
     except RequestPayloadError as exc:
         # The body could not be read: a Content-Encoding that does not decode, bad chunking.
         code = ErrorCode.bad_request

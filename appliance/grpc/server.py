@@ -184,6 +184,7 @@ class Inference(pb_grpc.InferenceServicer):
         started = time.perf_counter()
         status = grpc.StatusCode.OK
         error: ApiError | None = None
+        key: ApiKey | None = None
         attributes = {
             "rpc.system": "grpc",
             "rpc.service": SERVICE,
@@ -223,6 +224,9 @@ class Inference(pb_grpc.InferenceServicer):
             if error is not None:
                 s.metrics.grpc_errors.labels(method, error.code.value).inc()
             s.metrics.grpc_call_seconds.labels(method).observe(time.perf_counter() - started)
+        if key is not None:
+            # A key refused for load more often than it should ask waits here, as on HTTP.
+            await s.admission.hold_refusal(key.id, error.code)
         return await context.abort(status, error.message, trailing_metadata(error, request_id))
 
 

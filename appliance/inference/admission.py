@@ -40,6 +40,16 @@ _MAX_KEYS = 10_000  # keys remembered by the refusal hold
 # connections than this costs what it costs, but cannot make the gateway hold sockets
 # without bound).
 _MAX_HELD = 256
+# Refusals for load or a quota, which say Retry-After: those a key that asks again at once
+# has held (AdmissionControl.hold_refusal), on every door.
+_HELD_REFUSALS = frozenset(
+    {
+        ErrorCode.overloaded,
+        ErrorCode.queue_full,
+        ErrorCode.rate_limit_exceeded,
+        ErrorCode.insufficient_quota,
+    }
+)
 
 
 class AdmissionControl:
@@ -266,10 +276,10 @@ class AdmissionControl:
 
     # -- clients that do not wait ------------------------------------------------------------
 
-    async def hold_refusal(self, key_id: int) -> bool:
-        """Hold a 429 of this key for `classes.refusal_hold_s` before it is answered, when the
-        key was refused more than `classes.refusals_per_second` times in the last second;
-        True if it was held.
+    async def hold_refusal(self, key_id: int, code: ErrorCode) -> bool:
+        """Hold a refusal for load or a quota (`_HELD_REFUSALS`) of this key for
+        `classes.refusal_hold_s` before it is answered, when the key was refused more than
+        `classes.refusals_per_second` times in the last second; True if it was held.
 
         A refusal costs the gateway a parse, a key check and a prediction: well under a
         millisecond, but a client in a loop that asks again the moment it is refused (not
@@ -279,7 +289,7 @@ class AdmissionControl:
         then asks once per hold per connection. A burst of one key's users under overload
         (within the rate) is still refused at once."""
         settings = self._settings
-        if settings.refusal_hold_s <= 0:
+        if code not in _HELD_REFUSALS or settings.refusal_hold_s <= 0:
             return False
         now = time.monotonic()
         bucket = self._refusals.get(key_id)

@@ -81,6 +81,9 @@ def appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrpcApplianc
         "KVL_GRPC__ENABLED": "true",
         "KVL_GRPC__PORT": str(port),
         "KVL_CLASSES__S0__REQUESTS_PER_MINUTE": "1",
+        # A client that asks again at once is held after two refusals a second, briefly.
+        "KVL_CLASSES__REFUSALS_PER_SECOND": "2",
+        "KVL_CLASSES__REFUSAL_HOLD_S": "0.1",
     }
     with running_appliance(data_dir, main, env) as process:
         yield GrpcAppliance(process, port, main, s0)
@@ -282,6 +285,39 @@ def test_over_quota_is_resource_exhausted_with_retry_info(appliance: GrpcApplian
     retry = error_details_pb2.RetryInfo()
     assert any(d.Unpack(retry) for d in status_pb2.Status.FromString(details).details)
     assert retry.retry_delay.seconds == seconds
+
+
+def _held(appliance: GrpcAppliance) -> float:
+    with urllib.request.urlopen(f"{appliance.process.base_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    [line] = [x for x in text.splitlines() if x.startswith("kvl_refusals_held_total ")]
+    return float(line.split()[1])
+
+
+@pytest.mark.model
+def test_a_key_that_calls_again_without_waiting_is_held_as_on_http(
+    appliance: GrpcAppliance,
+) -> None:
+    stub = appliance.stub()
+    request = pb.GenerateRequest(model=MODEL, prompt="One", max_tokens=1)
+    with contextlib.suppress(grpc.RpcError):  # the S0 account's one call a minute, if left
+        list(stub.Generate(request, metadata=appliance.auth(appliance.s0_key), timeout=TIMEOUT_S))
+    before = _held(appliance)
+    for _ in range(12):
+        with pytest.raises(grpc.RpcError) as refused:
+            list(
+                stub.Generate(request, metadata=appliance.auth(appliance.s0_key), timeout=TIMEOUT_S)
+            )
+        status, trailers, _ = _failed(refused.value)
+        assert (status, trailers["kvl-error-code"]) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "rate_limit_exceeded",
+        )
+    # Two a second pass at once; the rest of a loop this fast waits its hold first.
+    assert 8 <= _held(appliance) - before <= 12
+    # Other keys are not held: the main account is served.
+    replies = list(stub.Generate(request, metadata=appliance.auth(), timeout=TIMEOUT_S))
+    assert replies[-1].finish_reason in {"stop", "length"}
 
 
 @pytest.mark.model
