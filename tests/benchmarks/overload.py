@@ -611,23 +611,29 @@ def _overload_sentence(result: dict[str, Any], loads: list[str]) -> str:
     verdict = (
         "" if wanted is None else (f"target ≤ {wanted:g}{'' if tail <= wanted else ': missed'}; ")
     )
-    shed = sum(result["appliance"][load].get("shed_429", 0) for load in loads)
+    sheds = {_load_label(load): result["appliance"][load].get("shed_429", 0) for load in loads}
     dropped = (
         "No request was shed from the appliance's queue after admission"
-        if shed == 0
-        else f"{shed} requests were shed from the appliance's queue after admission"
+        if not any(sheds.values())
+        else "Requests shed from the appliance's queue after admission: "
+        + ", ".join(f"{n} at {label}" for label, n in sheds.items())
     )
     served = result["appliance"][loads[-1]]["served"]
     return (
         f"At {top} the appliance's p99 TTFT is **{tail:.2f}{TIMES}** its p99 at {low} ({verdict}"
-        f"{served} requests served at {top}) and "
-        f"{ratios['p99_ttft_3x_appliance_over_llama_server']}{TIMES} llama-server's at {top}. "
+        f"{served} requests served at {top}), against llama-server's "
+        f"{_seconds(result['llama_server'][loads[-1]]['ttft_ms_p99'])} at {top}. "
         f"{dropped}."
     )
 
 
 def _load_factor(key: str) -> float:
     return float(key.removeprefix("load_").removesuffix("x"))
+
+
+def _seconds(ms: float) -> str:
+    """A latency as it reads best: `141 ms`, or `379.4 s` (llama-server's unbounded queue)."""
+    return f"{ms:.0f} ms" if ms < 1000 else f"{ms / 1000:.1f} s"
 
 
 def _load_label(key: str) -> str:
