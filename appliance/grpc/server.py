@@ -225,7 +225,8 @@ class Inference(pb_grpc.InferenceServicer):
                 s.metrics.grpc_errors.labels(method, error.code.value).inc()
             s.metrics.grpc_call_seconds.labels(method).observe(time.perf_counter() - started)
         if key is not None:
-            # A key refused for load more often than it should ask waits here, as on HTTP.
+            # A key that calls again at once after refusals for load or a quota waits here
+            # first (past its rate), as on HTTP.
             await s.admission.hold_refusal(key.id, error.code)
         return await context.abort(status, error.message, trailing_metadata(error, request_id))
 

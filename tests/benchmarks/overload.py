@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity-s", type=float, default=30.0, help="capacity run (30)")
     parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens (32)")
     # The queue the objectives allow is the 3x tail: with SLO.A 0.1 s and SLO.B 0.25 s the
-    # 3x p99 TTFT was 176-182 ms in four runs of 150 s (0.8x: 111-136 ms); see
+    # 3x p99 TTFT was 178-182 ms in three runs of 150 s (0.8x: 111-136 ms); see
     # docs/benchmarks.md.
     parser.add_argument("--admit-s", type=float, default=0.075, help="S1 SLO.A (0.075)")
     parser.add_argument("--first-token-s", type=float, default=0.2, help="S1 SLO.B (0.2)")
