@@ -473,9 +473,6 @@ def main(argv: list[str] | None = None) -> int:
         "appliance_goodput_share_3x": high["goodput_share_of_capacity"],
         "appliance_refusal_ms_p99_3x": high["refusal_ms_p99"],
         "appliance_refusal_ms_p99_h2load": app["refusals_h2load"]["latency_ms_p99"],
-        "p99_ttft_3x_appliance_over_llama_server": _ratio(
-            high["ttft_ms_p99"], ref["load_3.0x"]["ttft_ms_p99"]
-        ),
     }
     result = {
         **base.stamp(),
