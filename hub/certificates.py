@@ -30,6 +30,7 @@ import hashlib
 import ipaddress
 import logging
 import secrets
+import socket
 import time
 import weakref
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from shared.files import write_public
 
 if TYPE_CHECKING:
     import ssl
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
     from pathlib import Path
 
     from hub.settings import HubSettings
@@ -202,46 +203,63 @@ class Authority:
 
     def node_names(self, name: str, overlay: str | None) -> list[str]:
         """The names the hub gives every node: its name, its `.local` name for the LAN,
-        its name under the fleet's domain, its overlay address."""
-        names = [name, f"{name}.local", f"{name}.{self.domain}"]
-        return [*names, overlay] if overlay else names
+        its name under the fleet's domain, its overlay address (each as compared:
+        `canonical`)."""
+        label = canonical(name)
+        names = [label, f"{label}.local", f"{label}.{canonical(self.domain)}"]
+        return [*names, canonical(overlay)] if overlay else names
 
     def check_request(
         self, request: pki.Request, *, name: str, overlay: str | None
     ) -> tuple[list[str], list[str]]:
         """(the names to issue, the names to claim for this node alone), or
-        NameRefusedError for the first name the node may not have: another node's
-        name or address, the hub's, an overlay address not its own, a DNS name the hub
-        did not give it. Its LAN addresses (any other unicast address) it may have,
-        each while no other live node holds it."""
+        NameRefusedError for the first name the node may not have: a node name that is
+        not one DNS label (an address, a dotted name), one of the hub's names or
+        addresses (whichever list it came from: the node's own or the hub's decision),
+        an overlay address not its own, a DNS name the hub did not give it. Its LAN
+        addresses (any other unicast address) it may have. Every name is compared in
+        its canonical form (`canonical`); the claim of them all, for this node alone
+        against every other live node's, is the store's (`issue_for`)."""
+        if _is_address(name):
+            raise NameRefusedError(
+                name,
+                "a node name that is an IP address: revoke the node and enroll it again "
+                "under a name that is one DNS label",
+            )
         decided = self.node_names(name, overlay)
-        hub = set(self.hub_names())
+        hub = {canonical(n) for n in self.hub_names()}
         network = ipaddress.ip_network(self._settings.overlay.prefix)
         lan: list[str] = []
-        for requested in request.names:
+        for asked in request.names:
+            requested = canonical(asked)
             if requested in decided or requested in LOOPBACK:
                 continue
             try:
                 address = ipaddress.ip_address(requested)
             except ValueError:
                 raise NameRefusedError(
-                    requested,
+                    asked,
                     "the hub decides a node's DNS names "
                     f"({', '.join(n for n in decided if n != overlay)}): ask for those, "
                     "its LAN addresses, or loopback",
                 ) from None
-            if requested in hub:
-                raise NameRefusedError(requested, "an address of the hub")
             if address.version == network.version and address in network:
                 raise NameRefusedError(
-                    requested,
+                    asked,
                     f"an overlay address; this node's is {overlay}, given by the hub",
                 )
             if address.is_multicast or address.is_unspecified or address.is_loopback:
-                raise NameRefusedError(requested, "not an address of one machine")
-            lan.append(str(address))
-        names = sorted({*decided, *LOOPBACK, *lan})
-        return names, sorted({*decided, *lan})
+                raise NameRefusedError(asked, "not an address of one machine")
+            lan.append(requested)
+        claim = sorted({*decided, *lan})
+        for issued in claim:
+            if issued in hub:
+                raise NameRefusedError(
+                    issued,
+                    "a name of the hub (server.names, its overlay address): a node never "
+                    "holds one; revoke the node and enroll it again under another name",
+                )
+        return sorted({*claim, *LOOPBACK}), claim
 
     def issue_node(
         self, request: pki.Request, names: list[str], node_id: str, name: str
@@ -278,7 +296,12 @@ class Authority:
         """The hub's TLS client context (offload to a node): the node's certificate must
         chain to the trust bundle and name the address called; the hub's certificate
         goes along as its client certificate."""
-        return tls.client_context(self.phase().bundle, self._files())
+        return tls.client_context(self.phase().bundle, self._files(), identity=self.node_identity())
+
+    def node_identity(self) -> Callable[[list[str]], bool]:
+        """Who the hub accepts where it calls a node: a node's certificate (its URI),
+        never the hub's own, which chains to the same CA."""
+        return tls.node_identity(pki.node_uri(self.domain, ""))
 
     def state(self) -> str:
         """What the running hub's contexts depend on: a change means build them again."""
@@ -287,6 +310,36 @@ class Authority:
             path = self.directory / f"{stem}.crt"
             parts.append(path.read_bytes() if path.is_file() else b"-")
         return hashlib.sha256(b"\0".join(parts)).hexdigest()
+
+
+def canonical(name: str) -> str:
+    """A name as the hub compares it: an IP address in its one text form (an IPv4-mapped
+    IPv6 address as the IPv4 address it maps: `::ffff:100.64.0.1` is `100.64.0.1`), a DNS
+    name in lowercase without a final dot (DNS compares names case-insensitively)."""
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return name.lower().rstrip(".")
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
+
+
+def _is_address(name: str) -> bool:
+    """Whether a node's name reads as an IP address: a literal, or what inet_aton takes
+    for one (`100.64.1`, `0x64400001`). The protocol refuses such names now; a node
+    enrolled before may have one."""
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        pass
+    else:
+        return True
+    try:
+        socket.inet_aton(name)
+    except OSError:
+        return False
+    return True
 
 
 def certify(

@@ -51,16 +51,6 @@ class LogQuery:
         return replace(self, after=answer.next_after, wait_s=FOLLOW_WAIT_S, tail=False)
 
 
-def fleet_url(node: Node) -> str | None:
-    """The node's fleet listener (mutual TLS), None where it has none (no certificate yet,
-    or an appliance from before protocol 3): its LAN API does not serve the hub's routes."""
-    api = node.capacity.api
-    if node.address is None or api is None or api.fleet_port is None:
-        return None
-    host = f"[{node.address}]" if ":" in node.address else node.address
-    return f"https://{host}:{api.fleet_port}"
-
-
 def reachable_url(node: Node, settings: HubSettings, now: float) -> str:
     """Where to read the node's logs; 409 `node_offline` for a node the hub cannot ask."""
     status = status_of(node, settings.fleet, now)
@@ -68,7 +58,7 @@ def reachable_url(node: Node, settings: HubSettings, now: float) -> str:
         raise ApiError(
             ErrorCode.node_offline, f"node {node.name} is {status.value}: its logs cannot be read"
         )
-    url = fleet_url(node)
+    url = node.fleet_url
     if url is None:
         raise ApiError(
             ErrorCode.node_offline,
@@ -88,7 +78,10 @@ def hub_client_context(settings: HubSettings) -> ssl.SSLContext:
             ErrorCode.node_unreachable,
             f"the hub has no certificate in {settings.pki_dir} yet: `kvl hub serve` makes it",
         )
-    return tls.client_context(Authority(settings).phase().bundle, certificate)
+    authority = Authority(settings)
+    return tls.client_context(
+        authority.phase().bundle, certificate, identity=authority.node_identity()
+    )
 
 
 class NodeLogs:

@@ -7,16 +7,23 @@ heartbeats come from) on `/v1/offloaded/…` with the client's own API key, whic
 origin node handed over and the hub checked: the serving node authenticates it like any
 key and takes account and class from it, so no node can make another run a request as
 an account it names. Only nodes that say they take offloaded requests this way (protocol
-2, `capacity.offload`) are chosen. The call goes to the node's fleet listener, over
-mutual TLS (protocol 3): each side proves who it is with its certificate.
+2, `capacity.offload`) are chosen, and only over mutual TLS: the call goes to the node's
+fleet listener (protocol 3), whose certificate must chain to the fleet's CA, name the
+address called and carry a node's URI, and the hub presents its own. A node without one
+(or that says `tls: false`) is never sent a client's key.
 A node that refuses for load (429, 503) is skipped for the next candidate; when none is
 left the origin gets 429 `overloaded` with `Retry-After`. The response names the node
-that served it (`X-Kvl-Served-By`).
+that served it (`X-Kvl-Served-By`). The hub remembers how its offloads to each node went
+(failures, latency to the answer's headers), and ranks candidates by that before what
+they say of themselves (hub/planning/offload.py).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -39,12 +46,59 @@ log = logging.getLogger(__name__)
 MAX_TRIES = 2  # candidates tried before the origin is told no
 RETRY_AFTER_S = 5.0
 PASSED_HEADERS = ("Content-Type", "X-Kvl-Model", "X-Kvl-Request-Id", "Retry-After")
+FAILURES_KEPT_S = 300.0  # an offload that failed counts against its node this long
+LATENCY_WEIGHT = 0.3  # of the newest offload in the node's latency (a moving average)
+NODES_MEASURED = 10_000  # nodes whose offloads are remembered (the oldest forgotten)
 
 
-def load_of(node: Node) -> NodeLoad:
+@dataclass
+class Measured:
+    """How the hub's offloads to one node went lately."""
+
+    latency_s: float | None = None
+    failed_at: deque[float] = field(default_factory=lambda: deque(maxlen=16))
+
+    def failures(self, now: float) -> int:
+        return sum(1 for at in self.failed_at if now - at < FAILURES_KEPT_S)
+
+
+class Measurements:
+    """The hub's own record of its offloads to each node, bounded: what ranks nodes
+    before what their heartbeats claim."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[str, Measured] = {}
+
+    def of(self, node_id: str) -> Measured:
+        return self._nodes.get(node_id) or Measured()
+
+    def _entry(self, node_id: str) -> Measured:
+        found = self._nodes.pop(node_id, None)
+        if found is None:
+            found = Measured()
+            if len(self._nodes) >= NODES_MEASURED:
+                del self._nodes[next(iter(self._nodes))]  # the least recently offloaded to
+        self._nodes[node_id] = found
+        return found
+
+    def answered(self, node_id: str, seconds: float) -> None:
+        entry = self._entry(node_id)
+        entry.latency_s = (
+            seconds
+            if entry.latency_s is None
+            else (1 - LATENCY_WEIGHT) * entry.latency_s + LATENCY_WEIGHT * seconds
+        )
+
+    def failed(self, node_id: str, at: float) -> None:
+        self._entry(node_id).failed_at.append(at)
+
+
+def load_of(node: Node, measured: Measured | None = None, now: float | None = None) -> NodeLoad:
     """A node's load as its last heartbeat said (validated: no negative queue, no more
-    free memory than it has), so its claims rank it within its own capacity only."""
+    free memory than it has), so its claims rank it within its own capacity only, with
+    what the hub measured of its offloads to it."""
     capacity = node.capacity
+    measured = measured or Measured()
     return NodeLoad(
         id=node.id,
         name=node.name,
@@ -54,7 +108,9 @@ def load_of(node: Node) -> NodeLoad:
         memory_available_mib=capacity.memory_available_mib,
         last_seen=node.last_seen,
         revoked=node.revoked,
-        reachable=node.api_url is not None and capacity.offload,
+        reachable=node.fleet_url is not None and capacity.offload,
+        failures=measured.failures(time.time() if now is None else now),
+        latency_s=measured.latency_s,
     )
 
 
@@ -67,6 +123,7 @@ class Forwarder:
     def __init__(self, hub_tls: HubTls, tracing: Tracing) -> None:
         self._tls = hub_tls
         self._tracing = tracing
+        self.measured = Measurements()
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=300)
         )
@@ -125,7 +182,7 @@ class Forwarder:
         serves: Callable[[Node], Awaitable[bool]],
     ) -> tuple[web.StreamResponse, str]:
         by_id = {n.id: n for n in nodes}
-        loads = [load_of(n) for n in nodes]
+        loads = [load_of(n, self.measured.of(n.id), now) for n in nodes]
         ranked = candidates(
             loads,
             model=model,
@@ -163,7 +220,7 @@ class Forwarder:
         *,
         client_key: str,
     ) -> web.StreamResponse | None:
-        assert target.api_url is not None  # noqa: S101 - candidates are reachable
+        assert target.fleet_url is not None  # noqa: S101 - candidates are reachable
         headers = {
             "Authorization": f"Bearer {client_key}",
             "Content-Type": "application/json",
@@ -173,18 +230,27 @@ class Forwarder:
         # One offloaded request is one trace: the hub's span (or, tracing off here, the
         # origin's W3C headers as they came) goes on to the target as its parent.
         self._tracing.inject(headers, request.headers)
-        url = f"{target.api_url}/v1/offloaded/{route}"
+        url = f"{target.fleet_url}/v1/offloaded/{route}"
+        started = time.monotonic()
         try:
             upstream = await self._session.post(
                 url, data=body, headers=headers, ssl=self._tls.client
             )
         except (aiohttp.ClientError, TimeoutError) as err:
+            # Unreachable, or its certificate failed the handshake (not a node's, not
+            # for the address called): never sent the client's key, and tried last for
+            # a while.
+            self.measured.failed(target.id, time.time())
             log.warning("offload to %s failed: %s", target.name, err)
             return None
         try:
             if upstream.status in {429, 503}:
                 log.info("offload: %s has no room either (%d)", target.name, upstream.status)
                 return None
+            if upstream.status >= 500:
+                self.measured.failed(target.id, time.time())
+            else:
+                self.measured.answered(target.id, time.monotonic() - started)
             response = web.StreamResponse(status=upstream.status)
             for name in PASSED_HEADERS:
                 if name in upstream.headers:

@@ -8,9 +8,9 @@ next heartbeat and converge (fetch the artifact, load it, report it in their hea
 
 What a node offers the planner comes from its heartbeat and its labels: memory for
 models (`model_memory_mib`, the node's model memory budget), GPUs, the isolation level it
-can run replicas at (`isolation_max`), and the labels
-`region`, `tenant` (a node dedicated to one tenant, class S3) and `private`
-("true": a node on a tenant's private site, class S4).
+can run replicas at (`isolation_max`), and the label `region`. Its tenancy (dedicated to
+one tenant, class S3; on a tenant's private site, class S4) is the operator's, from its
+row (hub/state/accounts.py), never from its labels.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def _snapshot(
     labels: Mapping[str, str],
     capacity: protocol.Capacity,
     *,
+    tenant: str | None,
+    private: bool,
     last_seen: float | None,
     draining: bool,
     revoked: bool,
@@ -61,8 +63,8 @@ def _snapshot(
         last_seen=last_seen,
         draining=draining,
         revoked=revoked,
-        tenant=labels.get("tenant"),
-        private=labels.get("private") == "true",
+        tenant=tenant,
+        private=private,
         isolation=IsolationLevel(capacity.isolation_max),
     )
 
@@ -75,7 +77,7 @@ class FleetSnapshots:
     load), which the node calls then waited for; now 57 ms with a fifth of them changed.
     Used on the reading connection's thread only."""
 
-    _COLUMNS = "id, site, labels, capacity, last_seen, draining, revoked_at"
+    _COLUMNS = "id, site, labels, capacity, last_seen, draining, revoked_at, tenant, private"
 
     def __init__(self) -> None:
         self._known: dict[str, tuple[tuple[Any, ...], NodeSnapshot]] = {}
@@ -87,14 +89,15 @@ class FleetSnapshots:
         known, kept = self._known, {}
         nodes = []
         for row in rows:
-            node_id, site, labels, capacity, last_seen, draining, revoked_at = row
+            node_id, site, labels, capacity, last_seen, draining, revoked_at, tenant, private = row
             was = known.get(node_id)
             if was is not None and was[0] == tuple(row):
                 snapshot = was[1]
             else:
                 snapshot = _snapshot(
                     node_id, site, json.loads(labels or "{}"), capacity_of(capacity),
-                    last_seen=last_seen, draining=bool(draining), revoked=revoked_at is not None,
+                    tenant=tenant or None, private=bool(private), last_seen=last_seen,
+                    draining=bool(draining), revoked=revoked_at is not None,
                 )  # fmt: skip
             kept[node_id] = (tuple(row), snapshot)
             nodes.append(snapshot)

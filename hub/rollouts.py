@@ -16,6 +16,11 @@ the node reports a failed update or a rollback (in any wave), or, in the current
 goes unheard for `offline_after_s`, or one of its objectives burns its error budget faster
 than `max_burn_rate` over the wave (at least `min_requests` counted: the live objectives,
 hub/state/objectives.py, by node and to the 5-minute bucket).
+
+An abort gives the nodes reached what they had before, and the rollout is `rolling-back`
+until each reports it (`rollback`), or is offline by the fleet's own window
+(`fleet.offline_after_s`), or the operator finishes the rollback (`finish`); a node that
+never confirmed is recorded as such, and keeps its previous target for when it returns.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from hub.fleet.budgets import burn_rate
 from hub.planning.health import status_of
-from hub.planning.rollout import Candidate, Seen, assign_waves, rolled_back, step
+from hub.planning.rollout import STEPS, Candidate, Seen, assign_waves, rollback, step
 from hub.state.rollouts import RolloutConflictError
 from hub.state.store import NotFoundError
 from shared import protocol
@@ -34,7 +39,7 @@ from shared import protocol
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from hub.planning.rollout import Report, RolloutState, Strategy
+    from hub.planning.rollout import Member, Report, RolloutState, Strategy
     from hub.settings import HubSettings
     from hub.state.rollouts import Rollout, RolloutKind
     from hub.state.store import AsyncHubStore, HubStore, Node
@@ -203,12 +208,17 @@ def _round(
 ) -> bool:
     members = [m.member for m in rollout.members]
     if rollout.state == "rolling-back":
-        if not rolled_back(members, _seen(store, rollout, nodes, back=True)):
-            return False
-        return store.save_round(
-            rollout, state="aborted", wave=rollout.wave, wave_started_at=rollout.wave_started_at,
-            reason=rollout.reason, members=members,
+        back = rollback(
+            members, _seen(store, rollout, nodes, back=True), now=now,
+            offline_after_s=settings.fleet.offline_after_s,
         )  # fmt: skip
+        if not back.done:
+            return False
+        reason = rollout.reason
+        if back.unconfirmed:
+            reason += f"; never confirmed (offline): {', '.join(back.unconfirmed)}"
+            log.warning("rollout %s: %s", rollout.id, reason)
+        return _end_rollback(store, rollout, back.members, reason)
     seen = _seen(store, rollout, nodes, back=False)
     strategy = rollout.strategy
     if strategy.max_burn_rate is not None:
@@ -241,6 +251,59 @@ def _round(
         rollout, state=state, wave=result.wave, wave_started_at=result.wave_started_at,
         reason=reason, members=result.members,
     )  # fmt: skip
+
+
+def _end_rollback(store: HubStore, rollout: Rollout, members: list[Member], reason: str) -> bool:
+    """A rollback over: the rollout aborted, with the members as the last round left them
+    (False where another writer moved it first)."""
+    return store.save_round(
+        rollout, state="aborted", wave=rollout.wave, wave_started_at=rollout.wave_started_at,
+        reason=reason, members=members,
+    )  # fmt: skip
+
+
+# Reads of a rollout that another writer moved before the finish was written (the loop's
+# round, another replica, another operator): more than a couple means something is wrong.
+_FINISH_TRIES = 5
+
+
+def finish(
+    store: HubStore, settings: HubSettings, rollout_id: str, *, by: str, now: float
+) -> Rollout:
+    """The operator's finish of a rolling-back rollout (on the store's thread): aborted
+    now, the members that have not reported their previous target marked `unconfirmed`
+    (their nodes keep it as their target). RolloutConflictError from any other state;
+    NotFoundError for no such rollout."""
+    for _ in range(_FINISH_TRIES):
+        rollout = store.rollout(rollout_id)
+        if rollout.state != "rolling-back":
+            raise RolloutConflictError(
+                f"rollout {rollout_id} is {rollout.state}: only a rolling-back rollout can be "
+                "finished" + (" (abort it first)" if rollout.state in STEPS["abort"][1] else "")
+            )
+        nodes = {n.id: n for n in store.nodes()}
+        back = rollback(
+            [m.member for m in rollout.members], _seen(store, rollout, nodes, back=True),
+            now=now, offline_after_s=settings.fleet.offline_after_s, finished_by=by,
+        )  # fmt: skip
+        reason = f"{rollout.reason}; rollback finished by {by}"
+        if back.unconfirmed:
+            reason += f"; never confirmed: {', '.join(back.unconfirmed)}"
+        if _end_rollback(store, rollout, back.members, reason):
+            log.info("rollout %s: rollback finished by %s", rollout.id, by)
+            return store.rollout(rollout_id)
+    raise RolloutConflictError(f"rollout {rollout_id} kept changing: finish it again")
+
+
+def take_step(
+    store: HubStore, settings: HubSettings, rollout_id: str, action: str, *, by: str, now: float
+) -> Rollout:
+    """One of the operator's steps (`STEPS`) on a rollout, by `by` (on the store's thread):
+    the one call of the operator API, the console and `kvl hub rollouts`."""
+    state, allowed, done = STEPS[action]
+    if action == "finish":
+        return finish(store, settings, rollout_id, by=by, now=now)
+    return store.set_rollout_state(rollout_id, state, f"{done} by {by}", allowed=allowed)
 
 
 async def rollouts_forever(store: AsyncHubStore, settings: HubSettings, loops: Failures) -> None:

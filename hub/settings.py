@@ -207,8 +207,8 @@ class ConsoleSettings(BaseModel):
         ge=1,
         le=1000,
         description=(
-            "Failed console logins from one address before it must wait: 30 s, doubling with "
-            "each further failure up to 15 min."
+            "Failed console logins from one address (an IPv6 /64), or for one name, before it "
+            "must wait: 30 s, doubling with each further failure up to 15 min."
         ),
     )
     stream_every_s: float = Field(

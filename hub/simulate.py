@@ -182,7 +182,7 @@ class Simulator:
         self._urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         self._trust = trust if isinstance(trust, bytes) else None
         self._ssl: ssl.SSLContext | aiohttp.Fingerprint = (
-            tls.client_context(trust)
+            tls.client_context(trust, identity=tls.hub_identity(None))
             if isinstance(trust, bytes)
             else aiohttp.Fingerprint(pki.fingerprint_bytes(trust))
         )
@@ -214,8 +214,11 @@ class Simulator:
         assert self._trust is not None  # noqa: S101 - with certificates only
         folder = Path(self._files.name)
         pki.write_issued(folder, f"n{index}", pki.Issued(cert_pem.encode(), key_pem))
+        # As a node does: the hub's URI, not only a certificate of the fleet's CA.
         context = tls.client_context(
-            self._trust, (folder / f"n{index}.crt", folder / f"n{index}.key")
+            self._trust,
+            (folder / f"n{index}.crt", folder / f"n{index}.key"),
+            identity=tls.hub_identity(None),
         )
         (folder / f"n{index}.crt").unlink()
         (folder / f"n{index}.key").unlink()

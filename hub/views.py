@@ -22,6 +22,13 @@ if TYPE_CHECKING:
     )
 
 
+def tenancy_text(tenant: str | None, private: bool) -> str:
+    """A node's (or an enrollment token's) tenancy in a few words."""
+    if tenant is None:
+        return "private" if private else "shared"
+    return f"private:{tenant}" if private else f"dedicated:{tenant}"
+
+
 def node_view(node: Node, settings: HubSettings, now: float) -> dict[str, Any]:
     status = status_of(node, settings.fleet, now)
     return {
@@ -35,6 +42,9 @@ def node_view(node: Node, settings: HubSettings, now: float) -> dict[str, Any]:
         "capacity": node.capacity.model_dump(mode="json"),
         "labels": node.labels,
         "draining": node.draining,
+        "tenant": node.tenant,
+        "private": node.private,
+        "certificate_refused": node.certificate_refused,
     }
 
 
@@ -99,6 +109,8 @@ def token_view(token: EnrollmentToken, now: float) -> dict[str, Any]:
         "uses_left": token.uses_left,
         "expires_at": datetime.fromtimestamp(token.expires_at, UTC).isoformat(),
         "state": token.state(now),
+        "tenant": token.tenant,
+        "private": token.private,
     }
 
 

@@ -7,7 +7,12 @@ package always makes the same archive and the same digest. ``read_layout`` fails
 any other member, a link, a device, a sparse member, a name that escapes, a duplicate, a
 member that declares more bytes than the archive holds (all refused from the headers,
 before any member is read), a blob that does not match its name, a size above the limit,
-or an index that names a missing blob raises LayoutError.
+or an index that names a missing blob raises LayoutError. So does any JSON of the layout
+(``oci-layout``, ``index.json``, a manifest) that is not what the image spec says: nested
+deeper than ``shared.jsonlimits`` allows, or of another shape (a string where an object
+goes, ``layers`` that is a number, a descriptor without a digest, a size that is not a
+whole number). The archive comes from a peer (an operator's upload to the hub, the hub's
+seed to a node): whatever it holds is refused as LayoutError, never a TypeError below.
 """
 
 from __future__ import annotations
@@ -19,7 +24,11 @@ import re
 import tarfile
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from shared import jsonlimits, protocol
 
 LAYOUT = b'{"imageLayoutVersion":"1.0.0"}'
 BUNDLE_MEDIA_TYPE = "application/vnd.oci.image.layout.v1+tar"
@@ -31,27 +40,77 @@ PKG_VERSION = "dev.kovenlab.package.version"
 CACHE_KEY = "dev.kovenlab.cache-key"
 MANIFEST_PATH = "manifest.json"
 _BLOB = re.compile(r"^blobs/sha256/([0-9a-f]{64})$")
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class LayoutError(ValueError):
     """Not a well-formed, intact OCI layout archive."""
 
 
+class _Shape(BaseModel):
+    """JSON of the layout as the image spec shapes it. Strict: a number is not a string,
+    nor a string a number; fields this module does not read are kept as they are."""
+
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+
+
+class Descriptor(_Shape):
+    """An OCI content descriptor (image-spec ``descriptor.md``), sha256 only."""
+
+    mediaType: str | None = None  # noqa: N815 - the spec's name
+    digest: Annotated[str, StringConstraints(pattern=r"^sha256:[0-9a-f]{64}$")]
+    size: int = Field(ge=0)
+    artifactType: str | None = None  # noqa: N815 - the spec's name
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def hex(self) -> str:
+        return self.digest.removeprefix("sha256:")
+
+
+class ImageIndex(_Shape):
+    manifests: list[Descriptor] = Field(min_length=1)
+
+
+class ImageManifest(_Shape):
+    artifactType: str | None = None  # noqa: N815 - the spec's name
+    config: Descriptor
+    layers: list[Descriptor] = Field(default_factory=list)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class _PackageManifest(_Shape):
+    """What the hub reads of a package's ``manifest.json`` (the appliance's Manifest has
+    these and more; the hub needs only these, of these types)."""
+
+    title: str
+    topic: str
+    level: str
+    items: list[Any]
+    lineage: dict[str, Any]
+    created_at: str
+
+
 @dataclass(frozen=True)
 class Layout:
-    index: dict[str, Any]
+    index: dict[str, Any]  # as the archive has it; its shape checked (``manifests``)
+    manifests: tuple[Descriptor, ...]  # the index's, each naming a manifest checked whole
     blobs: dict[str, bytes]  # by hex sha256, each checked
 
-    def json_blob(self, descriptor: dict[str, Any]) -> dict[str, Any]:
-        """A JSON blob by its descriptor (LayoutError when absent or not a JSON object)."""
-        hex_digest = str(descriptor.get("digest", "")).removeprefix("sha256:")
+    def json_blob(self, descriptor: Descriptor) -> dict[str, Any]:
+        """A JSON blob by its descriptor (LayoutError when absent, not a JSON object, or
+        nested deeper than a peer's JSON may be)."""
         try:
-            document = json.loads(self.blobs[hex_digest])
-        except (KeyError, ValueError) as err:
-            raise LayoutError(f"blob {hex_digest[:12]} is missing or not JSON") from err
+            document = jsonlimits.loads(self.blobs[descriptor.hex])
+        except (KeyError, ValueError) as err:  # JsonLimitError is a ValueError
+            raise LayoutError(f"blob {descriptor.hex[:12]} is missing or not JSON") from err
         if not isinstance(document, dict):
-            raise LayoutError(f"blob {hex_digest[:12]} is not a JSON object")
+            raise LayoutError(f"blob {descriptor.hex[:12]} is not a JSON object")
         return document
+
+    def manifest(self, descriptor: Descriptor) -> ImageManifest:
+        """The image manifest a descriptor of the index names, its shape checked."""
+        return _shaped(ImageManifest, self.json_blob(descriptor), f"manifest {descriptor.hex[:12]}")
 
 
 def write_layout(index: dict[str, Any], blobs: dict[str, bytes]) -> bytes:
@@ -82,57 +141,80 @@ def read_layout(data: bytes, *, max_bytes: int) -> Layout:
     blobs = {m.group(1): content for name, content in members.items()
              if (m := _BLOB.match(name)) is not None}  # fmt: skip
     try:
-        layout_ok = json.loads(members["oci-layout"]).get("imageLayoutVersion") == "1.0.0"
-        index = json.loads(members["index.json"])
-    except (KeyError, ValueError, AttributeError) as err:
+        layout_doc = jsonlimits.loads(members["oci-layout"])
+        index = jsonlimits.loads(members["index.json"])
+    except (KeyError, ValueError) as err:  # JsonLimitError is a ValueError
         raise LayoutError("oci-layout (version 1.0.0) and index.json are required") from err
-    if not layout_ok or not isinstance(index, dict):
+    if not isinstance(layout_doc, dict) or layout_doc.get("imageLayoutVersion") != "1.0.0":
         raise LayoutError("oci-layout (version 1.0.0) and index.json are required")
-    manifests = index.get("manifests")
-    if not isinstance(manifests, list) or not manifests:
-        raise LayoutError("index.json lists no manifests")
-    layout = Layout(index, blobs)
+    if not isinstance(index, dict):
+        raise LayoutError("index.json is not a JSON object")
+    manifests = _shaped(ImageIndex, index, "index.json").manifests
+    layout = Layout(index, tuple(manifests), blobs)
     for descriptor in manifests:
-        if not isinstance(descriptor, dict):
-            raise LayoutError("index.json: a manifest descriptor is not an object")
-        manifest = layout.json_blob(descriptor)
-        for blob in [manifest.get("config", {}), *manifest.get("layers", [])]:
-            hex_digest = str(blob.get("digest", "")).removeprefix("sha256:")
-            if hex_digest not in blobs or len(blobs[hex_digest]) != blob.get("size"):
-                raise LayoutError(f"blob {hex_digest[:12]} is missing or of another size")
+        manifest = layout.manifest(descriptor)
+        for blob in [manifest.config, *manifest.layers]:
+            if blob.hex not in blobs or len(blobs[blob.hex]) != blob.size:
+                raise LayoutError(f"blob {blob.hex[:12]} is missing or of another size")
     return layout
+
+
+def package_layers(manifest: ImageManifest) -> dict[str, Descriptor]:
+    """A package's files by path (each layer's title), ``manifest.json`` among them
+    (LayoutError when a layer has no title, two share one, or manifest.json is absent)."""
+    layers: dict[str, Descriptor] = {}
+    for layer in manifest.layers:
+        title = layer.annotations.get(TITLE)
+        if title is None or title in layers:
+            raise LayoutError(f"a layer without a title, or a title twice: {title!r:.200}")
+        layers[title] = layer
+    if MANIFEST_PATH not in layers:
+        raise LayoutError(f"the package has no {MANIFEST_PATH}")
+    return layers
 
 
 def package_summary(layout: Layout) -> dict[str, Any]:
     """What the hub keeps of the one package an archive holds: id, version, title, topic,
     level, item count, file bytes, the OCI manifest's digest, lineage, created_at
-    (LayoutError when the archive is not one content package)."""
-    descriptors = layout.index["manifests"]
-    if len(descriptors) != 1:
+    (LayoutError when the archive is not one content package). Each value is bounded as
+    a node's report of a package is (``protocol.PackageBody``): the hub keeps the one as
+    it keeps the other."""
+    if len(layout.manifests) != 1:
         raise LayoutError("a package archive holds exactly one package")
-    oci = layout.json_blob(descriptors[0])
-    if oci.get("artifactType") != PACKAGE_ARTIFACT:
+    (descriptor,) = layout.manifests
+    oci = layout.manifest(descriptor)
+    if oci.artifactType != PACKAGE_ARTIFACT:
         raise LayoutError("the archive's manifest is not a content package")
-    layers = {str(layer.get("annotations", {}).get(TITLE)): layer for layer in oci["layers"]}
-    if MANIFEST_PATH not in layers:
-        raise LayoutError(f"the package has no {MANIFEST_PATH}")
-    manifest = layout.json_blob(layers[MANIFEST_PATH])
-    annotations = oci.get("annotations", {})
+    layers = package_layers(oci)
+    manifest = _shaped(_PackageManifest, layout.json_blob(layers[MANIFEST_PATH]), MANIFEST_PATH)
     try:
-        return {
-            "id": str(annotations[PKG_ID]),
-            "version": str(annotations[PKG_VERSION]),
-            "title": str(manifest["title"]),
-            "topic": str(manifest["topic"]),
-            "level": str(manifest["level"]),
-            "items": len(manifest["items"]),
-            "size": sum(int(layer["size"]) for layer in oci["layers"]),
-            "digest": str(descriptors[0]["digest"]),
-            "lineage": manifest["lineage"],
-            "created_at": str(manifest["created_at"]),
+        summary = {
+            "id": oci.annotations[PKG_ID],
+            "version": oci.annotations[PKG_VERSION],
+            "title": manifest.title,
+            "topic": manifest.topic,
+            "level": manifest.level,
+            "items": len(manifest.items),
+            "size": sum(layer.size for layer in oci.layers),
+            "digest": descriptor.digest,
+            "lineage": manifest.lineage,
+            "created_at": manifest.created_at,
         }
-    except (KeyError, TypeError, ValueError) as err:
-        raise LayoutError(f"the package manifest lacks {err}") from err
+    except KeyError as err:
+        raise LayoutError(f"the package's OCI manifest lacks the annotation {err}") from err
+    body = _shaped(protocol.PackageBody, summary, "the package")
+    return body.model_dump(mode="json", include=set(summary))
+
+
+def _shaped(model: type[_M], document: object, what: str) -> _M:
+    """``document`` as ``model``, or LayoutError naming the first field that is wrong."""
+    try:
+        return model.model_validate(document)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "the document"
+        # The place, not the value: a peer's text goes back cut short.
+        raise LayoutError(f"{what}: {where:.200}: {first['msg']}") from err
 
 
 def _members(data: bytes) -> dict[str, bytes]:

@@ -51,6 +51,7 @@ that cannot take the release.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
@@ -113,7 +114,29 @@ Text = Annotated[str, StringConstraints(max_length=2000), Clean]
 Id = Annotated[str, StringConstraints(min_length=1, max_length=100), Clean]
 Blob = Annotated[str, StringConstraints(max_length=20_000), Clean]  # a PEM, a CSR
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
-NodeName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
+
+
+_LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+# What inet_aton reads as an IPv4 address without a dot: a number, decimal, octal or hex.
+_NUMBER = re.compile(r"[0-9]+|0x[0-9a-f]*")
+
+
+def node_name(value: str) -> str:
+    """A node's name, as the hub gives it out: one DNS label (RFC 1123), lowercase. The
+    node's certificate names it, `NAME.local` and `NAME.DOMAIN`, so a dot would let a
+    node name another's domain or the hub's, and a label that is only a number reads as
+    an IPv4 address to many resolvers (inet_aton). Names compare case-insensitively, as
+    DNS does: `HONEST-B` is `honest-b`. ValueError names the rule."""
+    lowered = value.lower()
+    if not _LABEL.fullmatch(lowered) or _NUMBER.fullmatch(lowered):
+        raise ValueError(
+            f"{value[:80]!r} is not a node name: one DNS label (letters, digits and "
+            "inner hyphens, 1 to 63 of them, not a number), no dots"
+        )
+    return lowered
+
+
+NodeName = Annotated[str, StringConstraints(max_length=63), AfterValidator(node_name)]
 WgKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=$")]
 Labels = Annotated[
     dict[Annotated[str, StringConstraints(max_length=63), Clean], Short], Field(max_length=32)

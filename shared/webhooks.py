@@ -15,6 +15,9 @@ the same on every retry:
     if guard.admit(request.headers[DELIVERY_HEADER]):
         ...  # the effect, once
 
+Senders log a webhook's URL as `redact_url` gives it: without the userinfo, query and
+fragment, where a URL's owner may have put a credential.
+
 No aiohttp or appliance import here: receivers vendor or import this module alone.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -181,3 +185,70 @@ class ReplayGuard:
             if now - seen_at < self._window_s:
                 break
             del self._seen[first]
+
+
+# -- URLs in logs -------------------------------------------------------------------------------
+
+# What stands for a part of a URL a log leaves out.
+REDACTED = "***"
+# A URL inside free text (an exception's message or repr): a scheme, `://`, then anything
+# up to white space or a quote, which end a URL in a message or a repr.
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*")
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:(?=//)")
+# Control characters would let a URL start a forged line of the log.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def redact_url(url: str) -> str:
+    """`url` as a log or an operator may see it: scheme, host, port and path, with its
+    userinfo, query and fragment each replaced by `***` (`https://***@host:8443/hook?***`).
+
+    A webhook URL is its owner's: `user:password@` and `?token=` are common ways to carry a
+    credential in one, and a log travels further than the URL's owner meant it to (a
+    node's log to the hub's operators). Anything is taken and nothing raises. A malformed
+    URL is cut where the HTTP client's parser (yarl, as urllib) cuts it, or earlier: the
+    query from the first `?`, the fragment from the first `#`, the authority up to the
+    first `/` after `//` and its userinfo up to the authority's last `@`; a port that is
+    not digits (a password read as a port) is left out too.
+    """
+    text = _CONTROL.sub(lambda m: f"%{ord(m.group()):02X}", str(url).strip())
+    cut = min((i for i in (text.find("?"), text.find("#")) if i >= 0), default=len(text))
+    base, tail = text[:cut], text[cut:]
+    query, hashed, fragment = tail.partition("#")  # the query, if any, comes first
+    tail = (query and _redacted("?", query[1:])) + (hashed and _redacted("#", fragment))
+    scheme = _SCHEME.match(base)
+    prefix = f"{scheme.group()}//" if scheme else ("//" if base.startswith("//") else "")
+    # Without `//`, whatever comes first is read as an authority: `user:pw@host/hook`
+    # keeps no password either.
+    rest = base[len(prefix) :]
+    authority, slash, path = rest.partition("/")
+    _, at, hostport = authority.rpartition("@")
+    return f"{prefix}{REDACTED + '@' if at else ''}{_host_port(hostport)}{slash}{path}{tail}"
+
+
+def _redacted(mark: str, part: str) -> str:
+    return f"{mark}{REDACTED}" if part else mark  # an empty one hides nothing
+
+
+def _host_port(hostport: str) -> str:
+    if hostport.startswith("["):  # an IPv6 literal: its colons are no port's
+        host, bracket, after = hostport.partition("]")
+        if not bracket:
+            return hostport
+        host += bracket
+        if not after:
+            return host
+        colon, port = after[:1], after[1:]
+    else:
+        host, colon, port = hostport.partition(":")
+    if colon != ":":
+        return host if not colon else f"{host}{REDACTED}"
+    if port and not (port.isascii() and port.isdigit()):
+        port = REDACTED
+    return f"{host}:{port}"
+
+
+def redact_urls(text: str) -> str:
+    """`text` (an exception's message or repr) with every URL in it as :func:`redact_url`
+    gives it."""
+    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group()), str(text))

@@ -179,12 +179,20 @@ class NodeCertificate:
 
     def client_context(self) -> ssl.SSLContext:
         """For calls to the hub: the trust bundle only (the hub's certificate may be
-        issued again at will), this node's certificate presented."""
+        issued again at will), the hub's URI required of its certificate, this node's
+        certificate presented."""
         if self._client is None:
             trust = self.trust()
             if trust is None:
                 raise RuntimeError("no trust bundle yet: the node has not enrolled")
-            self._client = tls.client_context(trust, self.files if self.present else None)
+            # The hub, by the URI its certificate carries: a node's certificate chains
+            # to the same CA and may name an address of this LAN, so the chain alone
+            # would let another node of the fleet answer as the hub.
+            self._client = tls.client_context(
+                trust,
+                self.files if self.present else None,
+                identity=tls.hub_identity(self.hub_uri()),
+            )
         return self._client
 
     def server(self, *, require_client: bool) -> tls.LiveContext:

@@ -6,8 +6,9 @@ never a crash.
 
 Before enrollment the node has no bundle, only its provisioning file's pin: `bootstrap`
 fetches the hub's bundle (`GET /v1/trust`) and keeps, of it, the CA the pin names, and
-enrollment goes over a connection that CA verifies. A pin of the hub's own certificate
-(a provisioning file of protocol 2) is still honoured, by fingerprint."""
+enrollment goes over a connection that CA verifies, to a certificate that carries a hub's
+URI (`spiffe://…/hub`: never a node's certificate of the same CA). A pin of the hub's own
+certificate (a provisioning file of protocol 2) is still honoured, by fingerprint."""
 
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ async def bootstrap(hub_url: str, pin: bytes) -> Verification:
         cas = []
     for ca in cas:
         if pki.fingerprint_bytes(pki.fingerprint(ca)) == pin:
-            return tls.client_context(ca)
+            # The fleet's domain is not known yet: any hub's URI, never a node's.
+            return tls.client_context(ca, identity=tls.hub_identity(None))
     return aiohttp.Fingerprint(pin)
 
 

@@ -27,12 +27,17 @@ sha256 it checked: nginx serves no name from the URL) and the headers to send, o
 the app answers itself, as it does a request with a condition (`If-*`), an `Origin`, a
 range other than one plain one, or a method other than GET and HEAD, which nginx passes
 on whole (a 418 of its own leads there): every refusal is the app's, in the error shape.
-(X-Accel-Redirect would need no subrequest, but nginx never caches such an answer.)
-nginx keeps a 200 for DECISION_S (it counts whole seconds: under 2 s), keyed on the
-Authorization header, the Range and the URI, so repeated downloads never reach the
-interpreter: a key revoked or a package withdrawn may still download that long. The keys
-are in the cache's files, in a private folder on /dev/shm (memory: never on a disk), gone a
-few seconds after last use.
+(X-Accel-Redirect would need no subrequest, but nginx never caches such an answer.) Any
+other answer to the question (a 404 for a path no route takes, the app unreachable) is
+taken as a 204: nginx's auth_request would make it a 500.
+nginx keeps a 200 for DECISION_S (it counts whole seconds: under 2 s), so repeated
+downloads never reach the interpreter: a key revoked or a package withdrawn may still
+download that long. The cache (a private folder on /dev/shm, memory, where there is one)
+holds no Authorization header: a decision is kept by the key's prefix (public: listed and
+logged, it only finds the key's row), the Range and the URI, and carries a check, a hash
+of the header it was made for keyed on a secret new at each start (Front.check); nginx
+sends the blob only when the request's header has that check, and passes it to the app
+otherwise. Folders an earlier start left (a crash, a kill) are removed at the next start.
 Run as root, nginx's workers are nobody: a blob the app decides on is made readable to
 their group (0640, nogroup), and a folder from the data directory down to the blobs that
 keeps them out is given to that group to go through only (0710), where nothing else in it
@@ -43,9 +48,11 @@ opened and the app sends the files.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import ctypes
 import grp
+import hashlib
 import json
 import logging
 import os
@@ -55,6 +62,7 @@ import secrets
 import shutil
 import signal
 import ssl
+import stat
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
@@ -62,6 +70,7 @@ from typing import TYPE_CHECKING, TypedDict
 from aiohttp import web
 
 from shared.errors import ErrorCode, error_body
+from shared.files import write_private
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -113,6 +122,7 @@ METHOD_HEADER = "X-Kvl-Method"  # the client's method (a subrequest is a GET)
 BLOB_HEADER = "X-Kvl-Blob"  # the decision: the blob's sha256 (its file's name)
 TYPE_HEADER = "X-Kvl-Content-Type"
 CACHE_CONTROL_HEADER = "X-Kvl-Cache-Control"
+CHECK_HEADER = "X-Kvl-Check"  # the decision's: for which Authorization header (Front.check)
 DECISION_S = 1  # nginx keeps a decision this long (it counts whole seconds)
 # The requests nginx may answer from a blob: GET or HEAD, no condition, no CORS, and at
 # most one plain range (nginx and the app answer other ranges differently; the app also
@@ -122,6 +132,12 @@ CONDITIONS = ("If-Match", "If-None-Match", "If-Modified-Since", "If-Unmodified-S
 _ASKED = ("Origin", *CONDITIONS)
 _PLAIN_RANGE = "bytes=([0-9]+-[0-9]*|-0*[1-9][0-9]*)"  # not -0: nginx refuses it
 _BLOB_NAME = re.compile(r"[0-9a-f]{64}")
+# Every status error_page takes (not 499, nginx's own for a client gone): whatever the
+# decision route answers but 200 or 204.
+_ANY_ERROR = " ".join(str(s) for s in range(300, 600) if s != 499)
+# The folders of a start: the private one, and the decisions' (named by Front._stamp).
+_PRIVATE, _DECISIONS = "kvl-front-", "kvl-front-decisions-"
+_STAMPED = re.compile(r"^kvl-front-(?:decisions-)?([0-9]+)-([0-9]+)-")
 
 
 def may_send(method: str, headers: Mapping[str, str]) -> bool:
@@ -215,15 +231,69 @@ def nginx_binary() -> str | None:
     return shutil.which("nginx", path=f"{os.environ.get('PATH', '')}:/usr/sbin")
 
 
-def _memory_folder() -> Path | None:
+def _memory_folder(prefix: str) -> Path | None:
     """A new private folder on /dev/shm (memory), or None where there is none."""
     shm = Path("/dev/shm")  # noqa: S108 - a tmpfs by design; the folder is mkdtemp's (0700)
     if not shm.is_dir() or not os.access(shm, os.W_OK | os.X_OK):
         return None
     try:
-        return Path(tempfile.mkdtemp(prefix="kvl-front-decisions-", dir=shm))
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=shm))
     except OSError:
         return None
+
+
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot: with the pid, it names one
+    process ever, a pid used again another), or None when there is no such process."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text()
+        # The command's name (field 2) is in parentheses and may hold both, and spaces.
+        return int(fields.rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _stamp() -> str:
+    """What a folder of this start is named by: this process and when it started."""
+    return f"{os.getpid()}-{_started(os.getpid()) or 0}-"
+
+
+def remove_stale(parents: tuple[Path, ...] | None = None) -> list[Path]:
+    """Remove the folders earlier starts left behind (killed, crashed: a decisions cache
+    and a private folder each): ours by name (kvl-front-…, stamped with the process that
+    made it) and by owner (this user; under root, nobody too, whose nginx workers were
+    given them), of a process that is gone. A live one's, another appliance's or this
+    process's own, stays. None are touched where processes cannot be told apart (no
+    /proc). ``parents``: /dev/shm and the temporary folder."""
+    if _started(os.getpid()) is None:
+        return []
+    owners = {os.geteuid()}
+    if os.geteuid() == 0:
+        owners.add(pwd.getpwnam("nobody").pw_uid)
+    removed = []
+    shm = Path("/dev/shm")  # noqa: S108 - where _memory_folder makes them
+    for parent in parents or (shm, Path(tempfile.gettempdir())):
+        try:
+            entries = list(os.scandir(parent))
+        except OSError:
+            continue
+        for entry in entries:
+            if (named := _STAMPED.match(entry.name)) is None:
+                continue
+            try:
+                seen = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(seen.st_mode) or seen.st_uid not in owners:
+                continue
+            if _started(int(named.group(1))) == int(named.group(2)):
+                continue  # its process lives
+            # rmtree follows no link, so a folder nginx's workers wrote in is safe to go.
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(Path(entry.path))
+    if removed:
+        log.info("removed the TLS front's folders of earlier starts: %s", removed)
+    return removed
 
 
 def trust_forwarded(server: web.Server, front: Front | None = None) -> None:
@@ -272,13 +342,18 @@ class Front:
         self._certificate = certificate
         self._max_streams = max_streams
         self._max_body_bytes = max_body_bytes
+        remove_stale()
         # Short (a unix socket's path has 108 bytes at most) and private.
-        self.directory = Path(tempfile.mkdtemp(prefix="kvl-front-"))
+        self.directory = Path(tempfile.mkdtemp(prefix=_PRIVATE + _stamp()))
         self.upstream = self.directory / "app.sock"
-        # The decisions' cache holds the Authorization headers it is keyed on: kept in
-        # memory (a tmpfs) where there is one, so a key never reaches a disk, even when a
-        # crash leaves the folder behind; else in the private folder.
-        self.decisions = _memory_folder() or self.directory / "decisions"
+        # The decisions' cache: in memory (a tmpfs) where there is one, else in the
+        # private folder. It holds no Authorization header (see check), but what a
+        # client downloads, and when.
+        self.decisions = _memory_folder(_DECISIONS + _stamp()) or self.directory / "decisions"
+        # The secret of the decisions' checks: new at each start, held by this process and
+        # by nginx's configuration (owner-only, in the private folder), never in the
+        # cache's folder.
+        self._check_key = secrets.token_urlsafe(32)
         self._process: asyncio.subprocess.Process | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -289,6 +364,19 @@ class Front:
         self.token = secrets.token_urlsafe(24)
         # Root's workers run as nobody: blobs they send are shared with their group.
         self.group = grp.getgrnam("nogroup").gr_gid if os.geteuid() == 0 else None
+
+    def check(self, authorization: str) -> str:
+        """The check a decision carries (CHECK_HEADER): a hash of the Authorization header
+        it was made for, keyed on this start's secret, as nginx's secure_link computes it
+        (md5 of the secret then the header, base64url unpadded). nginx cannot compute an
+        HMAC, nor hash a header into a cache key at all, but it can compare this: so the
+        cache keeps this and not the header, and a request whose header does not match
+        it goes to the app. md5 with the secret first is no HMAC, but forging a check
+        takes a header with the padding of a length extension, and no header holds the
+        NUL bytes in it."""
+        raw = self._check_key.encode() + authorization.encode("utf-8", "surrogateescape")
+        digest = hashlib.md5(raw).digest()  # noqa: S324 - secure_link's hash, keyed (see above)
+        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
     # -- the configuration
 
@@ -364,7 +452,7 @@ class Front:
             return "", ""
         header = {  # the decision's headers, as nginx names them
             name: "$upstream_http_" + name.lower().replace("-", "_")
-            for name in (BLOB_HEADER, TYPE_HEADER, CACHE_CONTROL_HEADER)
+            for name in (BLOB_HEADER, TYPE_HEADER, CACHE_CONTROL_HEADER, CHECK_HEADER)
         }
         asked = "".join("$http_" + h.lower().replace("-", "_") for h in _ASKED)
         # A cached proxy drops these from what it passes on: the app decides on them.
@@ -373,17 +461,24 @@ class Front:
             for h in ("Range", *CONDITIONS)
         )
         http = (
-            # Only nginx's user reads the cache (it holds Authorization headers); an entry
-            # lives DECISION_S, its file a little longer.
+            # Only nginx's user reads the cache; an entry lives DECISION_S, its file a
+            # little longer.
             f"    proxy_cache_path {self.decisions} levels=1:2 keys_zone=kvl_decisions:1m\n"
             "                     max_size=64m inactive=10s use_temp_path=off;\n"
+            # What the cache knows a key by: its prefix (public), never the whole key.
+            "    map $http_authorization $kvl_key_prefix {\n"
+            '        "~*^bearer +kvl_([a-z0-9]{8})_" $1;\n'
+            '        default "";\n'
+            "    }\n"
             f'    map "$request_method:{asked}:$http_range" $kvl_app_answers {{\n'
             f'        "~^(GET|HEAD)::({_PLAIN_RANGE})?$" 0;\n'
             "        default 1;\n"
             "    }\n"
-            # The one file name nginx serves: a sha256, else one that is never there.
-            "    map $kvl_decision $kvl_blob {\n"
-            '        "~^[0-9a-f]{64}$" $kvl_decision;\n'
+            # The one file name nginx serves: a sha256 decided for this request's
+            # Authorization header ($secure_link is 1: its check matches), else one that
+            # is never there.
+            '    map "$secure_link:$kvl_decision" $kvl_blob {\n'
+            '        "~^1:([0-9a-f]{64})$" $1;\n'
             '        default "-";\n'
             "    }\n"
             f"    map {header[BLOB_HEADER]} $kvl_undecided {{ '' 1; default 0; }}\n"
@@ -397,6 +492,9 @@ class Front:
             f"            auth_request_set $kvl_decision {header[BLOB_HEADER]};\n"
             f"            auth_request_set $kvl_type {header[TYPE_HEADER]};\n"
             f"            auth_request_set $kvl_cache_control {header[CACHE_CONTROL_HEADER]};\n"
+            f"            auth_request_set $kvl_check {header[CHECK_HEADER]};\n"
+            "            secure_link $kvl_check;\n"
+            f'            secure_link_md5 "{self._check_key}$http_authorization";\n'
             f"            root {_quoted(self.blobs)};\n"
             # The app said 204 (its own answer), or the blob went since: the app answers.
             "            try_files /$kvl_blob @kvl_app;\n"
@@ -424,13 +522,23 @@ class Front:
             '            proxy_set_header Content-Length "";\n'
             "            proxy_next_upstream off;\n"
             "            proxy_cache kvl_decisions;\n"
-            # The decision says whether the range can be met: a range is part of it.
-            '            proxy_cache_key "$http_authorization\\n$http_range\\n$request_uri";\n'
+            # The decision says whether the range can be met: a range is part of it. The
+            # key's prefix keeps one key's decision from pushing out another's; the check
+            # it carries, not the key, says whose it is.
+            '            proxy_cache_key "$kvl_key_prefix\\n$http_range\\n$request_uri";\n'
             f"            proxy_cache_valid 200 {DECISION_S}s;\n"
             "            proxy_ignore_headers Cache-Control Expires Set-Cookie Vary\n"
             "                X-Accel-Expires X-Accel-Redirect X-Accel-Limit-Rate\n"
             "                X-Accel-Buffering X-Accel-Charset;\n"
             "            proxy_no_cache $kvl_undecided;\n"
+            # auth_request makes any answer but a 2xx, 401 or 403 a 500 (a path no route
+            # of the app takes is a 404): every one is taken as the app's 204, and the app
+            # answers the request itself, in the error shape.
+            "            proxy_intercept_errors on;\n"
+            f"            error_page {_ANY_ERROR} = @kvl_undecided;\n"
+            "        }\n"
+            "        location @kvl_undecided {\n"
+            "            return 204;\n"
             "        }\n"
             "        location @kvl_app {\n"
             # The request as the client sent it (not the URI try_files or a 418 left).
@@ -476,7 +584,8 @@ class Front:
                     self.blobs,
                 )
                 self.blobs = None
-        (self.directory / "nginx.conf").write_text(self.config())
+        # Owner-only: it holds the secret of the decisions' checks.
+        write_private(self.directory / "nginx.conf", self.config())
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
                 await self._spawn()

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from appliance.gateway.front import (
     BLOB_HEADER,
     CACHE_CONTROL_HEADER,
+    CHECK_HEADER,
     FRONT,
     METHOD_HEADER,
     TOKEN_HEADER,
@@ -188,6 +189,8 @@ async def decide_file(request: web.Request) -> web.Response:
             BLOB_HEADER: name,
             TYPE_HEADER: entry.media_type,
             CACHE_CONTROL_HEADER: IMMUTABLE if asked else REVALIDATE,
+            # For this Authorization header only: nginx's cache keeps this, not the header.
+            CHECK_HEADER: front.check(request.headers.get("Authorization", "")),
         },
     )
 

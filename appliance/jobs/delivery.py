@@ -9,7 +9,8 @@ resolves names through a resolver that keeps only allowed addresses, so the addr
 is the address connected to. What an attempt records for the job's owner is only a class
 of failure (refused, timeout, the status code): never what answered, its body or headers,
 which would make the appliance a probe of the network it sits in. The operator's log has
-the details.
+the details, with the URL's userinfo, query and fragment redacted (the client's credential,
+if it put one there, is not the operator's to read).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from appliance.jobs.bodies import event_body
 from appliance.jobs.destinations import WebhookDestinationError, ip_literal, url_host
 from shared import __version__
 from shared.supervise import wait_until_set
-from shared.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, sign
+from shared.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, redact_url, redact_urls, sign
 
 if TYPE_CHECKING:
     from aiohttp.abc import ResolveResult
@@ -162,7 +163,9 @@ class WebhookSender:
         }
         status: int | None = None
         error: str | None = None
-        detail = ""  # for the operator's log only
+        # For the operator's log only, any URL in it redacted as the URL itself is: the
+        # client's userinfo or query may hold a credential (shared.webhooks.redact_url).
+        detail = ""
         try:
             self._check_literal(delivery.url)
             async with session.post(
@@ -172,9 +175,9 @@ class WebhookSender:
             if not 200 <= status < 300:
                 error = f"non-2xx: the receiver answered HTTP {status}"
         except TimeoutError as err:  # aiohttp's timeouts are TimeoutErrors too
-            error, detail = TIMEOUT, repr(err)
+            error, detail = TIMEOUT, redact_urls(repr(err))
         except (aiohttp.ClientError, OSError, ValueError) as err:
-            error, detail = REFUSED, repr(err)
+            error, detail = REFUSED, redact_urls(repr(err))
         s = self._settings
         updated = await self._store.run(
             self._jobs.delivery_attempted,
@@ -194,7 +197,7 @@ class WebhookSender:
                 "webhook %s of %s to %s given up after %d attempts: %s %s",
                 delivery.id,
                 delivery.job_id,
-                delivery.url,
+                redact_url(delivery.url),
                 updated.attempts,
                 error,
                 detail,
@@ -203,7 +206,7 @@ class WebhookSender:
             log.info(
                 "webhook %s to %s failed (%s %s); retrying",
                 delivery.id,
-                delivery.url,
+                redact_url(delivery.url),
                 error,
                 detail,
             )

@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from appliance.packages.model import FileEntry, Manifest
+from shared import jsonlimits
 from shared.files import write_private
 from shared.oci import (
     CACHE_KEY,
@@ -73,6 +74,7 @@ from shared.oci import (
     PKG_VERSION,
     TITLE,
     LayoutError,
+    package_layers,
     read_layout,
     write_layout,
 )
@@ -361,20 +363,30 @@ class PackageCache:
 
     def import_bundle(self, data: bytes) -> CachedPackage:
         """Put the package an archive from ``bundle()`` holds (CacheError when it is not
-        one, or its files do not match its manifest)."""
+        one, or its files do not match its manifest). The archive is a peer's (the hub
+        seeds it): read_layout has checked the shape of its every JSON document, and
+        whatever else is off is a CacheError here, never an exception of another kind."""
         try:
             layout = read_layout(data, max_bytes=max(self.max_bytes, 1 << 20))
-            descriptors = layout.index["manifests"]
-            if len(descriptors) != 1:
+            if len(layout.manifests) != 1:
                 raise CacheError("a package archive holds exactly one package")
-            oci = layout.json_blob(descriptors[0])
-            if oci.get("artifactType") != PACKAGE_ARTIFACT:
+            oci = layout.manifest(layout.manifests[0])
+            if oci.artifactType != PACKAGE_ARTIFACT:
                 raise CacheError("the archive's manifest is not a content package")
-            files = {f.path: layout.blobs[f.sha256] for f in _files(oci).values()}
+            layers = package_layers(oci)
+            # Depth-limited like every JSON of the layout, then read as the Manifest.
+            layout.json_blob(layers[MANIFEST_PATH])
+            files = {path: layout.blobs[layer.hex] for path, layer in layers.items()}
             manifest = Manifest.model_validate_json(files.pop(MANIFEST_PATH))
-            cache_key = str(oci["annotations"][CACHE_KEY])
-        except (LayoutError, KeyError, TypeError, ValidationError) as err:
+            cache_key = oci.annotations[CACHE_KEY]
+        except LayoutError as err:
             raise CacheError(f"not a package archive: {err}") from err
+        except KeyError as err:
+            raise CacheError(f"not a package archive: no {err}") from err
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(map(str, first["loc"]))
+            raise CacheError(f"{MANIFEST_PATH}: {where:.200}: {first['msg']}") from err
         return self.put(manifest, files, cache_key)
 
     def take_removed(self) -> builtins.list[str]:
@@ -518,7 +530,7 @@ class PackageCache:
         try:
             descriptors = [
                 (d["digest"].removeprefix("sha256:"), d["annotations"])
-                for d in json.loads(index.read_bytes())["manifests"]
+                for d in jsonlimits.loads(index.read_bytes())["manifests"]
             ]
         except FileNotFoundError:
             descriptors = None
@@ -546,7 +558,7 @@ class PackageCache:
             if path.stat().st_size > _MAX_MANIFEST or not self._blob_ok(hex_digest):
                 return None
             raw = path.read_bytes()
-            oci = json.loads(raw) if raw[:1] == b"{" else {}
+            oci = jsonlimits.loads(raw) if raw[:1] == b"{" else {}
             if oci.get("artifactType") != PACKAGE_ARTIFACT:
                 return None
             own = _files(oci)[MANIFEST_PATH]

@@ -20,7 +20,7 @@ from hub.loops import running
 from hub.state.store import HubStore
 from shared import __version__
 from shared.supervise import wait_until_set
-from shared.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, sign
+from shared.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, redact_url, redact_urls, sign
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -84,7 +84,9 @@ class AlertSender:
             except TimeoutError:
                 error = f"no answer within alerts.timeout_s ({s.timeout_s:g} s)"
             except (aiohttp.ClientError, OSError, ValueError) as err:
-                error = f"no connection: {type(err).__name__}: {err}"[:500]
+                # Kept as the delivery's last error, which operators read: any URL in the
+                # message is redacted, as in the log (shared.webhooks.redact_url).
+                error = redact_urls(f"no connection: {type(err).__name__}: {err}")[:500]
         now = time.time()
         next_at: float | None = None
         if error is not None and secret is not None and now - delivery.created_at < s.retry_s:
@@ -95,11 +97,14 @@ class AlertSender:
         if status == "failed":
             log.warning(
                 "alert webhook %s to %s given up after %d attempts: %s",
-                delivery.id, delivery.url, delivery.attempts + 1, error,
+                delivery.id, redact_url(delivery.url), delivery.attempts + 1, error,
             )  # fmt: skip
         elif error is not None:
             log.info(
-                "alert webhook %s to %s failed (%s); retrying", delivery.id, delivery.url, error
+                "alert webhook %s to %s failed (%s); retrying",
+                delivery.id,
+                redact_url(delivery.url),
+                error,
             )
 
     def _client(self) -> aiohttp.ClientSession:

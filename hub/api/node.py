@@ -178,7 +178,12 @@ async def certificate(request: web.Request) -> web.Response:
     try:
         issued = await store.run(certify, store.sync, hub_tls.authority, csr, node)
     except (NameRefusedError, NameTakenError) as err:
+        # For the operator (`kvl hub nodes list`): a node a hub upgraded over a fleet
+        # finds with a name it may no longer hold is told why, and so is the operator.
+        await store.run(store.sync.note_certificate_refused, node.id, str(err))
         raise _name_error(err, "csr") from err
+    # (The node this call carries may be one this replica remembers from before.)
+    await store.run(store.sync.note_certificate_refused, node.id, None)
     store.note_certificate(node.id)
     return answer(
         protocol.CertificateAnswer(
@@ -291,7 +296,7 @@ async def events(request: web.Request) -> web.Response:
         await store.check_reports(
             node,
             accounts={u.account for u in usage},
-            leases={u.lease_id for u in usage if u.lease_id is not None},
+            leases={(u.lease_id, u.account) for u in usage if u.lease_id is not None},
         )
     except ForeignAccountError as err:
         raise ApiError(ErrorCode.foreign_account, str(err), param="events") from err

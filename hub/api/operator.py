@@ -16,6 +16,7 @@ from hub.api.requests import (
     DeploymentRequest,
     DrainRequest,
     KeyRequest,
+    NodeTenancyRequest,
     ObjectivesQuery,
     SeedRequest,
     SilenceRequest,
@@ -85,6 +86,19 @@ async def drain_node(request: web.Request) -> web.Response:
         lambda: store.sync.set_draining(request.match_info["node"], draining=req.draining)
     )
     return web.json_response(node_view(node, request.app[SETTINGS], time.time()))
+
+
+async def set_node_tenancy(request: web.Request) -> web.Response:
+    """Set a node's tenancy (dedicated to a tenant, private, or shared); the node as it
+    now is."""
+    store = request.app[STORE]
+    req = await parse(request, NodeTenancyRequest)
+    node = await store.run(store.sync.node, request.match_info["node"])
+    await store.run(
+        lambda: store.sync.set_node_tenancy(node, tenant=req.tenant, private=req.private)
+    )
+    changed = await store.run(store.sync.node, node.id)
+    return web.json_response(node_view(changed, request.app[SETTINGS], time.time()))
 
 
 async def revoke_node(request: web.Request) -> web.Response:
@@ -162,7 +176,13 @@ async def create_token(request: web.Request) -> web.Response:
     store = request.app[STORE]
     req = await parse(request, TokenRequest)
     new = await store.run(
-        lambda: store.sync.create_token(req.site, uses=req.uses, expires_in_s=req.expires_in_s)
+        lambda: store.sync.create_token(
+            req.site,
+            uses=req.uses,
+            expires_in_s=req.expires_in_s,
+            tenant=req.tenant,
+            private=req.private,
+        )
     )
     found = next(t for t in await store.run(store.sync.tokens) if t.prefix == new.prefix)
     return web.json_response({"token": new.plaintext, **token_view(found, time.time())}, status=201)
@@ -324,6 +344,7 @@ def operator_routes() -> list[web.RouteDef]:
     return [
         web.get("/v1/admin/nodes", list_nodes),
         web.post("/v1/admin/nodes/{node}/drain", drain_node),
+        web.post("/v1/admin/nodes/{node}/tenancy", set_node_tenancy),
         web.post("/v1/admin/nodes/{node}/revoke", revoke_node),
         web.get("/v1/admin/nodes/{node}/logs", node_logs),
         web.get("/v1/admin/accounts", list_accounts),

@@ -104,8 +104,20 @@ class DrainRequest(BaseModel):
     draining: bool = True
 
 
-class TokenRequest(BaseModel):
+class NodeTenancyRequest(BaseModel):
+    """A node's tenancy, the operator's to set (a node's labels grant it none): `{}` makes
+    it a shared node."""
+
     model_config = ConfigDict(extra="forbid")
+
+    tenant: Text | None = Field(
+        None, min_length=1, description="dedicated to this tenant (S3); None: to none"
+    )
+    private: bool = Field(default=False, description="on its tenant's private site (S4)")
+
+
+class TokenRequest(NodeTenancyRequest):
+    """An enrollment token; the nodes it enrolls get its tenancy."""
 
     site: Text = Field(min_length=1)
     uses: int = Field(1, ge=1, le=100_000)

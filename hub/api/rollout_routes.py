@@ -92,4 +92,9 @@ ROLLOUT_ROUTES: tuple[Route, ...] = (
     _step("pause", "Pause a rollout: no node more is reached until it is resumed."),
     _step("resume", "Resume a paused or halted rollout (a halt's failed nodes are judged again)."),
     _step("abort", "Abort a rollout: the nodes it reached get what they had before."),
+    _step(
+        "finish",
+        "Finish a rolling-back rollout now: aborted, the nodes that have not reported what "
+        "they had before recorded as never confirmed (they keep it as their target).",
+    ),
 )

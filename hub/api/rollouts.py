@@ -16,7 +16,7 @@ from hub.http import parse, query
 from hub.keys import OPERATOR, SETTINGS, STORE
 from hub.planning.rollout import STEPS
 from hub.releases import BundleTooLargeError, keep_stream
-from hub.rollouts import begin, rollout_view
+from hub.rollouts import begin, rollout_view, take_step
 from hub.state.rollouts import RolloutConflictError
 from shared.errors import ApiError, ErrorCode
 
@@ -122,18 +122,18 @@ async def _view(request: web.Request, rollout_id: str, status: int = 200) -> web
 
 
 def _stepper(action: str) -> Callable[[web.Request], Awaitable[web.Response]]:
-    """The handler of one of the operator's steps (`pause`, `resume`, `abort`): abort gives
-    the nodes the rollout reached what they had before."""
-    state, allowed, done = STEPS[action]
+    """The handler of one of the operator's steps (`pause`, `resume`, `abort`, `finish`):
+    abort gives the nodes the rollout reached what they had before; finish ends its
+    rollback, recording the nodes that never confirmed."""
 
     async def rollout_step(request: web.Request) -> web.Response:
         store = request.app[STORE]
         rollout_id = request.match_info["id"]
-        reason = f"{done} by {request[OPERATOR]}"
+        settings, by = request.app[SETTINGS], request[OPERATOR]
 
         async def move() -> web.Response:
             await store.run(
-                store.sync.set_rollout_state, rollout_id, state, reason, allowed=allowed
+                take_step, store.sync, settings, rollout_id, action, by=by, now=time.time()
             )
             return await _view(request, rollout_id)
 

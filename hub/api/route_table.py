@@ -9,6 +9,7 @@ from hub.api.requests import (
     DeploymentRequest,
     DrainRequest,
     KeyRequest,
+    NodeTenancyRequest,
     SeedRequest,
     SilenceRequest,
     TenancyRequest,
@@ -190,6 +191,14 @@ ADMIN_ROUTES: tuple[Route, ...] = (
         "Drain a node (by id or name), or end its drain.",
         Auth.operator,
         DrainRequest,
+        errors=_NOT_FOUND,
+    ),
+    Route(
+        "POST",
+        "/v1/admin/nodes/{node}/tenancy",
+        "Set a node's tenancy (by id or name): dedicated to a tenant, private, or shared.",
+        Auth.operator,
+        NodeTenancyRequest,
         errors=_NOT_FOUND,
     ),
     Route(

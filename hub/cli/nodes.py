@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from hub.cli.common import hub_settings, opened_store
+from hub.views import node_view, tenancy_text
 from shared.cli import common_options, config_errors_exit
 
 if TYPE_CHECKING:
@@ -24,8 +25,11 @@ def nodes() -> None:
     """The node registry."""
 
 
-def _row(name: str, site: str, status: str, address: str, seen: str) -> str:
-    return f"{name:<20} {site:<16} {status:<8} {address:<15} {seen}"
+def _row(*columns: str) -> str:
+    """NAME, SITE, STATUS, ADDRESS, TENANCY, LAST SEEN, aligned."""
+    widths = (20, 16, 8, 15, 16)
+    cells = [f"{c:<{w}}" for c, w in zip(columns, widths, strict=False)]
+    return " ".join([*cells, *columns[len(widths) :]])
 
 
 @nodes.command("list")
@@ -33,22 +37,59 @@ def _row(name: str, site: str, status: str, address: str, seen: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
 @config_errors_exit
 def nodes_list(config_file: Path | None, data_dir: Path | None, as_json: bool) -> None:
-    """List nodes: name, site, status (online, stale, offline, revoked), address, last seen."""
-    from hub.views import node_view  # noqa: PLC0415
-
+    """List nodes: name, site, status (online, stale, offline, revoked), address, tenancy,
+    last seen; and, under a node the hub refused a certificate, why."""
     settings = hub_settings(config_file, data_dir)
     with opened_store(settings) as store:
         rows = store.nodes()
     now = time.time()
     if rows and not as_json:
-        click.echo(_row("NAME", "SITE", "STATUS", "ADDRESS", "LAST SEEN"))
+        click.echo(_row("NAME", "SITE", "STATUS", "ADDRESS", "TENANCY", "LAST SEEN"))
     for node in rows:
         view = node_view(node, settings, now)
         if as_json:
             click.echo(json.dumps(view))
-        else:
-            seen = "never" if node.last_seen is None else f"{now - node.last_seen:.0f} s ago"
-            click.echo(_row(node.name, node.site, view["status"], node.overlay_address, seen))
+            continue
+        seen = "never" if node.last_seen is None else f"{now - node.last_seen:.0f} s ago"
+        tenancy = tenancy_text(node.tenant, node.private)
+        click.echo(_row(node.name, node.site, view["status"], node.overlay_address, tenancy, seen))
+        if node.certificate_refused:
+            click.echo(f"  certificate refused: {node.certificate_refused}")
+
+
+@nodes.command("set")
+@common_options
+@click.argument("node")
+@click.option("--tenant", default=None, help="Dedicate the node to this tenant (S3).")
+@click.option("--shared", is_flag=True, help="Dedicate it to no tenant (a shared node).")
+@click.option(
+    "--private/--not-private",
+    default=None,
+    help="On its tenant's private site (S4), or not.",
+)
+@config_errors_exit
+def nodes_set(  # click passes every option by name
+    *,
+    config_file: Path | None,
+    data_dir: Path | None,
+    node: str,
+    tenant: str | None,
+    shared: bool,
+    private: bool | None,
+) -> None:
+    """Set a node's tenancy (by id or name): the operator's alone; what a node's labels
+    say of it grants nothing. What is not given stays as it is."""
+    if shared and tenant:
+        raise click.UsageError("--tenant and --shared contradict each other")
+    with opened_store(hub_settings(config_file, data_dir)) as store:
+        found = store.node(node)
+        store.set_node_tenancy(
+            found,
+            tenant=None if shared else (tenant or found.tenant),
+            private=found.private if private is None else private,
+        )
+        done = store.node(found.id)
+    click.echo(f"{done.name}: {tenancy_text(done.tenant, done.private)}")
 
 
 @nodes.command("revoke")

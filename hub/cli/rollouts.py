@@ -236,21 +236,25 @@ def rollouts_show(
 
 
 def _step(action: str) -> click.Command:
-    state, allowed, done = STEPS[action]
-
     @common_options
     @click.argument("rollout_id")
     @config_errors_exit
     def command(config_file: Path | None, data_dir: Path | None, rollout_id: str) -> None:
+        from hub.rollouts import take_step  # noqa: PLC0415
+
         settings = hub_settings(config_file, data_dir)
         with opened_store(settings) as store:
-            rollout = store.set_rollout_state(rollout_id, state, f"{done} by cli", allowed=allowed)
+            rollout = take_step(store, settings, rollout_id, action, by="cli", now=time.time())
             _show(store, settings, rollout, as_json=False)
 
     command.__doc__ = {
         "pause": "Pause a rollout: no node more is reached until it is resumed.",
         "resume": "Resume a paused or halted rollout.",
         "abort": "Abort a rollout: the nodes it reached get what they had before.",
+        "finish": (
+            "Finish a rolling-back rollout now: the nodes that never reported what they had "
+            "before are recorded as never confirmed."
+        ),
     }[action]
     return click.command(action)(command)
 

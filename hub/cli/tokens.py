@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from hub.cli.common import hub_settings, opened_store, parse_duration
+from hub.views import tenancy_text
 from shared.cli import common_options, config_errors_exit
 
 
@@ -23,14 +24,30 @@ def tokens() -> None:
 @click.option("--site", required=True, help="The site the enrolled nodes belong to.")
 @click.option("--uses", type=click.IntRange(1, 100_000), default=1, help="Enrollments (1).")
 @click.option("--expires", default="24h", help="Lifetime: 30m, 24h, 7d … (24h).")
+@click.option(
+    "--tenant", default=None, help="The nodes it enrolls are dedicated to this tenant (S3)."
+)
+@click.option(
+    "--private", is_flag=True, help="The nodes it enrolls are on the tenant's private site (S4)."
+)
 @config_errors_exit
-def tokens_create(
-    config_file: Path | None, data_dir: Path | None, site: str, uses: int, expires: str
+def tokens_create(  # click passes every option by name
+    *,
+    config_file: Path | None,
+    data_dir: Path | None,
+    site: str,
+    uses: int,
+    expires: str,
+    tenant: str | None,
+    private: bool,
 ) -> None:
-    """Create a token; it is printed once, alone on stdout."""
+    """Create a token; it is printed once, alone on stdout. The tenancy of the nodes it
+    enrolls is the token's (what a node says of its own grants it nothing)."""
     seconds = parse_duration(expires)
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        new = store.create_token(site, uses=uses, expires_in_s=seconds)
+        new = store.create_token(
+            site, uses=uses, expires_in_s=seconds, tenant=tenant or None, private=private
+        )
     click.echo(new.plaintext)
 
 
@@ -54,13 +71,15 @@ def tokens_list(config_file: Path | None, data_dir: Path | None, as_json: bool) 
                         "uses_left": token.uses_left,
                         "expires_at": expires,
                         "state": token.state(now),
+                        "tenant": token.tenant,
+                        "private": token.private,
                     }
                 )
             )
         else:
             click.echo(
                 f"{token.prefix}  {token.site:<20} {token.uses_left:>5} left  {expires}  "
-                f"{token.state(now)}"
+                f"{tenancy_text(token.tenant, token.private):<16} {token.state(now)}"
             )
 
 

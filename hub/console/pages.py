@@ -112,25 +112,27 @@ async def login(request: web.Request) -> web.StreamResponse:
         return refused(request)
     state = console(request)
     address = request.remote or "unknown"
-    wait = state.throttle.wait_s(address, time.time())
+    name, password = form.get("name", "")[:200], form.get("password", "")
+    wait = state.throttle.wait_s(address, time.time(), account=name)
     if wait > 0:
         response = _login_form(
             request,
             status=429,
-            error=f"Too many failed logins from this address: wait {wait:.0f} s.",
+            error=(
+                f"Too many failed logins from this address or for this name: wait {wait:.0f} s."
+            ),
             next_page=form.get("next"),
         )
         response.headers["Retry-After"] = str(int(wait) + 1)
         return response
-    name, password = form.get("name", "")[:200], form.get("password", "")
     store = hub_store(request)
     stored = await store.run(sql.password_hash, store.sync, name)
     if not await asyncio.to_thread(verify_password, stored, password):
-        state.throttle.failed(address, time.time())
+        state.throttle.failed(address, time.time(), account=name)
         return _login_form(
             request, status=401, error="Wrong name or password.", next_page=form.get("next")
         )
-    state.throttle.succeeded(address)
+    state.throttle.succeeded(address, account=name)
     assert stored is not None  # noqa: S101 - verify_password is False without a hash
     if needs_rehash(stored):
         rehashed = await asyncio.to_thread(hash_password, password)
@@ -246,6 +248,19 @@ async def node_drain(request: web.Request) -> web.StreamResponse:
 
 
 @page
+async def node_tenancy(request: web.Request) -> web.StreamResponse:
+    """The operator sets a node's tenancy (what the node's labels say grants nothing)."""
+    store = hub_store(request)
+    node = await store.run(store.sync.node, request.match_info["node"])
+    tenant = request[FORM].get("tenant", "").strip() or None
+    if tenant is not None and not SITE.match(tenant):
+        return see_other(f"/console/nodes/{node.id}", "tenant-invalid")
+    private = request[FORM].get("private") == "1"
+    await store.run(lambda: store.sync.set_node_tenancy(node, tenant=tenant, private=private))
+    return see_other(f"/console/nodes/{node.id}", "tenancy-set")
+
+
+@page
 async def node_revoke(request: web.Request) -> web.StreamResponse:
     store = hub_store(request)
     node = await store.run(store.sync.node, request.match_info["node"])
@@ -287,8 +302,17 @@ async def tokens_create(request: web.Request) -> web.StreamResponse:
                              "spaces, dots, dashes or underscores.")  # fmt: skip
     if not 1 <= uses <= 100_000 or expires is None:
         return await _tokens(request, status=400, error="Uses are 1 to 100000; pick a lifetime.")
+    tenant = form.get("tenant", "").strip() or None
+    if tenant is not None and not SITE.match(tenant):
+        return await _tokens(request, status=400, error="A tenant is 1 to 100 letters, digits, "
+                             "spaces, dots, dashes or underscores.")  # fmt: skip
+    private = form.get("private") == "1"
     store = hub_store(request)
-    new = await store.run(lambda: store.sync.create_token(site, uses=uses, expires_in_s=expires))
+    new = await store.run(
+        lambda: store.sync.create_token(
+            site, uses=uses, expires_in_s=expires, tenant=tenant, private=private
+        )
+    )
     return await _tokens(request, created=new.plaintext)
 
 
@@ -440,6 +464,7 @@ def console_routes() -> list[web.RouteDef]:
         web.get("/console/nodes/stream", nodes_stream),
         web.get("/console/nodes/{node}", node_page),
         web.post("/console/nodes/{node}/drain", node_drain),
+        web.post("/console/nodes/{node}/tenancy", node_tenancy),
         web.post("/console/nodes/{node}/revoke", node_revoke),
         web.get("/console/tokens", tokens_page),
         web.post("/console/tokens", tokens_create),

@@ -1,7 +1,7 @@
 """The console's rollouts page (`/console/rollouts`): every staged rollout with each wave's
 nodes, live (server-sent events from `/console/rollouts/stream`, the same views the
-operator API answers), and the operator's pause, resume and abort, through the store method
-the API and `kvl hub rollouts` call."""
+operator API answers), and the operator's pause, resume, abort and (of a rollback) finish,
+through the call the API and `kvl hub rollouts` make (hub/rollouts.py's `take_step`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from hub.console.web import (
     see_other,
 )
 from hub.planning.rollout import STEPS
-from hub.rollouts import rollout_view
+from hub.rollouts import rollout_view, take_step
 from hub.state.rollouts import RolloutConflictError
 
 if TYPE_CHECKING:
@@ -51,8 +51,10 @@ async def _page(
     request: web.Request, *, status: int = 200, error: str | None = None
 ) -> web.Response:
     views = await rollouts_table(hub_store(request), hub_settings(request))
+    # Each step with the states it is taken from: a rollout shows only the buttons it takes.
+    steps = [(action, allowed) for action, (_, allowed, _) in STEPS.items()]
     return render(request, "rollouts.html", status=status, error=error, rollouts=views,
-                  steps=list(STEPS))  # fmt: skip
+                  steps=steps)  # fmt: skip
 
 
 @page
@@ -65,15 +67,17 @@ async def rollout_step(request: web.Request) -> web.StreamResponse:
     action = request.match_info["action"]
     if action not in STEPS:
         return await _page(request, status=404, error=f"No step {action!r}.")
-    state, allowed, done = STEPS[action]
+    _, _, done = STEPS[action]
     store = hub_store(request)
     try:
         await store.run(
-            store.sync.set_rollout_state,
+            take_step,
+            store.sync,
+            hub_settings(request),
             request.match_info["id"],
-            state,
-            f"{done} by {request[SESSION].user}",
-            allowed=allowed,
+            action,
+            by=request[SESSION].user,
+            now=time.time(),
         )
     except RolloutConflictError as err:
         return await _page(request, status=409, error=str(err))

@@ -68,6 +68,9 @@ FORM = web.RequestKey("console_form", dict[str, str])
 NOTICES = {
     "drained": "The node drains: its replicas move elsewhere and it gets no new ones.",
     "undrained": "The node takes replicas again.",
+    "tenancy-set": "The node's tenancy is set: its accounts follow with the next state pull.",
+    "tenant-invalid": "Nothing was set: a tenant is 1 to 100 letters, digits, spaces, dots, "
+    "dashes or underscores.",
     "revoked": "The node is revoked: its calls are refused from now on.",
     "unconfirmed": "Nothing was revoked: tick the box to confirm.",
     "token-revoked": "The enrollment token is revoked.",
@@ -79,6 +82,7 @@ NOTICES = {
     "rollout-paused": "The rollout is paused: no node more is reached until it is resumed.",
     "rollout-resumed": "The rollout goes on (a halt's failed nodes are judged again).",
     "rollout-aborted": "The rollout is aborted: the nodes it reached get what they had before.",
+    "rollout-finished": "The rollback is finished: the nodes that never confirmed are recorded.",
 }
 
 

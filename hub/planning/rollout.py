@@ -17,12 +17,15 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
+from hub.planning.health import seen_within
+
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
 # A rollout's states: pending (made, not yet evaluated) → running (canary, then wave N) →
 # done; paused by the operator; halted by a failing node (with the reason); aborted:
-# rolling back, then aborted once the nodes it reached report their previous target again.
+# rolling back, then aborted once the nodes it reached report their previous target again,
+# or are offline, or the operator finishes the rollback (`rollback`).
 RolloutState = Literal["pending", "running", "paused", "halted", "rolling-back", "aborted", "done"]
 ACTIVE: tuple[RolloutState, ...] = ("pending", "running", "paused", "halted", "rolling-back")
 # The operator's steps: the state each leads to, the states it is taken from, and how a
@@ -31,12 +34,17 @@ STEPS: dict[str, tuple[RolloutState, tuple[RolloutState, ...], str]] = {
     "pause": ("paused", ("pending", "running"), "paused"),
     "resume": ("running", ("paused", "halted"), "resumed"),
     "abort": ("rolling-back", ("pending", "running", "paused", "halted"), "aborted"),
+    # Ends a rollback that waits on nodes which never report back (hub/rollouts.py's
+    # `finish`: it records them; the others' steps only move the state).
+    "finish": ("aborted", ("rolling-back",), "finished"),
 }
 
 # A member of a rollout: waiting for its wave; targeted (given the new target, not yet
 # healthy for the soak time); updated; failed (it reported so; the rollout halted);
-# skipped (it left: revoked, or no longer holds a replica of the deployment).
-MemberState = Literal["waiting", "targeted", "updated", "failed", "skipped"]
+# skipped (it left: revoked, or no longer holds a replica of the deployment); unconfirmed
+# (the rollout was rolled back without it reporting its previous target: it was offline,
+# or the operator finished the rollback; the note says which).
+MemberState = Literal["waiting", "targeted", "updated", "failed", "skipped", "unconfirmed"]
 # What a node reports of a target: not there yet, there and healthy, failed to get there,
 # went back from it, or no longer concerned (see MemberState's `skipped`).
 Report = Literal["pending", "healthy", "failed", "rolled-back", "gone"]
@@ -245,11 +253,64 @@ def _failure(strategy: Strategy, m: Member, s: Seen, *, current: bool, now: floa
     return None
 
 
-def rolled_back(members: Sequence[Member], seen: Mapping[str, Seen]) -> bool:
-    """Whether an aborted rollout's nodes are all back: each member it had reached
-    reports its previous target healthy, or has left."""
-    return all(
-        seen.get(m.node_id, Seen("pending")).report in {"healthy", "gone"}
-        for m in members
-        if m.state not in {"waiting", "skipped"}
-    )
+@dataclass(frozen=True)
+class Rollback:
+    """What a round of a rolling-back rollout decided: whether it is over, the members as
+    they now are, and the names of those that never confirmed (marked `unconfirmed`)."""
+
+    done: bool
+    members: list[Member]
+    unconfirmed: list[str] = field(default_factory=list)
+
+
+def rollback(
+    members: Sequence[Member],
+    seen: Mapping[str, Seen],
+    *,
+    now: float,
+    offline_after_s: float,
+    finished_by: str | None = None,
+) -> Rollback:
+    """One round of an aborted rollout (`seen`: what each node reports of its previous
+    target). Each member it had reached holds the rollback open until its node reports
+    that target healthy or leaves; except while the node is offline (unheard for
+    `offline_after_s`, the fleet's window: the registry's own notion, so the rollback stops
+    waiting exactly when the node shows as offline), and except when the operator
+    finishes it (`finished_by`): then no member holds it open. A node that never reports
+    back would otherwise keep it rolling back, and every release rollout refused, forever.
+
+    Once none holds it open the rollback is done, and the members that never confirmed
+    are marked `unconfirmed` with why. Their nodes keep their previous target, so one that
+    returns is given what the rest went back to, not the aborted target."""
+    open_on: list[str] = []
+    marks: dict[str, str] = {}
+    for m in members:
+        if m.state in {"waiting", "skipped", "unconfirmed"}:
+            continue
+        s = seen.get(m.node_id, Seen("pending"))
+        if s.report in {"healthy", "gone"}:
+            continue
+        if not seen_within(s.last_seen, now, offline_after_s):
+            heard = "never heard" if s.last_seen is None else (
+                f"not heard for {now - s.last_seen:.0f} s"
+            )  # fmt: skip
+            marks[m.node_id] = f"offline, {heard}"
+        elif finished_by is not None:
+            said = f" ({s.report}{': ' + s.detail if s.detail else ''})"
+            marks[m.node_id] = f"the rollback was finished by {finished_by}" + (
+                said if s.report != "pending" else ""
+            )
+        else:
+            open_on.append(m.node_id)
+    if open_on:
+        return Rollback(done=False, members=list(members))
+    out = []
+    for m in members:
+        why = marks.get(m.node_id)
+        if why is None:
+            out.append(m)
+            continue
+        before = f"; before: {m.note}" if m.note else ""
+        out.append(replace(m, state="unconfirmed", note=f"never confirmed: {why}{before}"))
+    unconfirmed = sorted(m.name for m in members if m.node_id in marks)
+    return Rollback(done=True, members=out, unconfirmed=unconfirmed)

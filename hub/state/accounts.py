@@ -3,11 +3,11 @@ nodes whose desired state (hub/state/desired.py) gives each one.
 
 Tenancy (docs/hub.md#tenancy-and-isolation). An account may be bound to a tenant (None: a
 shared account), to sites (none: every site), and, with a tenant, restricted to that
-tenant's dedicated nodes (`dedicated`). A node's own tenancy comes from its labels, as the
-placement planner reads them (hub/reconciler.py): `tenant=T` (dedicated to T, class S3,
-or T's private site with `private=true`, class S4). Labels are set at enrollment and never
-change, so an account reaches a node, or not, until its binding changes
-(`account_reaches`):
+tenant's dedicated nodes (`dedicated`). A node's own tenancy is the operator's, never
+what the node says (its labels describe it and grant nothing): its enrollment token's
+(`kvl hub tokens create --tenant T [--private]`), changed by an operator only (`kvl hub
+nodes set`, the console): dedicated to T (class S3), or T's private site (`private`,
+class S4). An account reaches a node, or not, until either changes (`account_reaches`):
 
 - an account bound to sites reaches only nodes of those sites, whatever else holds;
 - a node with a tenant gets only that tenant's accounts;
@@ -24,15 +24,13 @@ never foreign), until the account reaches it again."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from hub.planning.quota import Budget
-from hub.state.base import NotFoundError, StoreBase
+from hub.state.base import AUTH_REVISION, NotFoundError, StoreBase
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from hub.state.nodes import Node
 
 
@@ -63,16 +61,11 @@ class Tenancy:
         return cls(tenant or None, tuple(json.loads(sites or "[]")), bool(dedicated))
 
 
-def node_tenancy(labels: Mapping[str, str]) -> tuple[str | None, bool]:
-    """A node's (tenant, private), from its labels: the placement planner's source too."""
-    return labels.get("tenant") or None, labels.get("private") == "true"
-
-
-def account_reaches(account: Tenancy, site: str, labels: Mapping[str, str]) -> bool:
-    """Whether a node of `site` with `labels` is given the account (the module's rules)."""
+def account_reaches(account: Tenancy, site: str, tenant: str | None, private: bool) -> bool:
+    """Whether a node of `site` dedicated to `tenant` (None: to none), `private` or not,
+    is given the account (the module's rules)."""
     if account.sites and site not in account.sites:
         return False
-    tenant, private = node_tenancy(labels)
     if tenant is not None:
         return account.tenant == tenant
     if private:
@@ -149,16 +142,16 @@ class AccountsMixin(StoreBase):
             before, since = Tenancy.of(row[0], row[1], row[2]), float(row[3])
             now = self.clock()
             gone, back = [], []
-            for node_id, site, labels, last_seen in self.db.execute(
-                "SELECT id, site, labels, last_seen FROM nodes WHERE revoked_at IS NULL ORDER BY id"
+            for node_id, site, tenant, private, last_seen in self.db.execute(
+                "SELECT id, site, tenant, private, last_seen FROM nodes"
+                " WHERE revoked_at IS NULL ORDER BY id"
             ).fetchall():
-                node_labels = json.loads(labels or "{}")
-                if account_reaches(tenancy, site, node_labels):
+                if account_reaches(tenancy, site, tenant or None, bool(private)):
                     back.append((name, node_id))
                 elif (
                     last_seen is not None
                     and last_seen >= since
-                    and account_reaches(before, site, node_labels)
+                    and account_reaches(before, site, tenant or None, bool(private))
                 ):
                     # It called while the account reached it: it may have served it.
                     gone.append((name, node_id, now))
@@ -189,8 +182,36 @@ class AccountsMixin(StoreBase):
         return {
             str(r[0])
             for r in rows
-            if account_reaches(Tenancy.of(r[1], r[2], r[3]), node.site, node.labels)
+            if account_reaches(Tenancy.of(r[1], r[2], r[3]), node.site, node.tenant, node.private)
         }
+
+    def set_node_tenancy(self, node: Node, *, tenant: str | None, private: bool) -> int:
+        """The operator sets a node's tenancy: dedicated to ``tenant`` (S3), or, ``private``,
+        on a private site (S4); neither: a shared node. The accounts it no longer reaches
+        are noted as departed if it ever called (their usage it served stays its to
+        report), those it reaches now are not; the new desired serial."""
+        changed = replace(node, tenant=tenant or None, private=private)
+        with self.db.transaction():
+            before, after = self.served_accounts(node), self.served_accounts(changed)
+            now = self.clock()
+            if node.last_seen is not None:
+                self.db.executemany(
+                    "INSERT INTO account_departures (account, node_id, at) VALUES (?, ?, ?)"
+                    " ON CONFLICT DO NOTHING",
+                    [(account, node.id, now) for account in sorted(before - after)],
+                )
+            self.db.executemany(
+                "DELETE FROM account_departures WHERE account = ? AND node_id = ?",
+                [(account, node.id) for account in sorted(after)],
+            )
+            self.db.execute(
+                "UPDATE nodes SET tenant = ?, private = ? WHERE id = ?",
+                [changed.tenant, int(private), node.id],
+            )
+            # Replicas remember authenticated nodes (their rows) until this revision
+            # moves: the node's tenancy is read from that row.
+            self._bump(AUTH_REVISION)
+            return self._bump()
 
     def node_accounts(self, node: Node) -> set[str]:
         """The accounts ``node`` may report usage or ask leases for: those its desired state

@@ -19,6 +19,7 @@ year 2255.)
 
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 import subprocess
@@ -96,11 +97,13 @@ def dump_postgres(url: str, target: Path) -> tuple[list[str], dict[str, int]]:
 def pg_dump(url: str, target: Path, *, snapshot: str | None = None) -> None:
     """The whole database as `pg_dump` writes it, custom format, into `target` (as of an
     exported `snapshot`, if given)."""
+    dbname, env = client_connection(url)
     _run(
         [postgres_program("pg_dump"), "--format=custom", "--no-owner", "--no-privileges",
          *([f"--snapshot={snapshot}"] if snapshot else []), f"--file={target}",
-         f"--dbname={url}"],
+         f"--dbname={dbname}"],
         "pg_dump",
+        env,
     )  # fmt: skip
 
 
@@ -134,11 +137,32 @@ def drop_tables(url: str, tables: list[str]) -> None:
 
 def restore_postgres(url: str, dump: Path) -> None:
     """`pg_restore` of a dump into the (empty) database, in one transaction."""
+    dbname, env = client_connection(url)
     _run(
         [postgres_program("pg_restore"), "--no-owner", "--no-privileges", "--no-comments",
-         "--single-transaction", "--exit-on-error", f"--dbname={url}", str(dump)],
+         "--single-transaction", "--exit-on-error", f"--dbname={dbname}", str(dump)],
         "pg_restore",
+        env,
     )  # fmt: skip
+
+
+def client_connection(url: str) -> tuple[str, dict[str, str]]:
+    """How `pg_dump` and `pg_restore` are given the database: (the connection string for
+    their command line, without a password; their environment, with it as PGPASSWORD). A
+    command line is readable by every user of the machine (/proc/PID/cmdline), a process's
+    environment by its own user alone; and libpq ranks PGPASSWORD as it did the URL's
+    password, above any password file."""
+    from psycopg import ProgrammingError, conninfo  # noqa: PLC0415
+
+    try:
+        params = conninfo.conninfo_to_dict(url)
+    except ProgrammingError as err:
+        raise BackupError(f"database_url is not a PostgreSQL URL: {err}") from err
+    password = params.pop("password", None)
+    env = dict(os.environ)
+    if password is not None:
+        env["PGPASSWORD"] = str(password)
+    return conninfo.make_conninfo("", **params), env
 
 
 def postgres_program(name: str) -> str:
@@ -159,9 +183,11 @@ def postgres_program(name: str) -> str:
     return on_path
 
 
-def _run(command: list[str], what: str) -> None:
+def _run(command: list[str], what: str, env: dict[str, str]) -> None:
     try:
-        subprocess.run(command, check=True, capture_output=True, text=True, timeout=_TIMEOUT_S)  # noqa: S603 - our own arguments
+        subprocess.run(  # noqa: S603 - our own arguments
+            command, check=True, capture_output=True, text=True, timeout=_TIMEOUT_S, env=env
+        )
     except subprocess.CalledProcessError as err:
         detail = (err.stderr or err.stdout or "").strip().splitlines()
         raise BackupError(f"{what} failed: {' '.join(detail[-3:]) or err}") from err

@@ -118,7 +118,7 @@ class LeasesMixin(AccountsMixin):
                         [account],
                     ).fetchall()
             foreign = {
-                lease for lease, owner in self.lease_owners(finals).items() if owner != node_id
+                lease for lease, owner in self.lease_owners(finals).items() if owner[0] != node_id
             }
             if foreign:
                 raise ForeignLeaseError(
@@ -179,17 +179,17 @@ class LeasesMixin(AccountsMixin):
             remaining=remaining(budget, consumed, views),
         )
 
-    def lease_owners(self, lease_ids: Iterable[str]) -> dict[str, str]:
-        """The node each of these leases was granted to (ids the hub never stored, such
-        as a grant of nothing, are absent)."""
+    def lease_owners(self, lease_ids: Iterable[str]) -> dict[str, tuple[str, str]]:
+        """The node each of these leases was granted to, and its account (ids the hub
+        never stored, such as a grant of nothing, are absent)."""
         ids = sorted(set(lease_ids))
-        owners: dict[str, str] = {}
+        owners: dict[str, tuple[str, str]] = {}
         for start in range(0, len(ids), 500):
             chunk = ids[start : start + 500]
             marks = ",".join("?" * len(chunk))
-            for lease_id, node_id in self.db.execute(
-                f"SELECT id, node_id FROM leases WHERE id IN ({marks})",  # noqa: S608 - placeholders only
+            for lease_id, node_id, account in self.db.execute(
+                f"SELECT id, node_id, account FROM leases WHERE id IN ({marks})",  # noqa: S608 - placeholders only
                 chunk,
             ).fetchall():
-                owners[str(lease_id)] = str(node_id)
+                owners[str(lease_id)] = (str(node_id), str(account))
         return owners

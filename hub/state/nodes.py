@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from hub.state import sql
 from hub.state.base import AUTH_REVISION, NotFoundError, StoreBase
+from hub.state.certificates import NameTakenError
 from hub.state.tokens import EnrollmentToken, TokenProblem, TokenRefusedError, token_of
 from shared import protocol
 from shared.keys import ENROLLMENT_TOKEN, NODE_TOKEN, generate_key, key_matches, parse_prefix
@@ -41,18 +42,24 @@ class Node:
     capacity: protocol.Capacity = field(default_factory=protocol.Capacity)
     address: str | None = None  # where its heartbeats come from
     draining: bool = False  # the operator drains it: its replicas move away
+    # Its tenancy, the operator's (its enrollment token's, or `kvl hub nodes set`), never
+    # its labels': dedicated to `tenant` (S3), or on a private site (S4).
+    tenant: str | None = None
+    private: bool = False
+    certificate_refused: str | None = None  # why its last certificate request was refused
 
     @property
-    def api_url(self) -> str | None:
-        """The node's API as the hub reaches it: its fleet listener (mutual TLS) where it
-        has one, else its LAN API (its heartbeats name ports and TLS)."""
+    def fleet_url(self) -> str | None:
+        """The node's fleet listener as the hub reaches it (through the tunnel, at the
+        address its heartbeats come from), the one way the hub calls a node: mutual TLS,
+        the node's certificate checked for its URI. None where it has none (no
+        certificate yet, or an appliance from before protocol 3): the hub never calls a
+        node's LAN API, which a node that says `tls: false` would serve in clear."""
         api = self.capacity.api
-        if self.address is None or api is None:
+        if self.address is None or api is None or api.fleet_port is None:
             return None
         host = f"[{self.address}]" if ":" in self.address else self.address
-        if api.fleet_port is not None:
-            return f"https://{host}:{api.fleet_port}"
-        return f"{'https' if api.tls else 'http'}://{host}:{api.port}"
+        return f"https://{host}:{api.fleet_port}"
 
     @property
     def revoked(self) -> bool:
@@ -163,6 +170,9 @@ def node_of(row: Mapping[str, Any]) -> Node:
         capacity=capacity_of(row["capacity"]),
         address=row.get("address"),
         draining=bool(row.get("draining")),
+        tenant=row.get("tenant") or None,
+        private=bool(row.get("private")),
+        certificate_refused=row.get("certificate_refused"),
     )
 
 
@@ -202,6 +212,14 @@ class NodesMixin(StoreBase):
                 return again if certify is None else again.certified(certify(again.node))
             if state != "active":
                 raise TokenRefusedError(TokenProblem(state), prefix)
+            # A name is one live node's, compared as DNS compares it (without case); its
+            # certificate's names are claimed for it alone besides (`certify`).
+            holder = self.db.execute(
+                "SELECT name, id FROM nodes WHERE lower(name) = ? AND revoked_at IS NULL",
+                [name.lower()],
+            ).fetchone()
+            if holder is not None:
+                raise NameTakenError(name, f"{holder[0]}, {holder[1]}")
             # Spent only while a use is left, checked by the UPDATE itself: of two replicas
             # spending the last use at once, the second updates nothing (PostgreSQL makes
             # it wait for the first, then reads the row again).
@@ -222,10 +240,11 @@ class NodesMixin(StoreBase):
                 inserted = self.db.execute(
                     "INSERT INTO nodes (id, name, site, labels, wg_public_key, overlay_address,"
                     " token_prefix, token_hash, enrolled_with, enrolled_at, last_seen, versions,"
-                    " capacity, revoked_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, '{}',"
-                    " NULL) ON CONFLICT (overlay_address) DO NOTHING",
+                    " capacity, revoked_at, tenant, private) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?,"
+                    " ?, NULL, ?, '{}', NULL, ?, ?) ON CONFLICT (overlay_address) DO NOTHING",
                     [node_id, name, record.site, json.dumps(dict(labels)), wg_public_key, address,
-                     node_token.prefix, node_token.hash, prefix, now, json.dumps(dict(versions))],
+                     node_token.prefix, node_token.hash, prefix, now, json.dumps(dict(versions)),
+                     record.tenant, int(record.private)],
                 ).rowcount  # fmt: skip
                 if inserted == 1:
                     break
@@ -241,6 +260,8 @@ class NodesMixin(StoreBase):
                 revoked_at=None,
                 labels=dict(labels),
                 versions=dict(versions),
+                tenant=record.tenant,
+                private=record.private,
             )
             enrolled = Enrolled(node, node_token.plaintext)
             return enrolled if certify is None else enrolled.certified(certify(node))
@@ -378,6 +399,19 @@ class NodesMixin(StoreBase):
             if changed:
                 self._bump(AUTH_REVISION)
         return self.node(node.id)
+
+    def note_certificate_refused(self, node_id: str, why: str | None) -> None:
+        """Why the hub refused the node a certificate (None: it issued one)."""
+        if why is None:  # a renewal like any other writes nothing
+            self.db.execute(
+                "UPDATE nodes SET certificate_refused = NULL WHERE id = ?"
+                " AND certificate_refused IS NOT NULL",
+                [node_id],
+            )
+        else:
+            self.db.execute(
+                "UPDATE nodes SET certificate_refused = ? WHERE id = ?", [why[:1000], node_id]
+            )
 
     def set_draining(self, node_id: str, *, draining: bool) -> Node:
         node = self.node(node_id)

@@ -494,4 +494,21 @@ MIGRATIONS = (
         );
         """,
     ),
+    SQLMigration(
+        "m015_tenancy_from_the_operator",
+        """
+        ALTER TABLE enrollment_tokens ADD COLUMN tenant TEXT;
+        ALTER TABLE enrollment_tokens ADD COLUMN private BIGINT NOT NULL DEFAULT 0;
+        ALTER TABLE nodes ADD COLUMN tenant TEXT;
+        ALTER TABLE nodes ADD COLUMN private BIGINT NOT NULL DEFAULT 0;
+        ALTER TABLE nodes ADD COLUMN certificate_refused TEXT;
+        UPDATE nodes SET tenant = NULLIF(labels::json ->> 'tenant', ''),
+            private = CASE WHEN labels::json ->> 'private' = 'true' THEN 1 ELSE 0 END
+            WHERE labels IS NOT NULL AND labels <> '';
+        UPDATE node_names AS n SET name = lower(n.name) WHERE n.name <> lower(n.name)
+            AND NOT EXISTS (SELECT 1 FROM node_names AS o WHERE lower(o.name) = lower(n.name)
+            AND o.name <> n.name AND (o.name = lower(o.name) OR o.until > n.until
+            OR (o.until = n.until AND o.name < n.name)));
+        """,
+    ),
 )

@@ -170,10 +170,7 @@ class RolloutsMixin(StoreBase):
         with self.db.transaction():
             for other in self._active(kind):
                 if kind == "release" or other.target.get("deployment") == target.get("deployment"):
-                    raise RolloutConflictError(
-                        f"rollout {other.id} ({other.state}) is rolling out "
-                        f"{_what(other.kind, other.target)}: let it finish, or abort it"
-                    )
+                    raise RolloutConflictError(_busy(other))
             self.db.execute(
                 "INSERT INTO rollouts (id, kind, target, strategy, state, wave, wave_started_at,"
                 " reason, created_by, created_at, updated_at)"
@@ -374,6 +371,17 @@ class RolloutsMixin(StoreBase):
         """Each node's release target (node id → version)."""
         rows = self.db.execute("SELECT node_id, version FROM node_releases").fetchall()
         return {r[0]: r[1] for r in rows}
+
+
+def _busy(other: Rollout) -> str:
+    """Why a rollout cannot start while `other` is active, and what the operator can do."""
+    what = _what(other.kind, other.target)
+    if other.state == "rolling-back":
+        return (
+            f"rollout {other.id} is rolling back {what}: let the nodes it reached report what "
+            "they had before, or finish it (the nodes that never did are recorded)"
+        )
+    return f"rollout {other.id} ({other.state}) is rolling out {what}: let it complete, or abort it"
 
 
 def _what(kind: str, target: Mapping[str, str]) -> str:

@@ -181,7 +181,8 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         # sync.
         self._accounts: dict[str, frozenset[str]] = {}
         self._desired_serial = -1
-        self._lease_owner: dict[str, str | None] = {}
+        # Each lease id's (node, account), or None for an id the hub never stored.
+        self._lease_owner: dict[str, tuple[str, str] | None] = {}
         # Told each call's operation (the function's name) and seconds, waiting for the
         # thread included: the application's metrics (kvl_hub_db_duration_seconds).
         self.timed: Callable[[str, float], None] | None = None
@@ -289,10 +290,12 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         return known
 
     async def check_reports(
-        self, node: Node, accounts: Iterable[str], leases: Iterable[str]
+        self, node: Node, accounts: Iterable[str], leases: Iterable[tuple[str, str]]
     ) -> None:
-        """What a node reports (usage of `accounts`, spends under `leases`) is its own:
-        accounts its desired state gives it, leases granted to it. ForeignAccountError or
+        """What a node reports (usage of `accounts`, spends under `leases`: (lease id,
+        the account of the usage)) is its own: accounts its desired state gives it,
+        leases granted to it for that very account (usage of one account under another's
+        lease would be counted in neither's budget). ForeignAccountError or
         ForeignLeaseError otherwise."""
         accounts = set(accounts)
         if accounts:
@@ -301,8 +304,8 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
                 raise ForeignAccountError(
                     f"account {min(foreign)!r} is not one this node serves", min(foreign)
                 )
-        leases = set(leases)
-        unknown = leases - self._lease_owner.keys()
+        pairs = set(leases)
+        unknown = {lease for lease, _ in pairs} - self._lease_owner.keys()
         if unknown:
             owners = await self.read(HubStore.lease_owners, unknown)
             if len(self._lease_owner) >= self._NODES_REMEMBERED:
@@ -310,13 +313,18 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
             # A lease id the hub never stored stays unknown: ids are made by the hub when
             # it grants, and a node learns one only after the grant committed.
             self._lease_owner.update({lease: owners.get(lease) for lease in unknown})
-        foreign_leases = sorted(
-            lease for lease in leases if self._lease_owner.get(lease) not in {None, node.id}
-        )
-        if foreign_leases:
-            raise ForeignLeaseError(
-                f"lease {foreign_leases[0]} was not granted to this node", foreign_leases[0]
-            )
+        for lease, account in sorted(pairs):
+            owner = self._lease_owner.get(lease)
+            if owner is None:
+                continue
+            if owner[0] != node.id:
+                raise ForeignLeaseError(f"lease {lease} was not granted to this node", lease)
+            if owner[1] != account:
+                raise ForeignLeaseError(
+                    f"lease {lease} is for account {owner[1]!r}, not {account!r}: usage is "
+                    "reported under its own account's lease",
+                    lease,
+                )
 
     def _note_auth_revision(self, revision: int) -> None:
         if revision != self._auth_revision:

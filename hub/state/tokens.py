@@ -46,6 +46,10 @@ class EnrollmentToken:
     expires_at: float
     created_at: float
     revoked_at: float | None
+    # The tenancy of the nodes it enrolls, the operator's to give (hub/state/accounts.py):
+    # dedicated to `tenant` (S3), or, `private`, on that tenant's private site (S4).
+    tenant: str | None = None
+    private: bool = False
 
     def state(self, now: float) -> str:
         if self.revoked_at is not None:
@@ -65,20 +69,34 @@ def token_of(row: Mapping[str, Any]) -> EnrollmentToken:
         expires_at=row["expires_at"],
         created_at=row["created_at"],
         revoked_at=row["revoked_at"],
+        tenant=row.get("tenant") or None,
+        private=bool(row.get("private")),
     )
 
 
 class TokensMixin(StoreBase):
     """The `enrollment_tokens` table."""
 
-    def create_token(self, site: str, *, uses: int, expires_in_s: float) -> NewKey:
+    def create_token(
+        self,
+        site: str,
+        *,
+        uses: int,
+        expires_in_s: float,
+        tenant: str | None = None,
+        private: bool = False,
+    ) -> NewKey:
+        """A new token for ``site``; the nodes it enrolls are dedicated to ``tenant``
+        (S3) or, ``private``, on a private site (S4): what a node sends of its own
+        tenancy grants it nothing."""
         now = self.clock()
         new = generate_key(ENROLLMENT_TOKEN)
         self.db.execute(
             "INSERT INTO enrollment_tokens (prefix, hash, site, uses_left, expires_at,"
-            " revoked_at, created_at) VALUES (?, ?, ?, ?, ?, NULL, ?)",
-            [new.prefix, new.hash, site, uses, now + expires_in_s, now],
-        )
+            " revoked_at, created_at, tenant, private) VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?)",
+            [new.prefix, new.hash, site, uses, now + expires_in_s, now, tenant or None,
+             int(private)],
+        )  # fmt: skip
         return new
 
     def tokens(self) -> list[EnrollmentToken]:

@@ -9,9 +9,11 @@ nginx kept is used within its second only.
 from __future__ import annotations
 
 import grp
+import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -26,8 +28,9 @@ import pytest
 from appliance.gateway.front import DECIDE, nginx_binary
 from appliance.packages.cache import PackageCache, blob_dir
 from appliance.state.store import Store
-from tests.appliance.test_http2 import Appliance, start, stop
+from tests.appliance.test_http2 import HOST, Appliance, start, stop
 from tests.appliance.test_package_cache import package
+from tests.waiting import until_sync
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -409,3 +412,131 @@ def test_a_private_data_directory_is_not_opened_files_go_through_the_app(
     assert tmp_path.stat().st_mode & 0o777 == 0o700  # left as it was
     assert tmp_path.stat().st_gid == 0
     assert "package files go through the app" in appliance.log.read_text()
+
+
+# -- paths no route takes, and the decisions' cache ------------------------------------------
+
+# Paths a client may send for a package file: braces (no route of the app takes them: its
+# decision route answered nginx 404, which auth_request made a 500), encoded slashes,
+# spaces, Unicode, bytes that are no UTF-8, dot segments, a NUL. Sent as they are written
+# (on a socket of HTTP/1.1: a client library would encode or normalise some), and over
+# HTTP/2 by httpx.
+ODD_NAMES = [
+    "%7Bx%7D", "{x}", "a%7B%7Db", "%7B", "%7D", "a%2Fb", "%2F", "..%2F..%2Fappliance.db",
+    "a%20b", "a b", "%C3%A9t%C3%A9.json", "%F0%9F%98%80", "\u00e9t\u00e9.json", "%FF%FE",
+    "../../index.json", "%2e%2e/%2e%2e/oci-layout", "./items.json", "items.json/..", "%00",
+    "items.json%00", "a%5C..%5Cb", "items.json?version=%7B%7D", "items.json?version=%FF",
+]  # fmt: skip
+ODD_IDS = ["%7Bid%7D", "{id}", "a%2Fb", "%20", "..", "%C3%A9"]
+
+
+def _raw_get(seeded: Seeded, target: str) -> tuple[int, bytes, bytes]:
+    """GET ``target`` exactly as written, over HTTP/1.1: (status, head, body)."""
+    appliance = seeded.appliance
+    request = (
+        f"GET {target} HTTP/1.1\r\nHost: appliance\r\nAuthorization: Bearer {appliance.key}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    with (
+        socket.create_connection((HOST, appliance.port), timeout=30) as raw,
+        appliance.context(["http/1.1"]).wrap_socket(raw, server_hostname=HOST) as tls,
+    ):
+        tls.sendall(request)
+        data = b""
+        while chunk := tls.recv(1 << 16):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" in head.lower():
+        body = _unchunked(body)
+    return int(head.split(b" ", 2)[1]), head, body
+
+
+def _unchunked(body: bytes) -> bytes:
+    out = b""
+    while body:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        out, body = out + body[:size], body[size + 2 :]
+    return out
+
+
+def _refusal_problems(status: int, body: bytes) -> list[str]:
+    """Why an answer to an odd path is not one the app could give (none: it is)."""
+    if status >= 500:
+        return [f"{status}: {body[:300]!r}"]
+    if status < 400:
+        return []
+    try:
+        error = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return [f"{status}, not the error shape: {body[:300]!r}"]
+    return [] if error.get("code") else [f"{status}, no code: {body[:300]!r}"]
+
+
+def test_odd_paths_are_the_apps_answer_never_a_5xx(seeded: Seeded) -> None:
+    targets = [seeded.url(seeded.mine, name) for name in ODD_NAMES]
+    targets += [f"/v1/packages/{name}/files/items.json" for name in ODD_IDS]
+    problems: dict[str, list[str]] = {}
+    with seeded.appliance.client() as client:
+        for target in targets:
+            status, _, body = _raw_get(seeded, target)
+            found = _refusal_problems(status, body)
+            sent = client.get(target)  # HTTP/2; httpx encodes braces, spaces and Unicode
+            found += _refusal_problems(sent.status_code, sent.content)
+            if found:
+                problems[target] = found
+        braces = client.get(seeded.url(seeded.mine, "%7Bx%7D"))
+        good = client.get(seeded.url(seeded.mine, "items.json"))
+    assert not problems, problems
+    # No file by that name: the app's 404, in the error shape.
+    assert braces.status_code == 404, braces.text
+    assert braces.json()["error"]["code"] in ("not_found", "package_not_found")
+    assert good.status_code == 200  # and the front still sends the files it may
+
+
+def _cache_folder(seeded: Seeded) -> Path:
+    """Where nginx keeps the decisions: its configuration says."""
+    config = (_app_socket(seeded.appliance).parent / "nginx.conf").read_text()
+    found = re.search(r"proxy_cache_path (\S+)", config)
+    assert found is not None, config
+    return Path(found.group(1))
+
+
+def test_the_decisions_cache_holds_no_key(seeded: Seeded) -> None:
+    key = seeded.appliance.key
+    secret = key.rsplit("_", 1)[1]
+    folder = _cache_folder(seeded)
+    with seeded.appliance.client() as client:
+        for path in ("items.json", "audio/intro.wav"):
+            # URIs of this test's own: each a decision nginx keeps, a file in the cache.
+            url = seeded.url(seeded.mine, path) + "?kept=no-key"
+            assert client.get(url).status_code == 200
+            assert client.get(url, headers={"Range": "bytes=0-9"}).status_code == 206
+    until_sync(lambda: any(p.is_file() for p in folder.rglob("*")), "a decision kept")
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    for file in files:
+        content = file.read_bytes()
+        assert key.encode() not in content, file
+        assert secret.encode() not in content, file
+        assert b"Bearer" not in content, file
+
+
+def test_a_key_that_only_shares_a_prefix_is_refused_while_a_decision_is_kept(
+    seeded: Seeded,
+) -> None:
+    """The cache knows a key by its prefix; the decision it keeps is for one key's whole
+    header: another with the same prefix is the app's to refuse, never sent the file."""
+    url = seeded.url(seeded.mine, "items.json") + "?kept=prefix"
+    key = seeded.appliance.key
+    forged = key[: -len(key.rsplit("_", 1)[1])] + "x" * len(key.rsplit("_", 1)[1])
+    with seeded.appliance.client() as client:
+        assert client.get(url).status_code == 200  # decided, kept for a second
+        refused = client.get(url, headers={"Authorization": f"Bearer {forged}"})
+        again = client.get(url)
+    # Three failures a minute are allowed here (test_http2's start): refused either way.
+    assert refused.status_code in (401, 429), refused.text
+    assert refused.json()["error"]["code"] in ("invalid_api_key", "too_many_auth_failures")
+    assert again.status_code == 200
+    assert again.content == b'{"items": []}'

@@ -32,6 +32,7 @@ from appliance.packages.model import (
     ValidationReport,
     VoiceLineage,
 )
+from tests.shared.oci_shapes import APPLIANCE_TAKES, INDEX, SHAPES, rewrap
 from tests.shared.test_oci import sparse_member, with_last_member
 
 BIG = 10**9
@@ -618,6 +619,35 @@ def test_an_archive_with_a_sparse_member_is_refused_and_nothing_is_cached(
         target.import_bundle(hostile)
     assert target.list() == []
     assert target.import_bundle(archive).ref == f"{manifest.id}@{manifest.version}"
+
+
+@pytest.fixture(scope="module")
+def seedable(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A package archive as the hub seeds it to a node (an appliance's own export)."""
+    source = PackageCache(tmp_path_factory.mktemp("source"), max_bytes=BIG)
+    manifest, files = package(1)
+    source.put(manifest, files, key(1))
+    return source.bundle(manifest.id)
+
+
+def test_the_archive_the_shapes_change_is_imported(seedable: bytes, tmp_path: Path) -> None:
+    """Unchanged, the archive rewrapped is imported: the refusals below are the shapes'."""
+    target = PackageCache(tmp_path, max_bytes=BIG)
+    assert target.import_bundle(rewrap(seedable, INDEX, lambda index: index)).ref.startswith("pkg_")
+
+
+@pytest.mark.parametrize("case", sorted(set(SHAPES) - APPLIANCE_TAKES))
+def test_a_seeded_archive_of_the_wrong_shape_is_a_cache_error_and_nothing_is_cached(
+    seedable: bytes, tmp_path: Path, case: str
+) -> None:
+    """What the hub seeds is fetched as an archive (appliance/fleet/placement.py), whose
+    seeding refuses a CacheError, and only that: any other exception stopped the round."""
+    target_doc, change = SHAPES[case]
+    target = PackageCache(tmp_path, max_bytes=BIG)
+    with pytest.raises(CacheError):
+        target.import_bundle(rewrap(seedable, target_doc, change))
+    assert target.list() == []
+    assert [p.name for p in blob_dir(tmp_path).iterdir()] == []
 
 
 def test_removed_refs_are_taken_once(tmp_path: Path) -> None:

@@ -1,13 +1,14 @@
 """Where webhooks may go: the destination check alone, and the real webhook sender on a real
 store posting to real aiohttp receivers on loopback (DNS answers are the test's: a name
 that resolves to a public address when the job is created and to loopback at delivery is
-how DNS rebinding looks)."""
+how DNS rebinding looks); and what the operator's log shows of a failed one."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -283,3 +284,28 @@ async def test_a_failed_delivery_records_a_class_of_failure_never_what_answered(
             for leak in (SECRET_BODY, SERVER_HEADER, "10.9.8.7", "Connect", "Errno"):
                 assert leak not in text, (leak, text)
     assert receivers.arrived == ["/fail", "/hang"]
+
+
+async def test_a_failed_deliverys_log_shows_the_host_never_the_urls_credentials(
+    tmp_path: Path, receivers: Receivers, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The operator's log (which the hub's operators read too) names where a delivery
+    failed, without the userinfo, query or fragment the client may keep a credential in."""
+    caplog.set_level(logging.INFO, logger="appliance.jobs.delivery")
+    secrets = ("hook-user", "pass-word-1", "token-2", "frag-3")
+    credentials = f"{secrets[0]}:{secrets[1]}@127.0.0.1:{receivers.port}"
+    async with sending(tmp_path, allow=["127.0.0.1/8"]) as s:
+        failing = await s.deliver(f"http://{credentials}/fail?token={secrets[2]}#{secrets[3]}")
+        assert failing.last_status == 500
+        # No host at all: the client's own error names the URL, and the log its repr.
+        invalid = await s.deliver(f"http://{secrets[0]}:{secrets[1]}@/hook?token={secrets[2]}")
+        assert invalid.last_error == REFUSED
+    lines = [r.getMessage() for r in caplog.records if r.name == "appliance.jobs.delivery"]
+    (failed,) = [line for line in lines if failing.id in line]
+    assert f"to http://***@127.0.0.1:{receivers.port}/fail?***#*** failed" in failed
+    (refused,) = [line for line in lines if invalid.id in line]
+    assert "http://***@/hook?***" in refused
+    for line in (failed, refused):
+        for secret in secrets:
+            assert secret not in line, (secret, line)
+    assert receivers.arrived == ["/fail"]

@@ -2,11 +2,12 @@
 once (two replicas evaluating together too), silences, the operator API and the CLI, and
 a real hub whose alert loop fires and resolves on what its nodes report through the node
 API, delivering signed webhooks to a receiver on loopback, retried until it answers,
-across a restart of the hub."""
+across a restart of the hub; what the operators see of a failed delivery."""
 
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -18,12 +19,13 @@ import pytest
 from aiohttp import web
 
 from hub.alerting import rules
+from hub.alerting.delivery import AlertSender
 from hub.alerting.prometheus import rules_yaml, scaled
 from hub.app import create_app
 from hub.fleet.budgets import burn_rate
 from hub.settings import HubSettings
 from hub.state.alerts import Firing
-from hub.state.store import Heartbeat, IssuedCertificate, Node, open_store
+from hub.state.store import AsyncHubStore, Heartbeat, IssuedCertificate, Node, open_store
 from shared import protocol
 from shared.errors import ErrorCode
 from shared.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, verify
@@ -350,6 +352,46 @@ async def test_a_real_hub_fires_resolves_and_delivers_signed_webhooks_across_a_r
     assert second["alert"]["state"] == "resolved"
     assert second["alert"]["resolved_at"] is not None
     await server.close()
+
+
+async def test_a_failed_alert_webhook_shows_its_host_never_its_urls_credentials(
+    aiohttp_server: AiohttpServer,
+    tmp_path: Path,
+    hub_database: HubDatabase,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The log and the delivery's last error (both the operators') name the receiver that
+    failed, without the userinfo, query or fragment a credential may be kept in."""
+    caplog.set_level(logging.INFO, logger="hub.alerting.delivery")
+    receiver = Receiver()
+    receiver.status = 500
+    hook = await aiohttp_server(receiver.app)
+    secrets = ("hook-user", "pass-word-1", "token-2", "frag-3")
+    userinfo = f"{secrets[0]}:{secrets[1]}@"
+    failing = f"http://{userinfo}127.0.0.1:{hook.port}/hook?t={secrets[2]}#{secrets[3]}"
+    hostless = f"http://{userinfo}/hook?t={secrets[2]}"  # the HTTP client's error names it
+    webhooks = [{"url": url, "secret": SECRET} for url in (failing, hostless)]
+    settings = alert_settings(tmp_path, hub_database, failing, webhooks=webhooks)
+    store = AsyncHubStore(settings)
+    await store.open()
+    sender = AlertSender(store, settings.alerts)
+    try:
+        down = Firing("node_offline", {"node": "a", "site": "lab"}, "page", 130.0, "a is down")
+        await store.run(store.sync.record_alerts, [down], ["node_offline"], [failing, hostless])
+        assert await sender.round() == 2
+        rows = {row["url"]: row for row in await store.run(store.sync.deliveries)}
+    finally:
+        await sender.close()
+        await store.close()
+    assert receiver.refused == 1
+    assert rows[failing]["last_error"] == "the receiver answered HTTP 500"
+    assert f"to http://***@127.0.0.1:{hook.port}/hook?***#*** failed" in caplog.text
+    recorded = rows[hostless]["last_error"]
+    assert "no connection" in recorded
+    assert "http://***@/hook?***" in recorded
+    for shown in (caplog.text, recorded):
+        for secret in secrets:
+            assert secret not in shown, (secret, shown)
 
 
 async def test_a_real_hub_alerts_on_lapsed_leases_and_serves_version_4_nodes(

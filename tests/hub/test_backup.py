@@ -10,11 +10,17 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import subprocess
 import tarfile
 import threading
+import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
+import psycopg
 import pytest
+from psycopg import conninfo, sql
 
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import FleetLink
@@ -22,16 +28,15 @@ from appliance.observability.metrics import Metrics
 from appliance.state.backup import resend_since
 from appliance.state.store import AsyncStore, UsageEvent
 from hub.app import create_app as create_hub
+from hub.backup import backup, restore
 from hub.identity import certificates, hub_keys, ssl_context
 from hub.state.store import open_store
 from tests.appliance.test_fleet import provisioning
 from tests.conftest import NoModels, free_port, kvl, make_settings
 from tests.hub.test_hub import settings_for
-from tests.waiting import until
+from tests.waiting import until, until_sync
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from pytest_aiohttp import AiohttpServer
 
     from hub.settings import HubSettings
@@ -321,3 +326,98 @@ def test_the_lock_keeps_a_hub_from_starting_under_a_restore(tmp_path: Path) -> N
         restoring(data_dir, "a hub"),
     ):
         pass
+
+
+# -- the database's password: never on a command line ----------------------------------------
+
+SECRET = "s3cret:pa\\ss w@rd/ü"
+
+
+def test_pg_dump_and_pg_restore_get_the_password_in_their_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hub.state import backup as stored  # noqa: PLC0415
+
+    monkeypatch.delenv("PGPASSWORD", raising=False)
+    url = f"postgresql://kvl:{quote(SECRET, safe='')}@db.example:5432/kvl?sslmode=require"
+    dbname, env = stored.client_connection(url)
+    assert env["PGPASSWORD"] == SECRET
+    assert "s3cret" not in dbname
+    assert conninfo.conninfo_to_dict(dbname) == {
+        "user": "kvl", "host": "db.example", "port": "5432", "dbname": "kvl",
+        "sslmode": "require",
+    }  # fmt: skip
+    # No password in the URL: none of ours in the environment (~/.pgpass, $PGPASSWORD apply).
+    dbname, env = stored.client_connection("postgresql:///kvl?host=/run/postgresql")
+    assert "PGPASSWORD" not in env
+    assert conninfo.conninfo_to_dict(dbname) == {"dbname": "kvl", "host": "/run/postgresql"}
+
+
+@pytest.mark.postgres
+def test_a_backup_and_restore_with_a_password_in_the_url_keep_it_off_the_command_line(
+    tmp_path: Path, postgres: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a role that must give its password (the cluster trusts every other): pg_dump and
+    pg_restore work, so they were given it, and no command line they ran holds it."""
+    role = f"kvl_pw_{uuid.uuid4().hex[:8]}"
+    databases = [f"{role}_{n}" for n in ("source", "target")]
+    hba = postgres.data / "pg_hba.conf"
+    trusting = hba.read_text()
+    with psycopg.connect(postgres.url("postgres"), autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+                sql.Identifier(role), sql.Literal(SECRET)
+            )
+        )
+        for name in databases:
+            conn.execute(
+                sql.SQL("CREATE DATABASE {} OWNER {} TEMPLATE template0").format(
+                    sql.Identifier(name), sql.Identifier(role)
+                )
+            )
+        hba.write_text(f"local all {role} scram-sha-256\n{trusting}")
+        try:
+            conn.execute("SELECT pg_reload_conf()")
+
+            def asks_for_it() -> bool:
+                try:
+                    wrong = f"postgresql://{role}:wrong@/{databases[0]}?host={postgres.root}"
+                    psycopg.connect(wrong).close()
+                except psycopg.OperationalError as err:
+                    return "password" in str(err)
+                return False
+
+            until_sync(asks_for_it, "the cluster asks the role for its password")
+            urls = [
+                f"postgresql://{role}:{quote(SECRET, safe='')}@/{name}?host={postgres.root}"
+                for name in databases
+            ]
+            ran: list[tuple[list[str], dict[str, str]]] = []
+            run = subprocess.run
+
+            def recorded(command: list[str], **kwargs: Any) -> Any:
+                ran.append((command, kwargs.get("env") or {}))
+                return run(command, **kwargs)
+
+            source = settings_for(tmp_path / "source", {"database_url": urls[0]})
+            store = open_store(source)
+            try:
+                store.set_account("acme", "S1")
+            finally:
+                store.close()
+            monkeypatch.setattr(subprocess, "run", recorded)
+            backup(source, tmp_path / "hub.tar")
+            target = settings_for(tmp_path / "target", {"database_url": urls[1]})
+            restore(target, tmp_path / "hub.tar")
+            store = open_store(target)
+            try:
+                assert [a["name"] for a in store.accounts()] == ["acme"]
+            finally:
+                store.close()
+        finally:
+            hba.write_text(trusting)
+            conn.execute("SELECT pg_reload_conf()")
+    assert [Path(command[0]).name for command, _ in ran] == ["pg_dump", "pg_restore"]
+    for command, env in ran:
+        assert not [arg for arg in command if "s3cret" in arg], command
+        assert env["PGPASSWORD"] == SECRET

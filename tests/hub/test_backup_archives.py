@@ -5,8 +5,12 @@ is left as it was (empty)."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
+import os
+import subprocess
+import sys
 import tarfile
 from typing import TYPE_CHECKING, Any
 
@@ -15,8 +19,8 @@ import pytest
 from hub.backup import backup, restore
 from hub.identity import certificates, hub_keys
 from hub.state.store import open_store
-from shared.backup import BackupError, occupied
-from tests.conftest import kvl
+from shared.backup import MAX_HEADER_BYTES, BackupError, occupied
+from tests.conftest import REPO, kvl
 from tests.hub.test_hub import settings_for
 
 if TYPE_CHECKING:
@@ -183,6 +187,11 @@ CASES: dict[str, tuple[Callable[[Parts], tuple[dict[str, Any] | bytes, list[Any]
         "holds a hub's store on PostgreSQL",
     ),
     "a manifest that is not JSON": (lambda g: (b"{nope", g[1]), "its manifest is not JSON"),
+    "a manifest nested 100,000 deep": (
+        lambda g: (b'{"format": "kvl-backup", "members": ' + b"[" * 100_000 + b"]" * 100_000
+                   + b"}", g[1]),
+        "its manifest is refused: nested deeper than",
+    ),
     "a manifest of something else": (
         lambda g: ({"format": "tar"}, g[1]),
         "is not a kvl backup",
@@ -235,3 +244,173 @@ def test_the_cli_says_why_it_refuses(tmp_path: Path, genuine: Parts) -> None:
     assert "a member the manifest does not name" in refused.stderr
     assert "Traceback" not in refused.stderr
     assert not (tmp_path / "evil").exists()
+
+
+# -- tar headers: bounded before they are read ---------------------------------------------
+
+HUGE = 256 << 20
+MiB = 1 << 20
+EXTENDED = {
+    "a PAX header": tarfile.XHDTYPE,
+    "a GNU long name": tarfile.GNUTYPE_LONGNAME,
+    "a GNU long link": tarfile.GNUTYPE_LONGLINK,
+}
+
+
+def _header(kind: bytes, size: int) -> bytes:
+    """The header block of an extended header whose body is `size` bytes."""
+    info = tarfile.TarInfo("././@PaxHeader" if kind == tarfile.XHDTYPE else "././@LongLink")
+    info.type = kind
+    info.size = size
+    return info.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+def _pax_record(key: str, value: str) -> bytes:
+    """`LENGTH KEY=VALUE\\n`, LENGTH counting the whole record."""
+    rest = f" {key}={value}\n".encode()
+    length = len(rest) + 1
+    while len(str(length)) + len(rest) != length:
+        length += 1
+    return str(length).encode() + rest
+
+
+def _genuine_tar(tmp_path: Path, genuine: Parts) -> bytes:
+    manifest, members = genuine
+    return forge(tmp_path / "genuine-again.tar", manifest, [*members]).read_bytes()
+
+
+def _bomb(path: Path, kind: bytes, tail: bytes) -> Path:
+    """A gzipped archive of an extended header of 256 MiB (a PAX record, or a long name,
+    of '0's: a few hundred KiB once gzipped), then `tail`."""
+    with gzip.open(path, "wb") as out:
+        out.write(_header(kind, HUGE))
+        head = f"{HUGE} comment=".encode() if kind == tarfile.XHDTYPE else b""
+        out.write(head)
+        left = HUGE - len(head) - 1
+        while left > 0:
+            out.write(b"0" * min(MiB, left))
+            left -= MiB
+        out.write(b"\n")
+        out.write(tail)
+    return path
+
+
+# The restore in a process of its own: its peak resident memory (VmHWM) against what it held
+# resident just before (VmRSS; not its peak before, which could hide what the restore
+# took). Not getrusage's ru_maxrss: Linux carries that over an exec, so it starts at the
+# size of the process that ran this one.
+MEASURE = """
+import json, re, sys
+from pathlib import Path
+from shared.backup import BackupError
+from shared.cli import settings_from
+
+def status(field):
+    with open("/proc/self/status") as status:
+        return int(re.search(field + r":\\s+(\\d+) kB", status.read()).group(1)) * 1024
+
+entry, archive, data_dir = sys.argv[1:]
+if entry == "hub":
+    from hub.backup import restore
+    from hub.settings import HubSettings as Settings
+else:
+    from appliance.backup import restore
+    from appliance.settings import ApplianceSettings as Settings
+settings = settings_from(Settings, None, Path(data_dir))
+resident = status("VmRSS")
+try:
+    restore(settings, Path(archive))
+    refused = None
+except BackupError as err:
+    refused = str(err)[:500]
+print(json.dumps({"refused": refused, "grew": status("VmHWM") - resident}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("entry", "header"),
+    [("hub", "a PAX header"), ("hub", "a GNU long name"), ("appliance", "a PAX header")],
+)
+def test_an_extended_header_of_256_mib_is_refused_before_it_is_read(
+    tmp_path: Path, genuine: Parts, entry: str, header: str
+) -> None:
+    archive = _bomb(tmp_path / "bomb.tar.gz", EXTENDED[header], _genuine_tar(tmp_path, genuine))
+    assert archive.stat().st_size < 2 * MiB
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVL_")}
+    ran = subprocess.run(
+        [sys.executable, "-c", MEASURE, entry, str(archive), str(tmp_path / "target")],
+        capture_output=True, text=True, check=True, cwd=REPO, env=env, timeout=120,
+    )  # fmt: skip
+    result = json.loads(ran.stdout)
+    assert f"an extended tar header of {HUGE} bytes" in (result["refused"] or "")
+    assert result["grew"] < 64 * MiB, f"the restore took {result['grew'] / MiB:.0f} MiB"
+    assert occupied(tmp_path / "target") == []
+
+
+@pytest.mark.parametrize("header", sorted(EXTENDED))
+def test_an_extended_header_is_refused_by_the_size_it_claims(tmp_path: Path, header: str) -> None:
+    # The claim alone (no body follows): refused before a byte of it is read.
+    archive = tmp_path / "claims.tar"
+    archive.write_bytes(_header(EXTENDED[header], MAX_HEADER_BYTES + 1))
+    hub = settings_for(tmp_path / "target", {})
+    with pytest.raises(BackupError, match=f"an extended tar header of {MAX_HEADER_BYTES + 1} "):
+        restore(hub, archive)
+    assert occupied(hub.data_dir) == []
+
+
+def test_a_chain_of_extended_headers_is_refused(tmp_path: Path, genuine: Parts) -> None:
+    # tarfile follows such a chain by recursion: 10,000 ended in a RecursionError.
+    record = _pax_record("comment", "x")
+    block = _header(tarfile.XHDTYPE, len(record)) + record.ljust(tarfile.BLOCKSIZE, b"\0")
+    archive = tmp_path / "chain.tar"
+    archive.write_bytes(block * 10_000 + _genuine_tar(tmp_path, genuine))
+    hub = settings_for(tmp_path / "target", {})
+    with pytest.raises(BackupError, match="more than 4 extended tar headers before one member"):
+        restore(hub, archive)
+    assert occupied(hub.data_dir) == []
+
+
+def _with_pax(name: str, data: bytes, records: dict[str, str]) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.pax_headers = records
+    return info
+
+
+def test_pax_headers_as_other_tars_write_them_are_read(tmp_path: Path, genuine: Parts) -> None:
+    """A genuine backup whose members each carry a PAX header (times, their name, their
+    size, a long link name: what GNU tar or another writer may add) restores whole."""
+    manifest, members = genuine
+    archive = tmp_path / "pax.tar.gz"
+    with tarfile.open(archive, "w:gz", format=tarfile.PAX_FORMAT) as tar:
+        body = json.dumps(manifest).encode()
+        records = {"mtime": "1767225600.5", "atime": "1767225600.5", "comment": "é=ü\n"}
+        tar.addfile(_with_pax("manifest.json", body, records), io.BytesIO(body))
+        for name, data in members:
+            info = _with_pax("placeholder", data, {"path": name, "size": str(len(data))})
+            tar.addfile(info, io.BytesIO(data))
+    hub = settings_for(tmp_path / "target", {})
+    restored = restore(hub, archive)
+    assert {m.path for m in restored.manifest.members} == {name for name, _ in members}
+    for name, data in members:
+        if name != "hub.db":  # the restore moved its serials on
+            assert (hub.data_dir / name).read_bytes() == data
+    store = open_store(hub)
+    try:
+        assert [a["name"] for a in store.accounts()] == ["acme"]
+    finally:
+        store.close()
+
+
+def test_a_sparse_member_is_refused(tmp_path: Path, genuine: Parts) -> None:
+    # GNU's sparse PAX format 1.0 keeps the member's map in its data: tarfile reads it
+    # whole, as long as the map says.
+    manifest, members = genuine
+    sparse = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.realsize": "1"}
+    name = members[-1][0]
+    last = _with_pax(name, b"", sparse)
+    archive = forge(tmp_path / "sparse.tar", manifest, [*members[:-1], last])
+    hub = settings_for(tmp_path / "target", {})
+    with pytest.raises(BackupError, match=f"{name!r} is not a regular file"):
+        restore(hub, archive)
+    assert occupied(hub.data_dir) == []

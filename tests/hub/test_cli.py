@@ -28,11 +28,12 @@ def test_nodes_list_prints_a_header_before_the_rows(
     finally:
         store.close()
     lines = kvl("hub", "nodes", "list", "--data-dir", str(tmp_path / "hub")).stdout.splitlines()
-    assert lines[0].split() == ["NAME", "SITE", "STATUS", "ADDRESS", "LAST", "SEEN"]
-    assert [line.split()[:3] for line in lines[1:]] == [
-        ["node-a", "lab", "offline"],
-        ["node-b", "lab", "offline"],
+    assert lines[0].split() == ["NAME", "SITE", "STATUS", "ADDRESS", "TENANCY", "LAST", "SEEN"]
+    assert [line.split()[:3] + line.split()[4:5] for line in lines[1:]] == [
+        ["node-a", "lab", "offline", "shared"],
+        ["node-b", "lab", "offline", "shared"],
     ]
     # The columns line up under their names.
     assert lines[1].index("lab") == lines[0].index("SITE")
+    assert lines[1].index("shared") == lines[0].index("TENANCY")
     assert lines[1].index("never") == lines[0].index("LAST SEEN")

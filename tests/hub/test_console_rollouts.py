@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from pytest_aiohttp import AiohttpServer
 
+    from hub.settings import HubSettings
     from tests.hub.conftest import HubDatabase
 
 
@@ -35,7 +36,10 @@ async def test_the_rollouts_page_shows_each_wave_live_and_takes_the_operators_st
     aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
     hub = settings_for(tmp_path, hub_database)
-    hub = hub.model_copy(update={"fleet": hub.fleet.model_copy(update={"rollout_every_s": 0.05})})
+    # Nodes offline only past ten minutes: a rollback waits on them here (never by itself
+    # over while the page is read).
+    fleet = {"rollout_every_s": 0.05, "offline_after_s": 600.0}
+    hub = hub.model_copy(update={"fleet": hub.fleet.model_copy(update=fleet)})
     add_user(hub)
     server = await start(aiohttp_server, hub)
     async with open_console(server, hub) as console:
@@ -45,7 +49,10 @@ async def test_the_rollouts_page_shows_each_wave_live_and_takes_the_operators_st
         for token in tokens.values():
             await heartbeat(console, token, image=image)
         await until(lambda: speak_releases(hub), "both nodes heard")
+        # What they run is what an abort gives back: stored before the rollout starts.
+        await until(lambda: _images(hub) == {"edge-a": "1.0", "edge-b": "1.0"}, "1.0 stored")
         store = open_store(hub)
+        store.add_release("1.0", "", "0" * 64, 10)  # what the nodes had: an abort's target
         store.add_release("1.1", "faster boot", "a" * 64, 10)
         rollout = begin(store, "release", {"release": "1.1"}, Strategy(soak_s=0.0,
                         max_burn_rate=None), "ops")  # fmt: skip
@@ -91,7 +98,37 @@ async def test_the_rollouts_page_shows_each_wave_live_and_takes_the_operators_st
         assert status == 403
         status, page, _ = await console.get("/console/rollouts")
         assert "paused at wave 1" in page
+        finish = f'action="/console/rollouts/{rollout.id}/finish"'
+        assert finish not in page  # a rollout finishes only a rollback
         status, _, _ = await console.post(f"/console/rollouts/{rollout.id}/abort", {})
         assert status == 303
+        # edge-a never says it runs 1.0 again: the rollback waits, and the page offers
+        # Finish (and no step the rollback cannot take).
         status, page, _ = await console.get("/console/rollouts")
         assert "aborted by ops" in page
+        assert 'data-state="rolling-back"' in page
+        assert finish in page
+        assert f'action="/console/rollouts/{rollout.id}/pause"' not in page
+        status, _, response = await console.post(f"/console/rollouts/{rollout.id}/finish", {})
+        assert (status, response.headers["Location"]) == (
+            303, "/console/rollouts?notice=rollout-finished")  # fmt: skip
+        status, page, _ = await console.get("/console/rollouts?notice=rollout-finished")
+        assert "The rollback is finished" in page
+        assert "aborted by ops; rollback finished by ops; never confirmed: edge-a" in page
+        assert "never confirmed: the rollback was finished by ops" in page
+        assert finish not in page
+        status, page, _ = await console.post(f"/console/rollouts/{rollout.id}/finish", {})
+        assert status == 409
+        assert "only a rolling-back rollout can be finished" in page
+
+
+def _images(hub: HubSettings) -> dict[str, str | None]:
+    """The version each node's last heartbeat, as stored, said it runs."""
+    store = open_store(hub)
+    try:
+        return {
+            n.name: None if n.capacity.image is None else n.capacity.image.version
+            for n in store.nodes()
+        }
+    finally:
+        store.close()

@@ -54,6 +54,7 @@ from shared import protocol
 from shared.errors import ErrorCode
 from tests.appliance.test_package_cache import package
 from tests.hub.test_hub import PREFIX, new_key, settings_for
+from tests.shared.oci_shapes import INDEX, SHAPES, rewrap
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -471,3 +472,38 @@ def test_text_no_database_keeps_is_never_a_5xx(
     assert sent.status_code < 500, (sent.status_code, sent.text)
     if sent.status_code >= 300:
         assert not error_shape_problems(sent.json(), sent.status_code), sent.text
+
+
+# -- package archives whose JSON is of the wrong shape ---------------------------------------
+
+# The generator sends the package route the archive the hub holds, or bytes that are no
+# archive: never an intact archive whose JSON is of the wrong shape (tests/shared/
+# oci_shapes.py), each a 500 once. One request for each.
+
+
+def _upload(fuzzed: Fuzzed, archive: bytes) -> requests.Response:
+    return requests.post(
+        f"{fuzzed.base_url}/v1/admin/packages?seed=all",
+        data=archive,
+        headers={
+            "Authorization": f"Bearer {fuzzed.operator_token}",
+            "Content-Type": "application/octet-stream",
+        },
+        timeout=TIMEOUT_S,
+    )
+
+
+def test_the_archive_the_shapes_change_is_taken(fuzzed: Fuzzed) -> None:
+    """Unchanged, the archive rewrapped is the held one, taken again: the refusals below
+    are the shapes'."""
+    sent = _upload(fuzzed, rewrap(fuzzed.archive, INDEX, lambda index: index))
+    assert sent.status_code == 201, sent.text
+
+
+@pytest.mark.parametrize("case", sorted(SHAPES))
+def test_a_package_archive_of_the_wrong_shape_is_a_4xx(fuzzed: Fuzzed, case: str) -> None:
+    target, change = SHAPES[case]
+    sent = _upload(fuzzed, rewrap(fuzzed.archive, target, change))
+    assert sent.status_code < 500, (sent.status_code, sent.text)
+    assert not error_shape_problems(sent.json(), sent.status_code), sent.text
+    assert sent.json()["error"]["code"] == ErrorCode.invalid_value, sent.text

@@ -12,12 +12,15 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from aiohttp import web
 
 from hub.app import create_app
 from hub.planning.quota import Budget
+from hub.state.accounts import Tenancy
 from hub.state.store import DeploymentRecord, HubStore, ModelArtifact, open_store
 from shared import protocol
 from shared.errors import ErrorCode
+from tests.conftest import kvl
 from tests.hub.test_hub import PREFIX, new_key, settings_for
 from tests.waiting import until
 
@@ -25,7 +28,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from aiohttp.test_utils import TestClient
-    from pytest_aiohttp import AiohttpClient
+    from pytest_aiohttp import AiohttpClient, AiohttpServer
 
     from hub.settings import HubSettings
     from tests.hub.conftest import HubDatabase
@@ -382,3 +385,161 @@ async def test_an_unexpected_error_is_a_500_in_the_error_shape_with_a_request_id
     error = (await response.json())["error"]
     assert error["code"] == "internal_error"
     assert response.headers["X-Kvl-Request-Id"] in error["message"]
+
+
+async def test_a_node_is_given_no_tenancy_lease_or_offload_that_is_not_its_own(
+    aiohttp_client: AiohttpClient,
+    aiohttp_server: AiohttpServer,
+    tmp_path: Path,
+    hub_database: HubDatabase,
+) -> None:
+    """One enrolled node tries to be more than itself: it claims tenant tx's dedicated
+    node through its labels, reports one account's usage under another account's lease,
+    and offers itself for offload over plain HTTP (`tls: false`). Each is refused or
+    grants nothing; tenancy is the operator's (the token's, `kvl hub nodes set`); and the
+    honest nodes' accounts, budgets, syncs and heartbeats are exactly as before."""
+    settings = settings_for(tmp_path, hub_database)
+    store = open_store(settings)
+    try:
+        store.set_account("acme", "S1", budget=Budget(100_000, 86_400.0))
+        store.set_account("globex", "S1", budget=Budget(100_000, 86_400.0))
+        store.set_account("tx-secret", "S1", budget=Budget(100_000, 86_400.0))
+        store.set_tenancy("tx-secret", Tenancy("tx", (), dedicated=True))
+        client_key = store.create_key("acme").plaintext
+        store.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
+        plain = store.create_token("site", uses=2, expires_in_s=60).plaintext
+        dedicated = store.create_token("site", uses=1, expires_in_s=60, tenant="tx").plaintext
+    finally:
+        store.close()
+    client = await aiohttp_client(create_app(settings))
+
+    async def enroll(token: str, name: str, labels: dict[str, str]) -> tuple[str, str]:
+        body = {"token": token, "name": name, "wg_public_key": new_key(), "labels": labels}
+        status, answer = await _call(client, "POST", "/v1/enroll", "", json.dumps(body))
+        assert status == 201, answer
+        return answer["node_id"], answer["node_token"]
+
+    claimer, claimer_token = await enroll(plain, "claimer", {"tenant": "tx", "private": "true"})
+    _, honest_token = await enroll(plain, "honest", {"region": "eu"})
+    tx_node, tx_token = await enroll(dedicated, "tx-node", {})
+
+    async def accounts_of(token: str) -> set[str]:
+        status, state = await _call(client, "GET", "/v1/node/state", token)
+        assert status == 200, state
+        return {a["name"] for a in state["accounts"]}
+
+    async def lease(token: str, account: str) -> tuple[int, Any]:
+        return await _call(client, "POST", "/v1/node/leases", token,
+                           json.dumps({"accounts": [account]}))  # fmt: skip
+
+    # Tenancy: the labels grant nothing; the token's tenancy is the node's.
+    store = open_store(settings)
+    try:
+        node = store.node(claimer)
+        assert (node.tenant, node.private, node.labels["tenant"]) == (None, False, "tx")
+        assert (store.node(tx_node).tenant, store.node(tx_node).private) == ("tx", False)
+    finally:
+        store.close()
+    assert "tx-secret" not in await accounts_of(claimer_token)
+    assert "tx-secret" in await accounts_of(tx_token)
+    status, answer = await lease(claimer_token, "tx-secret")
+    _assert_refused(status, answer, "a lease of a tenant's dedicated account")
+    assert answer["error"]["code"] == "foreign_account"
+
+    # The honest node, before: its accounts, a lease and usage under it.
+    honest_accounts = await accounts_of(honest_token)
+    status, answer = await lease(honest_token, "acme")
+    assert status == 200, answer
+    [honest_lease] = answer["leases"]
+    usage = [_usage("h-1", tokens_in=100, tokens_out=20, lease_id=honest_lease["lease_id"])]
+    status, answer = await _call(client, "POST", "/v1/node/events", honest_token,
+                                 json.dumps({"events": usage}))  # fmt: skip
+    assert (status, answer["new"]) == (200, 1)
+
+    def quotas() -> tuple[Any, ...]:
+        store = open_store(settings)
+        try:
+            now = time.time()
+            return tuple(store.quota(a, now) for a in ("acme", "globex", "tx-secret"))
+        finally:
+            store.close()
+
+    # The claimer's own lease of acme, which it may have.
+    status, answer = await lease(claimer_token, "acme")
+    assert status == 200, answer
+    [acme_lease] = answer["leases"]
+    before = quotas()
+
+    # Leases count for their own account: globex's usage under the claimer's acme lease.
+    crossed = {
+        "id": "x-1",
+        "kind": "usage",
+        "body": {
+            "account": "globex",
+            "tokens_in": 500,
+            "tokens_out": 0,
+            "lease_id": acme_lease["lease_id"],
+        },
+    }
+    status, answer = await _call(client, "POST", "/v1/node/events", claimer_token,
+                                 json.dumps({"events": [crossed]}))  # fmt: skip
+    _assert_refused(status, answer, "usage under another account's lease")
+    assert answer["error"]["code"] == "foreign_lease"
+    assert "not 'globex'" in answer["error"]["message"]
+
+    # Offload only over mutual TLS: the claimer says it takes offloaded requests on a
+    # plain-HTTP LAN API (a real server here, which must never see the client's key).
+    seen: list[str] = []
+
+    async def lan_api(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization", ""))
+        return web.json_response({"choices": []})
+
+    lan = web.Application()
+    lan.router.add_route("*", "/{tail:.*}", lan_api)
+    plain_http = await aiohttp_server(lan)
+    capacity = _capacity(models=["m@1"], offload=True, queue_waiting=0,
+                         api={"port": plain_http.port, "tls": False})  # fmt: skip
+    status, answer = await _call(client, "POST", "/v1/node/heartbeat", claimer_token,
+                                 json.dumps({"capacity": capacity}))  # fmt: skip
+    assert status == 200, answer
+
+    async def beat_landed() -> bool:
+        store = open_store(settings)
+        try:
+            return store.node(claimer).capacity.offload
+        finally:
+            store.close()
+
+    await until(beat_landed, "the claimer's heartbeat written", timeout_s=10)
+    status, answer = await _call(
+        client, "POST", "/v1/node/offload/completions", honest_token,
+        json.dumps({"model": "m@1", "prompt": "hi"}),
+        headers={protocol.CLIENT_KEY_HEADER: client_key},
+    )  # fmt: skip
+    _assert_refused(status, answer, "offload to a node without mutual TLS")
+    assert answer["error"]["code"] == "overloaded"
+    assert seen == []
+
+    # Nothing of the honest nodes changed: budgets, accounts; their calls go on.
+    assert quotas() == before
+    assert await accounts_of(honest_token) == honest_accounts
+    status, answer = await _call(client, "POST", "/v1/node/events", honest_token,
+                                 json.dumps({"events": [_usage("h-2", tokens_in=1)]}))  # fmt: skip
+    assert (status, answer["new"]) == (200, 1)
+    status, _ = await _call(client, "POST", "/v1/node/heartbeat", honest_token,
+                            json.dumps({"capacity": _capacity()}))  # fmt: skip
+    assert status == 200
+
+    # The operator, and only the operator, gives the claimer tx's tenancy.
+    # (Another process: the running hub sees the desired serial move within its bound.)
+    kvl("hub", "nodes", "set", "claimer", "--tenant", "tx", "--data-dir", str(settings.data_dir))
+
+    async def given(accounts: set[str]) -> bool:
+        return await accounts_of(claimer_token) == accounts
+
+    await until(lambda: given({"tx-secret"}), "tx's account given", timeout_s=10)
+    kvl("hub", "nodes", "set", "claimer", "--shared", "--data-dir", str(settings.data_dir))
+    await until(lambda: given({"acme", "globex"}), "a shared node again", timeout_s=10)
+    health = await (await client.get("/healthz")).json()
+    assert health["loop_failures"] == {}

@@ -4,18 +4,23 @@ from what the nodes report (hub/planning/rollout.py)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import pytest
 
 from hub.planning.rollout import (
     Candidate,
     Member,
+    Rollback,
     Seen,
     Strategy,
     assign_waves,
-    rolled_back,
+    rollback,
     step,
 )
+
+if TYPE_CHECKING:
+    from hub.planning.rollout import MemberState
 
 NODES = [Candidate(f"id{i}", f"n{i}", "north" if i % 2 else "south") for i in range(1, 11)]
 
@@ -144,6 +149,63 @@ def test_a_member_that_left_is_skipped_and_the_abort_waits_for_the_rest() -> Non
     members, wave, done, halted = _run(strategy, members, gone, now=1.0)
     assert [m.state for m in members] == ["skipped", "targeted"]
     assert (wave, done, halted) == (1, False, None)
-    assert not rolled_back(members, {"id2": Seen("pending")})
-    assert rolled_back(members, {"id2": Seen("healthy")})
-    assert rolled_back([replace(m, state="waiting") for m in members], {})
+    assert not _back(members, {"id2": Seen("pending", last_seen=1.0)}, now=2.0).done
+    assert _back(members, {"id2": Seen("healthy", last_seen=1.0)}, now=2.0).done
+    assert _back([replace(m, state="waiting") for m in members], {}, now=2.0).done
+
+
+def _back(
+    members: list[Member], seen: dict[str, Seen], *, now: float, finished_by: str | None = None
+) -> Rollback:
+    return rollback(members, seen, now=now, offline_after_s=120.0, finished_by=finished_by)
+
+
+def _reached(states: dict[str, MemberState]) -> list[Member]:
+    """Members of an aborted rollout by name (n1, n2, …), in the states given."""
+    return [
+        Member(f"id{name[1:]}", name, 0, state, targeted_at=0.0) for name, state in states.items()
+    ]
+
+
+def test_a_rollback_stops_waiting_for_a_node_offline_past_the_fleets_window() -> None:
+    members = _reached({"n1": "updated", "n2": "targeted", "n3": "waiting"})
+    back_home = Seen("healthy", last_seen=100.0)
+    silent = Seen("pending", last_seen=100.0)
+    # Heard 119 s ago, with a 120 s window: online still, so the rollback waits for it.
+    waiting = _back(members, {"id1": back_home, "id2": silent}, now=219.0)
+    assert (waiting.done, waiting.unconfirmed) == (False, [])
+    assert [m.state for m in waiting.members] == ["updated", "targeted", "waiting"]
+    # At 120 s the fleet calls it offline (`node_status`): the rollback is done without it,
+    # and it is recorded as never having confirmed; the node back home and the one never
+    # reached are left as they were.
+    done = _back(members, {"id1": back_home, "id2": silent}, now=220.0)
+    assert (done.done, done.unconfirmed) == (True, ["n2"])
+    by_name = {m.name: m for m in done.members}
+    assert [by_name[n].state for n in ("n1", "n2", "n3")] == ["updated", "unconfirmed", "waiting"]
+    assert by_name["n2"].note == "never confirmed: offline, not heard for 120 s"
+    # A node never heard at all is offline too (never within the window).
+    never = _back(members, {"id1": back_home, "id2": Seen("pending")}, now=1.0)
+    assert never.unconfirmed == ["n2"]
+    assert never.members[1].note == "never confirmed: offline, never heard"
+
+
+def test_the_operators_finish_ends_a_rollback_whatever_the_nodes_report() -> None:
+    members = _reached({"n1": "updated", "n2": "failed", "n3": "targeted", "n4": "skipped"})
+    members[1] = replace(members[1], note="rolled back: booted the previous image")
+    seen = {
+        "id1": Seen("healthy", last_seen=99.0),
+        "id2": Seen("failed", "no space left", last_seen=99.0),
+        "id3": Seen("pending", last_seen=99.0),  # heard, but running the aborted target
+    }
+    assert not _back(members, seen, now=100.0).done
+    done = _back(members, seen, now=100.0, finished_by="ops")
+    assert (done.done, done.unconfirmed) == (True, ["n2", "n3"])
+    notes = {m.name: (m.state, m.note) for m in done.members}
+    assert notes == {
+        "n1": ("updated", ""),
+        "n2": ("unconfirmed", (
+            "never confirmed: the rollback was finished by ops (failed: no space left); "
+            "before: rolled back: booted the previous image")),
+        "n3": ("unconfirmed", "never confirmed: the rollback was finished by ops"),
+        "n4": ("skipped", ""),
+    }  # fmt: skip

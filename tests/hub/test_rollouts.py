@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -24,7 +25,7 @@ from appliance.fleet.client import HubClient
 from hub.app import create_app
 from hub.identity import certificates, ssl_context
 from hub.planning.rollout import Strategy
-from hub.rollouts import begin, burn_rates
+from hub.rollouts import begin, burn_rates, evaluate
 from hub.settings import HubSettings
 from hub.state.store import DeploymentRecord, Heartbeat, HubStore, ModelArtifact, open_store
 from shared import pki, protocol
@@ -251,6 +252,145 @@ async def test_a_node_without_an_updater_halts_the_release_at_once(fleet: Fleet)
     await until(lambda: _halted(fleet, view["id"]), "halted again")
 
 
+async def _aborted_after_the_canary(fleet: Fleet) -> str:
+    """A release rollout of 1.1 over the fleet (every node on 1.0) that reached its canary,
+    n1, which installed 1.1 and said so; then aborted: the rollout's id."""
+    store = open_store(fleet.settings)
+    for version in ("1.0", "1.1", "1.2"):
+        store.add_release(version, "", version[-1] * 64, 10)
+    store.close()
+    for name in fleet.nodes:
+        await fleet.beat(name, image=_image("1.0"))
+    await until(lambda: speak_releases(fleet.settings), "every node's heartbeat stored")
+    status, view = await fleet.call(
+        "POST", "/v1/admin/rollouts",
+        json={"kind": "release", "release": "1.1",
+              "strategy": {"canary_nodes": ["n1"], "soak_s": 3600, "max_burn_rate": None}},
+    )  # fmt: skip
+    assert status == 201, view
+    await until(lambda: _targets(fleet, "n1", "1.1"), "the canary given 1.1")
+    await fleet.beat("n1", image=_image("1.1", "good", "1.1"))
+    await until(lambda: _stored_image(fleet.settings, "n1") == "1.1", "n1's 1.1 stored")
+    status, view = await fleet.call("POST", f"/v1/admin/rollouts/{view['id']}/abort")
+    assert (status, view["state"]) == (200, "rolling-back"), view
+    assert await fleet.release_of("n1") == "1.0"
+    return str(view["id"])
+
+
+def _stored_image(settings: HubSettings, name: str) -> str | None:
+    """The version a node's last heartbeat, as stored, said it runs."""
+    store = open_store(settings)
+    try:
+        node = next(n for n in store.nodes() if n.name == name)
+        return None if node.capacity.image is None else node.capacity.image.version
+    finally:
+        store.close()
+
+
+def _silence(settings: HubSettings, name: str, for_s: float) -> None:
+    """Time passing for a node that went quiet: its last heartbeat, as stored, made `for_s`
+    older (the hub's loop reads the clock; the node's silence is what the test moves)."""
+    store = open_store(settings)
+    try:
+        node = next(n for n in store.nodes() if n.name == name)
+        assert node.last_seen is not None
+        store.record_heartbeats(
+            [Heartbeat(node.id, node.last_seen - for_s, node.versions, node.capacity)]
+        )
+    finally:
+        store.close()
+
+
+def _member(view: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(n for w in view["waves"] for n in w["nodes"] if n["name"] == name)
+
+
+async def test_a_rollback_ends_without_an_offline_node_which_returns_to_the_fleets_release(
+    fleet: Fleet,
+) -> None:
+    rollout_id = await _aborted_after_the_canary(fleet)
+    # n1 never reports 1.0 back, and goes quiet. While the fleet still counts it online the
+    # rollback waits for it, and no release rollout can start.
+    view = await fleet.rollout(rollout_id)
+    assert (view["state"], _member(view, "n1")["status"]) == ("rolling-back", "online")
+    status, body = await fleet.call(
+        "POST", "/v1/admin/rollouts", json={"kind": "release", "release": "1.2"}
+    )
+    assert (status, body["error"]["code"]) == (409, "rollout_conflict")
+    assert "finish it" in body["error"]["message"]
+
+    # Silent for the fleet's offline window (`fleet.offline_after_s`): the rollback ends
+    # by itself, and n1 is recorded as never having confirmed.
+    _silence(fleet.settings, "n1", fleet.settings.fleet.offline_after_s)
+    await until(lambda: _state_is(fleet, rollout_id, "aborted"), "the rollback over without n1")
+    view = await fleet.rollout(rollout_id)
+    n1 = _member(view, "n1")
+    assert (n1["state"], n1["status"]) == ("unconfirmed", "offline")
+    assert n1["note"].startswith("never confirmed: offline, not heard for ")
+    assert view["reason"] == "aborted by ops; never confirmed (offline): n1"
+    assert [_member(view, n)["state"] for n in ("n2", "n3", "n4")] == ["waiting"] * 3
+
+    # n1 returns, still running the aborted 1.1: it is told 1.0, what the fleet runs.
+    await fleet.beat("n1", image=_image("1.1", "good", "1.1"))
+    assert await fleet.release_of("n1") == "1.0"
+    assert (await fleet.rollout(rollout_id))["state"] == "aborted"
+    # And the next release rollout starts.
+    status, view = await fleet.call(
+        "POST", "/v1/admin/rollouts", json={"kind": "release", "release": "1.2"}
+    )
+    assert status == 201, view
+
+
+async def test_finish_ends_a_rollback_and_records_the_nodes_that_never_confirmed(
+    fleet: Fleet,
+) -> None:
+    rollout_id = await _aborted_after_the_canary(fleet)
+    # n1 stays online, and keeps saying it runs 1.1: the rollback would wait forever.
+    await fleet.beat("n1", image=_image("1.1", "good", "1.1"))
+    status, view = await fleet.call("POST", f"/v1/admin/rollouts/{rollout_id}/finish")
+    assert (status, view["state"]) == (200, "aborted"), view
+    assert view["reason"] == "aborted by ops; rollback finished by ops; never confirmed: n1"
+    n1 = _member(view, "n1")
+    assert (n1["state"], n1["note"]) == (
+        "unconfirmed", "never confirmed: the rollback was finished by ops")  # fmt: skip
+    assert [_member(view, n)["state"] for n in ("n2", "n3", "n4")] == ["waiting"] * 3
+    # Its target stays the release it had before, and the next rollout starts.
+    assert await fleet.release_of("n1") == "1.0"
+    status, started = await fleet.call(
+        "POST", "/v1/admin/rollouts", json={"kind": "release", "release": "1.2"}
+    )
+    assert status == 201, started
+    # Finished once: a second finish is refused, and changes nothing.
+    status, body = await fleet.call("POST", f"/v1/admin/rollouts/{rollout_id}/finish")
+    assert (status, body["error"]["code"]) == (409, "rollout_conflict")
+    assert body["error"]["message"] == (
+        f"rollout {rollout_id} is aborted: only a rolling-back rollout can be finished"
+    )
+    assert (await fleet.rollout(rollout_id))["reason"] == view["reason"]
+
+
+async def test_finish_is_refused_for_a_rollout_that_is_not_rolling_back(fleet: Fleet) -> None:
+    assert (await fleet.call("POST", "/v1/admin/releases?version=1.0", data=b"x"))[0] == 201
+    for name in fleet.nodes:
+        await fleet.beat(name)
+    await until(lambda: speak_releases(fleet.settings), "every node's heartbeat stored")
+    status, view = await fleet.call(
+        "POST", "/v1/admin/rollouts",
+        json={"kind": "release", "release": "1.0", "strategy": {"max_burn_rate": None}},
+    )  # fmt: skip
+    assert status == 201, view
+    status, body = await fleet.call("POST", f"/v1/admin/rollouts/{view['id']}/pause")
+    assert (status, body["state"]) == (200, "paused")
+    status, body = await fleet.call("POST", f"/v1/admin/rollouts/{view['id']}/finish")
+    assert (status, body["error"]["code"]) == (409, "rollout_conflict")
+    assert body["error"]["message"] == (
+        f"rollout {view['id']} is paused: only a rolling-back rollout can be finished "
+        "(abort it first)"
+    )
+    assert (await fleet.rollout(view["id"]))["state"] == "paused"
+    assert (await fleet.call("POST", "/v1/admin/rollouts/nope/finish"))[0] == 404
+
+
 @pytest.mark.parametrize(
     ("body", "status", "code"),
     [
@@ -378,6 +518,48 @@ def test_releases_and_rollouts_from_the_command_line(
     bad = kvl("hub", "rollouts", "start", "--release", "3.0", "--waves", "50,20", *data,
               check=False)  # fmt: skip
     assert bad.returncode == 2
+
+
+def test_a_rollback_is_finished_from_the_command_line(
+    tmp_path: Path, hub_database: HubDatabase
+) -> None:
+    settings = _settings(tmp_path, hub_database)
+    data = ["--data-dir", str(settings.data_dir)]
+    store = open_store(settings)
+    for version in ("3.0", "3.1"):
+        store.add_release(version, "", version[-1] * 64, 10)
+    _enroll(store, "edge-1", "north")
+    [node] = store.nodes()
+    running = protocol.Capacity(image=_image("3.0"))
+    store.record_heartbeats([Heartbeat(node.id, time.time(), {"protocol": "6"}, running)])
+    rollout = begin(store, "release", {"release": "3.1"}, Strategy(max_burn_rate=None), "ops")
+    evaluate(store, settings, time.time())  # the loop's round: the canary reached
+    assert store.release_target(node) is not None
+    installed = protocol.Capacity(image=_image("3.1", "good", "3.1"))
+    store.record_heartbeats([Heartbeat(node.id, time.time(), {"protocol": "6"}, installed)])
+    store.close()
+    refused = kvl("hub", "rollouts", "finish", rollout.id, *data, check=False)
+    assert refused.returncode == 1
+    assert "only a rolling-back rollout can be finished (abort it first)" in refused.stderr
+    assert "rolling-back" in kvl("hub", "rollouts", "abort", rollout.id, *data).stdout
+
+    # edge-1 (online) has not said it runs 3.0 again: finishing records it.
+    finished = kvl("hub", "rollouts", "finish", rollout.id, *data).stdout
+    assert "(release 3.1): aborted" in finished
+    assert "rollback finished by cli; never confirmed: edge-1" in finished
+    assert "edge-1  unconfirmed  online (never confirmed: the rollback was finished by cli)" in (
+        finished
+    )
+    again = kvl("hub", "rollouts", "finish", rollout.id, *data, check=False)
+    assert (again.returncode, "is aborted" in again.stderr) == (1, True)
+    store = open_store(settings)
+    try:
+        target = store.release_target(node)
+        assert target is not None
+        assert target.version == "3.0"
+    finally:
+        store.close()
+    assert "pending" in kvl("hub", "rollouts", "start", "--release", "3.1", *data).stdout
 
 
 def test_a_backup_carries_releases_windows_and_rollouts(

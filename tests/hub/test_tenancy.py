@@ -33,15 +33,17 @@ if TYPE_CHECKING:
     from hub.state.store import Node
     from tests.hub.conftest import HubDatabase
 
-SHARED: dict[str, str] = {}
-ACME = {"tenant": "acme"}
-GLOBEX = {"tenant": "globex"}
-ACME_PRIVATE = {"tenant": "acme", "private": "true"}
-PRIVATE = {"private": "true"}
+# A node's tenancy, the operator's: (its tenant, private).
+NodeTenancy = tuple[str | None, bool]
+SHARED: NodeTenancy = (None, False)
+ACME: NodeTenancy = ("acme", False)
+GLOBEX: NodeTenancy = ("globex", False)
+ACME_PRIVATE: NodeTenancy = ("acme", True)
+PRIVATE: NodeTenancy = (None, True)
 
 
 @pytest.mark.parametrize(
-    ("tenancy", "site", "labels", "reaches"),
+    ("tenancy", "site", "node", "reaches"),
     [
         # A shared account: every shared node, no dedicated or private one.
         (Tenancy(), "a", SHARED, True),
@@ -66,9 +68,9 @@ PRIVATE = {"private": "true"}
     ],
 )
 def test_which_nodes_an_account_reaches(
-    tenancy: Tenancy, site: str, labels: dict[str, str], *, reaches: bool
+    tenancy: Tenancy, site: str, node: NodeTenancy, *, reaches: bool
 ) -> None:
-    assert account_reaches(tenancy, site, labels) is reaches
+    assert account_reaches(tenancy, site, *node) is reaches
 
 
 def test_an_account_restricted_to_dedicated_nodes_names_its_tenant() -> None:
@@ -76,10 +78,14 @@ def test_an_account_restricted_to_dedicated_nodes_names_its_tenant() -> None:
         Tenancy(dedicated=True)
 
 
-def _node(store: HubStore, name: str, site: str, labels: dict[str, str]) -> Node:
-    token = store.create_token(site, uses=1, expires_in_s=60).plaintext
+def _node(store: HubStore, name: str, site: str, tenancy: NodeTenancy) -> Node:
+    """A node enrolled with a token of ``tenancy`` (the operator's to give)."""
+    tenant, private = tenancy
+    token = store.create_token(
+        site, uses=1, expires_in_s=60, tenant=tenant, private=private
+    ).plaintext
     return store.enroll(
-        token, name=name, wg_public_key=new_key(), overlay_prefix=PREFIX, labels=labels,
+        token, name=name, wg_public_key=new_key(), overlay_prefix=PREFIX, labels={},
         versions={},
     ).node  # fmt: skip
 
@@ -226,6 +232,37 @@ def test_the_migration_applies_on_a_database_made_before_it(tmp_path: Path) -> N
     with closing(sqlite3.connect(settings.db_path)) as conn:
         names = [r[0] for r in conn.execute("SELECT name FROM _sqlite_migrations")]
     assert "m010_tenancy" in names
+
+
+def test_nodes_keep_their_tenancy_and_names_compare_without_case_after_m015(
+    tmp_path: Path,
+) -> None:
+    """A hub file at m014: a node that its labels made tenant acme's private node keeps
+    that tenancy (now the operator's to change), a shared one stays shared; of two case
+    variants of one claimed name, the lowercase claim is kept."""
+    settings = settings_for(tmp_path, {})
+    settings.data_dir.mkdir(parents=True)
+    db = Database(settings.db_path)
+    migrations.apply(db, stop_before="m015_tenancy_from_the_operator")
+    for node_id, labels in (("n1", '{"tenant": "acme", "private": "true"}'), ("n2", "{}")):
+        db.execute(
+            "INSERT INTO nodes (id, name, site, labels, wg_public_key, overlay_address,"
+            " token_prefix, token_hash) VALUES (?, ?, 's', ?, ?, ?, ?, 'h')",
+            [node_id, node_id, labels, f"k{node_id}", f"100.64.0.{node_id[1]}", node_id],
+        )
+    for name, node_id in (("honest-b", "n1"), ("HONEST-B", "n2"), ("Lab.Local", "n2")):
+        db.execute("INSERT INTO node_names (name, node_id, until) VALUES (?, ?, 1)",
+                   [name, node_id])  # fmt: skip
+    db.conn.commit()
+    db.close()
+    store = open_store(settings)
+    try:
+        assert (store.node("n1").tenant, store.node("n1").private) == ("acme", True)
+        assert (store.node("n2").tenant, store.node("n2").private) == (None, False)
+        names = store.db.execute("SELECT name, node_id FROM node_names ORDER BY name").fetchall()
+    finally:
+        store.close()
+    assert sorted(map(tuple, names)) == [("HONEST-B", "n2"), ("honest-b", "n1"), ("lab.local", "n2")]
 
 
 async def test_the_operator_binds_an_account_over_the_api(

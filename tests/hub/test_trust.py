@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from cryptography import x509
 from wireguard_tools import WireguardKey
 
@@ -28,6 +29,7 @@ from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared import pki, protocol, tls
 from shared.errors import ErrorCode
+from tests.conftest import kvl
 
 if TYPE_CHECKING:
     from aiohttp.test_utils import TestServer
@@ -78,6 +80,10 @@ class RawNode:
     token: str = ""
     node_id: str = ""
     cert_pem: bytes = b""
+
+    @property
+    def files(self) -> tuple[Path, Path]:
+        return self.folder / "node.crt", self.folder / "node.key"
 
     def client(self, *, certificate: bool = True) -> ssl.SSLContext:
         files = (self.folder / "node.crt", self.folder / "node.key")
@@ -280,6 +286,171 @@ async def test_a_node_cannot_have_another_nodes_names_or_the_hubs(
         assert len(store.node_certificates(second.node_id)) == 1  # nothing else was signed
     finally:
         store.close()
+
+
+async def test_a_node_name_is_one_label_never_the_hubs_and_names_compare_canonically(
+    aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
+) -> None:
+    """A hub named `hub.example.test` and `kvl-hub` (and 100.64.0.1 on the overlay): no
+    node is issued a certificate for any of them, under any spelling (another case, an
+    IPv4-mapped address, a dotted or numeric node name), nor for a case variant of a live
+    node's name; the honest node's certificate and calls are as before."""
+    settings = hub_settings(tmp_path, hub_database).model_copy(deep=True)
+    settings.server.names = ["localhost", "127.0.0.1", "hub.example.test", "kvl-hub"]
+    server = await start(aiohttp_server, settings)
+    beat = {"versions": {"kvl": "0.1.0"}, "capacity": {}}
+    async with aiohttp.ClientSession() as session:
+        status, answer, honest = await enroll(
+            session, server, settings, tmp_path / "a", name="honest-b",
+            names=["honest-b", "192.0.2.50"],
+        )  # fmt: skip
+        assert status == 201, answer
+        token = make_token(settings, uses=1)
+        # Names that are not one DNS label: refused by the protocol, before any check.
+        for name in ("hub.example.test", "100.64.0.1", "100", "0x64400001", "a_b", "-a"):
+            status, answer, _ = await enroll(
+                session, server, settings, tmp_path / "x", name=name, names=["x"], token=token
+            )
+            assert (status, answer["error"]["param"]) == (400, "name"), (name, answer)
+        cases = {
+            # the node name is one of the hub's
+            ("kvl-hub", "kvl-hub"): (403, ErrorCode.certificate_name_refused),
+            ("KVL-HUB", "KVL-HUB"): (403, ErrorCode.certificate_name_refused),
+            # a case variant of a live node's name (its .local and fleet names with it)
+            ("HONEST-B", "HONEST-B"): (409, ErrorCode.certificate_name_taken),
+            # the hub's names and overlay address asked for, in any spelling
+            ("lab-c", "HUB.EXAMPLE.TEST"): (403, ErrorCode.certificate_name_refused),
+            ("lab-c", "hub.example.test."): (403, ErrorCode.certificate_name_refused),
+            ("lab-c", "::ffff:100.64.0.1"): (403, ErrorCode.certificate_name_refused),
+            ("lab-c", "0:0:0:0:0:ffff:6440:1"): (403, ErrorCode.certificate_name_refused),
+            # another node's LAN address, IPv4-mapped
+            ("lab-c", "::ffff:192.0.2.50"): (409, ErrorCode.certificate_name_taken),
+        }
+        for (name, asked), (code, error) in cases.items():
+            status, answer, _ = await enroll(
+                session, server, settings, tmp_path / "c", name=name,
+                names=[name, asked], token=token,
+            )  # fmt: skip
+            assert (status, answer["error"]["code"]) == (code, error), (name, asked, answer)
+        # Refused before the token was spent; the same token enrolls an honest name.
+        status, answer, other = await enroll(
+            session, server, settings, tmp_path / "c", name="Lab-C", token=token
+        )
+        assert status == 201, answer
+        assert answer["name"] == "lab-c"  # names are given out lowercase
+        assert "lab-c.kvl.internal" in pki.names_of(other.cert_pem)
+        # The honest node: as before.
+        assert pki.names_of(honest.cert_pem) == sorted(
+            ["honest-b", "honest-b.local", "honest-b.kvl.internal", "100.64.0.2", "192.0.2.50",
+             "127.0.0.1", "::1", "localhost"]
+        )  # fmt: skip
+        status, answer = await honest.call(session, "POST", "/v1/node/heartbeat", beat)
+        assert status == 200, answer
+    store = open_store(settings)
+    try:
+        claimed = [r[0] for r in store.db.execute("SELECT name FROM node_names").fetchall()]
+    finally:
+        store.close()
+    assert not {"kvl-hub", "hub.example.test", "100.64.0.1"} & set(claimed)
+    assert all(name == name.lower() for name in claimed)
+
+
+async def test_a_node_left_with_a_name_of_the_hub_is_refused_renewal_and_listed_why(
+    aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
+) -> None:
+    """A hub upgraded over a fleet where a node was enrolled as one of the hub's names
+    (the store takes any name; the protocol no longer sends one): its renewal is refused
+    with the reason, `kvl hub nodes list` shows it, and an honest node renews."""
+    settings = hub_settings(tmp_path, hub_database).model_copy(deep=True)
+    settings.server.names = ["localhost", "127.0.0.1", "kvl-hub"]
+    server = await start(aiohttp_server, settings)
+    store = open_store(settings)
+    try:
+        legacy = store.enroll(
+            store.create_token("school-a", uses=1, expires_in_s=60).plaintext, name="kvl-hub",
+            wg_public_key=str(WireguardKey.generate().public_key()),
+            overlay_prefix=settings.overlay.prefix, labels={}, versions={},
+        )  # fmt: skip
+    finally:
+        store.close()
+    ca, _ = certificates(settings)
+    node = RawNode(f"https://127.0.0.1:{server.port}", ca.cert_pem, tmp_path / "l",
+                   token=legacy.node_token)  # fmt: skip
+    _key, csr = pki.new_request(["kvl-hub"])
+    async with aiohttp.ClientSession() as session:
+        status, answer = await node.call(
+            session, "POST", "/v1/node/certificate", {"csr": csr.decode()}, certificate=False
+        )
+        assert (status, answer["error"]["code"]) == (403, ErrorCode.certificate_name_refused)
+        assert "a name of the hub" in answer["error"]["message"]
+        status, _, honest = await enroll(session, server, settings, tmp_path / "h", name="lab")
+        assert status == 201
+        _key, csr = pki.new_request(["lab"])
+        status, answer = await honest.call(
+            session, "POST", "/v1/node/certificate", {"csr": csr.decode()}
+        )
+        assert status == 200, answer
+    listed = kvl("hub", "nodes", "list", "--data-dir", str(settings.data_dir)).stdout
+    assert "certificate refused: kvl-hub: a name of the hub" in listed, listed
+    store = open_store(settings)
+    try:
+        assert store.node(legacy.node.id).certificate_refused is not None
+        assert store.node(honest.node_id).certificate_refused is None
+        assert store.node_certificates(legacy.node.id) == []
+    finally:
+        store.close()
+
+
+async def test_a_node_client_refuses_a_fleet_certificate_that_is_not_the_hubs(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    """A node's certificate, signed by the fleet's CA and naming the address called,
+    served as if it were the hub: the node's HubClient (and enrollment's bootstrap
+    context) refuse the handshake, so the node token never reaches it; the real hub's
+    certificate, on the same address, passes."""
+    from appliance.fleet.certificates import NodeCertificate  # noqa: PLC0415
+    from appliance.fleet.client import HubClient, HubRefusedError  # noqa: PLC0415
+
+    settings = hub_settings(tmp_path)
+    server = await start(aiohttp_server, settings)
+    async with aiohttp.ClientSession() as session:
+        status, _, node = await enroll(session, server, settings, tmp_path / "n", name="lab")
+    assert status == 201
+    # The appliance's own files: its certificate, key and the trust bundle.
+    folder = tmp_path / "fleet"
+    folder.mkdir()
+    (folder / "node.crt").write_bytes(node.cert_pem)
+    (folder / "node.key").write_bytes((node.folder / "node.key").read_bytes())
+    (folder / "trust.pem").write_bytes(HubTls(settings).phase.bundle)
+    mine = NodeCertificate(folder)
+    assert mine.hub_uri() == "spiffe://kvl.internal/hub"
+
+    # The impostor: another node of the fleet, its CA-signed certificate for 127.0.0.1.
+    seen: list[str] = []
+
+    async def anything(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization", ""))
+        return web.json_response({})
+
+    fake = web.Application()
+    fake.router.add_route("*", "/{tail:.*}", anything)
+    impostor = await aiohttp_server(fake, ssl=tls.server_context(node.files, None))
+    for base, client in (
+        (f"https://127.0.0.1:{impostor.port}", HubClient(
+            f"https://127.0.0.1:{impostor.port}", mine.client_context, "kvl_nt_secret")),
+        (f"https://127.0.0.1:{impostor.port}", HubClient(
+            f"https://127.0.0.1:{impostor.port}",
+            tls.client_context(node.trust, identity=tls.hub_identity(None)), "kvl_nt_secret")),
+    ):  # fmt: skip
+        async with client:
+            with pytest.raises(HubRefusedError) as refused:
+                await client.trust()
+        assert refused.value.code == "certificate_untrusted", base
+    assert seen == []  # no request, so no token, ever reached the impostor
+    # The same client, the hub's own certificate: it answers.
+    async with HubClient(f"https://127.0.0.1:{server.port}", mine.client_context) as client:
+        trust = await client.trust()
+    assert trust.digest == HubTls(settings).digest
 
 
 async def test_nothing_is_signed_before_the_token_is_checked(

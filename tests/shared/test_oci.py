@@ -10,7 +10,8 @@ from typing import IO
 
 import pytest
 
-from shared.oci import LayoutError, read_layout, write_layout
+from shared.oci import LayoutError, package_summary, read_layout, write_layout
+from tests.shared.oci_shapes import INDEX, SHAPES, package_archive, rewrap
 
 CONFIG = b"{}"
 LAYER = b"hello, layer"
@@ -212,3 +213,43 @@ def test_the_hand_made_archives_are_otherwise_well_formed() -> None:
     layout = read_layout(_archive(_lying(name, extra, len(extra))), max_bytes=1 << 20)
     assert layout.blobs[_hex(extra)] == extra
     assert layout.blobs[_hex(LAYER)] == LAYER
+
+
+# -- JSON of the wrong shape: refused as LayoutError, never a TypeError below ------------------
+
+
+def test_the_hand_made_package_archive_reads_and_sums_up() -> None:
+    """The archive the shape cases change is one package, read whole: their refusals are
+    the changed document's, not the construction's."""
+    data = rewrap(package_archive(), INDEX, lambda index: index)
+    assert data == package_archive()
+    summary = package_summary(read_layout(data, max_bytes=1 << 20))
+    assert summary["id"] == "pkg_1"
+    assert summary["items"] == 1
+    assert summary["lineage"] == {"model": {"name": "m", "version": "1"}, "seed": 1}
+
+
+@pytest.mark.parametrize("case", sorted(SHAPES))
+def test_json_of_the_wrong_shape_is_a_layout_error(case: str) -> None:
+    target, change = SHAPES[case]
+    data = rewrap(package_archive(), target, change)
+    with pytest.raises(LayoutError):
+        package_summary(read_layout(data, max_bytes=1 << 20))
+
+
+@pytest.mark.parametrize(
+    ("manifest", "reason"),
+    [
+        (b'"a manifest"', "not a JSON object"),
+        (b"[" * 100_000 + b"]" * 100_000, "not JSON"),
+        (b'{"config": "sha256:00", "layers": []}', "config"),
+        (b'{"config": {"digest": "sha256:' + b"0" * 64 + b'", "size": 2}, "layers": 5}', "layers"),
+    ],
+    ids=["a string", "nested past the recursion limit", "config a string", "layers an int"],
+)
+def test_a_manifest_of_the_wrong_shape_names_what_is_wrong(manifest: bytes, reason: str) -> None:
+    index, blobs = _layout()
+    index = {"schemaVersion": 2, "manifests": [
+        {"digest": f"sha256:{_hex(manifest)}", "size": len(manifest)}]}  # fmt: skip
+    with pytest.raises(LayoutError, match=reason):
+        read_layout(write_layout(index, blobs | {_hex(manifest): manifest}), max_bytes=1 << 20)

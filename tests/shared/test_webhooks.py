@@ -1,10 +1,12 @@
-"""Webhook signatures: what a receiver accepts, what it refuses, and one effect per delivery."""
+"""Webhook signatures: what a receiver accepts, what it refuses, and one effect per delivery;
+and webhook URLs as logs show them, without what may be a credential."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import json
+from urllib.parse import quote
 
 import pytest
 from hypothesis import given
@@ -18,6 +20,8 @@ from shared.webhooks import (
     TimestampInFutureError,
     TimestampTooOldError,
     WebhookVerificationError,
+    redact_url,
+    redact_urls,
     sign,
     verify,
 )
@@ -212,3 +216,113 @@ def test_property_replay_guard_gives_one_effect_per_id(ids: list[str]) -> None:
     guard = ReplayGuard()
     effects = [delivery for delivery in ids if guard.admit(delivery)]
     assert sorted(effects) == sorted(set(ids))
+
+
+# -- URLs in logs -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("https://hooks.example.com/kvl", "https://hooks.example.com/kvl"),
+        ("https://user:hunter2@hooks.example.com/kvl", "https://***@hooks.example.com/kvl"),
+        ("https://hunter2@hooks.example.com/", "https://***@hooks.example.com/"),
+        ("https://a:b@c@hooks.example.com/", "https://***@hooks.example.com/"),  # the last @
+        ("https://hooks.example.com/kvl?token=hunter2", "https://hooks.example.com/kvl?***"),
+        ("https://hooks.example.com/kvl#hunter2", "https://hooks.example.com/kvl#***"),
+        ("https://hooks.example.com/kvl?t=hunter2#x", "https://hooks.example.com/kvl?***#***"),
+        ("https://hooks.example.com/#a?token=hunter2", "https://hooks.example.com/#***"),
+        ("https://hooks.example.com?token=hunter2", "https://hooks.example.com?***"),
+        ("https://hooks.example.com/kvl?", "https://hooks.example.com/kvl?"),
+        ("HTTP://U:P@Hooks.Example.COM/", "HTTP://***@Hooks.Example.COM/"),
+        ("https://u:hunter2@h.example:8443/kvl?a=1", "https://***@h.example:8443/kvl?***"),
+        ("https://hooks.example.com:8443/kvl", "https://hooks.example.com:8443/kvl"),
+        ("http://[2001:db8::1]/kvl?token=hunter2", "http://[2001:db8::1]/kvl?***"),
+        ("http://u:hunter2@[2001:db8::1]:8080/kvl", "http://***@[2001:db8::1]:8080/kvl"),
+        ("http://[fe80::1%25eth0]:80/", "http://[fe80::1%25eth0]:80/"),
+        ("http://u:hunter2@192.0.2.7:9000/a@b", "http://***@192.0.2.7:9000/a@b"),
+    ],
+)
+def test_a_urls_userinfo_query_and_fragment_are_redacted(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("", ""),
+        ("not a url", "not a url"),
+        ("hooks.example.com/kvl?token=hunter2", "hooks.example.com/kvl?***"),
+        ("user:hunter2@hooks.example.com/kvl", "***@hooks.example.com/kvl"),  # no scheme
+        ("//user:hunter2@hooks.example.com/", "//***@hooks.example.com/"),
+        ("https://user:hunter2/x@hooks.example.com/", "https://user:***/x@hooks.example.com/"),
+        ("https://user:hunter2#x@hooks.example.com/", "https://user:***#***"),
+        ("https://hooks.example.com:hunter2/", "https://hooks.example.com:***/"),
+        ("http://[2001:db8::1/kvl", "http://[2001:db8::1/kvl"),  # no closing bracket
+        ("http://[2001:db8::1]hunter2/", "http://[2001:db8::1]***/"),
+        ("http://[2001:db8::1]:hunter2/", "http://[2001:db8::1]:***/"),
+        ("https://\u0661\u0662:1\u0663/", "https://\u0661\u0662:***/"),  # digits, not ASCII
+        ("https://h.example/\n2024 forged line", "https://h.example/%0A2024 forged line"),
+        ("@@@", "***@"),
+        (":::", ":***"),
+        ("?", "?"),
+        ("#", "#"),
+        ("  https://u:hunter2@hooks.example.com/  ", "https://***@hooks.example.com/"),
+    ],
+)
+def test_a_malformed_url_is_redacted_as_a_parser_would_cut_it(url: str, shown: str) -> None:
+    """Never raising, and leaving out at least what a URL parser reads as userinfo,
+    query or fragment; a port that is not digits could be a password, and goes too."""
+    assert redact_url(url) == shown
+
+
+_SAFE = st.text(st.characters(codec="ascii", categories=["L", "N"]), min_size=1, max_size=12)
+
+
+@given(
+    user=st.text(max_size=12),
+    password=st.text(min_size=1, max_size=12),
+    host=st.sampled_from(["hooks.example.com", "192.0.2.7", "[2001:db8::7]"]),
+    port=st.none() | st.integers(min_value=1, max_value=65535),
+    path=_SAFE,
+    query=st.text(min_size=1, max_size=20),
+    fragment=st.none() | st.text(max_size=10),
+)
+def test_property_the_secrets_of_a_url_are_never_shown_and_its_host_is(
+    *,
+    user: str,
+    password: str,
+    host: str,
+    port: int | None,
+    path: str,
+    query: str,
+    fragment: str | None,
+) -> None:
+    marker = "zz-SECRET-zz"  # in every secret part, in no host or path
+    credentials = f"{quote(user + marker, safe='')}:{quote(password + marker, safe='')}@"
+    at = host if port is None else f"{host}:{port}"
+    url = f"https://{credentials}{at}/{path}?t={quote(query + marker)}"
+    if fragment is not None:
+        url += f"#{quote(fragment + marker)}"
+    shown = redact_url(url)
+    assert marker not in shown
+    assert shown == f"https://***@{at}/{path}?***" + ("" if fragment is None else "#***")
+
+
+@given(st.text(max_size=200))
+def test_property_any_text_is_taken_and_shown_on_one_line(text: str) -> None:
+    shown = redact_url(text)
+    assert "\n" not in shown
+    assert "\r" not in shown
+    assert redact_urls(text).count("\n") <= text.count("\n")
+
+
+def test_every_url_in_a_message_is_redacted_and_the_rest_kept() -> None:
+    message = (
+        "InvalidUrlClientError('https://u:hunter2@/kvl?token=hunter2'); retried"
+        " http://[2001:db8::1]:8080/a#hunter2 and ftp://x:hunter2@files.example"
+    )
+    assert redact_urls(message) == (
+        "InvalidUrlClientError('https://***@/kvl?***'); retried"
+        " http://[2001:db8::1]:8080/a#*** and ftp://***@files.example"
+    )
