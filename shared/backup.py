@@ -56,6 +56,11 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_MEMBERS = 200_000
+# How many objects and arrays, and values, a manifest may hold: counted in its bytes before
+# it is parsed, since a parsed value takes tens of bytes (16 MiB of `{},` took 800 MiB). A
+# member is one object of four values; the migrations and serials are a few thousand more.
+_MAX_MANIFEST_CONTAINERS = MAX_MEMBERS + 16
+_MAX_MANIFEST_VALUES = 6 * MAX_MEMBERS + 20_000
 # The body of one PAX extended header or GNU long name or link. Ours hold a path of at most
 # 1 KiB (a Member's); GNU tar's, a name up to PATH_MAX (4 KiB).
 MAX_HEADER_BYTES = 64 << 10
@@ -357,9 +362,20 @@ def _read_manifest(
             f"{archive}: a manifest of {first.size} bytes is too large (at most "
             f"{MAX_MANIFEST_BYTES})"
         )
+    body = tar.read(first.size)
+    # Upper bounds (a bracket or comma inside a string counts too), in C, without a copy.
+    containers = body.count(b"{") + body.count(b"[")
+    if (
+        containers > _MAX_MANIFEST_CONTAINERS
+        or containers + body.count(b",") > _MAX_MANIFEST_VALUES
+    ):
+        raise BackupError(
+            f"{archive}: its manifest holds more objects, arrays or values than a backup of "
+            f"{MAX_MEMBERS} members"
+        )
     try:
         # Nesting bounded: a deep one would end in a RecursionError, here or in pydantic.
-        raw = jsonlimits.loads(tar.read(first.size))
+        raw = jsonlimits.loads(body)
     except jsonlimits.JsonLimitError as err:
         raise BackupError(f"{archive}: its manifest is refused: {err}") from err
     except ValueError as err:
