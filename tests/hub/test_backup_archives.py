@@ -192,6 +192,10 @@ CASES: dict[str, tuple[Callable[[Parts], tuple[dict[str, Any] | bytes, list[Any]
                    + b"}", g[1]),
         "its manifest is refused: nested deeper than",
     ),
+    "a manifest of a million objects": (
+        lambda g: (b'{"format": "kvl-backup", "members": [' + b"{}," * 1_000_000 + b"{}]}", g[1]),
+        "its manifest holds more objects, arrays or values than a backup of 200000 members",
+    ),
     "a manifest of something else": (
         lambda g: ({"format": "tar"}, g[1]),
         "is not a kvl backup",
