@@ -432,7 +432,7 @@ async def test_a_hub_serves_nodes_of_its_protocol_and_the_previous_one_side_by_s
         for name, node in nodes.items():
             body = bodies[node.id]
             assert (body["id"], body["account"]) == (served[name], ACCOUNT), body
-            assert owners[body["lease_id"]] == node.id
+            assert owners[body["lease_id"]] == (node.id, ACCOUNT)
 
         # A CA rotation (as `kvl hub ca rotate` steps it): both nodes fetch the staged
         # bundle, renew their certificates under the new CA when the hub says so, and go

@@ -135,7 +135,7 @@ async def _ready_in_fleet(hub: HubSettings, names: set[str]) -> None:
             ready = {
                 n.name
                 for n in store.nodes()
-                if n.capacity.models and n.api_url and n.capacity.offload
+                if n.capacity.models and n.fleet_url and n.capacity.offload
             }
         finally:
             store.close()

@@ -278,16 +278,15 @@ async def _dedicated_node(
     hub: HubSettings,
     hub_port: int,
 ) -> str:
-    """An appliance enrolled with the hub as a node dedicated to tenant acme (its label
-    from its provisioning file), serving where its heartbeats say; its base URL."""
+    """An appliance enrolled with the hub as a node dedicated to tenant acme (its
+    enrollment token's tenancy), serving where its heartbeats say; its base URL."""
     store = open_store(hub)
-    token = store.create_token("site", uses=1, expires_in_s=600).plaintext
+    token = store.create_token("site", uses=1, expires_in_s=600, tenant="acme").plaintext
     store.close()
     provisioning = tmp_path / "acme-1.json"
     provisioning.write_text(json.dumps({
         "hub_url": f"https://127.0.0.1:{hub_port}", "token": token,
         "hub_fingerprint": certificates(hub)[1].fingerprint, "name": "acme-1",
-        "labels": {"tenant": "acme"},
     }))  # fmt: skip
     port = free_port()
     settings = make_settings(

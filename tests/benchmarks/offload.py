@@ -91,7 +91,7 @@ def in_fleet(hub: HubSettings, nodes: dict[str, tuple[str, str]]) -> bool:
     store = open_store(hub)
     try:
         ready = {n.name for n in store.nodes()
-                 if n.capacity.models and n.api_url and n.capacity.offload}  # fmt: skip
+                 if n.capacity.models and n.fleet_url and n.capacity.offload}  # fmt: skip
     finally:
         store.close()
     if not nodes.keys() <= ready:
