@@ -481,26 +481,16 @@ def m014_rollouts(db: Database) -> None:
 
 @migrations()
 def m015_tenancy_from_the_operator(db: Database) -> None:
-    # A node's tenancy (dedicated to a tenant, S3; on a private site, S4) is the
-    # operator's: set on the enrollment token it enrolls with, changed on the node by an
-    # operator only. It came from the labels the node sent; a node enrolled before keeps
-    # what they gave it, for the operator to review (`kvl hub nodes list`).
-    db.table("enrollment_tokens").add_column("tenant", str)
-    db.table("enrollment_tokens").add_column("private", int, not_null_default=0)
-    db.table("nodes").add_column("tenant", str)
-    db.table("nodes").add_column("private", int, not_null_default=0)
-    # Why the hub last refused the node a certificate (a name it may not have), shown by
-    # `kvl hub nodes list`; cleared when one is issued.
+    # Tenancy is the operator's, not labels' (earlier nodes keep theirs); refusals, why.
+    for table in ("enrollment_tokens", "nodes"):
+        db.table(table).add_column("tenant", str)
+        db.table(table).add_column("private", int, not_null_default=0)
     db.table("nodes").add_column("certificate_refused", str)
     db.execute(
-        "UPDATE nodes SET tenant = NULLIF(json_extract(labels, '$.tenant'), ''),"
-        " private = CASE WHEN json_extract(labels, '$.private') = 'true' THEN 1 ELSE 0 END"
-        " WHERE json_valid(labels)"
+        "UPDATE nodes SET tenant = NULLIF(json_extract(labels, '$.tenant'), ''), private ="
+        " json_extract(labels, '$.private') IS 'true' WHERE json_valid(labels)"
     )
-    # Names compare as DNS compares them, case-insensitively: claims are held lowercase.
-    # Of case variants of one name, the lowercase claim is kept, else the one held
-    # longest; the others stay as they are and are never matched again, so their nodes
-    # are refused renewal while the kept claim holds (the error names its node).
+    # Claims held lowercase; of case variants, the lowercase (else the longest held) kept.
     db.execute(
         "UPDATE node_names SET name = lower(name) WHERE name <> lower(name) AND NOT EXISTS"
         " (SELECT 1 FROM node_names AS o WHERE lower(o.name) = lower(node_names.name)"

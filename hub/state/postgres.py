@@ -10,6 +10,17 @@ from __future__ import annotations
 
 from hub.state.sql import SQLMigration
 
+# The counter columns of m012's tables, as hub/state/migrations.py's `_M012_COUNTERS`.
+_M012_COUNTERS = ",\n            ".join(
+    f"{name} BIGINT NOT NULL"
+    for name in (
+        "requests", "admitted", "refused_admit", "refused_first_token", "refused_shed",
+        "refused_outbox", "refused_error", "refused_quota", "met_admit", "met_first_token",
+        "met_complete", "missed_admit", "missed_first_token", "missed_complete",
+        *(f"ttft_{i}" for i in range(19)), *(f"completion_{i}" for i in range(19)),
+    )
+)  # fmt: skip
+
 MIGRATIONS = (
     SQLMigration(
         "m001_fleet",
@@ -260,7 +271,7 @@ MIGRATIONS = (
     ),
     SQLMigration(
         "m012_objectives",
-        """
+        f"""
         CREATE TABLE slo_cursors (
             node_id TEXT,
             service_class TEXT,
@@ -284,58 +295,7 @@ MIGRATIONS = (
             account TEXT NOT NULL,
             node TEXT,
             site TEXT,
-            requests BIGINT NOT NULL,
-            admitted BIGINT NOT NULL,
-            refused_admit BIGINT NOT NULL,
-            refused_first_token BIGINT NOT NULL,
-            refused_shed BIGINT NOT NULL,
-            refused_outbox BIGINT NOT NULL,
-            refused_error BIGINT NOT NULL,
-            refused_quota BIGINT NOT NULL,
-            met_admit BIGINT NOT NULL,
-            met_first_token BIGINT NOT NULL,
-            met_complete BIGINT NOT NULL,
-            missed_admit BIGINT NOT NULL,
-            missed_first_token BIGINT NOT NULL,
-            missed_complete BIGINT NOT NULL,
-            ttft_0 BIGINT NOT NULL,
-            ttft_1 BIGINT NOT NULL,
-            ttft_2 BIGINT NOT NULL,
-            ttft_3 BIGINT NOT NULL,
-            ttft_4 BIGINT NOT NULL,
-            ttft_5 BIGINT NOT NULL,
-            ttft_6 BIGINT NOT NULL,
-            ttft_7 BIGINT NOT NULL,
-            ttft_8 BIGINT NOT NULL,
-            ttft_9 BIGINT NOT NULL,
-            ttft_10 BIGINT NOT NULL,
-            ttft_11 BIGINT NOT NULL,
-            ttft_12 BIGINT NOT NULL,
-            ttft_13 BIGINT NOT NULL,
-            ttft_14 BIGINT NOT NULL,
-            ttft_15 BIGINT NOT NULL,
-            ttft_16 BIGINT NOT NULL,
-            ttft_17 BIGINT NOT NULL,
-            ttft_18 BIGINT NOT NULL,
-            completion_0 BIGINT NOT NULL,
-            completion_1 BIGINT NOT NULL,
-            completion_2 BIGINT NOT NULL,
-            completion_3 BIGINT NOT NULL,
-            completion_4 BIGINT NOT NULL,
-            completion_5 BIGINT NOT NULL,
-            completion_6 BIGINT NOT NULL,
-            completion_7 BIGINT NOT NULL,
-            completion_8 BIGINT NOT NULL,
-            completion_9 BIGINT NOT NULL,
-            completion_10 BIGINT NOT NULL,
-            completion_11 BIGINT NOT NULL,
-            completion_12 BIGINT NOT NULL,
-            completion_13 BIGINT NOT NULL,
-            completion_14 BIGINT NOT NULL,
-            completion_15 BIGINT NOT NULL,
-            completion_16 BIGINT NOT NULL,
-            completion_17 BIGINT NOT NULL,
-            completion_18 BIGINT NOT NULL,
+            {_M012_COUNTERS},
             ttft_sum_s DOUBLE PRECISION NOT NULL,
             completion_sum_s DOUBLE PRECISION NOT NULL,
             worker_restarts BIGINT NOT NULL,
@@ -348,58 +308,7 @@ MIGRATIONS = (
             service_class TEXT NOT NULL,
             account TEXT NOT NULL,
             site TEXT NOT NULL,
-            requests BIGINT NOT NULL,
-            admitted BIGINT NOT NULL,
-            refused_admit BIGINT NOT NULL,
-            refused_first_token BIGINT NOT NULL,
-            refused_shed BIGINT NOT NULL,
-            refused_outbox BIGINT NOT NULL,
-            refused_error BIGINT NOT NULL,
-            refused_quota BIGINT NOT NULL,
-            met_admit BIGINT NOT NULL,
-            met_first_token BIGINT NOT NULL,
-            met_complete BIGINT NOT NULL,
-            missed_admit BIGINT NOT NULL,
-            missed_first_token BIGINT NOT NULL,
-            missed_complete BIGINT NOT NULL,
-            ttft_0 BIGINT NOT NULL,
-            ttft_1 BIGINT NOT NULL,
-            ttft_2 BIGINT NOT NULL,
-            ttft_3 BIGINT NOT NULL,
-            ttft_4 BIGINT NOT NULL,
-            ttft_5 BIGINT NOT NULL,
-            ttft_6 BIGINT NOT NULL,
-            ttft_7 BIGINT NOT NULL,
-            ttft_8 BIGINT NOT NULL,
-            ttft_9 BIGINT NOT NULL,
-            ttft_10 BIGINT NOT NULL,
-            ttft_11 BIGINT NOT NULL,
-            ttft_12 BIGINT NOT NULL,
-            ttft_13 BIGINT NOT NULL,
-            ttft_14 BIGINT NOT NULL,
-            ttft_15 BIGINT NOT NULL,
-            ttft_16 BIGINT NOT NULL,
-            ttft_17 BIGINT NOT NULL,
-            ttft_18 BIGINT NOT NULL,
-            completion_0 BIGINT NOT NULL,
-            completion_1 BIGINT NOT NULL,
-            completion_2 BIGINT NOT NULL,
-            completion_3 BIGINT NOT NULL,
-            completion_4 BIGINT NOT NULL,
-            completion_5 BIGINT NOT NULL,
-            completion_6 BIGINT NOT NULL,
-            completion_7 BIGINT NOT NULL,
-            completion_8 BIGINT NOT NULL,
-            completion_9 BIGINT NOT NULL,
-            completion_10 BIGINT NOT NULL,
-            completion_11 BIGINT NOT NULL,
-            completion_12 BIGINT NOT NULL,
-            completion_13 BIGINT NOT NULL,
-            completion_14 BIGINT NOT NULL,
-            completion_15 BIGINT NOT NULL,
-            completion_16 BIGINT NOT NULL,
-            completion_17 BIGINT NOT NULL,
-            completion_18 BIGINT NOT NULL,
+            {_M012_COUNTERS},
             ttft_sum_s DOUBLE PRECISION NOT NULL,
             completion_sum_s DOUBLE PRECISION NOT NULL,
             PRIMARY KEY (width, start, service_class, account, site)
@@ -502,13 +411,12 @@ MIGRATIONS = (
         ALTER TABLE nodes ADD COLUMN tenant TEXT;
         ALTER TABLE nodes ADD COLUMN private BIGINT NOT NULL DEFAULT 0;
         ALTER TABLE nodes ADD COLUMN certificate_refused TEXT;
-        UPDATE nodes SET tenant = NULLIF(labels::json ->> 'tenant', ''),
-            private = CASE WHEN labels::json ->> 'private' = 'true' THEN 1 ELSE 0 END
-            WHERE labels IS NOT NULL AND labels <> '';
-        UPDATE node_names AS n SET name = lower(n.name) WHERE n.name <> lower(n.name)
-            AND NOT EXISTS (SELECT 1 FROM node_names AS o WHERE lower(o.name) = lower(n.name)
-            AND o.name <> n.name AND (o.name = lower(o.name) OR o.until > n.until
-            OR (o.until = n.until AND o.name < n.name)));
+        UPDATE nodes SET tenant = NULLIF(labels::json ->> 'tenant', ''), private = CASE WHEN
+            labels::json ->> 'private' = 'true' THEN 1 ELSE 0 END WHERE labels <> '';
+        UPDATE node_names AS n SET name = lower(n.name) WHERE n.name <> lower(n.name) AND NOT
+            EXISTS (SELECT 1 FROM node_names AS o WHERE lower(o.name) = lower(n.name) AND
+            o.name <> n.name AND (o.name = lower(o.name) OR o.until > n.until OR
+            (o.until = n.until AND o.name < n.name)));
         """,
     ),
 )
