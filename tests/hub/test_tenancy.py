@@ -262,7 +262,11 @@ def test_nodes_keep_their_tenancy_and_names_compare_without_case_after_m015(
         names = store.db.execute("SELECT name, node_id FROM node_names ORDER BY name").fetchall()
     finally:
         store.close()
-    assert sorted(map(tuple, names)) == [("HONEST-B", "n2"), ("honest-b", "n1"), ("lab.local", "n2")]
+    assert sorted(map(tuple, names)) == [
+        ("HONEST-B", "n2"),
+        ("honest-b", "n1"),
+        ("lab.local", "n2"),
+    ]
 
 
 async def test_the_operator_binds_an_account_over_the_api(
