@@ -30,6 +30,7 @@ from appliance.packages.cache import PackageCache, blob_dir
 from appliance.state.store import Store
 from tests.appliance.test_http2 import HOST, Appliance, start, stop
 from tests.appliance.test_package_cache import package
+from tests.rawhttp import dechunk
 from tests.waiting import until_sync
 
 if TYPE_CHECKING:
@@ -447,19 +448,8 @@ def _raw_get(seeded: Seeded, target: str) -> tuple[int, bytes, bytes]:
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     if b"transfer-encoding: chunked" in head.lower():
-        body = _unchunked(body)
+        body = dechunk(body)
     return int(head.split(b" ", 2)[1]), head, body
-
-
-def _unchunked(body: bytes) -> bytes:
-    out = b""
-    while body:
-        size_line, _, body = body.partition(b"\r\n")
-        size = int(size_line.split(b";")[0], 16)
-        if size == 0:
-            break
-        out, body = out + body[:size], body[size + 2 :]
-    return out
 
 
 def _refusal_problems(status: int, body: bytes) -> list[str]:

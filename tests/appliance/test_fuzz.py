@@ -57,6 +57,7 @@ from schemathesis.specs.openapi.checks import (
 from appliance.gateway.routes import ROUTES
 from shared.errors import ErrorCode
 from tests.conftest import ApplianceProcess, kvl, running_appliance
+from tests.rawhttp import dechunk
 
 pytestmark = pytest.mark.model
 
@@ -851,19 +852,8 @@ def send_raw(base_url: str, request: bytes) -> Reply:
         for name, _, value in (line.partition(":") for line in header_lines)
     }
     if headers.get("transfer-encoding", "").lower() == "chunked":
-        body = _dechunk(body)
+        body = dechunk(body)
     return Reply(int(status_line.split()[1]), headers.get("content-type", ""), body)
-
-
-def _dechunk(data: bytes) -> bytes:
-    out = b""
-    while data:
-        size_line, _, data = data.partition(b"\r\n")
-        size = int(size_line.split(b";")[0], 16)
-        if size == 0:
-            break
-        out, data = out + data[:size], data[size + 2 :]
-    return out
 
 
 def test_malformed_http_gets_the_error_shape(fuzzed: Fuzzed) -> None:
