@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import click
 from pydantic import ValidationError
 
+from shared import protocol
 from shared.files import write_private
 from shared.keys import ENROLLMENT_TOKEN, parse_prefix
 from shared.provisioning import BOOTSTRAP_ACCOUNT, BootstrapKey, Provisioning, ProvisioningError
@@ -251,7 +252,10 @@ def provisioning_from(
     """A provisioning file from its parts, every one checked; ValueError names each
     problem."""
     problems: list[str] = []
-    for what, check, value in (("--hub", check_hub_url, hub_url), ("--token", check_token, token)):
+    # The hub enrolls only a name that is one DNS label: said here, not at first boot.
+    checks = (("--hub", check_hub_url, hub_url), ("--token", check_token, token),
+              ("--name", protocol.node_name, name))  # fmt: skip
+    for what, check, value in checks:
         try:
             check(value)
         except ValueError as err:

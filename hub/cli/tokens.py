@@ -127,9 +127,14 @@ def provision(
     from pydantic import ValidationError  # noqa: PLC0415
 
     from hub.identity import certificates  # noqa: PLC0415
+    from shared import protocol  # noqa: PLC0415
     from shared.files import write_private  # noqa: PLC0415
     from shared.provisioning import Provisioning  # noqa: PLC0415
 
+    try:  # the hub enrolls only such a name: said now, not when the node first boots
+        name = protocol.node_name(name)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--name") from err
     settings = hub_settings(config_file, data_dir)
     url = url or f"https://{settings.server.names[0]}:{settings.server.port}"
     seconds = parse_duration(expires)

@@ -414,6 +414,12 @@ async def test_provision_writes_a_file_an_appliance_enrolls_with(
               check=False)  # fmt: skip
     assert bad.returncode == 2
     assert "name" in bad.stderr
+    # One DNS label: a dotted name could be one of the hub's, a number reads as an address.
+    for name in ("hub.example.test", "100"):
+        bad = kvl("hub", "provision", "--site", "s", "--name", name, "--data-dir", data,
+                  check=False)  # fmt: skip
+        assert bad.returncode == 2
+        assert "one DNS label" in bad.stderr
     assert kvl("hub", "tokens", "list", "--data-dir", data).stdout == ""  # none was made
 
     server = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
