@@ -133,6 +133,12 @@ lint: setup
 test *args: setup setup-image lint
     pytest {{ args }}
 
+# The edit loop's tier: lint, then every test that needs neither the real model (a test that
+# takes the model's fixtures is a `model` test whatever its module says), namespaces, the
+# browser, PostgreSQL nor the image
+test-fast *args: setup lint
+    pytest -m "not model and not netns and not browser and not postgres and not image" {{ args }}
+
 # Benchmarks against peers measured in the same run (writes tests/benchmarks/results/*.json):
 # serving (one stream vs llama-server), concurrency (1-16 streams and a shared prefix vs
 # llama-server -np N), memory (peak RSS of gateway and worker vs llama-server), embeddings

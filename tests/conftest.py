@@ -227,6 +227,19 @@ def postgres() -> Iterator[Cluster]:
         yield running
 
 
+# The fixtures that start the real default model (or assemble it for a process that will):
+# a test that takes one, however indirectly, is a `model` test whether its module says so or
+# not, so the tiers that leave the model out (`just test-fast`) leave it out too.
+MODEL_FIXTURES = frozenset({"default_model", "appliance_process"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & MODEL_FIXTURES and item.get_closest_marker("model") is None:
+            item.add_marker(pytest.mark.model)
+
+
 def pytest_sessionfinish() -> None:
     # llama-cpp-python opens /dev/null twice at import and never closes it; close it here so
     # the interpreter's exit does not print two ResourceWarnings after every run.
