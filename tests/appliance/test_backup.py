@@ -27,8 +27,9 @@ from hub.identity import ssl_context
 from hub.state.store import open_store
 from shared import protocol
 from shared.backup import serving
-from tests.appliance.test_fleet import hub_settings, provisioning
 from tests.conftest import NoModels, free_port, kvl, make_settings
+from tests.fleet import provisioning
+from tests.hubs import settings_for
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ class Node:
 async def test_an_appliance_restored_from_its_backup_is_the_same_node_and_counts_once(
     aiohttp_server: AiohttpServer, tmp_path: Path
 ) -> None:
-    hub = hub_settings(tmp_path)
+    hub = settings_for(tmp_path)
     port = free_port()
     await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
     path = provisioning(tmp_path, hub, port)

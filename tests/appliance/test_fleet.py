@@ -14,20 +14,21 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from appliance.app import FLEET, create_app
+from appliance.app import FLEET
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import enroll
-from appliance.gateway.keys import REGISTRY, SETTINGS, STORE
+from appliance.gateway.keys import SETTINGS, STORE
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from hub.app import create_app as create_hub
-from hub.identity import certificates, ssl_context
-from hub.settings import HubSettings
+from hub.identity import ssl_context
 from hub.state.store import HubStore, open_store
 from shared import protocol
 from shared.provisioning import Provisioning
 from shared.wireguard import read_private_key
 from tests.conftest import NoModels, free_port, kvl, make_settings
+from tests.fleet import complete, fleet_account, fleet_appliance, provisioning
+from tests.hubs import settings_for
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -35,90 +36,8 @@ if TYPE_CHECKING:
 
     from pytest_aiohttp import AiohttpClient, AiohttpServer
 
-    from appliance.state.store import Account, AsyncStore
-    from tests.conftest import Client
 
 pytestmark = pytest.mark.model
-
-
-def hub_settings(tmp_path: Path) -> HubSettings:
-    return HubSettings.model_validate(
-        {
-            "data_dir": tmp_path / "hub",
-            "server": {"require_overlay_source": False},
-            "overlay": {"interface": None},  # loopback: no WireGuard interface on the host
-            # Every heartbeat's objectives counted at its flush: the tests wait on the counts.
-            "objectives": {"count_every_s": 0},
-        }
-    )
-
-
-def provisioning(tmp_path: Path, hub: HubSettings, port: int, uses: int = 1) -> Path:
-    store = open_store(hub)
-    try:
-        token = store.create_token("school-a", uses=uses, expires_in_s=600).plaintext
-        # The account of the appliances' LAN key (`fleet_appliance`): a fleet account, so
-        # its usage goes to the hub (a node's own accounts keep theirs).
-        store.set_account("lan-user", "S1")
-    finally:
-        store.close()
-    ca, _ = certificates(hub)
-    path = tmp_path / "kovenlab.json"
-    path.write_text(
-        json.dumps(
-            {
-                "hub_url": f"https://127.0.0.1:{port}",
-                "token": token,
-                "hub_fingerprint": ca.fingerprint,
-                "name": "lab-server",
-            }
-        )
-    )
-    return path
-
-
-async def complete(client: Any, key: str) -> None:
-    response = await client.post(
-        "/v1/completions",
-        headers={"Authorization": f"Bearer {key}"},
-        json={"model": "gemma-3-270m", "prompt": "Hi", "max_tokens": 2},
-    )
-    assert response.status == 200, await response.text()
-
-
-async def fleet_account(store: AsyncStore, name: str = "lan-user") -> Account:
-    """An account of the fleet on a node's store, as the hub's desired state gives it
-    (accounts made on the node keep their usage there; the fleet's is synced)."""
-    given = protocol.AccountState(name=name, service_class="S1")
-    await store.run(
-        store.sync.apply_desired_state,
-        protocol.DesiredState(node_id="-", serial=0, accounts=[given], keys=[]),
-    )
-    return await store.run(store.sync.ensure_account, name)
-
-
-async def fleet_appliance(
-    aiohttp_client: AiohttpClient,
-    tmp_path: Path,
-    default_model: ModelRecord,
-    provisioning_file: Path,
-    **fleet: object,
-) -> tuple[web.Application, Client, str]:
-    """An in-process appliance in the fleet (no tunnel), its model loaded; (app, client,
-    a LAN key)."""
-    settings = make_settings(
-        tmp_path / "data",
-        embeddings={"enabled": False},
-        fleet={"provisioning_file": str(provisioning_file), "tunnel": False, **fleet},
-    )
-    store = Store(settings.db_path)
-    store.add_model(default_model)
-    key = store.create_key("lan-user").plaintext
-    store.close()
-    app = create_app(settings)
-    client = await aiohttp_client(app)
-    await app[REGISTRY].wait_loaded()
-    return app, client, key
 
 
 async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outage(
@@ -127,7 +46,7 @@ async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outa
     tmp_path: Path,
     default_model: ModelRecord,
 ) -> None:
-    hub = hub_settings(tmp_path)
+    hub = settings_for(tmp_path)
     port = free_port()
     hub_server = await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
     path = provisioning(tmp_path, hub, port)
@@ -199,7 +118,7 @@ async def _lag_zero(store: Any) -> bool:
 async def test_a_restarted_node_keeps_its_identity_and_a_refused_token_is_clear(
     aiohttp_server: AiohttpServer, tmp_path: Path
 ) -> None:
-    hub = hub_settings(tmp_path)
+    hub = settings_for(tmp_path)
     port = free_port()
     await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
     path = provisioning(tmp_path, hub, port)
@@ -221,7 +140,7 @@ async def test_lost_acknowledgements_never_duplicate(
     answer for the first two: the hub committed, the node never heard. It resends; the
     ledger holds each event once and the checkpoint only moves on an answer. (The proxy
     ends TLS, so it calls the hub with the node's certificate, as the node would.)"""
-    hub = hub_settings(tmp_path)
+    hub = settings_for(tmp_path)
     hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     cut = {"left": 2}
     node_files = FleetFiles(tmp_path / "data" / "fleet")
@@ -306,7 +225,7 @@ async def test_lost_acknowledgements_never_duplicate(
 async def test_the_cli_enrolls_and_reports_status(
     aiohttp_server: AiohttpServer, tmp_path: Path
 ) -> None:
-    hub = hub_settings(tmp_path)
+    hub = settings_for(tmp_path)
     port = free_port()
     await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
     path = provisioning(tmp_path, hub, port)
@@ -346,7 +265,7 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
     tmp_path: Path,
     default_model: ModelRecord,
 ) -> None:
-    hub = hub_settings(tmp_path)
+    hub = settings_for(tmp_path)
     port = free_port()
     hub_server = await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
     path = provisioning(tmp_path, hub, port)
@@ -424,7 +343,7 @@ async def test_the_outbox_is_bounded_and_takes_work_again_once_the_hub_is_back(
     tmp_path: Path,
     default_model: ModelRecord,
 ) -> None:
-    hub = hub_settings(tmp_path)
+    hub = settings_for(tmp_path)
     port = free_port()
     hub_server = await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
     path = provisioning(tmp_path, hub, port)
@@ -481,7 +400,7 @@ async def _enrolled(link: Any) -> bool:
 async def test_enrollment_issues_a_lan_certificate_that_clients_verify_with_the_hub_ca(
     aiohttp_server: AiohttpServer, tmp_path: Path
 ) -> None:
-    hub = hub_settings(tmp_path)
+    hub = settings_for(tmp_path)
     port = free_port()
     await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
     files = FleetFiles(tmp_path / "fleet")

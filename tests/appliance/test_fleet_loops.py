@@ -16,8 +16,9 @@ from appliance.state.store import AsyncStore, UsageEvent
 from hub.app import create_app as create_hub
 from hub.identity import ssl_context
 from hub.state.store import open_store
-from tests.appliance.test_fleet import fleet_account, hub_settings, provisioning
 from tests.conftest import NoModels, make_settings
+from tests.fleet import fleet_account, provisioning
+from tests.hubs import settings_for
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ async def test_each_link_loop_fails_once_and_goes_on(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    hub = hub_settings(tmp_path)
+    hub = settings_for(tmp_path)
     hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     assert hub_server.port is not None
     settings = make_settings(

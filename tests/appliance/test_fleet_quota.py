@@ -23,7 +23,7 @@ from hub.planning.quota import Budget
 from hub.settings import HubSettings
 from hub.state.store import HubStore, open_store
 from shared import pki, protocol
-from tests.appliance.test_fleet import fleet_appliance, provisioning
+from tests.fleet import fleet_appliance, provisioning
 from tests.proxy import CuttableProxy
 from tests.waiting import until
 

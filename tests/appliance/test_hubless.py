@@ -21,9 +21,9 @@ from hub.state.store import open_store
 from shared.errors import ErrorCode
 from shared.keys import hash_key
 from shared.provisioning import BootstrapKey, Provisioning, ProvisioningError
-from tests.appliance.test_fleet import hub_settings
-from tests.appliance.test_fleet import provisioning as fleet_provisioning
 from tests.conftest import make_settings
+from tests.fleet import provisioning as fleet_provisioning
+from tests.hubs import settings_for
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -337,7 +337,7 @@ def test_a_provisioning_file_is_a_fleets_or_a_site_without_a_hubs(tmp_path: Path
 async def test_a_node_of_a_fleet_refuses_local_account_and_key_writes(
     aiohttp_client: AiohttpClient, aiohttp_server: AiohttpServer, tmp_path: Path
 ) -> None:
-    hub = hub_settings(tmp_path)
+    hub = settings_for(tmp_path)
     hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     assert hub_server.port is not None
     path = fleet_provisioning(tmp_path, hub, hub_server.port)

@@ -25,8 +25,9 @@ from hub.planning.quota import Budget
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared.errors import ApiError
-from tests.appliance.test_fleet import hub_settings, provisioning
 from tests.conftest import NoModels, make_settings
+from tests.fleet import provisioning
+from tests.hubs import settings_for
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 async def test_a_node_reports_the_accounts_it_serves_without_a_lease_and_the_hub_alerts(
     aiohttp_server: AiohttpServer, tmp_path: Path
 ) -> None:
-    base = hub_settings(tmp_path)
+    base = settings_for(tmp_path)
     # The alert loop quick, and no grace: the test drives each heartbeat itself.
     alerts = base.alerts.model_dump() | {"every_s": 0.2, "lease_grace_s": 0}
     hub = HubSettings.model_validate(base.model_dump() | {"alerts": alerts})

@@ -13,8 +13,9 @@ from appliance.state.store import AsyncStore
 from hub.app import create_app as create_hub
 from hub.identity import ssl_context
 from hub.state.store import open_store
-from tests.appliance.test_fleet import hub_settings, provisioning
 from tests.conftest import NoModels, make_settings
+from tests.fleet import provisioning
+from tests.hubs import settings_for
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 
 async def test_concurrent_starts_enroll_once(aiohttp_server: AiohttpServer, tmp_path: Path) -> None:
-    hub = hub_settings(tmp_path)
+    hub = settings_for(tmp_path)
     server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     assert server.port is not None
     path = provisioning(tmp_path, hub, server.port, uses=2)

@@ -17,8 +17,9 @@ from hub.app import create_app as create_hub
 from hub.identity import ssl_context
 from hub.state.store import open_store
 from shared.classes import ServiceClass
-from tests.appliance.test_fleet import hub_settings, provisioning
 from tests.conftest import free_port, make_settings
+from tests.fleet import provisioning
+from tests.hubs import settings_for
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ async def test_the_hubs_roll_up_is_what_the_clients_saw_across_an_outage_and_a_r
     tmp_path: Path,
     default_model: ModelRecord,
 ) -> None:
-    hub = hub_settings(tmp_path)
+    hub = settings_for(tmp_path)
     port = free_port()
     hub_server = await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
     path = provisioning(tmp_path, hub, port)

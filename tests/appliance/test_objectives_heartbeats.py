@@ -12,8 +12,9 @@ from appliance.app import FLEET
 from appliance.gateway.keys import STORE
 from hub.app import create_app as create_hub
 from hub.identity import ssl_context
-from tests.appliance.test_fleet import complete, fleet_appliance, hub_settings, provisioning
 from tests.conftest import free_port
+from tests.fleet import complete, fleet_appliance, provisioning
+from tests.hubs import settings_for
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ async def test_a_hub_outage_loses_nothing_the_next_heartbeat_carries_it_all(
     tmp_path: Path,
     default_model: ModelRecord,
 ) -> None:
-    hub = hub_settings(tmp_path)
+    hub = settings_for(tmp_path)
     port = free_port()
     hub_server = await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
     path = provisioning(tmp_path, hub, port)

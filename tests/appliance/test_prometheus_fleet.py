@@ -23,10 +23,11 @@ from hub.app import create_app as create_hub
 from hub.identity import ssl_context
 from hub.settings import HubSettings
 from hub.state.store import open_store
-from tests.appliance.test_fleet import hub_settings, provisioning
 from tests.conftest import free_port, make_settings
+from tests.fleet import provisioning
 from tests.hub.test_alerts import SECRET, Receiver
 from tests.hub.test_prometheus import SCALE, WINDOW, prometheus
+from tests.hubs import settings_for
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ async def test_an_appliances_slo_breach_fires_the_burn_rate_alert_in_prometheus_
 ) -> None:
     receiver = Receiver()
     hook = await aiohttp_server(receiver.app)
-    base = hub_settings(tmp_path)
+    base = settings_for(tmp_path)
     metrics_port = free_port()
     hub = scaled(
         HubSettings.model_validate(

@@ -31,8 +31,8 @@ from shared.errors import ErrorCode
 from shared.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, verify
 from tests.conftest import REPO, kvl
 from tests.hub.test_hostile_nodes import _enroll
-from tests.hub.test_hub import settings_for
 from tests.hub.test_metrics import promtool
+from tests.hubs import settings_for
 from tests.waiting import until
 
 if TYPE_CHECKING:

@@ -31,9 +31,9 @@ from hub.app import create_app as create_hub
 from hub.backup import backup, restore
 from hub.identity import certificates, hub_keys, ssl_context
 from hub.state.store import open_store
-from tests.appliance.test_fleet import provisioning
 from tests.conftest import NoModels, free_port, kvl, make_settings
-from tests.hub.test_hub import settings_for
+from tests.fleet import provisioning
+from tests.hubs import settings_for
 from tests.waiting import until, until_sync
 
 if TYPE_CHECKING:

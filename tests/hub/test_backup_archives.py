@@ -23,7 +23,7 @@ from hub.identity import certificates, hub_keys
 from hub.state.store import open_store
 from shared.backup import MAX_HEADER_BYTES, BackupError, occupied
 from tests.conftest import REPO, kvl
-from tests.hub.test_hub import settings_for
+from tests.hubs import settings_for
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from hub.state.store import open_store
 from tests.conftest import kvl
-from tests.hub.test_hub import PREFIX, new_key, settings_for
+from tests.hubs import PREFIX, new_key, settings_for
 
 if TYPE_CHECKING:
     from pathlib import Path

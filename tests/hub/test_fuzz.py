@@ -53,7 +53,7 @@ from hub.state.store import DeploymentRecord, ModelArtifact, open_store
 from shared import protocol
 from shared.errors import ErrorCode
 from tests.appliance.test_package_cache import package
-from tests.hub.test_hub import PREFIX, new_key, settings_for
+from tests.hubs import PREFIX, new_key, settings_for
 from tests.shared.oci_shapes import INDEX, SHAPES, rewrap
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from hub.state.store import DeploymentRecord, HubStore, ModelArtifact, open_stor
 from shared import protocol
 from shared.errors import ErrorCode
 from tests.conftest import kvl
-from tests.hub.test_hub import PREFIX, new_key, settings_for
+from tests.hubs import PREFIX, new_key, settings_for
 from tests.waiting import until
 
 if TYPE_CHECKING:

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import pytest
 from aiohttp import web
-from wireguard_tools import WireguardKey
 
 from hub.app import create_app
 from hub.cli.common import parse_duration
@@ -21,13 +20,13 @@ from hub.fleet.heartbeats import HEARTBEATS_EVERY_S
 from hub.http import LARGE_BODY, answer
 from hub.identity import certificates, ssl_context
 from hub.planning.health import NodeStatus, node_status
-from hub.settings import HubSettings
 from hub.state.sql import DatabaseError
 from hub.state.store import AsyncHubStore, TokenProblem, TokenRefusedError, open_store
 from shared import pki, protocol
 from shared.errors import ErrorCode
 from shared.protocol import EVENTS
 from tests.conftest import kvl
+from tests.hubs import PREFIX, new_key, settings_for
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -35,28 +34,6 @@ if TYPE_CHECKING:
     from pytest_aiohttp import AiohttpClient, AiohttpServer
 
     from tests.hub.conftest import HubDatabase
-
-PREFIX = "100.64.0.0/10"
-
-
-def settings_for(tmp_path: Path, database: HubDatabase, **server: Any) -> HubSettings:
-    return HubSettings.model_validate(
-        {
-            "data_dir": tmp_path / "hub",
-            **database,
-            "server": {"require_overlay_source": False, **server},
-            # Loopback tests: no WireGuard interface on the host (the netns tests make them).
-            "overlay": {"interface": None},
-            # Every heartbeat's objectives counted at its flush: the tests wait on the
-            # counts (test_objectives.py tests counting once a period on its own).
-            "objectives": {"count_every_s": 0},
-        }
-    )
-
-
-def new_key() -> str:
-    return str(WireguardKey.generate().public_key())
-
 
 # -- tokens and the registry -----------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from hub.state.store import (
 from shared import protocol
 from shared.supervise import Failures
 from shared.wireguard import InterfaceConfig, Tunnel, WireGuardError, generate_keypair
-from tests.hub.test_hub import PREFIX, new_key, settings_for
+from tests.hubs import PREFIX, new_key, settings_for
 from tests.waiting import until
 
 if TYPE_CHECKING:

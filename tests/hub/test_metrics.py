@@ -20,8 +20,8 @@ from hub.state.store import open_store
 from shared import __version__, protocol
 from shared.errors import ErrorCode
 from tests.conftest import free_port
-from tests.hub.test_hub import PREFIX, new_key, settings_for
 from tests.hub.test_objectives import objectives, series
+from tests.hubs import PREFIX, new_key, settings_for
 from tests.waiting import until
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from hub.state.objectives import FIVE_MINUTES, HOUR, KEPT_S, SloFilters
 from hub.state.store import Heartbeat, HubStore, open_store
 from shared import protocol
 from tests.hub.test_hostile_nodes import _assert_refused, _call, _enroll
-from tests.hub.test_hub import settings_for
+from tests.hubs import settings_for
 from tests.waiting import until
 
 if TYPE_CHECKING:

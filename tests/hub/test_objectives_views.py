@@ -39,7 +39,7 @@ def _fleet(hub: HubSettings) -> tuple[str, dict[str, str]]:
         operator = store.create_operator("ops").plaintext
         token = store.create_token("depot", uses=1, expires_in_s=60).plaintext
         n1, _ = _enroll(store, "n1")  # site "site"
-        from tests.hub.test_hub import PREFIX, new_key  # noqa: PLC0415
+        from tests.hubs import PREFIX, new_key  # noqa: PLC0415
 
         n2 = store.enroll(
             token, name="n2", wg_public_key=new_key(), overlay_prefix=PREFIX, labels={},

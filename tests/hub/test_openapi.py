@@ -14,7 +14,7 @@ import schemathesis
 from hub.api.openapi import build_openapi
 from hub.api.route_table import ROUTES
 from hub.app import create_app
-from tests.hub.test_hub import settings_for
+from tests.hubs import settings_for
 from tests.test_docs import README
 
 if TYPE_CHECKING:

@@ -31,8 +31,8 @@ from shared import protocol
 from tests.conftest import free_port
 from tests.hub.test_alerts import SECRET, Receiver
 from tests.hub.test_hostile_nodes import _enroll
-from tests.hub.test_hub import settings_for
 from tests.hub.test_objectives import objectives, series
+from tests.hubs import settings_for
 from tests.waiting import until
 
 T = TypeVar("T")

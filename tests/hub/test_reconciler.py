@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from hub.reconciler import FleetSnapshots
 from hub.state.store import Heartbeat, open_store
 from shared import protocol
-from tests.hub.test_hub import PREFIX, new_key, settings_for
+from tests.hubs import PREFIX, new_key, settings_for
 
 if TYPE_CHECKING:
     from pathlib import Path

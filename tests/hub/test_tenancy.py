@@ -22,7 +22,7 @@ from hub.state.store import AsyncHubStore, ForeignAccountError, Heartbeat, HubSt
 from shared import protocol
 from shared.classes import IsolationLevel
 from tests.conftest import kvl
-from tests.hub.test_hub import PREFIX, new_key, settings_for
+from tests.hubs import PREFIX, new_key, settings_for
 
 if TYPE_CHECKING:
     from pathlib import Path
