@@ -267,11 +267,6 @@ def uris_of(cert: x509.Certificate) -> list[str]:
     return list(san.get_values_for_type(x509.UniformResourceIdentifier))
 
 
-def lifetime_left(cert_pem: bytes, at: datetime.datetime | None = None) -> datetime.timedelta:
-    cert = x509.load_pem_x509_certificate(cert_pem)
-    return cert.not_valid_after_utc - (at or now())
-
-
 def renew_at(cert_pem: bytes) -> datetime.datetime:
     """When a certificate is due for renewal: with a third of its lifetime left, well
     before it expires (a node that cannot reach the hub then has days to try again)."""

@@ -9,7 +9,8 @@ give before each command (`update.rauc_options`: another system.conf, say):
 - `rauc status --detailed --output-format=json`: the booted slot, and each slot's state,
   boot status and the version of the bundle installed in it;
 - `rauc install BUNDLE`: the verified bundle into the other slot;
-- `rauc status mark-good booted` / `rauc status mark-bad booted`: the running slot judged.
+- `rauc status mark-good booted`: the running release confirmed once it reached the hub (a
+  failed boot is marked bad by the boot's own health check, image/health.py).
 
 Where there is no `rauc` (a development machine), `Rauc.available()` is false and nothing
 is run. Blocking: call it on a thread.
@@ -82,9 +83,6 @@ class Rauc:
 
     def mark_good(self) -> None:
         self._run(["status", "mark-good", "booted"], STATUS_TIMEOUT_S)
-
-    def mark_bad(self) -> None:
-        self._run(["status", "mark-bad", "booted"], STATUS_TIMEOUT_S)
 
     def _run(self, args: list[str], timeout_s: float) -> str:
         binary = shutil.which(self.binary)

@@ -142,13 +142,6 @@ class RolloutsMixin(StoreBase):
             version=row[0], sha256=row[1], size_bytes=row[2], window=window
         )
 
-    def model_overrides(self, node_id: str) -> dict[str, str]:
-        """The deployments whose model a rollout changed on this node: deployment id → ref."""
-        rows = self.db.execute(
-            "SELECT deployment_id, model FROM placement_models WHERE node_id = ?", [node_id]
-        ).fetchall()
-        return {r[0]: r[1] for r in rows}
-
     # -- rollouts ----------------------------------------------------------------------------
 
     def start_rollout(
