@@ -13,9 +13,7 @@ from appliance.fleet.identity import FleetFiles, Provisioned, lan_tls_files, pro
 from appliance.fleet.link import FleetLink
 from appliance.fleet.release import Updater
 from appliance.gateway import cors
-from appliance.gateway.front import DECIDE, FILES_ROUTE
-from appliance.gateway.jobs import JOBS
-from appliance.gateway.keys import (
+from appliance.gateway.appkeys import (
     ACCOUNTS,
     ADMISSION,
     CERTIFICATE,
@@ -31,6 +29,8 @@ from appliance.gateway.keys import (
     STORE,
     TRACING,
 )
+from appliance.gateway.front import DECIDE, FILES_ROUTE
+from appliance.gateway.jobs import JOBS
 from appliance.gateway.middleware import authenticate, errors_and_metrics
 from appliance.gateway.offload import Offload
 from appliance.gateway.packages import PACKAGES, PACKAGES_URL, decide_file

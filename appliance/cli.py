@@ -52,7 +52,7 @@ def serve(
     )
     # Every scheduled heartbeat and sync would be two INFO lines: only its problems.
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
-    from appliance.gateway.keys import CERTIFICATE  # noqa: PLC0415
+    from appliance.gateway.appkeys import CERTIFICATE  # noqa: PLC0415
 
     app = create_app(settings)
     ssl_context = None

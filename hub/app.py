@@ -18,14 +18,7 @@ from hub.api.node import node_auth, node_routes
 from hub.api.openapi import openapi_route
 from hub.api.operator import operator_auth, operator_routes
 from hub.api.rollouts import rollout_routes
-from hub.certificates import HubTls
-from hub.console.app import setup_console
-from hub.fleet.heartbeats import Heartbeats, flushing
-from hub.fleet.learning import Learning
-from hub.fleet.peers import tunnel_up
-from hub.http import errors
-from hub.identity import identity
-from hub.keys import (
+from hub.appkeys import (
     BEATS,
     FORWARDER,
     IDENTITY,
@@ -39,6 +32,13 @@ from hub.keys import (
     TLS,
     TRACING,
 )
+from hub.certificates import HubTls
+from hub.console.app import setup_console
+from hub.fleet.heartbeats import Heartbeats, flushing
+from hub.fleet.learning import Learning
+from hub.fleet.peers import tunnel_up
+from hub.http import errors
+from hub.identity import identity
 from hub.loops import Running, running
 from hub.nodelogs import NodeLogs
 from hub.observability.metrics import HubMetrics

@@ -12,7 +12,7 @@ from typing import TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from hub.keys import METRICS, REQUEST_ID
+from hub.appkeys import METRICS, REQUEST_ID
 from shared import protocol
 from shared.errors import ApiError, ErrorCode, error_body
 from shared.tracing import new_request_id

@@ -4,7 +4,7 @@ rounds under the application's one `Failures` (shared.supervise): a round that r
 logged with its traceback and counted under the loop's name, and the loop goes on. The
 operator API shows the count (`GET /v1/admin/loops`).
 
-Nothing of the hub's is imported here: the application's keys (hub/keys.py) name
+Nothing of the hub's is imported here: the application's keys (hub/appkeys.py) name
 `Running`, and every loop is handed what it runs under.
 """
 

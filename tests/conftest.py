@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestClient
 from pytest_aiohttp import AiohttpClient
 
 from appliance.app import create_app
-from appliance.gateway.keys import EMBEDDINGS, REGISTRY
+from appliance.gateway.appkeys import EMBEDDINGS, REGISTRY
 from appliance.serving.catalog import ensure_default_model
 from appliance.serving.progress import ProgressBar
 from appliance.settings import ApplianceSettings

@@ -37,9 +37,9 @@ from appliance.fleet.client import HubRefusedError
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import enroll
 from hub.app import create_app as create_hub
+from hub.appkeys import TLS
 from hub.certificates import Authority
 from hub.identity import certificates
-from hub.keys import TLS
 from hub.planning.quota import Budget
 from hub.settings import HubSettings
 from hub.state.store import HubStore, open_store

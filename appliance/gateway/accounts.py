@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from appliance.gateway.keys import ACCOUNTS
+from appliance.gateway.appkeys import ACCOUNTS
 from appliance.gateway.parsing import read_json
 from appliance.gateway.schemas import AccountPath, AccountRequest, KeyFilter, KeyPath, KeyRequest
 from appliance.inference.schemas import parse_body

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 from aiohttp import web
 
-from appliance.gateway.keys import EMBEDDINGS, REGISTRY, STORE
+from appliance.gateway.appkeys import EMBEDDINGS, REGISTRY, STORE
 from appliance.gateway.parsing import read_json
 from appliance.gateway.schemas import AdminModelRequest
 from appliance.inference.schemas import parse_body

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from appliance.gateway.keys import SETTINGS
+from appliance.gateway.appkeys import SETTINGS
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:

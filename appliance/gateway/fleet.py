@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from appliance.gateway.keys import LOGS
+from appliance.gateway.appkeys import LOGS
 from appliance.observability import logs
 from shared import protocol
 from shared.errors import ApiError, ErrorCode

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from appliance.gateway import sse
-from appliance.gateway.keys import (
+from appliance.gateway.appkeys import (
     COMPLETIONS,
     EMBEDDINGS,
     METRICS,

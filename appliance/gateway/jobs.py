@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from appliance.gateway.keys import NAMES, SETTINGS, api_key
+from appliance.gateway.appkeys import NAMES, SETTINGS, api_key
 from appliance.gateway.parsing import read_json
 from appliance.inference.schemas import (
     ChatCompletionRequest,

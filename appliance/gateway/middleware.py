@@ -11,8 +11,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from opentelemetry.trace import SpanKind
 
-from appliance.gateway.fleet import FLEET_PREFIX
-from appliance.gateway.keys import (
+from appliance.gateway.appkeys import (
     ADMISSION,
     CERTIFICATE,
     METRICS,
@@ -21,6 +20,7 @@ from appliance.gateway.keys import (
     STORE,
     TRACING,
 )
+from appliance.gateway.fleet import FLEET_PREFIX
 from appliance.gateway.offload import OFFLOADED_PREFIX
 from appliance.inference.authentication import authenticate as authenticate_key
 from shared import tls

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict
 
+from appliance.gateway.appkeys import ADMISSION, METRICS, REQUEST_KEY, STORE, api_key
 from appliance.gateway.front import (
     BLOB_HEADER,
     CACHE_CONTROL_HEADER,
@@ -29,7 +30,6 @@ from appliance.gateway.front import (
     may_send,
 )
 from appliance.gateway.jobs import JOBS
-from appliance.gateway.keys import ADMISSION, METRICS, REQUEST_KEY, STORE, api_key
 from appliance.gateway.parsing import read_json
 from appliance.inference.authentication import authenticate
 from appliance.inference.schemas import parse_body

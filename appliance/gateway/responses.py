@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from appliance.gateway import sse
-from appliance.gateway.keys import SETTINGS, api_key
+from appliance.gateway.appkeys import SETTINGS, api_key
 from appliance.gateway.parsing import read_json
 from appliance.inference.completions import Sink, invalid_output
 from appliance.inference.responses_api import (

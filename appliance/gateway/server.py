@@ -17,8 +17,8 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from appliance.fleet.identity import lan_tls_files
+from appliance.gateway.appkeys import SETTINGS
 from appliance.gateway.front import UPSTREAM_LIMITS, Front, nginx_binary, trust_forwarded
-from appliance.gateway.keys import SETTINGS
 from appliance.packages.cache import blob_dir
 from shared.errors import ErrorCode, error_body
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from appliance.gateway import sse
-from appliance.gateway.keys import REQUEST_ID, api_key
+from appliance.gateway.appkeys import REQUEST_ID, api_key
 from appliance.gateway.middleware import route_label
 from appliance.gateway.parsing import read_json
 from appliance.inference.speech import SpeechService, speech_request

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from appliance.gateway.keys import COMPLETIONS, SETTINGS, STORE, api_key
+from appliance.gateway.appkeys import COMPLETIONS, SETTINGS, STORE, api_key
 from appliance.gateway.middleware import route_label
 from appliance.inference.completions import Completed, Generation, Prepared, Sink, invalid_output
 from appliance.inference.responses import chunk_body, usage

@@ -10,7 +10,7 @@ import time
 
 from aiohttp import web
 
-from hub.keys import NODE_LOGS, SETTINGS, STORE
+from hub.appkeys import NODE_LOGS, SETTINGS, STORE
 from hub.nodelogs import LogQuery, reachable_url
 from shared import protocol
 from shared.errors import ApiError, ErrorCode

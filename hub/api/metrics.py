@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from hub.keys import METRICS, SETTINGS, STORE
+from hub.appkeys import METRICS, SETTINGS, STORE
 from hub.observability.fleet import refresh
 
 

@@ -22,9 +22,7 @@ from collections import Counter
 
 from aiohttp import web
 
-from hub.certificates import NameRefusedError, certify, issuer_name
-from hub.http import Handler, answer, bearer, parse, protocol_header, protocol_version
-from hub.keys import (
+from hub.appkeys import (
     BEATS,
     FORWARDER,
     IDENTITY,
@@ -37,6 +35,8 @@ from hub.keys import (
     STORE,
     TLS,
 )
+from hub.certificates import NameRefusedError, certify, issuer_name
+from hub.http import Handler, answer, bearer, parse, protocol_header, protocol_version
 from hub.planning.quota import Sizing
 from hub.state.store import (
     AlreadyEnrolledError,

@@ -24,9 +24,9 @@ from hub.api.requests import (
     TokenRequest,
     storable,
 )
+from hub.appkeys import LOOPS, OPERATOR, RUNNING, SETTINGS, STORE
 from hub.fleet.objectives import report_view, series_view
 from hub.http import Handler, bearer, parse, query
-from hub.keys import LOOPS, OPERATOR, RUNNING, SETTINGS, STORE
 from hub.loops import report
 from hub.packages import MAX_BUNDLE, keep_bundle
 from hub.state.store import NotFoundError

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from hub.api.requests import ReleaseQuery, RolloutRequest, WindowRequest
+from hub.appkeys import OPERATOR, SETTINGS, STORE
 from hub.http import parse, query
-from hub.keys import OPERATOR, SETTINGS, STORE
 from hub.planning.rollout import STEPS
 from hub.releases import BundleTooLargeError, keep_stream
 from hub.rollouts import begin, rollout_view, take_step

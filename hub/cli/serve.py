@@ -47,8 +47,8 @@ def serve(
     from aiohttp import web  # noqa: PLC0415
 
     from hub.app import create_app, freeze_heap, freezing  # noqa: PLC0415
+    from hub.appkeys import TLS  # noqa: PLC0415
     from hub.identity import overlay_address  # noqa: PLC0415
-    from hub.keys import TLS  # noqa: PLC0415
 
     settings = hub_settings(config_file, data_dir, host=host, port=port)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from hub.appkeys import BEATS, LOOPS, RUNNING, SETTINGS, STORE
 from hub.console import store as sql
 from hub.console.alerts import alert_routes
 from hub.console.auth import LoginThrottle
@@ -24,7 +25,6 @@ from hub.console.web import (
     security_headers,
     templates,
 )
-from hub.keys import BEATS, LOOPS, RUNNING, SETTINGS, STORE
 from hub.loops import running
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hub.keys import NODE_LOGS
+from hub.appkeys import NODE_LOGS
 from hub.nodelogs import LogQuery, reachable_url
 from shared import protocol
 from shared.errors import ApiError

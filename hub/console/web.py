@@ -17,9 +17,9 @@ from urllib.parse import quote
 import jinja2
 from aiohttp import web
 
+from hub.appkeys import SETTINGS, STORE
 from hub.console import store as sql
 from hub.console.auth import SESSION_COOKIE, LoginThrottle, same_origin, same_token, session_hash
-from hub.keys import SETTINGS, STORE
 from hub.state.store import ConflictError, NotFoundError
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from appliance.app import create_app
-from appliance.gateway.keys import REGISTRY
+from appliance.gateway.appkeys import REGISTRY
 from appliance.state.store import Store
 from hub.identity import certificates
 from hub.state.store import open_store

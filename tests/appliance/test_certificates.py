@@ -20,9 +20,9 @@ from appliance.fleet.link import FleetLink
 from appliance.observability.metrics import Metrics
 from appliance.state.store import AsyncStore
 from hub.app import create_app as create_hub
+from hub.appkeys import TLS
 from hub.certificates import Authority, HubTls
 from hub.identity import certificates
-from hub.keys import TLS
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared import pki, protocol

@@ -14,7 +14,7 @@ from openai import AsyncOpenAI
 from pytest_aiohttp import AiohttpClient
 
 from appliance.app import create_app
-from appliance.gateway.keys import EMBEDDINGS, SETTINGS
+from appliance.gateway.appkeys import EMBEDDINGS, SETTINGS
 from appliance.serving.embeddings import DIMENSION, choose_providers
 from appliance.settings import ApplianceSettings
 from appliance.state.store import Store

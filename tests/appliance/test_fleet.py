@@ -17,7 +17,7 @@ from aiohttp import web
 from appliance.app import FLEET
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import enroll
-from appliance.gateway.keys import SETTINGS, STORE
+from appliance.gateway.appkeys import SETTINGS, STORE
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from hub.app import create_app as create_hub

@@ -16,7 +16,7 @@ import pytest
 from wireguard_tools import WireguardKey
 
 from appliance.app import FLEET
-from appliance.gateway.keys import ADMISSION, STORE
+from appliance.gateway.appkeys import ADMISSION, STORE
 from hub.app import create_app as create_hub
 from hub.identity import certificates, ssl_context
 from hub.planning.quota import Budget

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from pytest_aiohttp import AiohttpClient
 
 from appliance.app import create_app
-from appliance.gateway.keys import EMBEDDINGS, REGISTRY, STORE
+from appliance.gateway.appkeys import EMBEDDINGS, REGISTRY, STORE
 from appliance.gateway.openapi import Route, build_openapi
 from appliance.gateway.routes import ROUTES
 from appliance.settings import ApplianceSettings

@@ -22,8 +22,8 @@ from aiohttp import ClientSession, web
 from pytest_aiohttp import AiohttpClient, AiohttpServer
 
 from appliance.app import create_app
+from appliance.gateway.appkeys import ADMISSION, REGISTRY
 from appliance.gateway.jobs import JOBS
-from appliance.gateway.keys import ADMISSION, REGISTRY
 from appliance.settings import ApplianceSettings
 from appliance.state.jobs import JobFinishedError, JobNotFoundError, JobStore, NewItem
 from appliance.state.records import ModelRecord

@@ -8,7 +8,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from appliance.app import create_app
-from appliance.gateway.keys import LOGS
+from appliance.gateway.appkeys import LOGS
 from appliance.observability import logs
 from appliance.observability.logs import LogRing
 from appliance.state.store import Store

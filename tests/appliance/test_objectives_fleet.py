@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from appliance.app import FLEET, create_app
-from appliance.gateway.keys import REGISTRY, STORE
+from appliance.gateway.appkeys import REGISTRY, STORE
 from appliance.state.store import Store
 from hub.app import create_app as create_hub
 from hub.identity import ssl_context

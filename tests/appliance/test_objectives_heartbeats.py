@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from appliance.app import FLEET
-from appliance.gateway.keys import STORE
+from appliance.gateway.appkeys import STORE
 from hub.app import create_app as create_hub
 from hub.identity import ssl_context
 from tests.conftest import free_port

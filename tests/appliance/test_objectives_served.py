@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from appliance.app import create_app
-from appliance.gateway.keys import ADMISSION, REGISTRY, STORE
+from appliance.gateway.appkeys import ADMISSION, REGISTRY, STORE
 from appliance.grpc.proto.kovenlab.edge.v1 import inference_pb2 as pb
 from appliance.grpc.proto.kovenlab.edge.v1 import inference_pb2_grpc as pb_grpc
 from appliance.state.records import ModelRecord

@@ -20,11 +20,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from appliance.app import FLEET
-from appliance.gateway.keys import CERTIFICATE, NODE_ID, STORE, TRACING
+from appliance.gateway.appkeys import CERTIFICATE, NODE_ID, STORE, TRACING
 from appliance.state.records import ModelRecord
 from hub.app import create_app as create_hub
+from hub.appkeys import TRACING as HUB_TRACING
 from hub.identity import ssl_context
-from hub.keys import TRACING as HUB_TRACING
 from hub.planning.offload import NodeLoad, candidates
 from hub.settings import HubSettings
 from hub.state.store import open_store

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from appliance.app import create_app
-from appliance.gateway.keys import EMBEDDINGS, REGISTRY
+from appliance.gateway.appkeys import EMBEDDINGS, REGISTRY
 from appliance.state.store import Store
 from shared.errors import ErrorCode
 from tests.conftest import make_settings

@@ -16,7 +16,7 @@ from xml.etree import ElementTree as ET
 import pytest
 
 from appliance.app import create_app
-from appliance.gateway.keys import REGISTRY
+from appliance.gateway.appkeys import REGISTRY
 from appliance.gateway.packages import PACKAGES
 from appliance.packages.voice import Espeak
 from tests.appliance.test_gateway import auth

@@ -18,7 +18,7 @@ from wireguard_tools import WireguardKey
 
 from appliance.fleet.client import HubClient
 from appliance.fleet.placement import Converger
-from appliance.gateway.keys import REGISTRY
+from appliance.gateway.appkeys import REGISTRY
 from appliance.serving.registry import ModelNotReadyError
 from appliance.state.records import ModelRecord
 from appliance.state.store import AsyncStore, Store

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from appliance.app import FLEET, create_app
-from appliance.gateway.keys import REGISTRY
+from appliance.gateway.appkeys import REGISTRY
 from appliance.state.store import Store
 from hub.alerting.prometheus import rules_yaml, scaled
 from hub.app import create_app as create_hub

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from appliance.app import create_app
-from appliance.gateway.keys import REGISTRY
+from appliance.gateway.appkeys import REGISTRY
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from tests.conftest import make_settings

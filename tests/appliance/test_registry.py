@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance.app import create_app
-from appliance.gateway.keys import REGISTRY
+from appliance.gateway.appkeys import REGISTRY
 from appliance.serving.engine import EngineOptions
 from appliance.serving.registry import Resident, estimate_mb, plan_eviction
 from appliance.state.records import ModelRecord

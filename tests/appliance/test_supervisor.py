@@ -13,7 +13,7 @@ import pytest
 from pytest_aiohttp import AiohttpClient
 
 from appliance.app import create_app
-from appliance.gateway.keys import REGISTRY
+from appliance.gateway.appkeys import REGISTRY
 from appliance.serving.engine import EngineOptions, Finished, GenerationRequest, TextDelta
 from appliance.serving.sampling_options import Sampling
 from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, WorkerUnavailableError

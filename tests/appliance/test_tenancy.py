@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from appliance.app import create_app
-from appliance.gateway.keys import REGISTRY
+from appliance.gateway.appkeys import REGISTRY
 from appliance.gateway.packages import PACKAGES
 from appliance.serving import isolation
 from appliance.state.store import EVERY_ACCOUNT, Store

@@ -14,7 +14,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.sdk.trace import TracerProvider
 
 from appliance.app import create_app
-from appliance.gateway.keys import EMBEDDINGS, REGISTRY, TRACING
+from appliance.gateway.appkeys import EMBEDDINGS, REGISTRY, TRACING
 from appliance.observability.tracing import Tracing
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store

@@ -21,9 +21,9 @@ import hub.fleet.heartbeats
 import hub.fleet.peers
 import hub.reconciler
 from hub.app import create_app
+from hub.appkeys import BEATS, LOOPS, STORE
 from hub.console import store as console_sql
 from hub.fleet.peers import reconcile_peers
-from hub.keys import BEATS, LOOPS, STORE
 from hub.reconciler import FleetSnapshots
 from hub.state.store import (
     AsyncHubStore,

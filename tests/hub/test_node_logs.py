@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from appliance.app import FLEET
-from appliance.gateway.keys import CERTIFICATE, LOGS
+from appliance.gateway.appkeys import CERTIFICATE, LOGS
 from hub.app import create_app
 from hub.identity import ssl_context
 from hub.nodelogs import hub_client_context

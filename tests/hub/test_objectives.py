@@ -19,10 +19,10 @@ import pytest
 from pydantic import ValidationError
 
 from hub.app import create_app
+from hub.appkeys import BEATS, STORE
 from hub.fleet import budgets
 from hub.fleet.heartbeats import COUNTS_A_TURN, Heartbeats
 from hub.fleet.objectives import OTHER_ACCOUNT, Ingested, SloTotals, quantile
-from hub.keys import BEATS, STORE
 from hub.settings import HubSettings
 from hub.state.objectives import FIVE_MINUTES, HOUR, KEPT_S, SloFilters
 from hub.state.store import Heartbeat, HubStore, open_store

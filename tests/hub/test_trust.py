@@ -22,9 +22,9 @@ from cryptography import x509
 from wireguard_tools import WireguardKey
 
 from hub.app import create_app
+from hub.appkeys import STORE
 from hub.certificates import Authority, HubTls
 from hub.identity import certificates
-from hub.keys import STORE
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared import pki, protocol, tls
