@@ -17,10 +17,10 @@ the restore made, never by the archive's own names or modes: a secret is written
 anything else 0644. Anything else is refused with a BackupError that names it. Nothing
 of the target changes until every member has been checked.
 
-Memory stays bounded whatever the archive holds. The tar headers are read here, block by
-block (`_Tar`), not by tarfile, which reads a PAX extended header or a GNU long name whole
-at whatever size its header claims (a few hundred KiB of gzip hold hundreds of MiB of
-one) and follows a chain of them by recursion: an extended header's size is checked
+Memory stays bounded whatever the archive holds. The tar headers are read block by block
+(`shared.tarstream`), not by tarfile, which reads a PAX extended header or a GNU long name
+whole at whatever size its header claims (a few hundred KiB of gzip hold hundreds of MiB
+of one) and follows a chain of them by recursion: an extended header's size is checked
 before its body is read, and so is how many come before one member. The manifest's size
 is checked before it is read, and its nesting as it is parsed (`shared.jsonlimits`).
 """
@@ -46,7 +46,7 @@ from typing import IO, TYPE_CHECKING, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shared import jsonlimits
+from shared import jsonlimits, tarstream
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -324,7 +324,9 @@ def read_archive(
     (raising BackupError), before any other member is read."""
     try:
         # A stream: one pass, members in order, the manifest first.
-        with _Tar.open(archive) as tar:
+        with tarstream.TarStream.open(
+            archive, max_header_bytes=MAX_HEADER_BYTES, max_extended_headers=MAX_EXTENDED_HEADERS
+        ) as tar:
             manifest = _read_manifest(tar, archive, kind, allowed)
             check(manifest)
             free = shutil.disk_usage(staging).free
@@ -339,7 +341,9 @@ def read_archive(
                 member = _admitted(info, expected, seen)
                 _extract(tar, member, staging)
                 seen.add(member.path)
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
+    except tarstream.TarStreamError as err:
+        raise _refused(err, archive) from err
+    except (EOFError, zlib.error, OSError) as err:  # a damaged gzip, or the file's own
         raise BackupError(f"{archive} is not a readable backup: {err}") from err
     missing = sorted(set(expected) - seen)
     if missing:
@@ -351,8 +355,29 @@ def read_archive(
     return manifest
 
 
+def _refused(err: tarstream.TarStreamError, archive: Path) -> BackupError:
+    """What the tar reader refused, in the words a restore has always said it."""
+    if isinstance(err, tarstream.UnreadableError):
+        return BackupError(f"{archive} is not a readable backup: {err}")
+    if isinstance(err, tarstream.ExtendedHeaderTooLargeError):
+        return BackupError(
+            f"{archive}: an extended tar header of {err.size} bytes (refused: a backup's are "
+            f"at most {err.limit})"
+        )
+    if isinstance(err, tarstream.TooManyExtendedHeadersError):
+        return BackupError(
+            f"{archive}: more than {err.limit} extended tar headers before one member "
+            "(refused: a backup has one at most)"
+        )
+    if isinstance(err, tarstream.SparseMemberError):
+        return BackupError(
+            f"{err.name!r} is not a regular file (a sparse one: a backup holds regular files only)"
+        )
+    return BackupError(f"{archive}: {err}")
+
+
 def _read_manifest(
-    tar: _Tar, archive: Path, kind: Kind, allowed: Callable[[str], bool]
+    tar: tarstream.TarStream, archive: Path, kind: Kind, allowed: Callable[[str], bool]
 ) -> Manifest:
     first = tar.next()
     if first is None or first.name != MANIFEST or not _plain(first):
@@ -450,7 +475,7 @@ def _admitted(info: tarfile.TarInfo, expected: dict[str, Member], seen: set[str]
     return member
 
 
-def _extract(tar: _Tar, member: Member, staging: Path) -> None:
+def _extract(tar: tarstream.TarStream, member: Member, staging: Path) -> None:
     """The member's bytes into a file of our own making under `staging`, hashed as they
     are written; BackupError when they do not match the manifest's digest."""
     target = staging.joinpath(*PurePosixPath(member.path).parts)
@@ -472,152 +497,6 @@ def _extract(tar: _Tar, member: Member, staging: Path) -> None:
         os.fsync(fd)
     if digest.hexdigest() != member.sha256:
         raise BackupError(f"{member.path!r} does not match its digest in the manifest")
-
-
-# Headers whose body says something of the member that follows them.
-_EXTENDED = {
-    tarfile.XHDTYPE,
-    tarfile.SOLARIS_XHDTYPE,
-    tarfile.GNUTYPE_LONGNAME,
-    tarfile.GNUTYPE_LONGLINK,
-}
-_BLOCK = tarfile.BLOCKSIZE
-_GZIP_MAGIC = b"\x1f\x8b"
-
-
-class _Tar:
-    """A tar archive (gzipped or not: `write_archive` writes either) read as a stream, one
-    header at a time, with bounded memory. Each header block is parsed by tarfile
-    (`TarInfo.frombuf`, which reads that block alone); the extended headers before a member
-    (PAX, GNU long name and long link) are read here, each one's size checked before its
-    body is read and their number bounded, and a member's bytes are read by the caller, a
-    chunk at a time."""
-
-    def __init__(self, stream: IO[bytes], archive: Path) -> None:
-        self._stream = stream
-        self._archive = archive
-        self._data = 0  # of the current member's bytes, how many are left to read
-        self._padding = 0  # and the zeros that fill its last block
-
-    @classmethod
-    @contextlib.contextmanager
-    def open(cls, archive: Path) -> Iterator[_Tar]:
-        with archive.open("rb") as raw:
-            # By its content, not its name, as tarfile's "r|*" did.
-            if raw.peek(len(_GZIP_MAGIC)).startswith(_GZIP_MAGIC):
-                with gzip.GzipFile(fileobj=raw, mode="rb") as unzipped:
-                    yield cls(cast("IO[bytes]", unzipped), archive)
-            else:
-                yield cls(raw, archive)
-
-    def next(self) -> tarfile.TarInfo | None:
-        """The next member's header, the extended headers before it applied; None at the
-        end of the archive. Whatever of the member before was not read is skipped."""
-        self._skip(self._data + self._padding)
-        self._data = self._padding = 0
-        pax: dict[str, str] = {}
-        long_name = long_link = None
-        for _ in range(MAX_EXTENDED_HEADERS + 1):
-            block = self._exactly(_BLOCK)
-            if not block.strip(b"\0"):  # the end-of-archive block, or the file's end
-                return None
-            if len(block) < _BLOCK:
-                raise BackupError(f"{self._archive} is not a readable backup: it ends in a header")
-            info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
-            if info.type not in _EXTENDED:
-                return self._member(info, pax, long_name, long_link)
-            if not 0 <= info.size <= MAX_HEADER_BYTES:
-                raise BackupError(
-                    f"{self._archive}: an extended tar header of {info.size} bytes (refused: a "
-                    f"backup's are at most {MAX_HEADER_BYTES})"
-                )
-            body = self._exactly(_blocks(info.size))[: info.size]
-            if len(body) < info.size:
-                raise BackupError(f"{self._archive} is not a readable backup: it ends in a header")
-            if info.type == tarfile.GNUTYPE_LONGNAME:
-                long_name = _nts(body)
-            elif info.type == tarfile.GNUTYPE_LONGLINK:
-                long_link = _nts(body)
-            else:
-                pax.update(self._pax_records(body))
-        raise BackupError(
-            f"{self._archive}: more than {MAX_EXTENDED_HEADERS} extended tar headers before one "
-            "member (refused: a backup has one at most)"
-        )
-
-    def read(self, size: int) -> bytes:
-        """Up to `size` more bytes of the current member (fewer only at its end, or at the
-        archive's when it is truncated)."""
-        chunk = self._stream.read(min(size, self._data))
-        self._data -= len(chunk)
-        return chunk
-
-    def _member(
-        self, info: tarfile.TarInfo, pax: dict[str, str], name: str | None, link: str | None
-    ) -> tarfile.TarInfo:
-        info.name = pax.get("path", name if name is not None else info.name)
-        info.linkname = pax.get("linkpath", link if link is not None else info.linkname)
-        if "size" in pax:
-            size = pax["size"]
-            if not size.isascii() or not size.isdigit():
-                raise BackupError(f"{self._archive}: {info.name!r} has a PAX size of {size!r}")
-            info.size = int(size)
-        if any(key.startswith("GNU.sparse.") for key in pax):
-            raise BackupError(
-                f"{info.name!r} is not a regular file (a sparse one: a backup holds regular "
-                "files only)"
-            )
-        if info.size < 0:
-            raise BackupError(f"{self._archive}: {info.name!r} has a size of {info.size}")
-        # What follows a header: a regular file's bytes; nothing else has any we would read.
-        if info.isreg():
-            self._data, self._padding = info.size, _blocks(info.size) - info.size
-        return info
-
-    def _pax_records(self, body: bytes) -> dict[str, str]:
-        """The records of a PAX extended header, `LENGTH KEY=VALUE\\n` each (LENGTH counts
-        the whole record), in one pass."""
-        records: dict[str, str] = {}
-        limit = len(body.rstrip(b"\0"))  # some writers fill the body's end with NULs
-        at = 0
-        while at < limit:
-            space = body.find(b" ", at, at + 20)
-            digits = body[at:space] if space > at else b""
-            end = at + int(digits) if digits.isdigit() else 0
-            # Empty unless the record ends past its length field, within the body.
-            record = body[space + 1 : end - 1] if space + 1 < end <= limit else b""
-            key, equals, value = record.partition(b"=")
-            if not key or not equals or body[end - 1] != ord("\n"):
-                raise BackupError(
-                    f"{self._archive} is not a readable backup: a malformed PAX header"
-                )
-            records[key.decode("utf-8", "surrogateescape")] = value.decode(
-                "utf-8", "surrogateescape"
-            )
-            at = end
-        return records
-
-    def _exactly(self, size: int) -> bytes:
-        """`size` bytes of the stream, fewer only at its end."""
-        chunks = []
-        while size > 0 and (chunk := self._stream.read(size)):
-            chunks.append(chunk)
-            size -= len(chunk)
-        return b"".join(chunks)
-
-    def _skip(self, size: int) -> None:
-        while size > 0 and (chunk := self._stream.read(min(size, _CHUNK))):
-            size -= len(chunk)
-
-
-def _blocks(size: int) -> int:
-    """`size` bytes rounded up to whole tar blocks."""
-    return -(-size // _BLOCK) * _BLOCK
-
-
-def _nts(body: bytes) -> str:
-    """A GNU long name or link: up to its first NUL."""
-    return body.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
 
 
 def occupied(data_dir: Path) -> list[str]:

@@ -5,7 +5,8 @@ The archive holds ``oci-layout``, ``index.json`` and ``blobs/sha256/<hex>``, not
 ``write_layout`` is deterministic (sorted members, fixed owner, mode and time), so the same
 package always makes the same archive and the same digest. ``read_layout`` fails closed:
 any other member, a link, a device, a sparse member, a name that escapes, a duplicate, a
-member that declares more bytes than the archive holds (all refused from the headers,
+member that declares more bytes than the archive holds, an extended tar header larger or
+a chain of them longer than ``shared.tarstream`` reads (all refused from the headers,
 before any member is read), a blob that does not match its name, a size above the limit,
 or an index that names a missing blob raises LayoutError. So does any JSON of the layout
 (``oci-layout``, ``index.json``, a manifest) that is not what the image spec says: nested
@@ -28,7 +29,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from shared import jsonlimits, protocol
+from shared import jsonlimits, protocol, tarstream
 
 LAYOUT = b'{"imageLayoutVersion":"1.0.0"}'
 BUNDLE_MEDIA_TYPE = "application/vnd.oci.image.layout.v1+tar"
@@ -132,12 +133,7 @@ def write_layout(index: dict[str, Any], blobs: dict[str, bytes]) -> bytes:
 def read_layout(data: bytes, *, max_bytes: int) -> Layout:
     if len(data) > max_bytes:
         raise LayoutError(f"the archive is {len(data)} bytes, above the limit of {max_bytes}")
-    try:
-        members = _members(data)
-    except LayoutError:
-        raise
-    except (tarfile.TarError, ValueError, AttributeError) as err:
-        raise LayoutError(f"not a readable OCI layout archive: {err}") from err
+    members = _members(data)
     blobs = {m.group(1): content for name, content in members.items()
              if (m := _BLOB.match(name)) is not None}  # fmt: skip
     try:
@@ -221,24 +217,32 @@ def _members(data: bytes) -> dict[str, bytes]:
     """Every file of the archive by name, each blob checked against its name.
 
     Every header is checked before any member is read: an archive with one bad member is
-    refused without a byte of another decompressed, copied or hashed."""
-    members: dict[str, bytes] = {}
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-        files: dict[str, tarfile.TarInfo] = {}
-        # getmembers() reads headers only, seeking past each member's data.
-        for member in tar.getmembers():
+    refused without a byte of another copied or hashed. The headers are read by
+    ``shared.tarstream``, not by tarfile, whose PAX parsing on this Python takes time
+    quadratic in a header's length (CVE-2024-6232) and which reads an extended header
+    whole at whatever size it claims."""
+    files: dict[str, tarfile.TarInfo] = {}
+    try:
+        # The headers alone: the reader skips each member's bytes.
+        reader = tarstream.TarStream(io.BytesIO(data))
+        while (member := reader.next()) is not None:
             if not _admitted(member, len(data)):
                 continue
             name = member.name.removeprefix("./")
             if name in files:
                 raise LayoutError(f"{name} appears twice")
             files[name] = member
-        for name, member in files.items():
-            blob = _BLOB.match(name)
-            content = _read(tar, member)
-            if blob is not None and hashlib.sha256(content).hexdigest() != blob.group(1):
-                raise LayoutError(f"{name} does not match its digest")
-            members[name] = content
+    except tarstream.SparseMemberError as err:
+        raise LayoutError(f"{err.name.removeprefix('./')}: a sparse member") from err
+    except tarstream.TarStreamError as err:
+        raise LayoutError(f"not a readable OCI layout archive: {err}") from err
+    members: dict[str, bytes] = {}
+    for name, member in files.items():
+        blob = _BLOB.match(name)
+        content = _read(data, member)
+        if blob is not None and hashlib.sha256(content).hexdigest() != blob.group(1):
+            raise LayoutError(f"{name} does not match its digest")
+        members[name] = content
     return members
 
 
@@ -251,8 +255,9 @@ def _admitted(member: tarfile.TarInfo, archive_bytes: int) -> bool:
         raise LayoutError(f"{name!r}: a name that escapes the layout")
     # isfile() is True for GNU sparse members, whose holes read back as zeros: a few
     # bytes of archive could stand for terabytes. Only plain files and the layout's own
-    # directories belong here.
-    if member.issparse():
+    # directories belong here. The reader refuses PAX sparse members itself, and returns an
+    # old GNU one (type S) without its map: issparse() is False for it.
+    if member.issparse() or member.type == tarfile.GNUTYPE_SPARSE:
         raise LayoutError(f"{name}: a sparse member")
     if member.islnk() or member.issym():
         raise LayoutError(f"{name}: a link (only regular files belong in a layout)")
@@ -274,11 +279,10 @@ def _admitted(member: tarfile.TarInfo, archive_bytes: int) -> bool:
     return True
 
 
-def _read(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
-    handle = tar.extractfile(member)
-    if handle is None:
-        raise LayoutError(f"{member.name} cannot be read")
-    return handle.read()
+def _read(data: bytes, member: tarfile.TarInfo) -> bytes:
+    """A member's bytes, where its header put them (``_admitted`` checked they lie in the
+    archive)."""
+    return data[member.offset_data : member.offset_data + member.size]
 
 
 def _canonical(document: dict[str, Any]) -> bytes:

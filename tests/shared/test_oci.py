@@ -5,12 +5,15 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import subprocess
+import sys
 import tarfile
-from typing import IO
 
 import pytest
 
+from shared import oci
 from shared.oci import LayoutError, package_summary, read_layout, write_layout
+from tests.conftest import REPO
 from tests.shared.oci_shapes import INDEX, SHAPES, package_archive, rewrap
 
 CONFIG = b"{}"
@@ -193,13 +196,13 @@ def test_a_hostile_member_is_refused_before_any_member_is_read(
     member, reason = HOSTILE[case]
     data = _archive(member)
     read: list[str] = []
-    extractfile = tarfile.TarFile.extractfile
+    read_member = oci._read
 
-    def spy(self: tarfile.TarFile, member: str | tarfile.TarInfo) -> IO[bytes] | None:
-        read.append(member if isinstance(member, str) else member.name)
-        return extractfile(self, member)
+    def spy(data: bytes, member: tarfile.TarInfo) -> bytes:
+        read.append(member.name)
+        return read_member(data, member)
 
-    monkeypatch.setattr(tarfile.TarFile, "extractfile", spy)
+    monkeypatch.setattr(oci, "_read", spy)
     with pytest.raises(LayoutError, match=reason):
         read_layout(data, max_bytes=1 << 20)
     assert read == [], "members were read before the hostile one was refused"
@@ -253,3 +256,104 @@ def test_a_manifest_of_the_wrong_shape_names_what_is_wrong(manifest: bytes, reas
         {"digest": f"sha256:{_hex(manifest)}", "size": len(manifest)}]}  # fmt: skip
     with pytest.raises(LayoutError, match=reason):
         read_layout(write_layout(index, blobs | {_hex(manifest): manifest}), max_bytes=1 << 20)
+
+
+# -- CVE-2024-6232: a PAX header tarfile parses in quadratic time ------------------------------
+
+# The reproducer's shape: a PAX header that is one long run of digits. Python before 3.11.10
+# (this project runs 3.11.7) looks for a `hdrcharset` record in it with a regular expression
+# that backtracks from every digit to the end of the run: time quadratic in the header.
+# Measured on 3.11.7 with tarfile reading the archive: 16 KiB of digits 0.56 s, 32 KiB
+# 2.1 s, 64 KiB 8.5 s, each header; the archives below hold 25 headers of 64 KiB (the most
+# shared.tarstream reads of one) and took tarfile 227 s ("digits") and 232 s ("comment") of
+# CPU, both read as good; here, read_layout takes 0.2 ms and 4 ms, and the whole process,
+# Python's start included, 0.4 s. With tarfile, each test's process is killed at 20 s.
+PAX_BYTES = 64 << 10
+EXTRA_BLOBS = 20
+CPU_SECONDS = 20
+# The read in a process of its own, its CPU time bounded: a reader that takes minutes is
+# killed (SIGXCPU) instead of holding the test run for them.
+BOUNDED_READ = f"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+resource.setrlimit(resource.RLIMIT_CPU, ({CPU_SECONDS}, {CPU_SECONDS} + 1))
+from shared.oci import LayoutError, read_layout
+try:
+    layout = read_layout(sys.stdin.buffer.read(), max_bytes=1 << 30)
+except LayoutError as err:
+    print("refused:", err)
+else:
+    print("read:", len(layout.blobs), "blobs")
+"""
+
+
+def _pax(body: bytes) -> bytes:
+    info = tarfile.TarInfo("././@PaxHeader")
+    info.type, info.size = tarfile.XHDTYPE, len(body)
+    return info.tobuf(tarfile.USTAR_FORMAT) + _padded(body)
+
+
+def _pax_record(key: str, value: str) -> bytes:
+    """`LENGTH KEY=VALUE\\n`, LENGTH counting the whole record."""
+    rest = f" {key}={value}\n".encode()
+    length = len(rest) + 1
+    while len(str(length)) + len(rest) != length:
+        length += 1
+    return str(length).encode() + rest
+
+
+def _each_after(body: bytes) -> tuple[bytes, int]:
+    """A layout of 25 members, each after a PAX header of `body`; how many blobs it holds."""
+    index, blobs = _layout()
+    blobs |= {_hex(b): b for b in (f"extra blob {i}".encode() for i in range(EXTRA_BLOBS))}
+    valid = write_layout(index, blobs)
+    with tarfile.open(fileobj=io.BytesIO(valid)) as tar:
+        spans = [(m.offset, m.offset_data + len(_padded(b"x" * m.size))) for m in tar]
+    parts = [_pax(body) + valid[start:end] for start, end in spans]
+    return b"".join(parts) + b"\0" * (2 * tarfile.BLOCKSIZE), len(blobs)
+
+
+def _digits() -> bytes:
+    return b"1" * PAX_BYTES
+
+
+def _comment() -> bytes:
+    # A well-formed record whose value is the run: a comment, which a reader ignores.
+    record = _pax_record("comment", "1" * (PAX_BYTES - 15))
+    assert len(record) == PAX_BYTES
+    return record
+
+
+def _bounded_read(data: bytes) -> str:
+    ran = subprocess.run(
+        [sys.executable, "-c", BOUNDED_READ],
+        input=data, capture_output=True, cwd=REPO, timeout=300, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 0, (
+        f"the read ended with {ran.returncode} (killed past {CPU_SECONDS} s of CPU?): "
+        f"{ran.stderr.decode()[-500:]}"
+    )
+    return ran.stdout.decode()
+
+
+def test_a_pax_header_of_the_cve_2024_6232_shape_is_refused_fast() -> None:
+    data, _ = _each_after(_digits())
+    assert len(data) < 2 << 20
+    refused = _bounded_read(data)
+    assert refused.startswith("refused: not a readable OCI layout archive: a malformed PAX")
+
+
+def test_a_well_formed_pax_header_of_that_shape_is_read_as_fast() -> None:
+    """The same run of digits as a comment's value, which a PAX reader must accept: the
+    archive reads whole, as fast."""
+    data, blobs = _each_after(_comment())
+    assert _bounded_read(data) == f"read: {blobs} blobs\n"
+
+
+def test_a_pax_header_past_the_readers_limit_is_refused_by_the_size_it_claims() -> None:
+    # The run of digits at 1 MiB: tarfile would take 256 times 64 KiB's 8.5 s, half an hour
+    # (quadratic; not measured). Its size is refused before a byte of it is read.
+    data = _archive(_pax(b"1" * (1 << 20)) + _lying(BLOB_NAME, b"x", 1))
+    assert _bounded_read(data).startswith(
+        "refused: not a readable OCI layout archive: an extended tar header of 1048576 bytes"
+    )
