@@ -58,9 +58,10 @@ async def appliance(
 
 
 async def streamed(
-    client: Client, key: str, prompt: str, max_tokens: int
+    client: Client, key: str, prompt: str, max_tokens: int, text: asyncio.Event | None = None
 ) -> tuple[int, float | None, Any, dict[str, str]]:
-    """(status, seconds to the first text chunk, the last JSON seen, headers)."""
+    """(status, seconds to the first text chunk, the last JSON seen, headers); ``text`` is
+    set when the first text chunk arrives."""
     started = time.monotonic()
     response = await client.post(
         "/v1/completions",
@@ -85,6 +86,8 @@ async def streamed(
         last = json.loads(line[6:])
         if first is None and any(c.get("text") for c in last.get("choices", [])):
             first = time.monotonic() - started
+            if text is not None:
+                text.set()
     return 200, first, last, dict(response.headers)
 
 
@@ -171,10 +174,13 @@ async def test_s2_arriving_preempts_running_s0_work_which_still_completes(
     aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
 ) -> None:
     client, keys = await appliance(aiohttp_client, tmp_path, default_model, {}, n_slots=1)
+    generating = asyncio.Event()
     background = asyncio.create_task(
-        streamed(client, keys[ServiceClass.S0], "A long tale of a river and its town", 300)
-    )
-    await asyncio.sleep(1.0)  # S0 holds the only slot and is generating
+        streamed(client, keys[ServiceClass.S0], "A long tale of a river and its town", 300,
+                 generating)
+    )  # fmt: skip
+    async with asyncio.timeout(120):  # S0 holds the only slot and is generating
+        await generating.wait()
     status, ttft, _last, _ = await streamed(client, keys[ServiceClass.S2], "The capital of", 4)
     assert status == 200
     assert ttft is not None
