@@ -248,7 +248,10 @@ async def test_a_node_without_an_updater_halts_the_release_at_once(fleet: Fleet)
     assert "node n3: failed to update: this node has no image updater" in view["reason"]
     # Resumed: the node is judged again, and halts it again while it says the same.
     status, view = await fleet.call("POST", f"/v1/admin/rollouts/{view['id']}/resume")
-    assert (status, view["state"]) == (200, "running")
+    # The answer is the rollout just after the resume: running, or halted again already
+    # when a round of the loop (every 0.05 s here) judged the node before it was read.
+    assert status == 200, view
+    assert view["state"] in {"running", "halted"}, view
     await until(lambda: _halted(fleet, view["id"]), "halted again")
 
 
