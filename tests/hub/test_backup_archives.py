@@ -24,6 +24,7 @@ from hub.state.store import open_store
 from shared.backup import MAX_HEADER_BYTES, BackupError, occupied
 from tests.conftest import REPO, kvl
 from tests.hubs import settings_for
+from tests.tarballs import pax_record
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -271,15 +272,6 @@ def _header(kind: bytes, size: int) -> bytes:
     return info.tobuf(format=tarfile.USTAR_FORMAT)
 
 
-def _pax_record(key: str, value: str) -> bytes:
-    """`LENGTH KEY=VALUE\\n`, LENGTH counting the whole record."""
-    rest = f" {key}={value}\n".encode()
-    length = len(rest) + 1
-    while len(str(length)) + len(rest) != length:
-        length += 1
-    return str(length).encode() + rest
-
-
 def _genuine_tar(tmp_path: Path, genuine: Parts) -> bytes:
     manifest, members = genuine
     return forge(tmp_path / "genuine-again.tar", manifest, [*members]).read_bytes()
@@ -366,7 +358,7 @@ def test_an_extended_header_is_refused_by_the_size_it_claims(tmp_path: Path, hea
 
 def test_a_chain_of_extended_headers_is_refused(tmp_path: Path, genuine: Parts) -> None:
     # tarfile follows such a chain by recursion: 10,000 ended in a RecursionError.
-    record = _pax_record("comment", "x")
+    record = pax_record("comment", "x")
     block = _header(tarfile.XHDTYPE, len(record)) + record.ljust(tarfile.BLOCKSIZE, b"\0")
     archive = tmp_path / "chain.tar"
     archive.write_bytes(block * 10_000 + _genuine_tar(tmp_path, genuine))

@@ -15,6 +15,7 @@ from shared import oci
 from shared.oci import LayoutError, package_summary, read_layout, write_layout
 from tests.conftest import REPO
 from tests.shared.oci_shapes import INDEX, SHAPES, package_archive, rewrap
+from tests.tarballs import pax_record
 
 CONFIG = b"{}"
 LAYER = b"hello, layer"
@@ -293,15 +294,6 @@ def _pax(body: bytes) -> bytes:
     return info.tobuf(tarfile.USTAR_FORMAT) + _padded(body)
 
 
-def _pax_record(key: str, value: str) -> bytes:
-    """`LENGTH KEY=VALUE\\n`, LENGTH counting the whole record."""
-    rest = f" {key}={value}\n".encode()
-    length = len(rest) + 1
-    while len(str(length)) + len(rest) != length:
-        length += 1
-    return str(length).encode() + rest
-
-
 def _each_after(body: bytes) -> tuple[bytes, int]:
     """A layout of 25 members, each after a PAX header of `body`; how many blobs it holds."""
     index, blobs = _layout()
@@ -319,7 +311,7 @@ def _digits() -> bytes:
 
 def _comment() -> bytes:
     # A well-formed record whose value is the run: a comment, which a reader ignores.
-    record = _pax_record("comment", "1" * (PAX_BYTES - 15))
+    record = pax_record("comment", "1" * (PAX_BYTES - 15))
     assert len(record) == PAX_BYTES
     return record
 

@@ -20,6 +20,7 @@ from shared.tarstream import (
     TooManyExtendedHeadersError,
     UnreadableError,
 )
+from tests.tarballs import pax_record
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -37,15 +38,6 @@ def _archive(fmt: int) -> bytes:
                 info.pax_headers = {"comment": "é=ü\n"}
             tar.addfile(info, io.BytesIO(data))
     return out.getvalue()
-
-
-def _record(key: str, value: str) -> bytes:
-    """`LENGTH KEY=VALUE\\n`, LENGTH counting the whole record."""
-    rest = f" {key}={value}\n".encode()
-    length = len(rest) + 1
-    while len(str(length)) + len(rest) != length:
-        length += 1
-    return str(length).encode() + rest
 
 
 def _pax(body: bytes) -> bytes:
@@ -96,13 +88,13 @@ def test_open_reads_gzip_or_plain_by_content(tmp_path: Path) -> None:
 
 
 def test_the_limits_are_the_callers() -> None:
-    body = _record("comment", "x" * 1000)
+    body = pax_record("comment", "x" * 1000)
     data = _pax(body) + _file("member")
     assert TarStream(io.BytesIO(data), max_header_bytes=len(body)).next() is not None
     with pytest.raises(ExtendedHeaderTooLargeError) as refused:
         TarStream(io.BytesIO(data), max_header_bytes=len(body) - 1).next()
     assert (refused.value.size, refused.value.limit) == (len(body), len(body) - 1)
-    chain = _pax(_record("comment", "x")) * 3 + _file("member")
+    chain = _pax(pax_record("comment", "x")) * 3 + _file("member")
     assert TarStream(io.BytesIO(chain), max_extended_headers=3).next() is not None
     with pytest.raises(TooManyExtendedHeadersError, match="more than 2 extended tar headers"):
         TarStream(io.BytesIO(chain), max_extended_headers=2).next()
@@ -133,7 +125,7 @@ def test_a_damaged_archive_is_unreadable(data: bytes, reason: str) -> None:
 def test_a_pax_size_past_what_int_converts_is_refused(tmp_path: Path) -> None:
     # Python refuses to convert a number of over 4,300 digits with a ValueError of its own,
     # which a restore did not catch: it ended in a traceback.
-    data = _pax(_record("size", "9" * 5000)) + _file(backup.MANIFEST)
+    data = _pax(pax_record("size", "9" * 5000)) + _file(backup.MANIFEST)
     with pytest.raises(TarStreamError, match="has a PAX size of '9999") as refused:
         TarStream(io.BytesIO(data)).next()
     assert len(str(refused.value)) < 200
