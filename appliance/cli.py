@@ -268,20 +268,23 @@ def models_list(config_file: Path | None, data_dir: Path | None, as_json: bool) 
 def models_add(
     config_file: Path | None, data_dir: Path | None, path: Path, name: str, version: str
 ) -> None:
-    """Register a GGUF file by path (sha256 recorded; checked at every load)."""
-    from appliance.serving.catalog import ModelFileError, register_gguf  # noqa: PLC0415
+    """Register a GGUF file, or a model script, by path (sha256 recorded; checked at every
+    load)."""
+    from appliance.serving.catalog import ModelFileError, register_file  # noqa: PLC0415
 
     if "@" in name or "@" in version:
         raise click.BadParameter("names and versions cannot contain '@'")
     store = _store(_settings(config_file, data_dir))
     try:
-        record = register_gguf(store, path, name, version)
+        record = register_file(store, path, name, version)
     except (ModelFileError, ConflictError) as err:
         raise click.ClickException(str(err)) from err
     finally:
         store.close()
-    quantization = record.quantization or "unknown quantization"
-    click.echo(f"registered {record.ref} ({quantization}, sha256 {record.sha256})")
+    kind = "a scripted model" if record.format == "script" else record.quantization
+    click.echo(
+        f"registered {record.ref} ({kind or 'unknown quantization'}, sha256 {record.sha256})"
+    )
 
 
 @appliance.command()

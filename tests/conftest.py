@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import socket
 import subprocess
@@ -22,7 +23,7 @@ from pytest_aiohttp import AiohttpClient
 
 from appliance.app import create_app
 from appliance.gateway.appkeys import EMBEDDINGS, REGISTRY
-from appliance.serving.catalog import ensure_default_model
+from appliance.serving.catalog import ensure_default_model, register_file
 from appliance.serving.progress import ProgressBar
 from appliance.settings import ApplianceSettings
 from appliance.state.records import ModelRecord
@@ -53,6 +54,33 @@ def _forget_built_middlewares() -> Iterator[None]:
 
 def _quiet_progress(label: str, total: int) -> ProgressBar:
     return ProgressBar(label, total, stream=io.StringIO())
+
+
+# The scripted model (appliance/serving/scripted.py) that the `settings` and `client` fixtures
+# serve: the whole appliance (gateway, scheduler, a worker process) with no weights, for
+# every test whose subject is not the model.
+SCRIPTED = "scripted"
+SCRIPT = {
+    "kvl_script": 1,
+    "reply": "Hello from the scripted model.",
+    "rules": [{"contains": "ping", "reply": "pong"}, {"contains": "JSON", "reply": '{"ok": true}'}],
+}
+
+
+def write_script(path: Path, **changes: object) -> Path:
+    path.write_text(json.dumps({**SCRIPT, **changes}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def scripted_model(tmp_path_factory: pytest.TempPathFactory) -> ModelRecord:
+    """The scripted model's record (its file in a session folder)."""
+    base = tmp_path_factory.mktemp("scripted-model")
+    store = Store(base / "catalog.db")
+    try:
+        return register_file(store, write_script(base / "scripted.json"), SCRIPTED, "1")
+    finally:
+        store.close()
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +114,17 @@ def make_settings(data_dir: Path, **sections: dict[str, object]) -> ApplianceSet
 
 
 @pytest.fixture
-def settings(tmp_path: Path, default_model: ModelRecord) -> ApplianceSettings:
+def settings(tmp_path: Path, scripted_model: ModelRecord) -> ApplianceSettings:
+    """Settings for an in-process appliance that serves the scripted model (for chat too)."""
+    s = make_settings(tmp_path / "data", model={"default": SCRIPTED, "chat_default": SCRIPTED})
+    store = Store(s.db_path)
+    store.add_model(scripted_model)
+    store.close()
+    return s
+
+
+@pytest.fixture
+def model_settings(tmp_path: Path, default_model: ModelRecord) -> ApplianceSettings:
     """Settings for an in-process appliance whose store already knows the default model."""
     s = make_settings(tmp_path / "data")
     store = Store(s.db_path)
@@ -96,8 +134,10 @@ def settings(tmp_path: Path, default_model: ModelRecord) -> ApplianceSettings:
 
 
 @pytest.fixture
-def api_key(settings: ApplianceSettings) -> str:
-    store = Store(settings.db_path)
+def api_key(tmp_path: Path) -> str:
+    """A key in the store of the appliance that `settings` or `model_settings` describe (both
+    keep their data in the test's `data` folder)."""
+    store = Store(make_settings(tmp_path / "data").db_path)
     try:
         return store.create_key("tester").plaintext
     finally:
@@ -106,7 +146,18 @@ def api_key(settings: ApplianceSettings) -> str:
 
 @pytest.fixture
 async def client(aiohttp_client: AiohttpClient, settings: ApplianceSettings) -> Client:
-    """An in-process appliance (real aiohttp server on loopback) with the models loaded."""
+    """An in-process appliance (real aiohttp server on loopback) serving the scripted model,
+    and the embedding model, loaded."""
+    return await _started(aiohttp_client, settings)
+
+
+@pytest.fixture
+async def model_client(aiohttp_client: AiohttpClient, model_settings: ApplianceSettings) -> Client:
+    """An in-process appliance with the real default model (and the embedding model) loaded."""
+    return await _started(aiohttp_client, model_settings)
+
+
+async def _started(aiohttp_client: AiohttpClient, settings: ApplianceSettings) -> Client:
     app = create_app(settings)
     test_client = await aiohttp_client(app)
     await app[REGISTRY].wait_loaded()

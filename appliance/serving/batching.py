@@ -32,25 +32,26 @@ import logging
 import queue
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import llama_cpp
 
+from appliance.serving import devices
 from appliance.serving import prefix as px
 from appliance.serving import scheduler as sched
 from appliance.serving.catalog import verify
 from appliance.serving.engine import (
+    Emit,
     EngineOptions,
-    Event,
     Failed,
     Finished,
     GenerationRequest,
+    Job,
+    LlamaVocabulary,
     SlotChange,
     TextDelta,
     TokenLogprob,
-    Vocabulary,
     default_threads,
 )
 from appliance.serving.sampling import Sampler, logits_at, token_logprobs
@@ -58,14 +59,13 @@ from appliance.serving.text import TextAssembler
 
 if TYPE_CHECKING:
     import threading
+    from collections.abc import Callable
 
     import numpy as np
 
     from appliance.state.records import ModelRecord
 
 log = logging.getLogger(__name__)
-
-Emit = Callable[[Event | Failed | SlotChange], None]
 
 
 def _nothing() -> None:
@@ -91,13 +91,6 @@ class _Sequence:
     pending: list[TokenLogprob] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Job:
-    request: GenerationRequest
-    emit: Emit
-    cancel: threading.Event
-
-
 class BatchEngine:
     """One model, ``n_slots`` sequences at a time. Blocking; owns its thread's llama.cpp state."""
 
@@ -105,7 +98,7 @@ class BatchEngine:
         self.record = record
         self.options = options
         self.jobs: queue.Queue[Job | None] = queue.Queue()
-        self.vocab: Vocabulary | None = None
+        self.vocab: LlamaVocabulary | None = None
         self._model: Any = None
         self._ctx: Any = None
         self._batch: Any = None
@@ -188,7 +181,7 @@ class BatchEngine:
             llama_cpp.llama_model_free(model)
             raise RuntimeError("llama.cpp could not create a context")
         self._model, self._ctx = model, ctx
-        self.vocab = Vocabulary.of_model(model, self.record)
+        self.vocab = LlamaVocabulary.of_model(model, self.record)
         self._memory = llama_cpp.llama_get_memory(ctx)
         # Two sequence ids per token at most: a builder's slot and the store.
         self._batch = llama_cpp.llama_batch_init(o.n_batch, 0, 2)
@@ -217,6 +210,10 @@ class BatchEngine:
         if self._model is not None:
             llama_cpp.llama_model_free(self._model)
             self._model = None
+
+    def layout(self) -> devices.DeviceLayout:
+        """Where the model's layers run."""
+        return devices.layout(self.options.n_gpu_layers)
 
     @property
     def running(self) -> int:

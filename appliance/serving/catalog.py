@@ -191,23 +191,35 @@ def _assemble(model: EmbeddedModel, target: Path, progress: Progress) -> str:
     return digest.hexdigest()
 
 
-def register_gguf(store: Store, path: Path, name: str, version: str) -> ModelRecord:
-    """Register a GGUF file by path (it stays where it is; its sha256 is recorded)."""
+def register_file(store: Store, path: Path, name: str, version: str) -> ModelRecord:
+    """Register a model file by path (it stays where it is; its sha256 is recorded): a GGUF
+    file, or a model script (appliance.serving.scripted)."""
+    from appliance.serving import scripted  # noqa: PLC0415 - a worker never registers
+
     path = path.resolve()
     if not path.is_file():
         raise ModelFileError(f"{path} is not a file")
-    try:
-        info = read_gguf(path)
-    except GGUFError as err:
-        raise ModelFileError(str(err)) from err
+    quantization: str | None = None
+    if scripted.is_script(path):
+        try:
+            scripted.Script.read(path)
+        except scripted.ScriptError as err:
+            raise ModelFileError(str(err)) from err
+        model_format = scripted.FORMAT
+    else:
+        try:
+            quantization = read_gguf(path).quantization
+        except GGUFError as err:
+            raise ModelFileError(str(err)) from err
+        model_format = "gguf"
     record = ModelRecord(
         name=name,
         version=version,
-        format="gguf",
+        format=model_format,
         path=str(path),
         sha256=sha256_file(path),
         size_bytes=path.stat().st_size,
-        quantization=info.quantization,
+        quantization=quantization,
         source=f"file:{path}",
         added_at=_now_iso(),
     )

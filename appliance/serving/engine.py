@@ -1,7 +1,9 @@
 """What a generation is, on both sides of the worker boundary: requests, events, runs.
 
 Also the model's :class:`Vocabulary` (tokenizer, token pieces, chat template), which the
-gateway loads without weights and the worker uses for decoding. The decoding itself is in
+gateway loads without weights and the worker uses for decoding: a GGUF model's is
+:class:`LlamaVocabulary`, a scripted model's (appliance.serving.scripted) its bytes. The
+decoding itself is in
 appliance.serving.batching; llama-cpp-python's high-level ``create_completion`` is not
 used: it cannot report a grammar that fails to compile (it would hand llama.cpp a NULL
 sampler), counts no tokens while streaming, and measures no first-token time.
@@ -13,9 +15,10 @@ import ctypes
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from appliance.serving.chat import select_template
 from appliance.serving.gguf import GGUFInfo, read_gguf
@@ -23,8 +26,8 @@ from appliance.serving.sampling_options import Sampling
 
 if TYPE_CHECKING:
     import asyncio
-    from collections.abc import Callable
 
+    from appliance.serving.chat import ChatTemplate
     from appliance.state.records import ModelRecord
 
 log = logging.getLogger(__name__)
@@ -114,6 +117,19 @@ class SlotChange:
     holds: bool
 
 
+Emit = Callable[[Event | Failed | SlotChange], None]
+
+
+@dataclass(frozen=True)
+class Job:
+    """A generation handed to a worker's engine: its events go to ``emit`` (on the engine's
+    thread); ``cancel`` set stops it at its next token."""
+
+    request: GenerationRequest
+    emit: Emit
+    cancel: threading.Event
+
+
 class Run:
     """One submitted generation: an async iterator of its events, ending with Finished.
 
@@ -189,7 +205,29 @@ class EngineOptions:
     preemption: bool = True
 
 
-class Vocabulary:
+class Vocabulary(Protocol):
+    """What the gateway needs of a model's vocabulary: prompts to tokens, tokens to text."""
+
+    n_vocab: int
+    chat_template: ChatTemplate
+
+    def tokenize(self, text: str, *, chat: bool) -> list[int]: ...
+
+    def piece(self, token: int, *, special: bool = False) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+def load_vocabulary(record: ModelRecord) -> Vocabulary:
+    """The vocabulary of a registered model, by its format. Blocking."""
+    if record.format == "script":
+        from appliance.serving.scripted import ByteVocabulary  # noqa: PLC0415
+
+        return ByteVocabulary.load(record)
+    return LlamaVocabulary.load(record)
+
+
+class LlamaVocabulary:
     """A model's tokenizer and chat template, from its GGUF vocabulary.
 
     The gateway loads one with ``vocab_only`` (no weights) so it can render chat templates
@@ -211,7 +249,7 @@ class Vocabulary:
         self.chat_template = select_template(info.chat_template, info.architecture, bos, eos)
 
     @classmethod
-    def load(cls, record: ModelRecord) -> Vocabulary:
+    def load(cls, record: ModelRecord) -> LlamaVocabulary:
         """The vocabulary alone (no weights), through llama.cpp's C API as the worker loads
         its model: llama-cpp-python's ``Llama`` would bring the package's high-level half
         into the gateway (numpy, diskcache: see appliance/serving/llama_package.py).
@@ -242,7 +280,7 @@ class Vocabulary:
         return cls(llama_cpp.llama_model_get_vocab(model), read_gguf(Path(record.path)), release)
 
     @classmethod
-    def of_model(cls, model: Any, record: ModelRecord) -> Vocabulary:
+    def of_model(cls, model: Any, record: ModelRecord) -> LlamaVocabulary:
         """The vocabulary of a model loaded whole (`llama_model_load_from_file`), which
         must outlive it. Blocking (reads the file's header)."""
         import llama_cpp  # noqa: PLC0415

@@ -58,6 +58,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# What a model worker runs (appliance.serving.worker's `engine_for`).
+WORKER_FORMATS = frozenset({"gguf", "script"})
+
+
 def _rank(level: IsolationLevel) -> int:
     return level.rank
 
@@ -454,9 +458,10 @@ class ModelRegistry:
     async def _deploy(self, record: ModelRecord, *, replicas: int, pinned: bool) -> LoadedModel:
         """Reserve memory (unloading idle models if needed) and start loading. Returns at
         once with the deployment loading; its ``loaded`` event says when it is done."""
-        if record.format != "gguf":
+        if record.format not in WORKER_FORMATS:
             raise ModelNotReadyError(
-                f"model {record.ref} is {record.format}; only GGUF models run in workers",
+                f"model {record.ref} is {record.format}; only GGUF models and model scripts "
+                "run in workers",
                 failed=True,
             )
         async with self._lock:

@@ -34,6 +34,7 @@ from appliance.serving.engine import (
     QueueFullError,
     Run,
     Vocabulary,
+    load_vocabulary,
 )
 from appliance.serving.predictor import InFlight
 from appliance.serving.sampling_options import GrammarError
@@ -161,7 +162,7 @@ class Replica:
 
     async def start(self) -> None:
         """Load the vocabulary, start the worker and wait until it has loaded the model."""
-        self.vocab = await asyncio.to_thread(Vocabulary.load, self.record)
+        self.vocab = await asyncio.to_thread(load_vocabulary, self.record)
         self._task = asyncio.create_task(self._supervise(), name=f"kvl-supervise-{self.record.ref}")
         ready = asyncio.create_task(self._ready.wait())
         done, _ = await asyncio.wait(

@@ -20,19 +20,34 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from appliance.serving import devices, ipc
-from appliance.serving.batching import BatchEngine, Job
-from appliance.serving.engine import EngineOptions, Event, Failed, Finished, SlotChange
+from appliance.serving import ipc
+from appliance.serving.engine import EngineOptions, Event, Failed, Finished, Job, SlotChange
 from appliance.serving.sampling_options import GrammarError
 from appliance.state.records import ModelRecord
+
+if TYPE_CHECKING:
+    from appliance.serving.batching import BatchEngine
+    from appliance.serving.scripted import ScriptedEngine
 
 log = logging.getLogger("kvl.worker")
 
 
+def engine_for(record: ModelRecord, options: EngineOptions) -> BatchEngine | ScriptedEngine:
+    """The engine of the record's format: llama.cpp's continuous batching for GGUF, the
+    script for a scripted model (which then never imports llama.cpp)."""
+    if record.format == "script":
+        from appliance.serving.scripted import ScriptedEngine  # noqa: PLC0415
+
+        return ScriptedEngine(record, options)
+    from appliance.serving.batching import BatchEngine  # noqa: PLC0415
+
+    return BatchEngine(record, options)
+
+
 class Worker:
-    def __init__(self, engine: BatchEngine, heartbeat_s: float) -> None:
+    def __init__(self, engine: BatchEngine | ScriptedEngine, heartbeat_s: float) -> None:
         self.engine = engine
         self.heartbeat_s = heartbeat_s
         self.cancels: dict[str, threading.Event] = {}
@@ -151,7 +166,7 @@ def main() -> None:
     with contextlib.suppress(OSError):  # a process may always lower its priority
         os.nice(options.worker_nice)
     record = ModelRecord(**spec["record"])
-    engine = BatchEngine(record, options)
+    engine = engine_for(record, options)
     engine.load()
     worker = Worker(engine, float(spec.get("heartbeat_s", 1.0)))
     worker.send(
@@ -159,7 +174,7 @@ def main() -> None:
             "type": "ready",
             "pid": os.getpid(),
             "model": record.ref,
-            "placement": devices.layout(engine.options.n_gpu_layers).to_json(),
+            "placement": engine.layout().to_json(),
         }
     )
     threading.Thread(target=worker.heartbeat_forever, name="kvl-heartbeat", daemon=True).start()

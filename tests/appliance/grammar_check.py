@@ -20,13 +20,13 @@ import numpy as np
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from appliance.serving.engine import Vocabulary
+    from appliance.serving.engine import LlamaVocabulary
 
 _TOKEN_DATA = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)
 
 
 @contextmanager
-def grammar_sampler(vocab: Vocabulary, grammar: str) -> Iterator[Any]:
+def grammar_sampler(vocab: LlamaVocabulary, grammar: str) -> Iterator[Any]:
     sampler = llama_cpp.llama_sampler_init_grammar(vocab.handle, grammar.encode(), b"root")
     assert sampler, f"llama.cpp refused the grammar:\n{grammar}"
     try:
@@ -35,7 +35,7 @@ def grammar_sampler(vocab: Vocabulary, grammar: str) -> Iterator[Any]:
         llama_cpp.llama_sampler_free(sampler)
 
 
-def compiles(vocab: Vocabulary, grammar: str) -> bool:
+def compiles(vocab: LlamaVocabulary, grammar: str) -> bool:
     sampler = llama_cpp.llama_sampler_init_grammar(vocab.handle, grammar.encode(), b"root")
     if not sampler:
         return False
@@ -52,7 +52,7 @@ def _allowed(sampler: Any, token: int) -> bool:
     return not math.isinf(single.logit)
 
 
-def accepts(vocab: Vocabulary, grammar: str, text: str) -> bool:
+def accepts(vocab: LlamaVocabulary, grammar: str, text: str) -> bool:
     """Whether the grammar takes ``text`` whole (and then allows the end)."""
     eos = int(llama_cpp.llama_vocab_eos(vocab.handle))
     with grammar_sampler(vocab, grammar) as sampler:
@@ -68,7 +68,7 @@ def accepts(vocab: Vocabulary, grammar: str, text: str) -> bool:
 class Walker:
     """Random walks through a grammar over the vocabulary's tokens of 1-3 bytes."""
 
-    def __init__(self, vocab: Vocabulary) -> None:
+    def __init__(self, vocab: LlamaVocabulary) -> None:
         self.vocab = vocab
         self.eos = int(llama_cpp.llama_vocab_eos(vocab.handle))
         ids = [t for t in range(vocab.n_vocab) if 0 < len(vocab.piece(t)) <= 3]

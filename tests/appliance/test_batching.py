@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 
-from appliance.serving.batching import BatchEngine, Job
+from appliance.serving.batching import BatchEngine
 from appliance.serving.engine import (
     EngineOptions,
     Event,
     Failed,
     Finished,
     GenerationRequest,
+    Job,
     SlotChange,
     TextDelta,
 )

@@ -13,11 +13,11 @@ from appliance.serving.catalog import (
     ModelFileError,
     ensure_default_model,
     ensure_embedded,
-    register_gguf,
+    register_file,
     verify,
 )
 from appliance.serving.chat import GEMMA_TEMPLATE, ChatTemplateError, select_template
-from appliance.serving.engine import Vocabulary
+from appliance.serving.engine import LlamaVocabulary
 from appliance.serving.gguf import read_gguf
 from appliance.serving.progress import ProgressBar
 from appliance.settings import ApplianceSettings
@@ -85,15 +85,15 @@ def test_a_tampered_file_is_refused_at_load(default_model: ModelRecord, tmp_path
 
 def test_register_by_path(default_model: ModelRecord, tmp_path: Path) -> None:
     store = Store(tmp_path / "a.db")
-    record = register_gguf(store, Path(default_model.path), "mine", "2026.1")
+    record = register_file(store, Path(default_model.path), "mine", "2026.1")
     assert record.sha256 == default_model.sha256
     assert record.quantization == "Q4_K_M"
     with pytest.raises(ConflictError):
-        register_gguf(store, Path(default_model.path), "mine", "2026.1")
+        register_file(store, Path(default_model.path), "mine", "2026.1")
     not_gguf = tmp_path / "x.gguf"
     not_gguf.write_bytes(b"hello")
     with pytest.raises(ModelFileError, match="not a GGUF"):
-        register_gguf(store, not_gguf, "x", "1")
+        register_file(store, not_gguf, "x", "1")
 
 
 def test_chat_templates() -> None:
@@ -171,7 +171,7 @@ def test_an_embedded_model_whose_package_is_missing_says_how_to_install_it(
 def test_the_chat_models_own_template_renders_through_llama_cpps_vocabulary(
     chat_model: ModelRecord,
 ) -> None:
-    vocab = Vocabulary.load(chat_model)  # llama.cpp reads the file (its vocabulary)
+    vocab = LlamaVocabulary.load(chat_model)  # llama.cpp reads the file (its vocabulary)
     template = vocab.chat_template
     assert template.origin == "gguf"  # tokenizer.chat_template, not a family's fallback
     assert template.eos_token == "<|im_end|>"

@@ -12,7 +12,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from appliance.serving.engine import Vocabulary
+from appliance.serving.engine import LlamaVocabulary
 from appliance.validation.grammar import (
     GrammarBuilder,
     SchemaConversionError,
@@ -33,14 +33,14 @@ if TYPE_CHECKING:
 
 
 @pytest.fixture(scope="module")
-def vocab(default_model: ModelRecord) -> Iterator[Vocabulary]:
-    loaded = Vocabulary.load(default_model)
+def vocab(default_model: ModelRecord) -> Iterator[LlamaVocabulary]:
+    loaded = LlamaVocabulary.load(default_model)
     yield loaded
     loaded.close()
 
 
 @pytest.fixture(scope="module")
-def walker(vocab: Vocabulary) -> Walker:
+def walker(vocab: LlamaVocabulary) -> Walker:
     return Walker(vocab)
 
 
@@ -141,7 +141,7 @@ def validator(schema: dict[str, Any]) -> jsonschema.protocols.Validator:
 
 @pytest.mark.parametrize("schema", FEATURES.values(), ids=FEATURES.keys())
 def test_each_feature_compiles_and_every_walk_validates(
-    vocab: Vocabulary, walker: Walker, schema: dict[str, Any]
+    vocab: LlamaVocabulary, walker: Walker, schema: dict[str, Any]
 ) -> None:
     grammar = json_schema_to_gbnf(schema)
     assert compiles(vocab, grammar), grammar
@@ -215,7 +215,7 @@ ACCEPTS: list[tuple[dict[str, Any], list[str], list[str]]] = [
     ("schema", "good", "bad"), ACCEPTS, ids=[json.dumps(a[0])[:40] for a in ACCEPTS]
 )
 def test_the_grammar_takes_what_fits_and_refuses_what_does_not(
-    vocab: Vocabulary, schema: dict[str, Any], good: list[str], bad: list[str]
+    vocab: LlamaVocabulary, schema: dict[str, Any], good: list[str], bad: list[str]
 ) -> None:
     grammar = json_schema_to_gbnf(schema)
     for text in good:
@@ -246,7 +246,7 @@ def test_schemas_no_grammar_can_enforce_are_refused(schema: dict[str, Any]) -> N
 
 
 def test_an_untranslatable_pattern_falls_back_to_any_string_and_is_validated(
-    vocab: Vocabulary,
+    vocab: LlamaVocabulary,
 ) -> None:
     schema = {"type": "string", "pattern": "^(?!admin).+$"}  # a lookahead
     structured = json_schema_output(schema)
@@ -264,7 +264,7 @@ def test_patterns_match_the_decoded_string() -> None:
     assert pattern_rule("abc") == 'char* ("abc") char*'
 
 
-def test_the_builder_keeps_each_schemas_refs_apart(vocab: Vocabulary) -> None:
+def test_the_builder_keeps_each_schemas_refs_apart(vocab: LlamaVocabulary) -> None:
     """Two documents may both say #/$defs/x and mean different things."""
     builder = GrammarBuilder()
     ints = builder.schema(
@@ -299,7 +299,7 @@ def test_an_unenforceable_schema_is_refused_as_unusable() -> None:
         json_schema_output({"type": 12})
 
 
-def test_json_object_output_has_no_raw_control_characters(vocab: Vocabulary) -> None:
+def test_json_object_output_has_no_raw_control_characters(vocab: LlamaVocabulary) -> None:
     grammar = json_object_output().grammar
     assert accepts(vocab, grammar, '{"a": "x\\ny"}')
     assert not accepts(vocab, grammar, '{"a": "x\ny"}')

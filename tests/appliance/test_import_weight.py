@@ -106,9 +106,9 @@ def test_the_gateways_vocabulary_comes_without_llama_cpps_high_level_half(
     default_model: ModelRecord,
 ) -> None:
     code = (
-        "from appliance.serving.engine import Vocabulary\n"
+        "from appliance.serving.engine import LlamaVocabulary\n"
         "from appliance.state.records import ModelRecord\n"
-        f"vocab = Vocabulary.load(ModelRecord(**{dataclasses.asdict(default_model)!r}))\n"
+        f"vocab = LlamaVocabulary.load(ModelRecord(**{dataclasses.asdict(default_model)!r}))\n"
         "assert vocab.tokenize('Hello', chat=False)\n"
         "vocab.close()\n"
         "vocab.close()  # twice is harmless\n"

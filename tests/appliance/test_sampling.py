@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from appliance.serving.batching import BatchEngine, Job
+from appliance.serving.batching import BatchEngine
 from appliance.serving.engine import (
     EngineOptions,
     Event,
     Failed,
     Finished,
     GenerationRequest,
+    Job,
     SlotChange,
     TextDelta,
     TokenLogprob,

@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from appliance.serving.batching import BatchEngine, Job
+from appliance.serving.batching import BatchEngine
 from appliance.serving.engine import (
     EngineOptions,
     Event,
     Failed,
     Finished,
     GenerationRequest,
-    Vocabulary,
+    Job,
+    LlamaVocabulary,
 )
 from appliance.serving.sampling_options import Sampling
 from appliance.validation.structured import json_schema_output
@@ -149,7 +150,7 @@ def test_a_required_tool_call_always_parses_into_a_valid_call(default_model: Mod
     """tool_choice=required with the model's own (Gemma family) template: the generic
     format, greedy and seeded, every answer one valid get_weather call."""
     record = default_model
-    vocab = Vocabulary.load(record)
+    vocab = LlamaVocabulary.load(record)
     try:
         plan = plan_tools([WEATHER_TOOL], "required", template=vocab.chat_template)
         prompt_messages = [{"role": "user", "content": "What is the weather in Lisbon?"}]

@@ -19,7 +19,7 @@ from appliance.serving.chat import (
     ChatTemplate,
     ChatTemplateError,
 )
-from appliance.serving.engine import Vocabulary
+from appliance.serving.engine import LlamaVocabulary
 from appliance.validation.tools import (
     MAX_PARALLEL_CALLS,
     ContentDelta,
@@ -123,14 +123,14 @@ def counter() -> Callable[[], str]:
 
 
 @pytest.fixture(scope="module")
-def vocab(default_model: ModelRecord) -> Iterator[Vocabulary]:
-    loaded = Vocabulary.load(default_model)
+def vocab(default_model: ModelRecord) -> Iterator[LlamaVocabulary]:
+    loaded = LlamaVocabulary.load(default_model)
     yield loaded
     loaded.close()
 
 
 @pytest.fixture(scope="module")
-def walker(vocab: Vocabulary) -> Walker:
+def walker(vocab: LlamaVocabulary) -> Walker:
     return Walker(vocab)
 
 
@@ -141,7 +141,7 @@ CHOICES: list[Any] = ["auto", "required", {"type": "function", "function": {"nam
 @pytest.mark.parametrize("parallel", [False, True], ids=["single", "parallel"])
 @pytest.mark.parametrize("choice", CHOICES, ids=["auto", "required", "named"])
 def test_every_tool_choice_compiles(
-    vocab: Vocabulary, template: ChatTemplate, parallel: bool, choice: Any
+    vocab: LlamaVocabulary, template: ChatTemplate, parallel: bool, choice: Any
 ) -> None:
     plan = plan_tools(TOOLS, choice, parallel_tool_calls=parallel, template=template)
     assert plan.grammar is not None
@@ -155,7 +155,7 @@ def test_tool_choice_none_leaves_decoding_free() -> None:
     assert plan.parse("Just words.") == ToolOutput("Just words.", [])
 
 
-def test_the_generic_grammar_takes_what_each_choice_allows(vocab: Vocabulary) -> None:
+def test_the_generic_grammar_takes_what_each_choice_allows(vocab: LlamaVocabulary) -> None:
     response = '{"response": "It is sunny."}'
 
     def grammar(choice: Any, *, parallel: bool) -> str:
@@ -188,7 +188,7 @@ def test_the_generic_grammar_takes_what_each_choice_allows(vocab: Vocabulary) ->
         assert not accepts(vocab, parallel, generic(wrong)), wrong
 
 
-def test_the_hermes_grammar_takes_blocks_or_prose(vocab: Vocabulary) -> None:
+def test_the_hermes_grammar_takes_blocks_or_prose(vocab: LlamaVocabulary) -> None:
     auto = plan_tools(TOOLS, "auto", parallel_tool_calls=False, template=HERMES).grammar
     required = plan_tools(TOOLS, "required", parallel_tool_calls=True, template=HERMES).grammar
     assert auto is not None

@@ -102,7 +102,7 @@ app = create_app(settings_from(ApplianceSettings, None, {data_dir!r}))
 
 
 # The gateway's copy of the model's vocabulary: llama.cpp's C API loading the GGUF with
-# `vocab_only`, as appliance/serving/engine.py's `Vocabulary.load` does, in a fresh
+# `vocab_only`, as appliance/serving/engine.py's `LlamaVocabulary.load` does, in a fresh
 # interpreter that already imported the C API (so only the vocabulary is counted).
 _VOCABULARY = """
 import json, re

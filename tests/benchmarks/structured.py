@@ -35,14 +35,15 @@ import jsonschema
 import llama_cpp
 import numpy as np
 
-from appliance.serving.batching import BatchEngine, Job
+from appliance.serving.batching import BatchEngine
 from appliance.serving.catalog import ensure_default_model
 from appliance.serving.engine import (
     EngineOptions,
     Failed,
     Finished,
     GenerationRequest,
-    Vocabulary,
+    Job,
+    LlamaVocabulary,
 )
 from appliance.serving.sampling_options import Sampling
 from appliance.state.records import ModelRecord
@@ -146,7 +147,7 @@ def compile_ms(vocab: Any, make: Any, schema: dict[str, Any]) -> float:
     return statistics.median(samples) * 1000
 
 
-def prompt_tokens(vocab: Vocabulary, prompt: str) -> tuple[int, ...]:
+def prompt_tokens(vocab: LlamaVocabulary, prompt: str) -> tuple[int, ...]:
     text = vocab.chat_template.render([{"role": "user", "content": prompt}])
     return tuple(vocab.tokenize(text, chat=True))
 
@@ -272,7 +273,7 @@ def main() -> None:
         store = Store(Path(tmp) / "catalog.db")
         model = ensure_default_model(store, Path(tmp) / "models")
         store.close()
-        vocab = Vocabulary.load(model)
+        vocab = LlamaVocabulary.load(model)
         report: dict[str, Any] = {
             **stamp(),
             "model": model.name,
