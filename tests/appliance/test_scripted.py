@@ -111,7 +111,8 @@ def test_the_vocabulary_is_the_bytes() -> None:
     vocab = ByteVocabulary(None)
     assert vocab.tokenize("é", chat=True) == [0xC3, 0xA9]
     assert vocab.tokenize("a", chat=False) == [256, 97]
-    assert vocab.piece(257) == b"" and vocab.piece(257, special=True) == b"<eos>"
+    assert vocab.piece(257) == b""
+    assert vocab.piece(257, special=True) == b"<eos>"
     assert vocab.chat_template.origin == "chatml"
 
 
