@@ -26,9 +26,9 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hub.state import postgres
+from hub.state import sql
 from hub.state.base import AUTH_REVISION, DESIRED_SERIAL
-from hub.state.migrations import migrations
+from hub.state.migrations import MIGRATION_SET, MIGRATIONS
 from shared import db
 from shared.backup import BackupError
 
@@ -50,9 +50,8 @@ _TIMEOUT_S = 6 * 3600
 
 
 def known_migrations() -> list[str]:
-    """The schema migrations this code has, in order (one list for both databases:
-    tests/hub/test_schema.py keeps their names the same)."""
-    return [m.name for m in postgres.MIGRATIONS]
+    """The schema migrations this code has, in order (one list for both databases)."""
+    return [m.name for m in MIGRATIONS]
 
 
 def snapshot_sqlite(source: Path, target: Path) -> tuple[list[str], dict[str, int]]:
@@ -66,11 +65,12 @@ def snapshot_sqlite(source: Path, target: Path) -> tuple[list[str], dict[str, in
         ).fetchall()
     finally:
         conn.close()
-    return db.applied_migrations(target, migrations), {str(k): int(v) for k, v in rows}
+    return sqlite_migrations(target), {str(k): int(v) for k, v in rows}
 
 
 def sqlite_migrations(path: Path) -> list[str]:
-    return db.applied_migrations(path, migrations)
+    """The names of the schema migrations the SQLite file at `path` has had, oldest first."""
+    return db.applied_migrations(path, sql.sqlite_migrations(MIGRATIONS, MIGRATION_SET))
 
 
 def dump_postgres(url: str, target: Path) -> tuple[list[str], dict[str, int]]:

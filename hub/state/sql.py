@@ -8,10 +8,14 @@ come out as `DatabaseError` (`IntegrityError`, `RetryableError` for a deadlock o
 serialization failure, which a caller may run again), so callers catch one family whatever
 the backend.
 
-SQLite: one file in WAL mode (shared.db), its own sqlite-utils migrations; a transaction
-is `BEGIN IMMEDIATE`, so writers take turns, also across processes. PostgreSQL: psycopg 3
-in autocommit mode, `?` rewritten to `%s`; a transaction is READ COMMITTED, made correct
-under concurrency by constraints, conditional updates and row locks (`for_update`).
+Both open migrated by the same `Migration`s (the hub's are hub/state/migrations/), each
+applied once and recorded by name in the same transaction: SQLite in sqlite-utils' table,
+PostgreSQL in `schema_migrations`.
+
+SQLite: one file in WAL mode (shared.db); a transaction is `BEGIN IMMEDIATE`, so writers
+take turns, also across processes. PostgreSQL: psycopg 3 in autocommit mode, `?` rewritten
+to `%s`; a transaction is READ COMMITTED, made correct under concurrency by constraints,
+conditional updates and row locks (`for_update`).
 """
 
 from __future__ import annotations
@@ -21,17 +25,44 @@ import sqlite3
 import time
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, ParamSpec, Protocol, TypeAlias, TypeVar
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Sequence
     from pathlib import Path
 
     import psycopg
+    from sqlite_utils import Database as SqliteUtilsDatabase
     from sqlite_utils.migrations import Migrations
 
 P = ParamSpec("P")
 T = TypeVar("T")
+Dialect: TypeAlias = Literal["sqlite", "postgres"]
+
+# The column types whose names differ, as a migration's shared SQL writes them: PostgreSQL's
+# INTEGER and REAL are 32-bit, SQLite's hold 64.
+COLUMN_TYPES: dict[Dialect, dict[str, str]] = {
+    "sqlite": {"int": "INTEGER", "real": "REAL"},
+    "postgres": {"int": "BIGINT", "real": "DOUBLE PRECISION"},
+}
+
+
+@dataclass(frozen=True)
+class Migration:
+    """A schema migration, written once for both databases. `sql` runs on either, with
+    `{int}` and `{real}` where a column's type is named (COLUMN_TYPES; a literal brace is
+    written twice); `sqlite` and `postgres`, as written, run after it on that database only:
+    the branch for what the two spell differently. Statements end with `;`."""
+
+    name: str
+    sql: str
+    sqlite: str = ""
+    postgres: str = ""
+
+    def scripts(self, dialect: Dialect) -> list[str]:
+        """What runs on `dialect`, in order."""
+        own = self.sqlite if dialect == "sqlite" else self.postgres
+        return [s for s in (self.sql.format_map(COLUMN_TYPES[dialect]), own) if s.strip()]
 
 
 class DatabaseError(Exception):
@@ -66,7 +97,7 @@ class Rows(Protocol):
 class Database:
     """A connection, on one thread (an AsyncStore's), with the calls the store makes."""
 
-    dialect: ClassVar[Literal["sqlite", "postgres"]]
+    dialect: ClassVar[Dialect]
     # Appended to a SELECT that must lock the rows it reads until the transaction ends.
     # SQLite has no row locks: its transactions are BEGIN IMMEDIATE, one writer at a time.
     for_update: ClassVar[str] = ""
@@ -122,11 +153,11 @@ class Database:
 class SQLiteDatabase(Database):
     dialect = "sqlite"
 
-    def __init__(self, path: Path, migrations: Migrations) -> None:
+    def __init__(self, path: Path, migrations: Sequence[Migration], *, migration_set: str) -> None:
         from shared.db import open_database  # noqa: PLC0415 - shared.db imports nothing of this
 
         self.path = path
-        self._conn = open_database(path, migrations).conn
+        self._conn = open_database(path, sqlite_migrations(migrations, migration_set)).conn
         # Autocommit: transactions are only the explicit ones (BEGIN IMMEDIATE), never a
         # write left open by the driver's implicit BEGIN.
         self._conn.commit()
@@ -171,6 +202,45 @@ class SQLiteDatabase(Database):
         self._conn.close()
 
 
+def sqlite_migrations(migrations: Sequence[Migration], migration_set: str) -> Migrations:
+    """`migrations` as a sqlite-utils set: on SQLite, sqlite-utils applies them, each in a
+    transaction with its record, and records them where every file made before this list
+    was one (sqlite-utils' own migrations) has its own: `_sqlite_migrations`, under
+    `migration_set`. So a file skips, by name, what it had."""
+    from shared.db import Migrations  # noqa: PLC0415 - sqlite_utils, for SQLite only
+
+    runner = Migrations(migration_set)
+    for migration in migrations:
+        runner(name=migration.name)(_sqlite_step(migration))
+    return runner
+
+
+def _sqlite_step(migration: Migration) -> Callable[[SqliteUtilsDatabase], None]:
+    def apply(db: SqliteUtilsDatabase) -> None:
+        for script in migration.scripts("sqlite"):
+            for statement in _statements(script):
+                db.execute(statement)
+
+    return apply
+
+
+def _statements(script: str) -> list[str]:
+    """A script's statements, one by one: sqlite3 runs one a call (its `executescript`
+    would commit first, outside the migration's transaction). A `;` inside a literal or a
+    comment does not end one (`sqlite3.complete_statement` says when one is whole)."""
+    statements: list[str] = []
+    pending = ""
+    for piece in script.split(";"):
+        pending += piece + ";"
+        if sqlite3.complete_statement(pending):
+            if pending.strip(" \t\n;"):
+                statements.append(pending)
+            pending = ""
+    if pending.strip(" \t\n;"):
+        raise ValueError(f"an unfinished statement: {pending.strip()}")
+    return statements
+
+
 def _sqlite_error(err: sqlite3.Error) -> DatabaseError:
     if isinstance(err, sqlite3.IntegrityError):
         return IntegrityError(str(err))
@@ -200,14 +270,6 @@ def to_pyformat(sql: str) -> str:
     return "".join(out)
 
 
-@dataclass(frozen=True)
-class SQLMigration:
-    """A PostgreSQL schema migration: its name (as the SQLite one's) and its statements."""
-
-    name: str
-    sql: str
-
-
 MIGRATIONS_TABLE = "schema_migrations"
 # Held by the replica that migrates, so replicas starting together migrate once.
 _MIGRATION_LOCK = 0x6B766C  # "kvl"
@@ -217,7 +279,7 @@ class PostgresDatabase(Database):
     dialect = "postgres"
     for_update = " FOR UPDATE"
 
-    def __init__(self, url: str, migrations: Sequence[SQLMigration]) -> None:
+    def __init__(self, url: str, migrations: Sequence[Migration]) -> None:
         self._url = url
         self._conn = self._connect()
         self.migrate(migrations)
@@ -230,7 +292,7 @@ class PostgresDatabase(Database):
         except psycopg.Error as err:
             raise DatabaseError(f"cannot connect to PostgreSQL: {err}") from err
 
-    def migrate(self, migrations: Sequence[SQLMigration]) -> list[str]:
+    def migrate(self, migrations: Sequence[Migration]) -> list[str]:
         """Apply the migrations not applied yet, in order, each with its record; the names
         of those applied now."""
         applied: list[str] = []
@@ -244,7 +306,8 @@ class PostgresDatabase(Database):
             for migration in migrations:
                 if migration.name in done:
                     continue
-                self._script(migration.sql)
+                for script in migration.scripts("postgres"):
+                    self._script(script)
                 self.execute(
                     f"INSERT INTO {MIGRATIONS_TABLE} (name, applied_at) VALUES (?, ?)",  # noqa: S608 - a constant
                     [migration.name, time.time()],

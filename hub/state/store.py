@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
-from hub.state import postgres, sql
+from hub.state import sql
 from hub.state.accounts import ForeignAccountError
 from hub.state.alerts import AlertRecord, AlertsMixin, Delivery, Firing, Silence
 from hub.state.base import (
@@ -37,7 +37,7 @@ from hub.state.deployments import DeploymentRecord, ModelArtifact
 from hub.state.desired import DesiredStateMixin
 from hub.state.leases import ForeignLeaseError, Lease, LeasesMixin, Quota
 from hub.state.ledger import LedgerMixin, LedgerRow, ledger_rows
-from hub.state.migrations import migrations
+from hub.state.migrations import MIGRATION_SET, MIGRATIONS
 from hub.state.nodes import (
     ENROLL_RETRY_S,
     AddressPoolExhaustedError,
@@ -109,11 +109,11 @@ T = TypeVar("T")
 
 
 def open_database(settings: HubSettings) -> sql.Database:
-    """The hub's database, migrated: PostgreSQL at `database_url` when set, otherwise the
-    SQLite file in the data directory."""
+    """The hub's database, migrated by the one list of migrations: PostgreSQL at
+    `database_url` when set, otherwise the SQLite file in the data directory."""
     if settings.database_url is not None:
-        return sql.PostgresDatabase(settings.database_url, postgres.MIGRATIONS)
-    return sql.SQLiteDatabase(settings.db_path, migrations)
+        return sql.PostgresDatabase(settings.database_url, MIGRATIONS)
+    return sql.SQLiteDatabase(settings.db_path, MIGRATIONS, migration_set=MIGRATION_SET)
 
 
 def open_store(settings: HubSettings, *, clock: Callable[[], float] = time.time) -> HubStore:

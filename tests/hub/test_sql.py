@@ -7,14 +7,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import pytest
-from sqlite_utils.migrations import Migrations
 
 from hub.state.sql import (
     Database,
     IntegrityError,
+    Migration,
     PostgresDatabase,
     SQLiteDatabase,
-    SQLMigration,
     to_pyformat,
 )
 
@@ -22,17 +21,20 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
 
-    from sqlite_utils import Database as SqliteUtilsDatabase
-
     from tests.postgres import Cluster
 
-SCHEMA = "CREATE TABLE items (id TEXT PRIMARY KEY, n BIGINT NOT NULL)"
-sqlite_migrations = Migrations("test-sql")
-
-
-@sqlite_migrations()
-def m001_items(db: SqliteUtilsDatabase) -> None:
-    db.execute(SCHEMA)
+MIGRATIONS = [
+    Migration("m001_items", "CREATE TABLE items (id TEXT PRIMARY KEY, n {int} NOT NULL);"),
+    Migration(
+        "m002_notes",
+        """
+        CREATE TABLE notes (body TEXT NOT NULL); -- a comment; with a semicolon
+        INSERT INTO notes (body) VALUES ('one; not two');
+        """,
+        sqlite="INSERT INTO notes (body) VALUES ('sqlite only');",
+        postgres="INSERT INTO notes (body) VALUES ('postgres only');",
+    ),
+]
 
 
 def test_placeholders_become_pyformat_outside_quotes_only() -> None:
@@ -47,12 +49,17 @@ def test_placeholders_become_pyformat_outside_quotes_only() -> None:
 def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
     opened: Database
     if request.param == "sqlite":
-        opened = SQLiteDatabase(tmp_path / "t.db", sqlite_migrations)
+        opened = SQLiteDatabase(tmp_path / "t.db", MIGRATIONS, migration_set="test-sql")
     else:
         cluster: Cluster = request.getfixturevalue("postgres")
-        opened = PostgresDatabase(cluster.create(), [SQLMigration("m001_items", SCHEMA)])
+        opened = PostgresDatabase(cluster.create(), MIGRATIONS)
     yield opened
     opened.close()
+
+
+def test_a_migration_runs_its_shared_sql_then_its_own_branch(database: Database) -> None:
+    bodies = [r["body"] for r in database.query("SELECT body FROM notes ORDER BY body")]
+    assert bodies == ["one; not two", f"{database.dialect} only"]
 
 
 def test_a_transaction_commits_all_or_nothing_and_nested_ones_join(database: Database) -> None:

@@ -17,7 +17,8 @@ from sqlite_utils import Database
 from hub.app import create_app
 from hub.planning.placement import Deployment, NodeSnapshot, plan
 from hub.state.accounts import Tenancy, account_reaches
-from hub.state.migrations import migrations
+from hub.state.migrations import MIGRATION_SET, MIGRATIONS
+from hub.state.sql import sqlite_migrations
 from hub.state.store import AsyncHubStore, ForeignAccountError, Heartbeat, HubStore, open_store
 from shared import protocol
 from shared.classes import IsolationLevel
@@ -208,7 +209,7 @@ def test_the_migration_applies_on_a_database_made_before_it(tmp_path: Path) -> N
     settings = settings_for(tmp_path, {})
     settings.data_dir.mkdir(parents=True)
     db = Database(settings.db_path)
-    migrations.apply(db, stop_before="m010_tenancy")
+    sqlite_migrations(MIGRATIONS, MIGRATION_SET).apply(db, stop_before="m010_tenancy")
     db.execute("INSERT INTO accounts (name, service_class, created_at) VALUES ('old', 'S1', 0)")
     db.execute(
         "INSERT INTO api_keys (prefix, hash, account, admin, created_at)"
@@ -243,7 +244,9 @@ def test_nodes_keep_their_tenancy_and_names_compare_without_case_after_m015(
     settings = settings_for(tmp_path, {})
     settings.data_dir.mkdir(parents=True)
     db = Database(settings.db_path)
-    migrations.apply(db, stop_before="m015_tenancy_from_the_operator")
+    sqlite_migrations(MIGRATIONS, MIGRATION_SET).apply(
+        db, stop_before="m015_tenancy_from_the_operator"
+    )
     for node_id, labels in (("n1", '{"tenant": "acme", "private": "true"}'), ("n2", "{}")):
         db.execute(
             "INSERT INTO nodes (id, name, site, labels, wg_public_key, overlay_address,"
