@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from appliance.serving import scripted
 from appliance.serving.gguf import GGUFError, read_gguf
 from appliance.serving.progress import ProgressBar
 from appliance.state.records import ModelRecord
@@ -194,8 +195,6 @@ def _assemble(model: EmbeddedModel, target: Path, progress: Progress) -> str:
 def register_file(store: Store, path: Path, name: str, version: str) -> ModelRecord:
     """Register a model file by path (it stays where it is; its sha256 is recorded): a GGUF
     file, or a model script (appliance.serving.scripted)."""
-    from appliance.serving import scripted  # noqa: PLC0415 - a worker never registers
-
     path = path.resolve()
     if not path.is_file():
         raise ModelFileError(f"{path} is not a file")

@@ -218,15 +218,6 @@ class Vocabulary(Protocol):
     def close(self) -> None: ...
 
 
-def load_vocabulary(record: ModelRecord) -> Vocabulary:
-    """The vocabulary of a registered model, by its format. Blocking."""
-    if record.format == "script":
-        from appliance.serving.scripted import ByteVocabulary  # noqa: PLC0415
-
-        return ByteVocabulary.load(record)
-    return LlamaVocabulary.load(record)
-
-
 class LlamaVocabulary:
     """A model's tokenizer and chat template, from its GGUF vocabulary.
 

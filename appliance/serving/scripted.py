@@ -32,6 +32,7 @@ text assembler decide them as for a GGUF model.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import queue
@@ -100,8 +101,9 @@ class Script:
         return self.reply
 
     @classmethod
-    def read(cls, path: Path) -> Script:
-        """The script in ``path``; ScriptError if it is not one."""
+    def read(cls, path: Path, *, sha256: str | None = None) -> Script:
+        """The script in ``path``; ScriptError if it is not one, or (given ``sha256``) not
+        the file that was registered."""
         try:
             with path.open("rb") as f:
                 data = f.read(MAX_SCRIPT_BYTES + 1)
@@ -109,6 +111,8 @@ class Script:
             raise ScriptError(f"{path}: {err.strerror or err}") from err
         if len(data) > MAX_SCRIPT_BYTES:
             raise ScriptError(f"{path}: a model script is at most {MAX_SCRIPT_BYTES} bytes")
+        if sha256 is not None and (digest := hashlib.sha256(data).hexdigest()) != sha256:
+            raise ScriptError(f"model script {path} has sha256 {digest}, registered {sha256}")
         try:
             raw = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -230,10 +234,8 @@ class ScriptedEngine:
         self.after_turn: Callable[[], None] = _nothing
 
     def load(self) -> None:
-        from appliance.serving.catalog import verify  # noqa: PLC0415 - as BatchEngine does
-
-        verify(self.record)
-        self._script = Script.read(Path(self.record.path))
+        # The file registered, as a GGUF model's is checked (catalog.verify) at every load.
+        self._script = Script.read(Path(self.record.path), sha256=self.record.sha256)
         self.vocab = ByteVocabulary(self._script.chat_template)
         log.info("loaded the scripted model %s: %d slots", self.record.ref, self.options.n_slots)
 

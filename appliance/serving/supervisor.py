@@ -24,17 +24,17 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from appliance.serving import ipc, isolation
+from appliance.serving import ipc, isolation, scripted
 from appliance.serving.devices import DeviceLayout
 from appliance.serving.engine import (
     EngineError,
     EngineOptions,
     GenerationRequest,
+    LlamaVocabulary,
     NotLoadedError,
     QueueFullError,
     Run,
     Vocabulary,
-    load_vocabulary,
 )
 from appliance.serving.predictor import InFlight
 from appliance.serving.sampling_options import GrammarError
@@ -46,6 +46,13 @@ if TYPE_CHECKING:
     from shared.classes import IsolationLevel
 
 log = logging.getLogger(__name__)
+
+
+def load_vocabulary(record: ModelRecord) -> Vocabulary:
+    """The vocabulary of a registered model, by its format. Blocking."""
+    if record.format == scripted.FORMAT:
+        return scripted.ByteVocabulary.load(record)
+    return LlamaVocabulary.load(record)
 
 
 class WorkerUnavailableError(EngineError):
