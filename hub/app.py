@@ -13,11 +13,11 @@ from aiohttp import web
 
 from hub.alerting.delivery import AlertSender, delivering
 from hub.alerting.loop import Evaluator, evaluating
-from hub.api.metrics import metrics_app, metrics_route
-from hub.api.node import node_auth, node_routes
-from hub.api.openapi import openapi_route
-from hub.api.operator import operator_auth, operator_routes
-from hub.api.rollouts import rollout_routes
+from hub.api.metrics import metrics_app
+from hub.api.node import node_auth
+from hub.api.operator import operator_auth
+from hub.api.route_kinds import route_defs
+from hub.api.route_table import ROUTES
 from hub.appkeys import (
     BEATS,
     FORWARDER,
@@ -69,10 +69,7 @@ def create_app(settings: HubSettings) -> web.Application:
     # and in kvl_hub_background_failures_total.
     app[LOOPS] = app[METRICS].failures
     app[RUNNING] = Running()
-    app.add_routes(node_routes())
-    app.add_routes(operator_routes())
-    app.add_routes(rollout_routes())
-    app.add_routes([openapi_route(), metrics_route()])
+    app.add_routes(route_defs(ROUTES))  # the node and operator APIs, as the table declares
     app[IDENTITY] = identity(settings)
     app[TLS] = HubTls(settings)  # the CA and the hub's certificate, made on first start
     app[LEARNING] = Learning(time.time(), settings.quota.lease_s)

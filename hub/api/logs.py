@@ -10,6 +10,7 @@ import time
 
 from aiohttp import web
 
+from hub.api.route_kinds import Auth, Param, Route
 from hub.appkeys import NODE_LOGS, SETTINGS, STORE
 from hub.nodelogs import LogQuery, reachable_url
 from shared import protocol
@@ -89,3 +90,47 @@ async def node_logs(request: web.Request) -> web.StreamResponse:
     except ConnectionError:  # the client went while a record was written
         pass
     return response
+
+
+_PARAMS = (
+    Param(
+        "after",
+        "query",
+        "the last seq the reader has: records after it",
+        {"type": "integer", "minimum": 0},
+    ),
+    Param(
+        "limit",
+        "query",
+        "records at most (each answer of a follow too)",
+        {"type": "integer", "minimum": 1, "maximum": protocol.MAX_LOG_RECORDS},
+    ),
+    Param(
+        "level",
+        "query",
+        "the least severe level shown",
+        {"type": "string", "enum": [n.lower() for n in protocol.LOG_LEVELS]},
+    ),
+    Param(
+        "tail",
+        "query",
+        "1: the last `limit` records rather than the first after `after`",
+        {"type": "string", "enum": ["0", "1"]},
+    ),
+    Param(
+        "follow", "query", "1: stream records as they come", {"type": "string", "enum": ["0", "1"]}
+    ),
+)
+LOGS_ROUTE = Route(
+    "GET",
+    "/v1/admin/nodes/{node}/logs",
+    node_logs,
+    "A node's recent log records (its bounded ring), read through the tunnel on its "
+    "fleet listener; `follow=1` streams them on (NDJSON, or server-sent events for "
+    "`Accept: text/event-stream`) until the client goes.",
+    Auth.operator,
+    answer=protocol.LogsAnswer,
+    answer_types=("application/json", NDJSON, SSE),
+    errors=(ErrorCode.not_found, ErrorCode.node_offline, ErrorCode.node_unreachable),
+    params=_PARAMS,
+)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from hub.api.route_kinds import Auth, Route, route_defs
 from hub.appkeys import METRICS, SETTINGS, STORE
 from hub.observability.fleet import refresh
 
@@ -18,8 +19,15 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-def metrics_route() -> web.RouteDef:
-    return web.get("/metrics", metrics)
+METRICS_ROUTE = Route(
+    "GET",
+    "/metrics",
+    metrics,
+    "The hub's Prometheus metrics (OpenMetrics, or the text format when only that is "
+    "accepted); without a token on the `metrics.listen` listener only.",
+    Auth.operator,
+    answer_types=("application/openmetrics-text", "text/plain"),
+)
 
 
 def metrics_app(hub: web.Application) -> web.Application:
@@ -29,5 +37,5 @@ def metrics_app(hub: web.Application) -> web.Application:
     app[METRICS] = hub[METRICS]
     app[SETTINGS] = hub[SETTINGS]
     app[STORE] = hub[STORE]
-    app.add_routes([metrics_route()])
+    app.add_routes(route_defs([METRICS_ROUTE]))
     return app

@@ -1,13 +1,6 @@
-"""The hub's node API: enrollment, heartbeats, event sync, leases, offload, artifacts and
-the desired state. Thin handlers over the store.
-
-Enrollment is the one call a node makes with an enrollment token, over HTTPS to the hub
-(the node trusts the CA bundle of `GET /v1/trust` when it holds the CA its provisioning
-file pins). With it the node sends a signing request, and gets its certificate: the
-names in it are the hub's decision (hub/certificates.py). Every later call carries the
-node token and the node's certificate (mutual TLS), and, with
-`server.require_overlay_source`, must come from the node's overlay address, that is
-through its WireGuard tunnel.
+"""The hub's node API after enrollment (hub/api/enrollment.py): its middleware, and
+heartbeats, event sync, leases, offload, artifacts and the desired state. Thin handlers
+over the store.
 
 Every message is one of shared/protocol.py's, validated before anything is done with it:
 a node can break only itself. What a node says of its own load is taken; what it says of
@@ -22,12 +15,11 @@ from collections import Counter
 
 from aiohttp import web
 
+from hub.api.route_kinds import Auth, Param, Route
 from hub.appkeys import (
     BEATS,
     FORWARDER,
-    IDENTITY,
     LEARNING,
-    LOOPS,
     METRICS,
     NODE,
     NODE_PROTOCOL,
@@ -35,165 +27,26 @@ from hub.appkeys import (
     STORE,
     TLS,
 )
-from hub.certificates import NameRefusedError, certify, issuer_name
+from hub.certificates import issuer_name
 from hub.http import Handler, answer, bearer, parse, protocol_header, protocol_version
 from hub.planning.quota import Sizing
 from hub.state.store import (
-    AlreadyEnrolledError,
     ForeignAccountError,
     ForeignLeaseError,
     Heartbeat,
     HubStore,
-    IssuedCertificate,
-    NameTakenError,
     Node,
-    TokenRefusedError,
 )
-from shared import __version__, jsonlimits, pki, protocol
+from shared import jsonlimits, protocol
 from shared.blobs import IMMUTABLE, send_blob
 from shared.errors import ApiError, ErrorCode
 
 
-async def health(request: web.Request) -> web.Response:
-    """Liveness, with how often each background loop has failed (counts only: the errors
-    themselves are behind the operator's `/v1/admin/loops`)."""
-    failures = request.app[LOOPS].report() if LOOPS in request.app else {}
-    return web.json_response(
-        {
-            "status": "alive",
-            "version": __version__,
-            "protocol": protocol.PROTOCOL_VERSION,
-            "loop_failures": {name: f["failures"] for name, f in failures.items()},
-        }
-    )
-
-
-async def enroll(request: web.Request) -> web.Response:
-    version = protocol_version(request)
-    req = await parse(request, protocol.EnrollRequest)
-    settings = request.app[SETTINGS]
-    store = request.app[STORE]
-    hub_tls = request.app[TLS]
-    # The request is read and checked here; it is signed only once the token and the
-    # node are, inside the enrollment's transaction (hub/certificates.py `certify`).
-    csr = _request_of(req.lan_csr, "lan_csr")
-    if csr is None and settings.server.require_node_certificates:
-        raise ApiError(
-            ErrorCode.missing_required_parameter,
-            "this hub enrolls only nodes with a certificate: send `lan_csr`",
-            param="lan_csr",
-        )
-
-    def certified(node: Node) -> IssuedCertificate:
-        assert csr is not None  # noqa: S101 - only passed with a request
-        return certify(store.sync, hub_tls.authority, csr, node)
-
-    try:
-        enrolled = await store.run(
-            store.sync.enroll,
-            req.token,
-            name=req.name,
-            wg_public_key=req.wg_public_key,
-            overlay_prefix=settings.overlay.prefix,
-            labels=req.labels,
-            versions=_with_protocol(req.versions, version),
-            certify=None if csr is None else certified,
-        )
-    except TokenRefusedError as err:
-        raise ApiError(ErrorCode.invalid_enrollment_token, str(err), param="token") from err
-    except AlreadyEnrolledError as err:
-        raise ApiError(ErrorCode.already_enrolled, str(err), param="wg_public_key") from err
-    except (NameRefusedError, NameTakenError) as err:
-        raise _name_error(err, "lan_csr") from err
-    node = enrolled.node
-    identity = request.app[IDENTITY]
-    endpoint = (
-        settings.overlay.endpoint or f"{settings.server.names[0]}:{settings.overlay.listen_port}"
-    )
-    issued = enrolled.certificate
-    reply = protocol.EnrollAnswer(
-        node_id=node.id,
-        node_token=enrolled.node_token,
-        name=node.name,
-        site=node.site,
-        overlay_address=node.overlay_address,
-        overlay_prefix=settings.overlay.prefix,
-        lan_certificate=issued.pem if issued else None,
-        hub=protocol.HubPeer(
-            wg_public_key=identity["wg_public_key"],
-            overlay_address=identity["overlay_address"],
-            endpoint=endpoint,
-            api_url=f"https://{identity['overlay_address']}:{settings.server.port}",
-            ca_pem=hub_tls.phase.signing.cert_pem.decode(),
-        ),
-        trust=hub_tls.phase.bundle.decode(),
-        renew_at=_renew_at(issued) if issued else None,
-    )
-    return answer(reply, status=201, version=version)
-
-
-def _with_protocol(versions: dict[str, str], version: int) -> dict[str, str]:
+def with_protocol(versions: dict[str, str], version: int) -> dict[str, str]:
     """What a node says it runs, with the protocol version its call spoke (its
     `Kvl-Protocol`, which the hub checked, over anything the node put under that name):
     during a rollout, which nodes are still to upgrade."""
     return {**versions, "protocol": str(version)}
-
-
-def _request_of(pem: str | None, param: str) -> pki.Request | None:
-    if pem is None:
-        return None
-    try:
-        return pki.read_request(pem.encode())
-    except pki.RequestError as err:
-        raise ApiError(ErrorCode.invalid_value, str(err), param=param) from err
-
-
-def _name_error(err: NameRefusedError | NameTakenError, param: str) -> ApiError:
-    if isinstance(err, NameTakenError):
-        return ApiError(ErrorCode.certificate_name_taken, str(err), param=param)
-    return ApiError(ErrorCode.certificate_name_refused, str(err), param=param)
-
-
-def _renew_at(issued: IssuedCertificate) -> float:
-    return pki.renew_at(issued.pem.encode()).timestamp()
-
-
-async def trust(request: web.Request) -> web.Response:
-    """The fleet's CA bundle: public (certificates only). A node enrolling fetches it
-    first and keeps it when it holds the CA its provisioning file pins."""
-    hub_tls = request.app[TLS]
-    return answer(protocol.TrustAnswer(bundle=hub_tls.phase.bundle.decode(), digest=hub_tls.digest))
-
-
-async def certificate(request: web.Request) -> web.Response:
-    """A node's certificate issued again, for a new key: before a third of its lifetime
-    is left, or when its LAN addresses changed. A revoked node never gets here (the
-    middleware refuses it), so its last certificate dies within its lifetime."""
-    req = await parse(request, protocol.CertificateRequest)
-    csr = _request_of(req.csr, "csr")
-    assert csr is not None  # noqa: S101 - csr is required
-    node = request[NODE]
-    store = request.app[STORE]
-    hub_tls = request.app[TLS]
-    try:
-        issued = await store.run(certify, store.sync, hub_tls.authority, csr, node)
-    except (NameRefusedError, NameTakenError) as err:
-        # For the operator (`kvl hub nodes list`): a node a hub upgraded over a fleet
-        # finds with a name it may no longer hold is told why, and so is the operator.
-        await store.run(store.sync.note_certificate_refused, node.id, str(err))
-        raise _name_error(err, "csr") from err
-    # (The node this call carries may be one this replica remembers from before.)
-    await store.run(store.sync.note_certificate_refused, node.id, None)
-    store.note_certificate(node.id)
-    return answer(
-        protocol.CertificateAnswer(
-            certificate=issued.pem,
-            trust=hub_tls.phase.bundle.decode(),
-            renew_at=_renew_at(issued),
-            not_after=issued.not_after,
-        ),
-        version=request[NODE_PROTOCOL],
-    )
 
 
 @web.middleware
@@ -266,7 +119,7 @@ async def heartbeat(request: web.Request) -> web.Response:
         Heartbeat(
             node.id,
             now,
-            _with_protocol(req.versions, request[NODE_PROTOCOL]),
+            with_protocol(req.versions, request[NODE_PROTOCOL]),
             req.capacity,
             address=request.remote,
             objectives=req.objectives,
@@ -356,7 +209,8 @@ async def leases(request: web.Request) -> web.Response:
     )
 
 
-OFFLOAD_ROUTES = {"chat/completions", "completions"}
+# The appliance routes a node may hand over (each documented as a path of its own).
+OFFLOAD_ROUTES = ("chat/completions", "completions")
 
 
 async def offload(request: web.Request) -> web.StreamResponse:
@@ -457,16 +311,102 @@ async def desired_state(request: web.Request) -> web.Response:
     return answer(state, version=request[NODE_PROTOCOL])
 
 
-def node_routes() -> list[web.RouteDef]:
-    return [
-        web.get("/healthz", health),
-        web.post("/v1/enroll", enroll),
-        web.get("/v1/trust", trust),
-        web.post("/v1/node/certificate", certificate),
-        web.post("/v1/node/heartbeat", heartbeat),
-        web.post("/v1/node/events", events),
-        web.get("/v1/node/state", desired_state),
-        web.post("/v1/node/leases", leases),
-        web.post("/v1/node/offload/{route:.+}", offload),
-        web.get("/v1/node/artifacts/{sha256:[0-9a-fA-F]{64}}", artifact),
-    ]
+_AFTER = Param(
+    "after",
+    "query",
+    "the serial the node holds: 204 while the state is still at it",
+    {"type": "integer"},
+)
+_CLIENT_KEY = Param(
+    protocol.CLIENT_KEY_HEADER,
+    "header",
+    "the API key of the client whose request this is: the serving node takes account and "
+    "class from it",
+    {"type": "string", "minLength": 1, "maxLength": 200},
+    required=True,
+)
+_OFFLOADED = {
+    "type": "object",
+    "required": ["model"],
+    "properties": {"model": {"type": "string"}},
+    "description": "the request the node shed, as its client sent it (OpenAI's shape)",
+}
+
+ROUTES: tuple[Route, ...] = (
+    Route(
+        "POST",
+        "/v1/node/heartbeat",
+        heartbeat,
+        "A node's versions and capacity (written behind, once a second); the answer "
+        "carries the desired-state serial.",
+        Auth.node,
+        protocol.HeartbeatRequest,
+        protocol.HeartbeatAnswer,
+    ),
+    Route(
+        "POST",
+        "/v1/node/events",
+        events,
+        "A batch of outbox events into the ledger, unique on the id: every id "
+        "acknowledged, a resend stored once.",
+        Auth.node,
+        protocol.EventsRequest,
+        protocol.EventsAnswer,
+        errors=(ErrorCode.foreign_account,),
+    ),
+    Route(
+        "GET",
+        "/v1/node/state",
+        desired_state,
+        "The calling node's desired state and its serial; 204 while unchanged after `after`.",
+        Auth.node,
+        answer=protocol.DesiredState,
+        params=(_AFTER,),
+        other_statuses=((204, "Unchanged since `after`"),),
+    ),
+    Route(
+        "POST",
+        "/v1/node/leases",
+        leases,
+        "Final spends of retired quota leases, and new leases for the accounts named.",
+        Auth.node,
+        protocol.LeaseRequest,
+        protocol.LeaseAnswer,
+        errors=(ErrorCode.foreign_account, ErrorCode.foreign_lease),
+    ),
+    *(
+        Route(
+            "POST",
+            f"/v1/node/offload/{route}",
+            offload,
+            f"Burst offload of a `/v1/{route}` request the node shed: served by the node "
+            "with the most headroom, streamed back.",
+            Auth.node,
+            body_schema=_OFFLOADED,
+            answer_types=("application/json", "text/event-stream"),
+            errors=(
+                ErrorCode.missing_api_key,
+                ErrorCode.invalid_api_key,
+                ErrorCode.invalid_json,
+                ErrorCode.invalid_value,
+                ErrorCode.overloaded,
+            ),
+            params=(_CLIENT_KEY,),
+            router_path="/v1/node/offload/{route:.+}",  # one handler for both
+        )
+        for route in OFFLOAD_ROUTES
+    ),
+    Route(
+        "GET",
+        "/v1/node/artifacts/{sha256}",
+        artifact,
+        "A model file placed on, a package archive seeded to, or the image release bundle "
+        "given to the calling node, by sha256 (its ETag); Range requests resume a cut "
+        "download.",
+        Auth.node,
+        answer_types=("application/octet-stream",),
+        errors=(ErrorCode.not_found,),
+        other_statuses=((206, "The range asked for"),),
+        router_path="/v1/node/artifacts/{sha256:[0-9a-fA-F]{64}}",
+    ),
+)

@@ -1,29 +1,31 @@
 """The hub's OpenAPI 3.1 document (`GET /openapi.json`): its node API (`/v1/enroll`,
-`/v1/node/…`) and its operator API (`/v1/admin/…`), made from one route table and the
-pydantic models the handlers parse and answer with: the protocol's messages
-(shared.protocol) for the node API, the operator request models (hub/api/requests.py).
+`/v1/node/…`) and its operator API (`/v1/admin/…`), made from the route table
+(hub/api/route_table.py, each route declared once beside its handler) and the pydantic
+models the handlers parse and answer with: the protocol's messages (shared.protocol) for
+the node API, the operator request models (hub/api/requests.py).
 
-The table (hub/api/route_table.py) is checked against the routes the hub registers
-(tests/hub/test_openapi.py), and the document drives the hub's fuzzing
-(tests/hub/test_fuzz.py): a route the table lacks is neither documented nor fuzzed.
+The app registers the same table, and the document drives the hub's fuzzing
+(tests/hub/test_fuzz.py): a route is registered, documented and fuzzed, or none of these.
 """
 
 from __future__ import annotations
 
-import functools
 import re
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
 from pydantic.json_schema import models_json_schema
 
-from hub.api.route_table import NODE_ROUTES, OFFLOADED, ROUTES, Auth, Param, Route
+from hub.api.route_kinds import Auth, Param
 from shared import __version__, protocol
 from shared.errors import ERROR_SCHEMA, ErrorCode
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from pydantic import BaseModel
     from pydantic.json_schema import JsonSchemaMode
+
+    from hub.api.route_kinds import Route
 
     # Each model's schema, by model and way (parsed or answered): a `$ref` to its component.
     Refs = dict[tuple[type[BaseModel], JsonSchemaMode], dict[str, Any]]
@@ -54,11 +56,11 @@ _SECURITY = {Auth.node: "nodeToken", Auth.operator: "operatorToken"}
 _PATH_PARAM = re.compile(r"\{([^}]+)\}")
 
 
-def _schemas() -> tuple[Refs, dict[str, Any]]:
+def _schemas(routes: Sequence[Route]) -> tuple[Refs, dict[str, Any]]:
     """Every model's schema, in one set of components (a model used both ways, parsed and
     answered, gets one per way only where the two differ)."""
     wanted: list[tuple[type[BaseModel], JsonSchemaMode]] = []
-    for route in ROUTES:
+    for route in routes:
         if route.request is not None:
             wanted.append((route.request, "validation"))
         if route.answer is not None:
@@ -74,7 +76,7 @@ def _operation(route: Route, refs: Refs) -> Any:
         "operationId": f"{route.method.lower()}_{re.sub(r'[^a-z0-9]+', '_', route.path)}".strip(
             "_"
         ),
-        "tags": ["node" if route in NODE_ROUTES else "operator"],
+        "tags": ["operator" if route.auth is Auth.operator else "node"],
     }
     if route.auth in _SECURITY:
         op["security"] = [{_SECURITY[route.auth]: []}]
@@ -114,10 +116,10 @@ def _operation(route: Route, refs: Refs) -> Any:
             "required": True,
             "content": {route.body_type: {"schema": {"type": "string", "format": "binary"}}},
         }
-    elif route.router_path is not None and "offload" in route.path:
+    elif route.body_schema is not None:
         op["requestBody"] = {
             "required": True,
-            "content": {"application/json": {"schema": OFFLOADED}},
+            "content": {"application/json": {"schema": route.body_schema}},
         }
     answer = (
         refs[(route.answer, "serialization")] if route.answer is not None else {"type": "object"}
@@ -147,14 +149,13 @@ def _operation(route: Route, refs: Refs) -> Any:
     return op
 
 
-@functools.cache
-def build_openapi() -> dict[str, Any]:
-    """The document (made once: it depends on the code only)."""
-    refs, components = _schemas()
+def build_openapi(routes: Sequence[Route]) -> dict[str, Any]:
+    """The document of `routes` (the hub serves route_table.py's `openapi_document`)."""
+    refs, components = _schemas(routes)
     if "Error" in components:
         raise ValueError("a model named Error would hide the error shape's schema")
     paths: dict[str, Any] = {}
-    for route in ROUTES:
+    for route in routes:
         paths.setdefault(route.path, {})[route.method.lower()] = _operation(route, refs)
     return {
         "openapi": "3.1.0",
@@ -182,11 +183,3 @@ def build_openapi() -> dict[str, Any]:
             },
         },
     }
-
-
-async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(build_openapi())
-
-
-def openapi_route() -> web.RouteDef:
-    return web.get("/openapi.json", openapi)

@@ -1,7 +1,9 @@
 """The hub's operator API (`/v1/admin/…`): what `kvl hub …` does, over HTTPS, for the
 console and for tools. Every call carries an operator token (`kvl hub operators
 create`); handlers are thin: parse (hub/api/requests.py), call the store, answer a view
-(hub/views.py). What the store finds missing is a 404, said once, in the middleware.
+(hub/views.py). What the store finds missing is a 404, said once, in the middleware,
+which guards the other operator modules' routes too (alerts, objectives, rollouts, logs,
+`/metrics`).
 """
 
 from __future__ import annotations
@@ -11,34 +13,25 @@ import time
 
 from aiohttp import web
 
-from hub.api.logs import node_logs
+from hub.api.logs import LOGS_ROUTE
+from hub.api.metrics import METRICS_ROUTE
 from hub.api.requests import (
     DeploymentRequest,
     DrainRequest,
     KeyRequest,
     NodeTenancyRequest,
-    ObjectivesQuery,
     SeedRequest,
-    SilenceRequest,
     TenancyRequest,
     TokenRequest,
     storable,
 )
+from hub.api.route_kinds import Auth, Param, Route
 from hub.appkeys import LOOPS, OPERATOR, RUNNING, SETTINGS, STORE
-from hub.fleet.objectives import report_view, series_view
-from hub.http import Handler, bearer, parse, query
+from hub.http import Handler, bearer, parse
 from hub.loops import report
 from hub.packages import MAX_BUNDLE, keep_bundle
 from hub.state.store import NotFoundError
-from hub.views import (
-    alert_view,
-    deployment_view,
-    node_view,
-    package_view,
-    quota_view,
-    silence_view,
-    token_view,
-)
+from hub.views import deployment_view, node_view, package_view, quota_view, token_view
 from shared.errors import ApiError, ErrorCode
 from shared.oci import LayoutError
 
@@ -273,101 +266,180 @@ async def list_loops(request: web.Request) -> web.Response:
     return web.json_response(report(request.app[RUNNING], request.app[LOOPS]))
 
 
-async def list_alerts(request: web.Request) -> web.Response:
-    """The hub's alerts, newest first: `?state=firing` (or `resolved`) for those only."""
-    state = request.query.get("state")
-    if state not in {None, "firing", "resolved"}:
-        raise ApiError(ErrorCode.invalid_value, "`state` is `firing` or `resolved`", param="state")
-    store = request.app[STORE]
-    found = await store.run(store.sync.alerts, state)
-    return web.json_response({"data": [alert_view(a) for a in found]})
-
-
-async def create_silence(request: web.Request) -> web.Response:
-    store = request.app[STORE]
-    req = await parse(request, SilenceRequest)
-    silence = await store.run(
-        store.sync.create_silence,
-        req.matchers,
-        time.time() + req.duration_s,
-        request[OPERATOR],
-        req.comment,
-    )
-    return web.json_response(silence_view(silence, time.time()), status=201)
-
-
-async def list_silences(request: web.Request) -> web.Response:
-    store = request.app[STORE]
-    now = time.time()
-    found = await store.run(store.sync.silences)
-    return web.json_response({"data": [silence_view(s, now) for s in found]})
-
-
-async def delete_silence(request: web.Request) -> web.Response:
-    store = request.app[STORE]
-    silence_id = request.match_info["id"]
-    await store.run(store.sync.delete_silence, silence_id)
-    return web.json_response({"id": silence_id, "deleted": True})
-
-
-async def objectives(request: web.Request) -> web.Response:
-    """The fleet's objectives over a window: attainment, target, budget left, burn rate."""
-    q = query(request, ObjectivesQuery)
-    store = request.app[STORE]
-    view = await store.read(
-        report_view,
-        request.app[SETTINGS].objectives,
-        window=q.window,
-        by=q.by,
-        filters=q.filters(),
-        now=time.time(),
-    )
-    return web.json_response(view)
-
-
-async def objectives_series(request: web.Request) -> web.Response:
-    """The points of the objectives' charts over a window, per class."""
-    q = query(request, ObjectivesQuery)
-    store = request.app[STORE]
-    view = await store.read(
-        series_view,
-        request.app[SETTINGS].objectives,
-        window=q.window,
-        step_s=q.step_s,
-        filters=q.filters(),
-        now=time.time(),
-    )
-    return web.json_response(view)
-
-
-def operator_routes() -> list[web.RouteDef]:
-    return [
-        web.get("/v1/admin/nodes", list_nodes),
-        web.post("/v1/admin/nodes/{node}/drain", drain_node),
-        web.post("/v1/admin/nodes/{node}/tenancy", set_node_tenancy),
-        web.post("/v1/admin/nodes/{node}/revoke", revoke_node),
-        web.get("/v1/admin/nodes/{node}/logs", node_logs),
-        web.get("/v1/admin/accounts", list_accounts),
-        web.get("/v1/admin/accounts/{name}/quota", account_quota),
-        web.put("/v1/admin/accounts/{name}/tenancy", set_tenancy),
-        web.get("/v1/admin/models", list_models),
-        web.get("/v1/admin/deployments", list_deployments),
-        web.post("/v1/admin/deployments", create_deployment),
-        web.delete("/v1/admin/deployments/{id}", delete_deployment),
-        web.get("/v1/admin/tokens", list_tokens),
-        web.post("/v1/admin/tokens", create_token),
-        web.post("/v1/admin/tokens/{prefix}/revoke", revoke_token),
-        web.post("/v1/admin/keys", create_key),
-        web.post("/v1/admin/keys/{prefix}/revoke", revoke_key),
-        web.get("/v1/admin/packages", list_packages),
-        web.post("/v1/admin/packages", add_package),
-        web.post("/v1/admin/packages/{id}/seed", seed_package),
-        web.delete("/v1/admin/packages/{id}/seed", unseed_package),
-        web.get("/v1/admin/loops", list_loops),
-        web.get("/v1/admin/alerts", list_alerts),
-        web.get("/v1/admin/silences", list_silences),
-        web.post("/v1/admin/silences", create_silence),
-        web.delete("/v1/admin/silences/{id}", delete_silence),
-        web.get("/v1/admin/objectives", objectives),
-        web.get("/v1/admin/objectives/series", objectives_series),
-    ]
+_NOT_FOUND = (ErrorCode.not_found,)
+ROUTES: tuple[Route, ...] = (
+    Route(
+        "GET",
+        "/v1/admin/nodes",
+        list_nodes,
+        "Every node: site, status, versions, capacity.",
+        Auth.operator,
+    ),
+    Route(
+        "POST",
+        "/v1/admin/nodes/{node}/drain",
+        drain_node,
+        "Drain a node (by id or name), or end its drain.",
+        Auth.operator,
+        DrainRequest,
+        errors=_NOT_FOUND,
+    ),
+    Route(
+        "POST",
+        "/v1/admin/nodes/{node}/tenancy",
+        set_node_tenancy,
+        "Set a node's tenancy (by id or name): dedicated to a tenant, private, or shared.",
+        Auth.operator,
+        NodeTenancyRequest,
+        errors=_NOT_FOUND,
+    ),
+    Route(
+        "POST",
+        "/v1/admin/nodes/{node}/revoke",
+        revoke_node,
+        "Revoke a node.",
+        Auth.operator,
+        errors=_NOT_FOUND,
+    ),
+    LOGS_ROUTE,
+    Route(
+        "GET",
+        "/v1/admin/accounts",
+        list_accounts,
+        "Accounts: class, quotas, budget.",
+        Auth.operator,
+    ),
+    Route(
+        "GET",
+        "/v1/admin/accounts/{name}/quota",
+        account_quota,
+        "An account's budget this period: consumed, leased per node, remaining.",
+        Auth.operator,
+        errors=_NOT_FOUND,
+    ),
+    Route(
+        "PUT",
+        "/v1/admin/accounts/{name}/tenancy",
+        set_tenancy,
+        "Bind an account to a tenant and sites, or to none (a shared account).",
+        Auth.operator,
+        TenancyRequest,
+        errors=_NOT_FOUND,
+    ),
+    Route(
+        "GET", "/v1/admin/models", list_models, "The model files the hub can place.", Auth.operator
+    ),
+    Route(
+        "GET",
+        "/v1/admin/deployments",
+        list_deployments,
+        "Deployments and where their replicas run.",
+        Auth.operator,
+    ),
+    Route(
+        "POST",
+        "/v1/admin/deployments",
+        create_deployment,
+        "Deploy a model.",
+        Auth.operator,
+        DeploymentRequest,
+        status=201,
+        errors=_NOT_FOUND,
+    ),
+    Route(
+        "DELETE",
+        "/v1/admin/deployments/{id}",
+        delete_deployment,
+        "Undeploy.",
+        Auth.operator,
+        errors=_NOT_FOUND,
+    ),
+    Route(
+        "GET",
+        "/v1/admin/tokens",
+        list_tokens,
+        "Enrollment tokens, without their secrets.",
+        Auth.operator,
+    ),
+    Route(
+        "POST",
+        "/v1/admin/tokens",
+        create_token,
+        "Make an enrollment token; its secret is in this answer only.",
+        Auth.operator,
+        TokenRequest,
+        status=201,
+    ),
+    Route(
+        "POST",
+        "/v1/admin/tokens/{prefix}/revoke",
+        revoke_token,
+        "Revoke an enrollment token.",
+        Auth.operator,
+        errors=_NOT_FOUND,
+    ),
+    Route(
+        "POST",
+        "/v1/admin/keys",
+        create_key,
+        "Make a fleet API key; its secret is in this answer only.",
+        Auth.operator,
+        KeyRequest,
+        status=201,
+        errors=_NOT_FOUND,
+    ),
+    Route(
+        "POST",
+        "/v1/admin/keys/{prefix}/revoke",
+        revoke_key,
+        "Revoke a fleet API key.",
+        Auth.operator,
+        errors=_NOT_FOUND,
+    ),
+    Route(
+        "GET",
+        "/v1/admin/packages",
+        list_packages,
+        "Packages across the fleet.",
+        Auth.operator,
+        params=(Param("q", "query", "words to look for", {"type": "string"}),),
+    ),
+    Route(
+        "POST",
+        "/v1/admin/packages",
+        add_package,
+        "Keep a package archive (the body), seeding it at once with `seed`.",
+        Auth.operator,
+        status=201,
+        body_type="application/octet-stream",
+        errors=(ErrorCode.request_too_large,),
+        params=(Param("seed", "query", "`all`, or a site", {"type": "string"}),),
+    ),
+    Route(
+        "POST",
+        "/v1/admin/packages/{id}/seed",
+        seed_package,
+        "Seed a held package (the newest version, every node, unless named).",
+        Auth.operator,
+        SeedRequest,
+        errors=_NOT_FOUND,
+    ),
+    Route(
+        "DELETE",
+        "/v1/admin/packages/{id}/seed",
+        unseed_package,
+        "Stop seeding a package.",
+        Auth.operator,
+        errors=_NOT_FOUND,
+        params=(Param("version", "query", "one version only", {"type": "string"}),),
+    ),
+    METRICS_ROUTE,
+    Route(
+        "GET",
+        "/v1/admin/loops",
+        list_loops,
+        "The hub's background loops: those running, any stopped, each one's failed "
+        "rounds (count, last error, when).",
+        Auth.operator,
+    ),
+)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from hub.api.requests import ReleaseQuery, RolloutRequest, WindowRequest
+from hub.api.route_kinds import Auth, Param, Route
 from hub.appkeys import OPERATOR, SETTINGS, STORE
 from hub.http import parse, query
 from hub.planning.rollout import STEPS
@@ -142,15 +143,106 @@ def _stepper(action: str) -> Callable[[web.Request], Awaitable[web.Response]]:
     return rollout_step
 
 
-def rollout_routes() -> list[web.RouteDef]:
-    return [
-        web.get("/v1/admin/releases", list_releases),
-        web.post("/v1/admin/releases", add_release),
-        web.get("/v1/admin/releases/{version}", show_release),
-        web.put("/v1/admin/update-windows/{site}", set_window),
-        web.delete("/v1/admin/update-windows/{site}", delete_window),
-        web.get("/v1/admin/rollouts", list_rollouts),
-        web.post("/v1/admin/rollouts", start_rollout),
-        web.get("/v1/admin/rollouts/{id}", show_rollout),
-        *(web.post(f"/v1/admin/rollouts/{{id}}/{action}", _stepper(action)) for action in STEPS),
-    ]
+_NOT_FOUND = (ErrorCode.not_found,)
+_CONFLICT = (ErrorCode.not_found, ErrorCode.rollout_conflict)
+_VERSION = ReleaseQuery.model_json_schema()["properties"]["version"]
+# Each of the operator's steps (hub/planning/rollout.py's STEPS: a new one needs its words).
+_STEPS = {
+    "pause": "Pause a rollout: no node more is reached until it is resumed.",
+    "resume": "Resume a paused or halted rollout (a halt's failed nodes are judged again).",
+    "abort": "Abort a rollout: the nodes it reached get what they had before.",
+    "finish": "Finish a rolling-back rollout now: aborted, the nodes that have not reported "
+    "what they had before recorded as never confirmed (they keep it as their target).",
+}
+
+ROUTES: tuple[Route, ...] = (
+    Route(
+        "GET",
+        "/v1/admin/releases",
+        list_releases,
+        "Image releases the hub holds: version, notes, sha256, size, and how many nodes "
+        "have it as their target.",
+        Auth.operator,
+    ),
+    Route(
+        "POST",
+        "/v1/admin/releases",
+        add_release,
+        "Keep an image release: the body is its bundle (a RAUC `.raucb`, opaque to the "
+        "hub), kept under its sha256.",
+        Auth.operator,
+        status=201,
+        body_type="application/octet-stream",
+        errors=(ErrorCode.request_too_large, ErrorCode.rollout_conflict),
+        params=(
+            Param(
+                "version",
+                "query",
+                "the image version the bundle installs",
+                _VERSION,
+                required=True,
+            ),
+            Param("notes", "query", "release notes", {"type": "string", "maxLength": 2000}),
+        ),
+    ),
+    Route(
+        "GET",
+        "/v1/admin/releases/{version}",
+        show_release,
+        "One release.",
+        Auth.operator,
+        errors=_NOT_FOUND,
+    ),
+    Route(
+        "PUT",
+        "/v1/admin/update-windows/{site}",
+        set_window,
+        "A site's update window (UTC): its nodes fetch and install a release only then.",
+        Auth.operator,
+        WindowRequest,
+    ),
+    Route(
+        "DELETE",
+        "/v1/admin/update-windows/{site}",
+        delete_window,
+        "A site's nodes may update at any time again.",
+        Auth.operator,
+    ),
+    Route(
+        "GET",
+        "/v1/admin/rollouts",
+        list_rollouts,
+        "Staged rollouts, newest first, each with its waves and their nodes' reports.",
+        Auth.operator,
+    ),
+    Route(
+        "POST",
+        "/v1/admin/rollouts",
+        start_rollout,
+        "Start a staged rollout of a release to the fleet, or of a deployment's new model: "
+        "a canary, then waves, each gated on its nodes' health for a soak time.",
+        Auth.operator,
+        RolloutRequest,
+        status=201,
+        errors=_CONFLICT,
+    ),
+    Route(
+        "GET",
+        "/v1/admin/rollouts/{id}",
+        show_rollout,
+        "One rollout: state, phase, reason, strategy, and each wave's nodes.",
+        Auth.operator,
+        errors=_NOT_FOUND,
+    ),
+    *(
+        Route(
+            "POST",
+            f"/v1/admin/rollouts/{{id}}/{action}",
+            _stepper(action),
+            _STEPS[action],
+            Auth.operator,
+            errors=_CONFLICT,
+        )
+        for action in STEPS
+    ),
+)

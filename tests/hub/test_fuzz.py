@@ -45,7 +45,8 @@ from schemathesis.errors import FailureGroup
 
 from appliance.packages.cache import PackageCache
 from hub.api.requests import DeploymentRequest, KeyRequest
-from hub.api.route_table import ROUTES, Auth, Route
+from hub.api.route_kinds import Auth, Route
+from hub.api.route_table import ROUTES
 from hub.app import create_app
 from hub.packages import add_bundle
 from hub.planning.quota import Budget
