@@ -1,7 +1,8 @@
 """The house reads in one direction: no module imports another that imports it back
 (directly or around a circle), no folder of the appliance or the hub does either, the
 appliance and the hub never import each other, `shared/` imports neither, and no hub
-module grows past 500 lines. docs/README.md says which way imports go."""
+module grows past 500 lines. The hub's schema is one list of migrations, and each of its
+routes is declared once. docs/README.md says which way imports go."""
 
 from __future__ import annotations
 
@@ -153,3 +154,105 @@ def test_no_tracked_file_holds_a_merge_conflict_marker() -> None:
             continue  # not text
         found += [f"{name}:{text.count(chr(10), 0, m.start()) + 1}" for m in marker.finditer(text)]
     assert not found, f"merge conflict markers: {found}"
+
+
+def _calls(tree: ast.AST) -> list[ast.Call]:
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Call)]
+
+
+def _called(call: ast.Call) -> str:
+    return str(getattr(call.func, "id", getattr(call.func, "attr", "")))
+
+
+def test_the_hub_schema_is_one_migration_list() -> None:
+    """Migrations are written only in hub/state/migrations/ (its MIGRATIONS, which both
+    databases run); hub/state/sql.py runs them (through sqlite-utils' `Migrations` on
+    SQLite). A second list, for one database, is how two schemas drift apart."""
+    home, found = ROOT / "hub" / "state" / "migrations", []
+    for path in sorted((ROOT / "hub").rglob("*.py")):
+        if home in path.parents:
+            continue
+        where = path.relative_to(ROOT).as_posix()
+        tree = ast.parse(path.read_text())
+        names = [(c.lineno, _called(c)) for c in _calls(tree)] + [
+            (node.lineno, target.id.upper())
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Assign)
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        ]
+        found += [
+            f"{where}:{line} {name}"
+            for line, name in names
+            if name in {"Migration", "SQLMigration", "MIGRATIONS"}
+            or (name == "Migrations" and where != "hub/state/sql.py")
+        ]
+    assert found == [], f"migrations outside hub/state/migrations/: {found}"
+
+
+_ROUTE_MAKERS = {"get", "post", "put", "patch", "delete", "head", "route", "view", "static"}
+_REGISTERS = {f"add_{kind}" for kind in (*_ROUTE_MAKERS, "resource")}
+
+
+def test_hub_routes_are_made_only_from_their_declarations() -> None:
+    """A hub route is a `Route` beside its handler; `route_defs` (hub/api/route_kinds.py)
+    alone turns them into aiohttp's. The console registers its HTML pages itself."""
+    found = []
+    for path in sorted((ROOT / "hub").rglob("*.py")):
+        if path.is_relative_to(ROOT / "hub" / "console"):
+            continue
+        tree = ast.parse(path.read_text())
+        generator = {
+            id(node)
+            for function in ast.walk(tree)
+            if isinstance(function, ast.FunctionDef) and function.name == "route_defs"
+            for node in ast.walk(function)
+        }
+        for call in _calls(tree):
+            if id(call) in generator or not isinstance(call.func, ast.Attribute):
+                continue
+            name, owner = call.func.attr, call.func.value
+            made = name in _ROUTE_MAKERS and isinstance(owner, ast.Name) and owner.id == "web"
+            bulk = name == "add_routes" and not (
+                call.args
+                and isinstance(call.args[0], ast.Call)
+                and _called(call.args[0]) == "route_defs"
+            )
+            if made or bulk or name in _REGISTERS:
+                found.append(f"{path.relative_to(ROOT)}:{call.lineno} {name}")
+    assert found == []
+
+
+def test_every_hub_route_is_declared_once(tmp_path: Path) -> None:
+    """What the hub's app registers is exactly the route table, each route once, and every
+    `Route` a hub/api module declares is in the table (none forgotten, none twice)."""
+    import importlib  # noqa: PLC0415
+    import pkgutil  # noqa: PLC0415
+    from collections import Counter  # noqa: PLC0415
+
+    import hub.api  # noqa: PLC0415
+    from hub.api.route_kinds import Route  # noqa: PLC0415
+    from hub.api.route_table import ROUTES  # noqa: PLC0415
+    from hub.app import create_app  # noqa: PLC0415
+    from tests.hubs import settings_for  # noqa: PLC0415
+
+    app = create_app(settings_for(tmp_path))
+    registered = Counter(
+        (r.method, r.resource.canonical)
+        for r in app.router.routes()
+        if r.resource is not None
+        and r.method != "HEAD"
+        and not r.resource.canonical.startswith("/console")
+    )
+    assert [r for r, n in registered.items() if n > 1] == []
+    assert set(registered) == {(r.method, r.registered) for r in ROUTES}
+    documented = Counter((r.method, r.path) for r in ROUTES)
+    assert [r for r, n in documented.items() if n > 1] == []
+    held = [
+        v
+        for info in pkgutil.iter_modules(hub.api.__path__, "hub.api.")
+        for value in vars(importlib.import_module(info.name)).values()
+        for v in (value if isinstance(value, tuple) else (value,))
+        if isinstance(v, Route)
+    ]
+    assert [f"{r.method} {r.path}" for r in held if r not in ROUTES] == []
