@@ -24,6 +24,7 @@ from pytest_aiohttp import AiohttpClient
 from appliance.app import create_app
 from appliance.gateway.appkeys import EMBEDDINGS, REGISTRY
 from appliance.serving.catalog import ensure_default_model, register_file
+from appliance.serving.chat import GEMMA_TEMPLATE
 from appliance.serving.progress import ProgressBar
 from appliance.settings import ApplianceSettings
 from appliance.state.records import ModelRecord
@@ -63,8 +64,18 @@ SCRIPTED = "scripted"
 SCRIPT = {
     "kvl_script": 1,
     "reply": "Hello from the scripted model.",
-    "rules": [{"contains": "ping", "reply": "pong"}, {"contains": "JSON", "reply": '{"ok": true}'}],
+    "rules": [
+        {"contains": "ping", "reply": "pong"},
+        {"contains": "JSON", "reply": '{"ok": true}'},
+        {"contains": "1, 2, 3, 4,", "reply": " 5, 6, 7, 8,"},
+    ],
+    # Gemma's: it refuses a conversation whose roles do not alternate, as the real one does.
+    "chat_template": GEMMA_TEMPLATE,
 }
+# A scripted model that takes its time: a step every 20 ms, as a real model on a small
+# machine might (for tests of what happens while a generation runs).
+SLOW = "scripted-slow"
+SLOW_SCRIPT = {"step_s": 0.02, "reply": "tick " * 400, "rules": []}
 
 
 def write_script(path: Path, **changes: object) -> Path:
@@ -73,14 +84,22 @@ def write_script(path: Path, **changes: object) -> Path:
 
 
 @pytest.fixture(scope="session")
-def scripted_model(tmp_path_factory: pytest.TempPathFactory) -> ModelRecord:
-    """The scripted model's record (its file in a session folder)."""
+def scripted_models(tmp_path_factory: pytest.TempPathFactory) -> list[ModelRecord]:
+    """The scripted models' records, SCRIPTED then SLOW (their files in a session folder)."""
     base = tmp_path_factory.mktemp("scripted-model")
     store = Store(base / "catalog.db")
     try:
-        return register_file(store, write_script(base / "scripted.json"), SCRIPTED, "1")
+        return [
+            register_file(store, write_script(base / "scripted.json"), SCRIPTED, "1"),
+            register_file(store, write_script(base / "slow.json", **SLOW_SCRIPT), SLOW, "1"),
+        ]
     finally:
         store.close()
+
+
+@pytest.fixture(scope="session")
+def scripted_model(scripted_models: list[ModelRecord]) -> ModelRecord:
+    return scripted_models[0]
 
 
 @pytest.fixture(scope="session")
@@ -95,7 +114,7 @@ def default_model(tmp_path_factory: pytest.TempPathFactory) -> ModelRecord:
 
 
 def make_settings(data_dir: Path, **sections: dict[str, object]) -> ApplianceSettings:
-    model: dict[str, object] = {"n_ctx": 2048, "max_queue": 4, "n_threads": 2}
+    model: dict[str, object] = {"n_ctx": 2048, "max_queue": 4, "n_threads": 1}
     model.update(sections.pop("model", {}))
     discovery: dict[str, object] = {"enabled": False}
     discovery.update(sections.pop("discovery", {}))
@@ -114,30 +133,26 @@ def make_settings(data_dir: Path, **sections: dict[str, object]) -> ApplianceSet
 
 
 @pytest.fixture
-def settings(tmp_path: Path, scripted_model: ModelRecord) -> ApplianceSettings:
-    """Settings for an in-process appliance that serves the scripted model (for chat too)."""
-    s = make_settings(tmp_path / "data", model={"default": SCRIPTED, "chat_default": SCRIPTED})
+def settings(request: pytest.FixtureRequest, tmp_path: Path) -> ApplianceSettings:
+    """Settings for an in-process appliance whose store already knows its model: the
+    scripted ones (SCRIPTED by default and for chat, SLOW when named), or, for a test marked
+    `model`, the real default model."""
+    if request.node.get_closest_marker("model") is not None:
+        records: list[ModelRecord] = [request.getfixturevalue("default_model")]
+        s = make_settings(tmp_path / "data")
+    else:
+        records = request.getfixturevalue("scripted_models")
+        s = make_settings(tmp_path / "data", model={"default": SCRIPTED, "chat_default": SCRIPTED})
     store = Store(s.db_path)
-    store.add_model(scripted_model)
+    for record in records:
+        store.add_model(record)
     store.close()
     return s
 
 
 @pytest.fixture
-def model_settings(tmp_path: Path, default_model: ModelRecord) -> ApplianceSettings:
-    """Settings for an in-process appliance whose store already knows the default model."""
-    s = make_settings(tmp_path / "data")
-    store = Store(s.db_path)
-    store.add_model(default_model)
-    store.close()
-    return s
-
-
-@pytest.fixture
-def api_key(tmp_path: Path) -> str:
-    """A key in the store of the appliance that `settings` or `model_settings` describe (both
-    keep their data in the test's `data` folder)."""
-    store = Store(make_settings(tmp_path / "data").db_path)
+def api_key(settings: ApplianceSettings) -> str:
+    store = Store(settings.db_path)
     try:
         return store.create_key("tester").plaintext
     finally:
@@ -146,18 +161,8 @@ def api_key(tmp_path: Path) -> str:
 
 @pytest.fixture
 async def client(aiohttp_client: AiohttpClient, settings: ApplianceSettings) -> Client:
-    """An in-process appliance (real aiohttp server on loopback) serving the scripted model,
-    and the embedding model, loaded."""
-    return await _started(aiohttp_client, settings)
-
-
-@pytest.fixture
-async def model_client(aiohttp_client: AiohttpClient, model_settings: ApplianceSettings) -> Client:
-    """An in-process appliance with the real default model (and the embedding model) loaded."""
-    return await _started(aiohttp_client, model_settings)
-
-
-async def _started(aiohttp_client: AiohttpClient, settings: ApplianceSettings) -> Client:
+    """An in-process appliance (real aiohttp server on loopback) with its model (`settings`)
+    and the embedding model loaded."""
     app = create_app(settings)
     test_client = await aiohttp_client(app)
     await app[REGISTRY].wait_loaded()

@@ -1,4 +1,5 @@
-"""The gateway in-process: a real aiohttp server on loopback, real SQLite, the real model."""
+"""The gateway in-process: a real aiohttp server on loopback, real SQLite, the scripted model
+(the real one where the model is what is tested)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ from appliance.gateway.routes import ROUTES
 from appliance.settings import ApplianceSettings
 from appliance.state.store import Store
 from shared.errors import ErrorCode
-from tests.conftest import Client
+from tests.conftest import SCRIPTED, SLOW, Client
 
-MODEL = "gemma-3-270m"
+# The scripted model (tests/conftest.py); the tests of the model itself (marked `model`) get
+# the real default model, Gemma 3 270M.
+MODEL = SCRIPTED
+GEMMA = "gemma-3-270m"
 EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
 
@@ -45,6 +49,7 @@ async def post(client: Client, path: str, key: str, body: Any) -> tuple[int, Any
     return response.status, await response.json(), response.headers
 
 
+@pytest.mark.model
 async def test_health_ready_and_models(client: Client, api_key: str) -> None:
     health = await client.get("/healthz")
     assert health.status == 200
@@ -54,7 +59,7 @@ async def test_health_ready_and_models(client: Client, api_key: str) -> None:
     models = await client.get("/v1/models", headers=auth(api_key))
     listed = (await models.json())["data"]
     # The embedded chat model is listed too: a first request registers and loads it.
-    assert [m["id"] for m in listed] == [MODEL, "smollm2-135m-instruct", EMBEDDING_MODEL]
+    assert [m["id"] for m in listed] == [GEMMA, "smollm2-135m-instruct", EMBEDDING_MODEL]
     assert listed[1]["state"] == "unloaded"
     data = [listed[0], listed[2]]
     assert data[0]["quantization"] == "Q4_K_M"
@@ -110,9 +115,10 @@ async def test_chat_completion(client: Client, api_key: str) -> None:
     assert headers["X-Request-Id"]
 
 
+@pytest.mark.model
 async def test_greedy_and_seeded_sampling_repeat_exactly(client: Client, api_key: str) -> None:
     async def text(extra: dict[str, Any]) -> str:
-        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, **extra}
+        body = {"model": GEMMA, "prompt": "Once upon a time", "max_tokens": 12, **extra}
         status, out, _ = await post(client, "/v1/completions", api_key, body)
         assert status == 200, out
         return str(out["choices"][0]["text"])
@@ -122,6 +128,7 @@ async def test_greedy_and_seeded_sampling_repeat_exactly(client: Client, api_key
     assert await text(seeded) == await text(seeded)
 
 
+@pytest.mark.model
 async def test_concurrent_streams_interleave_and_match_their_solo_runs(
     client: Client, api_key: str
 ) -> None:
@@ -134,7 +141,7 @@ async def test_concurrent_streams_interleave_and_match_their_solo_runs(
             "/v1/completions",
             headers=auth(api_key),
             json={
-                "model": MODEL,
+                "model": GEMMA,
                 "prompt": prompt,
                 "max_tokens": 16,
                 "temperature": 0,
@@ -169,8 +176,9 @@ async def test_concurrent_streams_interleave_and_match_their_solo_runs(
     assert sum(1 for f in firsts if f < lasts[0]) >= 2
 
 
+@pytest.mark.model
 async def test_penalties_are_applied(client: Client, api_key: str) -> None:
-    body = {"model": MODEL, "prompt": "la la la la la la", "max_tokens": 8, "temperature": 0}
+    body = {"model": GEMMA, "prompt": "la la la la la la", "max_tokens": 8, "temperature": 0}
     status, plain, _ = await post(client, "/v1/completions", api_key, body)
     assert status == 200, plain
     penalised = {**body, "presence_penalty": 2.0, "frequency_penalty": 2.0}
@@ -278,7 +286,7 @@ PERSON: dict[str, Any] = {
 
 def json_schema_request(schema: dict[str, Any], max_tokens: int = 60) -> dict[str, Any]:
     return {
-        "model": MODEL,
+        "model": GEMMA,
         "max_tokens": max_tokens,
         "temperature": 0,
         "messages": [{"role": "user", "content": "Give a person as JSON."}],
@@ -289,6 +297,7 @@ def json_schema_request(schema: dict[str, Any], max_tokens: int = 60) -> dict[st
     }
 
 
+@pytest.mark.model
 async def test_json_schema_output_validates(client: Client, api_key: str) -> None:
     status, body, _ = await post(
         client, "/v1/chat/completions", api_key, json_schema_request(PERSON)
@@ -298,6 +307,7 @@ async def test_json_schema_output_validates(client: Client, api_key: str) -> Non
     jsonschema.validate(person, PERSON)
 
 
+@pytest.mark.model
 async def test_constraints_the_grammar_cannot_enforce_are_still_checked(
     client: Client, api_key: str
 ) -> None:
@@ -317,13 +327,14 @@ async def test_constraints_the_grammar_cannot_enforce_are_still_checked(
         assert "age" in body["error"]["message"]
 
 
+@pytest.mark.model
 async def test_json_object_output(client: Client, api_key: str) -> None:
     status, body, _ = await post(
         client,
         "/v1/chat/completions",
         api_key,
         {
-            "model": MODEL,
+            "model": GEMMA,
             "max_tokens": 80,
             "temperature": 0,
             "messages": [{"role": "user", "content": "Describe a cat as JSON."}],
@@ -337,6 +348,7 @@ async def test_json_object_output(client: Client, api_key: str) -> None:
         assert_error(body, ErrorCode.output_validation_failed, "response_format")
 
 
+@pytest.mark.model
 async def test_structured_output_cut_short_fails_closed(client: Client, api_key: str) -> None:
     request = json_schema_request(PERSON, max_tokens=3)
     status, body, _ = await post(client, "/v1/chat/completions", api_key, request)
@@ -582,7 +594,7 @@ async def test_metrics_count_requests_tokens_and_errors(client: Client, api_key:
     assert 'kvl_http_errors_total{code="model_not_found",route="/v1/completions"} 1.0' in text
     assert "kvl_completion_tokens_total" in text
     assert "kvl_time_to_first_token_seconds_bucket" in text
-    assert 'kvl_model_ready{model="gemma-3-270m@' in text
+    assert f'kvl_model_ready{{model="{MODEL}@' in text
     assert text.rstrip().endswith("# EOF")
 
 
@@ -643,7 +655,7 @@ async def test_queue_full_is_429_with_retry_after(
         "/v1/completions",
         headers=auth(api_key),
         json={
-            "model": MODEL,
+            "model": SLOW,
             "prompt": "Tell a long story.",
             "max_tokens": 200,
             "stream": True,
@@ -653,7 +665,7 @@ async def test_queue_full_is_429_with_retry_after(
     assert long.status == 200
     await long.content.readline()  # the first chunk arrived: it is running
     status, body, headers = await post(
-        client, "/v1/completions", api_key, {"model": MODEL, "prompt": "x", "max_tokens": 1}
+        client, "/v1/completions", api_key, {"model": SLOW, "prompt": "x", "max_tokens": 1}
     )
     assert status == 429
     assert_error(body, ErrorCode.queue_full)
