@@ -12,7 +12,7 @@ from appliance.state.store import Store
 from hub.identity import certificates
 from hub.state.store import open_store
 from shared import protocol
-from tests.conftest import make_settings
+from tests.conftest import SCRIPTED, make_settings
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -50,11 +50,11 @@ def provisioning(tmp_path: Path, hub: HubSettings, port: int, uses: int = 1) -> 
     return path
 
 
-async def complete(client: Any, key: str) -> None:
+async def complete(client: Any, key: str, model: str = SCRIPTED) -> None:
     response = await client.post(
         "/v1/completions",
         headers={"Authorization": f"Bearer {key}"},
-        json={"model": "gemma-3-270m", "prompt": "Hi", "max_tokens": 2},
+        json={"model": model, "prompt": "Hi", "max_tokens": 2},
     )
     assert response.status == 200, await response.text()
 
@@ -73,19 +73,20 @@ async def fleet_account(store: AsyncStore, name: str = "lan-user") -> Account:
 async def fleet_appliance(
     aiohttp_client: AiohttpClient,
     tmp_path: Path,
-    default_model: ModelRecord,
+    model: ModelRecord,
     provisioning_file: Path,
     **fleet: object,
 ) -> tuple[web.Application, Client, str]:
-    """An in-process appliance in the fleet (no tunnel), its model loaded; (app, client,
-    a LAN key)."""
+    """An in-process appliance in the fleet (no tunnel) serving ``model`` (the scripted
+    one, unless the model is what is tested), loaded; (app, client, a LAN key)."""
     settings = make_settings(
         tmp_path / "data",
+        model={"default": model.name, "chat_default": model.name},
         embeddings={"enabled": False},
         fleet={"provisioning_file": str(provisioning_file), "tunnel": False, **fleet},
     )
     store = Store(settings.db_path)
-    store.add_model(default_model)
+    store.add_model(model)
     key = store.create_key("lan-user").plaintext
     store.close()
     app = create_app(settings)

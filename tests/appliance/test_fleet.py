@@ -26,7 +26,7 @@ from hub.state.store import HubStore, open_store
 from shared import protocol
 from shared.provisioning import Provisioning
 from shared.wireguard import read_private_key
-from tests.conftest import NoModels, free_port, kvl, make_settings
+from tests.conftest import SCRIPTED, NoModels, free_port, kvl, make_settings
 from tests.fleet import complete, fleet_account, fleet_appliance, provisioning
 from tests.hubs import settings_for
 from tests.waiting import until
@@ -37,21 +37,18 @@ if TYPE_CHECKING:
     from pytest_aiohttp import AiohttpClient, AiohttpServer
 
 
-pytestmark = pytest.mark.model
-
-
 async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outage(
     aiohttp_client: AiohttpClient,
     aiohttp_server: AiohttpServer,
     tmp_path: Path,
-    default_model: ModelRecord,
+    scripted_model: ModelRecord,
 ) -> None:
     hub = settings_for(tmp_path)
     port = free_port()
     hub_server = await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
     path = provisioning(tmp_path, hub, port)
     app, client, key = await fleet_appliance(
-        aiohttp_client, tmp_path, default_model, path, heartbeat_s=1, sync_interval_s=0.5
+        aiohttp_client, tmp_path, scripted_model, path, heartbeat_s=1, sync_interval_s=0.5
     )
     link = app[FLEET]
 
@@ -72,7 +69,7 @@ async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outa
     s = hub_store()
     (node,) = s.nodes()
     s.close()
-    assert node.capacity.models == [default_model.ref]
+    assert node.capacity.models == [scripted_model.ref]
     assert node.wg_public_key == (
         read_private_key(tmp_path / "data" / "fleet" / "wireguard.key").public_key
     )
@@ -263,7 +260,7 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
     aiohttp_client: AiohttpClient,
     aiohttp_server: AiohttpServer,
     tmp_path: Path,
-    default_model: ModelRecord,
+    scripted_model: ModelRecord,
 ) -> None:
     hub = settings_for(tmp_path)
     port = free_port()
@@ -276,7 +273,7 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
     finally:
         s.close()
     app, client, _ = await fleet_appliance(
-        aiohttp_client, tmp_path, default_model, path, heartbeat_s=1
+        aiohttp_client, tmp_path, scripted_model, path, heartbeat_s=1
     )
     settings = app[SETTINGS]
     headers = {"Authorization": f"Bearer {fleet_key}"}
@@ -301,7 +298,7 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
         response = await client.post(
             "/v1/completions",
             headers=headers,
-            json={"model": "gemma-3-270m", "prompt": "Hi", "max_tokens": 1},
+            json={"model": SCRIPTED, "prompt": "Hi", "max_tokens": 1},
         )
         assert response.status == expected, await response.text()
     assert "requests_per_minute quota (2," in (await response.json())["error"]["message"]
@@ -341,7 +338,7 @@ async def test_the_outbox_is_bounded_and_takes_work_again_once_the_hub_is_back(
     aiohttp_client: AiohttpClient,
     aiohttp_server: AiohttpServer,
     tmp_path: Path,
-    default_model: ModelRecord,
+    scripted_model: ModelRecord,
 ) -> None:
     hub = settings_for(tmp_path)
     port = free_port()
@@ -350,7 +347,7 @@ async def test_the_outbox_is_bounded_and_takes_work_again_once_the_hub_is_back(
     app, client, key = await fleet_appliance(
         aiohttp_client,
         tmp_path,
-        default_model,
+        scripted_model,
         path,
         heartbeat_s=1,
         sync_interval_s=0.5,
@@ -367,7 +364,7 @@ async def test_the_outbox_is_bounded_and_takes_work_again_once_the_hub_is_back(
         response = await client.post(
             "/v1/completions",
             headers={"Authorization": f"Bearer {key}"},
-            json={"model": "gemma-3-270m", "prompt": "Hi", "max_tokens": 2},
+            json={"model": SCRIPTED, "prompt": "Hi", "max_tokens": 2},
         )
         if response.status == 200:
             return False
@@ -386,7 +383,7 @@ async def test_the_outbox_is_bounded_and_takes_work_again_once_the_hub_is_back(
         response = await client.post(
             "/v1/completions",
             headers={"Authorization": f"Bearer {key}"},
-            json={"model": "gemma-3-270m", "prompt": "Hi", "max_tokens": 2},
+            json={"model": SCRIPTED, "prompt": "Hi", "max_tokens": 2},
         )
         return response.status == 200
 

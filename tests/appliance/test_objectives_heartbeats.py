@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import pytest
-
 from appliance.app import FLEET
 from appliance.gateway.appkeys import STORE
 from hub.app import create_app as create_hub
@@ -26,21 +24,19 @@ if TYPE_CHECKING:
     from appliance.state.records import ModelRecord
     from shared import protocol
 
-pytestmark = pytest.mark.model
-
 
 async def test_a_hub_outage_loses_nothing_the_next_heartbeat_carries_it_all(
     aiohttp_client: AiohttpClient,
     aiohttp_server: AiohttpServer,
     tmp_path: Path,
-    default_model: ModelRecord,
+    scripted_model: ModelRecord,
 ) -> None:
     hub = settings_for(tmp_path)
     port = free_port()
     hub_server = await aiohttp_server(create_hub(hub), port=port, ssl=ssl_context(hub))
     path = provisioning(tmp_path, hub, port)
     app, client, key = await fleet_appliance(
-        aiohttp_client, tmp_path, default_model, path, heartbeat_s=1, sync_interval_s=0.5
+        aiohttp_client, tmp_path, scripted_model, path, heartbeat_s=1, sync_interval_s=0.5
     )
     link = app[FLEET]
     hub_client: HubClient = await until(link.hub, "enrolled", timeout_s=30)
