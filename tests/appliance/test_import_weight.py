@@ -97,9 +97,16 @@ def test_the_default_gateway_imports_none_of_the_optional_features(tmp_path: Pat
 def test_the_model_worker_imports_neither_the_gateways_stack_nor_llama_cpps_high_level_half() -> (
     None
 ):
-    modules = _modules("import appliance.serving.worker")
+    # What the worker of a GGUF model imports: itself and its engine (engine_for's choice).
+    modules = _modules("import appliance.serving.worker, appliance.serving.batching")
     assert _present(modules, WORKER_NEVER) == []
     assert "numpy" in modules  # its sampler's, and all of what it needs is there
+
+
+def test_a_scripted_models_worker_never_imports_llama_cpp() -> None:
+    modules = _modules("import appliance.serving.worker, appliance.serving.scripted")
+    # (`llama_cpp` itself is the light package of appliance/serving/llama_package.py.)
+    assert _present(modules, (*WORKER_NEVER, "llama_cpp.llama_cpp", "numpy")) == []
 
 
 def test_the_gateways_vocabulary_comes_without_llama_cpps_high_level_half(
