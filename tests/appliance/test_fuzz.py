@@ -56,10 +56,8 @@ from schemathesis.specs.openapi.checks import (
 
 from appliance.gateway.routes import ROUTES
 from shared.errors import ErrorCode
-from tests.conftest import ApplianceProcess, kvl, running_appliance
+from tests.conftest import SCRIPTED, ApplianceProcess, kvl, running_appliance, write_script
 from tests.rawhttp import dechunk
-
-pytestmark = pytest.mark.model
 
 # Small, so that a schema-valid request that reaches the model answers in well under a second
 # on a 2-core machine; a larger `max_tokens` is a 400, which is as good a case to fuzz.
@@ -130,12 +128,18 @@ def fuzz_appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Applian
         "appliance", "keys", "create", "--account", FUZZ_ACCOUNT, "--admin", "--data-dir",
         str(data_dir),
     ).stdout.strip()  # fmt: skip
+    # The scripted model: the contract under test is the API's, not the model's. Its one
+    # rule answers the fuzzing's package (FUZZ_PACKAGE) with an item of the right shape.
+    script = write_script(
+        data_dir / "scripted.json", rules=[{"contains": "fuzzing", "reply": FUZZ_ITEM}]
+    )
+    kvl("appliance", "models", "add", str(script), "--name", SCRIPTED, "--version", "1",
+        "--data-dir", str(data_dir))  # fmt: skip
     env = {
         "KVL_DISCOVERY__ENABLED": "false",
+        "KVL_MODEL__DEFAULT": SCRIPTED,
+        "KVL_MODEL__CHAT_DEFAULT": SCRIPTED,
         "KVL_MODEL__N_CTX": "2048",
-        # One thread: llama.cpp's threads spin on each other, so two threads on a 2-core
-        # machine that is busy with anything else take 20 s for what one does in 0.3 s.
-        "KVL_MODEL__N_THREADS": "1",
         "KVL_MODEL__MAX_TOKENS_LIMIT": str(MAX_TOKENS_LIMIT),
         "KVL_MODEL__MAX_QUEUE": "4",
         "KVL_SERVER__MAX_BODY_BYTES": str(MAX_BODY_BYTES),
@@ -387,6 +391,9 @@ ADJUSTMENTS = ["served model, within the limit"] * 2 + ["served model", "as gene
 
 # Every package request the fuzzing sends asks for this one (a cache hit after the first):
 # generated ones would each be a package made on the model, minutes for the lot.
+FUZZ_ITEM = json.dumps(
+    {"statement": "Fuzzing sends a server many odd requests.", "answer": True, "explanation": ""}
+)
 FUZZ_PACKAGE = {
     "topic": "fuzzing",
     "level": "beginner",
