@@ -23,7 +23,12 @@ from pytest_aiohttp import AiohttpClient
 
 from appliance.app import create_app
 from appliance.gateway.appkeys import EMBEDDINGS, REGISTRY
-from appliance.serving.catalog import ensure_default_model, register_file
+from appliance.serving.catalog import (
+    CHAT_MODEL_NAME,
+    DEFAULT_MODEL_NAME,
+    ensure_default_model,
+    register_file,
+)
 from appliance.serving.chat import GEMMA_TEMPLATE
 from appliance.serving.progress import ProgressBar
 from appliance.settings import ApplianceSettings
@@ -72,6 +77,8 @@ SCRIPT = {
     # Gemma's: it refuses a conversation whose roles do not alternate, as the real one does.
     "chat_template": GEMMA_TEMPLATE,
 }
+# The appliance's own defaults: Gemma 3 270M, and SmolLM2 135M Instruct for chat.
+REAL_MODELS = {"default": DEFAULT_MODEL_NAME, "chat_default": CHAT_MODEL_NAME}
 # A scripted model that takes its time: a step every 20 ms, as a real model on a small
 # machine might (for tests of what happens while a generation runs).
 SLOW = "scripted-slow"
@@ -103,6 +110,11 @@ def scripted_model(scripted_models: list[ModelRecord]) -> ModelRecord:
 
 
 @pytest.fixture(scope="session")
+def slow_model(scripted_models: list[ModelRecord]) -> ModelRecord:
+    return scripted_models[1]
+
+
+@pytest.fixture(scope="session")
 def default_model(tmp_path_factory: pytest.TempPathFactory) -> ModelRecord:
     """The embedded default model, assembled once per test session."""
     base = tmp_path_factory.mktemp("default-model")
@@ -114,7 +126,15 @@ def default_model(tmp_path_factory: pytest.TempPathFactory) -> ModelRecord:
 
 
 def make_settings(data_dir: Path, **sections: dict[str, object]) -> ApplianceSettings:
-    model: dict[str, object] = {"n_ctx": 2048, "max_queue": 4, "n_threads": 1}
+    # The scripted model unless a test names the real ones (REAL_MODELS); one llama.cpp
+    # thread: two spin on each other on two cores busy with anything else.
+    model: dict[str, object] = {
+        "default": SCRIPTED,
+        "chat_default": SCRIPTED,
+        "n_ctx": 2048,
+        "max_queue": 4,
+        "n_threads": 1,
+    }
     model.update(sections.pop("model", {}))
     discovery: dict[str, object] = {"enabled": False}
     discovery.update(sections.pop("discovery", {}))
@@ -139,10 +159,10 @@ def settings(request: pytest.FixtureRequest, tmp_path: Path) -> ApplianceSetting
     `model`, the real default model."""
     if request.node.get_closest_marker("model") is not None:
         records: list[ModelRecord] = [request.getfixturevalue("default_model")]
-        s = make_settings(tmp_path / "data")
+        s = make_settings(tmp_path / "data", model=REAL_MODELS)
     else:
         records = request.getfixturevalue("scripted_models")
-        s = make_settings(tmp_path / "data", model={"default": SCRIPTED, "chat_default": SCRIPTED})
+        s = make_settings(tmp_path / "data")
     store = Store(s.db_path)
     for record in records:
         store.add_model(record)

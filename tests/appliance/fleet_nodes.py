@@ -36,7 +36,7 @@ class FleetNode:
 async def join(
     aiohttp_server: AiohttpServer,
     tmp_path: Path,
-    default_model: ModelRecord,
+    record: ModelRecord,
     hub: HubSettings,
     hub_port: int,
     *,
@@ -45,8 +45,9 @@ async def join(
     fleet: dict[str, Any] | None = None,
     sections: dict[str, Any] | None = None,
 ) -> FleetNode:
-    """An appliance enrolled with the hub through a provisioning file of its own, its
-    model loaded; ``sections``: more of its settings (`tracing`)."""
+    """An appliance enrolled with the hub through a provisioning file of its own, serving
+    ``record`` (its default model), loaded; ``model``: its model settings; ``sections``:
+    more of its settings (`tracing`)."""
     store = open_store(hub)
     token = store.create_token("site", uses=1, expires_in_s=600).plaintext
     store.set_account("lan-user", "S1")  # the LAN key's account, the fleet's: usage syncs
@@ -59,7 +60,7 @@ async def join(
     port = free_port()
     settings = make_settings(
         tmp_path / name,
-        model=model,
+        model={"default": record.name, "chat_default": record.name, **model},
         embeddings={"enabled": False},
         server={"port": port},
         fleet={"provisioning_file": str(provisioning), "tunnel": False, "lan_tls": False,
@@ -67,7 +68,7 @@ async def join(
         **(sections or {}),
     )  # fmt: skip
     local = Store(settings.db_path)
-    local.add_model(default_model)
+    local.add_model(record)
     key = local.create_key("lan-user").plaintext
     local.close()
     app = create_app(settings)

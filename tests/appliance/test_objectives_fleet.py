@@ -8,8 +8,6 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-import pytest
-
 from appliance.app import FLEET, create_app
 from appliance.gateway.appkeys import REGISTRY, STORE
 from appliance.state.store import Store
@@ -17,7 +15,7 @@ from hub.app import create_app as create_hub
 from hub.identity import ssl_context
 from hub.state.store import open_store
 from shared.classes import ServiceClass
-from tests.conftest import free_port, make_settings
+from tests.conftest import SCRIPTED, free_port, make_settings
 from tests.fleet import provisioning
 from tests.hubs import settings_for
 from tests.waiting import until
@@ -33,9 +31,7 @@ if TYPE_CHECKING:
     from hub.settings import HubSettings
     from tests.conftest import Client
 
-pytestmark = pytest.mark.model
-
-BODY = {"model": "gemma-3-270m", "prompt": "Hi", "max_tokens": 2}
+BODY = {"model": SCRIPTED, "prompt": "Hi", "max_tokens": 2}
 
 
 def totals(hub: HubSettings) -> dict[str, SloTotals]:
@@ -51,7 +47,7 @@ async def test_the_hubs_roll_up_is_what_the_clients_saw_across_an_outage_and_a_r
     aiohttp_client: AiohttpClient,
     aiohttp_server: AiohttpServer,
     tmp_path: Path,
-    default_model: ModelRecord,
+    scripted_model: ModelRecord,
 ) -> None:
     hub = settings_for(tmp_path)
     port = free_port()
@@ -75,7 +71,7 @@ async def test_the_hubs_roll_up_is_what_the_clients_saw_across_an_outage_and_a_r
     )
     local = Store(settings.db_path)
     try:
-        local.add_model(default_model)
+        local.add_model(scripted_model)
         keys = {
             "lan-user": local.create_key("lan-user").plaintext,
             "limited": local.create_key("limited", ServiceClass.S3).plaintext,

@@ -12,7 +12,6 @@ import signal
 from typing import TYPE_CHECKING
 
 import grpc
-import pytest
 
 from appliance.app import create_app
 from appliance.gateway.appkeys import ADMISSION, REGISTRY, STORE
@@ -23,7 +22,7 @@ from appliance.state.store import Store
 from shared import protocol
 from shared.classes import ServiceClass
 from shared.errors import ErrorCode
-from tests.conftest import free_port, make_settings
+from tests.conftest import SLOW, free_port, make_settings
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -35,9 +34,7 @@ if TYPE_CHECKING:
     from appliance.settings import ApplianceSettings
     from tests.conftest import Client
 
-pytestmark = pytest.mark.model
-
-MODEL = "gemma-3-270m"
+MODEL = SLOW
 SHORT = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4}
 LONG = {"model": MODEL, "prompt": "Tell a very long story.", "max_tokens": 400}
 
@@ -71,7 +68,7 @@ def by_outcome(metrics: str) -> dict[tuple[str, str], float]:
 
 
 async def test_each_request_is_counted_once_by_how_it_ended_and_a_restart_resumes(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient, tmp_path: Path, slow_model: ModelRecord
 ) -> None:
     grpc_port = free_port()
     settings = make_settings(
@@ -87,7 +84,7 @@ async def test_each_request_is_counted_once_by_how_it_ended_and_a_restart_resume
     )
     store = Store(settings.db_path)
     try:
-        store.add_model(default_model)
+        store.add_model(slow_model)
         served = store.create_key("served", ServiceClass.S1).plaintext
         door = store.create_key("door", ServiceClass.S2).plaintext
         limited = store.create_key("limited", ServiceClass.S3).plaintext

@@ -30,6 +30,7 @@ from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared import tls
 from tests.appliance.fleet_nodes import join
+from tests.conftest import SLOW
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -37,9 +38,7 @@ if TYPE_CHECKING:
     from opentelemetry.proto.trace.v1.trace_pb2 import Span
     from pytest_aiohttp import AiohttpServer
 
-pytestmark = pytest.mark.model
-
-MODEL = "gemma-3-270m"
+MODEL = SLOW
 
 
 # -- the hub's choice (pure) ---------------------------------------------------------------
@@ -111,7 +110,7 @@ def test_offload_never_loops_and_only_goes_where_it_can_be_served(
 async def _appliance(
     aiohttp_server: AiohttpServer,
     tmp_path: Path,
-    default_model: ModelRecord,
+    slow_model: ModelRecord,
     hub: HubSettings,
     hub_port: int,
     *,
@@ -121,7 +120,7 @@ async def _appliance(
     """A node with one slot and no queue; (app, base URL, a LAN key)."""
     one_slot = {"n_slots": 1, "max_queue": 0, "n_threads": 1, "n_ctx": 1024}
     node = await join(
-        aiohttp_server, tmp_path, default_model, hub, hub_port, name=name, model=one_slot,
+        aiohttp_server, tmp_path, slow_model, hub, hub_port, name=name, model=one_slot,
         sections=sections,
     )  # fmt: skip
     return node.app, node.base_url, node.key
@@ -159,7 +158,7 @@ async def _hold(session: aiohttp.ClientSession, base: str, key: str) -> aiohttp.
 
 
 async def test_an_overloaded_node_offloads_to_a_peer_with_room(
-    aiohttp_server: AiohttpServer, tmp_path: Path, default_model: ModelRecord
+    aiohttp_server: AiohttpServer, tmp_path: Path, slow_model: ModelRecord
 ) -> None:
     hub = HubSettings.model_validate(
         {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False},
@@ -168,10 +167,10 @@ async def test_an_overloaded_node_offloads_to_a_peer_with_room(
     hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     assert hub_server.port is not None
     a, a_url, a_key = await _appliance(
-        aiohttp_server, tmp_path, default_model, hub, hub_server.port, name="node-a"
+        aiohttp_server, tmp_path, slow_model, hub, hub_server.port, name="node-a"
     )
     b, b_url, b_key = await _appliance(
-        aiohttp_server, tmp_path, default_model, hub, hub_server.port, name="node-b"
+        aiohttp_server, tmp_path, slow_model, hub, hub_server.port, name="node-b"
     )
     await _ready_in_fleet(hub, {"node-a", "node-b"})
     ask = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
@@ -282,7 +281,7 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 async def test_an_offloaded_request_is_one_trace_through_both_nodes_and_the_hub(
-    aiohttp_server: AiohttpServer, tmp_path: Path, default_model: ModelRecord
+    aiohttp_server: AiohttpServer, tmp_path: Path, slow_model: ModelRecord
 ) -> None:
     """Both appliances and the hub export to one real OTLP/HTTP receiver (protobuf, as a
     collector gets it). A client's request with its own `traceparent`, offloaded: one
@@ -310,11 +309,11 @@ async def test_an_offloaded_request_is_one_trace_through_both_nodes_and_the_hub(
     hub_server = await aiohttp_server(hub_app, ssl=ssl_context(hub))
     assert hub_server.port is not None
     a, a_url, a_key = await _appliance(
-        aiohttp_server, tmp_path, default_model, hub, hub_server.port, name="node-a",
+        aiohttp_server, tmp_path, slow_model, hub, hub_server.port, name="node-a",
         sections=traced,
     )  # fmt: skip
     b, b_url, _ = await _appliance(
-        aiohttp_server, tmp_path, default_model, hub, hub_server.port, name="node-b",
+        aiohttp_server, tmp_path, slow_model, hub, hub_server.port, name="node-b",
         sections=traced,
     )  # fmt: skip
     await _ready_in_fleet(hub, {"node-a", "node-b"})

@@ -13,7 +13,6 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import pytest
 
 from appliance.app import FLEET, create_app
 from appliance.gateway.appkeys import REGISTRY
@@ -23,7 +22,7 @@ from hub.app import create_app as create_hub
 from hub.identity import ssl_context
 from hub.settings import HubSettings
 from hub.state.store import open_store
-from tests.conftest import free_port, make_settings
+from tests.conftest import SCRIPTED, free_port, make_settings
 from tests.fleet import provisioning
 from tests.hub.test_alerts import SECRET, Receiver
 from tests.hub.test_prometheus import SCALE, WINDOW, prometheus
@@ -37,9 +36,7 @@ if TYPE_CHECKING:
 
     from appliance.state.records import ModelRecord
 
-pytestmark = pytest.mark.model
-
-BODY = {"model": "gemma-3-270m", "prompt": "Tell me about the sea.", "max_tokens": 4}
+BODY = {"model": SCRIPTED, "prompt": "Tell me about the sea.", "max_tokens": 4}
 DEADLINE_S = 120.0
 
 
@@ -47,7 +44,7 @@ async def test_an_appliances_slo_breach_fires_the_burn_rate_alert_in_prometheus_
     aiohttp_client: AiohttpClient,
     aiohttp_server: AiohttpServer,
     tmp_path: Path,
-    default_model: ModelRecord,
+    scripted_model: ModelRecord,
 ) -> None:
     receiver = Receiver()
     hook = await aiohttp_server(receiver.app)
@@ -80,7 +77,7 @@ async def test_an_appliances_slo_breach_fires_the_burn_rate_alert_in_prometheus_
     )
     local = Store(settings.db_path)
     try:
-        local.add_model(default_model)
+        local.add_model(scripted_model)
         key = local.create_key("lan-user").plaintext  # an S1 account of the hub's
     finally:
         local.close()

@@ -9,31 +9,27 @@ import shutil
 import subprocess
 from typing import TYPE_CHECKING
 
-import pytest
-
 from appliance.app import create_app
 from appliance.gateway.appkeys import REGISTRY
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
-from tests.conftest import make_settings
+from tests.conftest import SCRIPTED, make_settings
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from pytest_aiohttp import AiohttpClient
 
-pytestmark = pytest.mark.model
-
 
 async def test_metrics_pass_promtool_check_metrics(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient, tmp_path: Path, scripted_model: ModelRecord
 ) -> None:
     promtool = shutil.which("promtool")
     assert promtool is not None, "promtool is missing: run `just setup-system`"
     settings = make_settings(tmp_path / "data", embeddings={"enabled": False})
     store = Store(settings.db_path)
     try:
-        store.add_model(default_model)
+        store.add_model(scripted_model)
         key = store.create_key("tester").plaintext
     finally:
         store.close()
@@ -41,7 +37,7 @@ async def test_metrics_pass_promtool_check_metrics(
     client = await aiohttp_client(app)
     await app[REGISTRY].wait_loaded()
     headers = {"Authorization": f"Bearer {key}"}
-    body = {"model": "gemma-3-270m", "prompt": "Hello", "max_tokens": 4, "stream": True}
+    body = {"model": SCRIPTED, "prompt": "Hello", "max_tokens": 4, "stream": True}
     served = await client.post("/v1/completions", headers=headers, json=body)
     assert served.status == 200
     await served.read()

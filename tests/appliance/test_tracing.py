@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-import pytest
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -18,7 +17,7 @@ from appliance.gateway.appkeys import EMBEDDINGS, REGISTRY, TRACING
 from appliance.observability.tracing import Tracing
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
-from tests.conftest import make_settings
+from tests.conftest import SCRIPTED, make_settings
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -26,14 +25,12 @@ if TYPE_CHECKING:
     from opentelemetry.proto.trace.v1.trace_pb2 import Span
     from pytest_aiohttp import AiohttpClient, AiohttpServer
 
-pytestmark = pytest.mark.model
-
 
 async def test_every_stage_of_a_request_is_a_span_of_one_trace(
     aiohttp_client: AiohttpClient,
     aiohttp_server: AiohttpServer,
     tmp_path: Path,
-    default_model: ModelRecord,
+    scripted_model: ModelRecord,
 ) -> None:
     received: list[Span] = []
     services: set[str] = set()
@@ -60,7 +57,7 @@ async def test_every_stage_of_a_request_is_a_span_of_one_trace(
     )
     store = Store(settings.db_path)
     try:
-        store.add_model(default_model)
+        store.add_model(scripted_model)
         key = store.create_key("traced").plaintext
     finally:
         store.close()
@@ -72,7 +69,7 @@ async def test_every_stage_of_a_request_is_a_span_of_one_trace(
         "/v1/chat/completions",
         headers={"Authorization": f"Bearer {key}"},
         json={
-            "model": "gemma-3-270m",
+            "model": SCRIPTED,
             "messages": [{"role": "user", "content": "Say hello"}],
             "max_tokens": 4,
             "stream": True,
@@ -117,7 +114,7 @@ async def test_every_stage_of_a_request_is_a_span_of_one_trace(
     }
     model = genai.pop("gen_ai.response.model")
     assert isinstance(model, str)
-    assert model.startswith("gemma-3-270m@")
+    assert model.startswith(f"{SCRIPTED}@")
     response_id = genai.pop("gen_ai.response.id")
     assert f'"id":"{response_id}"' in chunks.replace(" ", "")
     reasons = genai.pop("gen_ai.response.finish_reasons")
@@ -130,7 +127,7 @@ async def test_every_stage_of_a_request_is_a_span_of_one_trace(
     assert genai == {
         "gen_ai.operation.name": "chat",
         "gen_ai.provider.name": "kovenlab-edge",
-        "gen_ai.request.model": "gemma-3-270m",
+        "gen_ai.request.model": SCRIPTED,
         "gen_ai.request.max_tokens": 4,
         "gen_ai.request.temperature": 0.5,
         "gen_ai.request.top_p": 0.9,
