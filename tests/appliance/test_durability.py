@@ -14,7 +14,6 @@ import sqlite3
 from typing import TYPE_CHECKING
 
 import aiohttp
-import pytest
 
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
@@ -22,14 +21,12 @@ from hub.app import create_app as create_hub
 from hub.identity import certificates, ssl_context
 from hub.settings import HubSettings
 from hub.state.store import open_store
-from tests.conftest import free_port, spawn_appliance, wait_ready
+from tests.conftest import SCRIPTED, free_port, spawn_appliance, wait_ready
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from pytest_aiohttp import AiohttpServer
-
-pytestmark = pytest.mark.model
 
 KILLS = 50
 CLIENTS = 3
@@ -38,7 +35,7 @@ CLIENTS = 3
 async def load(base_url: str, key: str, answered: set[str], stop: asyncio.Event) -> None:
     """Completions in a loop until ``stop``; the id of every response read whole."""
     headers = {"Authorization": f"Bearer {key}"}
-    body = {"model": "gemma-3-270m", "prompt": "Hello", "max_tokens": 2}
+    body = {"model": SCRIPTED, "prompt": "Hello", "max_tokens": 2}
     async with aiohttp.ClientSession() as session:
         while not stop.is_set():
             try:
@@ -52,7 +49,7 @@ async def load(base_url: str, key: str, answered: set[str], stop: asyncio.Event)
 
 
 async def test_every_answered_request_survives_kill_9_exactly_once(
-    aiohttp_server: AiohttpServer, tmp_path: Path, default_model: ModelRecord
+    aiohttp_server: AiohttpServer, tmp_path: Path, scripted_model: ModelRecord
 ) -> None:
     hub = HubSettings.model_validate(
         {
@@ -79,14 +76,14 @@ async def test_every_answered_request_survives_kill_9_exactly_once(
     )
     data = tmp_path / "appliance"
     store = Store(data / "appliance.db")
-    store.add_model(default_model)
+    store.add_model(scripted_model)
     key = store.create_key("load").plaintext
     store.close()
     env = {
         "KVL_DISCOVERY__ENABLED": "false",
         "KVL_EMBEDDINGS__ENABLED": "false",
+        "KVL_MODEL__DEFAULT": SCRIPTED,
         "KVL_MODEL__N_CTX": "512",
-        "KVL_MODEL__N_THREADS": "1",
         "KVL_FLEET__PROVISIONING_FILE": str(provisioning),
         "KVL_FLEET__TUNNEL": "false",
         # Plain HTTP on loopback across restarts (the LAN certificate has its own test).
