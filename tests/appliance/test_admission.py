@@ -1,4 +1,5 @@
-"""Admission control with the real model: early refusals under a burst, the queue shed at
+"""Admission control with a model that takes its time (the slow scripted one: 20 ms a
+step, through the real scheduler): early refusals under a burst, the queue shed at
 the first-token objective, S2 preempting S0, quotas, and the authentication throttle."""
 
 from __future__ import annotations
@@ -10,15 +11,13 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
-import pytest
-
 from appliance.app import create_app
 from appliance.gateway.appkeys import REGISTRY
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from shared.classes import ServiceClass
 from shared.errors import ErrorCode
-from tests.conftest import make_settings
+from tests.conftest import SLOW, make_settings
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -27,27 +26,25 @@ if TYPE_CHECKING:
 
     from tests.conftest import Client
 
-pytestmark = pytest.mark.model
-
-MODEL = "gemma-3-270m"
+MODEL = SLOW
 
 
 async def appliance(
     aiohttp_client: AiohttpClient,
     tmp_path: Path,
-    default_model: ModelRecord,
+    slow_model: ModelRecord,
     classes: dict[str, object],
     n_slots: int = 2,
 ) -> tuple[Client, dict[ServiceClass, str]]:
     settings = make_settings(
         tmp_path / "data",
-        model={"n_slots": n_slots},
+        model={"default": SLOW, "n_slots": n_slots},
         embeddings={"enabled": False},
         classes=classes,
     )
     store = Store(settings.db_path)
     try:
-        store.add_model(default_model)
+        store.add_model(slow_model)
         keys = {c: store.create_key(f"account-{c.value}", c).plaintext for c in ServiceClass}
     finally:
         store.close()
@@ -92,13 +89,13 @@ async def streamed(
 
 
 async def test_a_burst_beyond_capacity_is_refused_at_once_and_the_rest_meet_the_objective(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient, tmp_path: Path, slow_model: ModelRecord
 ) -> None:
     first_token_s = 4.0
     client, keys = await appliance(
         aiohttp_client,
         tmp_path,
-        default_model,
+        slow_model,
         {"s1": {"admit_s": 2.0, "first_token_s": first_token_s}},
     )
     results = await asyncio.gather(
@@ -140,7 +137,7 @@ async def test_a_burst_beyond_capacity_is_refused_at_once_and_the_rest_meet_the_
 
 
 async def test_a_queued_request_past_its_first_token_objective_is_shed(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient, tmp_path: Path, slow_model: ModelRecord
 ) -> None:
     # One slot. The door predicts from the average completion (64 tokens at first), so a
     # second request is let in behind a long one, which then holds the slot past the
@@ -148,7 +145,7 @@ async def test_a_queued_request_past_its_first_token_objective_is_shed(
     client, keys = await appliance(
         aiohttp_client,
         tmp_path,
-        default_model,
+        slow_model,
         # The door's prior: 64 tokens at 0.05 s, so the running one frees its slot within
         # 3.2 s by its reckoning, whatever it has made so far: the second is let in.
         {"s1": {"admit_s": 3.3, "first_token_s": 3.5}},
@@ -171,9 +168,9 @@ async def test_a_queued_request_past_its_first_token_objective_is_shed(
 
 
 async def test_s2_arriving_preempts_running_s0_work_which_still_completes(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient, tmp_path: Path, slow_model: ModelRecord
 ) -> None:
-    client, keys = await appliance(aiohttp_client, tmp_path, default_model, {}, n_slots=1)
+    client, keys = await appliance(aiohttp_client, tmp_path, slow_model, {}, n_slots=1)
     generating = asyncio.Event()
     background = asyncio.create_task(
         streamed(client, keys[ServiceClass.S0], "A long tale of a river and its town", 300,
@@ -198,12 +195,12 @@ async def test_s2_arriving_preempts_running_s0_work_which_still_completes(
 
 
 async def test_quotas_refuse_name_the_quota_and_recover(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient, tmp_path: Path, slow_model: ModelRecord
 ) -> None:
     client, keys = await appliance(
         aiohttp_client,
         tmp_path,
-        default_model,
+        slow_model,
         {"s1": {"requests_per_minute": 60}, "s2": {"tokens_per_day": 30}},
     )
     headers = {"Authorization": f"Bearer {keys[ServiceClass.S1]}"}
@@ -235,10 +232,10 @@ async def test_quotas_refuse_name_the_quota_and_recover(
 
 
 async def test_failed_authentication_is_throttled_per_address(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient, tmp_path: Path, slow_model: ModelRecord
 ) -> None:
     client, keys = await appliance(
-        aiohttp_client, tmp_path, default_model, {"auth_failures_per_minute": 3}
+        aiohttp_client, tmp_path, slow_model, {"auth_failures_per_minute": 3}
     )
     wrong = {"Authorization": "Bearer kvl_nothere0_" + "x" * 32}
     assert [(await client.get("/v1/models", headers=wrong)).status for _ in range(3)] == [401] * 3
@@ -257,12 +254,12 @@ def _held(text: str) -> float:
 
 
 async def test_a_key_that_asks_again_without_waiting_is_held_and_no_other_key_is(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient, tmp_path: Path, slow_model: ModelRecord
 ) -> None:
     client, keys = await appliance(
         aiohttp_client,
         tmp_path,
-        default_model,
+        slow_model,
         {
             "s1": {"requests_per_minute": 1},
             "s2": {"requests_per_minute": 1},
