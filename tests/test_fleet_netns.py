@@ -23,13 +23,14 @@ from hub.identity import certificates
 from hub.settings import HubSettings
 from hub.state.store import Node, open_store
 from shared import pki
+from tests.conftest import SCRIPTED
 from tests.netns import A_ADDR, Link, ip, linked_namespaces
 from tests.waiting import until_sync
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-pytestmark = [pytest.mark.netns, pytest.mark.model]
+pytestmark = pytest.mark.netns
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,7 +69,7 @@ def complete_in(link: Link, port: int, key: str) -> int:
     code = (
         "import json, urllib.request, sys\n"
         f"r = urllib.request.Request('http://127.0.0.1:{port}/v1/completions', "
-        "data=json.dumps({'model': 'gemma-3-270m', 'prompt': 'Hi', 'max_tokens': 2}).encode(), "
+        "data=json.dumps({'model': 'scripted', 'prompt': 'Hi', 'max_tokens': 2}).encode(), "
         f"headers={{'Authorization': 'Bearer {key}', 'Content-Type': 'application/json'}})\n"
         "print(urllib.request.urlopen(r, timeout=60).status)\n"
     )
@@ -83,7 +84,7 @@ def complete_in(link: Link, port: int, key: str) -> int:
 
 
 def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_cut(
-    link: Link, tmp_path: Path, default_model: ModelRecord
+    link: Link, tmp_path: Path, scripted_model: ModelRecord
 ) -> None:
     hub_dir, node_dir = tmp_path / "hub", tmp_path / "node"
     hub_env = {
@@ -116,12 +117,14 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
         )
     )
     store = Store(node_dir / "appliance.db")
-    store.add_model(default_model)
+    store.add_model(scripted_model)
     lan_key = store.create_key("lan").plaintext
     store.close()
     node_env = {
         "KVL_DISCOVERY__ENABLED": "false",
         "KVL_EMBEDDINGS__ENABLED": "false",
+        "KVL_MODEL__DEFAULT": SCRIPTED,
+        "KVL_MODEL__CHAT_DEFAULT": SCRIPTED,
         "KVL_MODEL__N_CTX": "512",
         "KVL_FLEET__PROVISIONING_FILE": str(provisioning),
         "KVL_FLEET__INTERFACE": f"kvn{link.suffix}",
@@ -182,7 +185,7 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
         )
         nodes = hub_nodes()
         assert len(nodes) == 1
-        assert nodes[0].capacity.models == [default_model.ref]
+        assert nodes[0].capacity.models == [scripted_model.ref]
 
         status = subprocess.run(
             link.argv(

@@ -20,6 +20,7 @@ from appliance.state.store import Store
 from hub.identity import certificates
 from hub.settings import HubSettings
 from hub.state.store import open_store
+from tests.conftest import SCRIPTED
 from tests.netns import A_ADDR, Link, linked_namespaces
 from tests.test_fleet_netns import REPO, spawn, stop
 from tests.waiting import until_sync
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
 
-pytestmark = [pytest.mark.netns, pytest.mark.model]
+pytestmark = pytest.mark.netns
 
 # An operator's call of the hub's API from the hub's namespace: the status, then the
 # body, each line as it comes (a follow is read until the process is stopped).
@@ -54,7 +55,7 @@ def link() -> Iterator[Link]:
 
 
 def test_an_operator_reads_and_follows_a_nodes_logs_through_the_tunnel(
-    link: Link, tmp_path: Path, default_model: ModelRecord
+    link: Link, tmp_path: Path, scripted_model: ModelRecord
 ) -> None:
     hub_dir, node_dir = tmp_path / "hub", tmp_path / "node"
     hub_env = {
@@ -87,11 +88,13 @@ def test_an_operator_reads_and_follows_a_nodes_logs_through_the_tunnel(
         )
     )
     store = Store(node_dir / "appliance.db")
-    store.add_model(default_model)
+    store.add_model(scripted_model)
     store.close()
     node_env = {
         "KVL_DISCOVERY__ENABLED": "false",
         "KVL_EMBEDDINGS__ENABLED": "false",
+        "KVL_MODEL__DEFAULT": SCRIPTED,
+        "KVL_MODEL__CHAT_DEFAULT": SCRIPTED,
         "KVL_MODEL__N_CTX": "512",
         "KVL_FLEET__PROVISIONING_FILE": str(provisioning),
         "KVL_FLEET__INTERFACE": f"kvn{link.suffix}",

@@ -117,16 +117,15 @@ async def test_what_the_hub_answers_when_it_cannot_read_a_nodes_logs(
     assert await get("/v1/admin/nodes/node-a/logs") == (409, "node_offline")
 
 
-@pytest.mark.model
 async def test_the_operator_reads_and_follows_a_nodes_logs_through_the_hub(
-    aiohttp_server: AiohttpServer, tmp_path: Path, default_model: ModelRecord
+    aiohttp_server: AiohttpServer, tmp_path: Path, scripted_model: ModelRecord
 ) -> None:
     hub = settings_for(tmp_path, {})
     hub_server = await aiohttp_server(create_app(hub), ssl=ssl_context(hub))
     assert hub_server.port is not None
     node = await join(
-        aiohttp_server, tmp_path, default_model, hub, hub_server.port, name="node-a",
-        model={"n_ctx": 512, "n_threads": 1},
+        aiohttp_server, tmp_path, scripted_model, hub, hub_server.port, name="node-a",
+        model={"n_ctx": 512},
     )  # fmt: skip
     store = open_store(hub)
     try:
