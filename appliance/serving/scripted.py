@@ -57,6 +57,7 @@ from appliance.serving.engine import (
     TokenLogprob,
 )
 from appliance.serving.text import TextAssembler
+from shared.modelfiles import model_format
 
 if TYPE_CHECKING:
     import threading
@@ -149,12 +150,7 @@ class Script:
 
 def is_script(path: Path) -> bool:
     """Whether the file starts like a model script (JSON), not like GGUF."""
-    try:
-        with path.open("rb") as f:
-            head = f.read(64)
-    except OSError:
-        return False
-    return head.lstrip()[:1] == b"{"
+    return model_format(path) == FORMAT
 
 
 class ByteVocabulary:

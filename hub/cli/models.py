@@ -10,6 +10,7 @@ import click
 
 from hub.cli.common import hub_settings, opened_store
 from shared.cli import common_options, config_errors_exit
+from shared.modelfiles import model_format
 
 
 @click.group("models")
@@ -38,12 +39,18 @@ def models_add(
     version: str,
     memory_mib: int | None,
 ) -> None:
-    """Register a GGUF file: copied into the hub's data directory under its sha256."""
+    """Register a model file (GGUF, or a model script): copied into the hub's data
+    directory under its sha256."""
     import hashlib  # noqa: PLC0415
     import shutil  # noqa: PLC0415
 
     from hub.state.store import ModelArtifact  # noqa: PLC0415
 
+    kind = model_format(file)
+    if kind is None:
+        raise click.BadParameter(
+            f"{file} is neither a GGUF file nor a model script", param_hint="FILE"
+        )
     settings = hub_settings(config_file, data_dir)
     digest = hashlib.sha256()
     with file.open("rb") as source:
@@ -57,7 +64,7 @@ def models_add(
         partial = target.with_suffix(".part")
         shutil.copyfile(file, partial)
         partial.replace(target)
-    model = ModelArtifact(name, version, sha256, size, "gguf", memory_mib or (size >> 20) + 512)
+    model = ModelArtifact(name, version, sha256, size, kind, memory_mib or (size >> 20) + 512)
     with opened_store(settings) as store:
         store.add_model(model)
     click.echo(
