@@ -3,7 +3,15 @@
 Clients get OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, so the
 official SDKs raise their usual exception classes. ``code`` is stable: clients and
 tests branch on it, never on the message text.
+
+Services raise a DomainError that says what went wrong (each names its code, none an HTTP
+status); the HTTP and gRPC layers map them to their answers, each in one place.
 """
+
+# The domain errors are named for what went wrong (ModelNotFound, QueueFull), without the
+# Error suffix: most translate a lower layer's error of that very name (the store's
+# JobNotFoundError, the engine's QueueFullError), and one name should not mean two classes.
+# ruff: noqa: N818
 
 from __future__ import annotations
 
@@ -299,10 +307,212 @@ _KINDS: dict[ErrorCode, _Kind] = {
 }
 
 
-class ApiError(Exception):
-    """A domain error that the HTTP layer turns into the error shape.
+class DomainError(Exception):
+    """What went wrong, in the words of the service that found it.
 
-    Raised anywhere below the gateway; only the gateway's middleware serializes it.
+    The services below the HTTP and gRPC layers (inference, jobs, packages, quotas) raise
+    these and never an HTTP status: each concrete class names its stable `code`, and an
+    error carries what an answer needs besides its message, the `param` at fault and, for
+    a refusal for now, `retry_after` in seconds. The gateway (appliance/gateway/errors.py)
+    and the gRPC server (appliance/grpc/errors.py) map them, each in one place.
+    """
+
+    code: ErrorCode  # each concrete class's own; the abstract groups below have none
+
+    def __init__(
+        self, message: str, *, param: str | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+
+
+# -- the request is wrong: the same request fails again --------------------------------------
+
+
+class InvalidRequest(DomainError):
+    """A field has the wrong type or is out of range; `param` names it."""
+
+    code = ErrorCode.invalid_value
+
+
+class MissingParameter(InvalidRequest):
+    code = ErrorCode.missing_required_parameter
+
+
+class UnknownParameter(InvalidRequest):
+    """A field this API does not know (with `server.strict_parameters` on)."""
+
+    code = ErrorCode.unknown_parameter
+
+
+class UnsupportedParameter(InvalidRequest):
+    """An OpenAI parameter, or a value of one, that the appliance does not support."""
+
+    code = ErrorCode.unsupported_parameter
+
+
+class InvalidSchema(InvalidRequest):
+    """A JSON Schema (a response format's, a tool's parameters) no grammar can enforce."""
+
+    code = ErrorCode.invalid_schema
+
+
+class ContextTooLong(InvalidRequest):
+    """The prompt and the tokens asked for do not fit the model's context."""
+
+    code = ErrorCode.context_length_exceeded
+
+
+class MissingApiKey(DomainError):
+    code = ErrorCode.missing_api_key
+
+
+class InvalidApiKey(DomainError):
+    code = ErrorCode.invalid_api_key
+
+
+class RevokedApiKey(DomainError):
+    code = ErrorCode.revoked_api_key
+
+
+class ModelNotFound(DomainError):
+    code = ErrorCode.model_not_found
+
+
+class JobNotFound(DomainError):
+    code = ErrorCode.job_not_found
+
+
+class ResponseNotFound(DomainError):
+    code = ErrorCode.response_not_found
+
+
+class AccountNotFound(DomainError):
+    code = ErrorCode.account_not_found
+
+
+class KeyNotFound(DomainError):
+    code = ErrorCode.key_not_found
+
+
+class AccountExists(DomainError):
+    code = ErrorCode.account_exists
+
+
+class AccountDisabled(DomainError):
+    code = ErrorCode.account_disabled
+
+
+class LastAdminKey(DomainError):
+    """The change would leave the node without an active admin key."""
+
+    code = ErrorCode.last_admin_key
+
+
+class HubManaged(DomainError):
+    """The node's accounts and keys are its hub's to change."""
+
+    code = ErrorCode.hub_managed
+
+
+class JobFinished(DomainError):
+    code = ErrorCode.job_finished
+
+
+class OutputInvalid(DomainError):
+    """The output does not satisfy the requested response format (it fails closed)."""
+
+    code = ErrorCode.output_validation_failed
+
+
+class PackageInvalid(DomainError):
+    """A content package failed its checks."""
+
+    code = ErrorCode.package_validation_failed
+
+
+# -- not now: the same request may pass later ------------------------------------------------
+
+
+class TryLater(DomainError):
+    """A refusal for now, for load or a limit: ask again after `retry_after` seconds."""
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message, retry_after=retry_after)
+
+
+class QueueFull(TryLater):
+    code = ErrorCode.queue_full
+
+
+class Overloaded(TryLater):
+    """The request cannot meet its service class's objectives now (refused at the door,
+    or dropped from the queue)."""
+
+    code = ErrorCode.overloaded
+
+
+class AccountLimit(TryLater):
+    """The account is over a limit of its own (its rate, its allowance): its requests
+    wait, other accounts' do not."""
+
+
+class RateLimited(AccountLimit):
+    code = ErrorCode.rate_limit_exceeded
+
+
+class QuotaExhausted(AccountLimit):
+    """The account's allowance is spent until `retry_after`."""
+
+    code = ErrorCode.insufficient_quota
+
+
+class TooManyAuthFailures(TryLater):
+    code = ErrorCode.too_many_auth_failures
+
+
+class NodeFault(DomainError):
+    """The node failed a request, not the request the node: a model not there, a bug."""
+
+
+class Unavailable(NodeFault):
+    """The node cannot serve it now (a model loading or restarting, out of memory, the
+    outbox full); `retry_after` when it knows when to ask again."""
+
+
+class ModelNotReady(Unavailable):
+    code = ErrorCode.model_not_ready
+
+
+class ModelUnavailable(Unavailable):
+    code = ErrorCode.model_unavailable
+
+
+class InsufficientMemory(Unavailable):
+    code = ErrorCode.insufficient_memory
+
+
+class OutboxFull(Unavailable):
+    """The usage ledger waits for the hub: no new work until it has acknowledged some."""
+
+    code = ErrorCode.outbox_full
+
+
+class InternalError(NodeFault):
+    """A bug, or a tool the node runs that failed it."""
+
+    code = ErrorCode.internal_error
+
+
+class ApiError(DomainError):
+    """An HTTP API's own refusal, its code named where it is raised: a body that is not
+    JSON, a route that is the hub's to call, and the hub's API throughout.
+
+    Only the HTTP layers raise it (a test checks the appliance's services never do); the
+    gateway turns a service's DomainError into one (appliance/gateway/errors.py), and
+    the middleware serializes it.
     """
 
     def __init__(
@@ -313,11 +523,8 @@ class ApiError(Exception):
         param: str | None = None,
         retry_after: float | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(message, param=param, retry_after=retry_after)
         self.code = code
-        self.message = message
-        self.param = param
-        self.retry_after = retry_after
 
     @property
     def status(self) -> int:

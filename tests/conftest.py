@@ -78,7 +78,7 @@ SCRIPT = {
     "chat_template": GEMMA_TEMPLATE,
 }
 # The appliance's own defaults: Gemma 3 270M, and SmolLM2 135M Instruct for chat.
-REAL_MODELS = {"default": DEFAULT_MODEL_NAME, "chat_default": CHAT_MODEL_NAME}
+REAL_MODELS: dict[str, object] = {"default": DEFAULT_MODEL_NAME, "chat_default": CHAT_MODEL_NAME}
 # A scripted model that takes its time: a step every 20 ms, as a real model on a small
 # machine might (for tests of what happens while a generation runs).
 SLOW = "scripted-slow"

@@ -256,3 +256,42 @@ def test_every_hub_route_is_declared_once(tmp_path: Path) -> None:
         if isinstance(v, Route)
     ]
     assert [f"{r.method} {r.path}" for r in held if r not in ROUTES] == []
+
+
+_SERVICES = ("inference", "jobs", "packages", "quotas")
+
+
+def _http_names(node: ast.stmt | ast.expr) -> list[str]:
+    """What `node` names of HTTP: the HTTP layers' error type, or aiohttp's server."""
+    names: list[str] = []
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        names = [f"{node.module}.{alias.name}" for alias in node.names]
+    elif isinstance(node, ast.Name):
+        names = [node.id]
+    elif isinstance(node, ast.Attribute):
+        names = [node.attr]
+    return [
+        name
+        for name in names
+        if name.rpartition(".")[2] == "ApiError"
+        or name == "aiohttp.web"
+        or name.startswith(("aiohttp.web.", "aiohttp.web_"))
+    ]
+
+
+def test_services_raise_domain_errors_and_know_nothing_of_http() -> None:
+    """The services below the HTTP and gRPC layers raise domain errors (shared.errors),
+    which the gateway and the gRPC server each map in one place: no module of theirs
+    imports, raises or names ApiError, the HTTP layers' own error, nor imports aiohttp's
+    server (`aiohttp.web`; a client, for webhooks, is theirs to use)."""
+    found = [
+        f"{path.relative_to(ROOT).as_posix()}:{node.lineno} {name}"
+        for folder in _SERVICES
+        for path in sorted((ROOT / "appliance" / folder).rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.stmt | ast.expr)
+        for name in _http_names(node)
+    ]
+    assert found == []

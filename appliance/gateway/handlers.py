@@ -25,6 +25,7 @@ from appliance.gateway.appkeys import (
     TRACING,
     api_key,
 )
+from appliance.gateway.errors import error_data
 from appliance.gateway.middleware import route_label
 from appliance.gateway.parsing import read_json
 from appliance.inference.completions import (
@@ -40,7 +41,7 @@ from appliance.inference.responses import chunk_body, response_body
 from appliance.inference.schemas import EmbeddingRequest, completion_request, parse_body
 from appliance.serving.catalog import embedded_models
 from shared import __version__
-from shared.errors import ApiError, ErrorCode
+from shared.errors import ApiError, DomainError, ErrorCode
 
 if TYPE_CHECKING:
     from appliance.inference.choices import ChoiceDelta
@@ -143,7 +144,7 @@ async def offloaded(request: web.Request) -> web.StreamResponse:
     metrics = request.app[METRICS]
     try:
         response = await _respond(request, prepared, stream=req.stream)
-    except ApiError:
+    except DomainError:
         metrics.offloads.labels("served", "refused").inc()
         raise
     metrics.offloads.labels("served", "served").inc()
@@ -156,7 +157,7 @@ async def _respond_or_offload(
     """Serve here; shed for load, hand it to the fleet where its class allows."""
     try:
         return await _respond(request, prepared, stream=stream)
-    except ApiError as err:
+    except DomainError as err:
         offload = request.app[OFFLOAD]
         if not offload.eligible(err, prepared):
             raise
@@ -270,13 +271,13 @@ async def _stream(
     events = _EventStream(request, prepared, headers, keepalive_s)
     try:
         completed = await request.app[COMPLETIONS].complete(prepared, events)
-    except ApiError as err:
+    except DomainError as err:
         if events.response is None:
             raise  # before the stream began: a status code of its own
         # Failed after the stream began (the worker died): the error is the last event.
         # The tokens it spent died with it; nothing reached the client as a finished answer.
         with contextlib.suppress(ConnectionResetError):
-            await events.send(err.body())
+            await events.send(error_data(err))
             await events.response.write_eof()
         return events.response
     except ConnectionResetError:
@@ -292,7 +293,7 @@ async def _stream(
         raise AssertionError("a completed stream has begun")
     finished = completed.finished
     if completed.problems:
-        await sse.send(response, invalid_output(completed.problems).body())
+        await sse.send(response, error_data(invalid_output(completed.problems)))
     else:
         for choice in completed.choices:
             last = choice is completed.choices[-1]

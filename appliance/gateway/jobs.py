@@ -35,7 +35,7 @@ from appliance.jobs.runner import CHAT_URL
 from appliance.jobs.service import JobService
 from appliance.state.jobs import NewItem
 from appliance.validation.structured import SchemaUnusableError, json_schema_output
-from shared.errors import ApiError, ErrorCode
+from shared.errors import ApiError, DomainError, ErrorCode
 
 if TYPE_CHECKING:
     from appliance.inference.names import ModelNames
@@ -218,7 +218,7 @@ def _validate(
         first_use[item.custom_id] = index
         try:
             req = completion_request(item.body, chat=item.url == CHAT_URL, strict=strict)
-        except ApiError as err:
+        except DomainError as err:
             raise ApiError(
                 err.code,
                 f"{where}.body: {err.message}",

@@ -20,11 +20,12 @@ from appliance.gateway.appkeys import (
     STORE,
     TRACING,
 )
+from appliance.gateway.errors import error_response
 from appliance.gateway.fleet import FLEET_PREFIX
 from appliance.gateway.offload import OFFLOADED_PREFIX
 from appliance.inference.authentication import authenticate as authenticate_key
 from shared import tls
-from shared.errors import ApiError, ErrorCode, error_body
+from shared.errors import ApiError, DomainError, ErrorCode, error_body
 from shared.tracing import new_request_id
 
 if TYPE_CHECKING:
@@ -86,9 +87,9 @@ async def _answer(
     code: ErrorCode | None = None
     try:
         response = await handler(request)
-    except ApiError as err:
+    except DomainError as err:
         code = err.code
-        response = web.json_response(err.body(), status=err.status, headers=err.headers())
+        response = error_response(err)
         if (key := request.get(REQUEST_KEY)) is not None:
             await request.app[ADMISSION].hold_refusal(key.id, code)
     except RequestPayloadError as exc:

@@ -30,7 +30,7 @@ from opentelemetry.trace import SpanKind
 
 from appliance.fleet.client import HubError
 from shared import jsonlimits, protocol
-from shared.errors import ApiError, ErrorCode
+from shared.errors import ApiError, DomainError, ErrorCode
 
 if TYPE_CHECKING:
     from appliance.fleet.link import FleetLink
@@ -53,7 +53,7 @@ class Offload:
         self._tracing = tracing
         self.link: FleetLink | None = None  # set when the node is in a fleet
 
-    def eligible(self, err: ApiError, prepared: Prepared) -> bool:
+    def eligible(self, err: DomainError, prepared: Prepared) -> bool:
         return (
             err.code in SHED
             and self._admission.class_settings(prepared.klass).offload
@@ -62,7 +62,7 @@ class Offload:
         )
 
     async def forward(
-        self, request: web.Request, prepared: Prepared, body: dict[str, Any], shed: ApiError
+        self, request: web.Request, prepared: Prepared, body: dict[str, Any], shed: DomainError
     ) -> web.StreamResponse:
         """Send the request through the hub and relay its answer; `shed` is the local
         refusal, which stands if the hub cannot be reached. The hop is a client span
@@ -75,7 +75,7 @@ class Offload:
             return response
 
     async def _forward(
-        self, request: web.Request, prepared: Prepared, body: dict[str, Any], shed: ApiError
+        self, request: web.Request, prepared: Prepared, body: dict[str, Any], shed: DomainError
     ) -> web.StreamResponse:
         assert self.link is not None  # noqa: S101 - eligible() checked it
         route = request.path.removeprefix("/v1/")

@@ -40,7 +40,7 @@ from appliance.packages.model import PackageRequest
 from appliance.packages.service import PackageService, package_summary, package_view
 from appliance.state.jobs import NewItem
 from shared.blobs import IMMUTABLE, REVALIDATE, satisfiable, send_blob
-from shared.errors import ApiError, ErrorCode
+from shared.errors import ApiError, DomainError, ErrorCode
 from shared.oci import BUNDLE_MEDIA_TYPE
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ async def decide_file(request: web.Request) -> web.Response:
             count=False,
         )
         entry, blob, asked = await _open_file(request)
-    except ApiError:
+    except DomainError:
         return web.Response(status=204)
     with blob:
         name = blob_name(entry.sha256)

@@ -24,7 +24,7 @@ from appliance.inference.responses_api import (
     status_of,
     text_part,
 )
-from shared.errors import ApiError
+from shared.errors import DomainError
 
 if TYPE_CHECKING:
     from appliance.inference.choices import ChoiceDelta
@@ -196,7 +196,7 @@ class _Events(Sink):
         line = json.dumps(payload, ensure_ascii=False).encode()
         await self.response.write(b"event: " + kind.encode() + b"\ndata: " + line + b"\n\n")
 
-    async def error(self, err: ApiError) -> None:
+    async def error(self, err: DomainError) -> None:
         await self.send(
             "error",
             {"code": err.code.value, "message": err.message, "param": err.param},
@@ -212,7 +212,7 @@ async def _stream(
     req, response_id, prepared = events.req, events.id, events.prepared
     try:
         completed = await service.complete(prepared, events)
-    except ApiError as err:
+    except DomainError as err:
         if events.response is None:
             raise  # before the stream began: a status code of its own
         with contextlib.suppress(ConnectionResetError):

@@ -12,10 +12,11 @@ from aiohttp import web
 
 from appliance.gateway import sse
 from appliance.gateway.appkeys import REQUEST_ID, api_key
+from appliance.gateway.errors import error_data
 from appliance.gateway.middleware import route_label
 from appliance.gateway.parsing import read_json
 from appliance.inference.speech import SpeechService, speech_request
-from shared.errors import ApiError
+from shared.errors import DomainError
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -80,7 +81,7 @@ async def _stream(
         await response.write(first)
         async for data in chunks:
             await response.write(data)
-    except ApiError as err:
+    except DomainError as err:
         # The status is sent: the stream is cut without its last chunk, so the client
         # sees an incomplete body rather than a shorter, complete-looking file.
         log.error("speech %s failed mid-stream: %s", speech.id, err.message)  # noqa: TRY400
@@ -118,8 +119,8 @@ async def _events(
         n = speech.characters
         usage = {"input_tokens": n, "output_tokens": 0, "total_tokens": n}
         await sse.send(response, {"type": "speech.audio.done", "usage": usage})
-    except ApiError as err:
-        await sse.send(response, err.body())
+    except DomainError as err:
+        await sse.send(response, error_data(err))
     except ConnectionResetError:
         log.info("client closed the speech stream %s", speech.id)
         return response, True

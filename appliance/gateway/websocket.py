@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from appliance.gateway.appkeys import COMPLETIONS, SETTINGS, STORE, api_key
+from appliance.gateway.errors import error_data
 from appliance.gateway.middleware import route_label
 from appliance.inference.completions import Completed, Generation, Prepared, Sink, invalid_output
 from appliance.inference.responses import chunk_body, usage
 from appliance.inference.schemas import completion_request
 from shared import jsonlimits
-from shared.errors import ApiError, ErrorCode
+from shared.errors import ApiError, DomainError, ErrorCode
 
 if TYPE_CHECKING:
     from appliance.inference.choices import ChoiceDelta
@@ -101,8 +102,8 @@ class _Connection:
         with contextlib.suppress(ConnectionResetError, RuntimeError):
             await self.ws.send_str(json.dumps(frame, ensure_ascii=False))
 
-    async def error(self, request_id: object, err: ApiError) -> None:
-        await self.send({"id": request_id, "event": "error", **err.body()})
+    async def error(self, request_id: object, err: DomainError) -> None:
+        await self.send({"id": request_id, "event": "error", **error_data(err)})
 
     async def handle(self, text: str) -> None:
         try:
@@ -140,7 +141,7 @@ class _Connection:
                 completed = await service.complete(prepared, frames)
             finally:
                 frames.close()
-        except ApiError as err:
+        except DomainError as err:
             await self.error(request_id, err)
             return
         await self._finish(request_id, completed)

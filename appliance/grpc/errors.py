@@ -1,6 +1,7 @@
-"""The one error shape, in gRPC's terms: an ApiError becomes a status code, its message
-the status details, and trailing metadata that says what the REST API's body and
-headers say.
+"""The one error shape, in gRPC's terms, and the one place the gRPC API maps a domain
+error (shared.errors.DomainError): it becomes a status code (by its code), its message
+the status details, and trailing metadata that says what the REST API's body and headers
+say.
 
 Trailing metadata of a failed call:
     kvl-error-code     the stable error code (`queue_full`, `invalid_value`, …)
@@ -23,7 +24,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 if TYPE_CHECKING:
-    from shared.errors import ApiError, ErrorCode
+    from shared.errors import DomainError, ErrorCode
 
 DOMAIN = "kovenlab.edge"
 
@@ -49,14 +50,14 @@ def status_code(code: ErrorCode) -> grpc.StatusCode:
     return _BY_STATUS.get(code.status, grpc.StatusCode.UNKNOWN)
 
 
-def retry_seconds(err: ApiError) -> int | None:
+def retry_seconds(err: DomainError) -> int | None:
     """Whole seconds, rounded up (as `Retry-After`): a client never retries early."""
     if err.retry_after is None:
         return None
     return max(1, math.ceil(err.retry_after))
 
 
-def trailing_metadata(err: ApiError, request_id: str) -> tuple[tuple[str, str | bytes], ...]:
+def trailing_metadata(err: DomainError, request_id: str) -> tuple[tuple[str, str | bytes], ...]:
     metadata: list[tuple[str, str | bytes]] = [
         ("kvl-error-code", err.code.value),
         ("x-request-id", request_id),

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from appliance.grpc.proto.kovenlab.edge.v1 import inference_pb2 as pb
 from appliance.inference.responses import finish_reason, usage
 from shared import jsonlimits
-from shared.errors import ApiError, ErrorCode
+from shared.errors import InvalidSchema
 
 if TYPE_CHECKING:
     from appliance.inference.embeddings import Embedded, LoadedModel
@@ -53,8 +53,7 @@ def _response_format(rf: pb.ResponseFormat) -> dict[str, Any]:
         try:
             schema = jsonlimits.loads(rf.json_schema)  # bounded nesting, as every body
         except ValueError as err:
-            raise ApiError(
-                ErrorCode.invalid_schema,
+            raise InvalidSchema(
                 f"`response_format.json_schema` is not JSON: {err}",
                 param="response_format.json_schema",
             ) from err

@@ -31,7 +31,7 @@ from appliance.grpc.proto.kovenlab.edge.v1 import inference_pb2_grpc as pb_grpc
 from appliance.inference.authentication import authenticate
 from appliance.inference.completions import Sink, invalid_output
 from appliance.inference.schemas import EmbeddingRequest, completion_request, parse_body
-from shared.errors import ApiError, ErrorCode
+from shared.errors import DomainError, InternalError
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -177,13 +177,13 @@ class Inference(pb_grpc.InferenceServicer):
     async def _serve(
         self, method: str, context: Context, run: Callable[[ApiKey, str], Awaitable[T]]
     ) -> T:
-        """Authenticate the call and run it, with its span and metrics; an ApiError (or a
-        bug) ends it with its status code and the error's trailing metadata."""
+        """Authenticate the call and run it, with its span and metrics; a DomainError (or
+        a bug) ends it with its status code and the error's trailing metadata."""
         s = self._s
         request_id = _metadata(context, "x-request-id") or uuid.uuid4().hex
         started = time.perf_counter()
         status = grpc.StatusCode.OK
-        error: ApiError | None = None
+        error: DomainError | None = None
         key: ApiKey | None = None
         attributes = {
             "rpc.system": "grpc",
@@ -203,13 +203,11 @@ class Inference(pb_grpc.InferenceServicer):
                             metrics=s.metrics,
                         )
                     result = await run(key, request_id)
-                except ApiError as err:
+                except DomainError as err:
                     error = err
                 except Exception:
                     log.exception("unhandled error in gRPC %s (request %s)", method, request_id)
-                    error = ApiError(
-                        ErrorCode.internal_error, f"internal error; request id {request_id}"
-                    )
+                    error = InternalError(f"internal error; request id {request_id}")
                 else:
                     span.set_attribute("rpc.grpc.status_code", status.value[0])
                     return result

@@ -21,7 +21,14 @@ from appliance.state.store import (
     LastAdminKeyError,
     NotFoundError,
 )
-from shared.errors import ApiError, ErrorCode
+from shared.errors import (
+    AccountDisabled,
+    AccountExists,
+    AccountNotFound,
+    HubManaged,
+    KeyNotFound,
+    LastAdminKey,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -47,9 +54,7 @@ class AccountService:
             account is not None
             and await self._store.run(self._store.sync.get_account, account) is None
         ):
-            raise ApiError(
-                ErrorCode.account_not_found, f"no account named {account!r}", param="account"
-            )
+            raise AccountNotFound(f"no account named {account!r}", param="account")
         return await self._store.run(self._store.sync.list_keys, account)
 
     async def create_account(
@@ -70,7 +75,7 @@ class AccountService:
                 tokens_per_day=tokens_per_day,
             )
         except AccountExistsError as err:
-            raise ApiError(ErrorCode.account_exists, str(err), param="name") from err
+            raise AccountExists(str(err), param="name") from err
 
     async def disable_account(self, name: str) -> Account:
         """Disable it and revoke its keys (again: answered as it is)."""
@@ -78,9 +83,9 @@ class AccountService:
         try:
             account = await self._store.run(self._store.sync.disable_account, name)
         except NotFoundError as err:
-            raise ApiError(ErrorCode.account_not_found, str(err)) from err
+            raise AccountNotFound(str(err)) from err
         except LastAdminKeyError as err:
-            raise ApiError(ErrorCode.last_admin_key, str(err)) from err
+            raise LastAdminKey(str(err)) from err
         log.info("account %s disabled through the admin API, its keys revoked", name)
         return account
 
@@ -90,9 +95,9 @@ class AccountService:
         try:
             return await self._store.run(self._store.sync.issue_key, account, admin=admin)
         except NotFoundError as err:
-            raise ApiError(ErrorCode.account_not_found, str(err), param="account") from err
+            raise AccountNotFound(str(err), param="account") from err
         except AccountDisabledError as err:
-            raise ApiError(ErrorCode.account_disabled, str(err), param="account") from err
+            raise AccountDisabled(str(err), param="account") from err
 
     async def revoke_key(self, prefix: str) -> ApiKey:
         """Revoke a key (one revoked already: answered as it is); never the last active
@@ -102,9 +107,9 @@ class AccountService:
         try:
             return await store.run(store.sync.revoke_key, prefix, keep_an_admin=True)
         except NotFoundError as err:
-            raise ApiError(ErrorCode.key_not_found, str(err)) from err
+            raise KeyNotFound(str(err)) from err
         except LastAdminKeyError as err:
-            raise ApiError(ErrorCode.last_admin_key, str(err)) from err
+            raise LastAdminKey(str(err)) from err
         except ConflictError:  # revoked before: DELETE is idempotent
             keys = await store.run(store.sync.list_keys)
             return next(k for k in keys if k.prefix == prefix)
@@ -118,8 +123,7 @@ class AccountService:
 
     def _refuse_on_a_hub_managed_node(self) -> None:
         if self._hub_managed():
-            raise ApiError(
-                ErrorCode.hub_managed,
+            raise HubManaged(
                 "this node's accounts and keys come from its hub: make them there "
                 "(`kvl hub accounts set`, `kvl hub keys create`, `kvl hub keys revoke`)",
             )

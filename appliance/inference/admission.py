@@ -22,7 +22,14 @@ from appliance.quotas.buckets import TokenBucket
 from appliance.quotas.leases import LeaseBook
 from appliance.serving.predictor import Capacity, InFlight, Objectives, Rates, decide
 from shared.classes import ServiceClass
-from shared.errors import ApiError, ErrorCode
+from shared.errors import (
+    AccountLimit,
+    ErrorCode,
+    OutboxFull,
+    Overloaded,
+    QuotaExhausted,
+    RateLimited,
+)
 
 if TYPE_CHECKING:
     from appliance.observability.metrics import Metrics
@@ -94,7 +101,7 @@ class AdmissionControl:
     async def check_quota(
         self, key: ApiKey, klass: ServiceClass, ticket: Ticket | None = None
     ) -> None:
-        """Refuse (429 insufficient_quota or rate_limit_exceeded) when the account is over a
+        """Refuse (QuotaExhausted or RateLimited) when the account is over a
         quota of its class; a
         request counts against requests per minute here, its tokens once it is done.
         `ticket`: the request's, ended by a refusal (a request without one is not
@@ -102,8 +109,7 @@ class AdmissionControl:
         if self.outbox_full:
             if ticket is not None:
                 ticket.refuse("outbox")
-            raise ApiError(
-                ErrorCode.outbox_full,
+            raise OutboxFull(
                 "the usage ledger waits for the hub (its outbox is full); this appliance "
                 "takes new work once the hub has acknowledged some",
                 retry_after=60,
@@ -141,10 +147,8 @@ class AdmissionControl:
         self._metrics.quota_refusals.labels(klass.value, quota).inc()
         if ticket is not None:
             ticket.refuse("quota")
-        raise ApiError(
-            ErrorCode.insufficient_quota
-            if quota == "tokens_per_day"
-            else ErrorCode.rate_limit_exceeded,
+        refusal = QuotaExhausted if quota == "tokens_per_day" else RateLimited
+        raise refusal(
             f"the account is over its {quota} quota ({limit}, class {klass.value}); "
             f"retry after {math.ceil(wait)} s",
             retry_after=wait,
@@ -179,12 +183,12 @@ class AdmissionControl:
     ) -> str | None:
         """For an account with a budget on the hub: reserve the request's worst case from
         this node's lease (the lease's id; None on safe capacity, or without a budget).
-        Raises ApiError insufficient_quota or rate_limit_exceeded."""
+        Raises QuotaExhausted or RateLimited."""
         if key.account.budget_tokens is None:
             return None
         try:
             return self.leases.take(key.account.name, klass.value, request_id, cost, time.time())
-        except ApiError:
+        except AccountLimit:
             self._metrics.quota_refusals.labels(klass.value, "budget").inc()
             if ticket is not None:
                 ticket.refuse("quota")
@@ -222,21 +226,21 @@ class AdmissionControl:
         if not decision.admitted:
             if ticket is not None:
                 ticket.refuse("first_token" if decision.reason.value == "first_token" else "admit")
-            raise ApiError(
-                ErrorCode.overloaded,
+            raise Overloaded(
                 f"class {klass.value} cannot be served within its objectives now: "
                 f"{decision.detail}",
                 retry_after=decision.retry_after_s,
             )
 
-    def shed(self, klass: ServiceClass, waited_s: float, ticket: Ticket | None = None) -> ApiError:
+    def shed(
+        self, klass: ServiceClass, waited_s: float, ticket: Ticket | None = None
+    ) -> Overloaded:
         """The error for a queued request that missed its first-token objective."""
         self._metrics.sheds.labels(klass.value).inc()
         if ticket is not None:
             ticket.refuse("shed")
         objective = self.objectives(klass).first_token_s
-        return ApiError(
-            ErrorCode.overloaded,
+        return Overloaded(
             f"class {klass.value}: no first token after {waited_s:.1f} s, past the "
             f"{objective:g} s objective; the request was dropped from the queue",
             retry_after=max(1.0, objective),

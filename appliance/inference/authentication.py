@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shared.errors import ApiError, ErrorCode
+from shared.errors import InvalidApiKey, MissingApiKey, RevokedApiKey, TooManyAuthFailures
 
 if TYPE_CHECKING:
     from appliance.inference.admission import AdmissionControl
@@ -27,32 +27,30 @@ async def authenticate(
     count: bool = True,
 ) -> ApiKey:
     """The key of an `authorization` value (`Bearer <key>`), not revoked, from an
-    `address` that is not throttled; ApiError otherwise. `count=False` only asks: a failure
+    `address` that is not throttled; a DomainError otherwise. `count=False` only asks: a failure
     is not counted (the TLS front's decisions, whose refusals the app then makes itself)."""
     failed = admission.auth_failed if count else _uncounted
     if (wait := admission.auth_throttled(address)) > 0:
         if count:
             metrics.auth_throttled.inc()
-        raise ApiError(
-            ErrorCode.too_many_auth_failures,
+        raise TooManyAuthFailures(
             f"too many failed authentications from {address}; retry after {wait:.0f} s",
             retry_after=wait,
         )
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         failed(address)
-        raise ApiError(
-            ErrorCode.missing_api_key,
+        raise MissingApiKey(
             "send your API key as `Authorization: Bearer <key>`; create one with "
             "`kvl appliance keys create --account NAME`",
         )
     key = await store.authenticate(token.strip())
     if key is None:
         failed(address)
-        raise ApiError(ErrorCode.invalid_api_key, "the API key is not valid")
+        raise InvalidApiKey("the API key is not valid")
     if key.revoked:
         failed(address)
-        raise ApiError(ErrorCode.revoked_api_key, f"the API key {key.prefix} was revoked")
+        raise RevokedApiKey(f"the API key {key.prefix} was revoked")
     return key
 
 

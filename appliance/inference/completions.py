@@ -6,7 +6,7 @@ the WebSocket handler, the job runner and the package generator all run their co
 through it, each passing what it does with the events as a :class:`Sink`.
 
 No aiohttp here. Domain failures from the engine, the model host and the chat template
-become ApiErrors at this boundary.
+become domain errors (shared.errors) here.
 """
 
 from __future__ import annotations
@@ -51,7 +51,22 @@ from appliance.validation.structured import (
     json_schema_output,
 )
 from appliance.validation.tools import ToolPlan, ToolSpecError, plan_tools
-from shared.errors import ApiError, ErrorCode
+from shared.errors import (
+    ContextTooLong,
+    ErrorCode,
+    InsufficientMemory,
+    InternalError,
+    InvalidRequest,
+    InvalidSchema,
+    ModelNotFound,
+    ModelNotReady,
+    ModelUnavailable,
+    NodeFault,
+    OutputInvalid,
+    Overloaded,
+    QueueFull,
+    UnsupportedParameter,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -148,7 +163,7 @@ class Sink:
         """The generation is submitted (admitted, its lease taken); no event yet."""
 
     async def first(self, event: Event) -> None:
-        """Its first event came: a refusal before this one is still an ApiError raised
+        """Its first event came: a refusal before this one is still a DomainError raised
         from `complete`, to answer with a status code of its own."""
 
     async def streaming(self) -> None:
@@ -237,11 +252,10 @@ class CompletionService:
             else:
                 prompt = vocab.chat_template.render(messages)
         except ChatTemplateError as err:
-            raise ApiError(ErrorCode.invalid_value, str(err), param="messages") from err
+            raise InvalidRequest(str(err), param="messages") from err
         structured = _structured(req)
         if structured is not None and tools is not None and tools.grammar is not None:
-            raise ApiError(
-                ErrorCode.unsupported_parameter,
+            raise UnsupportedParameter(
                 "`response_format` with `tools` is not supported: the output is either "
                 "constrained to the tool calls or to the schema; send tool_choice: none, "
                 "or leave out response_format",
@@ -287,8 +301,7 @@ class CompletionService:
         engine = await self._engine(req.model, chat=False)
         if isinstance(req.prompt, list):
             if len(req.prompt) != 1:
-                raise ApiError(
-                    ErrorCode.unsupported_parameter,
+                raise UnsupportedParameter(
                     "`prompt` must be a string or a list of exactly one string",
                     param="prompt",
                 )
@@ -297,7 +310,7 @@ class CompletionService:
             prompt = req.prompt
         tokens = await _tokenize(engine.require_vocab(), prompt, chat=False)
         if not tokens:
-            raise ApiError(ErrorCode.invalid_value, "`prompt` is empty", param="prompt")
+            raise InvalidRequest("`prompt` is empty", param="prompt")
         request = self._generation(
             engine,
             tokens=tokens,
@@ -348,13 +361,13 @@ class CompletionService:
             with self._tracing.span("router", {"kvl.model": model}):
                 return await self._host.resolve(model)
         except UnknownModelError as err:
-            raise ApiError(ErrorCode.model_not_found, str(err), param="model") from err
+            raise ModelNotFound(str(err), param="model") from err
         except ModelNotReadyError as err:
             if err.failed:
-                raise ApiError(ErrorCode.model_unavailable, str(err), retry_after=30) from err
-            raise ApiError(ErrorCode.model_not_ready, str(err), retry_after=5) from err
+                raise ModelUnavailable(str(err), retry_after=30) from err
+            raise ModelNotReady(str(err), retry_after=5) from err
         except InsufficientMemoryError as err:
-            raise ApiError(ErrorCode.insufficient_memory, str(err), retry_after=30) from err
+            raise InsufficientMemory(str(err), retry_after=30) from err
 
     def _generation(
         self,
@@ -370,14 +383,12 @@ class CompletionService:
         room = engine.n_ctx - len(tokens)
         limit = self._max_tokens_limit if limit is None else limit
         if max_tokens is not None and max_tokens > limit:
-            raise ApiError(
-                ErrorCode.invalid_value,
+            raise InvalidRequest(
                 f"`{param}` is {max_tokens}; this appliance allows at most {limit}",
                 param=param,
             )
         if room < 1 or (max_tokens is not None and max_tokens > room):
-            raise ApiError(
-                ErrorCode.context_length_exceeded,
+            raise ContextTooLong(
                 f"the prompt has {len(tokens)} tokens and {param} asks for {max_tokens or 1}; "
                 f"the context holds {engine.n_ctx}",
                 param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
@@ -430,12 +441,10 @@ class CompletionService:
             self._admission.settle_lease(prepared.lease_id, prepared.id, 0)
             if isinstance(err, QueueFullError):
                 ticket.refuse("admit")  # no room to wait: refused at the door
-                raise ApiError(ErrorCode.queue_full, str(err), retry_after=err.retry_after) from err
+                raise QueueFull(str(err), retry_after=err.retry_after) from err
             if isinstance(err, NotLoadedError):
-                raise ApiError(ErrorCode.model_not_ready, str(err), retry_after=5) from err
-            raise ApiError(
-                ErrorCode.model_unavailable, str(err), retry_after=err.retry_after
-            ) from err
+                raise ModelNotReady(str(err), retry_after=5) from err
+            raise ModelUnavailable(str(err), retry_after=err.retry_after) from err
         self._metrics.queue_waiting.labels(prepared.model).set(prepared.engine.waiting)
         objective = self._admission.objectives(klass).first_token_s
         return Generation(
@@ -474,7 +483,7 @@ class CompletionService:
     ) -> Completed:
         """The one drive of a prepared completion: admit and submit it, pass its events to
         `sink`, validate its output, record its usage (`record`, or the caller's own
-        recorder). Refusals and failures are ApiErrors; a generation its caller cancelled
+        recorder). Refusals and failures are DomainErrors; a generation its caller cancelled
         is recorded as CLIENT_CLOSED, without validation."""
         if prepared.ticket is None:
             prepared.ticket = self._admission.book.ticket(
@@ -483,9 +492,8 @@ class CompletionService:
         ticket = prepared.ticket
         try:
             return await self._complete(prepared, ticket, sink, record)
-        except ApiError as err:
-            if err.status >= 500:  # the node failed a request it had admitted
-                ticket.refuse("error")
+        except NodeFault:  # the node failed a request it had admitted
+            ticket.refuse("error")
             raise
         finally:
             ticket.close()  # ended any other way (admitted, its client gone): counted once
@@ -654,13 +662,13 @@ class CompletionService:
 
 class Generation:
     """The events of a running generation's choices, as (choice, event), with engine
-    failures as ApiErrors. `done` once every choice has finished."""
+    failures as DomainErrors. `done` once every choice has finished."""
 
     def __init__(
         self,
         runs: list[Run],
         first_token_s: float | None = None,
-        shed: Callable[[float], ApiError] | None = None,
+        shed: Callable[[float], Overloaded] | None = None,
         *,
         on_close: Callable[[], None] | None = None,
     ) -> None:
@@ -715,13 +723,11 @@ class Generation:
                     raise self._shed(waited) from None
             return await self._event()
         except GrammarError as err:
-            raise ApiError(ErrorCode.invalid_schema, str(err), param="response_format") from err
+            raise InvalidSchema(str(err), param="response_format") from err
         except WorkerUnavailableError as err:
-            raise ApiError(
-                ErrorCode.model_unavailable, str(err), retry_after=err.retry_after
-            ) from err
+            raise ModelUnavailable(str(err), retry_after=err.retry_after) from err
         except EngineError as err:
-            raise ApiError(ErrorCode.internal_error, f"generation failed: {err}") from err
+            raise InternalError(f"generation failed: {err}") from err
 
     async def _event(self) -> tuple[int, Event]:
         if len(self._runs) == 1:  # the common case: no task per token
@@ -802,8 +808,7 @@ def _logit_bias(bias: dict[str, float] | None, n_vocab: int) -> tuple[tuple[int,
     for key, value in bias.items():
         token = int(key) if key.isascii() and key.isdigit() else -1
         if not 0 <= token < n_vocab:
-            raise ApiError(
-                ErrorCode.invalid_value,
+            raise InvalidRequest(
                 f"`logit_bias` key {key!r} is not a token id of this model (0..{n_vocab - 1})",
                 param="logit_bias",
             )
@@ -827,8 +832,8 @@ def _tools(req: ChatCompletionRequest, template: ChatTemplate) -> ToolPlan | Non
     except ToolSpecError as err:
         # A parameters schema no grammar can enforce is the schema's fault; the rest
         # (a name, a choice) the field's.
-        code = ErrorCode.invalid_schema if err.param == "tools" else ErrorCode.invalid_value
-        raise ApiError(code, str(err), param=err.param) from err
+        refusal = InvalidSchema if err.param == "tools" else InvalidRequest
+        raise refusal(str(err), param=err.param) from err
 
 
 def _structured(req: ChatCompletionRequest) -> StructuredOutput | None:
@@ -840,9 +845,7 @@ def _structured(req: ChatCompletionRequest) -> StructuredOutput | None:
     try:
         return json_schema_output(rf.json_schema.schema_, rf.json_schema.name)
     except SchemaUnusableError as err:
-        raise ApiError(
-            ErrorCode.invalid_schema, str(err), param="response_format.json_schema.schema"
-        ) from err
+        raise InvalidSchema(str(err), param="response_format.json_schema.schema") from err
 
 
 # The status recorded for a request whose client went away before it ended (nginx's).
@@ -858,10 +861,9 @@ async def drain(generation: Generation) -> list[Finished]:
     return ends
 
 
-def invalid_output(problems: list[str]) -> ApiError:
+def invalid_output(problems: list[str]) -> OutputInvalid:
     """The error of an output that fails its `response_format` (it fails closed)."""
-    return ApiError(
-        ErrorCode.output_validation_failed,
+    return OutputInvalid(
         "the output does not satisfy response_format: " + "; ".join(problems),
         param="response_format",
     )

@@ -2,7 +2,7 @@
 → vectors, their usage record and the OpenAI response body.
 
 No aiohttp here; the handler calls this. Failures of the engine and the batcher become
-ApiErrors at this boundary.
+domain errors (shared.errors) here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 from appliance.inference.names import ModelNames
 from appliance.serving.registry import split_ref
 from appliance.state.store import UsageEvent
-from shared.errors import ApiError, ErrorCode
+from shared.errors import (
+    InternalError,
+    InvalidRequest,
+    ModelNotFound,
+    ModelNotReady,
+    QueueFull,
+    UnsupportedParameter,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -191,8 +198,7 @@ class EmbeddingService:
 
         texts = self._texts(req)
         if req.dimensions is not None and req.dimensions != model.dimension:
-            raise ApiError(
-                ErrorCode.unsupported_parameter,
+            raise UnsupportedParameter(
                 f"`dimensions` is {req.dimensions}; {model.name} gives {model.dimension} "
                 "dimensions only (omit `dimensions`, or send it as "
                 f"{model.dimension})",
@@ -202,13 +208,11 @@ class EmbeddingService:
         try:
             result = await batcher.embed(texts)
         except QueueFullError as err:
-            raise ApiError(ErrorCode.queue_full, str(err), retry_after=err.retry_after) from err
+            raise QueueFull(str(err), retry_after=err.retry_after) from err
         except BatcherClosedError as err:
-            raise ApiError(
-                ErrorCode.model_not_ready, str(err), retry_after=LOADING_RETRY_S
-            ) from err
+            raise ModelNotReady(str(err), retry_after=LOADING_RETRY_S) from err
         except EmbeddingRunError as err:
-            raise ApiError(ErrorCode.internal_error, str(err)) from err
+            raise InternalError(str(err)) from err
         embedded = Embedded(model, result, req.encoding_format)
         await self._record(embedded, key, route, time.perf_counter() - started)
         return embedded
@@ -216,8 +220,7 @@ class EmbeddingService:
     def _resolve(self, requested: str) -> tuple[EmbeddingBatcher, LoadedModel]:
         s = self._settings
         if not s.enabled:
-            raise ApiError(
-                ErrorCode.model_not_found,
+            raise ModelNotFound(
                 f"model {requested!r}: this appliance serves no embedding model "
                 "(embeddings.enabled is false)",
                 param="model",
@@ -226,20 +229,17 @@ class EmbeddingService:
         current = None if self.model is None else self.model.version
         if name != s.model or (version is not None and current is not None and version != current):
             serving = s.model if self.model is None else f"{s.model} ({self.model.ref})"
-            raise ApiError(
-                ErrorCode.model_not_found,
+            raise ModelNotFound(
                 f"model {requested!r} is not an embedding model this appliance serves; "
                 f"embeddings: {serving}",
                 param="model",
             )
         if self._batcher is None or self.model is None:
             if self.load_error is not None:
-                raise ApiError(
-                    ErrorCode.model_not_ready,
+                raise ModelNotReady(
                     f"the embedding model failed to load: {self.load_error}",
                 )
-            raise ApiError(
-                ErrorCode.model_not_ready,
+            raise ModelNotReady(
                 f"the embedding model {s.model} is loading",
                 retry_after=LOADING_RETRY_S,
             )
@@ -249,8 +249,7 @@ class EmbeddingService:
         if isinstance(req.input, str):
             return [req.input]
         if not all(isinstance(item, str) for item in req.input):
-            raise ApiError(
-                ErrorCode.unsupported_parameter,
+            raise UnsupportedParameter(
                 "`input` as token ids is not supported: this model's tokenizer is not "
                 "OpenAI's; send the text",
                 param="input",
@@ -258,8 +257,7 @@ class EmbeddingService:
         texts = [item for item in req.input if isinstance(item, str)]
         limit = self._settings.max_inputs
         if len(texts) > limit:
-            raise ApiError(
-                ErrorCode.invalid_value,
+            raise InvalidRequest(
                 f"`input` holds {len(texts)} texts; this appliance takes at most {limit} per "
                 "request (embeddings.max_inputs): split it",
                 param="input",

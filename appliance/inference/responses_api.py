@@ -23,7 +23,7 @@ from appliance.inference.schemas import (
     parse_body,
 )
 from appliance.state.responses import ResponseNotFoundError, ResponseStore, StoredResponse
-from shared.errors import ApiError, ErrorCode
+from shared.errors import MissingParameter, ResponseNotFound, UnknownParameter, UnsupportedParameter
 
 if TYPE_CHECKING:
     from appliance.inference.choices import Choice
@@ -69,8 +69,7 @@ class MessageItem(_Item):
             return self.content
         for part in self.content:
             if isinstance(part, ContentOther):
-                raise ApiError(
-                    ErrorCode.unsupported_parameter,
+                raise UnsupportedParameter(
                     f"input parts of type `{part.type}` are not supported; the models here "
                     "read text",
                     param="input",
@@ -166,8 +165,7 @@ def parse_request(body: dict[str, Any], *, strict: bool) -> tuple[ResponsesReque
     fields = {info.alias or name for name, info in ResponsesRequest.model_fields.items()}
     unknown = sorted(body.keys() - fields - IGNORED)
     if unknown and strict:
-        raise ApiError(
-            ErrorCode.unknown_parameter,
+        raise UnknownParameter(
             f"unrecognized request argument `{unknown[0]}` (server.strict_parameters is on)",
             param=unknown[0],
         )
@@ -234,8 +232,7 @@ def chat_request(
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type == "json_schema":
         if fmt.schema_ is None or fmt.name is None:
-            raise ApiError(
-                ErrorCode.missing_required_parameter,
+            raise MissingParameter(
                 "`text.format` of type json_schema needs `name` and `schema`",
                 param="text.format",
             )
@@ -422,10 +419,10 @@ class ResponsesService:
         try:
             await self._store.run(self._responses.delete, response_id, key.account.id)
         except ResponseNotFoundError as err:
-            raise ApiError(ErrorCode.response_not_found, str(err)) from err
+            raise ResponseNotFound(str(err)) from err
 
     async def _get(self, response_id: str, key: ApiKey, param: str | None) -> StoredResponse:
         try:
             return await self._store.run(self._responses.get, response_id, key.account.id)
         except ResponseNotFoundError as err:
-            raise ApiError(ErrorCode.response_not_found, str(err), param=param) from err
+            raise ResponseNotFound(str(err), param=param) from err

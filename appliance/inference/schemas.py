@@ -21,7 +21,12 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from shared.errors import ApiError, ErrorCode
+from shared.errors import (
+    InvalidRequest,
+    MissingParameter,
+    UnknownParameter,
+    UnsupportedParameter,
+)
 
 _I64 = 2**63
 
@@ -356,8 +361,7 @@ def completion_request(
     `strict` (`server.strict_parameters`)."""
     if chat:
         if _audio_asked(body):
-            raise ApiError(
-                ErrorCode.unsupported_parameter,
+            raise UnsupportedParameter(
                 "`modalities` asks for audio, which chat completions here do not produce; "
                 "use /v1/audio/speech",
                 param="modalities",
@@ -386,8 +390,7 @@ def _lenient(
     unknown = sorted(body.keys() - fields - unsupported - known_ignored)
     if unknown and strict:
         name = unknown[0]
-        raise ApiError(
-            ErrorCode.unknown_parameter,
+        raise UnknownParameter(
             f"unrecognized request argument `{name}` (server.strict_parameters is on)",
             param=name,
         )
@@ -407,8 +410,7 @@ def parse_body(
     `unsupported` (one of OpenAI's this appliance lacks) is refused by name, unless empty."""
     for name in sorted(unsupported & body.keys()):
         if body[name] not in _EMPTY:
-            raise ApiError(
-                ErrorCode.unsupported_parameter,
+            raise UnsupportedParameter(
                 f"`{name}` is not supported by this appliance; remove it",
                 param=name,
             )
@@ -429,7 +431,7 @@ def param_path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def _translate(err: ValidationError) -> ApiError:
+def _translate(err: ValidationError) -> InvalidRequest:
     errors = err.errors(include_url=False)
     # A union reports one error per member; the deepest location is the useful one, and
     # there a broken constraint (an empty list) says more than "not a string" from another member.
@@ -438,17 +440,15 @@ def _translate(err: ValidationError) -> ApiError:
     param = param_path(loc) or None
     kind = first["type"]
     if kind == "extra_forbidden":
-        return ApiError(
-            ErrorCode.unknown_parameter, f"unrecognized request argument `{param}`", param=param
-        )
+        return UnknownParameter(f"unrecognized request argument `{param}`", param=param)
     if kind == "missing":
-        return ApiError(ErrorCode.missing_required_parameter, f"`{param}` is required", param=param)
+        return MissingParameter(f"`{param}` is required", param=param)
     if kind in _CUSTOM:
         # A check across fields (a model validator): its type names the field.
         param = param_path((*loc, kind)) if kind != "unsupported_part" else param
-        code = ErrorCode.unsupported_parameter if kind in _UNSUPPORTED else ErrorCode.invalid_value
-        return ApiError(code, first["msg"], param=param)
-    return ApiError(ErrorCode.invalid_value, f"`{param}`: {first['msg']}", param=param)
+        refusal = UnsupportedParameter if kind in _UNSUPPORTED else InvalidRequest
+        return refusal(first["msg"], param=param)
+    return InvalidRequest(f"`{param}`: {first['msg']}", param=param)
 
 
 # The types of the errors the model validators above raise.

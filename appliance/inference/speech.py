@@ -35,7 +35,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from appliance.inference.schemas import parse_body
 from appliance.serving.audio import FORMATS, Encoder, Format, Pcm
 from appliance.state.store import UsageEvent
-from shared.errors import ApiError, ErrorCode
+from shared.errors import (
+    DomainError,
+    InvalidRequest,
+    ModelNotFound,
+    QueueFull,
+    UnsupportedParameter,
+)
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -127,12 +133,11 @@ class SpeechRequest(_Body):
 def speech_request(body: dict[str, Any]) -> SpeechRequest:
     try:
         return parse_body(SpeechRequest, body)
-    except ApiError as err:
+    except InvalidRequest as err:
         if err.param is None or not err.param.startswith("voice."):
             raise
         # Neither member of the union fit; name the field, not the object member.
-        raise ApiError(
-            ErrorCode.invalid_value,
+        raise InvalidRequest(
             '`voice` is a voice\'s name, or {"id": name}',
             param="voice",
         ) from err
@@ -239,28 +244,25 @@ class SpeechService:
 
     async def prepare(self, req: SpeechRequest, key: ApiKey, route: str) -> Speech:
         """A request checked (format, voice, text), its quota taken and its place held;
-        :meth:`Speech.audio` reads it. Raises ApiError; the caller closes the Speech."""
+        :meth:`Speech.audio` reads it. Raises a DomainError; the caller closes the Speech."""
         if not self._settings.enabled:
-            raise ApiError(
-                ErrorCode.model_not_found,
+            raise ModelNotFound(
                 "this appliance does not serve text to speech (speech.enabled is false)",
                 param="model",
             )
         if req.response_format not in FORMATS:
-            raise ApiError(
-                ErrorCode.unsupported_parameter,
+            raise UnsupportedParameter(
                 f"`response_format` {req.response_format!r} is not supported by this "
                 f"appliance; use one of {', '.join(sorted(FORMATS))}",
                 param="response_format",
             )
         text = req.input.strip()
         if not text:
-            raise ApiError(ErrorCode.invalid_value, "`input` is empty", param="input")
+            raise InvalidRequest("`input` is empty", param="input")
         reader = await self._reader(req.model.strip().lower(), req.voice_name())
         limit = self._settings.max_concurrent + self._settings.max_queue
         if self._in_progress >= limit:
-            raise ApiError(
-                ErrorCode.queue_full,
+            raise QueueFull(
                 f"{self._in_progress} speech requests are in progress, the most this "
                 "appliance takes (speech.max_concurrent + speech.max_queue)",
                 retry_after=_BUSY_RETRY_S,
@@ -279,8 +281,7 @@ class SpeechService:
         elif OPENAI_MODELS.match(model):
             engine = self._default_engine(voice)
         else:
-            raise ApiError(
-                ErrorCode.model_not_found,
+            raise ModelNotFound(
                 f"model {model!r} is not a speech model of this appliance; use espeak-ng, "
                 "neural, or tts-1, tts-1-hd, gpt-4o-mini-tts (the default voice)",
                 param="model",
@@ -298,15 +299,13 @@ class SpeechService:
 
     async def _neural_reader(self, voice: str) -> Reader:
         if self._neural is None:
-            raise ApiError(
-                ErrorCode.model_not_found,
+            raise ModelNotFound(
                 "the neural voice is not installed (the `voice` extra, or "
                 "speech.neural_voice_model); use model espeak-ng",
                 param="model",
             )
         if voice != NEURAL_VOICE and voice not in OPENAI_VOICES:
-            raise ApiError(
-                ErrorCode.invalid_value,
+            raise InvalidRequest(
                 f"voice {voice!r}: the neural voice is `{NEURAL_VOICE}` "
                 f"({self._neural.name('en')}), and OpenAI's voice names read as it; other "
                 "languages are read by model espeak-ng",
@@ -317,24 +316,21 @@ class SpeechService:
 
     async def _espeak_reader(self, voice: str) -> Reader:
         if voice == NEURAL_VOICE:
-            raise ApiError(
-                ErrorCode.invalid_value,
+            raise InvalidRequest(
                 f"voice {voice!r} is the neural voice: use model neural (or tts-1)",
                 param="voice",
             )
         name = OPENAI_VOICES.get(voice, voice)
         language, _, variant = name.partition("+")
         if not _ESPEAK_NAME.match(name) or language not in await self._espeak.languages():
-            raise ApiError(
-                ErrorCode.invalid_value,
+            raise InvalidRequest(
                 f"voice {voice!r} is neither one of OpenAI's voice names nor an espeak-ng "
                 "voice (`espeak-ng --voices`: a language such as `en-us` or `de`, with an "
                 "optional variant after `+`, such as `en-us+f3`)",
                 param="voice",
             )
         if variant and variant not in await self._espeak.variants():
-            raise ApiError(
-                ErrorCode.invalid_value,
+            raise InvalidRequest(
                 f"voice {voice!r}: espeak-ng has no variant {variant!r} "
                 "(`espeak-ng --voices=variant`)",
                 param="voice",
@@ -442,7 +438,7 @@ class Speech:
     async def audio(self) -> AsyncGenerator[bytes]:
         """The encoded audio, a piece of bytes per piece of text (the first once the first
         sentence is read; one whole piece for a format that does not stream). Raises
-        ApiError if a voice fails."""
+        a DomainError if a voice fails."""
         todo = pieces(self.text)
         ahead: asyncio.Task[Pcm] | None = self._read(todo[0])
         encoder: Encoder | None = None
@@ -472,7 +468,7 @@ class Speech:
         finally:
             if ahead is not None and not ahead.done():
                 ahead.cancel()
-                with contextlib.suppress(asyncio.CancelledError, ApiError):
+                with contextlib.suppress(asyncio.CancelledError, DomainError):
                     await ahead
 
     def _read(self, text: str) -> asyncio.Task[Pcm]:

@@ -6,15 +6,18 @@ restart, even after `kill -9`, the runner picks up exactly the items that have n
 item that was mid-generation runs again, a finished one never does. Its usage event has an
 id made from the item, so it is charged once however often it ran.
 
-Refusals for now are not results: a 429 (a full queue, an overload, a quota) or a 503 (the
-model loading, restarting, out of memory, the outbox full). The item stays pending and the
-runner pauses, with exponential backoff, before it starts anything again: S0 work yields to
-the traffic that caused them. A quota is one account's, not the node's: its refusal pauses
-that account's jobs alone (with a backoff of its own), and other accounts' jobs run
-meanwhile. A 429 is retried for as long as it lasts, and so is a full
+Refusals for now are not results: a TryLater (a full queue, an overload, a quota) or an
+Unavailable (the model loading, restarting, out of memory, the outbox full). The item stays
+pending and the runner pauses, with exponential backoff, before it starts anything again:
+S0 work yields to the traffic that caused them. A quota is one account's, not the node's:
+its refusal pauses that account's jobs alone (with a backoff of its own), and other
+accounts' jobs run meanwhile. A TryLater is retried for as long as it lasts, and so is a full
 outbox (the hub will come back; the job must not fail for it); after
-`jobs.item_max_attempts` other 503s, the error becomes the item's result (a model that
-never comes back).
+`jobs.item_max_attempts` other Unavailables, the error becomes the item's result (a model
+that never comes back).
+
+An item's result is the answer its route gives (OpenAI's batch results are): an error's is
+its code's status and the one error shape (shared.errors), as the gateway answers it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,17 @@ from appliance.inference.responses import response_body
 from appliance.inference.schemas import completion_request
 from appliance.jobs.backoff import backoff_s
 from shared.classes import ServiceClass
-from shared.errors import ApiError, ErrorCode
+from shared.errors import (
+    AccountLimit,
+    DomainError,
+    InternalError,
+    InvalidApiKey,
+    OutboxFull,
+    RevokedApiKey,
+    TryLater,
+    Unavailable,
+    error_body,
+)
 from shared.supervise import wait_until_set
 
 if TYPE_CHECKING:
@@ -54,13 +67,8 @@ LOOP = "jobs.runner"  # its name among the background loops' failures
 CHAT_URL = "/v1/chat/completions"
 TEXT_URL = "/v1/completions"
 
-# "Not now" by HTTP's own meaning, whichever code says why: the item runs again later.
-RETRY_LATER = 429
-UNAVAILABLE = 503
-
-
-# A refusal for the account's quota: its items wait, other accounts' run.
-_QUOTA = frozenset({ErrorCode.rate_limit_exceeded, ErrorCode.insufficient_quota})
+# "Not now", whichever error says why: the item runs again later.
+_NOT_NOW = (TryLater, Unavailable)
 
 
 @dataclass(frozen=True)
@@ -68,10 +76,14 @@ class _Result:
     status_code: int
     body: dict[str, Any]
 
+    @classmethod
+    def failed(cls, error: DomainError) -> _Result:
+        return cls(error.code.status, error_body(error.code, error.message, param=error.param))
+
 
 @dataclass(frozen=True)
 class _Retry:
-    error: ApiError
+    error: DomainError
 
 
 @dataclass
@@ -276,17 +288,16 @@ class JobRunner:
         except Exception:
             # A bug, not the client's doing: the item's answer is what the route would give.
             log.exception("job item %s/%d failed", item.job_id, item.index)
-            error = ApiError(ErrorCode.internal_error, f"internal error in job {item.job_id}")
-            outcome = _Result(error.status, error.body())
+            outcome = _Result.failed(InternalError(f"internal error in job {item.job_id}"))
         if outcome is None:
             return  # cancelled with its job
         if isinstance(outcome, _Retry):
             error = outcome.error
             attempts = await self._store.run(self._jobs.retry_item, item.job_id, item.index)
-            waits = error.status == RETRY_LATER or error.code is ErrorCode.outbox_full
+            waits = isinstance(error, (TryLater, OutboxFull))
             if waits or attempts < self._settings.item_max_attempts:
                 self._metrics.job_items.labels("retried").inc()
-                if error.code in _QUOTA:
+                if isinstance(error, AccountLimit):
                     self._pause_account(item, error)  # the account's limit, not the node's
                 else:
                     self._pause(error.message, error.retry_after)
@@ -298,7 +309,7 @@ class JobRunner:
                 attempts,
                 error.message,
             )
-            outcome = _Result(error.status, error.body())
+            outcome = _Result.failed(error)
         self._failures = 0
         if (pause := self._accounts.get(item.account)) is not None:
             pause.refusals = 0  # within its quota again: its next refusal starts afresh
@@ -335,24 +346,19 @@ class JobRunner:
                 request_id=item.usage_id,
                 record=self._record,
             )
-        except ApiError as err:
-            if err.status in {RETRY_LATER, UNAVAILABLE}:
-                return _Retry(err)
-            return _Result(err.status, err.body())
+        except DomainError as err:
+            return _Retry(err) if isinstance(err, _NOT_NOW) else _Result.failed(err)
         if completed.cancelled:
             return None
         if completed.problems:
-            error = invalid_output(completed.problems)
-            return _Result(error.status, error.body())
+            return _Result.failed(invalid_output(completed.problems))
         return _Result(200, response_body(completed))
 
     async def _handled(self, handler: ItemHandler, item: PendingItem) -> _Result | _Retry:
         try:
             status, body = await handler(await self._key(item), item.body)
-        except ApiError as err:
-            if err.status in {RETRY_LATER, UNAVAILABLE}:
-                return _Retry(err)
-            return _Result(err.status, err.body())
+        except DomainError as err:
+            return _Retry(err) if isinstance(err, _NOT_NOW) else _Result.failed(err)
         return _Result(status, body)
 
     async def _record(self, prepared: Prepared, finished: Finished, status: int) -> None:
@@ -365,13 +371,13 @@ class JobRunner:
         keys = await self._store.run(self._store.sync.list_keys, item.account)
         key = next((k for k in keys if k.prefix == item.key_prefix), None)
         if key is None:
-            raise ApiError(ErrorCode.invalid_api_key, "the API key that created this job is gone")
+            raise InvalidApiKey("the API key that created this job is gone")
         if key.revoked:
             # Revoking a key stops the work it started.
-            raise ApiError(ErrorCode.revoked_api_key, f"the API key {key.prefix} was revoked")
+            raise RevokedApiKey(f"the API key {key.prefix} was revoked")
         return key
 
-    def _pause_account(self, item: PendingItem, error: ApiError) -> None:
+    def _pause_account(self, item: PendingItem, error: DomainError) -> None:
         """Start none of the account's items for a while; other accounts' still run."""
         pause = self._accounts.setdefault(item.account, _AccountPause())
         pause.refusals += 1

@@ -2,8 +2,8 @@
 
 Every lookup is scoped to the caller's account: another account's job is not found (404),
 never forbidden, so job ids reveal nothing. The listing too, but for an admin key, which
-lists every account's jobs. State-layer failures become ApiErrors here, as
-the completion service does for the engine's.
+lists every account's jobs. State-layer failures become domain errors here,
+as the completion service does for the engine's.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from appliance.jobs.runner import JobRunner
 from appliance.serving.registry import split_ref
 from appliance.state.jobs import JobFinishedError, JobNotFoundError, JobStore
 from appliance.state.store import NotFoundError
-from shared.errors import ApiError, ErrorCode
+from shared.errors import InvalidRequest, JobFinished, JobNotFound, ModelNotFound
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -78,9 +78,7 @@ class JobService:
         for model, param in models.items():
             name, version = split_ref(model)
             if await self._store.run(self._store.sync.get_model, name, version) is None:
-                raise ApiError(
-                    ErrorCode.model_not_found, f"no model {model!r} is registered", param=param
-                )
+                raise ModelNotFound(f"no model {model!r} is registered", param=param)
         job = await self._store.run(
             self._jobs.create,
             account_id=key.account.id,
@@ -97,7 +95,7 @@ class JobService:
         try:
             return await self._store.run(self._jobs.get, job_id, key.account.id)
         except JobNotFoundError as err:
-            raise ApiError(ErrorCode.job_not_found, str(err)) from err
+            raise JobNotFound(str(err)) from err
 
     async def list_jobs(
         self, key: ApiKey, *, after: str | None, limit: int
@@ -107,7 +105,7 @@ class JobService:
         try:
             return await self._store.run(self._jobs.list_jobs, account_id, after=after, limit=limit)
         except JobNotFoundError as err:
-            raise ApiError(ErrorCode.invalid_value, str(err), param="after") from err
+            raise InvalidRequest(str(err), param="after") from err
 
     async def results(
         self, key: ApiKey, job_id: str, *, after: str | None, limit: int
@@ -117,17 +115,17 @@ class JobService:
                 self._jobs.results, job_id, key.account.id, after=after, limit=limit
             )
         except JobNotFoundError as err:
-            raise ApiError(ErrorCode.job_not_found, str(err)) from err
+            raise JobNotFound(str(err)) from err
         except NotFoundError as err:
-            raise ApiError(ErrorCode.invalid_value, str(err), param="after") from err
+            raise InvalidRequest(str(err), param="after") from err
 
     async def cancel(self, key: ApiKey, job_id: str) -> Job:
         try:
             job = await self._store.run(self._jobs.cancel, job_id, key.account.id)
         except JobNotFoundError as err:
-            raise ApiError(ErrorCode.job_not_found, str(err)) from err
+            raise JobNotFound(str(err)) from err
         except JobFinishedError as err:
-            raise ApiError(ErrorCode.job_finished, str(err)) from err
+            raise JobFinished(str(err)) from err
         self.runner.cancel(job_id)
         self._metrics.jobs.labels("cancelled").inc()
         self._ended(job)
@@ -136,8 +134,7 @@ class JobService:
     async def _check_destination(self, url: str) -> None:
         why = await self._destinations.check_url(url)
         if why is not None:
-            raise ApiError(
-                ErrorCode.invalid_value,
+            raise InvalidRequest(
                 f"webhooks may not go to this URL: its host is, or resolves to, an address "
                 f"that is {why}; they go to public addresses, and to those the operator "
                 f"names in `{ALLOW_SETTING}`",

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from appliance.inference.schemas import UNSUPPORTED_CHAT, ChatCompletionRequest, parse_body
 from appliance.packages.model import Choice, Feedback, Item, ItemType, Level
-from shared.errors import ApiError, ErrorCode
+from shared.errors import OutputInvalid
 
 if TYPE_CHECKING:
     from appliance.inference.completions import CompletionService
@@ -224,7 +224,7 @@ async def generate_item(
     seed: int,
     max_tokens: int,
 ) -> Item:
-    """One item from the model; raises ApiError as a completion would."""
+    """One item from the model; raises a DomainError as a completion would."""
     body = {
         "model": model,
         "messages": messages(topic, level, language, kind, n, choices=choices),
@@ -243,7 +243,7 @@ async def generate_item(
     req = parse_body(ChatCompletionRequest, body, UNSUPPORTED_CHAT)
     completed = await completions.run(req, key, ROUTE, max_tokens_limit=max_tokens)
     if completed.problems:
-        raise ApiError(ErrorCode.output_validation_failed, "; ".join(completed.problems))
+        raise OutputInvalid("; ".join(completed.problems))
     return to_item(kind, json.loads(completed.finished.text), n, language)
 
 

@@ -56,7 +56,7 @@ from appliance.packages.model import (
 )
 from appliance.packages.voice import Voice, Voices
 from appliance.state.store import EVERY_ACCOUNT
-from shared.errors import ApiError, ErrorCode
+from shared.errors import OutputInvalid, PackageInvalid
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -223,7 +223,7 @@ class PackageService:
             check = check_audio(wav, text=intro, item="intro")
             checks.append(check)
             if not check.passed:  # the title itself cannot be read plausibly
-                raise ApiError(ErrorCode.package_validation_failed, check.detail)
+                raise PackageInvalid(check.detail)
             files["audio/intro.wav"] = wav
             for item_id, data in audio.items():
                 files[f"audio/{item_id}.wav"] = data
@@ -330,8 +330,7 @@ class PackageService:
         problems = "; ".join(
             f"{c.name} ({c.item or 'package'}): {c.detail}" for c in checks if not c.passed
         )
-        raise ApiError(
-            ErrorCode.package_validation_failed,
+        raise PackageInvalid(
             f"the package failed its checks after {self._settings.max_attempts} attempts: "
             f"{problems}",
         )
@@ -353,9 +352,7 @@ class PackageService:
             return await generate_item(
                 self._completions, key, max_tokens=self._settings.item_max_tokens, **kwargs
             )
-        except ApiError as err:
-            if err.code is not ErrorCode.output_validation_failed:
-                raise
+        except OutputInvalid as err:
             log.info("an item broke its schema: %s", err)
             return None
 

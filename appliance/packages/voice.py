@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from appliance.serving.audio import Pcm
-from shared.errors import ApiError, ErrorCode
+from shared.errors import InternalError, ModelUnavailable
 
 if TYPE_CHECKING:
     from appliance.settings import PackageSettings
@@ -57,8 +57,7 @@ async def espeak(*args: str, stdin: str | None = None) -> bytes:
     be read as an option."""
     executable = shutil.which("espeak-ng")
     if executable is None:
-        raise ApiError(
-            ErrorCode.model_unavailable,
+        raise ModelUnavailable(
             "narration needs espeak-ng (`just setup` installs it), or `narration: false`",
         )
     process = await asyncio.create_subprocess_exec(
@@ -70,8 +69,7 @@ async def espeak(*args: str, stdin: str | None = None) -> bytes:
     )
     out, err = await process.communicate(None if stdin is None else stdin.encode())
     if process.returncode != 0:
-        raise ApiError(
-            ErrorCode.internal_error,
+        raise InternalError(
             f"espeak-ng failed ({process.returncode}): {err.decode(errors='replace')[:200]}",
         )
     return out
@@ -121,7 +119,7 @@ class Espeak:
             args += ["-g", str(round(gap_s * 100))]
         raw = await espeak(*args, "--stdout", stdin=text)
         if not raw:  # an unknown voice: espeak-ng says so on stderr, and exits 0
-            raise ApiError(ErrorCode.internal_error, f"espeak-ng wrote no audio for {voice!r}")
+            raise InternalError(f"espeak-ng wrote no audio for {voice!r}")
         with wave.open(io.BytesIO(fix_wav_sizes(raw))) as wav:
             return Pcm(wav.readframes(wav.getnframes()), wav.getframerate())
 
@@ -184,8 +182,7 @@ class Neural:
             try:
                 self._read_config = dict(json.loads(config_path.read_text()))
             except (OSError, ValueError, TypeError) as err:
-                raise ApiError(
-                    ErrorCode.model_unavailable,
+                raise ModelUnavailable(
                     f"the neural voice's config {config_path.name}: {err}",
                 ) from err
         return self._read_config
@@ -255,16 +252,14 @@ class Neural:
 
         config = self._config
         if "phoneme_id_map" not in config or "audio" not in config:
-            raise ApiError(ErrorCode.model_unavailable, f"{self._path.name} is not a voice file")
+            raise ModelUnavailable(f"{self._path.name} is not a voice file")
         options = ort.SessionOptions()
         options.intra_op_num_threads = self._threads
         try:
             data = self._path.read_bytes()
             self._session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
         except (OSError, RuntimeError, ValueError) as err:
-            raise ApiError(
-                ErrorCode.model_unavailable, f"the neural voice {self._path.name}: {err}"
-            ) from err
+            raise ModelUnavailable(f"the neural voice {self._path.name}: {err}") from err
         log.info("neural voice %s loaded", self._path.name)
         return _VoiceFile(self._path, config, hashlib.sha256(data).hexdigest())
 
@@ -295,7 +290,7 @@ def fix_wav_sizes(raw: bytes) -> bytes:
     possible" (0x7fffffff); a WAV file states its real sizes, which is what every reader
     and the audio check trust."""
     if len(raw) < 44 or raw[:4] != b"RIFF" or raw[8:12] != b"WAVE":
-        raise ApiError(ErrorCode.internal_error, "espeak-ng did not write a WAV")
+        raise InternalError("espeak-ng did not write a WAV")
     out = bytearray(raw)
     out[4:8] = (len(raw) - 8).to_bytes(4, "little")
     offset = 12
@@ -305,7 +300,7 @@ def fix_wav_sizes(raw: bytes) -> bytes:
             out[offset + 4 : offset + 8] = (len(out) - offset - 8).to_bytes(4, "little")
             return bytes(out)
         offset += 8 + size + (size & 1)
-    raise ApiError(ErrorCode.internal_error, "espeak-ng wrote a WAV without audio")
+    raise InternalError("espeak-ng wrote a WAV without audio")
 
 
 class Voices:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from appliance.quotas.buckets import TokenBucket
-from shared.errors import ApiError, ErrorCode
+from shared.errors import QuotaExhausted, RateLimited
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -108,8 +108,8 @@ class LeaseBook:
 
     def take(self, account: str, klass: str, request_id: str, cost: int, now: float) -> str | None:
         """Reserve `cost` tokens for a request: the lease's id, or None when it runs on the
-        class's safe capacity (the hub unreachable). Raises ApiError insufficient_quota (the
-        budget is spent) or rate_limit_exceeded (waiting for a lease, or safe capacity)."""
+        class's safe capacity (the hub unreachable). Raises QuotaExhausted (the
+        budget is spent) or RateLimited (waiting for a lease, or safe capacity)."""
         lease = self.current.get(account)
         # Admitted while anything of the lease is unreserved: a request may then overrun
         # it by at most its own worst case, which bounds the overspend by the requests in
@@ -122,8 +122,7 @@ class LeaseBook:
         self._demand(account)
         if self._exhausted.get(account, 0.0) > now:
             wait = self._exhausted[account] - now
-            raise ApiError(
-                ErrorCode.insufficient_quota,
+            raise QuotaExhausted(
                 f"the account's budget across the fleet is spent until the period ends "
                 f"(in {math.ceil(wait)} s)",
                 retry_after=wait,
@@ -132,8 +131,7 @@ class LeaseBook:
             self._safe_capacity(account, klass, cost, now)
             return None
         wait = max(1.0, self.learning_until - now)
-        raise ApiError(
-            ErrorCode.rate_limit_exceeded,
+        raise RateLimited(
             "this node is waiting for a quota lease from the hub for the account's budget",
             retry_after=wait,
         )
@@ -141,8 +139,7 @@ class LeaseBook:
     def _safe_capacity(self, account: str, klass: str, cost: int, now: float) -> None:
         per_minute = self._safe(klass)
         if per_minute <= 0:
-            raise ApiError(
-                ErrorCode.rate_limit_exceeded,
+            raise RateLimited(
                 "the hub is unreachable and this node's lease for the account's budget is "
                 f"spent; class {klass} has no safe capacity (classes.{klass.lower()}"
                 ".safe_tokens_per_minute)",
@@ -153,8 +150,7 @@ class LeaseBook:
             bucket = TokenBucket.full(per_minute, MINUTE_S, now)
             self._buckets[account] = bucket
         if (wait := bucket.take(cost, now)) > 0:
-            raise ApiError(
-                ErrorCode.rate_limit_exceeded,
+            raise RateLimited(
                 f"the hub is unreachable; class {klass}'s safe capacity ({per_minute} tokens "
                 f"a minute) is spent; retry after {math.ceil(wait)} s",
                 retry_after=wait,

@@ -24,7 +24,7 @@ from hub.identity import ssl_context
 from hub.planning.quota import Budget
 from hub.settings import HubSettings
 from hub.state.store import open_store
-from shared.errors import ApiError
+from shared.errors import RateLimited
 from tests.conftest import NoModels, make_settings
 from tests.fleet import provisioning
 from tests.hubs import settings_for
@@ -71,7 +71,7 @@ async def test_a_node_reports_the_accounts_it_serves_without_a_lease_and_the_hub
         await link.tick()  # enrolled, heard
         assert link.connected
         # A request of acme asks for a lease (the link calls the hub at once).
-        with pytest.raises(ApiError, match="waiting for a quota lease"):
+        with pytest.raises(RateLimited, match="waiting for a quota lease"):
             book.take("acme", "S1", "r0", 1, time.time())
         lease = await until(lambda: book.current.get("acme"), "acme's lease granted")
         capacity = await link.capacity()
@@ -84,7 +84,7 @@ async def test_a_node_reports_the_accounts_it_serves_without_a_lease_and_the_hub
         await until(lambda: book.failures == 1, "the lease call failed")
         capacity = await link.capacity()
         assert (capacity.leases_lapsed, capacity.lease_failures) == (1, 1)
-        with pytest.raises(ApiError, match="no safe capacity"):
+        with pytest.raises(RateLimited, match="no safe capacity"):
             book.take("acme", "S1", "r2", 1, time.time())
         await link.tick()  # the heartbeat fails too; only lease calls count
         assert link.error is not None

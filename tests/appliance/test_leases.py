@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from appliance.quotas.leases import LeaseBook, LeaseCall
 from shared import protocol
-from shared.errors import ApiError, ErrorCode
+from shared.errors import AccountLimit, ErrorCode
 
 NOW = 1_000_000.0
 
@@ -38,7 +38,7 @@ def grant(
 
 
 def refused(leases: LeaseBook, cost: int = 10, now: float = NOW) -> str:
-    with pytest.raises(ApiError) as caught:
+    with pytest.raises(AccountLimit) as caught:
         leases.take("acme", "S1", "r-refused", cost, now)
     assert caught.value.code in {ErrorCode.rate_limit_exceeded, ErrorCode.insufficient_quota}
     assert caught.value.retry_after is not None
@@ -114,7 +114,7 @@ def test_partitioned_the_node_spends_its_lease_then_only_safe_capacity() -> None
     generous, _ = book(safe=30)
     generous.failed()
     assert generous.take("acme", "S1", "r1", 20, NOW) is None  # on safe capacity
-    with pytest.raises(ApiError, match="safe capacity"):
+    with pytest.raises(AccountLimit, match="safe capacity"):
         generous.take("acme", "S1", "r2", 20, NOW)
 
 
@@ -130,7 +130,7 @@ def test_lapsed_are_the_accounts_asked_for_without_a_live_lease_while_lease_call
     assert leases.take("acme", "S1", "r2", 10, NOW) == "L1"  # now it has no room left
     assert leases.lapsed(NOW) == ["acme"]
     assert leases.take("acme", "S1", "r3", 10, NOW) is None  # on safe capacity
-    with pytest.raises(ApiError, match="spent until the period ends"):
+    with pytest.raises(AccountLimit, match="spent until the period ends"):
         leases.take("spent", "S1", "r4", 10, NOW)  # refused for its budget, not a lease
     assert leases.take("globex", "S1", "r5", 10, NOW) == "L2"
     assert (leases.failures, leases.lapsed(NOW)) == (1, ["acme"])
@@ -152,7 +152,7 @@ def test_a_learning_hub_is_waited_for() -> None:
     leases, _ = book()
     call = leases.call(NOW)
     leases.apply(call, protocol.LeaseAnswer(leases=[], learning=True, retry_after_s=30), NOW)
-    with pytest.raises(ApiError) as caught:
+    with pytest.raises(AccountLimit) as caught:
         leases.take("acme", "S1", "r1", 10, NOW)
     assert caught.value.retry_after == pytest.approx(30)
     assert leases.call(NOW).accounts == ("acme",)  # still wanted
@@ -187,7 +187,7 @@ def test_a_lease_is_overrun_by_less_than_one_request(
             try:
                 assert leases.take("acme", "S1", f"r{n}", cost, NOW) == "L1"
                 in_flight[f"r{n}"] = cost
-            except ApiError:
+            except AccountLimit:
                 pass
         elif in_flight:
             request, worst = next(iter(in_flight.items()))

@@ -13,7 +13,7 @@ import pytest
 from appliance.packages.checks import check_audio
 from appliance.packages.voice import Espeak, Neural, Voices, phoneme_ids
 from appliance.settings import PackageSettings
-from shared.errors import ApiError
+from shared.errors import ModelUnavailable
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -66,5 +66,5 @@ async def test_the_voice_for_a_language(tmp_path: Path) -> None:
     broken.write_bytes(b"not a model")
     (tmp_path / "voice.onnx.json").write_text('{"language": {"family": "en"}}')
     chosen = Voices(PackageSettings(voice="neural", neural_voice_model=broken))
-    with pytest.raises(ApiError, match="not a voice file"):
+    with pytest.raises(ModelUnavailable, match="not a voice file"):
         await chosen.for_language("en").speak("Hello.", "en")
