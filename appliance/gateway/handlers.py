@@ -28,6 +28,7 @@ from appliance.gateway.appkeys import (
 from appliance.gateway.errors import error_data
 from appliance.gateway.middleware import route_label
 from appliance.gateway.parsing import read_json
+from appliance.inference.bodies import chunk_body, response_body
 from appliance.inference.completions import (
     GENAI_PROVIDER,
     Generation,
@@ -37,7 +38,6 @@ from appliance.inference.completions import (
 )
 from appliance.inference.embeddings import response_body as embeddings_body
 from appliance.inference.models import find_entry, model_entries
-from appliance.inference.responses import chunk_body, response_body
 from appliance.inference.schemas import EmbeddingRequest, completion_request, parse_body
 from appliance.serving.catalog import embedded_models
 from shared import __version__

@@ -27,8 +27,8 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from appliance.gateway.appkeys import COMPLETIONS, SETTINGS, STORE, api_key
 from appliance.gateway.errors import error_data
 from appliance.gateway.middleware import route_label
+from appliance.inference.bodies import chunk_body, usage
 from appliance.inference.completions import Completed, Generation, Prepared, Sink, invalid_output
-from appliance.inference.responses import chunk_body, usage
 from appliance.inference.schemas import completion_request
 from shared import jsonlimits
 from shared.errors import ApiError, DomainError, ErrorCode

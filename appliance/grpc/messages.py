@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from appliance.grpc.proto.kovenlab.edge.v1 import inference_pb2 as pb
-from appliance.inference.responses import finish_reason, usage
+from appliance.inference.bodies import finish_reason, usage
 from shared import jsonlimits
 from shared.errors import InvalidSchema
 

@@ -29,8 +29,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from appliance.inference.bodies import response_body
 from appliance.inference.completions import CompletionService, Generation, Sink, invalid_output
-from appliance.inference.responses import response_body
 from appliance.inference.schemas import completion_request
 from appliance.jobs.backoff import backoff_s
 from shared.classes import ServiceClass

@@ -1,4 +1,5 @@
-"""OpenAI's response shapes of a completion: the whole answer, and the stream's chunks."""
+"""OpenAI's bodies of a completion's answer: the whole answer, and the stream's chunks (the
+Responses API, `/v1/responses`, is responses_api.py; its stored answers state/responses.py)."""
 
 from __future__ import annotations
 
