@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from appliance.inference.responses import system_fingerprint
+from appliance.inference.bodies import system_fingerprint
 from appliance.inference.schemas import (
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
