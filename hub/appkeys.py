@@ -14,7 +14,8 @@ from hub.nodelogs import NodeLogs
 from hub.observability.metrics import HubMetrics
 from hub.offload import Forwarder
 from hub.settings import HubSettings
-from hub.state.store import AsyncHubStore, Node
+from hub.state.nodes import Node
+from hub.state.store import AsyncHubStore
 from shared.supervise import Failures
 from shared.tracing import Tracing
 

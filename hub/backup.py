@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hub.state import backup as stored
-from hub.state.store import open_store
+from hub.state.store import open_database
 from shared import __version__, db
 from shared.backup import (
     BackupError,
@@ -197,11 +197,11 @@ def restore(
                 stored.restore_postgres(url, staging / DUMP)
                 (staging / DUMP).unlink()
             install(staging, data_dir, sorted(p.name for p in staging.iterdir()))
-            store = open_store(settings)  # an older schema is migrated forward here
+            database = open_database(settings)  # an older schema is migrated forward here
             try:
-                serials = stored.jump_serials(store, clock())
+                serials = stored.jump_serials(database, clock())
             finally:
-                store.close()
+                database.close()
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return Restored(manifest, serials, aside)

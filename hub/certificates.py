@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from hub.settings import HubSettings
-    from hub.state.certificates import CertificatesMixin
+    from hub.state.certificates import Certificates
     from hub.state.nodes import Node
 
 log = logging.getLogger(__name__)
@@ -343,10 +343,10 @@ def _is_address(name: str) -> bool:
 
 
 def certify(
-    store: CertificatesMixin, authority: Authority, request: pki.Request, node: Node
+    certificates: Certificates, authority: Authority, request: pki.Request, node: Node
 ) -> IssuedCertificate:
     """Check a node's signing request, claim its names for it alone and sign, in one
-    transaction of ``store`` (on its writer thread; inside enrollment's, when the node
+    transaction of ``certificates``' store (on its writer thread; inside enrollment's, when the node
     enrolls). NameRefusedError, NameTakenError: nothing is signed, nothing claimed."""
     names, claim = authority.check_request(request, name=node.name, overlay=node.overlay_address)
     issued_at = time.time()
@@ -365,7 +365,7 @@ def certify(
             pem=pem.decode(),
         )
 
-    return store.issue_for(node.id, claim, until, sign)
+    return certificates.issue(node.id, claim, until, sign)
 
 
 def issuer_name_of(ca: pki.Issued) -> str:

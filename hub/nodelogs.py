@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from hub.settings import HubSettings
-    from hub.state.store import Node
+    from hub.state.nodes import Node
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     from hub.certificates import HubTls
-    from hub.state.store import Node
+    from hub.state.nodes import Node
     from shared.tracing import Tracing
 
 log = logging.getLogger(__name__)

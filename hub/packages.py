@@ -18,7 +18,8 @@ from shared.oci import package_summary, read_layout
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from hub.state.store import HubStore, PackageRecord
+    from hub.state.packages import PackageRecord
+    from hub.state.store import HubStore
 
 MAX_BUNDLE = 1 << 30  # bytes; an appliance refuses bigger archives too
 
@@ -38,5 +39,5 @@ def keep_bundle(artifacts_dir: Path, data: bytes) -> tuple[dict[str, Any], str]:
 def add_bundle(store: HubStore, artifacts_dir: Path, data: bytes) -> PackageRecord:
     """``keep_bundle``, then the package recorded as held by the hub; its record."""
     summary, sha256 = keep_bundle(artifacts_dir, data)
-    store.add_package_bundle(summary, sha256, len(data))
-    return next(p for p in store.packages(summary["id"]) if p.version == summary["version"])
+    store.packages.add_bundle(summary, sha256, len(data))
+    return next(p for p in store.packages.find(summary["id"]) if p.version == summary["version"])

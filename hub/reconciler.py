@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from hub.planning.placement import Assignment, Deployment, Gpu, NodeSnapshot, Plan, plan
-from hub.state.store import capacity_of
+from hub.state.nodes import capacity_of
 from shared.classes import IsolationLevel
 
 if TYPE_CHECKING:
@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
     from hub.observability.metrics import HubMetrics
     from hub.settings import HubSettings
-    from hub.state.store import AsyncHubStore, DeploymentRecord, HubStore, ModelArtifact
+    from hub.state.deployments import DeploymentRecord, ModelArtifact
+    from hub.state.store import AsyncHubStore, HubStore
     from shared import protocol
     from shared.supervise import Failures
 
@@ -77,21 +78,16 @@ class FleetSnapshots:
     load), which the node calls then waited for; now 57 ms with a fifth of them changed.
     Used on the reading connection's thread only."""
 
-    _COLUMNS = "id, site, labels, capacity, last_seen, draining, revoked_at, tenant, private"
-
     def __init__(self) -> None:
         self._known: dict[str, tuple[tuple[Any, ...], NodeSnapshot]] = {}
 
     def read(self, store: HubStore) -> list[NodeSnapshot]:
-        rows = store.db.execute(
-            f"SELECT {self._COLUMNS} FROM nodes ORDER BY site, name"  # noqa: S608 - constants
-        ).fetchall()
         known, kept = self._known, {}
         nodes = []
-        for row in rows:
+        for row in store.nodes.snapshot_rows():  # hub.state.nodes.SNAPSHOT_COLUMNS
             node_id, site, labels, capacity, last_seen, draining, revoked_at, tenant, private = row
             was = known.get(node_id)
-            if was is not None and was[0] == tuple(row):
+            if was is not None and was[0] == row:
                 snapshot = was[1]
             else:
                 snapshot = _snapshot(
@@ -99,7 +95,7 @@ class FleetSnapshots:
                     tenant=tenant or None, private=bool(private), last_seen=last_seen,
                     draining=bool(draining), revoked=revoked_at is not None,
                 )  # fmt: skip
-            kept[node_id] = (tuple(row), snapshot)
+            kept[node_id] = (row, snapshot)
             nodes.append(snapshot)
         self._known = kept
         return nodes
@@ -131,9 +127,9 @@ def plan_once(
 ) -> Plan:
     """The plan for a snapshot of the fleet (reads only); `fleet` keeps the nodes built
     in earlier rounds."""
-    models = {m.ref: m for m in store.models()}
-    deployments = [deployment_of(r, models) for r in store.deployments()]
-    current = [Assignment(d, n, g) for d, n, g in store.placements()]
+    models = {m.ref: m for m in store.deployments.models()}
+    deployments = [deployment_of(r, models) for r in store.deployments.all()]
+    current = [Assignment(d, n, g) for d, n, g in store.deployments.placements()]
     # Nothing deployed nor placed: the plan is empty whatever the fleet, so its nodes
     # (thousands of rows) are not read.
     nodes = (fleet or FleetSnapshots()).read(store) if deployments or current else []
@@ -149,7 +145,9 @@ def plan_once(
 
 def apply_plan(store: HubStore, decided: Plan) -> bool:
     """Make the placements the plan's; whether that changed any."""
-    return store.apply_placements((a.deployment_id, a.node_id, a.gpu) for a in decided.assignments)
+    return store.deployments.apply_placements(
+        (a.deployment_id, a.node_id, a.gpu) for a in decided.assignments
+    )
 
 
 class _Reconciler:
@@ -184,7 +182,9 @@ class _Reconciler:
             # The snapshot (every node) is read and planned beside the writer, which then
             # only applies the answer.
             started = time.perf_counter()
-            decided = await store.read(plan_once, self._settings, time.time(), self._fleet)
+            decided = await store.read(
+                plan_once, store.reader, self._settings, time.time(), self._fleet
+            )
             if self._metrics is not None:
                 self._metrics.placement_seconds.observe(time.perf_counter() - started)
         except ValueError as err:  # the planner refuses inputs it cannot plan

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 from hub.fleet.budgets import burn_rate
 from hub.planning.health import status_of
 from hub.planning.rollout import STEPS, Candidate, Seen, assign_waves, rollback, step
+from hub.state.errors import NotFoundError
 from hub.state.rollouts import RolloutConflictError
-from hub.state.store import NotFoundError
 from shared import protocol
 
 if TYPE_CHECKING:
@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 
     from hub.planning.rollout import Member, Report, RolloutState, Strategy
     from hub.settings import HubSettings
+    from hub.state.nodes import Node
     from hub.state.rollouts import Rollout, RolloutKind
-    from hub.state.store import AsyncHubStore, HubStore, Node
+    from hub.state.store import AsyncHubStore, HubStore
     from shared.supervise import Failures
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,12 @@ def begin(
     """Plan and record a rollout (on the store's thread). NotFoundError for a release,
     deployment, model or canary node that is not there; RolloutConflictError for a
     rollout that would reach no node, or change nothing."""
-    nodes = [n for n in store.nodes() if not n.revoked]
+    nodes = [n for n in store.nodes.all() if not n.revoked]
     if kind == "release":
         version = target["release"]
-        store.release(version)  # NotFoundError when the hub holds no such release
-        known = {r.version for r in store.releases()}
-        given = store.node_release_versions()
+        store.rollouts.release(version)  # NotFoundError when the hub holds no such release
+        known = {r.version for r in store.rollouts.releases()}
+        given = store.rollouts.node_release_versions()
         reach = [n for n in nodes if _protocol(n) >= RELEASE_PROTOCOL]
         previous: dict[str, str | None] = {}
         for n in reach:
@@ -77,16 +78,16 @@ def begin(
         stored_target = {"release": version}
     else:
         deployment_id, ref = target["deployment"], target["model"]
-        deployment = next((d for d in store.deployments() if d.id == deployment_id), None)
+        deployment = next((d for d in store.deployments.all() if d.id == deployment_id), None)
         if deployment is None:
             raise NotFoundError(f"no deployment {deployment_id!r}", param="deployment")
-        if ref not in {m.ref for m in store.models()}:
+        if ref not in {m.ref for m in store.deployments.models()}:
             raise NotFoundError(
                 f"no model {ref!r}; add it with `kvl hub models add`", param="model"
             )
         if deployment.model == ref:
             raise RolloutConflictError(f"deployment {deployment_id} runs {ref} already")
-        placed = {node for d, node, _ in store.placements() if d == deployment_id}
+        placed = {node for d, node, _ in store.deployments.placements() if d == deployment_id}
         reach = [n for n in nodes if n.id in placed]
         previous = {n.id: deployment.model for n in reach}
         stored_target = {"deployment": deployment_id, "model": ref, "from": deployment.model}
@@ -104,7 +105,7 @@ def begin(
         )
     waves = assign_waves(strategy, candidates)
     names = {n.id: n.name for n in reach}
-    return store.start_rollout(
+    return store.rollouts.start(
         kind, stored_target, strategy=strategy, waves=waves, previous=previous, names=names,
         created_by=by,
     )  # fmt: skip
@@ -161,7 +162,7 @@ def burn_rates(
     worst: dict[str, float] = {}
     if not names:
         return worst
-    for totals in store.slo_totals(since, now, "node"):
+    for totals in store.objectives.totals(since, now, "node"):
         if totals.group not in names:
             continue
         for objective in protocol.OBJECTIVES:
@@ -176,10 +177,12 @@ def burn_rates(
 
 def evaluate(store: HubStore, settings: HubSettings, now: float) -> list[str]:
     """One round of every active rollout (on the store's thread); the ids that moved."""
-    active = [r for r in store.rollouts(active_only=True) if r.state not in {"paused", "halted"}]
+    active = [
+        r for r in store.rollouts.all(active_only=True) if r.state not in {"paused", "halted"}
+    ]
     if not active:
         return []
-    nodes = {n.id: n for n in store.nodes()}
+    nodes = {n.id: n for n in store.nodes.all()}
     return [r.id for r in active if _round(store, settings, r, nodes, now)]
 
 
@@ -195,7 +198,7 @@ def _seen(
             for m in rollout.members
         }
     deployment = rollout.target["deployment"]
-    placed = {node for d, node, _ in store.placements() if d == deployment}
+    placed = {node for d, node, _ in store.deployments.placements() if d == deployment}
     ref = rollout.target["from"] if back else rollout.target["model"]
     return {
         m.member.node_id: observe_model(nodes.get(m.member.node_id), ref, placed)
@@ -247,7 +250,7 @@ def _round(
         log.warning("rollout %s halted: %s", rollout.id, result.halted)
     elif result.done:
         log.info("rollout %s done", rollout.id)
-    return store.save_round(
+    return store.rollouts.save_round(
         rollout, state=state, wave=result.wave, wave_started_at=result.wave_started_at,
         reason=reason, members=result.members,
     )  # fmt: skip
@@ -256,7 +259,7 @@ def _round(
 def _end_rollback(store: HubStore, rollout: Rollout, members: list[Member], reason: str) -> bool:
     """A rollback over: the rollout aborted, with the members as the last round left them
     (False where another writer moved it first)."""
-    return store.save_round(
+    return store.rollouts.save_round(
         rollout, state="aborted", wave=rollout.wave, wave_started_at=rollout.wave_started_at,
         reason=reason, members=members,
     )  # fmt: skip
@@ -275,13 +278,13 @@ def finish(
     (their nodes keep it as their target). RolloutConflictError from any other state;
     NotFoundError for no such rollout."""
     for _ in range(_FINISH_TRIES):
-        rollout = store.rollout(rollout_id)
+        rollout = store.rollouts.get(rollout_id)
         if rollout.state != "rolling-back":
             raise RolloutConflictError(
                 f"rollout {rollout_id} is {rollout.state}: only a rolling-back rollout can be "
                 "finished" + (" (abort it first)" if rollout.state in STEPS["abort"][1] else "")
             )
-        nodes = {n.id: n for n in store.nodes()}
+        nodes = {n.id: n for n in store.nodes.all()}
         back = rollback(
             [m.member for m in rollout.members], _seen(store, rollout, nodes, back=True),
             now=now, offline_after_s=settings.fleet.offline_after_s, finished_by=by,
@@ -291,7 +294,7 @@ def finish(
             reason += f"; never confirmed: {', '.join(back.unconfirmed)}"
         if _end_rollback(store, rollout, back.members, reason):
             log.info("rollout %s: rollback finished by %s", rollout.id, by)
-            return store.rollout(rollout_id)
+            return store.rollouts.get(rollout_id)
     raise RolloutConflictError(f"rollout {rollout_id} kept changing: finish it again")
 
 
@@ -303,7 +306,7 @@ def take_step(
     state, allowed, done = STEPS[action]
     if action == "finish":
         return finish(store, settings, rollout_id, by=by, now=now)
-    return store.set_rollout_state(rollout_id, state, f"{done} by {by}", allowed=allowed)
+    return store.rollouts.set_state(rollout_id, state, f"{done} by {by}", allowed=allowed)
 
 
 async def rollouts_forever(store: AsyncHubStore, settings: HubSettings, loops: Failures) -> None:

@@ -11,15 +11,12 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from hub.settings import HubSettings
-    from hub.state.store import (
-        AlertRecord,
-        DeploymentRecord,
-        EnrollmentToken,
-        Node,
-        PackageRecord,
-        Quota,
-        Silence,
-    )
+    from hub.state.alerts import AlertRecord, Silence
+    from hub.state.deployments import DeploymentRecord
+    from hub.state.leases import Quota
+    from hub.state.nodes import Node
+    from hub.state.packages import PackageRecord
+    from hub.state.tokens import EnrollmentToken
 
 
 def tenancy_text(tenant: str | None, private: bool) -> str:

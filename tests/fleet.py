@@ -29,10 +29,10 @@ if TYPE_CHECKING:
 def provisioning(tmp_path: Path, hub: HubSettings, port: int, uses: int = 1) -> Path:
     store = open_store(hub)
     try:
-        token = store.create_token("school-a", uses=uses, expires_in_s=600).plaintext
+        token = store.tokens.create("school-a", uses=uses, expires_in_s=600).plaintext
         # The account of the appliances' LAN key (`fleet_appliance`): a fleet account, so
         # its usage goes to the hub (a node's own accounts keep theirs).
-        store.set_account("lan-user", "S1")
+        store.accounts.put("lan-user", "S1")
     finally:
         store.close()
     ca, _ = certificates(hub)

@@ -197,7 +197,7 @@ def test_demo_runs_a_hub_and_an_appliance_enrolled_over_wireguard(
 
     hub = open_store(HubSettings.model_validate({"data_dir": data / "hub"}))
     try:
-        nodes = hub.nodes()
+        nodes = hub.nodes.all()
         assert [(n.name, n.site, n.overlay_address) for n in nodes] == [
             ("demo-appliance", "demo", "198.18.64.2")
         ]
@@ -216,6 +216,6 @@ def test_demo_runs_a_hub_and_an_appliance_enrolled_over_wireguard(
         assert "Traceback" not in second.output
     hub = open_store(HubSettings.model_validate({"data_dir": data / "hub"}))
     try:
-        assert [n.id for n in hub.nodes()] == [enrolled_id]
+        assert [n.id for n in hub.nodes.all()] == [enrolled_id]
     finally:
         hub.close()

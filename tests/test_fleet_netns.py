@@ -21,7 +21,8 @@ from appliance.state.store import Store
 from hub.certificates import Authority
 from hub.identity import certificates
 from hub.settings import HubSettings
-from hub.state.store import Node, open_store
+from hub.state.nodes import Node
+from hub.state.store import open_store
 from shared import pki
 from tests.conftest import SCRIPTED
 from tests.netns import A_ADDR, Link, ip, linked_namespaces
@@ -102,8 +103,8 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
     )
     fingerprint = certificates(hub)[0].fingerprint  # the CA: the hub process loads its files
     hub_store = open_store(hub)
-    token = hub_store.create_token("school", uses=1, expires_in_s=600).plaintext
-    hub_store.set_account("lan", "S1")  # the LAN key's account is the fleet's: usage syncs
+    token = hub_store.tokens.create("school", uses=1, expires_in_s=600).plaintext
+    hub_store.accounts.put("lan", "S1")  # the LAN key's account is the fleet's: usage syncs
     hub_store.close()
     provisioning = tmp_path / "kovenlab.json"
     provisioning.write_text(
@@ -158,14 +159,14 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
     def hub_nodes() -> list[Node]:
         s = open_store(hub)
         try:
-            return s.nodes()
+            return s.nodes.all()
         finally:
             s.close()
 
     def ledger() -> int:
         s = open_store(hub)
         try:
-            return s.ledger_count()
+            return s.ledger.count()
         finally:
             s.close()
 
@@ -214,8 +215,8 @@ def test_enroll_over_a_wireguard_tunnel_heartbeat_apply_state_and_sync_after_a_c
 
         # Desired state: a key made on the hub is applied on the node.
         s = open_store(hub)
-        s.set_account("school", "S1")
-        fleet_key = s.create_key("school").plaintext
+        s.accounts.put("school", "S1")
+        fleet_key = s.accounts.create_key("school").plaintext
         s.close()
         prefix = fleet_key.split("_")[1]
         assert prefix.isalnum()

@@ -295,3 +295,141 @@ def test_services_raise_domain_errors_and_know_nothing_of_http() -> None:
         for name in _http_names(node)
     ]
     assert found == []
+
+
+# A statement's first keyword (in any case), then what only a statement has after it,
+# written as the hub writes its SQL, in capitals: SELECT … FROM, INSERT INTO, UPDATE t SET,
+# DELETE FROM, CREATE/ALTER/DROP TABLE (INDEX, …), WITH n AS (. Prose that starts with
+# "Delete" or "Select" has none of these.
+_SQL = re.compile(
+    r"""\s*(?:
+        (?i:SELECT)\s.+?\sFROM\s
+      | (?i:INSERT)\s+INTO\s
+      | (?i:UPDATE)\s+\S+\s+SET\s
+      | (?i:DELETE)\s+FROM\s
+      | (?i:CREATE|ALTER|DROP)\s+(?:UNIQUE\s+)?(?:TABLE|INDEX|VIEW|SCHEMA|DATABASE|SEQUENCE)\s
+      | (?i:WITH)\s+(?:RECURSIVE\s+)?\w+(?:\s*\([^)]*\))?\s+AS\s*\(
+    )""",
+    re.DOTALL | re.VERBOSE,
+)
+_STATEMENT_CALLS = {"execute", "executemany", "executescript"}
+
+
+def _strings(tree: ast.AST) -> list[tuple[int, str]]:
+    """Every string literal, adjacent ones joined as Python joins them; an f-string with
+    each placeholder as `x`."""
+    fstrings = [node for node in ast.walk(tree) if isinstance(node, ast.JoinedStr)]
+    parts = {id(value) for node in fstrings for value in node.values}
+    found = [
+        (
+            node.lineno,
+            "".join(str(v.value) if isinstance(v, ast.Constant) else "x" for v in node.values),
+        )
+        for node in fstrings
+    ]
+    found += [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in parts
+    ]
+    return found
+
+
+def test_only_hub_state_holds_sql() -> None:
+    """The hub's SQL lives in hub/state/, its repositories (Headscale's `hscontrol/state`):
+    no other hub module holds a statement or runs one."""
+    home, found = ROOT / "hub" / "state", []
+    for path in sorted((ROOT / "hub").rglob("*.py")):
+        if home in path.parents:
+            continue
+        where = path.relative_to(ROOT).as_posix()
+        tree = ast.parse(path.read_text())
+        found += [f"{where}:{n} {text[:60]!r}" for n, text in _strings(tree) if _SQL.match(text)]
+        found += [
+            f"{where}:{call.lineno} .{call.func.attr}()"
+            for call in _calls(tree)
+            if isinstance(call.func, ast.Attribute) and call.func.attr in _STATEMENT_CALLS
+        ]
+    assert found == [], f"SQL outside hub/state/: {found}"
+
+
+def test_the_sql_check_knows_a_statement_from_prose() -> None:
+    statements = [
+        "SELECT id, name FROM nodes WHERE id = ?",
+        "  insert INTO ledger (event_id) VALUES (?)",
+        "UPDATE nodes SET draining = ? WHERE id = ?",
+        "DELETE FROM console_sessions",
+        "CREATE UNIQUE INDEX idx_nodes_name ON nodes (name)",
+        "WITH recent AS (SELECT 1) SELECT * FROM recent",
+    ]
+    prose = [
+        "Delete a console user; their logins end at once.",
+        "Select the nodes from the site",
+        "update windows set per site",
+        "Drop the table of a site's nodes",
+        "Create a console user; prompts for the password (at least 10 characters).",
+    ]
+    assert [bool(_SQL.match(s)) for s in statements] == [True] * len(statements)
+    assert [bool(_SQL.match(s)) for s in prose] == [False] * len(prose)
+
+
+def _imported_from(
+    tree: ast.AST, modules: set[str]
+) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+    """What a module imports of `modules`: (local name -> (module, name), local name of
+    a module -> module)."""
+    names: dict[str, tuple[str, str]] = {}
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                local = alias.asname or alias.name
+                if f"{node.module}.{alias.name}" in modules:
+                    aliases[local] = f"{node.module}.{alias.name}"
+                elif node.module in modules:
+                    names[local] = (node.module, alias.name)
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.asname and a.name in modules})
+    return names, aliases
+
+
+def _origin(
+    base: ast.expr, names: dict[str, tuple[str, str]], aliases: dict[str, str]
+) -> tuple[str, str] | None:
+    """The (module, name) a base class expression names, if it is one `_imported_from` saw."""
+    while isinstance(base, ast.Subscript):  # a generic: Store[T]
+        base = base.value
+    if isinstance(base, ast.Name):
+        return names.get(base.id)
+    if isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name):
+        module = aliases.get(base.value.id)
+        return None if module is None else (module, base.attr)
+    return None
+
+
+def test_no_module_of_hub_state_subclasses_another_modules_class() -> None:
+    """The store is composed, not inherited: each repository is a plain class given the
+    others it reads. A class of hub/state/ derives from no class of another hub/state/
+    module, except the errors every repository shares (hub/state/errors.py)."""
+    trees = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): (
+            ast.parse(path.read_text())
+        )
+        for path in (ROOT / "hub" / "state").rglob("*.py")
+    }
+    classes = {
+        (module, node.name)
+        for module, tree in trees.items()
+        for node in tree.body
+        if isinstance(node, ast.ClassDef)
+    }
+    found = []
+    for module, tree in sorted(trees.items()):
+        names, aliases = _imported_from(tree, set(trees))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for base in node.bases:
+                    origin = _origin(base, names, aliases)
+                    if origin in classes and origin[0] not in {module, "hub.state.errors"}:
+                        found.append(f"{module}.{node.name}({'.'.join(origin)})")
+    assert found == [], f"hub/state/ classes that subclass another module's: {found}"

@@ -290,7 +290,7 @@ def read(hub: HubSettings, what: Callable[[HubStore], T]) -> T:
 
 
 def nodes_of(hub: HubSettings) -> dict[str, Node]:
-    return read(hub, lambda s: {n.name: n for n in s.nodes()})
+    return read(hub, lambda s: {n.name: n for n in s.nodes.all()})
 
 
 def added_now(message: type[protocol.Message]) -> list[str]:
@@ -331,7 +331,7 @@ async def test_a_hub_serves_nodes_of_its_protocol_and_the_previous_one_side_by_s
     hub_port = free_port()
     app = create_hub(hub)
     await aiohttp_server(app, host=HOST, port=hub_port, ssl=app[TLS].server.outer)
-    token = read(hub, lambda s: s.create_token("school", uses=2, expires_in_s=600).plaintext)
+    token = read(hub, lambda s: s.tokens.create("school", uses=2, expires_in_s=600).plaintext)
     fingerprint = certificates(hub)[0].fingerprint
     appliances = {
         "new-node": Appliance(TODAY, protocol.PROTOCOL_VERSION),
@@ -396,8 +396,8 @@ async def test_a_hub_serves_nodes_of_its_protocol_and_the_previous_one_side_by_s
 
         # The desired state: an account with a budget across the fleet (spent through
         # quota leases) and its key, made on the hub, reach both nodes.
-        read(hub, lambda s: s.set_account(ACCOUNT, "S1", budget=Budget(1_000_000, 86_400)))
-        key = read(hub, lambda s: s.create_key(ACCOUNT).plaintext)
+        read(hub, lambda s: s.accounts.put(ACCOUNT, "S1", budget=Budget(1_000_000, 86_400)))
+        key = read(hub, lambda s: s.accounts.create_key(ACCOUNT).plaintext)
         headers = {"Authorization": f"Bearer {key}"}
 
         async def serves(a: Appliance) -> str | None:
@@ -427,7 +427,7 @@ async def test_a_hub_serves_nodes_of_its_protocol_and_the_previous_one_side_by_s
         await until(lambda: len(ledger()) >= len(served), "both nodes' usage in the ledger")
         rows = ledger()
         bodies = {r["node_id"]: json.loads(r["body"]) for r in rows}
-        owners = read(hub, lambda s: s.lease_owners(b["lease_id"] for b in bodies.values()))
+        owners = read(hub, lambda s: s.leases.owners(b["lease_id"] for b in bodies.values()))
         assert len(rows) == len(bodies) == len(served), rows
         for name, node in nodes.items():
             body = bodies[node.id]
@@ -452,7 +452,7 @@ async def test_a_hub_serves_nodes_of_its_protocol_and_the_previous_one_side_by_s
         signing = Authority(hub).phase().signing.fingerprint
 
         def renewed() -> bool:
-            newest = read(hub, lambda s: s.newest_certificates())
+            newest = read(hub, lambda s: s.certificates.newest())
             return all(newest[n.id].ca == signing for n in nodes.values())
 
         await until(renewed, "both nodes renewed under the new CA")

@@ -72,9 +72,9 @@ def test_an_operator_reads_and_follows_a_nodes_logs_through_the_tunnel(
     )
     fingerprint = certificates(hub)[0].fingerprint
     hub_store = open_store(hub)
-    token = hub_store.create_token("school", uses=1, expires_in_s=600).plaintext
-    operator = hub_store.create_operator("ops").plaintext
-    hub_store.set_account("school", "S1")
+    token = hub_store.tokens.create("school", uses=1, expires_in_s=600).plaintext
+    operator = hub_store.operators.create("ops").plaintext
+    hub_store.accounts.put("school", "S1")
     hub_store.close()
     provisioning = tmp_path / "kovenlab.json"
     provisioning.write_text(
@@ -139,8 +139,8 @@ def test_an_operator_reads_and_follows_a_nodes_logs_through_the_tunnel(
         """A key made on the hub: the node applies the desired state, and says so."""
         s = open_store(hub)
         try:
-            s.create_key("school")
-            serial = s.desired_serial()
+            s.accounts.create_key("school")
+            serial = s.serials.desired()
         finally:
             s.close()
         return f"applied the hub's desired state {serial}"

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from hub.loops import running
-from hub.state.store import HubStore
 from shared import __version__
 from shared.supervise import wait_until_set
 from shared.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, redact_url, redact_urls, sign
@@ -27,7 +26,8 @@ if TYPE_CHECKING:
 
     from hub.alerting.settings import AlertsSettings
     from hub.loops import Running
-    from hub.state.store import AsyncHubStore, Delivery
+    from hub.state.alerts import Delivery
+    from hub.state.store import AsyncHubStore
     from shared.supervise import Failures
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class AlertSender:
 
     async def round(self) -> int:
         """Every delivery due, each attempted once; how many were."""
-        due = await self._store.read(HubStore.due_deliveries, time.time())
+        due = await self._store.read(self._store.reader.alerts.due_deliveries, time.time())
         if due:
             await asyncio.gather(*(self._attempt(d) for d in due))
         return len(due)
@@ -92,7 +92,7 @@ class AlertSender:
         if error is not None and secret is not None and now - delivery.created_at < s.retry_s:
             next_at = now + backoff_s(delivery.attempts + 1, s.backoff_initial_s, s.backoff_max_s)
         status = await self._store.run(
-            self._store.sync.delivery_attempted, delivery.id, error=error, next_at=next_at
+            self._store.sync.alerts.delivery_attempted, delivery.id, error=error, next_at=next_at
         )
         if status == "failed":
             log.warning(

@@ -16,7 +16,6 @@ from hub.fleet.budgets import burn_rate
 from hub.loops import running
 from hub.state.alerts import labels_text
 from hub.state.nodes import HEALTH_CHUNK
-from hub.state.store import HubStore
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -59,28 +58,30 @@ class Evaluator:
         evaluated: set[str] = set()
         nodes = await fleet_health(store)
         with self._failures.guard(f"{LOOP}.nodes"):
-            certificates = await store.read(HubStore.newest_certificates)
+            certificates = await store.read(store.reader.certificates.newest)
             firing += rules.node_alerts(now, nodes, certificates, self._signing_ca(), settings)
             evaluated.update(rules.NODE_RULES)
         with self._failures.guard(f"{LOOP}.restarts"):
             since = now - alerts.restarts_window_s
-            restarts = await store.read(HubStore.worker_restarts_since, since)
+            restarts = await store.read(store.reader.objectives.worker_restarts_since, since)
             firing += rules.restart_alerts(restarts, nodes, alerts)
             evaluated.add(rules.WORKER_RESTARTS)
         with self._failures.guard(f"{LOOP}.objectives"):
             pairs = rules.burn_pairs(alerts)
             windows = sorted({w for p in pairs for w in (p.long_s, p.short_s)})
             totals = {
-                w: await store.read(HubStore.slo_totals, now - w, now, "class") for w in windows
+                w: await store.read(store.reader.objectives.totals, now - w, now, "class")
+                for w in windows
             }
             firing += rules.burn_alerts(pairs, totals, settings.objectives.target, burn_rate)
             evaluated.add(rules.SLO_BURN)
         already = {
-            (a.rule, labels_text(a.labels)) for a in await store.read(HubStore.alerts, "firing")
+            (a.rule, labels_text(a.labels))
+            for a in await store.read(store.reader.alerts.all, "firing")
         }
         firing = self._hold(firing, already, now)
         urls = [w.url for w in alerts.webhooks]
-        changes = await store.run(store.sync.record_alerts, firing, sorted(evaluated), urls)
+        changes = await store.run(store.sync.alerts.record, firing, sorted(evaluated), urls)
         for alert, event in changes:
             log.warning(
                 "alert %s %s %s: %s%s",
@@ -107,7 +108,7 @@ async def fleet_health(store: AsyncHubStore) -> list[NodeHealth]:
     between the chunks."""
     nodes: list[NodeHealth] = []
     while True:
-        chunk = await store.read(HubStore.node_health, nodes[-1].id if nodes else "")
+        chunk = await store.read(store.reader.nodes.health, nodes[-1].id if nodes else "")
         nodes += chunk
         if len(chunk) < HEALTH_CHUNK:
             return nodes

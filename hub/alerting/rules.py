@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from hub.alerting.settings import AlertsSettings
     from hub.settings import HubSettings
-    from hub.state.store import IssuedCertificate
+    from hub.state.certificates import IssuedCertificate
 
 SLO_BURN = "slo_burn"
 NODE_STALE = "node_stale"

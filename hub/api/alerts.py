@@ -22,7 +22,7 @@ async def list_alerts(request: web.Request) -> web.Response:
     if state not in {None, "firing", "resolved"}:
         raise ApiError(ErrorCode.invalid_value, "`state` is `firing` or `resolved`", param="state")
     store = request.app[STORE]
-    found = await store.run(store.sync.alerts, state)
+    found = await store.run(store.sync.alerts.all, state)
     return web.json_response({"data": [alert_view(a) for a in found]})
 
 
@@ -30,7 +30,7 @@ async def create_silence(request: web.Request) -> web.Response:
     store = request.app[STORE]
     req = await parse(request, SilenceRequest)
     silence = await store.run(
-        store.sync.create_silence,
+        store.sync.alerts.create_silence,
         req.matchers,
         time.time() + req.duration_s,
         request[OPERATOR],
@@ -42,14 +42,14 @@ async def create_silence(request: web.Request) -> web.Response:
 async def list_silences(request: web.Request) -> web.Response:
     store = request.app[STORE]
     now = time.time()
-    found = await store.run(store.sync.silences)
+    found = await store.run(store.sync.alerts.silences)
     return web.json_response({"data": [silence_view(s, now) for s in found]})
 
 
 async def delete_silence(request: web.Request) -> web.Response:
     store = request.app[STORE]
     silence_id = request.match_info["id"]
-    await store.run(store.sync.delete_silence, silence_id)
+    await store.run(store.sync.alerts.delete_silence, silence_id)
     return web.json_response({"id": silence_id, "deleted": True})
 
 

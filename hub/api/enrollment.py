@@ -19,13 +19,9 @@ from hub.api.route_kinds import Auth, Route
 from hub.appkeys import IDENTITY, NODE, NODE_PROTOCOL, SETTINGS, STORE, TLS
 from hub.certificates import NameRefusedError, certify
 from hub.http import answer, parse, protocol_version
-from hub.state.store import (
-    AlreadyEnrolledError,
-    IssuedCertificate,
-    NameTakenError,
-    Node,
-    TokenRefusedError,
-)
+from hub.state.certificates import IssuedCertificate, NameTakenError
+from hub.state.nodes import AlreadyEnrolledError, Node
+from hub.state.tokens import TokenRefusedError
 from shared import pki, protocol
 from shared.errors import ApiError, ErrorCode
 
@@ -51,11 +47,11 @@ async def enroll(request: web.Request) -> web.Response:
 
     def certified(node: Node) -> IssuedCertificate:
         assert csr is not None  # noqa: S101 - only passed with a request
-        return certify(store.sync, hub_tls.authority, csr, node)
+        return certify(store.sync.certificates, hub_tls.authority, csr, node)
 
     try:
         enrolled = await store.run(
-            store.sync.enroll,
+            store.sync.nodes.enroll,
             req.token,
             name=req.name,
             wg_public_key=req.wg_public_key,
@@ -134,14 +130,14 @@ async def certificate(request: web.Request) -> web.Response:
     store = request.app[STORE]
     hub_tls = request.app[TLS]
     try:
-        issued = await store.run(certify, store.sync, hub_tls.authority, csr, node)
+        issued = await store.run(certify, store.sync.certificates, hub_tls.authority, csr, node)
     except (NameRefusedError, NameTakenError) as err:
         # For the operator (`kvl hub nodes list`): a node a hub upgraded over a fleet
         # finds with a name it may no longer hold is told why, and so is the operator.
-        await store.run(store.sync.note_certificate_refused, node.id, str(err))
+        await store.run(store.sync.nodes.note_certificate_refused, node.id, str(err))
         raise _name_error(err, "csr") from err
     # (The node this call carries may be one this replica remembers from before.)
-    await store.run(store.sync.note_certificate_refused, node.id, None)
+    await store.run(store.sync.nodes.note_certificate_refused, node.id, None)
     store.note_certificate(node.id)
     return answer(
         protocol.CertificateAnswer(

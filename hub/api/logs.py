@@ -57,7 +57,7 @@ def log_query(request: web.Request) -> tuple[LogQuery, bool]:
 async def node_logs(request: web.Request) -> web.StreamResponse:
     query, follow = log_query(request)
     store = request.app[STORE]
-    node = await store.run(store.sync.node, request.match_info["node"])
+    node = await store.run(store.sync.nodes.get, request.match_info["node"])
     url = reachable_url(node, request.app[SETTINGS], time.time())
     reader = request.app[NODE_LOGS]
     answer = await reader.read(node, url, query)  # a failure here: the error shape

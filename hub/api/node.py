@@ -30,13 +30,9 @@ from hub.appkeys import (
 from hub.certificates import issuer_name
 from hub.http import Handler, answer, bearer, parse, protocol_header, protocol_version
 from hub.planning.quota import Sizing
-from hub.state.store import (
-    ForeignAccountError,
-    ForeignLeaseError,
-    Heartbeat,
-    HubStore,
-    Node,
-)
+from hub.state.accounts import ForeignAccountError
+from hub.state.leases import ForeignLeaseError
+from hub.state.nodes import Heartbeat, Node
 from shared import jsonlimits, protocol
 from shared.blobs import IMMUTABLE, send_blob
 from shared.errors import ApiError, ErrorCode
@@ -175,11 +171,11 @@ async def leases(request: web.Request) -> web.Response:
     learning = request.app[LEARNING]
     learning.heard(node.id)
     now = time.time()
-    holders = await store.run(store.sync.lease_holders, now)
+    holders = await store.run(store.sync.leases.holders, now)
     still_learning = learning.active(now, holders)
     try:
         granted = await store.run(
-            store.sync.renew_leases,
+            store.sync.leases.renew,
             node.id,
             req.accounts,
             req.finals,
@@ -227,7 +223,7 @@ async def offload(request: web.Request) -> web.StreamResponse:
             f"an offloaded request carries its client's API key in {protocol.CLIENT_KEY_HEADER}",
         )
     store = request.app[STORE]
-    account = await store.read(HubStore.key_account, client_key)
+    account = await store.read(store.reader.accounts.key_account, client_key)
     if account is None:
         raise ApiError(ErrorCode.invalid_api_key, "the client's API key is not a valid fleet key")
 
@@ -269,9 +265,9 @@ async def artifact(request: web.Request) -> web.StreamResponse:
     sha256 = request.match_info["sha256"].lower()
     store = request.app[STORE]
     node = request[NODE]
-    placed = await store.run(store.sync.placed_models, node.id)
-    seeded = await store.run(store.sync.seeded_packages, node)
-    release = await store.run(store.sync.release_target, node)
+    placed = await store.run(store.sync.deployments.placed_models, node.id)
+    seeded = await store.run(store.sync.packages.seeded_to, node)
+    release = await store.run(store.sync.rollouts.release_target, node)
     given = {m.sha256 for m in placed} | {p.sha256 for p in seeded}
     if release is not None:
         given.add(release.sha256)
@@ -305,9 +301,9 @@ async def desired_state(request: web.Request) -> web.Response:
         after = None
     if after is None:
         raise ApiError(ErrorCode.invalid_value, "`after` must be a serial", param="after")
-    if after >= 0 and await store.run(store.sync.desired_serial) <= after:
+    if after >= 0 and await store.run(store.sync.serials.desired) <= after:
         return web.Response(status=204, headers=protocol_header())
-    state = await store.run(store.sync.desired_state, node)
+    state = await store.run(store.sync.desired.of, node)
     return answer(state, version=request[NODE_PROTOCOL])
 
 

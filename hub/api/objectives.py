@@ -22,6 +22,7 @@ async def objectives(request: web.Request) -> web.Response:
     store = request.app[STORE]
     view = await store.read(
         report_view,
+        store.reader,
         request.app[SETTINGS].objectives,
         window=q.window,
         by=q.by,
@@ -37,6 +38,7 @@ async def objectives_series(request: web.Request) -> web.Response:
     store = request.app[STORE]
     view = await store.read(
         series_view,
+        store.reader,
         request.app[SETTINGS].objectives,
         window=q.window,
         step_s=q.step_s,

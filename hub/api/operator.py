@@ -30,7 +30,7 @@ from hub.appkeys import LOOPS, OPERATOR, RUNNING, SETTINGS, STORE
 from hub.http import Handler, bearer, parse
 from hub.loops import report
 from hub.packages import MAX_BUNDLE, keep_bundle
-from hub.state.store import NotFoundError
+from hub.state.errors import NotFoundError
 from hub.views import deployment_view, node_view, package_view, quota_view, token_view
 from shared.errors import ApiError, ErrorCode
 from shared.oci import LayoutError
@@ -45,7 +45,7 @@ async def operator_auth(request: web.Request, handler: Handler) -> web.StreamRes
         return await handler(request)
     token = bearer(request)
     store = request.app[STORE]
-    name = await store.run(store.sync.authenticate_operator, token) if token else None
+    name = await store.run(store.sync.operators.authenticate, token) if token else None
     if name is None:
         raise ApiError(
             ErrorCode.invalid_operator_token,
@@ -76,7 +76,7 @@ async def drain_node(request: web.Request) -> web.Response:
     store = request.app[STORE]
     req = await parse(request, DrainRequest)
     node = await store.run(
-        lambda: store.sync.set_draining(request.match_info["node"], draining=req.draining)
+        lambda: store.sync.nodes.set_draining(request.match_info["node"], draining=req.draining)
     )
     return web.json_response(node_view(node, request.app[SETTINGS], time.time()))
 
@@ -86,11 +86,11 @@ async def set_node_tenancy(request: web.Request) -> web.Response:
     now is."""
     store = request.app[STORE]
     req = await parse(request, NodeTenancyRequest)
-    node = await store.run(store.sync.node, request.match_info["node"])
+    node = await store.run(store.sync.nodes.get, request.match_info["node"])
     await store.run(
-        lambda: store.sync.set_node_tenancy(node, tenant=req.tenant, private=req.private)
+        lambda: store.sync.accounts.set_node_tenancy(node, tenant=req.tenant, private=req.private)
     )
-    changed = await store.run(store.sync.node, node.id)
+    changed = await store.run(store.sync.nodes.get, node.id)
     return web.json_response(node_view(changed, request.app[SETTINGS], time.time()))
 
 
@@ -101,7 +101,7 @@ async def revoke_node(request: web.Request) -> web.Response:
 
 async def list_accounts(request: web.Request) -> web.Response:
     store = request.app[STORE]
-    rows = await store.run(store.sync.accounts)
+    rows = await store.run(store.sync.accounts.all)
     return web.json_response({"data": [dict(r) for r in rows]})
 
 
@@ -110,15 +110,15 @@ async def set_tenancy(request: web.Request) -> web.Response:
     store = request.app[STORE]
     name = request.match_info["name"]
     req = await parse(request, TenancyRequest)
-    await store.run(store.sync.set_tenancy, name, req.tenancy())
-    rows = await store.run(store.sync.accounts)
+    await store.run(store.sync.accounts.set_tenancy, name, req.tenancy())
+    rows = await store.run(store.sync.accounts.all)
     return web.json_response(next(dict(r) for r in rows if r["name"] == name))
 
 
 async def account_quota(request: web.Request) -> web.Response:
     store = request.app[STORE]
     name = request.match_info["name"]
-    quota = await store.run(store.sync.quota, name, time.time())
+    quota = await store.run(store.sync.leases.quota, name, time.time())
     if quota is None:
         raise ApiError(ErrorCode.not_found, f"account {name!r} has no budget")
     return web.json_response(quota_view(quota, await store.node_names()))
@@ -126,8 +126,8 @@ async def account_quota(request: web.Request) -> web.Response:
 
 async def list_deployments(request: web.Request) -> web.Response:
     store = request.app[STORE]
-    rows = await store.run(store.sync.deployments)
-    placed = await store.run(store.sync.placements)
+    rows = await store.run(store.sync.deployments.all)
+    placed = await store.run(store.sync.deployments.placements)
     names = await store.node_names()
     return web.json_response({"data": [deployment_view(d, placed, names) for d in rows]})
 
@@ -136,19 +136,19 @@ async def create_deployment(request: web.Request) -> web.Response:
     store = request.app[STORE]
     req = await parse(request, DeploymentRequest)
     record = req.record()
-    await store.run(store.sync.deploy, record)
+    await store.run(store.sync.deployments.add, record)
     return web.json_response(deployment_view(record, [], {}), status=201)
 
 
 async def delete_deployment(request: web.Request) -> web.Response:
     store = request.app[STORE]
-    await store.run(store.sync.undeploy, request.match_info["id"])
+    await store.run(store.sync.deployments.remove, request.match_info["id"])
     return web.json_response({"id": request.match_info["id"], "deleted": True})
 
 
 async def list_models(request: web.Request) -> web.Response:
     store = request.app[STORE]
-    models = await store.run(store.sync.models)
+    models = await store.run(store.sync.deployments.models)
     data = [
         {"ref": m.ref, "sha256": m.sha256, "size_bytes": m.size_bytes, "memory_mib": m.memory_mib}
         for m in models
@@ -160,7 +160,7 @@ async def list_tokens(request: web.Request) -> web.Response:
     store = request.app[STORE]
     now = time.time()
     return web.json_response(
-        {"data": [token_view(t, now) for t in await store.run(store.sync.tokens)]}
+        {"data": [token_view(t, now) for t in await store.run(store.sync.tokens.all)]}
     )
 
 
@@ -169,7 +169,7 @@ async def create_token(request: web.Request) -> web.Response:
     store = request.app[STORE]
     req = await parse(request, TokenRequest)
     new = await store.run(
-        lambda: store.sync.create_token(
+        lambda: store.sync.tokens.create(
             req.site,
             uses=req.uses,
             expires_in_s=req.expires_in_s,
@@ -177,13 +177,13 @@ async def create_token(request: web.Request) -> web.Response:
             private=req.private,
         )
     )
-    found = next(t for t in await store.run(store.sync.tokens) if t.prefix == new.prefix)
+    found = next(t for t in await store.run(store.sync.tokens.all) if t.prefix == new.prefix)
     return web.json_response({"token": new.plaintext, **token_view(found, time.time())}, status=201)
 
 
 async def revoke_token(request: web.Request) -> web.Response:
     store = request.app[STORE]
-    token = await store.run(store.sync.revoke_token, request.match_info["prefix"])
+    token = await store.run(store.sync.tokens.revoke, request.match_info["prefix"])
     return web.json_response(token_view(token, time.time()))
 
 
@@ -191,7 +191,7 @@ async def create_key(request: web.Request) -> web.Response:
     """A new fleet API key; its secret is in this answer only (nodes get its hash)."""
     store = request.app[STORE]
     req = await parse(request, KeyRequest)
-    new = await store.run(lambda: store.sync.create_key(req.account, admin=req.admin))
+    new = await store.run(lambda: store.sync.accounts.create_key(req.account, admin=req.admin))
     return web.json_response(
         {"key": new.plaintext, "prefix": new.prefix, "account": req.account, "admin": req.admin},
         status=201,
@@ -201,13 +201,13 @@ async def create_key(request: web.Request) -> web.Response:
 async def revoke_key(request: web.Request) -> web.Response:
     store = request.app[STORE]
     prefix = request.match_info["prefix"]
-    await store.run(store.sync.revoke_key, prefix)
+    await store.run(store.sync.accounts.revoke_key, prefix)
     return web.json_response({"prefix": prefix, "revoked": True})
 
 
 async def list_packages(request: web.Request) -> web.Response:
     store = request.app[STORE]
-    found = await store.run(store.sync.packages, request.query.get("q"))
+    found = await store.run(store.sync.packages.find, request.query.get("q"))
     names = await store.node_names()
     return web.json_response({"data": [package_view(p, names) for p in found]})
 
@@ -228,10 +228,10 @@ async def add_package(request: web.Request) -> web.Response:
         summary, sha256 = await asyncio.to_thread(keep_bundle, artifacts_dir, bytes(data))
     except LayoutError as err:
         raise ApiError(ErrorCode.invalid_value, f"not a package archive: {err}") from err
-    await store.run(store.sync.add_package_bundle, summary, sha256, len(data))
+    await store.run(store.sync.packages.add_bundle, summary, sha256, len(data))
     if seed := request.query.get("seed"):
         site = None if seed == "all" else seed
-        await store.run(store.sync.seed_package, summary["id"], summary["version"], site)
+        await store.run(store.sync.packages.seed, summary["id"], summary["version"], site)
     return await _package(request, summary["id"], summary["version"], status=201)
 
 
@@ -239,14 +239,14 @@ async def seed_package(request: web.Request) -> web.Response:
     store = request.app[STORE]
     req = await parse(request, SeedRequest)
     package_id = request.match_info["id"]
-    await store.run(store.sync.seed_package, package_id, req.version, req.site)
+    await store.run(store.sync.packages.seed, package_id, req.version, req.site)
     return await _package(request, package_id, req.version)
 
 
 async def unseed_package(request: web.Request) -> web.Response:
     store = request.app[STORE]
     package_id, version = request.match_info["id"], request.query.get("version")
-    await store.run(store.sync.unseed_package, package_id, version)
+    await store.run(store.sync.packages.unseed, package_id, version)
     return await _package(request, package_id, version)
 
 
@@ -254,7 +254,7 @@ async def _package(
     request: web.Request, package_id: str, version: str | None, status: int = 200
 ) -> web.Response:
     store = request.app[STORE]
-    found = [p for p in await store.run(store.sync.packages, package_id) if p.id == package_id]
+    found = [p for p in await store.run(store.sync.packages.find, package_id) if p.id == package_id]
     match = next((p for p in found if version in {None, p.version}), None)
     if match is None:
         raise ApiError(ErrorCode.not_found, f"no package {package_id}")

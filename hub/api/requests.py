@@ -17,10 +17,11 @@ from pydantic import (
 )
 
 from hub.fleet.budgets import window_s
-from hub.fleet.objectives import Grouping, SloFilters
 from hub.planning.rollout import Strategy
-from hub.state.accounts import Tenancy
-from hub.state.store import DeploymentRecord
+from hub.planning.slo import Grouping
+from hub.planning.tenancy import Tenancy
+from hub.state.deployments import DeploymentRecord
+from hub.state.objectives import SloFilters
 from shared import protocol
 from shared.classes import IsolationLevel
 

@@ -40,8 +40,8 @@ async def _conflicts(call: Callable[[], Awaitable[web.Response]]) -> web.Respons
 
 async def list_releases(request: web.Request) -> web.Response:
     store = request.app[STORE]
-    releases = await store.run(store.sync.releases)
-    given = await store.run(store.sync.node_release_versions)
+    releases = await store.run(store.sync.rollouts.releases)
+    given = await store.run(store.sync.rollouts.node_release_versions)
     data = [release_view(r, sum(1 for v in given.values() if v == r.version)) for r in releases]
     return web.json_response({"data": data})
 
@@ -50,7 +50,7 @@ async def add_release(request: web.Request) -> web.Response:
     """The body is the bundle; `?version=` names the image version it installs."""
     q = query(request, ReleaseQuery)
     store = request.app[STORE]
-    if any(r.version == q.version for r in await store.run(store.sync.releases)):
+    if any(r.version == q.version for r in await store.run(store.sync.rollouts.releases)):
         # Refused before the body is read: an image is gigabytes.
         raise ApiError(ErrorCode.rollout_conflict, f"release {q.version} exists already")
     try:
@@ -61,7 +61,7 @@ async def add_release(request: web.Request) -> web.Response:
         raise ApiError(ErrorCode.request_too_large, str(err)) from err
 
     async def add() -> web.Response:
-        release = await store.run(store.sync.add_release, q.version, q.notes, sha256, size)
+        release = await store.run(store.sync.rollouts.add_release, q.version, q.notes, sha256, size)
         return web.json_response(release_view(release, 0), status=201)
 
     return await _conflicts(add)
@@ -69,8 +69,8 @@ async def add_release(request: web.Request) -> web.Response:
 
 async def show_release(request: web.Request) -> web.Response:
     store = request.app[STORE]
-    release = await store.run(store.sync.release, request.match_info["version"])
-    given = await store.run(store.sync.release_nodes, release.version)
+    release = await store.run(store.sync.rollouts.release, request.match_info["version"])
+    given = await store.run(store.sync.rollouts.release_nodes, release.version)
     return web.json_response(release_view(release, len(given)))
 
 
@@ -78,20 +78,20 @@ async def set_window(request: web.Request) -> web.Response:
     store = request.app[STORE]
     req = await parse(request, WindowRequest)
     site = request.match_info["site"]
-    await store.run(store.sync.set_update_window, site, req.window())
+    await store.run(store.sync.rollouts.set_update_window, site, req.window())
     return web.json_response({"site": site, "start": req.start, "end": req.end})
 
 
 async def delete_window(request: web.Request) -> web.Response:
     store = request.app[STORE]
     site = request.match_info["site"]
-    await store.run(store.sync.set_update_window, site, None)
+    await store.run(store.sync.rollouts.set_update_window, site, None)
     return web.json_response({"site": site, "start": None, "end": None})
 
 
 async def list_rollouts(request: web.Request) -> web.Response:
     store = request.app[STORE]
-    rollouts = await store.run(store.sync.rollouts)
+    rollouts = await store.run(store.sync.rollouts.all)
     nodes = {n.id: n for n in await store.nodes()}
     settings, now = request.app[SETTINGS], time.time()
     return web.json_response({"data": [rollout_view(r, nodes, settings, now) for r in rollouts]})
@@ -116,7 +116,7 @@ async def show_rollout(request: web.Request) -> web.Response:
 
 async def _view(request: web.Request, rollout_id: str, status: int = 200) -> web.Response:
     store = request.app[STORE]
-    rollout = await store.run(store.sync.rollout, rollout_id)
+    rollout = await store.run(store.sync.rollouts.get, rollout_id)
     nodes = {n.id: n for n in await store.nodes()}
     view = rollout_view(rollout, nodes, request.app[SETTINGS], time.time())
     return web.json_response(view, status=status)

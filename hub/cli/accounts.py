@@ -54,7 +54,7 @@ def accounts_set(
     period_s = parse_duration(budget_period)
     budget = None if budget_tokens is None else Budget(budget_tokens, period_s)
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        serial = store.set_account(
+        serial = store.accounts.put(
             name,
             service_class,
             requests_per_minute=rpm,
@@ -85,7 +85,7 @@ def accounts_bind(
     """Bind an account to a tenant and sites, exactly as given (what is not given is
     cleared): the nodes whose desired state gives it follow
     (docs/hub.md#tenancy-and-isolation)."""
-    from hub.state.accounts import Tenancy  # noqa: PLC0415
+    from hub.planning.tenancy import Tenancy  # noqa: PLC0415
 
     if dedicated and not tenant:
         raise click.BadParameter("an account restricted to dedicated nodes names its --tenant")
@@ -93,7 +93,7 @@ def accounts_bind(
         raise click.BadParameter("a tenant or a site is not empty")
     tenancy = Tenancy(tenant, tuple(dict.fromkeys(sites)), dedicated)
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        serial = store.set_tenancy(name, tenancy)
+        serial = store.accounts.set_tenancy(name, tenancy)
     click.echo(f"account {name}: {_tenancy_text(tenancy)}; desired state serial {serial}")
 
 
@@ -103,10 +103,10 @@ def accounts_bind(
 @config_errors_exit
 def accounts_unbind(config_file: Path | None, data_dir: Path | None, name: str) -> None:
     """Make an account shared again: no tenant, every site."""
-    from hub.state.accounts import Tenancy  # noqa: PLC0415
+    from hub.planning.tenancy import Tenancy  # noqa: PLC0415
 
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        serial = store.set_tenancy(name, Tenancy())
+        serial = store.accounts.set_tenancy(name, Tenancy())
     click.echo(f"account {name}: shared, every site; desired state serial {serial}")
 
 
@@ -124,7 +124,7 @@ def _tenancy_text(tenancy: Any) -> str:
 def accounts_list(config_file: Path | None, data_dir: Path | None) -> None:
     """List accounts: name, class, quotas."""
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        rows = store.accounts()
+        rows = store.accounts.all()
     for row in rows:
         budget = "-"
         if row["budget_tokens"] is not None:
@@ -152,8 +152,8 @@ def accounts_quota(
     from hub.views import quota_view  # noqa: PLC0415
 
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        quota = store.quota(name, time.time())
-        names = store.node_names()
+        quota = store.leases.quota(name, time.time())
+        names = store.nodes.names()
     if quota is None:
         raise click.ClickException(
             f"account {name!r} has no budget (kvl hub accounts set --budget-tokens)"

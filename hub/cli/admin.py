@@ -51,13 +51,11 @@ def admin_create(
     """Create a console user; prompts for the password (at least 10 characters)."""
     import re  # noqa: PLC0415
 
-    from hub.console.store import create_user  # noqa: PLC0415
-
     if not re.match(NAME, name):
         raise click.BadParameter("1 to 100 letters, digits, dots, @, dashes or underscores")
     hashed = _hash(_password(password_stdin))
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        create_user(store, name, hashed, time.time())
+        store.console.add_user(name, hashed, time.time())
     click.echo(f"console user {name} created; log in at https://HUB:PORT/console/")
 
 
@@ -72,11 +70,9 @@ def admin_password(
     config_file: Path | None, data_dir: Path | None, name: str, password_stdin: bool
 ) -> None:
     """Set a console user's password; their logins end."""
-    from hub.console.store import set_password_hash  # noqa: PLC0415
-
     hashed = _hash(_password(password_stdin))
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        set_password_hash(store, name, hashed, end_sessions=True)
+        store.console.set_password_hash(name, hashed, end_sessions=True)
     click.echo(f"password of {name} changed; their logins ended")
 
 
@@ -85,10 +81,8 @@ def admin_password(
 @config_errors_exit
 def admin_list(config_file: Path | None, data_dir: Path | None) -> None:
     """List console users: name, created."""
-    from hub.console.store import users  # noqa: PLC0415
-
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        rows = users(store)
+        rows = store.console.users()
     for user in rows:
         created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(user.created_at))
         click.echo(f"{user.name:<24} created {created}{'  disabled' if user.disabled else ''}")
@@ -100,8 +94,6 @@ def admin_list(config_file: Path | None, data_dir: Path | None) -> None:
 @config_errors_exit
 def admin_delete(config_file: Path | None, data_dir: Path | None, name: str) -> None:
     """Delete a console user; their logins end at once."""
-    from hub.console.store import delete_user  # noqa: PLC0415
-
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        delete_user(store, name)
+        store.console.delete_user(name)
     click.echo(f"deleted console user {name}")

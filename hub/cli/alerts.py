@@ -22,7 +22,7 @@ def _list(
     from hub.views import alert_view  # noqa: PLC0415
 
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        found = store.alerts(state)
+        found = store.alerts.all(state)
     for alert in found:
         view = alert_view(alert)
         if as_json:
@@ -89,7 +89,7 @@ def alerts_silence(  # noqa: PLR0917 - click passes every option
         pairs[label] = value
     until = time.time() + parse_duration(for_)
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        silence = store.create_silence(pairs, until, created_by, comment)
+        silence = store.alerts.create_silence(pairs, until, created_by, comment)
     click.echo(silence.id)
 
 
@@ -102,7 +102,7 @@ def alerts_silences(config_file: Path | None, data_dir: Path | None, as_json: bo
     from hub.views import silence_view  # noqa: PLC0415
 
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        found = store.silences()
+        found = store.alerts.silences()
     now = time.time()
     for silence in found:
         view = silence_view(silence, now)
@@ -122,7 +122,7 @@ def alerts_silences(config_file: Path | None, data_dir: Path | None, as_json: bo
 def alerts_unsilence(config_file: Path | None, data_dir: Path | None, silence_id: str) -> None:
     """End a silence (by its id)."""
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        store.delete_silence(silence_id)
+        store.alerts.delete_silence(silence_id)
     click.echo(f"ended {silence_id}")
 
 

@@ -31,7 +31,7 @@ def status(config_file: Path | None, data_dir: Path | None) -> None:
     authority = Authority(settings)
     phase = authority.phase()
     with opened_store(settings) as store:
-        live = store.live_certificates(time.time())
+        live = store.certificates.live(time.time())
     click.echo(f"phase: {phase.name}")
     click.echo(f"bundle: {phase.digest}")
     roles = [("signing", phase.signing.cert_pem), ("staged", phase.staged),
@@ -61,7 +61,7 @@ def rotate(config_file: Path | None, data_dir: Path | None, force: bool) -> None
         with opened_store(settings) as store:
             behind = [
                 n.name
-                for n in store.nodes()
+                for n in store.nodes.all()
                 if not n.revoked
                 and n.last_seen is not None
                 and now - n.last_seen < settings.fleet.offline_after_s
@@ -74,7 +74,7 @@ def rotate(config_file: Path | None, data_dir: Path | None, force: bool) -> None
             )
     if before.name == "switched" and before.previous is not None and not force:
         with opened_store(settings) as store:
-            left = store.live_certificates(time.time()).get(pki.fingerprint(before.previous), 0)
+            left = store.certificates.live(time.time()).get(pki.fingerprint(before.previous), 0)
         if left:
             raise click.ClickException(
                 f"{left} live node certificates are the old CA's: retire it once their "

@@ -39,8 +39,9 @@ def opened_store(settings: HubSettings) -> Iterator[HubStore]:
     be reached, and what the store finds missing or already there, are the command's
     error message (and exit status 1), never a traceback."""
     # Imported here, not above: `kvl hub config` and `--help` stay light.
+    from hub.state.errors import ConflictError, NotFoundError  # noqa: PLC0415
     from hub.state.sql import DatabaseError  # noqa: PLC0415
-    from hub.state.store import ConflictError, NotFoundError, open_store  # noqa: PLC0415
+    from hub.state.store import open_store  # noqa: PLC0415
 
     try:
         store = open_store(settings)

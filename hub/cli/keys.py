@@ -26,7 +26,7 @@ def keys() -> None:
 def keys_create(config_file: Path | None, data_dir: Path | None, account: str, admin: bool) -> None:
     """Create a key; it is printed once, alone on stdout."""
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        new = store.create_key(account, admin=admin)
+        new = store.accounts.create_key(account, admin=admin)
     click.echo(new.plaintext)
 
 
@@ -40,5 +40,5 @@ def keys_revoke(config_file: Path | None, data_dir: Path | None, prefix: str) ->
 
     prefix = parse_prefix(prefix) or prefix
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        serial = store.revoke_key(prefix)
+        serial = store.accounts.revoke_key(prefix)
     click.echo(f"revoked {prefix}; desired state serial {serial}")

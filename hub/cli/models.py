@@ -44,7 +44,7 @@ def models_add(
     import hashlib  # noqa: PLC0415
     import shutil  # noqa: PLC0415
 
-    from hub.state.store import ModelArtifact  # noqa: PLC0415
+    from hub.state.deployments import ModelArtifact  # noqa: PLC0415
 
     kind = model_format(file)
     if kind is None:
@@ -66,7 +66,7 @@ def models_add(
         partial.replace(target)
     model = ModelArtifact(name, version, sha256, size, kind, memory_mib or (size >> 20) + 512)
     with opened_store(settings) as store:
-        store.add_model(model)
+        store.deployments.add_model(model)
     click.echo(
         f"model {model.ref}: sha256 {sha256}, {size >> 20} MiB, {model.memory_mib} MiB a replica"
     )
@@ -78,7 +78,7 @@ def models_add(
 def models_list(config_file: Path | None, data_dir: Path | None) -> None:
     """List the models: ref, sha256, size, memory a replica."""
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        rows = store.models()
+        rows = store.deployments.models()
     for m in rows:
         click.echo(
             f"{m.ref:<32} {m.sha256[:16]}  {m.size_bytes >> 20} MiB  {m.memory_mib} MiB/replica"
@@ -124,7 +124,7 @@ def deploy(
     Prints the deployment's id."""
     import uuid  # noqa: PLC0415
 
-    from hub.state.store import DeploymentRecord  # noqa: PLC0415
+    from hub.state.deployments import DeploymentRecord  # noqa: PLC0415
 
     if service_class == "S3" and not tenant:
         raise click.BadParameter("an S3 (dedicated) deployment names its --tenant")
@@ -146,7 +146,7 @@ def deploy(
                      "gpu": gpu, "gpu_memory_mib": gpu_memory_mib, "tenant": tenant},
     )  # fmt: skip
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        store.deploy(record)
+        store.deployments.add(record)
     click.echo(record.id)
 
 
@@ -157,7 +157,7 @@ def deploy(
 def undeploy(config_file: Path | None, data_dir: Path | None, deployment: str) -> None:
     """Remove a deployment: its replicas are unloaded from the nodes."""
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        serial = store.undeploy(deployment)
+        serial = store.deployments.remove(deployment)
     click.echo(f"undeployed {deployment}; desired state serial {serial}")
 
 
@@ -170,9 +170,9 @@ def deployments(config_file: Path | None, data_dir: Path | None, as_json: bool) 
     from hub.views import deployment_view  # noqa: PLC0415
 
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        rows = store.deployments()
-        placed = store.placements()
-        names = store.node_names()
+        rows = store.deployments.all()
+        placed = store.deployments.placements()
+        names = store.nodes.names()
     for d in rows:
         view = deployment_view(d, placed, names)
         nodes = view["nodes"]

@@ -41,7 +41,7 @@ def nodes_list(config_file: Path | None, data_dir: Path | None, as_json: bool) -
     last seen; and, under a node the hub refused a certificate, why."""
     settings = hub_settings(config_file, data_dir)
     with opened_store(settings) as store:
-        rows = store.nodes()
+        rows = store.nodes.all()
     now = time.time()
     if rows and not as_json:
         click.echo(_row("NAME", "SITE", "STATUS", "ADDRESS", "TENANCY", "LAST SEEN"))
@@ -82,13 +82,13 @@ def nodes_set(  # click passes every option by name
     if shared and tenant:
         raise click.UsageError("--tenant and --shared contradict each other")
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        found = store.node(node)
-        store.set_node_tenancy(
+        found = store.nodes.get(node)
+        store.accounts.set_node_tenancy(
             found,
             tenant=None if shared else (tenant or found.tenant),
             private=found.private if private is None else private,
         )
-        done = store.node(found.id)
+        done = store.nodes.get(found.id)
     click.echo(f"{done.name}: {tenancy_text(done.tenant, done.private)}")
 
 
@@ -99,7 +99,7 @@ def nodes_set(  # click passes every option by name
 def nodes_revoke(config_file: Path | None, data_dir: Path | None, node: str) -> None:
     """Revoke a node (by id or name): its calls are refused from now on."""
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        revoked = store.revoke_node(node)
+        revoked = store.nodes.revoke(node)
     click.echo(f"revoked {revoked.name} ({revoked.id})")
 
 
@@ -111,7 +111,7 @@ def nodes_revoke(config_file: Path | None, data_dir: Path | None, node: str) -> 
 def nodes_drain(config_file: Path | None, data_dir: Path | None, node: str, undo: bool) -> None:
     """Drain a node: its replicas move elsewhere and it gets no new ones (--undo ends it)."""
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        done = store.set_draining(node, draining=not undo)
+        done = store.nodes.set_draining(node, draining=not undo)
     click.echo(f"{done.name} {'drains' if done.draining else 'takes replicas again'}")
 
 
@@ -149,7 +149,7 @@ def nodes_logs(  # click passes every option by name
 
     settings = hub_settings(config_file, data_dir)
     with opened_store(settings) as store:
-        found = store.node(node)
+        found = store.nodes.get(node)
     query = LogQuery(limit=lines, level=level.upper(), tail=True)
 
     async def show() -> None:

@@ -14,7 +14,7 @@ from shared.cli import common_options, config_errors_exit
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from hub.fleet.objectives import Grouping
+    from hub.planning.slo import Grouping
 
 
 def _percent(value: float | None) -> str:
@@ -58,7 +58,8 @@ def objectives(
     requests that met and missed it, attainment against the target, the error budget left
     over the budget period, and the burn rate (1: spending exactly the budget)."""
     from hub.fleet.budgets import window_s  # noqa: PLC0415 - `--help` stays light
-    from hub.fleet.objectives import SloFilters, report_view  # noqa: PLC0415
+    from hub.fleet.objectives import report_view  # noqa: PLC0415
+    from hub.state.objectives import SloFilters  # noqa: PLC0415
 
     try:
         window_s(window)

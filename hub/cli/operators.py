@@ -25,7 +25,7 @@ def operators() -> None:
 def operators_create(config_file: Path | None, data_dir: Path | None, name: str) -> None:
     """Create an operator token; it is printed once, alone on stdout."""
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        new = store.create_operator(name)
+        new = store.operators.create(name)
     click.echo(new.plaintext)
 
 
@@ -39,5 +39,5 @@ def operators_revoke(config_file: Path | None, data_dir: Path | None, prefix: st
 
     prefix = parse_prefix(prefix, OPERATOR_TOKEN) or prefix
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        store.revoke_operator(prefix)
+        store.operators.revoke(prefix)
     click.echo(f"revoked {prefix}")

@@ -37,7 +37,7 @@ def packages_add(
         except LayoutError as err:
             raise click.ClickException(f"{file}: not a package archive: {err}") from err
         if seed:
-            store.seed_package(record.id, record.version, site)
+            store.packages.seed(record.id, record.version, site)
     where = f" and seeded to {site or 'every node'}" if seed else ""
     click.echo(f"package {record.id}@{record.version} ({record.title}): kept{where}")
 
@@ -54,8 +54,8 @@ def packages_list(
     from hub.views import package_view  # noqa: PLC0415
 
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        found = store.packages(query)
-        names = store.node_names()
+        found = store.packages.find(query)
+        names = store.nodes.names()
     for p in found:
         view = package_view(p, names)
         if as_json:
@@ -85,7 +85,7 @@ def packages_seed(
 ) -> None:
     """Seed a package the hub holds: nodes fetch it, check it and pin it in their cache."""
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        store.seed_package(package_id, version, site)
+        store.packages.seed(package_id, version, site)
     click.echo(f"seeding {package_id} to {site or 'every node'}")
 
 
@@ -99,5 +99,5 @@ def packages_unseed(
 ) -> None:
     """Stop seeding a package: nodes unpin it, and their caches may evict it."""
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        store.unseed_package(package_id, version)
+        store.packages.unseed(package_id, version)
     click.echo(f"no longer seeding {package_id}")

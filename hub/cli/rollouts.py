@@ -17,7 +17,8 @@ from shared.cli import common_options, config_errors_exit
 
 if TYPE_CHECKING:
     from hub.settings import HubSettings
-    from hub.state.store import HubStore, Rollout
+    from hub.state.rollouts import Rollout
+    from hub.state.store import HubStore
 
 
 def _checked(model: type[Any], values: dict[str, Any], hint: str | None = None) -> Any:
@@ -55,7 +56,7 @@ def releases_add(
     settings = hub_settings(config_file, data_dir)
     sha256, size = keep_file(settings.artifacts_dir, file)
     with opened_store(settings) as store:
-        release = store.add_release(q.version, q.notes, sha256, size)
+        release = store.rollouts.add_release(q.version, q.notes, sha256, size)
     click.echo(f"release {release.version}: {size} bytes, sha256 {sha256}")
 
 
@@ -68,8 +69,8 @@ def releases_list(config_file: Path | None, data_dir: Path | None, *, as_json: b
     from hub.api.rollouts import release_view  # noqa: PLC0415
 
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        found = store.releases()
-        given = store.node_release_versions()
+        found = store.rollouts.releases()
+        given = store.rollouts.node_release_versions()
     for r in found:
         view = release_view(r, sum(1 for v in given.values() if v == r.version))
         if as_json:
@@ -87,8 +88,8 @@ def releases_show(config_file: Path | None, data_dir: Path | None, version: str)
     from hub.api.rollouts import release_view  # noqa: PLC0415
 
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        release = store.release(version)
-        given = store.release_nodes(version)
+        release = store.rollouts.release(version)
+        given = store.rollouts.release_nodes(version)
     click.echo(json.dumps(release_view(release, len(given)), indent=1))
 
 
@@ -115,7 +116,7 @@ def releases_window(
         raise click.UsageError("give --from and --to, or --any-time")
     window = None if any_time else _checked(WindowRequest, {"start": start, "end": end}).window()
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        store.set_update_window(site, window)
+        store.rollouts.set_update_window(site, window)
     when = "updates at any time" if window is None else f"{start}-{end} UTC"
     click.echo(f"site {site}: {when}")
 
@@ -191,7 +192,7 @@ def rollouts_start(
 def _show(store: HubStore, settings: HubSettings, rollout: Rollout, *, as_json: bool) -> None:
     from hub.rollouts import rollout_view  # noqa: PLC0415
 
-    nodes = {n.id: n for n in store.nodes()}
+    nodes = {n.id: n for n in store.nodes.all()}
     view = rollout_view(rollout, nodes, settings, time.time())
     if as_json:
         click.echo(json.dumps(view))
@@ -217,7 +218,7 @@ def rollouts_list(config_file: Path | None, data_dir: Path | None, *, as_json: b
     """Rollouts, newest first, with each wave's nodes."""
     settings = hub_settings(config_file, data_dir)
     with opened_store(settings) as store:
-        for rollout in store.rollouts():
+        for rollout in store.rollouts.all():
             _show(store, settings, rollout, as_json=as_json)
 
 
@@ -232,7 +233,7 @@ def rollouts_show(
     """One rollout, with each wave's nodes and what they report."""
     settings = hub_settings(config_file, data_dir)
     with opened_store(settings) as store:
-        _show(store, settings, store.rollout(rollout_id), as_json=as_json)
+        _show(store, settings, store.rollouts.get(rollout_id), as_json=as_json)
 
 
 def _step(action: str) -> click.Command:

@@ -142,10 +142,10 @@ def simulate(
     if connections is None:
         connections = 0 if certificates else 100
     with opened_store(settings) as store:
-        token = store.create_token("simulated", uses=count, expires_in_s=3600).plaintext
+        token = store.tokens.create("simulated", uses=count, expires_in_s=3600).plaintext
         # The account the simulated usage is for: a node may report only the fleet's.
-        if "simulated" not in {a["name"] for a in store.accounts()}:
-            store.set_account("simulated", "S1")
+        if "simulated" not in {a["name"] for a in store.accounts.all()}:
+            store.accounts.put("simulated", "S1")
 
     async def run() -> dict[str, Any]:
         async with Simulator(targets, trust, connections=connections, reconnect=reconnect) as sim:

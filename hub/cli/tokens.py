@@ -45,7 +45,7 @@ def tokens_create(  # click passes every option by name
     enrolls is the token's (what a node says of its own grants it nothing)."""
     seconds = parse_duration(expires)
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        new = store.create_token(
+        new = store.tokens.create(
             site, uses=uses, expires_in_s=seconds, tenant=tenant or None, private=private
         )
     click.echo(new.plaintext)
@@ -58,7 +58,7 @@ def tokens_create(  # click passes every option by name
 def tokens_list(config_file: Path | None, data_dir: Path | None, as_json: bool) -> None:
     """List tokens: prefix, site, uses left, expiry, state."""
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        rows = store.tokens()
+        rows = store.tokens.all()
     now = time.time()
     for token in rows:
         expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(token.expires_at))
@@ -93,7 +93,7 @@ def tokens_revoke(config_file: Path | None, data_dir: Path | None, prefix: str) 
 
     prefix = parse_prefix(prefix, ENROLLMENT_TOKEN) or prefix
     with opened_store(hub_settings(config_file, data_dir)) as store:
-        token = store.revoke_token(prefix)
+        token = store.tokens.revoke(prefix)
     click.echo(f"revoked {token.prefix} (site {token.site})")
 
 
@@ -150,7 +150,7 @@ def provision(
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
         raise click.BadParameter(problems) from err
     with opened_store(settings) as store:
-        token = store.create_token(site, uses=uses, expires_in_s=seconds).plaintext
+        token = store.tokens.create(site, uses=uses, expires_in_s=seconds).plaintext
     document = document.model_copy(update={"token": token})
     text = document.text()
     if output is None:

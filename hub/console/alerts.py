@@ -20,8 +20,8 @@ async def _alerts(
     request: web.Request, *, status: int = 200, error: str | None = None
 ) -> web.Response:
     store = hub_store(request)
-    alerts = await store.run(store.sync.alerts, None, ALERTS_SHOWN)
-    silences = await store.run(store.sync.silences)
+    alerts = await store.run(store.sync.alerts.all, None, ALERTS_SHOWN)
+    silences = await store.run(store.sync.alerts.silences)
     return render(
         request, "alerts.html", status=status, error=error,
         firing=[a for a in alerts if a.state == "firing"],
@@ -55,7 +55,7 @@ async def silence_create(request: web.Request) -> web.StreamResponse:
         )
     store = hub_store(request)
     await store.run(
-        store.sync.create_silence,
+        store.sync.alerts.create_silence,
         req.matchers,
         time.time() + req.duration_s,
         request[SESSION].user,
@@ -67,7 +67,7 @@ async def silence_create(request: web.Request) -> web.StreamResponse:
 @page
 async def silence_delete(request: web.Request) -> web.StreamResponse:
     store = hub_store(request)
-    await store.run(store.sync.delete_silence, request.match_info["id"])
+    await store.run(store.sync.alerts.delete_silence, request.match_info["id"])
     return see_other("/console/alerts", "silence-ended")
 
 

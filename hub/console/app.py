@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from hub.appkeys import BEATS, LOOPS, RUNNING, SETTINGS, STORE
-from hub.console import store as sql
 from hub.console.alerts import alert_routes
 from hub.console.auth import LoginThrottle
 from hub.console.objectives import objectives_routes
 from hub.console.pages import console_routes
 from hub.console.rollouts import rollout_routes
+from hub.console.samples import Sampler
 from hub.console.web import (
     CONSOLE,
     HERE,
@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
     from hub.settings import HubSettings
-    from hub.state.store import AsyncHubStore, Heartbeat
+    from hub.state.nodes import Heartbeat
+    from hub.state.store import AsyncHubStore
     from shared.supervise import Failures
 
 log = logging.getLogger(__name__)
@@ -80,13 +81,13 @@ async def _sampler(app: web.Application) -> AsyncIterator[None]:
     writes (a node's first, then one each `console.sample_every_s`); old ones pruned."""
     settings = app[SETTINGS]
     store = app[STORE]
-    sampler = sql.Sampler(settings.console.sample_every_s)
+    sampler = Sampler(settings.console.sample_every_s)
 
     # Its failures are counted by the flusher, which runs each listener under its own
     # guard (hub/fleet/heartbeats.py), as `heartbeats.console_samples`.
     async def console_samples(beats: list[Heartbeat]) -> None:
         if samples := sampler.due(beats):
-            await store.run(sql.record_samples, store.sync, samples)
+            await store.run(store.sync.console.record_samples, samples)
 
     app[BEATS].listeners.append(console_samples)
     async with running(app[RUNNING], "console.prune", prune_forever(store, settings, app[LOOPS])):
@@ -101,7 +102,7 @@ async def prune_forever(store: AsyncHubStore, settings: HubSettings, failures: F
     async def once() -> None:
         now = time.time()
         await store.run(
-            sql.prune, store.sync, now=now, samples_before=now - settings.console.samples_kept_s
+            store.sync.console.prune, now=now, samples_before=now - settings.console.samples_kept_s
         )
 
     await failures.forever("console.prune", once, settings.console.sample_every_s, wait_first=False)

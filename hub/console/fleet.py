@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     from hub.settings import HubSettings
-    from hub.state.store import Node
+    from hub.state.nodes import Node
 
 STATUSES = ("online", "stale", "offline", "revoked")
 MAX_ROWS = 500  # a page of a large fleet; the filters narrow it

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from hub.settings import HubSettings
-    from hub.state.store import Node
+    from hub.state.nodes import Node
 
 SHOWN = 100  # records on the page
 PAGE_CALL_S = 4.0  # the page's wait for the node

@@ -60,13 +60,19 @@ async def objectives_page(request: web.Request) -> web.StreamResponse:
     now = time.time()
     filters = q.filters()
     reports = await store.read(
-        reports_view, settings, windows=settings.windows, by=q.by, filters=filters, now=now
+        reports_view,
+        store.reader,
+        settings,
+        windows=settings.windows,
+        by=q.by,
+        filters=filters,
+        now=now,
     )
     # The charts span the second window (1d by default): long enough to see a trend, fine
     # enough to see an hour's trouble.
     charted = settings.windows[min(1, len(settings.windows) - 1)]
     series = await store.read(
-        series_view, settings, window=charted, step_s=None, filters=filters, now=now
+        series_view, store.reader, settings, window=charted, step_s=None, filters=filters, now=now
     )
     return render(
         request,

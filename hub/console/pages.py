@@ -12,7 +12,6 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from hub.api.requests import DeploymentRequest
-from hub.console import store as sql
 from hub.console.auth import (
     LOGIN_COOKIE,
     SESSION_COOKIE,
@@ -33,6 +32,7 @@ from hub.console.fleet import (
     served_models,
 )
 from hub.console.logs import level_of, recent_logs
+from hub.console.samples import sample_of
 from hub.console.sse import nodes_stream
 from hub.console.web import (
     FORM,
@@ -48,8 +48,9 @@ from hub.console.web import (
     render,
     see_other,
 )
-from hub.fleet.objectives import SloFilters, report_view
-from hub.state.store import NotFoundError
+from hub.fleet.objectives import report_view
+from hub.state.errors import NotFoundError
+from hub.state.objectives import SloFilters
 from hub.views import deployment_view, node_view, quota_view
 from shared.keys import ENROLLMENT_TOKEN, parse_prefix
 from shared.protocol import LOG_LEVELS
@@ -126,7 +127,7 @@ async def login(request: web.Request) -> web.StreamResponse:
         response.headers["Retry-After"] = str(int(wait) + 1)
         return response
     store = hub_store(request)
-    stored = await store.run(sql.password_hash, store.sync, name)
+    stored = await store.run(store.sync.console.password_hash, name)
     if not await asyncio.to_thread(verify_password, stored, password):
         state.throttle.failed(address, time.time(), account=name)
         return _login_form(
@@ -136,11 +137,11 @@ async def login(request: web.Request) -> web.StreamResponse:
     assert stored is not None  # noqa: S101 - verify_password is False without a hash
     if needs_rehash(stored):
         rehashed = await asyncio.to_thread(hash_password, password)
-        await store.run(sql.set_password_hash, store.sync, name, rehashed, end_sessions=False)
+        await store.run(store.sync.console.set_password_hash, name, rehashed, end_sessions=False)
     new = new_session()
     now = time.time()
     lifetime = hub_settings(request).console.session_s
-    await store.run(sql.create_session, store.sync, new.id_hash, name, new.csrf, now=now,
+    await store.run(store.sync.console.add_session, new.id_hash, name, new.csrf, now=now,
                     expires_at=now + lifetime)  # fmt: skip
     response = see_other(_next(form.get("next")))
     response.set_cookie(SESSION_COOKIE, new.token, max_age=int(lifetime), path="/", secure=True,
@@ -153,7 +154,7 @@ async def login(request: web.Request) -> web.StreamResponse:
 async def logout(request: web.Request) -> web.StreamResponse:
     token = request.cookies.get(SESSION_COOKIE, "")
     store = hub_store(request)
-    await store.run(sql.delete_session, store.sync, session_hash(token))
+    await store.run(store.sync.console.delete_session, session_hash(token))
     response = see_other("/console/login")
     response.del_cookie(SESSION_COOKIE, path="/", secure=True, httponly=True, samesite="Strict")
     return response
@@ -183,13 +184,13 @@ async def nodes_page(request: web.Request) -> web.StreamResponse:
 async def node_page(request: web.Request) -> web.StreamResponse:
     store = hub_store(request)
     settings = hub_settings(request)
-    node = await store.run(store.sync.node, request.match_info["node"])
+    node = await store.run(store.sync.nodes.get, request.match_info["node"])
     now = time.time()
     since = now - settings.console.samples_kept_s
-    samples = await store.run(sql.samples, store.sync, node.id, since)
-    events = await store.run(sql.node_events, store.sync, node.id, EVENTS_SHOWN)
-    deployments = await store.run(store.sync.deployments)
-    placed = await store.run(store.sync.placements)
+    samples = await store.run(store.sync.console.samples, node.id, since)
+    events = await store.run(store.sync.ledger.node_events, node.id, EVENTS_SHOWN)
+    deployments = await store.run(store.sync.deployments.all)
+    placed = await store.run(store.sync.deployments.placements)
     here = {d for d, n, _ in placed if n == node.id}
     gap = max(3 * settings.console.sample_every_s, 3 * settings.fleet.stale_after_s)
     # From the first sample kept (at least the last ten minutes), so a new node's short
@@ -197,8 +198,8 @@ async def node_page(request: web.Request) -> web.StreamResponse:
     start = max(since, min(samples[0].at if samples else now, now - 600))
 
     objectives = await store.read(
-        report_view, settings.objectives, window=settings.objectives.windows[0], by="node",
-        filters=SloFilters(node=node.id), now=now,
+        report_view, store.reader, settings.objectives, window=settings.objectives.windows[0],
+        by="node", filters=SloFilters(node=node.id), now=now,
     )  # fmt: skip
 
     def chart(chart_id: str, title: str, unit: str, *series: Series, **kw: Any) -> Any:
@@ -226,7 +227,7 @@ async def node_page(request: web.Request) -> web.StreamResponse:
         events=events,
         models=served_models(node),
         errors=placement_errors(node),
-        sample=None if node.last_seen is None else sql.sample_of(node.last_seen, node.capacity),
+        sample=None if node.last_seen is None else sample_of(node.last_seen, node.capacity),
         gpus=[g.model_dump() for g in node.capacity.gpus],
         placed=[d for d in deployments if d.id in here],
         samples_kept_h=settings.console.samples_kept_s / 3600,
@@ -242,7 +243,7 @@ async def node_drain(request: web.Request) -> web.StreamResponse:
     store = hub_store(request)
     draining = request[FORM].get("undo") != "1"
     node = await store.run(
-        lambda: store.sync.set_draining(request.match_info["node"], draining=draining)
+        lambda: store.sync.nodes.set_draining(request.match_info["node"], draining=draining)
     )
     return see_other(f"/console/nodes/{node.id}", "drained" if draining else "undrained")
 
@@ -251,19 +252,21 @@ async def node_drain(request: web.Request) -> web.StreamResponse:
 async def node_tenancy(request: web.Request) -> web.StreamResponse:
     """The operator sets a node's tenancy (what the node's labels say grants nothing)."""
     store = hub_store(request)
-    node = await store.run(store.sync.node, request.match_info["node"])
+    node = await store.run(store.sync.nodes.get, request.match_info["node"])
     tenant = request[FORM].get("tenant", "").strip() or None
     if tenant is not None and not SITE.match(tenant):
         return see_other(f"/console/nodes/{node.id}", "tenant-invalid")
     private = request[FORM].get("private") == "1"
-    await store.run(lambda: store.sync.set_node_tenancy(node, tenant=tenant, private=private))
+    await store.run(
+        lambda: store.sync.accounts.set_node_tenancy(node, tenant=tenant, private=private)
+    )
     return see_other(f"/console/nodes/{node.id}", "tenancy-set")
 
 
 @page
 async def node_revoke(request: web.Request) -> web.StreamResponse:
     store = hub_store(request)
-    node = await store.run(store.sync.node, request.match_info["node"])
+    node = await store.run(store.sync.nodes.get, request.match_info["node"])
     if request[FORM].get("confirm") != "yes":
         return see_other(f"/console/nodes/{node.id}", "unconfirmed")
     await store.revoke_node(node.id)
@@ -278,7 +281,7 @@ async def _tokens(
     error: str | None = None,
 ) -> web.Response:  # fmt: skip
     store = hub_store(request)
-    tokens = await store.run(store.sync.tokens)
+    tokens = await store.run(store.sync.tokens.all)
     return render(request, "tokens.html", status=status, tokens=tokens[::-1], created=created,
                   error=error, expiries=list(EXPIRIES))  # fmt: skip
 
@@ -309,7 +312,7 @@ async def tokens_create(request: web.Request) -> web.StreamResponse:
     private = form.get("private") == "1"
     store = hub_store(request)
     new = await store.run(
-        lambda: store.sync.create_token(
+        lambda: store.sync.tokens.create(
             site, uses=uses, expires_in_s=expires, tenant=tenant, private=private
         )
     )
@@ -321,7 +324,7 @@ async def tokens_revoke(request: web.Request) -> web.StreamResponse:
     given = request.match_info["prefix"]
     prefix = parse_prefix(given, ENROLLMENT_TOKEN) or given
     store = hub_store(request)
-    await store.run(store.sync.revoke_token, prefix)
+    await store.run(store.sync.tokens.revoke, prefix)
     return see_other("/console/tokens", "token-revoked")
 
 
@@ -333,8 +336,8 @@ async def _accounts(
     error: str | None = None,
 ) -> web.Response:  # fmt: skip
     store = hub_store(request)
-    accounts = await store.run(sql.accounts_with_quota, store.sync, time.time())
-    keys = await store.run(sql.api_keys, store.sync)
+    accounts = await store.run(store.sync.leases.quotas, time.time())
+    keys = await store.run(store.sync.accounts.keys)
     names = await store.node_names()
     return render(
         request,
@@ -359,7 +362,7 @@ async def keys_create(request: web.Request) -> web.StreamResponse:
     store = hub_store(request)
     try:
         new = await store.run(
-            lambda: store.sync.create_key(account, admin=form.get("admin") == "1")
+            lambda: store.sync.accounts.create_key(account, admin=form.get("admin") == "1")
         )
     except NotFoundError as err:
         return await _accounts(request, status=400, error=str(err))
@@ -369,7 +372,7 @@ async def keys_create(request: web.Request) -> web.StreamResponse:
 @page
 async def keys_revoke(request: web.Request) -> web.StreamResponse:
     store = hub_store(request)
-    await store.run(store.sync.revoke_key, request.match_info["prefix"])
+    await store.run(store.sync.accounts.revoke_key, request.match_info["prefix"])
     return see_other("/console/accounts", "key-revoked")
 
 
@@ -381,11 +384,11 @@ async def _placements(
 ) -> web.Response:
     store = hub_store(request)
     settings = hub_settings(request)
-    deployments = await store.run(store.sync.deployments)
-    placed = await store.run(store.sync.placements)
+    deployments = await store.run(store.sync.deployments.all)
+    placed = await store.run(store.sync.deployments.placements)
     nodes = {n.id: n for n in await store.nodes()}
     names = await store.node_names()
-    models = await store.run(store.sync.models)
+    models = await store.run(store.sync.deployments.models)
     now = time.time()
     shown = []
     for d in deployments:
@@ -429,7 +432,7 @@ async def deploy(request: web.Request) -> web.StreamResponse:
     record = req.record()
     store = hub_store(request)
     try:
-        await store.run(store.sync.deploy, record)
+        await store.run(store.sync.deployments.add, record)
     except NotFoundError as err:
         return await _placements(request, status=400, error=str(err))
     return see_other("/console/placements", "deployed")
@@ -438,7 +441,7 @@ async def deploy(request: web.Request) -> web.StreamResponse:
 @page
 async def undeploy(request: web.Request) -> web.StreamResponse:
     store = hub_store(request)
-    await store.run(store.sync.undeploy, request.match_info["id"])
+    await store.run(store.sync.deployments.remove, request.match_info["id"])
     return see_other("/console/placements", "undeployed")
 
 
@@ -448,7 +451,7 @@ async def undeploy(request: web.Request) -> web.StreamResponse:
 @page
 async def packages_page(request: web.Request) -> web.StreamResponse:
     store = hub_store(request)
-    rows = await store.run(sql.packages, store.sync, PACKAGES_SHOWN)
+    rows = await store.run(store.sync.packages.summaries, PACKAGES_SHOWN)
     names = await store.node_names()
     return render(request, "packages.html", packages=rows, names=names, limit=PACKAGES_SHOWN)
 

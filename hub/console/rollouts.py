@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 async def rollouts_table(store: AsyncHubStore, settings: HubSettings) -> list[dict[str, Any]]:
     """Every rollout, newest first, as the page and its stream show it."""
-    rollouts = await store.run(store.sync.rollouts)
+    rollouts = await store.run(store.sync.rollouts.all)
     nodes = {n.id: n for n in await store.nodes()}
     now = time.time()
     views = [rollout_view(r, nodes, settings, now) for r in rollouts]

@@ -18,15 +18,16 @@ import jinja2
 from aiohttp import web
 
 from hub.appkeys import SETTINGS, STORE
-from hub.console import store as sql
 from hub.console.auth import SESSION_COOKIE, LoginThrottle, same_origin, same_token, session_hash
-from hub.state.store import ConflictError, NotFoundError
+from hub.state.console import Session
+from hub.state.errors import ConflictError, NotFoundError
 
 if TYPE_CHECKING:
     from multidict import MultiDictProxy
 
     from hub.settings import HubSettings
-    from hub.state.store import AsyncHubStore, Node
+    from hub.state.nodes import Node
+    from hub.state.store import AsyncHubStore
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class ConsoleState:
 
 
 CONSOLE = web.AppKey("hub_console", ConsoleState)
-SESSION = web.RequestKey("console_session", sql.Session)
+SESSION = web.RequestKey("console_session", Session)
 FORM = web.RequestKey("console_form", dict[str, str])
 
 NOTICES = {
@@ -178,12 +179,12 @@ def login_url(request: web.Request) -> str:
     return f"/console/login?next={quote(request.path_qs, safe='')}"
 
 
-async def current_session(request: web.Request) -> sql.Session | None:
+async def current_session(request: web.Request) -> Session | None:
     token = request.cookies.get(SESSION_COOKIE)
     if not token or len(token) > 200:
         return None
     store = hub_store(request)
-    return await store.run(sql.session, store.sync, session_hash(token), time.time())
+    return await store.run(store.sync.console.session, session_hash(token), time.time())
 
 
 def from_here(request: web.Request) -> bool:

@@ -20,7 +20,7 @@ from shared import protocol
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    from hub.state.slo import SloTotals
+    from hub.planning.slo import SloTotals
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}

@@ -14,9 +14,10 @@ from hub.loops import running
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
 
-    from hub.fleet.objectives import Ingested
     from hub.loops import Running
-    from hub.state.store import AsyncHubStore, Heartbeat
+    from hub.planning.slo import Ingested
+    from hub.state.nodes import Heartbeat
+    from hub.state.store import AsyncHubStore
     from shared.supervise import Failures
 
 HEARTBEATS_EVERY_S = 1.0
@@ -122,7 +123,7 @@ async def flushing(
     flush on the way out."""
 
     async def serials() -> None:
-        read = await store.run(store.sync.serials)
+        read = await store.run(store.sync.serials.current)
         beats.desired_serial = read[0]
         store.note_serials(read)
 

@@ -1,46 +1,22 @@
-"""The fleet's objectives, as the rest of the hub reads them: what a heartbeat flush added
-(`Ingested`: a `SloDelta` per node, class and account, and the nodes' worker restarts),
-handed to `Heartbeats.objective_listeners` after each flush that added something; what a
-window holds (`SloTotals`, from the store's `slo_totals`); and the two views the operator
-API, the CLI and the console show: the report of a window (`report_view`: each class's
-objectives per group against their targets, budget left, burn rate) and its time series
-(`series_view`: the points of the charts). The records are the store's (hub/state/slo.py,
-where the counting rules are), named here so that no one reaches into the store for them."""
+"""The fleet's objectives as the operator API, the CLI and the console show them: the
+report of a window (`report_view`: each class's objectives per group against their
+targets, budget left, burn rate) and its time series (`series_view`: the points of the
+charts), read from the store's buckets (hub/state/objectives.py) and judged by the pure
+rules of hub/planning/slo.py and hub/fleet/budgets.py."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from hub.fleet import budgets
-from hub.state.objectives import SloFilters, histogram, totals_of
-from hub.state.slo import (
-    GROUPINGS,
-    OTHER_ACCOUNT,
-    Grouping,
-    Ingested,
-    SloDelta,
-    SloTotals,
-    quantile,
-)
+from hub.planning.slo import histogram, quantile, totals_of
 from shared import protocol
 
 if TYPE_CHECKING:
+    from hub.planning.slo import Grouping
     from hub.settings import ObjectivesSettings
+    from hub.state.objectives import SloFilters
     from hub.state.store import HubStore
-
-__all__ = [
-    "GROUPINGS",
-    "OTHER_ACCOUNT",
-    "Grouping",
-    "Ingested",
-    "SloDelta",
-    "SloFilters",
-    "SloTotals",
-    "quantile",
-    "report_view",
-    "reports_view",
-    "series_view",
-]
 
 POINTS = 24  # a chart's points over its window, unless a step is asked for
 
@@ -72,11 +48,15 @@ def reports_view(
 ) -> list[dict[str, Any]]:
     """`report_view` of each window, the budget period's sums read once for all."""
     period_s = settings.budget_period_s
-    period = store.slo_totals(now - period_s, now, by, filters)
+    period = store.objectives.totals(now - period_s, now, by, filters)
     reports = []
     for window in windows:
         length = budgets.window_s(window)
-        totals = period if length == period_s else store.slo_totals(now - length, now, by, filters)
+        totals = (
+            period
+            if length == period_s
+            else store.objectives.totals(now - length, now, by, filters)
+        )
         rows = budgets.report(totals, settings.target, period)
         reports.append(
             {
@@ -109,7 +89,7 @@ def series_view(
     and burn rate, and the TTFT's median and 95th percentile (from the histograms)."""
     length = budgets.window_s(window)
     since = now - length
-    step, points = store.slo_series(since, now, step_s or length / POINTS, filters)
+    step, points = store.objectives.series(since, now, step_s or length / POINTS, filters)
     data = []
     for point in points:
         t = totals_of(point.service_class, "", point.counters)

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from hub.identity import hub_keys, overlay_address
 from hub.loops import running
-from hub.state.store import HubStore
 from shared.wireguard import InterfaceConfig, Peer, Tunnel, WireGuardError
 
 if TYPE_CHECKING:
@@ -68,7 +67,7 @@ async def reconcile_peers(store: AsyncHubStore, tunnel: Tunnel, failures: Failur
 
 async def sync_peers(store: AsyncHubStore, tunnel: Tunnel) -> None:
     """One round: peers of revoked or deleted nodes removed, those of new nodes added."""
-    wanted = await store.read(HubStore.wireguard_peers)
+    wanted = await store.read(store.reader.nodes.wireguard_peers)
     state = await asyncio.to_thread(tunnel.state)
     present = {p.public_key for p in state.peers}
     for key in present - wanted.keys():

@@ -10,7 +10,6 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from hub.planning.health import NodeStatus, status_of
-from hub.state.store import HubStore
 
 if TYPE_CHECKING:
     from hub.observability.metrics import HubMetrics
@@ -23,7 +22,7 @@ async def refresh(
 ) -> None:
     at = time.time() if now is None else now
     nodes = await store.nodes()
-    certificates = await store.read(HubStore.newest_certificates)
+    certificates = await store.read(store.reader.certificates.newest)
     fleet = settings.fleet
     statuses: Counter[str] = Counter({s.value: 0 for s in NodeStatus})
     # Cleared first: a node revoked (or renamed) since the last scrape leaves no series.

@@ -1,20 +1,9 @@
-"""Accounts of the fleet: service class, quotas and global budgets, and their tenancy: the
-nodes whose desired state (hub/state/desired.py) gives each one.
+"""Accounts of the fleet: service class, quotas and global budgets, their API keys, and
+their tenancy: the nodes whose desired state (hub/state/desired.py) gives each one, by the
+rules of hub/planning/tenancy.py.
 
-Tenancy (docs/hub.md#tenancy-and-isolation). An account may be bound to a tenant (None: a
-shared account), to sites (none: every site), and, with a tenant, restricted to that
-tenant's dedicated nodes (`dedicated`). A node's own tenancy is the operator's, never
-what the node says (its labels describe it and grant nothing): its enrollment token's
-(`kvl hub tokens create --tenant T [--private]`), changed by an operator only (`kvl hub
-nodes set`, the console): dedicated to T (class S3), or T's private site (`private`,
-class S4). An account reaches a node, or not, until either changes (`account_reaches`):
-
-- an account bound to sites reaches only nodes of those sites, whatever else holds;
-- a node with a tenant gets only that tenant's accounts;
-- a private node without a tenant gets only accounts that name its site and are not
-  restricted to dedicated nodes;
-- a shared node gets the shared accounts and the tenants' accounts not restricted to
-  their dedicated nodes.
+Only the keys' hashes go to the nodes, in the desired state; the hub checks a client's key
+itself when a node hands over an offloaded request.
 
 When a binding change withdraws an account from a node that called the hub while the
 account reached it (so may have served it), the node is noted in `account_departures`:
@@ -24,14 +13,21 @@ never foreign), until the account reaches it again."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from hub.planning.quota import Budget
-from hub.state.base import AUTH_REVISION, NotFoundError, StoreBase
+from hub.planning.tenancy import Tenancy, account_reaches
+from hub.state.errors import NotFoundError
+from hub.state.serials import AUTH_REVISION
+from shared.keys import NewKey, generate_key, key_matches, parse_prefix
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from hub.state import sql
     from hub.state.nodes import Node
+    from hub.state.serials import Serials
 
 
 class ForeignAccountError(Exception):
@@ -42,41 +38,18 @@ class ForeignAccountError(Exception):
         self.account = account
 
 
-@dataclass(frozen=True)
-class Tenancy:
-    """An account's binding: its tenant (None: shared), its sites (empty: every site), and
-    whether only its tenant's dedicated nodes serve it."""
+class Accounts:
+    """The `accounts`, `api_keys` and `account_departures` tables (and the tenancy columns
+    of `nodes`)."""
 
-    tenant: str | None = None
-    sites: tuple[str, ...] = ()
-    dedicated: bool = False
+    def __init__(
+        self, database: sql.Database, clock: Callable[[], float], serials: Serials
+    ) -> None:
+        self._db = database
+        self._clock = clock
+        self._serials = serials
 
-    def __post_init__(self) -> None:
-        if self.dedicated and self.tenant is None:
-            raise ValueError("an account restricted to dedicated nodes names its tenant")
-
-    @classmethod
-    def of(cls, tenant: str | None, sites: str | None, dedicated: int | None) -> Tenancy:
-        """From an `accounts` row's columns (sites: a JSON list)."""
-        return cls(tenant or None, tuple(json.loads(sites or "[]")), bool(dedicated))
-
-
-def account_reaches(account: Tenancy, site: str, tenant: str | None, private: bool) -> bool:
-    """Whether a node of `site` dedicated to `tenant` (None: to none), `private` or not,
-    is given the account (the module's rules)."""
-    if account.sites and site not in account.sites:
-        return False
-    if tenant is not None:
-        return account.tenant == tenant
-    if private:
-        return bool(account.sites) and not account.dedicated
-    return not account.dedicated
-
-
-class AccountsMixin(StoreBase):
-    """The `accounts` table."""
-
-    def set_account(
+    def put(
         self,
         name: str,
         service_class: str,
@@ -87,8 +60,8 @@ class AccountsMixin(StoreBase):
     ) -> int:
         """Create or change an account; the new serial. `budget`: the account's global
         token budget, spent by nodes through leases (None: no global budget)."""
-        with self.db.transaction():
-            self.db.execute(
+        with self._db.transaction():
+            self._db.execute(
                 "INSERT INTO accounts (name, service_class, requests_per_minute, tokens_per_day,"
                 " budget_tokens, budget_period_s, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)"
                 " ON CONFLICT(name) DO UPDATE SET"
@@ -104,34 +77,34 @@ class AccountsMixin(StoreBase):
                     tokens_per_day,
                     None if budget is None else budget.tokens,
                     None if budget is None else budget.period_s,
-                    self.clock(),
+                    self._clock(),
                 ],
             )
-            return self._bump()
+            return self._serials.bump()
 
     def budget(self, account: str) -> Budget | None:
-        row = self.db.execute(
+        row = self._db.execute(
             "SELECT budget_tokens, budget_period_s FROM accounts WHERE name = ?", [account]
         ).fetchone()
         if row is None or row[0] is None:
             return None
         return Budget(int(row[0]), float(row[1]))
 
-    def accounts(self) -> list[dict[str, Any]]:
+    def all(self) -> list[dict[str, Any]]:
         """Every account's row, its sites as a list."""
         return [
             {**r, "sites": json.loads(r["sites"] or "[]"), "dedicated": bool(r["dedicated"])}
-            for r in self.db.query("SELECT * FROM accounts ORDER BY name")
+            for r in self._db.query("SELECT * FROM accounts ORDER BY name")
         ]
 
     def set_tenancy(self, name: str, tenancy: Tenancy) -> int:
         """Bind an account to a tenant and sites (or to none: `Tenancy()`); the new serial.
         The nodes it no longer reaches are noted as departed (their usage of it stays
         theirs to report), those it reaches again are not any more."""
-        with self.db.transaction():
-            row = self.db.execute(  # for_update is a constant, never input
+        with self._db.transaction():
+            row = self._db.execute(  # for_update is a constant, never input
                 "SELECT tenant, sites, dedicated, COALESCE(tenancy_at, created_at)"  # noqa: S608
-                f" FROM accounts WHERE name = ?{self.db.for_update}",
+                f" FROM accounts WHERE name = ?{self._db.for_update}",
                 [name],
             ).fetchone()
             if row is None:
@@ -140,9 +113,9 @@ class AccountsMixin(StoreBase):
                     param="account",
                 )
             before, since = Tenancy.of(row[0], row[1], row[2]), float(row[3])
-            now = self.clock()
+            now = self._clock()
             gone, back = [], []
-            for node_id, site, tenant, private, last_seen in self.db.execute(
+            for node_id, site, tenant, private, last_seen in self._db.execute(
                 "SELECT id, site, tenant, private, last_seen FROM nodes"
                 " WHERE revoked_at IS NULL ORDER BY id"
             ).fetchall():
@@ -155,15 +128,15 @@ class AccountsMixin(StoreBase):
                 ):
                     # It called while the account reached it: it may have served it.
                     gone.append((name, node_id, now))
-            self.db.executemany(
+            self._db.executemany(
                 "INSERT INTO account_departures (account, node_id, at) VALUES (?, ?, ?)"
                 " ON CONFLICT DO NOTHING",
                 gone,
             )
-            self.db.executemany(
+            self._db.executemany(
                 "DELETE FROM account_departures WHERE account = ? AND node_id = ?", back
             )
-            self.db.execute(
+            self._db.execute(
                 "UPDATE accounts SET tenant = ?, sites = ?, dedicated = ?, tenancy_at = ?"
                 " WHERE name = ?",
                 [
@@ -174,11 +147,11 @@ class AccountsMixin(StoreBase):
                     name,
                 ],
             )
-            return self._bump()
+            return self._serials.bump()
 
-    def served_accounts(self, node: Node) -> set[str]:
+    def served(self, node: Node) -> set[str]:
         """The accounts ``node``'s desired state gives it (the module's rules)."""
-        rows = self.db.execute("SELECT name, tenant, sites, dedicated FROM accounts").fetchall()
+        rows = self._db.execute("SELECT name, tenant, sites, dedicated FROM accounts").fetchall()
         return {
             str(r[0])
             for r in rows
@@ -191,33 +164,87 @@ class AccountsMixin(StoreBase):
         are noted as departed if it ever called (their usage it served stays its to
         report), those it reaches now are not; the new desired serial."""
         changed = replace(node, tenant=tenant or None, private=private)
-        with self.db.transaction():
-            before, after = self.served_accounts(node), self.served_accounts(changed)
-            now = self.clock()
+        with self._db.transaction():
+            before, after = self.served(node), self.served(changed)
+            now = self._clock()
             if node.last_seen is not None:
-                self.db.executemany(
+                self._db.executemany(
                     "INSERT INTO account_departures (account, node_id, at) VALUES (?, ?, ?)"
                     " ON CONFLICT DO NOTHING",
                     [(account, node.id, now) for account in sorted(before - after)],
                 )
-            self.db.executemany(
+            self._db.executemany(
                 "DELETE FROM account_departures WHERE account = ? AND node_id = ?",
                 [(account, node.id) for account in sorted(after)],
             )
-            self.db.execute(
+            self._db.execute(
                 "UPDATE nodes SET tenant = ?, private = ? WHERE id = ?",
                 [changed.tenant, int(private), node.id],
             )
             # Replicas remember authenticated nodes (their rows) until this revision
             # moves: the node's tenancy is read from that row.
-            self._bump(AUTH_REVISION)
-            return self._bump()
+            self._serials.bump(AUTH_REVISION)
+            return self._serials.bump()
 
     def node_accounts(self, node: Node) -> set[str]:
         """The accounts ``node`` may report usage or ask leases for: those its desired state
         gives it, and those withdrawn from it since it was given them (what it served
         before the binding changed is its own)."""
-        departed = self.db.execute(
+        departed = self._db.execute(
             "SELECT account FROM account_departures WHERE node_id = ?", [node.id]
         ).fetchall()
-        return self.served_accounts(node) | {str(r[0]) for r in departed}
+        return self.served(node) | {str(r[0]) for r in departed}
+
+    # -- API keys ----------------------------------------------------------------------------
+
+    def create_key(self, account: str, *, admin: bool = False) -> NewKey:
+        new = generate_key()
+        with self._db.transaction():
+            if not self._db.query("SELECT 1 FROM accounts WHERE name = ?", [account]):
+                raise NotFoundError(
+                    f"no account {account!r}; create it with `kvl hub accounts set {account}`",
+                    param="account",
+                )
+            self._db.execute(
+                "INSERT INTO api_keys (prefix, hash, account, admin, created_at, revoked_at)"
+                " VALUES (?, ?, ?, ?, ?, NULL)",
+                [new.prefix, new.hash, account, int(admin), self._clock()],
+            )
+            self._serials.bump()
+        return new
+
+    def revoke_key(self, prefix: str) -> int:
+        with self._db.transaction():
+            done = self._db.execute(
+                "UPDATE api_keys SET revoked_at = ? WHERE prefix = ? AND revoked_at IS NULL",
+                [self._clock(), prefix],
+            )
+            if done.rowcount == 0:
+                raise NotFoundError(f"no active key {prefix!r}")
+            return self._serials.bump()
+
+    def key_account(self, key: str) -> str | None:
+        """The account of an active API key (a client's, as a node hands it over with an
+        offloaded request); None for a key unknown or revoked."""
+        prefix = parse_prefix(key)
+        if prefix is None:
+            return None
+        row = self._db.execute(
+            "SELECT hash, account, revoked_at FROM api_keys WHERE prefix = ?", [prefix]
+        ).fetchone()
+        if row is None or row[2] is not None or not key_matches(key, row[0]):
+            return None
+        return str(row[1])
+
+    def keys(self) -> list[dict[str, Any]]:
+        """Every API key (prefix, account, admin, created, revoked), never its hash: what
+        the console lists."""
+        rows = self._db.execute(
+            "SELECT prefix, account, admin, created_at, revoked_at FROM api_keys"
+            " ORDER BY account, created_at"
+        ).fetchall()
+        return [
+            {"prefix": r[0], "account": r[1], "admin": bool(r[2]), "created_at": r[3],
+             "revoked_at": r[4]}
+            for r in rows
+        ]  # fmt: skip

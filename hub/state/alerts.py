@@ -14,10 +14,12 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hub.state.base import NotFoundError, StoreBase
+from hub.state.errors import NotFoundError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping, Sequence
+    from collections.abc import Callable, Iterable, Mapping, Sequence
+
+    from hub.state import sql
 
 
 @dataclass(frozen=True)
@@ -130,17 +132,23 @@ def _silence_of(row: Mapping[str, Any]) -> Silence:
     )
 
 
-class AlertsMixin(StoreBase):
-    def alerts(self, state: str | None = None, limit: int = 500) -> list[AlertRecord]:
+class Alerts:
+    """The `alerts`, `alert_silences` and `alert_deliveries` tables."""
+
+    def __init__(self, database: sql.Database, clock: Callable[[], float]) -> None:
+        self._db = database
+        self._clock = clock
+
+    def all(self, state: str | None = None, limit: int = 500) -> list[AlertRecord]:
         """Alerts, newest first; `state`: only those firing (or resolved)."""
         where, params = ("", []) if state is None else (" WHERE state = ?", [state])
-        rows = self.db.query(
+        rows = self._db.query(
             f"SELECT * FROM alerts{where} ORDER BY fired_at DESC, id LIMIT ?",  # noqa: S608 - constants
             [*params, limit],
         )
         return [_alert_of(r) for r in rows]
 
-    def record_alerts(
+    def record(
         self,
         firing: Iterable[Firing],
         evaluated: Iterable[str],
@@ -151,16 +159,16 @@ class AlertsMixin(StoreBase):
         to the list fire, those of evaluated rules no longer in it resolve; each change
         this call made (alert, `firing` or `resolved`) is returned, with a delivery to
         each of `urls` unless a silence matched it when it fired."""
-        now = self.clock()
+        now = self._clock()
         found = {f.key: f for f in firing}
         rules = set(evaluated)
         changes: list[tuple[AlertRecord, str]] = []
-        with self.db.transaction():
+        with self._db.transaction():
             silences = self.silences(active_at=now)
-            current = {(a.rule, labels_text(a.labels)): a for a in self.alerts("firing", 100_000)}
+            current = {(a.rule, labels_text(a.labels)): a for a in self.all("firing", 100_000)}
             for key, alert in sorted(current.items()):
                 if alert.rule in rules and key not in found:
-                    done = self.db.execute(
+                    done = self._db.execute(
                         "UPDATE alerts SET state = 'resolved', resolved_at = ?"
                         " WHERE id = ? AND state = 'firing'",
                         [now, alert.id],
@@ -172,7 +180,7 @@ class AlertsMixin(StoreBase):
                         changes.append((resolved, "resolved"))
             for key, fire in sorted(found.items()):
                 if key in current:
-                    self.db.execute(
+                    self._db.execute(
                         "UPDATE alerts SET value = ?, summary = ? WHERE id = ?",
                         [fire.value, fire.summary, current[key].id],
                     )
@@ -191,7 +199,7 @@ class AlertsMixin(StoreBase):
                     silenced=silenced,
                 )
                 row = _row(alert)
-                done = self.db.execute(
+                done = self._db.execute(
                     "INSERT INTO alerts (id, rule, labels, severity, state, fired_at,"
                     " resolved_at, value, summary, silenced) VALUES (?, ?, ?, ?, ?, ?, ?, ?,"
                     " ?, ?) ON CONFLICT DO NOTHING",
@@ -204,7 +212,7 @@ class AlertsMixin(StoreBase):
                     continue  # recorded, not delivered
                 payload = alert_payload(alert, event)
                 for url in urls:
-                    self.db.execute(
+                    self._db.execute(
                         "INSERT INTO alert_deliveries (id, alert_id, event, url, payload,"
                         " status, attempts, next_at, created_at) VALUES (?, ?, ?, ?, ?,"
                         " 'pending', 0, ?, ?)",
@@ -224,10 +232,10 @@ class AlertsMixin(StoreBase):
             until=until,
             created_by=created_by,
             comment=comment,
-            created_at=self.clock(),
+            created_at=self._clock(),
         )
-        with self.db.transaction():
-            self.db.execute(
+        with self._db.transaction():
+            self._db.execute(
                 "INSERT INTO alert_silences (id, matchers, until, created_by, comment,"
                 " created_at) VALUES (?, ?, ?, ?, ?, ?)",
                 [silence.id, json.dumps(silence.matchers), until, created_by, comment,
@@ -238,24 +246,26 @@ class AlertsMixin(StoreBase):
     def silences(self, active_at: float | None = None) -> list[Silence]:
         """Silences, newest first; `active_at`: only those still in force then."""
         if active_at is None:
-            rows = self.db.query("SELECT * FROM alert_silences ORDER BY created_at DESC, id")
+            rows = self._db.query("SELECT * FROM alert_silences ORDER BY created_at DESC, id")
         else:
-            rows = self.db.query(
+            rows = self._db.query(
                 "SELECT * FROM alert_silences WHERE until > ? ORDER BY created_at DESC, id",
                 [active_at],
             )
         return [_silence_of(r) for r in rows]
 
     def delete_silence(self, silence_id: str) -> None:
-        with self.db.transaction():
-            done = self.db.execute("DELETE FROM alert_silences WHERE id = ?", [silence_id]).rowcount
+        with self._db.transaction():
+            done = self._db.execute(
+                "DELETE FROM alert_silences WHERE id = ?", [silence_id]
+            ).rowcount
         if done == 0:
             raise NotFoundError(f"no silence {silence_id!r}")
 
     # -- the webhook outbox --------------------------------------------------------------
 
     def due_deliveries(self, now: float, limit: int = 100) -> list[Delivery]:
-        rows = self.db.query(
+        rows = self._db.query(
             "SELECT * FROM alert_deliveries WHERE status = 'pending' AND next_at <= ?"
             " ORDER BY next_at, id LIMIT ?",
             [now, limit],
@@ -271,10 +281,10 @@ class AlertsMixin(StoreBase):
     ) -> str:
         """An attempt's outcome: delivered (`error` None), pending again at `next_at`, or
         failed (given up: `next_at` None). The status it now has."""
-        now = self.clock()
+        now = self._clock()
         status = "delivered" if error is None else ("pending" if next_at is not None else "failed")
-        with self.db.transaction():
-            self.db.execute(
+        with self._db.transaction():
+            self._db.execute(
                 "UPDATE alert_deliveries SET status = ?, attempts = attempts + 1, next_at = ?,"
                 " last_error = ?, delivered_at = ? WHERE id = ? AND status = 'pending'",
                 [status, next_at if next_at is not None else now, error,
@@ -285,7 +295,7 @@ class AlertsMixin(StoreBase):
     def deliveries(self, alert_id: str | None = None) -> list[dict[str, Any]]:
         """The outbox's rows (an alert's, or all), oldest first: for the console and tests."""
         where, params = ("", []) if alert_id is None else (" WHERE alert_id = ?", [alert_id])
-        return self.db.query(
+        return self._db.query(
             "SELECT id, alert_id, event, url, status, attempts, next_at, last_error,"  # noqa: S608 - constants
             f" created_at, delivered_at FROM alert_deliveries{where} ORDER BY created_at, id",
             params,

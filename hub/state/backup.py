@@ -24,16 +24,13 @@ import shutil
 import sqlite3
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hub.state import sql
-from hub.state.base import AUTH_REVISION, DESIRED_SERIAL
 from hub.state.migrations import MIGRATION_SET, MIGRATIONS
+from hub.state.serials import AUTH_REVISION, DESIRED_SERIAL
 from shared import db
 from shared.backup import BackupError
-
-if TYPE_CHECKING:
-    from hub.state.base import StoreBase
 
 # The serials kept in `meta` that a restore moves forward: the desired state's, which nodes
 # compare, and the authentication revision, which replicas compare to drop what they
@@ -206,23 +203,23 @@ def _connect(url: str) -> Any:
         raise BackupError(f"cannot connect to PostgreSQL: {err} (database_url)") from err
 
 
-def jump_serials(store: StoreBase, now: float) -> dict[str, tuple[int, int]]:
+def jump_serials(database: sql.Database, now: float) -> dict[str, tuple[int, int]]:
     """After a restore, before the hub serves: each serial past any a node may hold (the
     module's note says why the restore's time in microseconds is), and every console login
     ended (a session that logged out after the backup would be back otherwise). Each
     serial's (value restored, value now)."""
     floor = int(now * MICROSECONDS)
     moved: dict[str, tuple[int, int]] = {}
-    with store.db.transaction():
+    with database.transaction():
         for key in SERIALS:
-            row = store.db.execute("SELECT value FROM meta WHERE key = ?", [key]).fetchone()
+            row = database.execute("SELECT value FROM meta WHERE key = ?", [key]).fetchone()
             before = 0 if row is None else int(row[0])
             after = max(before + 1, floor)
-            store.db.execute(
+            database.execute(
                 "INSERT INTO meta (key, value) VALUES (?, ?)"
                 " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                 [key, str(after)],
             )
             moved[key] = (before, after)
-        store.db.execute("DELETE FROM console_sessions")
+        database.execute("DELETE FROM console_sessions")
     return moved

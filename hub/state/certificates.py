@@ -12,10 +12,10 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hub.state.base import StoreBase
-
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
+
+    from hub.state import sql
 
 
 class NameTakenError(Exception):
@@ -40,15 +40,19 @@ class IssuedCertificate:
     pem: str = ""  # the certificate itself (not kept: the node has it)
 
 
-class CertificatesMixin(StoreBase):
+class Certificates:
     """The `node_certificates` and `node_names` tables."""
+
+    def __init__(self, database: sql.Database, clock: Callable[[], float]) -> None:
+        self._db = database
+        self._clock = clock
 
     def claim_names(self, node_id: str, names: Sequence[str], until: float) -> None:
         """Take ``names`` for ``node_id`` until ``until``, all or none (the caller's
         transaction rolls back on NameTakenError)."""
-        now = self.clock()
+        now = self._clock()
         for name in sorted(set(names)):  # a fixed order: no deadlock between replicas
-            won = self.db.execute(
+            won = self._db.execute(
                 "INSERT INTO node_names (name, node_id, until) VALUES (?, ?, ?)"
                 " ON CONFLICT (name) DO UPDATE SET node_id = excluded.node_id,"
                 " until = CASE WHEN node_names.node_id = excluded.node_id"
@@ -59,14 +63,14 @@ class CertificatesMixin(StoreBase):
                 [name, node_id, until, now],
             ).rowcount
             if won != 1:
-                row = self.db.execute(
+                row = self._db.execute(
                     "SELECT n.name, n.id FROM node_names AS h JOIN nodes AS n ON n.id = h.node_id"
                     " WHERE h.name = ?",
                     [name],
                 ).fetchone()
                 raise NameTakenError(name, f"{row[0]}, {row[1]}" if row else "unknown")
 
-    def issue_for(
+    def issue(
         self,
         node_id: str,
         names: Sequence[str],
@@ -76,10 +80,10 @@ class CertificatesMixin(StoreBase):
         """Claim ``names`` and issue (``issue()`` signs) in one transaction: nothing is
         signed for a name the node cannot have, and a name is not held by a certificate
         that was never made."""
-        with self.db.transaction():
+        with self._db.transaction():
             self.claim_names(node_id, names, until)
             issued = issue()
-            self.db.execute(
+            self._db.execute(
                 "INSERT INTO node_certificates (serial, node_id, ca, names, issued_at, not_after)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
                 [issued.serial, issued.node_id, issued.ca, json.dumps(issued.names),
@@ -87,7 +91,7 @@ class CertificatesMixin(StoreBase):
             )  # fmt: skip
             return issued
 
-    def node_certificates(self, node_id: str) -> list[IssuedCertificate]:
+    def of_node(self, node_id: str) -> list[IssuedCertificate]:
         """The node's certificates, newest first."""
         return [
             IssuedCertificate(
@@ -98,24 +102,25 @@ class CertificatesMixin(StoreBase):
                 issued_at=r["issued_at"],
                 not_after=r["not_after"],
             )
-            for r in self.db.query(
+            for r in self._db.query(
                 "SELECT * FROM node_certificates WHERE node_id = ? ORDER BY issued_at DESC",
                 [node_id],
             )
         ]
 
-    def has_certificate(self, node_id: str) -> bool:
+    def issued_to(self, node_id: str) -> bool:
+        """Whether the hub ever issued ``node_id`` a certificate."""
         return (
-            self.db.execute(
+            self._db.execute(
                 "SELECT 1 FROM node_certificates WHERE node_id = ? LIMIT 1", [node_id]
             ).fetchone()
             is not None
         )
 
-    def live_certificates(self, now: float) -> dict[str, int]:
+    def live(self, now: float) -> dict[str, int]:
         """Certificates not yet expired of nodes not revoked, by issuing CA fingerprint:
         what a CA rotation waits for before the old CA is retired."""
-        rows = self.db.execute(
+        rows = self._db.execute(
             "SELECT c.ca, COUNT(*) FROM node_certificates AS c JOIN nodes AS n"
             " ON n.id = c.node_id WHERE c.not_after > ? AND n.revoked_at IS NULL"
             " GROUP BY c.ca",
@@ -123,10 +128,10 @@ class CertificatesMixin(StoreBase):
         ).fetchall()
         return {str(r[0]): int(r[1]) for r in rows}
 
-    def newest_certificates(self) -> dict[str, IssuedCertificate]:
+    def newest(self) -> dict[str, IssuedCertificate]:
         """Each node's newest certificate (of nodes not revoked), by node id: what the
         metrics and the alerts read of expiries and issuing CAs, in one query."""
-        rows = self.db.query(
+        rows = self._db.query(
             "SELECT c.* FROM node_certificates AS c JOIN nodes AS n ON n.id = c.node_id"
             " WHERE n.revoked_at IS NULL AND c.issued_at = (SELECT MAX(issued_at)"
             " FROM node_certificates WHERE node_id = c.node_id)"

@@ -7,10 +7,13 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hub.state.base import ConflictError, NotFoundError, StoreBase
+from hub.state.errors import ConflictError, NotFoundError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Callable, Iterable, Mapping
+
+    from hub.state import sql
+    from hub.state.serials import Serials
 
 
 @dataclass(frozen=True)
@@ -37,62 +40,71 @@ class DeploymentRecord:
     constraints: Mapping[str, Any]  # sites, regions, labels, gpu, gpu_memory_mib, tenant
 
 
-class DeploymentsMixin(StoreBase):
+class Deployments:
     """The `models`, `deployments` and `placements` tables."""
 
+    def __init__(
+        self, database: sql.Database, clock: Callable[[], float], serials: Serials
+    ) -> None:
+        self._db = database
+        self._clock = clock
+        self._serials = serials
+
     def add_model(self, model: ModelArtifact) -> None:
-        added = self.db.execute(
+        added = self._db.execute(
             "INSERT INTO models (ref, name, version, sha256, size_bytes, format, memory_mib,"
             " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
             [model.ref, model.name, model.version, model.sha256, model.size_bytes,
-             model.format, model.memory_mib, self.clock()],
+             model.format, model.memory_mib, self._clock()],
         ).rowcount  # fmt: skip
         if added == 0:
             raise ConflictError(f"model {model.ref} is already registered")
 
     def models(self) -> list[ModelArtifact]:
-        rows = self.db.execute(
+        rows = self._db.execute(
             "SELECT name, version, sha256, size_bytes, format, memory_mib FROM models ORDER BY ref"
         ).fetchall()
         return [ModelArtifact(*r) for r in rows]
 
     def model_by_sha256(self, sha256: str) -> ModelArtifact | None:
-        row = self.db.execute(
+        row = self._db.execute(
             "SELECT name, version, sha256, size_bytes, format, memory_mib FROM models"
             " WHERE sha256 = ? LIMIT 1",
             [sha256],
         ).fetchone()
         return None if row is None else ModelArtifact(*row)
 
-    def deploy(self, deployment: DeploymentRecord) -> int:
+    def add(self, deployment: DeploymentRecord) -> int:
         """Add a deployment; the new serial (the reconciler places it within seconds)."""
-        with self.db.transaction():
-            if not self.db.execute(
+        with self._db.transaction():
+            if not self._db.execute(
                 "SELECT 1 FROM models WHERE ref = ?", [deployment.model]
             ).fetchone():
                 raise NotFoundError(
                     f"no model {deployment.model!r}; add it with `kvl hub models add`",
                     param="model",
                 )
-            self.db.execute(
+            self._db.execute(
                 "INSERT INTO deployments (id, model, replicas, service_class, isolation,"
                 " constraints, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [deployment.id, deployment.model, deployment.replicas, deployment.service_class,
-                 deployment.isolation, json.dumps(deployment.constraints), self.clock()],
+                 deployment.isolation, json.dumps(deployment.constraints), self._clock()],
             )  # fmt: skip
-            return self._bump()
+            return self._serials.bump()
 
-    def undeploy(self, deployment_id: str) -> int:
-        with self.db.transaction():
-            gone = self.db.execute("DELETE FROM deployments WHERE id = ?", [deployment_id])
+    def remove(self, deployment_id: str) -> int:
+        with self._db.transaction():
+            gone = self._db.execute("DELETE FROM deployments WHERE id = ?", [deployment_id])
             if gone.rowcount == 0:
                 raise NotFoundError(f"no deployment {deployment_id!r}")
-            self.db.execute("DELETE FROM placements WHERE deployment_id = ?", [deployment_id])
-            self.db.execute("DELETE FROM placement_models WHERE deployment_id = ?", [deployment_id])
-            return self._bump()
+            self._db.execute("DELETE FROM placements WHERE deployment_id = ?", [deployment_id])
+            self._db.execute(
+                "DELETE FROM placement_models WHERE deployment_id = ?", [deployment_id]
+            )
+            return self._serials.bump()
 
-    def deployments(self) -> list[DeploymentRecord]:
-        rows = self.db.execute(
+    def all(self) -> list[DeploymentRecord]:
+        rows = self._db.execute(
             "SELECT id, model, replicas, service_class, isolation, constraints FROM deployments"
             " ORDER BY created_at, id"
         ).fetchall()
@@ -100,7 +112,7 @@ class DeploymentsMixin(StoreBase):
 
     def placements(self) -> list[tuple[str, str, int | None]]:
         """(deployment id, node id, GPU index or None) of every replica placed."""
-        rows = self.db.execute(
+        rows = self._db.execute(
             "SELECT deployment_id, node_id, gpu FROM placements ORDER BY deployment_id, node_id"
         ).fetchall()
         return [(r[0], r[1], r[2]) for r in rows]
@@ -112,36 +124,36 @@ class DeploymentsMixin(StoreBase):
         Every replica runs the reconciler: the serial's row, locked first, lets one apply
         at a time, and each compares with the placements as the one before left them."""
         target = set(wanted)
-        with self.db.transaction():
-            self.db.execute(
+        with self._db.transaction():
+            self._db.execute(
                 "INSERT INTO meta (key, value) VALUES ('desired_serial', '0')"
                 " ON CONFLICT DO NOTHING"
             )
-            self.db.execute(
-                f"SELECT value FROM meta WHERE key = 'desired_serial'{self.db.for_update}"  # noqa: S608 - a constant
+            self._db.execute(
+                f"SELECT value FROM meta WHERE key = 'desired_serial'{self._db.for_update}"  # noqa: S608 - a constant
             ).fetchall()
             current = set(self.placements())
             if current == target:
                 return False
-            self.db.executemany(
+            self._db.executemany(
                 "DELETE FROM placements WHERE deployment_id = ? AND node_id = ?",
                 sorted((d, n) for d, n, _ in current - target),
             )
-            now = self.clock()
-            self.db.executemany(
+            now = self._clock()
+            self._db.executemany(
                 "INSERT INTO placements (deployment_id, node_id, gpu, created_at)"
                 " VALUES (?, ?, ?, ?) ON CONFLICT (deployment_id, node_id) DO UPDATE SET"
                 " gpu = excluded.gpu",
                 [(d, n, g, now) for d, n, g in sorted(target - current, key=str)],
             )
-            self._bump()
+            self._serials.bump()
             return True
 
     def placed_models(self, node_id: str) -> list[ModelArtifact]:
         """The models placed on a node, for its desired state: each placement's
         deployment's model, or the one a model rollout gave that placement
         (`placement_models`, hub/state/rollouts.py)."""
-        rows = self.db.execute(
+        rows = self._db.execute(
             "SELECT DISTINCT m.name, m.version, m.sha256, m.size_bytes, m.format, m.memory_mib,"
             " m.ref FROM placements p JOIN deployments d ON d.id = p.deployment_id"
             " LEFT JOIN placement_models o ON o.deployment_id = p.deployment_id"

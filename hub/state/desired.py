@@ -5,32 +5,49 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hub.state.accounts import AccountsMixin
-from hub.state.api_keys import ApiKeysMixin
-from hub.state.deployments import DeploymentsMixin
-from hub.state.packages import PackagesMixin
-from hub.state.rollouts import RolloutsMixin
 from shared import protocol
 
 if TYPE_CHECKING:
+    from hub.state import sql
+    from hub.state.accounts import Accounts
+    from hub.state.deployments import Deployments
     from hub.state.nodes import Node
+    from hub.state.packages import Packages
+    from hub.state.rollouts import Rollouts
+    from hub.state.serials import Serials
 
 
-class DesiredStateMixin(
-    AccountsMixin, ApiKeysMixin, DeploymentsMixin, PackagesMixin, RolloutsMixin
-):
-    """What a node pulls (`GET /v1/node/state`), read across aggregates."""
+class DesiredStates:
+    """What a node pulls (`GET /v1/node/state`), read across the aggregates it is drawn
+    from (each given here)."""
 
-    def desired_state(self, node: Node) -> protocol.DesiredState:
+    def __init__(
+        self,
+        database: sql.Database,
+        serials: Serials,
+        *,
+        accounts: Accounts,
+        deployments: Deployments,
+        packages: Packages,
+        rollouts: Rollouts,
+    ) -> None:
+        self._db = database
+        self._serials = serials
+        self._accounts = accounts
+        self._deployments = deployments
+        self._packages = packages
+        self._rollouts = rollouts
+
+    def of(self, node: Node) -> protocol.DesiredState:
         """What ``node`` should hold, with the serial it is at. Only the node's own.
 
         One transaction, and the serial read first: a change committed while this reads
         (on PostgreSQL each statement sees the latest commit) can then only give the node
         newer accounts and keys under an older serial, which it pulls again at its next
         heartbeat; never an older state under the newer serial, which it would keep."""
-        with self.db.transaction():
-            serial = self.desired_serial()
-            names = self.served_accounts(node)
+        with self._db.transaction():
+            serial = self._serials.desired()
+            names = self._accounts.served(node)
             accounts = [
                 protocol.AccountState(
                     name=r["name"],
@@ -40,7 +57,7 @@ class DesiredStateMixin(
                     # Spent through leases (POST /v1/node/leases) when set.
                     budget_tokens=r["budget_tokens"],
                 )
-                for r in self.db.query("SELECT * FROM accounts ORDER BY name")
+                for r in self._db.query("SELECT * FROM accounts ORDER BY name")
                 if r["name"] in names
             ]
             keys = [
@@ -51,7 +68,7 @@ class DesiredStateMixin(
                     admin=bool(r["admin"]),
                     revoked=r["revoked_at"] is not None,
                 )
-                for r in self.db.query("SELECT * FROM api_keys ORDER BY prefix")
+                for r in self._db.query("SELECT * FROM api_keys ORDER BY prefix")
                 if r["account"] in names
             ]
             return protocol.DesiredState(
@@ -69,11 +86,11 @@ class DesiredStateMixin(
                         size_bytes=m.size_bytes,
                         format=m.format,
                     )
-                    for m in self.placed_models(node.id)
+                    for m in self._deployments.placed_models(node.id)
                 ],
                 # The content packages seeded to this node: fetched the same way, pinned.
-                packages=self.seeded_packages(node),
+                packages=self._packages.seeded_to(node),
                 # The image release a rollout gave this node (protocol 6; left out for
                 # older nodes), fetched the same way and installed within its window.
-                release=self.release_target(node),
+                release=self._rollouts.release_target(node),
             )

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hub.planning.quota import Budget, LeaseView, Sizing, grant, remaining
 from hub.state import sql
-from hub.state.accounts import AccountsMixin
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
+
+    from hub.state.accounts import Accounts
 
 
 class ForeignLeaseError(Exception):
@@ -47,14 +48,19 @@ class Quota:
     remaining: int
 
 
-class LeasesMixin(AccountsMixin):
-    """The `leases` table, against the accounts' budgets and the ledger's usage."""
+class Leases:
+    """The `leases` table, against the accounts' budgets (hub/state/accounts.py) and the
+    ledger's usage (hub/state/ledger.py)."""
+
+    def __init__(self, database: sql.Database, accounts: Accounts) -> None:
+        self._db = database
+        self._accounts = accounts
 
     def consumed(self, account: str, period_start: float, period_end: float) -> int:
         """Tokens of the account's usage in the period that reached the ledger: usage under
         the period's leases (whatever the node's clock said), and usage without a lease
         (a partitioned node's safe capacity) by when it was served."""
-        row = self.db.execute(
+        row = self._db.execute(
             "SELECT COALESCE(SUM(tokens), 0) FROM ledger WHERE account = ? AND ("
             " (lease_id IS NULL AND at >= ? AND at < ?)"
             " OR lease_id IN (SELECT id FROM leases WHERE account = ? AND period_start = ?))",
@@ -62,8 +68,8 @@ class LeasesMixin(AccountsMixin):
         ).fetchone()
         return int(row[0])
 
-    def lease_views(self, account: str, period_start: float) -> tuple[LeaseView, ...]:
-        rows = self.db.execute(
+    def views(self, account: str, period_start: float) -> tuple[LeaseView, ...]:
+        rows = self._db.execute(
             "SELECT l.id, l.node_id, l.granted, l.final,"
             " (SELECT COALESCE(SUM(g.tokens), 0) FROM ledger g WHERE g.lease_id = l.id)"
             " FROM leases l WHERE l.account = ? AND l.period_start = ? ORDER BY l.created_at",
@@ -80,15 +86,15 @@ class LeasesMixin(AccountsMixin):
             for r in rows
         )
 
-    def lease_holders(self, now: float) -> set[str]:
+    def holders(self, now: float) -> set[str]:
         """Nodes holding a lease that may still be spent (unexpired, no final report)."""
-        rows = self.db.execute(
+        rows = self._db.execute(
             "SELECT DISTINCT node_id FROM leases WHERE final IS NULL AND expires_at > ?", [now]
         ).fetchall()
         return {r[0] for r in rows}
 
     @sql.retrying()
-    def renew_leases(
+    def renew(
         self,
         node_id: str,
         accounts: Sequence[str],
@@ -110,33 +116,31 @@ class LeasesMixin(AccountsMixin):
         lease views are read before what was consumed: usage ingested in between is then
         counted twice (a smaller grant), never missed."""
         granted: list[Lease] = []
-        with self.db.transaction():
+        with self._db.transaction():
             if grant_new and accounts:
                 for account in sorted(set(accounts)):
-                    self.db.execute(
-                        f"SELECT name FROM accounts WHERE name = ?{self.db.for_update}",  # noqa: S608 - a constant
+                    self._db.execute(
+                        f"SELECT name FROM accounts WHERE name = ?{self._db.for_update}",  # noqa: S608 - a constant
                         [account],
                     ).fetchall()
-            foreign = {
-                lease for lease, owner in self.lease_owners(finals).items() if owner[0] != node_id
-            }
+            foreign = {lease for lease, owner in self.owners(finals).items() if owner[0] != node_id}
             if foreign:
                 raise ForeignLeaseError(
                     f"lease {min(foreign)} was not granted to this node", min(foreign)
                 )
             for lease_id, spent in finals.items():
-                self.db.execute(
+                self._db.execute(
                     "UPDATE leases SET final = ? WHERE id = ? AND node_id = ? AND final IS NULL",
                     [max(0, int(spent)), lease_id, node_id],
                 )
             if not grant_new:
                 return granted
             for account in accounts:
-                budget = self.budget(account)
+                budget = self._accounts.budget(account)
                 if budget is None:
                     continue
                 start, end = budget.period(now)
-                views = self.lease_views(account, start)
+                views = self.views(account, start)
                 consumed = self.consumed(account, start, end)
                 spenders = {v.node_id for v in views if v.outstanding > 0} | {node_id}
                 tokens = grant(budget, consumed, views, spenders=len(spenders), sizing=sizing)
@@ -149,7 +153,7 @@ class LeasesMixin(AccountsMixin):
                     period_ends_at=end,
                 )
                 if tokens > 0:  # a lease of nothing reserves nothing: not stored
-                    self.db.execute(
+                    self._db.execute(
                         "INSERT INTO leases (id, account, node_id, period_start, granted, final,"
                         " expires_at, created_at) VALUES (?, ?, ?, ?, ?, NULL, ?, ?)",
                         [lease.id, account, node_id, start, tokens, lease.expires_at, now],
@@ -159,11 +163,11 @@ class LeasesMixin(AccountsMixin):
 
     def quota(self, account: str, now: float) -> Quota | None:
         """An account's budget in the current period: consumed, leased per node, left."""
-        budget = self.budget(account)
+        budget = self._accounts.budget(account)
         if budget is None:
             return None
         start, end = budget.period(now)
-        views = self.lease_views(account, start)
+        views = self.views(account, start)
         consumed = self.consumed(account, start, end)
         per_node: dict[str, int] = {}
         for view in views:
@@ -179,7 +183,7 @@ class LeasesMixin(AccountsMixin):
             remaining=remaining(budget, consumed, views),
         )
 
-    def lease_owners(self, lease_ids: Iterable[str]) -> dict[str, tuple[str, str]]:
+    def owners(self, lease_ids: Iterable[str]) -> dict[str, tuple[str, str]]:
         """The node each of these leases was granted to, and its account (ids the hub
         never stored, such as a grant of nothing, are absent)."""
         ids = sorted(set(lease_ids))
@@ -187,9 +191,13 @@ class LeasesMixin(AccountsMixin):
         for start in range(0, len(ids), 500):
             chunk = ids[start : start + 500]
             marks = ",".join("?" * len(chunk))
-            for lease_id, node_id, account in self.db.execute(
+            for lease_id, node_id, account in self._db.execute(
                 f"SELECT id, node_id, account FROM leases WHERE id IN ({marks})",  # noqa: S608 - placeholders only
                 chunk,
             ).fetchall():
                 owners[str(lease_id)] = (str(node_id), str(account))
         return owners
+
+    def quotas(self, now: float) -> list[tuple[dict[str, Any], Quota | None]]:
+        """Every account (its row) with its budget this period (None: it has none)."""
+        return [(account, self.quota(account["name"], now)) for account in self._accounts.all()]

@@ -1,18 +1,20 @@
 """The ledger: every event the nodes sync (usage, package reports), stored once by its id
-whichever replica gets it first, in group commits."""
+whichever replica gets it first, in group commits. A package report new to the ledger
+updates the packages' copies too (hub/state/packages.py), in the same transaction."""
 
 from __future__ import annotations
 
 import contextlib
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hub.state import sql
-from hub.state.packages import PackagesMixin
 from shared import protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Callable, Iterable, Sequence
+
+    from hub.state.packages import Packages
 
 
 # A ledger row: event id, node id, kind, body (JSON), received at, account, tokens,
@@ -40,8 +42,15 @@ def _usage(
     return body.account, body.tokens_in + body.tokens_out, body.lease_id, at
 
 
-class LedgerMixin(PackagesMixin):
+class Ledger:
     """The `ledger` table; package reports also update the packages' copies."""
+
+    def __init__(
+        self, database: sql.Database, clock: Callable[[], float], packages: Packages
+    ) -> None:
+        self._db = database
+        self._clock = clock
+        self._packages = packages
 
     def ingest(self, node_id: str, events: Iterable[protocol.Event]) -> tuple[list[str], int]:
         """Store a batch of a node's events; (every id acknowledged, how many were new).
@@ -50,7 +59,7 @@ class LedgerMixin(PackagesMixin):
         its row count says so, whichever replica got the batch first."""
         events = list(events)
         [(ids, new, _)] = self.store_events(
-            [(node_id, events, ledger_rows(node_id, events, self.clock()))]
+            [(node_id, events, ledger_rows(node_id, events, self._clock()))]
         )
         return ids, new
 
@@ -66,7 +75,7 @@ class LedgerMixin(PackagesMixin):
             " lease_id, at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
         )
         answers: dict[int, tuple[list[str], int, dict[str, int]]] = {}
-        with self.db.transaction():
+        with self._db.transaction():
             # All the group's usage in a few statements, in the order of its ids: two
             # replicas storing overlapping batches lock the same keys in one order. An id
             # the statement returns was inserted now: new, for the first batch holding it.
@@ -87,10 +96,10 @@ class LedgerMixin(PackagesMixin):
                     if row[2] == "usage":
                         continue
                     # Others one by one, in the node's order, each applied if it was new.
-                    if self.db.execute(insert, row).rowcount == 0:
+                    if self._db.execute(insert, row).rowcount == 0:
                         continue
                     fresh[row[2]] = fresh.get(row[2], 0) + 1
-                    self._apply_event(node_id, event, row[4])
+                    self._packages.apply_report(node_id, event, row[4])
                 answers[index] = ([r[0] for r in rows], sum(fresh.values()), fresh)
         return [answers[i] for i in range(len(batches))]
 
@@ -106,7 +115,7 @@ class LedgerMixin(PackagesMixin):
             values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
             inserted.update(
                 str(r[0])
-                for r in self.db.execute(
+                for r in self._db.execute(
                     "INSERT INTO ledger (event_id, node_id, kind, body, received_at, account,"  # noqa: S608 - placeholders only
                     f" tokens, lease_id, at) VALUES {values} ON CONFLICT DO NOTHING"
                     " RETURNING event_id",
@@ -115,26 +124,18 @@ class LedgerMixin(PackagesMixin):
             )
         return inserted
 
-    def _apply_event(self, node_id: str, event: protocol.Event, now: float) -> None:
-        """A node's package report: the package (and its lineage) known to the fleet, held
-        by that node; or no longer held. Usage is kept in the ledger only."""
-        if isinstance(event, protocol.PackageEvent):
-            body = event.body
-            self._upsert_package(body.model_dump(mode="json"), origin_node=node_id, now=now)
-            self.db.execute(
-                "INSERT INTO package_copies (package_id, version, node_id, reported_at)"
-                " VALUES (?, ?, ?, ?) ON CONFLICT (package_id, version, node_id) DO UPDATE SET"
-                " reported_at = excluded.reported_at",
-                [body.id, body.version, node_id, now],
-            )
-        elif isinstance(event, protocol.PackageRemovedEvent):
-            self.db.execute(
-                "DELETE FROM package_copies WHERE package_id = ? AND version = ? AND node_id = ?",
-                [event.body.id, event.body.version, node_id],
-            )
-
-    def ledger_count(self, node_id: str | None = None) -> int:
+    def count(self, node_id: str | None = None) -> int:
         sql, params = "SELECT COUNT(*) AS n FROM ledger", []
         if node_id is not None:
             sql, params = sql + " WHERE node_id = ?", [node_id]
-        return int(self.db.query(sql, params)[0]["n"])
+        return int(self._db.query(sql, params)[0]["n"])
+
+    def node_events(self, node_id: str, limit: int) -> list[dict[str, Any]]:
+        """The node's latest events, newest first: what the console shows of a node."""
+        rows = self._db.execute(
+            "SELECT event_id, kind, received_at, account, tokens FROM ledger WHERE node_id = ?"
+            " ORDER BY received_at DESC LIMIT ?",
+            [node_id, limit],
+        ).fetchall()
+        keys = ("event_id", "kind", "received_at", "account", "tokens")
+        return [dict(zip(keys, r, strict=True)) for r in rows]

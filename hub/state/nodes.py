@@ -11,8 +11,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from hub.state import sql
-from hub.state.base import AUTH_REVISION, NotFoundError, StoreBase
 from hub.state.certificates import NameTakenError
+from hub.state.errors import NotFoundError
+from hub.state.serials import AUTH_REVISION
 from hub.state.tokens import EnrollmentToken, TokenProblem, TokenRefusedError, token_of
 from shared import protocol
 from shared.keys import ENROLLMENT_TOKEN, NODE_TOKEN, generate_key, key_matches, parse_prefix
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
     from hub.state.certificates import IssuedCertificate
+    from hub.state.serials import Serials
 
 
 class AddressPoolExhaustedError(Exception):
@@ -131,6 +133,8 @@ class NodeHealth:
     capacity: HeartbeatHealth
 
 
+# The columns of `snapshot_rows`, in order.
+SNAPSHOT_COLUMNS = "id, site, labels, capacity, last_seen, draining, revoked_at, tenant, private"
 HEALTH_CHUNK = 500  # nodes in one read of `node_health`
 _HEALTH_FIELDS = ("outbox_alarm", "outbox_lag", "leases_lapsed", "lease_failures")
 
@@ -176,8 +180,15 @@ def node_of(row: Mapping[str, Any]) -> Node:
     )
 
 
-class NodesMixin(StoreBase):
+class Nodes:
     """The `nodes` table."""
+
+    def __init__(
+        self, database: sql.Database, clock: Callable[[], float], serials: Serials
+    ) -> None:
+        self._db = database
+        self._clock = clock
+        self._serials = serials
 
     @sql.retrying()
     def enroll(
@@ -197,9 +208,9 @@ class NodesMixin(StoreBase):
         after the token and the node are checked; what it raises undoes the enrollment
         (the token's use is not spent)."""
         prefix = parse_prefix(token, ENROLLMENT_TOKEN)
-        now = self.clock()
-        with self.db.transaction():
-            rows = self.db.query("SELECT * FROM enrollment_tokens WHERE prefix = ?", [prefix])
+        now = self._clock()
+        with self._db.transaction():
+            rows = self._db.query("SELECT * FROM enrollment_tokens WHERE prefix = ?", [prefix])
             if prefix is None or not rows or not key_matches(token, rows[0]["hash"]):
                 raise TokenRefusedError(TokenProblem.unknown, prefix)
             record = token_of(rows[0])
@@ -214,7 +225,7 @@ class NodesMixin(StoreBase):
                 raise TokenRefusedError(TokenProblem(state), prefix)
             # A name is one live node's, compared as DNS compares it (without case); its
             # certificate's names are claimed for it alone besides (`certify`).
-            holder = self.db.execute(
+            holder = self._db.execute(
                 "SELECT name, id FROM nodes WHERE lower(name) = ? AND revoked_at IS NULL",
                 [name.lower()],
             ).fetchone()
@@ -223,7 +234,7 @@ class NodesMixin(StoreBase):
             # Spent only while a use is left, checked by the UPDATE itself: of two replicas
             # spending the last use at once, the second updates nothing (PostgreSQL makes
             # it wait for the first, then reads the row again).
-            spent = self.db.execute(
+            spent = self._db.execute(
                 "UPDATE enrollment_tokens SET uses_left = uses_left - 1 WHERE prefix = ?"
                 " AND uses_left > 0 AND revoked_at IS NULL AND expires_at > ?",
                 [prefix, now],
@@ -237,7 +248,7 @@ class NodesMixin(StoreBase):
                 address = self._next_address(overlay_prefix, tried)
                 # The UNIQUE index on overlay_address lets one node have it; a replica that
                 # lost the race inserts nothing and tries the next address.
-                inserted = self.db.execute(
+                inserted = self._db.execute(
                     "INSERT INTO nodes (id, name, site, labels, wg_public_key, overlay_address,"
                     " token_prefix, token_hash, enrolled_with, enrolled_at, last_seen, versions,"
                     " capacity, revoked_at, tenant, private) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?,"
@@ -290,11 +301,11 @@ class NodesMixin(StoreBase):
                 " a node enrolls once: revoke it and enroll with a new key"
             )
         node_token = generate_key(NODE_TOKEN)
-        self.db.execute(
+        self._db.execute(
             "UPDATE nodes SET token_prefix = ?, token_hash = ? WHERE id = ?",
             [node_token.prefix, node_token.hash, node.id],
         )
-        self._bump(AUTH_REVISION)  # the token it replaces is good no more, anywhere
+        self._serials.bump(AUTH_REVISION)  # the token it replaces is good no more, anywhere
         return Enrolled(node, node_token.plaintext)
 
     def _next_address(self, overlay_prefix: str, tried: set[str]) -> str:
@@ -303,17 +314,17 @@ class NodesMixin(StoreBase):
         count of nodes is nearly always free: two index lookups. Otherwise (the prefix
         changed, or another replica just took it), the lowest free one."""
         network = ipaddress.ip_network(overlay_prefix)
-        count = int(self.db.execute("SELECT COUNT(*) FROM nodes").fetchone()[0])
+        count = int(self._db.execute("SELECT COUNT(*) FROM nodes").fetchone()[0])
         if count + 2 < network.num_addresses - 1:
             candidate = str(network[count + 2])  # [0] the network, [1] the hub
             if candidate not in tried:
-                taken = self.db.execute(
+                taken = self._db.execute(
                     "SELECT 1 FROM nodes WHERE overlay_address = ?", [candidate]
                 ).fetchone()
                 if taken is None:
                     return candidate
         taken_all = {
-            r["overlay_address"] for r in self.db.query("SELECT overlay_address FROM nodes")
+            r["overlay_address"] for r in self._db.query("SELECT overlay_address FROM nodes")
         } | tried
         hosts = network.hosts()
         next(hosts)  # the hub
@@ -322,7 +333,7 @@ class NodesMixin(StoreBase):
                 return str(address)
         raise AddressPoolExhaustedError(f"no free address left in {overlay_prefix}")
 
-    def authenticate_node(self, token: str) -> Node | None:
+    def authenticate(self, token: str) -> Node | None:
         """The node a node token belongs to (revoked ones included), or None."""
         prefix = parse_prefix(token, NODE_TOKEN)
         if prefix is None:
@@ -334,11 +345,11 @@ class NodesMixin(StoreBase):
 
     def record_heartbeats(self, beats: Sequence[Heartbeat]) -> None:
         """Record heartbeats (the last of each node), in one transaction (`HubStore.heartbeats`
-        counts their objectives in it too). In the order of
-        the node ids: two replicas writing the same nodes lock their rows in one order, so
-        neither waits on the other in a cycle."""
-        with self.db.transaction():
-            self.db.executemany(
+        counts their objectives in it too). In the order of the node ids: two replicas
+        writing the same nodes lock their rows in one order, so neither waits on the other
+        in a cycle."""
+        with self._db.transaction():
+            self._db.executemany(
                 "UPDATE nodes SET last_seen = ?, versions = ?, capacity = ?, address = ?"
                 " WHERE id = ?",
                 [(b.at, json.dumps(b.versions), b.capacity.model_dump_json(), b.address,
@@ -348,72 +359,83 @@ class NodesMixin(StoreBase):
     def _node_rows(self, where: str = "", params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         """Whole rows of the nodes table: the one query every read of nodes goes through
         (`node_of` makes a row a Node). `where`: a constant of this module, never input."""
-        return self.db.query(f"SELECT * FROM nodes{where}", params)  # noqa: S608
+        return self._db.query(f"SELECT * FROM nodes{where}", params)  # noqa: S608
 
-    def nodes(self) -> list[Node]:
+    def all(self) -> list[Node]:
         return [node_of(r) for r in self._node_rows(" ORDER BY site, name")]
+
+    def snapshot_rows(self) -> list[tuple[Any, ...]]:
+        """Every node's columns a planner's snapshot is made of (`SNAPSHOT_COLUMNS`), by
+        site and name: what the placement reconciler reads each round (hub/reconciler.py
+        makes snapshots again of the rows that changed only)."""
+        return [
+            tuple(row)
+            for row in self._db.execute(
+                f"SELECT {SNAPSHOT_COLUMNS} FROM nodes ORDER BY site, name"  # noqa: S608 - constants
+            ).fetchall()
+        ]
 
     def wireguard_peers(self) -> dict[str, tuple[str, str]]:
         """Each node's WireGuard public key, with its overlay address and name, of the nodes
         not revoked: what the peers loop reads every few seconds (the columns alone: a
         whole `nodes()` of 10,000 nodes took half a second)."""
-        rows = self.db.execute(
+        rows = self._db.execute(
             "SELECT wg_public_key, overlay_address, name FROM nodes WHERE revoked_at IS NULL"
         ).fetchall()
         return {str(key): (str(address), str(name)) for key, address, name in rows}
 
-    def node_health(self, after: str = "", limit: int = HEALTH_CHUNK) -> list[NodeHealth]:
+    def health(self, after: str = "", limit: int = HEALTH_CHUNK) -> list[NodeHealth]:
         """The health (`NodeHealth`) of up to `limit` nodes, by id, those after `after`:
         what the alert loop reads each round, a chunk at a time. A read of all 10,000
         nodes at once (`nodes()`: every column, each capacity validated again) held the
         interpreter the node calls share for half a second or more, every round; a chunk
         holds it a few milliseconds, and the calls run between chunks."""
-        rows = self.db.execute(
+        rows = self._db.execute(
             "SELECT id, name, site, last_seen, revoked_at, capacity FROM nodes"
             " WHERE id > ? ORDER BY id LIMIT ?",
             [after, limit],
         ).fetchall()
         return [_health_of(row) for row in rows]
 
-    def node_names(self) -> dict[str, str]:
+    def names(self) -> dict[str, str]:
         """Each node's name by its id: how views show the nodes that records name by id."""
-        rows = self.db.execute("SELECT id, name FROM nodes").fetchall()
+        rows = self._db.execute("SELECT id, name FROM nodes").fetchall()
         return {str(node_id): str(name) for node_id, name in rows}
 
-    def node(self, node_id: str) -> Node:
+    def get(self, node_id: str) -> Node:
         rows = self._node_rows(" WHERE id = ? OR name = ?", [node_id] * 2)
         if len(rows) != 1:
             raise NotFoundError(f"no single node {node_id!r}")
         return node_of(rows[0])
 
-    def revoke_node(self, node_id: str) -> Node:
+    def revoke(self, node_id: str) -> Node:
         """Revoke a node: its token is refused from then on. The revision of node
         authentication moves in the same transaction, so every replica drops the answers
         it remembers (`AsyncHubStore.authenticate_node`)."""
-        node = self.node(node_id)
-        with self.db.transaction():
-            changed = self.db.execute(
+        node = self.get(node_id)
+        with self._db.transaction():
+            changed = self._db.execute(
                 "UPDATE nodes SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
-                [self.clock(), node.id],
+                [self._clock(), node.id],
             ).rowcount
             if changed:
-                self._bump(AUTH_REVISION)
-        return self.node(node.id)
+                self._serials.bump(AUTH_REVISION)
+        return self.get(node.id)
 
     def note_certificate_refused(self, node_id: str, why: str | None) -> None:
         """Why the hub refused the node a certificate (None: it issued one)."""
         if why is None:  # a renewal like any other writes nothing
-            self.db.execute(
+            self._db.execute(
                 "UPDATE nodes SET certificate_refused = NULL WHERE id = ?"
                 " AND certificate_refused IS NOT NULL",
                 [node_id],
             )
         else:
-            self.db.execute(
+            self._db.execute(
                 "UPDATE nodes SET certificate_refused = ? WHERE id = ?", [why[:1000], node_id]
             )
 
     def set_draining(self, node_id: str, *, draining: bool) -> Node:
-        node = self.node(node_id)
-        self.db.execute("UPDATE nodes SET draining = ? WHERE id = ?", [int(draining), node.id])
-        return self.node(node.id)
+        node = self.get(node_id)
+        self._db.execute("UPDATE nodes SET draining = ? WHERE id = ?", [int(draining), node.id])
+        return self.get(node.id)

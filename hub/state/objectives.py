@@ -5,36 +5,33 @@ minutes kept two days, an hour kept 35 days; `slo_fleet_buckets`, the same witho
 node), and the windows' sums read back.
 
 Grain: (bucket width, bucket start, node, class, account), the node's name and site beside
-it; counters as columns (hub/state/slo.py `COUNTER_NAMES`), the histograms' sums, and
+it; counters as columns (hub/planning/slo.py `COUNTER_NAMES`), the histograms' sums, and
 the node's worker restarts on a row of its own (class and account "")."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hub.state.base import StoreBase
-from hub.state.slo import (
+from hub.planning.slo import (
     COUNTER_NAMES,
-    HISTOGRAM_BUCKETS,
     SUM_NAMES,
     Counters,
-    Grouping,
     Ingested,
     SloDelta,
-    SloTotals,
     delta,
     merged,
     slo_delta,
+    totals_of,
 )
-from shared import protocol
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
+    from hub.planning.slo import Grouping, SloTotals
     from hub.state import sql
     from hub.state.nodes import Heartbeat
+    from shared import protocol
 
 FIVE_MINUTES = 300
 HOUR = 3600
@@ -133,18 +130,6 @@ class SloBucket:
         return totals_of(self.service_class, self.group, self.counters)
 
 
-def totals_of(service_class: str, group: str, c: dict[str, float]) -> SloTotals:
-    return SloTotals(
-        service_class=service_class,
-        group=group,
-        requests=int(c["requests"]),
-        admitted=int(c["admitted"]),
-        refused={r: int(c[f"refused_{r}"]) for r in protocol.REFUSALS},
-        met={o: int(c[f"met_{o}"]) for o in protocol.OBJECTIVES},
-        missed={o: int(c[f"missed_{o}"]) for o in protocol.OBJECTIVES},
-    )
-
-
 def _chunks(ids: Sequence[str]) -> Iterator[Sequence[str]]:
     for i in range(0, len(ids), _IN_CHUNK):
         yield ids[i : i + _IN_CHUNK]
@@ -230,16 +215,17 @@ class _Counted:
             ]  # fmt: skip
 
 
-class ObjectivesMixin(StoreBase):
+class Objectives:
     """The `slo_*` tables."""
 
-    _objectives_pruned_at = 0.0
+    def __init__(self, database: sql.Database, clock: Callable[[], float]) -> None:
+        self._db = database
+        self._clock = clock
+        self._pruned_at = 0.0
+        # Each node's objectives as this store last counted them (`ingest`).
+        self._seen: dict[str, protocol.Objectives] = {}
 
-    def __init__(self, database: sql.Database, *, clock: Callable[[], float] = time.time) -> None:
-        super().__init__(database, clock=clock)
-        self._objectives_seen: dict[str, protocol.Objectives] = {}
-
-    def ingest_objectives(self, beats: Sequence[Heartbeat]) -> Ingested:
+    def ingest(self, beats: Sequence[Heartbeat]) -> Ingested:
         """Inside the heartbeats' transaction: each beat's objectives as deltas, into the
         buckets, the cursors moved. The cursors of the nodes are read locked, in the
         order of their ids (as the nodes' rows were just updated), so two replicas
@@ -247,7 +233,7 @@ class ObjectivesMixin(StoreBase):
         # A node's objectives as this store last counted them: the same again (an idle
         # node's, a resend) add nothing whatever the cursors say (counters never go
         # down), so they cost no read. Remembered only as a shortcut: the cursors decide.
-        seen = self._objectives_seen
+        seen = self._seen
         beats = sorted(
             (b for b in beats if b.objectives is not None and seen.get(b.node_id) != b.objectives),
             key=lambda b: b.node_id,
@@ -259,12 +245,12 @@ class ObjectivesMixin(StoreBase):
             seen[b.node_id] = b.objectives
         counted = _Counted()
         if beats:
-            known = {str(r[0]) for r in self.db.execute("SELECT name FROM accounts").fetchall()}
+            known = {str(r[0]) for r in self._db.execute("SELECT name FROM accounts").fetchall()}
             last = self._cursors([b.node_id for b in beats])
             for beat in beats:
                 counted.beat(beat, known, last)
             self._write(counted)
-        self._prune_objectives_when_due()
+        self._prune_when_due()
         return Ingested(counted.series, counted.restarts)
 
     def _cursors(self, ids: Sequence[str]) -> _Cursors:
@@ -272,21 +258,21 @@ class ObjectivesMixin(StoreBase):
         found = _Cursors()
         for chunk in _chunks(ids):
             marks = _marks(len(chunk))
-            for node_id, name, site in self.db.execute(
+            for node_id, name, site in self._db.execute(
                 f"SELECT id, name, site FROM nodes WHERE id IN ({marks})",  # noqa: S608 - marks
                 chunk,
             ).fetchall():
                 found.nodes[node_id] = (name, site)
-            for row in self.db.execute(
+            for row in self._db.execute(
                 "SELECT node_id, service_class, account, epoch, at, counters FROM slo_cursors"  # noqa: S608 - marks
                 f" WHERE node_id IN ({marks}) ORDER BY node_id, service_class, account"
-                + self.db.for_update,
+                + self._db.for_update,
                 chunk,
             ).fetchall():
                 found.series[(row[0], row[1], row[2])] = (row[3], row[4], Counters.load(row[5]))
-            for row in self.db.execute(
+            for row in self._db.execute(
                 "SELECT node_id, epoch, at, worker_restarts FROM slo_node_cursors"  # noqa: S608 - marks
-                f" WHERE node_id IN ({marks}) ORDER BY node_id" + self.db.for_update,
+                f" WHERE node_id IN ({marks}) ORDER BY node_id" + self._db.for_update,
                 chunk,
             ).fetchall():
                 found.restarts[row[0]] = (row[1], row[2], int(row[3]))
@@ -294,7 +280,7 @@ class ObjectivesMixin(StoreBase):
 
     def _write(self, counted: _Counted) -> None:
         if counted.cursor_rows:
-            self.db.executemany(
+            self._db.executemany(
                 "INSERT INTO slo_cursors (node_id, service_class, account, epoch, at, counters)"
                 " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (node_id, service_class, account)"
                 " DO UPDATE SET epoch = excluded.epoch, at = excluded.at,"
@@ -302,7 +288,7 @@ class ObjectivesMixin(StoreBase):
                 counted.cursor_rows,
             )
         if counted.node_cursor_rows:
-            self.db.executemany(
+            self._db.executemany(
                 "INSERT INTO slo_node_cursors (node_id, epoch, at, worker_restarts)"
                 " VALUES (?, ?, ?, ?) ON CONFLICT (node_id) DO UPDATE SET"
                 " epoch = excluded.epoch, at = excluded.at,"
@@ -310,22 +296,22 @@ class ObjectivesMixin(StoreBase):
                 counted.node_cursor_rows,
             )
         if counted.bucket_rows:
-            self.db.executemany(_INSERT_BUCKET, counted.bucket_rows)
+            self._db.executemany(_INSERT_BUCKET, counted.bucket_rows)
         if counted.fleet:
-            self.db.executemany(_INSERT_FLEET_BUCKET, counted.fleet_rows())
+            self._db.executemany(_INSERT_FLEET_BUCKET, counted.fleet_rows())
 
-    def _prune_objectives_when_due(self) -> None:
-        now = self.clock()
-        if now - self._objectives_pruned_at >= PRUNE_EVERY_S:
-            self.prune_objectives(now)
+    def _prune_when_due(self) -> None:
+        now = self._clock()
+        if now - self._pruned_at >= PRUNE_EVERY_S:
+            self.prune(now)
 
-    def prune_objectives(self, now: float) -> int:
+    def prune(self, now: float) -> int:
         """Delete the buckets older than they are kept; how many."""
-        self._objectives_pruned_at = now
+        self._pruned_at = now
         deleted = 0
         for table in ("slo_buckets", "slo_fleet_buckets"):
             for width, kept in KEPT_S.items():
-                deleted += self.db.execute(
+                deleted += self._db.execute(
                     f"DELETE FROM {table} WHERE width = ? AND start < ?",  # noqa: S608 - constants
                     [width, now - kept],
                 ).rowcount
@@ -335,9 +321,9 @@ class ObjectivesMixin(StoreBase):
 
     def _width(self, since: float) -> int:
         """The finest buckets that still reach back to `since`."""
-        return FIVE_MINUTES if since > self.clock() - KEPT_S[FIVE_MINUTES] + FIVE_MINUTES else HOUR
+        return FIVE_MINUTES if since > self._clock() - KEPT_S[FIVE_MINUTES] + FIVE_MINUTES else HOUR
 
-    def slo_buckets(
+    def buckets(
         self,
         since: float,
         until: float,
@@ -365,7 +351,7 @@ class ObjectivesMixin(StoreBase):
         per_node = by == "node" or filters.node is not None
         table = "slo_buckets" if per_node else "slo_fleet_buckets"
         name = "MAX(node)" if per_node else "''"
-        rows = self.db.query(
+        rows = self._db.query(
             f"SELECT {'start' if per_bucket else '0'} AS bucket, service_class,"  # noqa: S608 - constants
             f" {group} AS grp, {name} AS node_name, {sums}"
             f" FROM {table} WHERE width = ? AND start > ? AND start < ?"
@@ -387,7 +373,7 @@ class ObjectivesMixin(StoreBase):
             )
         return out
 
-    def slo_totals(
+    def totals(
         self,
         since: float,
         until: float,
@@ -396,15 +382,15 @@ class ObjectivesMixin(StoreBase):
     ) -> list[SloTotals]:
         """Each class's (and account's, site's or node's) sums over [since, until), to the
         bucket: every bucket that overlaps the window counts whole."""
-        return [b.totals() for b in self.slo_buckets(since, until, by, filters)]
+        return [b.totals() for b in self.buckets(since, until, by, filters)]
 
-    def slo_series(
+    def series(
         self, since: float, until: float, step: float, filters: SloFilters | None = None
     ) -> tuple[int, list[SloBucket]]:
         """Per class, the sums of each `step` of [since, until) (step rounded to the buckets'
         width, at least one bucket; the step used is answered too): the points of a
         chart."""
-        buckets = self.slo_buckets(since, until, "class", filters, per_bucket=True)
+        buckets = self.buckets(since, until, "class", filters, per_bucket=True)
         width = FIVE_MINUTES if until - since <= FINE_WINDOW_S else HOUR
         width = max(width, self._width(since))
         step = max(width, int(step // width * width))
@@ -421,14 +407,9 @@ class ObjectivesMixin(StoreBase):
     def worker_restarts_since(self, since: float) -> dict[str, int]:
         """Model workers restarted on each node (by id) since `since`, to the bucket."""
         width = self._width(since)
-        rows = self.db.execute(
+        rows = self._db.execute(
             "SELECT node_id, SUM(CAST(worker_restarts AS DOUBLE PRECISION)) FROM slo_buckets"
             " WHERE width = ? AND start > ? AND service_class = '' GROUP BY node_id",
             [width, since - width],
         ).fetchall()
         return {str(node_id): int(total) for node_id, total in rows if total}
-
-
-def histogram(counters: dict[str, float], name: str) -> list[float]:
-    """A bucket's histogram (`ttft` or `completion`) out of its counters."""
-    return [counters.get(f"{name}_{i}", 0.0) for i in range(HISTOGRAM_BUCKETS)]

@@ -7,13 +7,15 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hub.state.base import NotFoundError, StoreBase
+from hub.state.errors import NotFoundError
 from shared import protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
+    from hub.state import sql
     from hub.state.nodes import Node
+    from hub.state.serials import Serials
 
 
 @dataclass(frozen=True)
@@ -59,15 +61,20 @@ def package_of(row: Mapping[str, Any], nodes: list[str]) -> PackageRecord:
     )
 
 
-class PackagesMixin(StoreBase):
+class Packages:
     """The `packages`, `package_copies` and `package_seeds` tables."""
 
-    def _upsert_package(
-        self, summary: Mapping[str, Any], *, origin_node: str | None, now: float
+    def __init__(
+        self, database: sql.Database, clock: Callable[[], float], serials: Serials
     ) -> None:
+        self._db = database
+        self._clock = clock
+        self._serials = serials
+
+    def _record(self, summary: Mapping[str, Any], *, origin_node: str | None, now: float) -> None:
         """Record a package version the first time it is heard of; later reports (another
         node's copy, an upload) keep the first origin."""
-        self.db.execute(
+        self._db.execute(
             "INSERT INTO packages (id, version, title, topic, level, items, size, digest,"
             " lineage, origin_node, created_at, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?,"
             " ?, ?, ?, ?) ON CONFLICT DO NOTHING",
@@ -77,20 +84,20 @@ class PackagesMixin(StoreBase):
              origin_node, str(summary["created_at"]), now],
         )  # fmt: skip
 
-    def add_package_bundle(self, summary: Mapping[str, Any], sha256: str, size: int) -> None:
+    def add_bundle(self, summary: Mapping[str, Any], sha256: str, size: int) -> None:
         """The hub now holds this package's archive (to seed it to nodes)."""
-        with self.db.transaction():
-            self._upsert_package(summary, origin_node=None, now=self.clock())
-            self.db.execute(
+        with self._db.transaction():
+            self._record(summary, origin_node=None, now=self._clock())
+            self._db.execute(
                 "UPDATE packages SET bundle_sha256 = ?, bundle_size = ? WHERE id = ? AND"
                 " version = ?",
                 [sha256, size, summary["id"], summary["version"]],
             )
 
-    def packages(self, query: str | None = None, limit: int = 200) -> list[PackageRecord]:
+    def find(self, query: str | None = None, limit: int = 200) -> list[PackageRecord]:
         """Packages known to the fleet, newest first, with the nodes that hold each."""
         needle = f"%{(query or '').casefold()}%"
-        rows = self.db.query(
+        rows = self._db.query(
             "SELECT p.*, s.site AS seed_site, s.created_at AS seeded_at"
             " FROM packages p LEFT JOIN package_seeds s ON s.package_id = p.id AND"
             " s.version = p.version WHERE lower(p.id || ' ' || p.title || ' ' || p.topic)"
@@ -100,7 +107,7 @@ class PackagesMixin(StoreBase):
         holders: dict[tuple[str, str], list[str]] = {}
         if rows:
             marks = ",".join("?" * len(rows))
-            copies = self.db.execute(
+            copies = self._db.execute(
                 "SELECT package_id, version, node_id FROM package_copies"  # noqa: S608 - placeholders only
                 f" WHERE package_id IN ({marks}) ORDER BY node_id",
                 sorted({r["id"] for r in rows}),
@@ -109,11 +116,11 @@ class PackagesMixin(StoreBase):
                 holders.setdefault((package_id, version), []).append(node_id)
         return [package_of(r, holders.get((r["id"], r["version"]), [])) for r in rows]
 
-    def seed_package(self, package_id: str, version: str | None, site: str | None) -> int:
+    def seed(self, package_id: str, version: str | None, site: str | None) -> int:
         """Seed a package version (the newest held when None) to every node, or to the
         nodes of ``site``; the new serial. NotFoundError when the hub holds no archive."""
-        with self.db.transaction():
-            row = self.db.execute(
+        with self._db.transaction():
+            row = self._db.execute(
                 "SELECT version FROM packages WHERE id = ? AND (CAST(? AS TEXT) IS NULL OR"
                 " version = ?) AND"
                 " bundle_sha256 IS NOT NULL ORDER BY created_at DESC LIMIT 1",
@@ -125,28 +132,28 @@ class PackagesMixin(StoreBase):
                     + (f"@{version}" if version else "")
                     + "; add one with `kvl hub packages add FILE`"
                 )
-            self.db.execute(
+            self._db.execute(
                 "INSERT INTO package_seeds (package_id, version, site, created_at)"
                 " VALUES (?, ?, ?, ?) ON CONFLICT (package_id, version) DO UPDATE SET"
                 " site = excluded.site",
-                [package_id, row[0], site, self.clock()],
+                [package_id, row[0], site, self._clock()],
             )
-            return self._bump()
+            return self._serials.bump()
 
-    def unseed_package(self, package_id: str, version: str | None) -> int:
-        with self.db.transaction():
-            gone = self.db.execute(
+    def unseed(self, package_id: str, version: str | None) -> int:
+        with self._db.transaction():
+            gone = self._db.execute(
                 "DELETE FROM package_seeds WHERE package_id = ? AND"
                 " (CAST(? AS TEXT) IS NULL OR version = ?)",
                 [package_id, version, version],
             ).rowcount
             if not gone:
                 raise NotFoundError(f"{package_id} is not seeded")
-            return self._bump()
+            return self._serials.bump()
 
-    def seeded_packages(self, node: Node) -> list[protocol.SeededPackage]:
+    def seeded_to(self, node: Node) -> list[protocol.SeededPackage]:
         """The package archives seeded to ``node`` (all nodes, or its site)."""
-        rows = self.db.execute(
+        rows = self._db.execute(
             "SELECT p.id, p.version, p.bundle_sha256, p.bundle_size FROM package_seeds s"
             " JOIN packages p ON p.id = s.package_id AND p.version = s.version"
             " WHERE p.bundle_sha256 IS NOT NULL AND (s.site IS NULL OR s.site = ?)"
@@ -154,3 +161,37 @@ class PackagesMixin(StoreBase):
             [node.site],
         ).fetchall()
         return [protocol.SeededPackage(id=r[0], version=r[1], sha256=r[2], size=r[3]) for r in rows]
+
+    def apply_report(self, node_id: str, event: protocol.Event, now: float) -> None:
+        """Inside the ledger's transaction, for an event new to it: a node's package
+        report, the package (and its lineage) known to the fleet, held by that node; or no
+        longer held. Other kinds change nothing here."""
+        if isinstance(event, protocol.PackageEvent):
+            body = event.body
+            self._record(body.model_dump(mode="json"), origin_node=node_id, now=now)
+            self._db.execute(
+                "INSERT INTO package_copies (package_id, version, node_id, reported_at)"
+                " VALUES (?, ?, ?, ?) ON CONFLICT (package_id, version, node_id) DO UPDATE SET"
+                " reported_at = excluded.reported_at",
+                [body.id, body.version, node_id, now],
+            )
+        elif isinstance(event, protocol.PackageRemovedEvent):
+            self._db.execute(
+                "DELETE FROM package_copies WHERE package_id = ? AND version = ? AND node_id = ?",
+                [event.body.id, event.body.version, node_id],
+            )
+
+    def summaries(self, limit: int) -> list[dict[str, Any]]:
+        """The packages the fleet reported, newest first, with how many nodes hold each:
+        what the console lists."""
+        rows = self._db.execute(
+            "SELECT p.id, p.version, p.title, p.topic, p.level, p.items, p.size, p.origin_node,"
+            " p.created_at, p.received_at, p.bundle_sha256,"
+            " (SELECT COUNT(*) FROM package_copies c"
+            "  WHERE c.package_id = p.id AND c.version = p.version)"
+            " FROM packages p ORDER BY p.received_at DESC, p.id LIMIT ?",
+            [limit],
+        ).fetchall()
+        keys = ("id", "version", "title", "topic", "level", "items", "size", "origin_node",
+                "created_at", "received_at", "bundle_sha256", "copies")  # fmt: skip
+        return [dict(zip(keys, r, strict=True)) for r in rows]

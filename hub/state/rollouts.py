@@ -14,13 +14,15 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
 
 from hub.planning.rollout import ACTIVE, Member, RolloutState, Strategy
-from hub.state.base import ConflictError, NotFoundError, StoreBase
+from hub.state.errors import ConflictError, NotFoundError
 from shared import protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
+    from hub.state import sql
     from hub.state.nodes import Node
+    from hub.state.serials import Serials
 
 RolloutKind = Literal["release", "model"]
 
@@ -73,31 +75,38 @@ def _strategy_of(text: str) -> Strategy:
     return Strategy(**raw)
 
 
-class RolloutsMixin(StoreBase):
+class Rollouts:
     """The `releases`, `update_windows`, `node_releases`, `placement_models`, `rollouts`
     and `rollout_nodes` tables."""
+
+    def __init__(
+        self, database: sql.Database, clock: Callable[[], float], serials: Serials
+    ) -> None:
+        self._db = database
+        self._clock = clock
+        self._serials = serials
 
     # -- releases ----------------------------------------------------------------------------
 
     def add_release(self, version: str, notes: str, sha256: str, size_bytes: int) -> Release:
-        added = self.db.execute(
+        added = self._db.execute(
             "INSERT INTO releases (version, notes, sha256, size_bytes, created_at)"
             " VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-            [version, notes, sha256, size_bytes, self.clock()],
+            [version, notes, sha256, size_bytes, self._clock()],
         ).rowcount
         if added == 0:
             raise RolloutConflictError(f"release {version} exists already")
         return self.release(version)
 
     def releases(self) -> list[Release]:
-        rows = self.db.execute(
+        rows = self._db.execute(
             "SELECT version, notes, sha256, size_bytes, created_at FROM releases"
             " ORDER BY created_at DESC, version"
         ).fetchall()
         return [Release(*r) for r in rows]
 
     def release(self, version: str) -> Release:
-        row = self.db.execute(
+        row = self._db.execute(
             "SELECT version, notes, sha256, size_bytes, created_at FROM releases WHERE version = ?",
             [version],
         ).fetchone()
@@ -107,29 +116,29 @@ class RolloutsMixin(StoreBase):
 
     def release_nodes(self, version: str) -> dict[str, str | None]:
         """The nodes given this release as their target, and the rollout that did."""
-        rows = self.db.execute(
+        rows = self._db.execute(
             "SELECT node_id, rollout_id FROM node_releases WHERE version = ?", [version]
         ).fetchall()
         return {r[0]: r[1] for r in rows}
 
     def set_update_window(self, site: str, window: protocol.UpdateWindow | None) -> int:
         """A site's update window (None: any time); the new serial."""
-        with self.db.transaction():
-            self.db.execute("DELETE FROM update_windows WHERE site = ?", [site])
+        with self._db.transaction():
+            self._db.execute("DELETE FROM update_windows WHERE site = ?", [site])
             if window is not None:
-                self.db.execute(
+                self._db.execute(
                     "INSERT INTO update_windows (site, start_min, end_min) VALUES (?, ?, ?)",
                     [site, window.start_min, window.end_min],
                 )
-            return self._bump()
+            return self._serials.bump()
 
     def update_windows(self) -> dict[str, protocol.UpdateWindow]:
-        rows = self.db.execute("SELECT site, start_min, end_min FROM update_windows").fetchall()
+        rows = self._db.execute("SELECT site, start_min, end_min FROM update_windows").fetchall()
         return {r[0]: protocol.UpdateWindow(start_min=r[1], end_min=r[2]) for r in rows}
 
     def release_target(self, node: Node) -> protocol.ReleaseTarget | None:
         """The release ``node`` should run, for its desired state."""
-        row = self.db.execute(
+        row = self._db.execute(
             "SELECT r.version, r.sha256, r.size_bytes, w.start_min, w.end_min"
             " FROM node_releases n JOIN releases r ON r.version = n.version"
             " LEFT JOIN update_windows w ON w.site = ? WHERE n.node_id = ?",
@@ -144,7 +153,7 @@ class RolloutsMixin(StoreBase):
 
     # -- rollouts ----------------------------------------------------------------------------
 
-    def start_rollout(
+    def start(
         self,
         kind: RolloutKind,
         target: Mapping[str, str],
@@ -159,49 +168,49 @@ class RolloutsMixin(StoreBase):
         before; RolloutConflictError while another of the same release kind, or of the
         same deployment, is active."""
         rollout_id = uuid.uuid4().hex[:12]
-        now = self.clock()
-        with self.db.transaction():
+        now = self._clock()
+        with self._db.transaction():
             for other in self._active(kind):
                 if kind == "release" or other.target.get("deployment") == target.get("deployment"):
                     raise RolloutConflictError(_busy(other))
-            self.db.execute(
+            self._db.execute(
                 "INSERT INTO rollouts (id, kind, target, strategy, state, wave, wave_started_at,"
                 " reason, created_by, created_at, updated_at)"
                 " VALUES (?, ?, ?, ?, 'pending', 0, ?, '', ?, ?, ?)",
                 [rollout_id, kind, json.dumps(dict(target)), json.dumps(asdict(strategy)),
                  now, created_by, now, now],
             )  # fmt: skip
-            self.db.executemany(
+            self._db.executemany(
                 "INSERT INTO rollout_nodes (rollout_id, node_id, name, wave, state, previous,"
                 " note) VALUES (?, ?, ?, ?, 'waiting', ?, '')",
                 [(rollout_id, node_id, names.get(node_id, node_id), wave, previous.get(node_id))
                  for node_id, wave in sorted(waves.items())],
             )  # fmt: skip
-        return self.rollout(rollout_id)
+        return self.get(rollout_id)
 
     def _active(self, kind: RolloutKind) -> list[Rollout]:
         marks = ",".join("?" * len(ACTIVE))
-        rows = self.db.execute(
+        rows = self._db.execute(
             f"SELECT id FROM rollouts WHERE kind = ? AND state IN ({marks})",  # noqa: S608 - placeholders only
             [kind, *ACTIVE],
         ).fetchall()
-        return [self.rollout(r[0]) for r in rows]
+        return [self.get(r[0]) for r in rows]
 
-    def rollouts(self, *, active_only: bool = False) -> list[Rollout]:
+    def all(self, *, active_only: bool = False) -> list[Rollout]:
         if active_only:
             marks = ",".join("?" * len(ACTIVE))
-            rows = self.db.execute(
+            rows = self._db.execute(
                 f"SELECT id FROM rollouts WHERE state IN ({marks}) ORDER BY created_at",  # noqa: S608 - placeholders only
                 list(ACTIVE),
             ).fetchall()
         else:
-            rows = self.db.execute(
+            rows = self._db.execute(
                 "SELECT id FROM rollouts ORDER BY created_at DESC LIMIT 200"
             ).fetchall()
-        return [self.rollout(r[0]) for r in rows]
+        return [self.get(r[0]) for r in rows]
 
-    def rollout(self, rollout_id: str) -> Rollout:
-        row = self.db.query("SELECT * FROM rollouts WHERE id = ?", [rollout_id])
+    def get(self, rollout_id: str) -> Rollout:
+        row = self._db.query("SELECT * FROM rollouts WHERE id = ?", [rollout_id])
         if not row:
             raise NotFoundError(f"no rollout {rollout_id!r}")
         r = row[0]
@@ -218,7 +227,7 @@ class RolloutsMixin(StoreBase):
                 ),
                 m["previous"],
             )
-            for m in self.db.query(
+            for m in self._db.query(
                 "SELECT * FROM rollout_nodes WHERE rollout_id = ? ORDER BY wave, name",
                 [rollout_id],
             )
@@ -251,10 +260,10 @@ class RolloutsMixin(StoreBase):
         """Write one round of a rollout: its state, the members that moved, and the targets
         of the members it reached or finished with. Only if the rollout is still as it was
         read (another replica's round, or the operator, may have moved it): False then."""
-        now = self.clock()
+        now = self._clock()
         by_id = {m.member.node_id: m for m in rollout.members}
-        with self.db.transaction():
-            moved = self.db.execute(
+        with self._db.transaction():
+            moved = self._db.execute(
                 "UPDATE rollouts SET state = ?, wave = ?, wave_started_at = ?, reason = ?,"
                 " updated_at = ? WHERE id = ? AND state = ? AND updated_at = ?",
                 [state, wave, wave_started_at, reason, now, rollout.id, rollout.state,
@@ -267,7 +276,7 @@ class RolloutsMixin(StoreBase):
                 before = by_id.get(m.node_id)
                 if before is None or before.member == m:
                     continue
-                self.db.execute(
+                self._db.execute(
                     "UPDATE rollout_nodes SET state = ?, targeted_at = ?, healthy_since = ?,"
                     " note = ? WHERE rollout_id = ? AND node_id = ?",
                     [m.state, m.targeted_at, m.healthy_since, m.note[:2000], rollout.id,
@@ -280,21 +289,21 @@ class RolloutsMixin(StoreBase):
                 self._finish_model(rollout)
                 serial_moves = True
             if serial_moves:
-                self._bump()
+                self._serials.bump()
         return True
 
     def _give(self, rollout: Rollout, node_id: str) -> None:
         """The rollout's target for one node, where its desired state reads it."""
         if rollout.kind == "release":
-            self.db.execute(
+            self._db.execute(
                 "INSERT INTO node_releases (node_id, version, rollout_id, set_at)"
                 " VALUES (?, ?, ?, ?) ON CONFLICT (node_id) DO UPDATE SET"
                 " version = excluded.version, rollout_id = excluded.rollout_id,"
                 " set_at = excluded.set_at",
-                [node_id, rollout.target["release"], rollout.id, self.clock()],
+                [node_id, rollout.target["release"], rollout.id, self._clock()],
             )
         else:
-            self.db.execute(
+            self._db.execute(
                 "INSERT INTO placement_models (deployment_id, node_id, model, rollout_id)"
                 " VALUES (?, ?, ?, ?) ON CONFLICT (deployment_id, node_id) DO UPDATE SET"
                 " model = excluded.model, rollout_id = excluded.rollout_id",
@@ -305,43 +314,43 @@ class RolloutsMixin(StoreBase):
         """A model rollout done: the deployment runs the new model everywhere, and the
         placements' own models go (the deployment's now says the same)."""
         deployment = rollout.target["deployment"]
-        self.db.execute(
+        self._db.execute(
             "UPDATE deployments SET model = ? WHERE id = ?", [rollout.target["model"], deployment]
         )
-        self.db.execute("DELETE FROM placement_models WHERE deployment_id = ?", [deployment])
+        self._db.execute("DELETE FROM placement_models WHERE deployment_id = ?", [deployment])
 
-    def set_rollout_state(
+    def set_state(
         self, rollout_id: str, state: RolloutState, reason: str, *, allowed: Sequence[str]
     ) -> Rollout:
         """The operator's pause, resume or abort: from one of the `allowed` states only
         (RolloutConflictError otherwise). Abort gives the members it reached their
         previous target back, at once. Resume from a halt gives the failed members
         another chance (they were halting it; the rounds judge them again)."""
-        with self.db.transaction():
-            rollout = self.rollout(rollout_id)
+        with self._db.transaction():
+            rollout = self.get(rollout_id)
             if rollout.state not in allowed:
                 raise RolloutConflictError(
                     f"rollout {rollout_id} is {rollout.state}: it cannot be {_verb(state)}"
                 )
-            self.db.execute(
+            self._db.execute(
                 "UPDATE rollouts SET state = ?, reason = ?, updated_at = ? WHERE id = ?",
-                [state, reason, self.clock(), rollout_id],
+                [state, reason, self._clock(), rollout_id],
             )
             if state == "running" and rollout.state == "halted":
-                self.db.execute(
+                self._db.execute(
                     "UPDATE rollout_nodes SET state = 'targeted', healthy_since = NULL,"
                     " targeted_at = ?, note = '' WHERE rollout_id = ? AND state = 'failed'",
-                    [self.clock(), rollout_id],
+                    [self._clock(), rollout_id],
                 )
             if state == "rolling-back":
                 self._take_back(rollout)
-                self._bump()
-        return self.rollout(rollout_id)
+                self._serials.bump()
+        return self.get(rollout_id)
 
     def _take_back(self, rollout: Rollout) -> None:
         if rollout.kind == "model":
             # The placements' own models go: the deployment's model (the old one) again.
-            self.db.execute("DELETE FROM placement_models WHERE rollout_id = ?", [rollout.id])
+            self._db.execute("DELETE FROM placement_models WHERE rollout_id = ?", [rollout.id])
             return
         for m in rollout.members:
             if m.member.state == "waiting":
@@ -349,20 +358,20 @@ class RolloutsMixin(StoreBase):
             if m.previous is None:
                 # Nothing to go back to that the hub holds: no release target at all (the
                 # node keeps what it runs).
-                self.db.execute(
+                self._db.execute(
                     "DELETE FROM node_releases WHERE node_id = ? AND rollout_id = ?",
                     [m.member.node_id, rollout.id],
                 )
             else:
-                self.db.execute(
+                self._db.execute(
                     "UPDATE node_releases SET version = ?, rollout_id = ?, set_at = ?"
                     " WHERE node_id = ? AND rollout_id = ?",
-                    [m.previous, rollout.id, self.clock(), m.member.node_id, rollout.id],
+                    [m.previous, rollout.id, self._clock(), m.member.node_id, rollout.id],
                 )
 
     def node_release_versions(self) -> dict[str, str]:
         """Each node's release target (node id → version)."""
-        rows = self.db.execute("SELECT node_id, version FROM node_releases").fetchall()
+        rows = self._db.execute("SELECT node_id, version FROM node_releases").fetchall()
         return {r[0]: r[1] for r in rows}
 
 

@@ -1,9 +1,11 @@
-"""The hub's store: one class, `HubStore`, composed of one mixin per aggregate (the modules
-beside this one: tokens, nodes, accounts, leases, api_keys, operators, deployments,
-ledger, packages, and the desired state drawn from several), on one connection; and its
-async facade, `AsyncHubStore`, on one writer thread per process (shared.db.AsyncStore)
-with a second connection for reads of the whole fleet. The aggregates' modules and the
-console's (hub/console/store.py) are the only hub modules that write SQL.
+"""The hub's store: one façade, `HubStore`, holding one repository per aggregate (the
+modules beside this one: `tokens`, `nodes`, `certificates`, `operators`, `accounts` with
+their API keys, `leases`, `ledger`, `packages`, `deployments`, `rollouts`, `objectives`,
+`alerts`, `console`, and `desired`, the desired state drawn from several), each a plain
+class given the one connection and what else it reads (the clock, the serials, the
+repositories it draws on), composed here; and its async facade, `AsyncHubStore`, on one
+writer thread per process (shared.db.AsyncStore) with a second connection for reads of the
+whole fleet. The modules of hub/state/ are the only hub modules that hold SQL.
 
 The same statements run on SQLite (the default: one file, one writer) and on PostgreSQL
 (`database_url`: several hub replicas on one database) through hub.state.sql. What must stay
@@ -20,89 +22,34 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from hub.state import sql
-from hub.state.accounts import ForeignAccountError
-from hub.state.alerts import AlertRecord, AlertsMixin, Delivery, Firing, Silence
-from hub.state.base import (
-    AUTH_REVISION,
-    DESIRED_SERIAL,
-    ConflictError,
-    NotFoundError,
-    StoreBase,
-)
-from hub.state.certificates import CertificatesMixin, IssuedCertificate, NameTakenError
-from hub.state.deployments import DeploymentRecord, ModelArtifact
-from hub.state.desired import DesiredStateMixin
-from hub.state.leases import ForeignLeaseError, Lease, LeasesMixin, Quota
-from hub.state.ledger import LedgerMixin, LedgerRow, ledger_rows
+from hub.state.accounts import Accounts, ForeignAccountError
+from hub.state.alerts import Alerts
+from hub.state.certificates import Certificates
+from hub.state.console import Console
+from hub.state.deployments import Deployments
+from hub.state.desired import DesiredStates
+from hub.state.leases import ForeignLeaseError, Leases
+from hub.state.ledger import Ledger, LedgerRow, ledger_rows
 from hub.state.migrations import MIGRATION_SET, MIGRATIONS
-from hub.state.nodes import (
-    ENROLL_RETRY_S,
-    AddressPoolExhaustedError,
-    AlreadyEnrolledError,
-    Enrolled,
-    Heartbeat,
-    Node,
-    NodesMixin,
-    capacity_of,
-)
-from hub.state.objectives import ObjectivesMixin
-from hub.state.operators import OperatorsMixin
-from hub.state.packages import PackageRecord
-from hub.state.rollouts import Release, Rollout, RolloutConflictError
-from hub.state.tokens import EnrollmentToken, TokenProblem, TokenRefusedError, TokensMixin
+from hub.state.nodes import Nodes
+from hub.state.objectives import Objectives
+from hub.state.operators import Operators
+from hub.state.packages import Packages
+from hub.state.rollouts import Rollouts
+from hub.state.serials import Serials
+from hub.state.tokens import Tokens
 from shared import db, protocol
 from shared.keys import NODE_TOKEN, hash_key, parse_prefix
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
 
+    from hub.planning.slo import Ingested
     from hub.settings import HubSettings
-    from hub.state.slo import Ingested
-
-__all__ = [
-    "AUTH_REVISION",
-    "DESIRED_SERIAL",
-    "ENROLL_RETRY_S",
-    "GROUP_EVENTS",
-    "AddressPoolExhaustedError",
-    "AlertRecord",
-    "AlreadyEnrolledError",
-    "AsyncHubStore",
-    "ConflictError",
-    "Delivery",
-    "DeploymentRecord",
-    "Enrolled",
-    "EnrollmentToken",
-    "EventsAnswer",
-    "Firing",
-    "ForeignAccountError",
-    "ForeignLeaseError",
-    "Heartbeat",
-    "HubStore",
-    "IssuedCertificate",
-    "Lease",
-    "LedgerRow",
-    "ModelArtifact",
-    "NameTakenError",
-    "Node",
-    "NotFoundError",
-    "PackageRecord",
-    "Quota",
-    "Release",
-    "Rollout",
-    "RolloutConflictError",
-    "Silence",
-    "StoreBase",
-    "TokenProblem",
-    "TokenRefusedError",
-    "capacity_of",
-    "ledger_rows",
-    "open_database",
-    "open_store",
-]
+    from hub.state.nodes import Heartbeat, Node
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -121,20 +68,41 @@ def open_store(settings: HubSettings, *, clock: Callable[[], float] = time.time)
     return HubStore(open_database(settings), clock=clock)
 
 
-class HubStore(
-    TokensMixin,
-    NodesMixin,
-    CertificatesMixin,
-    OperatorsMixin,
-    LeasesMixin,
-    LedgerMixin,
-    DesiredStateMixin,
-    ObjectivesMixin,
-    AlertsMixin,
-):
-    """Every aggregate's methods on one connection (`store.sync.<method>` on the writer
-    thread). A transaction (`self.db.transaction()`) spans aggregates where one change
-    does: a key made and the desired serial moved, say."""
+class HubStore:
+    """One repository per aggregate on one connection (`store.sync.nodes.enroll` on the
+    writer thread), and the clock every write that records a time reads (tests may give
+    another: no sleeping to make time pass). A transaction (`db.transaction()`) spans
+    repositories where one change does: a key made and the desired serial moved, say; the
+    repository that owns such a write is given the others it reads."""
+
+    def __init__(self, database: sql.Database, *, clock: Callable[[], float] = time.time) -> None:
+        self.db = database
+        self.clock = clock
+        self.serials = Serials(database)
+        self.tokens = Tokens(database, clock)
+        self.nodes = Nodes(database, clock, self.serials)
+        self.certificates = Certificates(database, clock)
+        self.operators = Operators(database, clock)
+        self.accounts = Accounts(database, clock, self.serials)
+        self.leases = Leases(database, self.accounts)
+        self.packages = Packages(database, clock, self.serials)
+        self.ledger = Ledger(database, clock, self.packages)
+        self.deployments = Deployments(database, clock, self.serials)
+        self.rollouts = Rollouts(database, clock, self.serials)
+        self.desired = DesiredStates(
+            database,
+            self.serials,
+            accounts=self.accounts,
+            deployments=self.deployments,
+            packages=self.packages,
+            rollouts=self.rollouts,
+        )
+        self.objectives = Objectives(database, clock)
+        self.alerts = Alerts(database, clock)
+        self.console = Console(database)
+
+    def close(self) -> None:
+        self.db.close()
 
     @sql.retrying()
     def heartbeats(
@@ -147,8 +115,8 @@ class HubStore(
         (the nodes' next heartbeats carry the same counters, and more)."""
         with self.db.transaction(durable=False):
             if beats:
-                self.record_heartbeats(beats)
-            return self.ingest_objectives(beats if counted is None else counted)
+                self.nodes.record_heartbeats(beats)
+            return self.objectives.ingest(beats if counted is None else counted)
 
 
 # Every id acknowledged, how many were new, and how many of each kind.
@@ -201,30 +169,36 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         await super().open()
         await self._reader.open()
 
-    async def read(
-        self, fn: Callable[Concatenate[HubStore, P], T], *args: P.args, **kwargs: P.kwargs
-    ) -> T:
-        """`fn(store, …)` on the reading connection: reads only (SQLite's WAL and
-        PostgreSQL both let it read what was committed while the writer writes)."""
+    @property
+    def reader(self) -> HubStore:
+        """The store on the reading connection: what `read` runs (`store.sync` is the
+        writer's, what `run` runs)."""
+        return self._reader.sync
+
+    async def read(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`fn(…)` on the reading connection's thread: a method of `store.reader`'s
+        repositories (`store.read(store.reader.nodes.all)`), or a function given
+        `store.reader`; reads only (SQLite's WAL and PostgreSQL both let it read what was
+        committed while the writer writes)."""
         if self.timed is None:
-            return await self._reader.run(fn, self._reader.sync, *args, **kwargs)
+            return await self._reader.run(fn, *args, **kwargs)
         started = time.perf_counter()
         try:
-            return await self._reader.run(fn, self._reader.sync, *args, **kwargs)
+            return await self._reader.run(fn, *args, **kwargs)
         finally:
             self.timed(_operation(fn), time.perf_counter() - started)
 
     async def nodes(self) -> list[Node]:
-        """Every node (`HubStore.nodes`), read beside the writer: how the API, the console
-        and the loops read the fleet."""
-        return await self.read(HubStore.nodes)
+        """Every node (`Nodes.all`), read beside the writer: how the API, the console and
+        the loops read the fleet."""
+        return await self.read(self.reader.nodes.all)
 
     async def node_names(self) -> dict[str, str]:
-        """Each node's name by its id (`HubStore.node_names`), read beside the writer."""
-        return await self.read(HubStore.node_names)
+        """Each node's name by its id (`Nodes.names`), read beside the writer."""
+        return await self.read(self.reader.nodes.names)
 
     async def authenticate_node(self, token: str) -> Node | None:
-        """`HubStore.authenticate_node`, remembered (by the token's sha256): a node's
+        """`Nodes.authenticate`, remembered (by the token's sha256): a node's
         heartbeat or sync does not look its token up again, and never waits behind the
         writer's commits (a miss is read on the reading connection). A revocation holds
         on the revoking replica's next call; made by another replica or by the CLI,
@@ -238,7 +212,7 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         if (known := self._nodes_by_token.get(digest)) is not None:
             return known
         epoch = self._auth_epoch
-        node = await self.read(HubStore.authenticate_node, token)
+        node = await self.read(self.reader.nodes.authenticate, token)
         if node is not None and epoch == self._auth_epoch:
             if len(self._nodes_by_token) >= self._NODES_REMEMBERED:
                 self._nodes_by_token.clear()
@@ -251,7 +225,7 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         record."""
         if node_id in self._certified:
             return True
-        if await self.read(HubStore.has_certificate, node_id):
+        if await self.read(self.reader.certificates.issued_to, node_id):
             self.note_certificate(node_id)
             return True
         return False
@@ -262,13 +236,13 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         self._certified.add(node_id)
 
     async def revoke_node(self, node_id: str) -> Node:
-        """`HubStore.revoke_node`; this replica forgets the node's token at once."""
-        node = await self.run(self.sync.revoke_node, node_id)
+        """`Nodes.revoke`; this replica forgets the node's token at once."""
+        node = await self.run(self.sync.nodes.revoke, node_id)
         self._forget_nodes()
         return node
 
     def note_serials(self, serials: tuple[int, int]) -> None:
-        """The serials just read (`HubStore.serials`): a moved authentication revision
+        """The serials just read (`Serials.current`): a moved authentication revision
         drops the remembered node tokens, a moved desired serial the account names."""
         if serials[0] != self._desired_serial:
             self._desired_serial = serials[0]
@@ -276,13 +250,13 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         self._note_auth_revision(serials[1])
 
     async def node_accounts(self, node: Node, names: Iterable[str] = ()) -> frozenset[str]:
-        """`HubStore.node_accounts`, each node's remembered until the desired serial moves;
+        """`Accounts.node_accounts`, each node's remembered until the desired serial moves;
         read again when one of `names` is not among them (an account made a moment ago, on
         another replica, before this one's flusher saw the serial move)."""
         known = self._accounts.get(node.id)
         if known is None or not known.issuperset(names):
             accounts = self._accounts
-            known = frozenset(await self.read(HubStore.node_accounts, node))
+            known = frozenset(await self.read(self.reader.accounts.node_accounts, node))
             if accounts is self._accounts:  # not dropped while this read
                 if len(accounts) >= self._NODES_REMEMBERED:
                     accounts.clear()
@@ -307,7 +281,7 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         pairs = set(leases)
         unknown = {lease for lease, _ in pairs} - self._lease_owner.keys()
         if unknown:
-            owners = await self.read(HubStore.lease_owners, unknown)
+            owners = await self.read(self.reader.leases.owners, unknown)
             if len(self._lease_owner) >= self._NODES_REMEMBERED:
                 self._lease_owner.clear()
             # A lease id the hub never stored stays unknown: ids are made by the hub when
@@ -336,7 +310,7 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
         self._auth_epoch += 1
 
     async def ingest(self, node_id: str, events: Iterable[protocol.Event]) -> EventsAnswer:
-        """`HubStore.ingest`, committed in groups: the batches that arrive while a commit is
+        """`Ledger.ingest`, committed in groups: the batches that arrive while a commit is
         being made go together in the next one. A thousand nodes syncing in a second then
         cost a few durable commits, not a thousand (one writer thread makes them all), and
         no batch waits on a timer. Each is answered once its commit is durable."""
@@ -358,7 +332,7 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
                 group.append(self._waiting.pop(0))
                 size += len(group[-1].rows)
             try:
-                answers = await self.run(self.sync.store_events, [w.stored for w in group])
+                answers = await self.run(self.sync.ledger.store_events, [w.stored for w in group])
             except sql.DatabaseError:
                 # Again one at a time, so only a batch at fault fails.
                 for waiting in group:
@@ -373,7 +347,7 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
 
     async def _commit_one(self, waiting: _Batch) -> None:
         try:
-            [answer] = await self.run(self.sync.store_events, [waiting.stored])
+            [answer] = await self.run(self.sync.ledger.store_events, [waiting.stored])
         except Exception as err:  # noqa: BLE001 - handed to the caller waiting on it
             _settle(waiting.answer, error=err)
         else:
@@ -388,9 +362,11 @@ class AsyncHubStore(db.AsyncStore[HubStore]):
 
 
 def _operation(fn: Callable[..., object]) -> str:
-    """A store call's name for its timing: the method's (`heartbeats`, `store_events`); a
-    lambda wrapping one is `lambda`."""
-    name = getattr(fn, "__name__", "") or "call"
+    """A store call's name for its timing: the method's, with its repository's class
+    (`HubStore.heartbeats`, `Ledger.store_events`), or the function's; a lambda wrapping
+    one is `lambda`."""
+    name = getattr(fn, "__qualname__", "") or getattr(fn, "__name__", "") or "call"
+    name = name.rpartition("<locals>.")[2]
     return "lambda" if name == "<lambda>" else name
 
 

@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from hub.state.base import NotFoundError, StoreBase
+from hub.state.errors import NotFoundError
 from shared.keys import ENROLLMENT_TOKEN, NewKey, generate_key
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
+
+    from hub.state import sql
 
 
 class TokenProblem(StrEnum):
@@ -46,7 +48,7 @@ class EnrollmentToken:
     expires_at: float
     created_at: float
     revoked_at: float | None
-    # The tenancy of the nodes it enrolls, the operator's to give (hub/state/accounts.py):
+    # The tenancy of the nodes it enrolls, the operator's to give (hub/planning/tenancy.py):
     # dedicated to `tenant` (S3), or, `private`, on that tenant's private site (S4).
     tenant: str | None = None
     private: bool = False
@@ -74,10 +76,14 @@ def token_of(row: Mapping[str, Any]) -> EnrollmentToken:
     )
 
 
-class TokensMixin(StoreBase):
+class Tokens:
     """The `enrollment_tokens` table."""
 
-    def create_token(
+    def __init__(self, database: sql.Database, clock: Callable[[], float]) -> None:
+        self._db = database
+        self._clock = clock
+
+    def create(
         self,
         site: str,
         *,
@@ -89,9 +95,9 @@ class TokensMixin(StoreBase):
         """A new token for ``site``; the nodes it enrolls are dedicated to ``tenant``
         (S3) or, ``private``, on a private site (S4): what a node sends of its own
         tenancy grants it nothing."""
-        now = self.clock()
+        now = self._clock()
         new = generate_key(ENROLLMENT_TOKEN)
-        self.db.execute(
+        self._db.execute(
             "INSERT INTO enrollment_tokens (prefix, hash, site, uses_left, expires_at,"
             " revoked_at, created_at, tenant, private) VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?)",
             [new.prefix, new.hash, site, uses, now + expires_in_s, now, tenant or None,
@@ -99,16 +105,16 @@ class TokensMixin(StoreBase):
         )  # fmt: skip
         return new
 
-    def tokens(self) -> list[EnrollmentToken]:
-        rows = self.db.query("SELECT * FROM enrollment_tokens ORDER BY created_at")
+    def all(self) -> list[EnrollmentToken]:
+        rows = self._db.query("SELECT * FROM enrollment_tokens ORDER BY created_at")
         return [token_of(r) for r in rows]
 
-    def revoke_token(self, prefix: str) -> EnrollmentToken:
-        self.db.execute(
+    def revoke(self, prefix: str) -> EnrollmentToken:
+        self._db.execute(
             "UPDATE enrollment_tokens SET revoked_at = ? WHERE prefix = ? AND revoked_at IS NULL",
-            [self.clock(), prefix],
+            [self._clock(), prefix],
         )
-        rows = list(self.db.query("SELECT * FROM enrollment_tokens WHERE prefix = ?", [prefix]))
+        rows = list(self._db.query("SELECT * FROM enrollment_tokens WHERE prefix = ?", [prefix]))
         if not rows:
             raise NotFoundError(f"no enrollment token {prefix!r}")
         return token_of(rows[0])

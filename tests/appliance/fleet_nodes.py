@@ -49,8 +49,8 @@ async def join(
     ``record`` (its default model), loaded; ``model``: its model settings; ``sections``:
     more of its settings (`tracing`)."""
     store = open_store(hub)
-    token = store.create_token("site", uses=1, expires_in_s=600).plaintext
-    store.set_account("lan-user", "S1")  # the LAN key's account, the fleet's: usage syncs
+    token = store.tokens.create("site", uses=1, expires_in_s=600).plaintext
+    store.accounts.put("lan-user", "S1")  # the LAN key's account, the fleet's: usage syncs
     store.close()
     provisioning = tmp_path / f"{name}.json"
     provisioning.write_text(json.dumps({

@@ -193,7 +193,7 @@ async def test_an_appliance_restored_from_its_backup_is_the_same_node_and_counts
     assert sorted(held) == sorted([*synced, *pending, *after, *newer])
     hub_store = open_store(hub)
     try:
-        (hub_node,) = hub_store.nodes()
+        (hub_node,) = hub_store.nodes.all()
         assert hub_node.id == node_id
     finally:
         hub_store.close()

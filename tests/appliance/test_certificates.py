@@ -60,7 +60,7 @@ async def serve_hub(aiohttp_server: AiohttpServer, hub: HubSettings, port: int) 
 def provisioning(tmp_path: Path, hub: HubSettings, port: int) -> Path:
     store = open_store(hub)
     try:
-        token = store.create_token("school-a", uses=1, expires_in_s=600).plaintext
+        token = store.tokens.create("school-a", uses=1, expires_in_s=600).plaintext
     finally:
         store.close()
     ca, _ = certificates(hub)
@@ -253,7 +253,7 @@ async def test_ca_rotation_with_overlap_and_a_new_hub_certificate_lose_no_call(
 def _digest_reported(hub: HubSettings) -> Any:
     store = open_store(hub)
     try:
-        (registered,) = store.nodes()
+        (registered,) = store.nodes.all()
     finally:
         store.close()
     return registered.capacity.trust_digest
@@ -276,9 +276,9 @@ async def test_a_node_enrolled_before_certificates_gets_its_first_and_must_use_i
     ca, served = certificates(hub)
     store = open_store(hub)
     try:
-        token = store.create_token("school-a", uses=1, expires_in_s=600).plaintext
+        token = store.tokens.create("school-a", uses=1, expires_in_s=600).plaintext
         keys = node.files.wireguard_key()
-        enrolled = store.enroll(
+        enrolled = store.nodes.enroll(
             token, name="old-node", wg_public_key=keys.public_key,
             overlay_prefix=hub.overlay.prefix, labels={}, versions={},
         )  # fmt: skip

@@ -60,8 +60,8 @@ async def test_every_answered_request_survives_kill_9_exactly_once(
     )
     hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     hub_store = open_store(hub)
-    token = hub_store.create_token("site", uses=1, expires_in_s=3600).plaintext
-    hub_store.set_account("load", "S1")  # a fleet account: its usage goes to the hub
+    token = hub_store.tokens.create("site", uses=1, expires_in_s=3600).plaintext
+    hub_store.accounts.put("load", "S1")  # a fleet account: its usage goes to the hub
     hub_store.close()
     provisioning = tmp_path / "kovenlab.json"
     provisioning.write_text(

@@ -58,7 +58,7 @@ async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outa
     async def heard() -> bool:
         s = hub_store()
         try:
-            return any(n.capacity.models for n in s.nodes())
+            return any(n.capacity.models for n in s.nodes.all())
         finally:
             s.close()
 
@@ -67,7 +67,7 @@ async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outa
     assert (tmp_path / "data" / "fleet" / "identity.json").stat().st_mode & 0o777 == 0o600
     assert (tmp_path / "data" / "fleet" / "wireguard.key").stat().st_mode & 0o777 == 0o600
     s = hub_store()
-    (node,) = s.nodes()
+    (node,) = s.nodes.all()
     s.close()
     assert node.capacity.models == [scripted_model.ref]
     assert node.wg_public_key == (
@@ -80,7 +80,7 @@ async def test_enrolls_once_heartbeats_and_syncs_every_event_once_across_an_outa
     async def ledger(n: int) -> bool:
         s = hub_store()
         try:
-            return s.ledger_count() == n
+            return s.ledger.count() == n
         finally:
             s.close()
 
@@ -214,7 +214,7 @@ async def test_lost_acknowledgements_never_duplicate(
         await store.close()
     s = open_store(hub)
     try:
-        assert s.ledger_count() == 5
+        assert s.ledger.count() == 5
     finally:
         s.close()
 
@@ -268,8 +268,8 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
     path = provisioning(tmp_path, hub, port)
     s = open_store(hub)
     try:
-        s.set_account("school", "S2", requests_per_minute=2)
-        fleet_key = s.create_key("school").plaintext
+        s.accounts.put("school", "S2", requests_per_minute=2)
+        fleet_key = s.accounts.create_key("school").plaintext
     finally:
         s.close()
     app, client, _ = await fleet_appliance(
@@ -305,7 +305,7 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
 
     s = open_store(hub)
     try:
-        s.revoke_key(fleet_key.split("_")[1])
+        s.accounts.revoke_key(fleet_key.split("_")[1])
     finally:
         s.close()
 
@@ -319,8 +319,8 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
     # With the hub gone, the appliance keeps the last state it applied.
     s = open_store(hub)
     try:
-        s.set_account("library", "S1")
-        library_key = s.create_key("library").plaintext
+        s.accounts.put("library", "S1")
+        library_key = s.accounts.create_key("library").plaintext
     finally:
         s.close()
 

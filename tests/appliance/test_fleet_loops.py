@@ -68,14 +68,14 @@ async def test_each_link_loop_fails_once_and_goes_on(
     def ledger() -> int:
         hub_store = open_store(hub)
         try:
-            return hub_store.ledger_count()
+            return hub_store.ledger.count()
         finally:
             hub_store.close()
 
     def heard() -> bool:
         hub_store = open_store(hub)
         try:
-            return any(n.last_seen is not None for n in hub_store.nodes())
+            return any(n.last_seen is not None for n in hub_store.nodes.all())
         finally:
             hub_store.close()
 

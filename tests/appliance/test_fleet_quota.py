@@ -83,12 +83,12 @@ async def test_a_partitioned_node_spends_its_lease_then_refuses_and_the_budget_h
         }
     )  # fmt: skip
     store = open_store(hub)
-    store.set_account("acme", "S1", budget=Budget(BUDGET, 86_400))
-    acme_key = store.create_key("acme").plaintext
+    store.accounts.put("acme", "S1", budget=Budget(BUDGET, 86_400))
+    acme_key = store.accounts.create_key("acme").plaintext
     others = []
     for name in ("node-b", "node-c"):
-        token = store.create_token("s", uses=1, expires_in_s=60).plaintext
-        enrolled = store.enroll(
+        token = store.tokens.create("s", uses=1, expires_in_s=60).plaintext
+        enrolled = store.nodes.enroll(
             token,
             name=name,
             wg_public_key=str(WireguardKey.generate().public_key()),
@@ -178,7 +178,7 @@ async def test_a_partitioned_node_spends_its_lease_then_refuses_and_the_budget_h
     store = open_store(hub)
     try:
         await until(lambda: _final_reported(store, lease.id), timeout_s=30)
-        quota = store.quota("acme", time.time())
+        quota = store.leases.quota("acme", time.time())
         assert quota is not None
         assert quota.consumed == 240 + spent
         assert quota.consumed <= BUDGET + cost

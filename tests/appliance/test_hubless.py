@@ -343,8 +343,8 @@ async def test_a_node_of_a_fleet_refuses_local_account_and_key_writes(
     path = fleet_provisioning(tmp_path, hub, hub_server.port)
     hub_store = open_store(hub)
     try:
-        hub_store.set_account("ops", "S1")
-        fleet_admin = hub_store.create_key("ops", admin=True).plaintext
+        hub_store.accounts.put("ops", "S1")
+        fleet_admin = hub_store.accounts.create_key("ops", admin=True).plaintext
     finally:
         hub_store.close()
     settings = make_settings(

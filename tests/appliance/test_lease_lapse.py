@@ -46,7 +46,7 @@ async def test_a_node_reports_the_accounts_it_serves_without_a_lease_and_the_hub
     alerts = base.alerts.model_dump() | {"every_s": 0.2, "lease_grace_s": 0}
     hub = HubSettings.model_validate(base.model_dump() | {"alerts": alerts})
     store = open_store(hub)
-    store.set_account("acme", "S1", budget=Budget(100_000, 86_400))
+    store.accounts.put("acme", "S1", budget=Budget(100_000, 86_400))
     store.close()
     server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     port = server.port
@@ -115,6 +115,6 @@ async def test_a_node_reports_the_accounts_it_serves_without_a_lease_and_the_hub
 def _alerts(hub: HubSettings, state: str) -> list[AlertRecord]:
     store = open_store(hub)
     try:
-        return [a for a in store.alerts(state) if a.rule == rules.LEASE_LAPSED]
+        return [a for a in store.alerts.all(state) if a.rule == rules.LEASE_LAPSED]
     finally:
         store.close()

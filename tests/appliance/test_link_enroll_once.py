@@ -45,7 +45,7 @@ async def test_concurrent_starts_enroll_once(aiohttp_server: AiohttpServer, tmp_
         await store.close()
     hub_store = open_store(hub)
     try:
-        assert len(hub_store.nodes()) == 1
-        assert [t.uses_left for t in hub_store.tokens()] == [1]
+        assert len(hub_store.nodes.all()) == 1
+        assert [t.uses_left for t in hub_store.tokens.all()] == [1]
     finally:
         hub_store.close()

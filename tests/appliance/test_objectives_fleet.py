@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from pytest_aiohttp import AiohttpClient, AiohttpServer
 
     from appliance.state.records import ModelRecord
-    from hub.fleet.objectives import SloTotals
+    from hub.planning.slo import SloTotals
     from hub.settings import HubSettings
     from tests.conftest import Client
 
@@ -38,7 +38,7 @@ def totals(hub: HubSettings) -> dict[str, SloTotals]:
     store = open_store(hub)
     try:
         now = time.time()
-        return {t.group: t for t in store.slo_totals(now - 3600, now + 3600, "account")}
+        return {t.group: t for t in store.objectives.totals(now - 3600, now + 3600, "account")}
     finally:
         store.close()
 
@@ -55,7 +55,7 @@ async def test_the_hubs_roll_up_is_what_the_clients_saw_across_an_outage_and_a_r
     path = provisioning(tmp_path, hub, port)
     store = open_store(hub)
     try:
-        store.set_account("limited", "S3")
+        store.accounts.put("limited", "S3")
     finally:
         store.close()
     settings = make_settings(

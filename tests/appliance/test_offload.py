@@ -133,7 +133,7 @@ async def _ready_in_fleet(hub: HubSettings, names: set[str]) -> None:
         try:
             ready = {
                 n.name
-                for n in store.nodes()
+                for n in store.nodes.all()
                 if n.capacity.models and n.fleet_url and n.capacity.offload
             }
         finally:
@@ -178,7 +178,7 @@ async def test_an_overloaded_node_offloads_to_a_peer_with_room(
     # request runs as on the node that serves it. A node's own LAN key stays on that node.
     store = open_store(hub)
     try:
-        fleet_key = store.create_key("lan-user").plaintext
+        fleet_key = store.accounts.create_key("lan-user").plaintext
     finally:
         store.close()
 
@@ -319,7 +319,7 @@ async def test_an_offloaded_request_is_one_trace_through_both_nodes_and_the_hub(
     await _ready_in_fleet(hub, {"node-a", "node-b"})
     store = open_store(hub)
     try:
-        fleet_key = store.create_key("lan-user").plaintext
+        fleet_key = store.accounts.create_key("lan-user").plaintext
     finally:
         store.close()
     async with aiohttp.ClientSession() as session:

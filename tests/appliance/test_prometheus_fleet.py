@@ -144,7 +144,7 @@ async def test_an_appliances_slo_breach_fires_the_burn_rate_alert_in_prometheus_
             async def firing_in_the_hub() -> bool:
                 store = open_store(hub)
                 try:
-                    found = store.alerts(state="firing")
+                    found = store.alerts.all(state="firing")
                 finally:
                     store.close()
                 return any(a.rule == "slo_burn" and a.labels.get("window") == WINDOW for a in found)

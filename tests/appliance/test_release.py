@@ -62,7 +62,7 @@ class Given:
 def _targeted(hub: HubSettings) -> bool:
     store = open_store(hub)
     try:
-        return bool(store.node_release_versions())
+        return bool(store.rollouts.node_release_versions())
     finally:
         store.close()
 
@@ -78,10 +78,11 @@ async def give_release(
     sha256 = hashlib.sha256(bundle).hexdigest()
     (hub.artifacts_dir / sha256).write_bytes(bundle)
     store = open_store(hub)
-    token = store.create_token("lab", uses=1, expires_in_s=60).plaintext
-    node = store.enroll(token, name="edge", wg_public_key=str(WireguardKey.generate().public_key()),
-                        overlay_prefix="100.64.0.0/10", labels={}, versions={})  # fmt: skip
-    store.add_release("1.1", "", sha256, len(bundle))
+    token = store.tokens.create("lab", uses=1, expires_in_s=60).plaintext
+    node = store.nodes.enroll(token, name="edge",
+                              wg_public_key=str(WireguardKey.generate().public_key()),
+                              overlay_prefix="100.64.0.0/10", labels={}, versions={})  # fmt: skip
+    store.rollouts.add_release("1.1", "", sha256, len(bundle))
     store.close()
     server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     pin = aiohttp.Fingerprint(pki.fingerprint_bytes(certificates(hub)[1].fingerprint))

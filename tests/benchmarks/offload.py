@@ -64,11 +64,11 @@ def start_node(
     work: Path, hub: HubSettings, hub_url: str, name: str
 ) -> tuple[subprocess.Popen[bytes], str, str]:
     store = open_store(hub)
-    token = store.create_token("bench", uses=1, expires_in_s=600).plaintext
+    token = store.tokens.create("bench", uses=1, expires_in_s=600).plaintext
     # A fleet key: offloaded requests run as their client's key on the node that serves
     # them, which knows only the fleet's keys (from its desired state).
-    store.set_account("bench", "S1")
-    key = store.create_key("bench").plaintext
+    store.accounts.put("bench", "S1")
+    key = store.accounts.create_key("bench").plaintext
     store.close()
     provisioning = work / f"{name}.json"
     provisioning.write_text(json.dumps({
@@ -90,7 +90,7 @@ def in_fleet(hub: HubSettings, nodes: dict[str, tuple[str, str]]) -> bool:
     """Every node heard from, serving, and holding its key (from its desired state)."""
     store = open_store(hub)
     try:
-        ready = {n.name for n in store.nodes()
+        ready = {n.name for n in store.nodes.all()
                  if n.capacity.models and n.fleet_url and n.capacity.offload}  # fmt: skip
     finally:
         store.close()

@@ -118,8 +118,8 @@ def once(events: int, batch: int) -> tuple[float, int, int, int]:
             }
         )
         store = open_store(hub)
-        token = store.create_token("bench", uses=1, expires_in_s=600).plaintext
-        store.set_account("bench", "S1")  # the account the events are for
+        token = store.tokens.create("bench", uses=1, expires_in_s=600).plaintext
+        store.accounts.put("bench", "S1")  # the account the events are for
         store.close()
         config = work / "hub.yaml"
         config.write_text("overlay:\n  interface: null\nserver:\n  require_overlay_source: false\n")
@@ -153,7 +153,7 @@ def once(events: int, batch: int) -> tuple[float, int, int, int]:
             process.wait(timeout=30)
         hub_store = open_store(hub)
         try:
-            stored = hub_store.ledger_count()
+            stored = hub_store.ledger.count()
             query = "SELECT COUNT(DISTINCT event_id) AS n FROM ledger"
             distinct = int(next(iter(hub_store.db.query(query)))["n"])
         finally:

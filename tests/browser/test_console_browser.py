@@ -24,7 +24,8 @@ from playwright.async_api import Page, async_playwright, expect
 from hub.app import create_app
 from hub.identity import ssl_context
 from hub.settings import HubSettings
-from hub.state.store import Heartbeat, open_store
+from hub.state.nodes import Heartbeat
+from hub.state.store import open_store
 from shared import __version__, protocol
 from tests.appliance.fleet_nodes import join
 from tests.conftest import REPO, kvl
@@ -117,7 +118,7 @@ def _objectives_counted(hub: HubSettings, node: str) -> None:
     }  # fmt: skip
     store = open_store(hub)
     try:
-        found = store.node(node)
+        found = store.nodes.get(node)
         body = protocol.Objectives.model_validate({"epoch": "browser", "series": [series]})
         store.heartbeats(
             [Heartbeat(found.id, time.time(), found.versions, found.capacity,
@@ -130,7 +131,7 @@ def _objectives_counted(hub: HubSettings, node: str) -> None:
 def _tokens(hub: HubSettings) -> list[Any]:
     store = open_store(hub)
     try:
-        return store.tokens()
+        return store.tokens.all()
     finally:
         store.close()
 

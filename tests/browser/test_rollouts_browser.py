@@ -44,7 +44,7 @@ pytestmark = [
 def _wave(hub: HubSettings, rollout_id: str) -> int:
     store = open_store(hub)
     try:
-        return store.rollout(rollout_id).wave
+        return store.rollouts.get(rollout_id).wave
     finally:
         store.close()
 
@@ -61,12 +61,12 @@ async def test_the_rollouts_page_follows_a_rollout_live_in_chromium(
     store = open_store(hub)
     tokens = {}
     for name in ("edge-a", "edge-b"):
-        token = store.create_token("lab", uses=1, expires_in_s=60).plaintext
-        tokens[name] = store.enroll(
+        token = store.tokens.create("lab", uses=1, expires_in_s=60).plaintext
+        tokens[name] = store.nodes.enroll(
             token, name=name, wg_public_key=str(WireguardKey.generate().public_key()),
             overlay_prefix="100.64.0.0/10", labels={}, versions={},
         ).node_token  # fmt: skip
-    store.add_release("2.0", "", "b" * 64, 10)
+    store.rollouts.add_release("2.0", "", "b" * 64, 10)
     store.close()
     server = await aiohttp_server(create_app(hub), ssl=ssl_context(hub))
     base = f"https://127.0.0.1:{server.port}"

@@ -12,7 +12,8 @@ from hub.app import create_app
 from hub.identity import certificates, ssl_context
 from hub.planning.quota import Budget
 from hub.settings import HubSettings
-from hub.state.store import ModelArtifact, open_store
+from hub.state.deployments import ModelArtifact
+from hub.state.store import open_store
 from shared import pki
 from tests.conftest import kvl
 
@@ -35,11 +36,12 @@ async def test_the_admin_api_needs_an_operator_token_and_runs_the_fleet(
     token = kvl("hub", "operators", "create", "--name", "ops", "--data-dir", data).stdout.strip()
     assert token.startswith("kvlo_")
     store = open_store(hub)
-    store.set_account("acme", "S1", budget=Budget(1_000, 86_400))
-    enrollment = store.create_token("lab", uses=1, expires_in_s=60).plaintext
-    store.enroll(enrollment, name="node-a", wg_public_key=str(WireguardKey.generate().public_key()),
-                 overlay_prefix="100.64.0.0/10", labels={}, versions={})  # fmt: skip
-    store.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
+    store.accounts.put("acme", "S1", budget=Budget(1_000, 86_400))
+    enrollment = store.tokens.create("lab", uses=1, expires_in_s=60).plaintext
+    store.nodes.enroll(enrollment, name="node-a",
+                       wg_public_key=str(WireguardKey.generate().public_key()),
+                       overlay_prefix="100.64.0.0/10", labels={}, versions={})  # fmt: skip
+    store.deployments.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
     store.close()
     server = await aiohttp_server(create_app(hub), ssl=ssl_context(hub))
     pin = aiohttp.Fingerprint(pki.fingerprint_bytes(certificates(hub)[1].fingerprint))

@@ -12,7 +12,9 @@ from wireguard_tools import WireguardKey
 from hub.app import create_app
 from hub.identity import certificates, ssl_context
 from hub.settings import HubSettings
-from hub.state.store import Enrolled, HubStore, TokenRefusedError, open_store
+from hub.state.nodes import Enrolled
+from hub.state.store import HubStore, open_store
+from hub.state.tokens import TokenRefusedError
 from shared import pki
 from tests.conftest import kvl
 
@@ -75,12 +77,13 @@ async def test_tokens_and_keys_are_made_listed_and_revoked(
     store = open_store(hub)
     try:
         node = _enroll(store, other["token"]).node
-        keys = {k.prefix: k for k in store.desired_state(node).keys}
+        keys = {k.prefix: k for k in store.desired.of(node).keys}
     finally:
         store.close()
     assert keys[key["prefix"]].revoked  # every node refuses it at its next state pull
 
 
 def _enroll(store: HubStore, token: str) -> Enrolled:
-    return store.enroll(token, name="n", wg_public_key=str(WireguardKey.generate().public_key()),
-                        overlay_prefix="100.64.0.0/10", labels={}, versions={})  # fmt: skip
+    return store.nodes.enroll(token, name="n",
+                              wg_public_key=str(WireguardKey.generate().public_key()),
+                              overlay_prefix="100.64.0.0/10", labels={}, versions={})  # fmt: skip

@@ -25,7 +25,9 @@ from hub.app import create_app
 from hub.fleet.budgets import burn_rate
 from hub.settings import HubSettings
 from hub.state.alerts import Firing
-from hub.state.store import AsyncHubStore, Heartbeat, IssuedCertificate, Node, open_store
+from hub.state.certificates import IssuedCertificate
+from hub.state.nodes import Heartbeat, Node
+from hub.state.store import AsyncHubStore, open_store
 from shared import protocol
 from shared.errors import ErrorCode
 from shared.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, verify
@@ -73,7 +75,7 @@ def test_the_alert_loop_reads_every_nodes_health_in_chunks(
             ['{"outbox_alarm": "yes", "outbox_lag": -4, "free": {"form": 1}}', ids[1]],
         )
         read: list[Any] = []
-        while len(chunk := store.node_health(read[-1].id if read else "", limit=3)) == 3:
+        while len(chunk := store.nodes.health(read[-1].id if read else "", limit=3)) == 3:
             read += chunk
         read += chunk
         assert sorted(h.id for h in read) == sorted(ids)
@@ -83,7 +85,7 @@ def test_the_alert_loop_reads_every_nodes_health_in_chunks(
             True, 40,
         )  # fmt: skip
         assert health[ids[1]].capacity == health[ids[2]].capacity  # defaults
-        whole = {n.id: n for n in store.nodes()}
+        whole = {n.id: n for n in store.nodes.all()}
         settings = HubSettings()
         assert _fired(rules.node_alerts(now, read, {}, None, settings)) == _fired(
             rules.node_alerts(now, [whole[i] for i in ids[::-1] if i != ids[1]], {}, None,
@@ -226,26 +228,28 @@ def test_the_store_records_each_change_once_and_silences_hold_deliveries_back(
     try:
         a = Firing("node_offline", {"node": "a", "site": "lab"}, "page", 130.0, "a is down")
         b = Firing("node_offline", {"node": "b", "site": "lab"}, "page", 140.0, "b is down")
-        one.create_silence({"rule": "node_offline", "node": "b"}, time.time() + 60, "ops", "")
+        one.alerts.create_silence(
+            {"rule": "node_offline", "node": "b"}, time.time() + 60, "ops", ""
+        )
         urls = ["http://127.0.0.1:9/hook"]
-        made = one.record_alerts([a, b], ["node_offline"], urls)
+        made = one.alerts.record([a, b], ["node_offline"], urls)
         assert sorted((x.labels["node"], event, x.silenced) for x, event in made) == [
             ("a", "firing", False),
             ("b", "firing", True),
         ]
-        assert two.record_alerts([a, b], ["node_offline"], urls) == []  # already firing
-        assert len(one.alerts("firing")) == 2
+        assert two.alerts.record([a, b], ["node_offline"], urls) == []  # already firing
+        assert len(one.alerts.all("firing")) == 2
         # Only a's change is delivered; b's is recorded, silenced.
-        assert [d["event"] for d in one.deliveries()] == ["firing"]
+        assert [d["event"] for d in one.alerts.deliveries()] == ["firing"]
         # A rule not evaluated this round resolves nothing.
-        assert one.record_alerts([], ["worker_restarts"], urls) == []
-        made = two.record_alerts([b], ["node_offline"], urls)
+        assert one.alerts.record([], ["worker_restarts"], urls) == []
+        made = two.alerts.record([b], ["node_offline"], urls)
         assert [(x.labels["node"], event) for x, event in made] == [("a", "resolved")]
-        assert one.record_alerts([b], ["node_offline"], urls) == []  # resolved once
-        (resolved,) = one.alerts("resolved")
+        assert one.alerts.record([b], ["node_offline"], urls) == []  # resolved once
+        (resolved,) = one.alerts.all("resolved")
         assert resolved.resolved_at is not None
-        assert [d["event"] for d in one.deliveries()] == ["firing", "resolved"]
-        payload = json.loads(one.due_deliveries(time.time() + 1)[0].payload)
+        assert [d["event"] for d in one.alerts.deliveries()] == ["firing", "resolved"]
+        payload = json.loads(one.alerts.due_deliveries(time.time() + 1)[0].payload)
         assert payload["event"] == "alert.firing"
         assert payload["alert"]["labels"] == {"node": "a", "site": "lab"}
     finally:
@@ -298,7 +302,7 @@ async def test_a_real_hub_fires_resolves_and_delivers_signed_webhooks_across_a_r
     store = open_store(settings)
     _, token = _enroll(store, "n1")
     _, quiet_token = _enroll(store, "n2")
-    operator = store.create_operator("ops").plaintext
+    operator = store.operators.create("ops").plaintext
     store.close()
     server = await aiohttp_server(create_app(settings))
 
@@ -377,9 +381,9 @@ async def test_a_failed_alert_webhook_shows_its_host_never_its_urls_credentials(
     sender = AlertSender(store, settings.alerts)
     try:
         down = Firing("node_offline", {"node": "a", "site": "lab"}, "page", 130.0, "a is down")
-        await store.run(store.sync.record_alerts, [down], ["node_offline"], [failing, hostless])
+        await store.run(store.sync.alerts.record, [down], ["node_offline"], [failing, hostless])
         assert await sender.round() == 2
-        rows = {row["url"]: row for row in await store.run(store.sync.deliveries)}
+        rows = {row["url"]: row for row in await store.run(store.sync.alerts.deliveries)}
     finally:
         await sender.close()
         await store.close()
@@ -444,8 +448,8 @@ async def test_a_real_hub_alerts_on_lapsed_leases_and_serves_version_4_nodes(
     await server.close()
     store = open_store(settings)
     try:
-        assert store.node(older_id).capacity.memory_total_mib == 100  # its heartbeat landed
-        assert store.node(older_id).capacity.leases_lapsed == 0
+        assert store.nodes.get(older_id).capacity.memory_total_mib == 100  # its heartbeat landed
+        assert store.nodes.get(older_id).capacity.leases_lapsed == 0
     finally:
         store.close()
 
@@ -460,7 +464,7 @@ async def test_the_operator_api_of_alerts_and_silences(
 ) -> None:
     settings = settings_for(tmp_path, hub_database)
     store = open_store(settings)
-    operator = store.create_operator("ops").plaintext
+    operator = store.operators.create("ops").plaintext
     store.close()
     server = await aiohttp_server(create_app(settings))
     base = f"http://127.0.0.1:{server.port}"
@@ -521,7 +525,7 @@ def test_the_committed_rules_file_is_the_generators_and_promtool_passes_it(
 def test_the_cli_silences_and_lists(tmp_path: Path, hub_database: HubDatabase) -> None:
     data = str(tmp_path / "hub")
     store = open_store(settings_for(tmp_path, hub_database))
-    store.record_alerts(
+    store.alerts.record(
         [Firing("node_offline", {"node": "a", "site": "lab"}, "page", 130.0, "a is down")],
         ["node_offline"],
         [],

@@ -80,7 +80,7 @@ class Writer(threading.Thread):
         store = open_store(self.settings)
         try:
             while not self.stop.is_set():
-                store.set_account(f"busy-{self.made}", "S1")
+                store.accounts.put(f"busy-{self.made}", "S1")
                 self.made += 1
         finally:
             store.close()
@@ -98,7 +98,7 @@ async def test_a_backup_taken_while_the_hub_serves_is_restored_and_the_node_take
     path = provisioning(tmp_path, hub, port)  # a token, the fleet account lan-user
     store = open_store(hub)
     try:
-        kept = store.create_key("lan-user")  # revoked after the backup
+        kept = store.accounts.create_key("lan-user")  # revoked after the backup
     finally:
         store.close()
 
@@ -122,7 +122,7 @@ async def test_a_backup_taken_while_the_hub_serves_is_restored_and_the_node_take
     def hub_serial(settings: HubSettings) -> int:
         s = open_store(settings)
         try:
-            return s.desired_serial()
+            return s.serials.desired()
         finally:
             s.close()
 
@@ -173,8 +173,8 @@ async def test_a_backup_taken_while_the_hub_serves_is_restored_and_the_node_take
         # yet synced (the node still holds it).
         store = open_store(hub)
         try:
-            store.set_account("after-backup", "S1")
-            store.revoke_key(kept.prefix)
+            store.accounts.put("after-backup", "S1")
+            store.accounts.revoke_key(kept.prefix)
         finally:
             store.close()
         await until(lambda: pulled(hub_serial(hub)), "the node pulls the changes")
@@ -211,8 +211,8 @@ async def test_a_backup_taken_while_the_hub_serves_is_restored_and_the_node_take
         assert hub_keys(restored).public_key == hub_keys(hub).public_key
         store = open_store(restored)
         try:
-            names = {a["name"] for a in store.accounts()}
-            assert [n.id for n in store.nodes()] == [link.identity.node_id]
+            names = {a["name"] for a in store.accounts.all()}
+            assert [n.id for n in store.nodes.all()] == [link.identity.node_id]
         finally:
             store.close()
         # One consistent moment: the accounts made by then, every one, none after.
@@ -252,7 +252,7 @@ async def test_a_backup_taken_while_the_hub_serves_is_restored_and_the_node_take
         assert ledger(restored) == set(everything)
         store = open_store(restored)
         try:
-            assert store.ledger_count() == len(everything)
+            assert store.ledger.count() == len(everything)
         finally:
             store.close()
     finally:
@@ -266,7 +266,7 @@ def test_a_restore_refuses_a_target_that_is_not_empty_unless_forced(
     hub = settings_for(tmp_path, hub_database)
     store = open_store(hub)
     try:
-        store.set_account("acme", "S1")
+        store.accounts.put("acme", "S1")
     finally:
         store.close()
     certificates(hub)
@@ -293,7 +293,7 @@ def test_a_restore_refuses_a_target_that_is_not_empty_unless_forced(
     # Forced: what was there is set aside, not deleted, and the restore is whole.
     store = open_store(restored)
     try:
-        store.set_account("made-after", "S1")
+        store.accounts.put("made-after", "S1")
     finally:
         store.close()
     forced = hub_cli("restore", str(archive), "--force", "--data-dir", data_dir, database=target)
@@ -304,7 +304,7 @@ def test_a_restore_refuses_a_target_that_is_not_empty_unless_forced(
     assert (restored.data_dir / "pki" / "ca.key").stat().st_mode & 0o777 == 0o600
     store = open_store(restored)
     try:
-        assert [a["name"] for a in store.accounts()] == ["acme"]
+        assert [a["name"] for a in store.accounts.all()] == ["acme"]
     finally:
         store.close()
 
@@ -402,7 +402,7 @@ def test_a_backup_and_restore_with_a_password_in_the_url_keep_it_off_the_command
             source = settings_for(tmp_path / "source", {"database_url": urls[0]})
             store = open_store(source)
             try:
-                store.set_account("acme", "S1")
+                store.accounts.put("acme", "S1")
             finally:
                 store.close()
             monkeypatch.setattr(subprocess, "run", recorded)
@@ -411,7 +411,7 @@ def test_a_backup_and_restore_with_a_password_in_the_url_keep_it_off_the_command
             restore(target, tmp_path / "hub.tar")
             store = open_store(target)
             try:
-                assert [a["name"] for a in store.accounts()] == ["acme"]
+                assert [a["name"] for a in store.accounts.all()] == ["acme"]
             finally:
                 store.close()
         finally:

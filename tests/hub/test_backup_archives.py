@@ -40,7 +40,7 @@ def genuine(tmp_path: Path) -> Parts:
     hub = settings_for(tmp_path / "source", {})
     store = open_store(hub)
     try:
-        store.set_account("acme", "S1")
+        store.accounts.put("acme", "S1")
     finally:
         store.close()
     certificates(hub)
@@ -395,7 +395,7 @@ def test_pax_headers_as_other_tars_write_them_are_read(tmp_path: Path, genuine: 
             assert (hub.data_dir / name).read_bytes() == data
     store = open_store(hub)
     try:
-        assert [a["name"] for a in store.accounts()] == ["acme"]
+        assert [a["name"] for a in store.accounts.all()] == ["acme"]
     finally:
         store.close()
 

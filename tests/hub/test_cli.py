@@ -20,8 +20,8 @@ def test_nodes_list_prints_a_header_before_the_rows(
     store = open_store(settings_for(tmp_path, hub_database))
     try:
         for name in ("node-b", "node-a"):
-            token = store.create_token("lab", uses=1, expires_in_s=60).plaintext
-            store.enroll(
+            token = store.tokens.create("lab", uses=1, expires_in_s=60).plaintext
+            store.nodes.enroll(
                 token, name=name, wg_public_key=new_key(), overlay_prefix=PREFIX,
                 labels={}, versions={},
             )  # fmt: skip

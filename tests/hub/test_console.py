@@ -24,11 +24,11 @@ from yarl import URL
 from hub.app import create_app
 from hub.console.auth import LOGIN_COOKIE, SESSION_COOKIE, LoginThrottle, hash_password
 from hub.console.charts import Series, line_chart, nice_ceiling
-from hub.console.store import create_user
 from hub.identity import certificates, ssl_context
 from hub.planning.quota import Budget
 from hub.settings import HubSettings
-from hub.state.store import ModelArtifact, open_store
+from hub.state.deployments import ModelArtifact
+from hub.state.store import open_store
 from shared import pki, protocol
 from tests.conftest import REPO, kvl
 from tests.waiting import until
@@ -61,7 +61,7 @@ def settings_for(tmp_path: Path, database: HubDatabase, **console: Any) -> HubSe
 def add_user(hub: HubSettings, name: str = "ops", password: str = PASSWORD) -> None:
     store = open_store(hub)
     try:
-        create_user(store, name, hash_password(password), time.time())
+        store.console.add_user(name, hash_password(password), time.time())
     finally:
         store.close()
 
@@ -150,7 +150,7 @@ def set_cookie(response: aiohttp.ClientResponse, name: str) -> str:
 async def enroll(console: Console, hub: HubSettings, name: str, site: str = "lab") -> str:
     """A node enrolled over the real API; its node token."""
     store = open_store(hub)
-    token = store.create_token(site, uses=1, expires_in_s=60).plaintext
+    token = store.tokens.create(site, uses=1, expires_in_s=60).plaintext
     store.close()
     body = {
         "token": token,
@@ -315,7 +315,7 @@ async def test_logout_and_an_expired_session_end_the_login(
 def token_count(hub: HubSettings) -> int:
     store = open_store(hub)
     try:
-        return len(store.tokens())
+        return len(store.tokens.all())
     finally:
         store.close()
 
@@ -364,10 +364,10 @@ async def test_every_page_renders_and_every_action_works(
     console: Console, hub: HubSettings
 ) -> None:
     store = open_store(hub)
-    store.set_account("acme", "S1", requests_per_minute=60, budget=Budget(50_000, 86_400))
-    store.set_account("beta", "S2")
-    store.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
-    store.create_token("<b>bold</b>", uses=1, expires_in_s=60)  # escaped, not markup
+    store.accounts.put("acme", "S1", requests_per_minute=60, budget=Budget(50_000, 86_400))
+    store.accounts.put("beta", "S2")
+    store.deployments.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
+    store.tokens.create("<b>bold</b>", uses=1, expires_in_s=60)  # escaped, not markup
     with store.db.transaction():
         store.db.execute(
             "INSERT INTO packages (id, version, title, topic, level, items, size, digest,"
@@ -542,7 +542,7 @@ async def _when(text: Any, check: Callable[[str], bool]) -> str | None:
 def _node(hub: HubSettings, name: str) -> Any:
     store = open_store(hub)
     try:
-        return store.node(name)
+        return store.nodes.get(name)
     finally:
         store.close()
 
@@ -550,7 +550,7 @@ def _node(hub: HubSettings, name: str) -> Any:
 def _deployments(hub: HubSettings) -> list[Any]:
     store = open_store(hub)
     try:
-        return store.deployments()
+        return store.deployments.all()
     finally:
         store.close()
 
@@ -685,7 +685,7 @@ async def test_the_alerts_page_shows_alerts_and_makes_and_ends_silences(
     from hub.state.alerts import Firing  # noqa: PLC0415
 
     store = open_store(hub)
-    store.record_alerts(
+    store.alerts.record(
         [Firing("node_offline", {"node": "n9", "site": "lab"}, "page", 130.0, "n9 is quiet")],
         ["node_offline"],
         [],
@@ -708,7 +708,7 @@ async def test_the_alerts_page_shows_alerts_and_makes_and_ends_silences(
     assert status == 303
     assert response.headers["Location"] == "/console/alerts?notice=silenced"
     store = open_store(hub)
-    (silence,) = store.silences()
+    (silence,) = store.alerts.silences()
     store.close()
     assert silence.matchers == {"node": "n9", "rule": "node_offline"}
     assert silence.created_by == "ops"

@@ -52,8 +52,8 @@ async def test_the_rollouts_page_shows_each_wave_live_and_takes_the_operators_st
         # What they run is what an abort gives back: stored before the rollout starts.
         await until(lambda: _images(hub) == {"edge-a": "1.0", "edge-b": "1.0"}, "1.0 stored")
         store = open_store(hub)
-        store.add_release("1.0", "", "0" * 64, 10)  # what the nodes had: an abort's target
-        store.add_release("1.1", "faster boot", "a" * 64, 10)
+        store.rollouts.add_release("1.0", "", "0" * 64, 10)  # what the nodes had: an abort's target
+        store.rollouts.add_release("1.1", "faster boot", "a" * 64, 10)
         rollout = begin(store, "release", {"release": "1.1"}, Strategy(soak_s=0.0,
                         max_burn_rate=None), "ops")  # fmt: skip
         store.close()
@@ -128,7 +128,7 @@ def _images(hub: HubSettings) -> dict[str, str | None]:
     try:
         return {
             n.name: None if n.capacity.image is None else n.capacity.image.version
-            for n in store.nodes()
+            for n in store.nodes.all()
         }
     finally:
         store.close()

@@ -50,7 +50,8 @@ from hub.api.route_table import ROUTES
 from hub.app import create_app
 from hub.packages import add_bundle
 from hub.planning.quota import Budget
-from hub.state.store import DeploymentRecord, ModelArtifact, open_store
+from hub.state.deployments import DeploymentRecord, ModelArtifact
+from hub.state.store import open_store
 from shared import protocol
 from shared.errors import ErrorCode
 from tests.appliance.test_package_cache import package
@@ -61,7 +62,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from hub.settings import HubSettings
-    from hub.state.store import Enrolled, HubStore
+    from hub.state.nodes import Enrolled
+    from hub.state.store import HubStore
     from tests.postgres import Cluster
 
 # Generated cases per operation and mode; KVL_FUZZ_EXAMPLES sets more, for a longer hunt.
@@ -164,7 +166,7 @@ class Fuzzed:
 
 
 def _enroll(store: HubStore, token: str, name: str) -> Enrolled:
-    return store.enroll(
+    return store.nodes.enroll(
         token, name=name, wg_public_key=new_key(), overlay_prefix=PREFIX, labels={}, versions={}
     )
 
@@ -185,29 +187,29 @@ def fuzzed(
     hub_settings = settings_for(tmp_path, database)
     store = open_store(hub_settings)
     try:
-        token = store.create_token("lab", uses=3, expires_in_s=3600).plaintext
+        token = store.tokens.create("lab", uses=3, expires_in_s=3600).plaintext
         node = _enroll(store, token, "fuzz-node")  # the node the node calls are made as
         server = _enroll(store, token, "server")  # the one offloaded requests go to
         # The operator routes name this one: draining or revoking it leaves the two
         # above as they were.
         _enroll(store, token, "victim")
         # Enrollments the fuzzing may make (schema-valid ones name this token).
-        enrollment = store.create_token("lab", uses=100_000, expires_in_s=3600).plaintext
-        spare_token = store.create_token("lab", uses=1, expires_in_s=3600)  # to revoke
-        operator = store.create_operator("fuzz").plaintext
-        silence = store.create_silence({"rule": "node_offline"}, 4e9, "fuzz", "")  # to end
-        store.set_account("acme", "S1", budget=Budget(1_000_000, 86_400))
-        client_key = store.create_key("acme").plaintext
-        spare_key = store.create_key("acme")  # to revoke
-        store.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
-        store.deploy(DeploymentRecord("d1", "m@1", 1, "S1", "I1", {}))
+        enrollment = store.tokens.create("lab", uses=100_000, expires_in_s=3600).plaintext
+        spare_token = store.tokens.create("lab", uses=1, expires_in_s=3600)  # to revoke
+        operator = store.operators.create("fuzz").plaintext
+        silence = store.alerts.create_silence({"rule": "node_offline"}, 4e9, "fuzz", "")  # to end
+        store.accounts.put("acme", "S1", budget=Budget(1_000_000, 86_400))
+        client_key = store.accounts.create_key("acme").plaintext
+        spare_key = store.accounts.create_key("acme")  # to revoke
+        store.deployments.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
+        store.deployments.add(DeploymentRecord("d1", "m@1", 1, "S1", "I1", {}))
         cache = PackageCache(tmp_path / "cache", max_bytes=1 << 30)
         manifest, files = package(3)
         cache.put(manifest, files, "key-3")
         archive = cache.bundle(manifest.id)
         held = add_bundle(store, hub_settings.artifacts_dir, archive)
-        store.seed_package(held.id, None, None)
-        (seeded,) = store.desired_state(node.node).packages
+        store.packages.seed(held.id, None, None)
+        (seeded,) = store.desired.of(node.node).packages
     finally:
         store.close()
     exceptions = Exceptions()

@@ -16,8 +16,10 @@ from aiohttp import web
 
 from hub.app import create_app
 from hub.planning.quota import Budget
-from hub.state.accounts import Tenancy
-from hub.state.store import DeploymentRecord, HubStore, ModelArtifact, open_store
+from hub.planning.tenancy import Tenancy
+from hub.state.deployments import DeploymentRecord, ModelArtifact
+from hub.state.serials import Serials
+from hub.state.store import HubStore, open_store
 from shared import protocol
 from shared.errors import ErrorCode
 from tests.conftest import kvl
@@ -37,8 +39,8 @@ DEEP = "[" * 5000 + "]" * 5000
 
 
 def _enroll(store: HubStore, name: str) -> tuple[str, str]:
-    token = store.create_token("site", uses=1, expires_in_s=60).plaintext
-    enrolled = store.enroll(
+    token = store.tokens.create("site", uses=1, expires_in_s=60).plaintext
+    enrolled = store.nodes.enroll(
         token, name=name, wg_public_key=new_key(), overlay_prefix=PREFIX, labels={}, versions={}
     )
     return enrolled.node.id, enrolled.node_token
@@ -157,11 +159,11 @@ def _fleet(tmp_path: Path, hub_database: HubDatabase) -> tuple[HubSettings, dict
     )
     store = open_store(settings)
     try:
-        store.set_account("acme", "S1", budget=Budget(100_000, 86_400.0))
-        store.set_account("globex", "S1", budget=Budget(100_000, 86_400.0))
+        store.accounts.put("acme", "S1", budget=Budget(100_000, 86_400.0))
+        store.accounts.put("globex", "S1", budget=Budget(100_000, 86_400.0))
         honest, honest_token = _enroll(store, "honest")
         hostile, hostile_token = _enroll(store, "hostile")
-        store.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
+        store.deployments.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
     finally:
         store.close()
     return settings, {
@@ -198,7 +200,7 @@ async def test_a_hostile_node_is_refused_everything_and_the_fleet_goes_on(
         store = open_store(settings)
         try:
             now = time.time()
-            return store.quota("acme", now), store.quota("globex", now)
+            return store.leases.quota("acme", now), store.leases.quota("globex", now)
         finally:
             store.close()
 
@@ -237,8 +239,8 @@ async def test_a_hostile_node_is_refused_everything_and_the_fleet_goes_on(
     assert after[1].leased == {}
     store = open_store(settings)
     try:
-        assert store.ledger_count(ids["hostile"]) == 0
-        hostile_node = store.node(ids["hostile"])
+        assert store.ledger.count(ids["hostile"]) == 0
+        hostile_node = store.nodes.get(ids["hostile"])
         assert hostile_node.capacity == protocol.Capacity()  # no heartbeat of it landed
     finally:
         store.close()
@@ -252,7 +254,7 @@ async def test_a_hostile_node_is_refused_everything_and_the_fleet_goes_on(
     async def landed() -> bool:
         store = open_store(settings)
         try:
-            return store.node(ids["honest"]).capacity.cpu_percent == 42.0
+            return store.nodes.get(ids["honest"]).capacity.cpu_percent == 42.0
         finally:
             store.close()
 
@@ -263,14 +265,14 @@ async def test_a_hostile_node_is_refused_everything_and_the_fleet_goes_on(
 
     store = open_store(settings)
     try:
-        store.deploy(DeploymentRecord("d1", "m@1", 1, "S1", "I1", {}))
+        store.deployments.add(DeploymentRecord("d1", "m@1", 1, "S1", "I1", {}))
     finally:
         store.close()
 
     async def placed() -> bool:
         store = open_store(settings)
         try:
-            return (ids["honest"]) in {node for _, node, _ in store.placements()}
+            return (ids["honest"]) in {node for _, node, _ in store.deployments.placements()}
         finally:
             store.close()
 
@@ -279,7 +281,7 @@ async def test_a_hostile_node_is_refused_everything_and_the_fleet_goes_on(
     # A revocation made by another process reaches the running hub within its bound.
     store = open_store(settings)
     try:
-        store.revoke_node(ids["hostile"])
+        store.nodes.revoke(ids["hostile"])
     finally:
         store.close()
 
@@ -302,8 +304,8 @@ async def test_a_node_cannot_read_as_another_or_steal_its_key(
     settings = settings_for(tmp_path, hub_database)
     store = open_store(settings)
     try:
-        token = store.create_token("site", uses=1, expires_in_s=60).plaintext
-        other = store.create_token("site", uses=1, expires_in_s=60).plaintext
+        token = store.tokens.create("site", uses=1, expires_in_s=60).plaintext
+        other = store.tokens.create("site", uses=1, expires_in_s=60).plaintext
     finally:
         store.close()
     client = await aiohttp_client(create_app(settings))
@@ -334,8 +336,8 @@ async def test_a_node_cannot_read_as_another_or_steal_its_key(
     assert refused["error"]["code"] == "already_enrolled"
     store = open_store(settings)
     try:
-        assert len(store.nodes()) == 1
-        assert store.tokens()[0].uses_left + store.tokens()[1].uses_left == 1  # one spent
+        assert len(store.nodes.all()) == 1
+        assert store.tokens.all()[0].uses_left + store.tokens.all()[1].uses_left == 1  # one spent
     finally:
         store.close()
 
@@ -347,7 +349,7 @@ async def test_nesting_and_surprises_are_refused_in_the_error_shape(
     store = open_store(settings)
     try:
         _, node = _enroll(store, "n")
-        operator = store.create_operator("ops").plaintext
+        operator = store.operators.create("ops").plaintext
     finally:
         store.close()
     client = await aiohttp_client(create_app(settings))
@@ -377,7 +379,7 @@ async def test_an_unexpected_error_is_a_500_in_the_error_shape_with_a_request_id
     def broken(*_: Any) -> Any:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(HubStore, "desired_serial", broken)
+    monkeypatch.setattr(Serials, "desired", broken)
     response = await client.get(
         "/v1/node/state?after=1", headers={"Authorization": f"Bearer {token}", **protocol.HEADERS}
     )
@@ -401,14 +403,14 @@ async def test_a_node_is_given_no_tenancy_lease_or_offload_that_is_not_its_own(
     settings = settings_for(tmp_path, hub_database)
     store = open_store(settings)
     try:
-        store.set_account("acme", "S1", budget=Budget(100_000, 86_400.0))
-        store.set_account("globex", "S1", budget=Budget(100_000, 86_400.0))
-        store.set_account("tx-secret", "S1", budget=Budget(100_000, 86_400.0))
-        store.set_tenancy("tx-secret", Tenancy("tx", (), dedicated=True))
-        client_key = store.create_key("acme").plaintext
-        store.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
-        plain = store.create_token("site", uses=2, expires_in_s=60).plaintext
-        dedicated = store.create_token("site", uses=1, expires_in_s=60, tenant="tx").plaintext
+        store.accounts.put("acme", "S1", budget=Budget(100_000, 86_400.0))
+        store.accounts.put("globex", "S1", budget=Budget(100_000, 86_400.0))
+        store.accounts.put("tx-secret", "S1", budget=Budget(100_000, 86_400.0))
+        store.accounts.set_tenancy("tx-secret", Tenancy("tx", (), dedicated=True))
+        client_key = store.accounts.create_key("acme").plaintext
+        store.deployments.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
+        plain = store.tokens.create("site", uses=2, expires_in_s=60).plaintext
+        dedicated = store.tokens.create("site", uses=1, expires_in_s=60, tenant="tx").plaintext
     finally:
         store.close()
     client = await aiohttp_client(create_app(settings))
@@ -435,9 +437,9 @@ async def test_a_node_is_given_no_tenancy_lease_or_offload_that_is_not_its_own(
     # Tenancy: the labels grant nothing; the token's tenancy is the node's.
     store = open_store(settings)
     try:
-        node = store.node(claimer)
+        node = store.nodes.get(claimer)
         assert (node.tenant, node.private, node.labels["tenant"]) == (None, False, "tx")
-        assert (store.node(tx_node).tenant, store.node(tx_node).private) == ("tx", False)
+        assert (store.nodes.get(tx_node).tenant, store.nodes.get(tx_node).private) == ("tx", False)
     finally:
         store.close()
     assert "tx-secret" not in await accounts_of(claimer_token)
@@ -460,7 +462,7 @@ async def test_a_node_is_given_no_tenancy_lease_or_offload_that_is_not_its_own(
         store = open_store(settings)
         try:
             now = time.time()
-            return tuple(store.quota(a, now) for a in ("acme", "globex", "tx-secret"))
+            return tuple(store.leases.quota(a, now) for a in ("acme", "globex", "tx-secret"))
         finally:
             store.close()
 
@@ -507,7 +509,7 @@ async def test_a_node_is_given_no_tenancy_lease_or_offload_that_is_not_its_own(
     async def beat_landed() -> bool:
         store = open_store(settings)
         try:
-            return store.node(claimer).capacity.offload
+            return store.nodes.get(claimer).capacity.offload
         finally:
             store.close()
 

@@ -21,7 +21,8 @@ from hub.http import LARGE_BODY, answer
 from hub.identity import certificates, ssl_context
 from hub.planning.health import NodeStatus, node_status
 from hub.state.sql import DatabaseError
-from hub.state.store import AsyncHubStore, TokenProblem, TokenRefusedError, open_store
+from hub.state.store import AsyncHubStore, open_store
+from hub.state.tokens import TokenProblem, TokenRefusedError
 from shared import pki, protocol
 from shared.errors import ErrorCode
 from shared.protocol import EVENTS
@@ -43,8 +44,8 @@ def test_tokens_are_single_use_by_default_and_expire_or_get_revoked(
 ) -> None:
     store = open_store(settings_for(tmp_path, hub_database))
     try:
-        token = store.create_token("school-a", uses=1, expires_in_s=3600)
-        enrolled = store.enroll(
+        token = store.tokens.create("school-a", uses=1, expires_in_s=3600)
+        enrolled = store.nodes.enroll(
             token.plaintext,
             name="node-1",
             wg_public_key=new_key(),
@@ -56,7 +57,7 @@ def test_tokens_are_single_use_by_default_and_expire_or_get_revoked(
         assert enrolled.node.overlay_address == "100.64.0.2"  # .1 is the hub's
         assert enrolled.node_token.startswith("kvln_")
         with pytest.raises(TokenRefusedError) as used:
-            store.enroll(
+            store.nodes.enroll(
                 token.plaintext,
                 name="n2",
                 wg_public_key=new_key(),
@@ -66,9 +67,9 @@ def test_tokens_are_single_use_by_default_and_expire_or_get_revoked(
             )
         assert used.value.problem is TokenProblem.used
 
-        twice = store.create_token("school-a", uses=2, expires_in_s=3600)
+        twice = store.tokens.create("school-a", uses=2, expires_in_s=3600)
         addresses = {
-            store.enroll(
+            store.nodes.enroll(
                 twice.plaintext,
                 name=f"m{i}",
                 wg_public_key=new_key(),
@@ -80,10 +81,10 @@ def test_tokens_are_single_use_by_default_and_expire_or_get_revoked(
         }
         assert addresses == {"100.64.0.3", "100.64.0.4"}
 
-        expired = store.create_token("school-b", uses=5, expires_in_s=0.01)
+        expired = store.tokens.create("school-b", uses=5, expires_in_s=0.01)
         time.sleep(0.02)
-        revoked = store.create_token("school-b", uses=5, expires_in_s=3600)
-        store.revoke_token(revoked.prefix)
+        revoked = store.tokens.create("school-b", uses=5, expires_in_s=3600)
+        store.tokens.revoke(revoked.prefix)
         for plaintext, problem in [
             (expired.plaintext, TokenProblem.expired),
             (revoked.plaintext, TokenProblem.revoked),
@@ -92,7 +93,7 @@ def test_tokens_are_single_use_by_default_and_expire_or_get_revoked(
             ("not a token", TokenProblem.unknown),
         ]:
             with pytest.raises(TokenRefusedError) as refused:
-                store.enroll(
+                store.nodes.enroll(
                     plaintext,
                     name="x",
                     wg_public_key=new_key(),
@@ -101,7 +102,7 @@ def test_tokens_are_single_use_by_default_and_expire_or_get_revoked(
                     versions={},
                 )
             assert refused.value.problem is problem, plaintext
-        assert [t.state(time.time()) for t in store.tokens()] == [
+        assert [t.state(time.time()) for t in store.tokens.all()] == [
             "used",
             "used",
             "expired",
@@ -139,8 +140,8 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
 ) -> None:
     settings = settings_for(tmp_path, hub_database)
     store = open_store(settings)
-    token = store.create_token("school-a", uses=1, expires_in_s=3600).plaintext
-    store.set_account("pupils", "S1")
+    token = store.tokens.create("school-a", uses=1, expires_in_s=3600).plaintext
+    store.accounts.put("pupils", "S1")
     store.close()
     server = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
     _, cert = certificates(settings)
@@ -240,10 +241,10 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
 
     store = open_store(settings)
     try:
-        assert store.ledger_count() == 6
+        assert store.ledger.count() == 6
         # Heartbeats are written behind, within a second.
         for _ in range(50):
-            (registered,) = store.nodes()
+            (registered,) = store.nodes.all()
             if registered.last_seen is not None:
                 break
             await asyncio.sleep(0.1)
@@ -252,7 +253,7 @@ async def test_enroll_over_https_with_a_pinned_certificate_then_heartbeat_and_sy
         assert registered.versions == {"kvl": "0.1.0", "protocol": str(protocol.PROTOCOL_VERSION)}
         assert registered.capacity == protocol.Capacity(cpu_percent=12.5)
         assert registered.wg_public_key == key
-        store.revoke_node("lab-server")  # by another process, as `kvl hub nodes revoke`
+        store.nodes.revoke("lab-server")  # by another process, as `kvl hub nodes revoke`
     finally:
         store.close()
     # The hub remembers the node's token; a revocation by another process reaches it
@@ -275,8 +276,8 @@ async def test_node_calls_must_come_from_the_overlay_address(
 ) -> None:
     settings = settings_for(tmp_path, hub_database, require_overlay_source=True)
     store = open_store(settings)
-    token = store.create_token("s", uses=1, expires_in_s=60).plaintext
-    node_token = store.enroll(
+    token = store.tokens.create("s", uses=1, expires_in_s=60).plaintext
+    node_token = store.nodes.enroll(
         token, name="n", wg_public_key=new_key(), overlay_prefix=PREFIX, labels={}, versions={}
     ).node_token
     store.close()
@@ -331,18 +332,18 @@ async def test_each_node_reads_only_its_own_desired_state_and_serials_grow(
 ) -> None:
     settings = settings_for(tmp_path, hub_database)
     store = open_store(settings)
-    token = store.create_token("s", uses=2, expires_in_s=60).plaintext
+    token = store.tokens.create("s", uses=2, expires_in_s=60).plaintext
     a, b = (
-        store.enroll(
+        store.nodes.enroll(
             token, name=n, wg_public_key=new_key(), overlay_prefix=PREFIX, labels={}, versions={}
         )
         for n in ("a", "b")
     )
-    assert store.set_account("school", "S1") == 1
-    store.create_key("school")
-    assert store.desired_serial() == 2
+    assert store.accounts.put("school", "S1") == 1
+    store.accounts.create_key("school")
+    assert store.serials.desired() == 2
     with pytest.raises(Exception, match="no account"):
-        store.create_key("nobody")
+        store.accounts.create_key("nobody")
     store.close()
     server = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
     pinned = aiohttp.Fingerprint(pki.fingerprint_bytes(certificates(settings)[1].fingerprint))
@@ -432,8 +433,8 @@ async def test_the_simulator_enrolls_a_fleet_and_its_heartbeats_and_syncs_land(
 
     settings = settings_for(tmp_path, hub_database)
     store = open_store(settings)
-    token = store.create_token("simulated", uses=20, expires_in_s=600).plaintext
-    store.set_account("simulated", "S1")  # the account its usage events are for
+    token = store.tokens.create("simulated", uses=20, expires_in_s=600).plaintext
+    store.accounts.put("simulated", "S1")  # the account its usage events are for
     store.close()
     server = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
     url = f"https://127.0.0.1:{server.port}"
@@ -462,8 +463,8 @@ async def test_the_simulator_enrolls_a_fleet_and_its_heartbeats_and_syncs_land(
     await server.close()  # the last heartbeats are flushed on the way out
     store = open_store(settings)
     try:
-        registered = store.nodes()
-        assert store.ledger_count() == 180
+        registered = store.nodes.all()
+        assert store.ledger.count() == 180
     finally:
         store.close()
     assert len(registered) == 20
@@ -477,8 +478,8 @@ async def test_heartbeat_answers_carry_the_desired_serial(
 ) -> None:
     settings = settings_for(tmp_path, hub_database)
     store = open_store(settings)
-    token = store.create_token("s", uses=1, expires_in_s=60).plaintext
-    node_token = store.enroll(
+    token = store.tokens.create("s", uses=1, expires_in_s=60).plaintext
+    node_token = store.nodes.enroll(
         token, name="n", wg_public_key=new_key(), overlay_prefix=PREFIX, labels={}, versions={}
     ).node_token
     store.close()
@@ -499,7 +500,7 @@ async def test_heartbeat_answers_carry_the_desired_serial(
 
     before = await serial()
     store = open_store(settings)
-    store.set_account("school", "S1")  # another process's change: the serial moves
+    store.accounts.put("school", "S1")  # another process's change: the serial moves
     store.close()
     for _ in range(30):  # the hub reads it again within a second
         if await serial() > before:
@@ -513,9 +514,9 @@ async def test_event_batches_arriving_together_are_committed_together_and_each_a
 ) -> None:
     settings = settings_for(tmp_path, hub_database)
     store = open_store(settings)
-    token = store.create_token("s", uses=3, expires_in_s=60).plaintext
+    token = store.tokens.create("s", uses=3, expires_in_s=60).plaintext
     nodes = [
-        store.enroll(token, name=f"n{i}", wg_public_key=new_key(), overlay_prefix=PREFIX,
+        store.nodes.enroll(token, name=f"n{i}", wg_public_key=new_key(), overlay_prefix=PREFIX,
                      labels={}, versions={}).node.id
         for i in range(3)
     ]  # fmt: skip
@@ -523,14 +524,14 @@ async def test_event_batches_arriving_together_are_committed_together_and_each_a
     hub = AsyncHubStore(settings)
     await hub.open()
     commits = 0
-    store_events = hub.sync.store_events
+    store_events = hub.sync.ledger.store_events
 
     def counted(*args: Any) -> Any:
         nonlocal commits
         commits += 1
         return store_events(*args)
 
-    monkeypatch.setattr(hub.sync, "store_events", counted)  # counts, and does the real work
+    monkeypatch.setattr(hub.sync.ledger, "store_events", counted)  # counts, and does the real work
     try:
         # 30 batches of 10 events at once, each event in two batches (a resend).
         batches = [
@@ -547,7 +548,7 @@ async def test_event_batches_arriving_together_are_committed_together_and_each_a
             assert answer[0] == [e.id for e in events]
         assert sum(a[1] for a in answers if isinstance(a, tuple)) == 150
         assert commits < len(batches)  # grouped: fewer commits than batches
-        assert await hub.run(hub.sync.ledger_count) == 150
+        assert await hub.run(hub.sync.ledger.count) == 150
         # A batch the database refuses (its node is not registered) fails alone: the
         # group is committed again one batch at a time.
         bad = EVENTS.validate_python([{"id": "bad", "kind": "usage", "body": {"account": "a"}}])

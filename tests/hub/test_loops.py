@@ -22,16 +22,13 @@ import hub.fleet.peers
 import hub.reconciler
 from hub.app import create_app
 from hub.appkeys import BEATS, LOOPS, STORE
-from hub.console import store as console_sql
+from hub.console.samples import sample_of
 from hub.fleet.peers import reconcile_peers
 from hub.reconciler import FleetSnapshots
-from hub.state.store import (
-    AsyncHubStore,
-    DeploymentRecord,
-    ModelArtifact,
-    capacity_of,
-    open_store,
-)
+from hub.state.console import Console, Sample
+from hub.state.deployments import DeploymentRecord, ModelArtifact
+from hub.state.nodes import capacity_of
+from hub.state.store import AsyncHubStore, open_store
 from shared import protocol
 from shared.supervise import Failures
 from shared.wireguard import InterfaceConfig, Tunnel, WireGuardError, generate_keypair
@@ -44,9 +41,9 @@ if TYPE_CHECKING:
     from aiohttp.test_utils import TestServer
     from pytest_aiohttp import AiohttpServer
 
-    from hub.fleet.objectives import Ingested
+    from hub.planning.slo import Ingested
     from hub.settings import HubSettings
-    from hub.state.store import Heartbeat
+    from hub.state.nodes import Heartbeat
 
 DEADLINE_S = 10.0
 NODE_HEADERS = {protocol.PROTOCOL_HEADER: str(protocol.PROTOCOL_VERSION)}
@@ -62,12 +59,12 @@ def enroll(hub_settings: HubSettings) -> tuple[str, str, str]:
     """A node (its id and token) and an operator token, straight into the store."""
     store = open_store(hub_settings)
     try:
-        token = store.create_token("lab", uses=1, expires_in_s=60).plaintext
-        node = store.enroll(
+        token = store.tokens.create("lab", uses=1, expires_in_s=60).plaintext
+        node = store.nodes.enroll(
             token, name="node-a", wg_public_key=new_key(), overlay_prefix=PREFIX,
             labels={}, versions={},
         )  # fmt: skip
-        operator = store.create_operator("ops").plaintext
+        operator = store.operators.create("ops").plaintext
     finally:
         store.close()
     return node.node.id, node.node_token, operator
@@ -160,7 +157,7 @@ async def test_the_heartbeat_flusher_survives_its_write_and_its_listeners_failin
 
     # The console's listener, after the one that raised, took its sample.
     async def sampled() -> bool:
-        taken = await store.run(console_sql.samples, store.sync, node_id, 0.0)
+        taken = await store.run(store.sync.console.samples, node_id, 0.0)
         return [s.cpu_percent for s in taken] == [50.0]
 
     await until(sampled, "the console's sample of the written heartbeat", timeout_s=DEADLINE_S)
@@ -196,8 +193,8 @@ def test_a_stored_capacity_the_protocol_refuses_is_sampled_as_empty() -> None:
     refuses such a heartbeat; a row an older hub stored with one reads as an empty
     capacity, and the sampler's listener does not fail on it."""
     stored = '{"memory_total_mib": 1e400, "cpu_percent": NaN, "queue_waiting": -3}'
-    sample = console_sql.sample_of(1.0, capacity_of(stored))
-    assert sample == console_sql.Sample(1.0, 0.0, 0, 0, 0, 0, 0)
+    sample = sample_of(1.0, capacity_of(stored))
+    assert sample == Sample(1.0, 0.0, 0, 0, 0, 0, 0)
 
 
 async def test_the_placement_reconciler_places_after_a_failed_round(
@@ -212,8 +209,8 @@ async def test_the_placement_reconciler_places_after_a_failed_round(
     node_id, node_token, _ = enroll(hub_settings)
     store = open_store(hub_settings)
     try:
-        store.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
-        store.deploy(DeploymentRecord("d1", "m@1", 1, "S1", "I1", {}))
+        store.deployments.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
+        store.deployments.add(DeploymentRecord("d1", "m@1", 1, "S1", "I1", {}))
     finally:
         store.close()
 
@@ -240,7 +237,7 @@ async def test_the_placement_reconciler_places_after_a_failed_round(
     await heartbeat(server, node_token)  # the node is seen: now it can be given the model
 
     async def placed() -> bool:
-        return await running.run(running.sync.placements) == [("d1", node_id, None)]
+        return await running.run(running.sync.deployments.placements) == [("d1", node_id, None)]
 
     await until(placed, "the deployment placed by a later round", timeout_s=DEADLINE_S)
     assert failures.count("placement") == 1
@@ -258,25 +255,25 @@ async def test_the_console_pruner_prunes_after_a_failed_round(
     node_id, _, _ = enroll(hub_settings)
     store = open_store(hub_settings)
     try:  # a sample from long ago, for the pruner to delete
-        console_sql.record_samples(store, [(node_id, console_sql.Sample(1.0, 1, 1, 1, 1, 1, 1))])
+        store.console.record_samples([(node_id, Sample(1.0, 1, 1, 1, 1, 1, 1))])
     finally:
         store.close()
 
-    prune = console_sql.prune
+    prune = Console.prune
     calls: list[float] = []
 
-    def failing_prune(*args: Any, **kwargs: Any) -> None:
+    def failing_prune(console: Console, *, now: float, samples_before: float) -> None:
         calls.append(time.monotonic())
         if len(calls) == 1:
             raise RuntimeError("the samples table is locked")
-        prune(*args, **kwargs)
+        prune(console, now=now, samples_before=samples_before)
 
-    monkeypatch.setattr(console_sql, "prune", failing_prune)
+    monkeypatch.setattr(Console, "prune", failing_prune)
     server = await aiohttp_server(create_app(hub_settings))
     failures, running = server.app[LOOPS], server.app[STORE]
 
     async def pruned() -> bool:
-        return await running.run(console_sql.samples, running.sync, node_id, 0.0) == []
+        return await running.run(running.sync.console.samples, node_id, 0.0) == []
 
     await until(pruned, "the old sample deleted by a later round", timeout_s=DEADLINE_S)
     assert failures.count("console.prune") == 1
@@ -332,9 +329,9 @@ def test_one_hostile_row_does_not_fail_the_fleets_placement(tmp_path: Path) -> N
     the snapshot of the whole fleet (which a raise would fail for every node) is read."""
     store = open_store(settings(tmp_path))
     try:
-        token = store.create_token("lab", uses=3, expires_in_s=60).plaintext
+        token = store.tokens.create("lab", uses=3, expires_in_s=60).plaintext
         ids = [
-            store.enroll(
+            store.nodes.enroll(
                 token, name=f"n{i}", wg_public_key=new_key(), overlay_prefix=PREFIX,
                 labels={}, versions={},
             ).node.id

@@ -75,11 +75,11 @@ async def test_every_family_after_real_traffic_behind_an_operator_token(
     settings = settings_for(tmp_path, hub_database)
     settings.metrics.listen = f"127.0.0.1:{free_port()}"
     store = open_store(settings)
-    token = store.create_token("lab", uses=1, expires_in_s=60).plaintext
-    enrolled = store.enroll(
+    token = store.tokens.create("lab", uses=1, expires_in_s=60).plaintext
+    enrolled = store.nodes.enroll(
         token, name="n1", wg_public_key=new_key(), overlay_prefix=PREFIX, labels={}, versions={}
     )
-    operator = store.create_operator("ops").plaintext
+    operator = store.operators.create("ops").plaintext
     store.close()
     app = create_app(settings)
     server = await aiohttp_server(app)
@@ -148,7 +148,7 @@ async def test_every_family_after_real_traffic_behind_an_operator_token(
         seen = samples(text, "kvl_fleet_node_last_seen_timestamp_seconds")
         assert list(seen) == ['kvl_fleet_node_last_seen_timestamp_seconds{node="n1",site="lab"}']
         ops_ = samples(text, "kvl_hub_db_duration_seconds_count")
-        assert any('operation="heartbeats"' in k for k in ops_), ops_
+        assert any('operation="HubStore.heartbeats"' in k for k in ops_), ops_
         ledger = samples(text, "kvl_hub_ledger_events_total")
         assert ledger == {
             'kvl_hub_ledger_events_total{kind="package_removed",outcome="new"}': 1,

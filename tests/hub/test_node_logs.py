@@ -22,7 +22,8 @@ from appliance.gateway.appkeys import CERTIFICATE, LOGS
 from hub.app import create_app
 from hub.identity import ssl_context
 from hub.nodelogs import hub_client_context
-from hub.state.store import Heartbeat, open_store
+from hub.state.nodes import Heartbeat
+from hub.state.store import open_store
 from shared import protocol, tls
 from shared.cli import main
 from tests.appliance.fleet_nodes import join
@@ -43,12 +44,12 @@ def _enroll(hub: HubSettings) -> tuple[str, str]:
     """A node (its id), never seen, and an operator token."""
     store = open_store(hub)
     try:
-        token = store.create_token("lab", uses=1, expires_in_s=60).plaintext
-        node = store.enroll(
+        token = store.tokens.create("lab", uses=1, expires_in_s=60).plaintext
+        node = store.nodes.enroll(
             token, name="node-a", wg_public_key=new_key(), overlay_prefix=PREFIX,
             labels={}, versions={},
         )  # fmt: skip
-        operator = store.create_operator("ops").plaintext
+        operator = store.operators.create("ops").plaintext
     finally:
         store.close()
     return node.node.id, operator
@@ -111,7 +112,7 @@ async def test_what_the_hub_answers_when_it_cannot_read_a_nodes_logs(
     # Revoked: not asked.
     store = open_store(hub)
     try:
-        store.revoke_node(node_id)
+        store.nodes.revoke(node_id)
     finally:
         store.close()
     assert await get("/v1/admin/nodes/node-a/logs") == (409, "node_offline")
@@ -129,7 +130,7 @@ async def test_the_operator_reads_and_follows_a_nodes_logs_through_the_hub(
     )  # fmt: skip
     store = open_store(hub)
     try:
-        operator = store.create_operator("ops").plaintext
+        operator = store.operators.create("ops").plaintext
     finally:
         store.close()
     auth = {"Authorization": f"Bearer {operator}"}

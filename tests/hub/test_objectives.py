@@ -13,7 +13,7 @@ import json
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 from pydantic import ValidationError
@@ -22,16 +22,18 @@ from hub.app import create_app
 from hub.appkeys import BEATS, STORE
 from hub.fleet import budgets
 from hub.fleet.heartbeats import COUNTS_A_TURN, Heartbeats
-from hub.fleet.objectives import OTHER_ACCOUNT, Ingested, SloTotals, quantile
+from hub.planning.slo import OTHER_ACCOUNT, Grouping, Ingested, SloTotals, quantile
 from hub.settings import HubSettings
+from hub.state.nodes import Heartbeat
 from hub.state.objectives import FIVE_MINUTES, HOUR, KEPT_S, SloFilters
-from hub.state.store import Heartbeat, HubStore, open_store
+from hub.state.store import HubStore, open_store
 from shared import protocol
 from tests.hub.test_hostile_nodes import _assert_refused, _call, _enroll
 from tests.hubs import settings_for
 from tests.waiting import until
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
     from aiohttp import web
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from tests.hub.conftest import HubDatabase
     from tests.postgres import Cluster
 
+T = TypeVar("T")
 BUCKETS = len(protocol.LATENCY_BOUNDS_S) + 1
 
 
@@ -83,8 +86,8 @@ def fleet(tmp_path: Path, hub_database: HubDatabase) -> tuple[HubSettings, dict[
     settings = settings_for(tmp_path, hub_database)
     store = open_store(settings)
     try:
-        store.set_account("acme", "S1")
-        store.set_account("globex", "S2")
+        store.accounts.put("acme", "S1")
+        store.accounts.put("globex", "S2")
         node_id, token = _enroll(store, "n1")
         other_id, other_token = _enroll(store, "n2")
     finally:
@@ -92,17 +95,17 @@ def fleet(tmp_path: Path, hub_database: HubDatabase) -> tuple[HubSettings, dict[
     return settings, {"id": node_id, "token": token, "other_id": other_id, "other": other_token}
 
 
-def _read(settings: HubSettings, fn: Any, *args: Any) -> Any:
+def _read(settings: HubSettings, fn: Callable[[HubStore], T]) -> T:
     store = open_store(settings)
     try:
-        return fn(store, *args)
+        return fn(store)
     finally:
         store.close()
 
 
-def _totals(settings: HubSettings, by: str = "account") -> dict[tuple[str, str], SloTotals]:
+def _totals(settings: HubSettings, by: Grouping = "account") -> dict[tuple[str, str], SloTotals]:
     now = time.time()
-    rows = _read(settings, HubStore.slo_totals, now - 3600, now + 1, by)
+    rows = _read(settings, lambda s: s.objectives.totals(now - 3600, now + 1, by))
     return {(t.service_class, t.group): t for t in rows}
 
 
@@ -189,7 +192,7 @@ async def test_heartbeats_count_each_value_once(
     assert not {k for k in totals if k[1] in {"ghost", "spectre"}}
     assert ingested[-1].worker_restarts == [(node, "n1", "site", 2)]
     now = time.time()
-    assert _read(settings, HubStore.worker_restarts_since, now - 600) == {node: 3}
+    assert _read(settings, lambda s: s.objectives.worker_restarts_since(now - 600)) == {node: 3}
 
     # A heartbeat of an older node, without objectives: served, nothing counted.
     await beats.send(token, None)
@@ -398,7 +401,7 @@ async def test_out_of_bounds_objectives_are_refused_and_change_nothing(
     # A beat after them lands, and nothing they carried was counted.
     await beats.send(ids["token"], objectives("e1", series(requests=5, met=5)))
     assert _totals(settings) == before
-    assert _read(settings, HubStore.worker_restarts_since, time.time() - 600) == {}
+    assert _read(settings, lambda s: s.objectives.worker_restarts_since(time.time() - 600)) == {}
 
 
 # -- the store: windows, buckets, pruning, replicas ------------------------------------------
@@ -426,7 +429,7 @@ def test_windows_buckets_and_pruning(tmp_path: Path, hub_database: HubDatabase) 
     clock = Clock(t0)
     store = open_store(settings, clock=clock)
     try:
-        store.set_account("acme", "S1")
+        store.accounts.put("acme", "S1")
         node, _ = _enroll(store, "n1")
         # 10 requests at t0 + 1 s, 10 more at t0 + 7 min (the next five minutes), 10 more
         # 3 days later (the old five-minute buckets then pruned).
@@ -435,7 +438,7 @@ def test_windows_buckets_and_pruning(tmp_path: Path, hub_database: HubDatabase) 
         store.heartbeats([_beat(node, t0 + 420, "e", series(requests=20, met=18, missed=2))])
 
         def requests(since: float, until: float) -> int:
-            return sum(t.requests for t in store.slo_totals(since, until, "class"))
+            return sum(t.requests for t in store.objectives.totals(since, until, "class"))
 
         # Five-minute buckets: [t0, t0+300) holds 10, [t0+300, t0+600) holds 10.
         assert requests(t0, t0 + 300) == 10
@@ -447,13 +450,16 @@ def test_windows_buckets_and_pruning(tmp_path: Path, hub_database: HubDatabase) 
         assert requests(t0 - 86_400 + 420, t0 + 420) == 20
         # Filters.
         assert (
-            sum(t.requests for t in store.slo_totals(t0, t0 + 600, "class", SloFilters(node="n1")))
+            sum(
+                t.requests
+                for t in store.objectives.totals(t0, t0 + 600, "class", SloFilters(node="n1"))
+            )
             == 20
         )
-        assert store.slo_totals(t0, t0 + 600, "class", SloFilters(account="globex")) == []
+        assert store.objectives.totals(t0, t0 + 600, "class", SloFilters(account="globex")) == []
 
         # The series for charts: one point per five minutes.
-        step, points = store.slo_series(t0, t0 + 600, 300)
+        step, points = store.objectives.series(t0, t0 + 600, 300)
         assert step == FIVE_MINUTES
         assert [(p.start, p.counters["requests"]) for p in points] == [(t0, 10.0), (t0 + 300, 10.0)]
 
@@ -470,10 +476,10 @@ def test_windows_buckets_and_pruning(tmp_path: Path, hub_database: HubDatabase) 
         assert count == 0
         assert requests(t0, t0 + 3600) == 20  # read from the hourly buckets
         assert requests(clock.now - 3600, clock.now + 1) == 10
-        assert store.worker_restarts_since(clock.now - 600) == {node: 2}
+        assert store.objectives.worker_restarts_since(clock.now - 600) == {node: 2}
         clock.now = t0 + 40 * 86_400
-        assert store.prune_objectives(clock.now) > 0
-        assert store.slo_totals(t0 - HOUR, clock.now, "class") == []
+        assert store.objectives.prune(clock.now) > 0
+        assert store.objectives.totals(t0 - HOUR, clock.now, "class") == []
     finally:
         store.close()
 
@@ -488,14 +494,14 @@ def test_a_second_replica_counts_from_the_same_cursors(
     now = time.time()
     one, two = open_store(settings), open_store(settings)
     try:
-        one.set_account("acme", "S1")
+        one.accounts.put("acme", "S1")
         node, _ = _enroll(one, "n1")
         one.heartbeats([_beat(node, now, "e", series(requests=10, met=10))])
         added = two.heartbeats([_beat(node, now + 1, "e", series(requests=12, met=12))])
         assert [d.requests for d in added.series] == [2]
         late = one.heartbeats([_beat(node, now + 0.5, "e", series(requests=11, met=11))])
         assert not late
-        assert sum(t.requests for t in two.slo_totals(now - 60, now + 60, "class")) == 12
+        assert sum(t.requests for t in two.objectives.totals(now - 60, now + 60, "class")) == 12
     finally:
         one.close()
         two.close()
@@ -512,7 +518,7 @@ def test_hostile_nodes_resetting_on_purpose_cannot_overflow_the_sums(
     now = time.time() // FIVE_MINUTES * FIVE_MINUTES  # every beat in one bucket
     store = open_store(settings)
     try:
-        store.set_account("acme", "S1")
+        store.accounts.put("acme", "S1")
         hostile = [_enroll(store, f"hostile{i}")[0] for i in range(5)]
         honest, _ = _enroll(store, "honest")
         top = 1 << 53
@@ -525,12 +531,14 @@ def test_hostile_nodes_resetting_on_purpose_cannot_overflow_the_sums(
                     _beat(honest, now + i, "e", series(requests=i + 1, met=i + 1)),
                 ]
             )
-        rows = {t.group: t for t in store.slo_totals(now - 60, now + 60, "node")}
+        rows = {t.group: t for t in store.objectives.totals(now - 60, now + 60, "node")}
         assert all(rows[f"hostile{i}"].requests == top for i in range(5))  # capped
         assert rows["honest"].requests == 4
-        [fleet] = store.slo_totals(now - 60, now + 60, "class")
+        [fleet] = store.objectives.totals(now - 60, now + 60, "class")
         assert fleet.requests == top + 4  # the fleet's (other) row capped too, never wrapped
-        by_account = {t.group: t.requests for t in store.slo_totals(now - 60, now + 60, "account")}
+        by_account = {
+            t.group: t.requests for t in store.objectives.totals(now - 60, now + 60, "account")
+        }
         assert by_account == {"acme": 4, OTHER_ACCOUNT: top}
     finally:
         store.close()
@@ -625,7 +633,7 @@ def test_two_replicas_flushing_the_same_nodes_at_once_count_each_value_once(
     settings = settings_for(tmp_path, {"database_url": postgres.create()})
     setup = open_store(settings)
     try:
-        setup.set_account("acme", "S1")
+        setup.accounts.put("acme", "S1")
         nodes = [_enroll(setup, f"n{i}")[0] for i in range(40)]
     finally:
         setup.close()
@@ -657,7 +665,7 @@ def test_two_replicas_flushing_the_same_nodes_at_once_count_each_value_once(
     assert failed == []
     store = open_store(settings)
     try:
-        rows = store.slo_totals(t0 - 600, t0 + 600, "node")
+        rows = store.objectives.totals(t0 - 600, t0 + 600, "node")
     finally:
         store.close()
     assert {t.group: (t.requests, t.missed["first_token"]) for t in rows} == {

@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 
 from hub.identity import certificates
-from hub.state.store import Heartbeat, open_store
+from hub.state.nodes import Heartbeat
+from hub.state.store import open_store
 from shared import pki, protocol
 from tests.conftest import kvl
 from tests.hub.test_console import add_user, open_console, settings_for, start
@@ -35,13 +36,13 @@ def _fleet(hub: HubSettings) -> tuple[str, dict[str, str]]:
     overspent it (-100 %); the class as a whole burns at exactly 1 and has none left."""
     store = open_store(hub)
     try:
-        store.set_account("acme", "S1")
-        operator = store.create_operator("ops").plaintext
-        token = store.create_token("depot", uses=1, expires_in_s=60).plaintext
+        store.accounts.put("acme", "S1")
+        operator = store.operators.create("ops").plaintext
+        token = store.tokens.create("depot", uses=1, expires_in_s=60).plaintext
         n1, _ = _enroll(store, "n1")  # site "site"
         from tests.hubs import PREFIX, new_key  # noqa: PLC0415
 
-        n2 = store.enroll(
+        n2 = store.nodes.enroll(
             token, name="n2", wg_public_key=new_key(), overlay_prefix=PREFIX, labels={},
             versions={},
         ).node.id  # fmt: skip

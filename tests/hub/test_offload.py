@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hub.offload import FAILURES_KEPT_S, NODES_MEASURED, Measurements, load_of
 from hub.planning.offload import NodeLoad, candidates
-from hub.state.store import Node
+from hub.state.nodes import Node
 from shared import protocol
 
 NOW = 1_000.0

@@ -15,7 +15,8 @@ from appliance.packages.cache import PackageCache
 from hub.app import create_app
 from hub.identity import certificates, ssl_context
 from hub.settings import HubSettings
-from hub.state.store import HubStore, Node, open_store
+from hub.state.nodes import Node
+from hub.state.store import HubStore, open_store
 from shared import pki, protocol
 from shared.protocol import EVENTS
 from tests.appliance.test_package_cache import package
@@ -37,10 +38,11 @@ def _settings(tmp_path: Path, database: HubDatabase) -> HubSettings:
 
 
 def _enroll(store: HubStore, name: str, site: str) -> tuple[Node, str]:
-    token = store.create_token(site, uses=1, expires_in_s=60).plaintext
+    token = store.tokens.create(site, uses=1, expires_in_s=60).plaintext
     key = str(WireguardKey.generate().public_key())
-    enrolled = store.enroll(token, name=name, wg_public_key=key, overlay_prefix="100.64.0.0/10",
-                            labels={}, versions={})  # fmt: skip
+    enrolled = store.nodes.enroll(token, name=name, wg_public_key=key,
+                                  overlay_prefix="100.64.0.0/10", labels={},
+                                  versions={})  # fmt: skip
     return enrolled.node, enrolled.node_token
 
 
@@ -61,14 +63,16 @@ def test_package_reports_are_applied_once_and_in_order(
     store = open_store(_settings(tmp_path, hub_database))
     a, _ = _enroll(store, "node-a", "north")
     b, _ = _enroll(store, "node-b", "south")
-    ids, new = store.ingest(a.id, EVENTS.validate_python([_report(1, "e1"), _report(2, "e2")]))
+    ids, new = store.ledger.ingest(
+        a.id, EVENTS.validate_python([_report(1, "e1"), _report(2, "e2")])
+    )
     assert (ids, new) == (["e1", "e2"], 2)
-    store.ingest(b.id, EVENTS.validate_python([_report(1, "e3")]))
-    found = {p.id: p for p in store.packages()}
+    store.ledger.ingest(b.id, EVENTS.validate_python([_report(1, "e3")]))
+    found = {p.id: p for p in store.packages.find()}
     one = found[package(1)[0].id]
     assert (one.origin_node, one.nodes, one.lineage["model"]["name"]) == (
         a.id, sorted([a.id, b.id]), "gemma3-270m")  # fmt: skip
-    assert store.packages("topic 2")[0].id == package(2)[0].id
+    assert store.packages.find("topic 2")[0].id == package(2)[0].id
 
     # Removed by node A, then the same report resent (an ack lost): still removed.
     removed = {
@@ -76,9 +80,9 @@ def test_package_reports_are_applied_once_and_in_order(
         "kind": "package_removed",
         "body": {"id": one.id, "version": one.version},
     }
-    store.ingest(a.id, EVENTS.validate_python([removed]))
-    store.ingest(a.id, EVENTS.validate_python([_report(1, "e1")]))
-    assert {p.id: p for p in store.packages()}[one.id].nodes == [b.id]
+    store.ledger.ingest(a.id, EVENTS.validate_python([removed]))
+    store.ledger.ingest(a.id, EVENTS.validate_python([_report(1, "e1")]))
+    assert {p.id: p for p in store.packages.find()}[one.id].nodes == [b.id]
 
     # A malformed report never reaches the store: the protocol refuses it whole.
     with pytest.raises(ValidationError):
@@ -95,7 +99,7 @@ async def test_archives_are_kept_seeded_by_site_and_served_to_seeded_nodes_only(
     store = open_store(hub)
     north, north_token = _enroll(store, "node-n", "north")
     south, south_token = _enroll(store, "node-s", "south")
-    serial = store.desired_serial()
+    serial = store.serials.desired()
     store.close()
     cache = PackageCache(tmp_path / "cache", max_bytes=1 << 30)
     manifest, files = package(7, files={"items.json": b"[7]", "audio/intro.wav": b"RIFF" * 99})
@@ -123,10 +127,10 @@ async def test_archives_are_kept_seeded_by_site_and_served_to_seeded_nodes_only(
 
     store = open_store(hub)
     try:
-        assert store.desired_serial() > serial  # the nodes pull their state again
-        seeded = store.desired_state(north).packages
+        assert store.serials.desired() > serial  # the nodes pull their state again
+        seeded = store.desired.of(north).packages
         assert [(p.id, p.version) for p in seeded] == [(manifest.id, manifest.version)]
-        assert store.desired_state(south).packages == []
+        assert store.desired.of(south).packages == []
     finally:
         store.close()
     sha256 = seeded[0].sha256
@@ -141,7 +145,7 @@ async def test_archives_are_kept_seeded_by_site_and_served_to_seeded_nodes_only(
     assert "held by the hub, seeded to north" in listed
     kvl("hub", "packages", "seed", manifest.id, "--data-dir", data)
     store = open_store(hub)
-    assert len(store.desired_state(south).packages) == 1
+    assert len(store.desired.of(south).packages) == 1
     store.close()
     status, body = await call("DELETE", f"/v1/admin/packages/{manifest.id}/seed")
     assert status == 200, body

@@ -89,8 +89,8 @@ async def test_two_replicas_enrolling_at_once_hand_out_each_address_and_use_once
     store = open_store(hub)
     # Ten tokens of 7 uses: enrollments with different tokens race for the same address
     # (those with one token also queue on its row).
-    many = [store.create_token("lab", uses=7, expires_in_s=600).plaintext for _ in range(10)]
-    once = store.create_token("lab", uses=1, expires_in_s=600).plaintext
+    many = [store.tokens.create("lab", uses=7, expires_in_s=600).plaintext for _ in range(10)]
+    once = store.tokens.create("lab", uses=1, expires_in_s=600).plaintext
     store.close()
     keys = [_key() for _ in range(110)]
 
@@ -113,10 +113,10 @@ async def test_two_replicas_enrolling_at_once_hand_out_each_address_and_use_once
 
     store = open_store(hub)
     try:
-        nodes = store.nodes()
+        nodes = store.nodes.all()
         assert len(nodes) == 71
         assert sorted(n.overlay_address for n in nodes) == sorted(addresses)
-        assert {t.uses_left for t in store.tokens()} == {0}
+        assert {t.uses_left for t in store.tokens.all()} == {0}
         # Nothing was skipped either: the 71 addresses after the hub's.
         assert {int(a.rsplit(".", 1)[1]) for a in addresses} == set(range(2, 73))
     finally:
@@ -127,9 +127,9 @@ async def test_the_same_events_through_two_replicas_are_counted_once(
     replicas: Replicas, hub: HubSettings
 ) -> None:
     store = open_store(hub)
-    store.set_account("acme", "S1")
-    token = store.create_token("lab", uses=1, expires_in_s=600).plaintext
-    node = store.enroll(
+    store.accounts.put("acme", "S1")
+    token = store.tokens.create("lab", uses=1, expires_in_s=600).plaintext
+    node = store.nodes.enroll(
         token, name="n", wg_public_key=_key(), overlay_prefix=hub.overlay.prefix,
         labels={}, versions={},
     )  # fmt: skip
@@ -153,8 +153,8 @@ async def test_the_same_events_through_two_replicas_are_counted_once(
     assert sum(body["new"] for _, body in answers) == len(events)
     store = open_store(hub)
     try:
-        assert store.ledger_count() == len(events)
-        assert store.consumed("acme", 0, time.time() + 86_400) == 7 * len(events)
+        assert store.ledger.count() == len(events)
+        assert store.leases.consumed("acme", 0, time.time() + 86_400) == 7 * len(events)
     finally:
         store.close()
 
@@ -166,12 +166,12 @@ async def test_a_node_revoked_through_one_replica_is_refused_by_both(
     node on its next call; the other within the second its heartbeat flusher reads the
     authentication revision in; neither ever accepts it again."""
     store = open_store(hub)
-    token = store.create_token("lab", uses=1, expires_in_s=600).plaintext
-    node = store.enroll(
+    token = store.tokens.create("lab", uses=1, expires_in_s=600).plaintext
+    node = store.nodes.enroll(
         token, name="n", wg_public_key=_key(), overlay_prefix=hub.overlay.prefix,
         labels={}, versions={},
     )  # fmt: skip
-    operator = store.create_operator("ops").plaintext
+    operator = store.operators.create("ops").plaintext
     store.close()
     first, second = replicas.urls
     for url in replicas.urls:  # both now remember the token
@@ -204,12 +204,12 @@ async def test_concurrent_lease_grants_through_two_replicas_stay_within_the_budg
     store = open_store(hub)
     accounts = [f"acct-{i}" for i in range(10)]
     for account in accounts:
-        store.set_account(account, "S1", budget=Budget(BUDGET, 86_400))
+        store.accounts.put(account, "S1", budget=Budget(BUDGET, 86_400))
     tokens = []
     for i in range(4):
-        enrollment = store.create_token("lab", uses=1, expires_in_s=600).plaintext
+        enrollment = store.tokens.create("lab", uses=1, expires_in_s=600).plaintext
         tokens.append(
-            store.enroll(
+            store.nodes.enroll(
                 enrollment, name=f"n{i}", wg_public_key=_key(),
                 overlay_prefix=hub.overlay.prefix, labels={}, versions={},
             ).node_token
@@ -239,7 +239,7 @@ async def test_concurrent_lease_grants_through_two_replicas_stay_within_the_budg
     store = open_store(hub)
     try:
         for account in accounts:
-            quota = store.quota(account, time.time())
+            quota = store.leases.quota(account, time.time())
             assert quota is not None
             assert quota.remaining == 0
             assert sum(quota.leased.values()) == BUDGET
@@ -253,8 +253,8 @@ async def test_a_simulated_fleet_spread_over_two_replicas_lands_once(
     from hub.simulate import Simulator  # noqa: PLC0415
 
     store = open_store(hub)
-    token = store.create_token("simulated", uses=30, expires_in_s=600).plaintext
-    store.set_account("simulated", "S1")  # the account its usage events are for
+    token = store.tokens.create("simulated", uses=30, expires_in_s=600).plaintext
+    store.accounts.put("simulated", "S1")  # the account its usage events are for
     store.close()
     fingerprint = certificates(hub)[1].fingerprint
     async with Simulator(replicas.urls, fingerprint, connections=8) as sim:
@@ -269,7 +269,7 @@ async def test_a_simulated_fleet_spread_over_two_replicas_lands_once(
     assert summary["sync"]["new"] == summary["sync"]["events"] == 30 * 2 * 4
     store = open_store(hub)
     try:
-        assert store.ledger_count() == 240
-        assert len({n.overlay_address for n in store.nodes()}) == 30
+        assert store.ledger.count() == 240
+        assert len({n.overlay_address for n in store.nodes.all()}) == 30
     finally:
         store.close()

@@ -136,9 +136,9 @@ async def test_prometheus_and_the_hub_fire_and_resolve_a_burn_rate_alert(
     )
     assert settings.alerts.burn[0].long_s == 60
     store = open_store(settings)
-    store.set_account("acme", "S1")
+    store.accounts.put("acme", "S1")
     _, node_token = _enroll(store, "n1")
-    operator = store.create_operator("prometheus").plaintext
+    operator = store.operators.create("prometheus").plaintext
     store.close()
     hub = await aiohttp_server(create_app(settings))
     assert hub.port is not None
@@ -264,7 +264,7 @@ async def test_prometheus_fires_lease_lapsed_after_its_grace_for_a_node_heard_fr
     assert settings.alerts.lease_grace_s == 5
     store = open_store(settings)
     _, node_token = _enroll(store, "n1")
-    operator = store.create_operator("prometheus").plaintext
+    operator = store.operators.create("prometheus").plaintext
     store.close()
     hub = await aiohttp_server(create_app(settings))
     assert hub.port is not None

@@ -145,8 +145,8 @@ def _hub(tmp_path: Path, database: HubDatabase) -> HubSettings:
 
 
 def _enroll(store: HubStore, name: str) -> tuple[str, str]:
-    token = store.create_token("s", uses=1, expires_in_s=60).plaintext
-    enrolled = store.enroll(
+    token = store.tokens.create("s", uses=1, expires_in_s=60).plaintext
+    enrolled = store.nodes.enroll(
         token,
         name=name,
         wg_public_key=str(WireguardKey.generate().public_key()),
@@ -173,8 +173,8 @@ async def test_nodes_lease_slices_of_a_budget_and_the_ledger_reconciles_them(
 ) -> None:
     hub = _hub(tmp_path, hub_database)
     store = open_store(hub)
-    store.set_account("acme", "S1", budget=Budget(10_000, 86_400))
-    store.set_account("free", "S1")  # no budget: no lease
+    store.accounts.put("acme", "S1", budget=Budget(10_000, 86_400))
+    store.accounts.put("free", "S1")  # no budget: no lease
     a, a_token = _enroll(store, "node-a")
     b, b_token = _enroll(store, "node-b")
     store.close()
@@ -207,12 +207,12 @@ async def test_nodes_lease_slices_of_a_budget_and_the_ledger_reconciles_them(
     await call(a_token, "/v1/node/leases", {"finals": {lease_a["lease_id"]: 700}})
     store = open_store(hub)
     try:
-        quota = store.quota("acme", time.time())
+        quota = store.leases.quota("acme", time.time())
         assert quota is not None
         assert quota.consumed == 400
         assert quota.leased == {a: 300, b: 1_250}  # A's unsynced 300, B's whole lease
         assert quota.remaining == 10_000 - 400 - 300 - 1_250
-        assert store.quota("free", time.time()) is None
+        assert store.leases.quota("free", time.time()) is None
     finally:
         store.close()
     # The rest of A's usage arrives, and again (a lost acknowledgement): counted once.
@@ -220,7 +220,7 @@ async def test_nodes_lease_slices_of_a_budget_and_the_ledger_reconciles_them(
         await call(a_token, "/v1/node/events", {"events": [_usage("e2", lease_a["lease_id"], 300)]})
     store = open_store(hub)
     try:
-        quota = store.quota("acme", time.time())
+        quota = store.leases.quota("acme", time.time())
         assert quota is not None
         assert (quota.consumed, quota.leased) == (700, {b: 1_250})
     finally:

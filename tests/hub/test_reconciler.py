@@ -7,7 +7,8 @@ import time
 from typing import TYPE_CHECKING
 
 from hub.reconciler import FleetSnapshots
-from hub.state.store import Heartbeat, open_store
+from hub.state.nodes import Heartbeat
+from hub.state.store import open_store
 from shared import protocol
 from tests.hubs import PREFIX, new_key, settings_for
 
@@ -22,9 +23,9 @@ def test_fleet_snapshots_rebuild_only_the_nodes_that_changed(
 ) -> None:
     store = open_store(settings_for(tmp_path, hub_database))
     try:
-        token = store.create_token("lab", uses=3, expires_in_s=60).plaintext
+        token = store.tokens.create("lab", uses=3, expires_in_s=60).plaintext
         ids = [
-            store.enroll(
+            store.nodes.enroll(
                 token, name=f"n{i}", wg_public_key=new_key(), overlay_prefix=PREFIX,
                 labels={"region": "eu"}, versions={},
             ).node.id
@@ -49,8 +50,8 @@ def test_fleet_snapshots_rebuild_only_the_nodes_that_changed(
         store.heartbeats(
             [Heartbeat(ids[0], now + 15, {}, protocol.Capacity(model_memory_mib=12_000))]
         )
-        store.set_draining(ids[1], draining=True)
-        store.revoke_node(ids[2])
+        store.nodes.set_draining(ids[1], draining=True)
+        store.nodes.revoke(ids[2])
         changed = {n.id: n for n in fleet.read(store)}
         assert changed[ids[0]] is not first[ids[0]]
         assert (changed[ids[0]].memory_mib, changed[ids[0]].last_seen) == (12_000, now + 15)

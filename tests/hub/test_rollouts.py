@@ -27,7 +27,9 @@ from hub.identity import certificates, ssl_context
 from hub.planning.rollout import Strategy
 from hub.rollouts import begin, burn_rates, evaluate
 from hub.settings import HubSettings
-from hub.state.store import DeploymentRecord, Heartbeat, HubStore, ModelArtifact, open_store
+from hub.state.deployments import DeploymentRecord, ModelArtifact
+from hub.state.nodes import Heartbeat
+from hub.state.store import HubStore, open_store
 from shared import pki, protocol
 from tests.conftest import kvl
 from tests.hub.test_backup import fresh_database, hub_cli
@@ -51,9 +53,9 @@ def _settings(tmp_path: Path, database: HubDatabase) -> HubSettings:
 
 
 def _enroll(store: HubStore, name: str, site: str) -> str:
-    token = store.create_token(site, uses=1, expires_in_s=60).plaintext
+    token = store.tokens.create(site, uses=1, expires_in_s=60).plaintext
     key = str(WireguardKey.generate().public_key())
-    return store.enroll(token, name=name, wg_public_key=key, overlay_prefix="100.64.0.0/10",
+    return store.nodes.enroll(token, name=name, wg_public_key=key, overlay_prefix="100.64.0.0/10",
                         labels={}, versions={}).node_token  # fmt: skip
 
 
@@ -130,7 +132,7 @@ def speak_releases(settings: HubSettings) -> bool:
     only such nodes)."""
     store = open_store(settings)
     try:
-        return all(n.versions.get("protocol") == "6" for n in store.nodes())
+        return all(n.versions.get("protocol") == "6" for n in store.nodes.all())
     finally:
         store.close()
 
@@ -260,7 +262,7 @@ async def _aborted_after_the_canary(fleet: Fleet) -> str:
     n1, which installed 1.1 and said so; then aborted: the rollout's id."""
     store = open_store(fleet.settings)
     for version in ("1.0", "1.1", "1.2"):
-        store.add_release(version, "", version[-1] * 64, 10)
+        store.rollouts.add_release(version, "", version[-1] * 64, 10)
     store.close()
     for name in fleet.nodes:
         await fleet.beat(name, image=_image("1.0"))
@@ -284,7 +286,7 @@ def _stored_image(settings: HubSettings, name: str) -> str | None:
     """The version a node's last heartbeat, as stored, said it runs."""
     store = open_store(settings)
     try:
-        node = next(n for n in store.nodes() if n.name == name)
+        node = next(n for n in store.nodes.all() if n.name == name)
         return None if node.capacity.image is None else node.capacity.image.version
     finally:
         store.close()
@@ -295,9 +297,9 @@ def _silence(settings: HubSettings, name: str, for_s: float) -> None:
     older (the hub's loop reads the clock; the node's silence is what the test moves)."""
     store = open_store(settings)
     try:
-        node = next(n for n in store.nodes() if n.name == name)
+        node = next(n for n in store.nodes.all() if n.name == name)
         assert node.last_seen is not None
-        store.record_heartbeats(
+        store.nodes.record_heartbeats(
             [Heartbeat(node.id, node.last_seen - for_s, node.versions, node.capacity)]
         )
     finally:
@@ -427,8 +429,8 @@ async def test_a_wrong_rollout_request_is_a_4xx_that_starts_nothing(
 async def test_a_model_rollout_moves_a_deployment_one_placement_at_a_time(fleet: Fleet) -> None:
     store = open_store(fleet.settings)
     for version in ("1", "2"):
-        store.add_model(ModelArtifact("tiny", version, version * 64, 10, "gguf", 100))
-    store.deploy(DeploymentRecord("dep", "tiny@1", 2, "S1", "I1", {}))
+        store.deployments.add_model(ModelArtifact("tiny", version, version * 64, 10, "gguf", 100))
+    store.deployments.add(DeploymentRecord("dep", "tiny@1", 2, "S1", "I1", {}))
     store.close()
     for name in ("n1", "n2"):
         await fleet.beat(name, model_memory_mib=1000)
@@ -462,8 +464,8 @@ async def test_a_model_rollout_moves_a_deployment_one_placement_at_a_time(fleet:
 def _placed_on(settings: HubSettings) -> list[str]:
     store = open_store(settings)
     try:
-        names = store.node_names()
-        return sorted(names[n] for _, n, _ in store.placements())
+        names = store.nodes.names()
+        return sorted(names[n] for _, n, _ in store.deployments.placements())
     finally:
         store.close()
 
@@ -503,8 +505,8 @@ def test_releases_and_rollouts_from_the_command_line(
 
     # The node heard at protocol 6: a rollout starts, and takes the operator's steps.
     store = open_store(settings)
-    [node] = store.nodes()
-    store.record_heartbeats([Heartbeat(node.id, 1.0, {"protocol": "6"}, protocol.Capacity())])
+    [node] = store.nodes.all()
+    store.nodes.record_heartbeats([Heartbeat(node.id, 1.0, {"protocol": "6"}, protocol.Capacity())])
     store.close()
     started = kvl("hub", "rollouts", "start", "--release", "3.0", "--soak", "0",
                   "--no-burn-gate", *data)  # fmt: skip
@@ -530,16 +532,16 @@ def test_a_rollback_is_finished_from_the_command_line(
     data = ["--data-dir", str(settings.data_dir)]
     store = open_store(settings)
     for version in ("3.0", "3.1"):
-        store.add_release(version, "", version[-1] * 64, 10)
+        store.rollouts.add_release(version, "", version[-1] * 64, 10)
     _enroll(store, "edge-1", "north")
-    [node] = store.nodes()
+    [node] = store.nodes.all()
     running = protocol.Capacity(image=_image("3.0"))
-    store.record_heartbeats([Heartbeat(node.id, time.time(), {"protocol": "6"}, running)])
+    store.nodes.record_heartbeats([Heartbeat(node.id, time.time(), {"protocol": "6"}, running)])
     rollout = begin(store, "release", {"release": "3.1"}, Strategy(max_burn_rate=None), "ops")
     evaluate(store, settings, time.time())  # the loop's round: the canary reached
-    assert store.release_target(node) is not None
+    assert store.rollouts.release_target(node) is not None
     installed = protocol.Capacity(image=_image("3.1", "good", "3.1"))
-    store.record_heartbeats([Heartbeat(node.id, time.time(), {"protocol": "6"}, installed)])
+    store.nodes.record_heartbeats([Heartbeat(node.id, time.time(), {"protocol": "6"}, installed)])
     store.close()
     refused = kvl("hub", "rollouts", "finish", rollout.id, *data, check=False)
     assert refused.returncode == 1
@@ -557,7 +559,7 @@ def test_a_rollback_is_finished_from_the_command_line(
     assert (again.returncode, "is aborted" in again.stderr) == (1, True)
     store = open_store(settings)
     try:
-        target = store.release_target(node)
+        target = store.rollouts.release_target(node)
         assert target is not None
         assert target.version == "3.0"
     finally:
@@ -576,8 +578,8 @@ def test_a_backup_carries_releases_windows_and_rollouts(
     kvl("hub", "releases", "window", "north", "--from", "22:30", "--to", "04:00", *data)
     store = open_store(settings)
     _enroll(store, "edge-1", "north")
-    [node] = store.nodes()
-    store.record_heartbeats(
+    [node] = store.nodes.all()
+    store.nodes.record_heartbeats(
         [Heartbeat(node.id, 1.0, {"protocol": "6"}, protocol.Capacity(), address=None)]
     )
     rollout = begin(store, "release", {"release": "4.0"}, Strategy(max_burn_rate=None), "ops")
@@ -590,13 +592,13 @@ def test_a_backup_carries_releases_windows_and_rollouts(
     hub_cli("restore", str(archive), "--data-dir", str(restored.data_dir), database=target)
     store = open_store(restored)
     try:
-        [release] = store.releases()
+        [release] = store.rollouts.releases()
         assert (release.version, release.size_bytes) == ("4.0", 5000)
         held = restored.artifacts_dir / release.sha256
         assert held.read_bytes() == bundle.read_bytes()
-        window = store.update_windows()["north"]
+        window = store.rollouts.update_windows()["north"]
         assert (window.start_min, window.end_min) == (22 * 60 + 30, 4 * 60)
-        again = store.rollout(rollout.id)
+        again = store.rollouts.get(rollout.id)
         assert (again.state, [m.member.name for m in again.members]) == ("pending", ["edge-1"])
     finally:
         store.close()
@@ -610,7 +612,7 @@ def test_a_nodes_burn_rate_is_read_from_the_live_objectives(
     try:
         for name in ("burning", "fine", "quiet"):
             _enroll(store, name, "north")
-        ids = store.node_names()
+        ids = store.nodes.names()
         now = store.clock()
 
         def beat(name: str, requests: int, missed: int) -> Heartbeat:
@@ -657,7 +659,7 @@ async def test_a_node_of_protocol_5_is_left_out_and_never_sees_a_release(fleet: 
         def protocols() -> dict[str, str]:
             store = open_store(fleet.settings)
             try:
-                return {n.name: n.versions.get("protocol", "") for n in store.nodes()}
+                return {n.name: n.versions.get("protocol", "") for n in store.nodes.all()}
             finally:
                 store.close()
 

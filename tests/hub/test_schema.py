@@ -123,8 +123,8 @@ def test_an_old_sqlite_hub_file_opens_and_migrates(tmp_path: Path) -> None:
     old.close()
     store = open_store(HubSettings.model_validate({"data_dir": tmp_path}))
     try:
-        assert store.desired_serial() == 41
-        assert store.set_account("acme", "S1") == 42
+        assert store.serials.desired() == 41
+        assert store.accounts.put("acme", "S1") == 42
         assert store.db.query("SELECT COUNT(*) AS n FROM console_users") == [{"n": 0}]
     finally:
         store.close()
@@ -185,8 +185,8 @@ def test_a_hub_file_made_before_the_one_list_skips_what_it_had(tmp_path: Path) -
     assert [r[2] for r in before] == [m.name for m in MIGRATIONS[:11]]
     store = open_store(HubSettings.model_validate({"data_dir": old}))
     try:
-        assert store.desired_serial() == 41
-        assert (store.node("n1").tenant, store.node("n1").private) == ("acme", True)
+        assert store.serials.desired() == 41
+        assert (store.nodes.get("n1").tenant, store.nodes.get("n1").private) == ("acme", True)
         assert store.db.query("SELECT name FROM node_names") == [{"name": "lab.local"}]
     finally:
         store.close()

@@ -16,10 +16,12 @@ from sqlite_utils import Database
 
 from hub.app import create_app
 from hub.planning.placement import Deployment, NodeSnapshot, plan
-from hub.state.accounts import Tenancy, account_reaches
+from hub.planning.tenancy import Tenancy, account_reaches
+from hub.state.accounts import ForeignAccountError
 from hub.state.migrations import MIGRATION_SET, MIGRATIONS
+from hub.state.nodes import Heartbeat
 from hub.state.sql import sqlite_migrations
-from hub.state.store import AsyncHubStore, ForeignAccountError, Heartbeat, HubStore, open_store
+from hub.state.store import AsyncHubStore, HubStore, open_store
 from shared import protocol
 from shared.classes import IsolationLevel
 from tests.conftest import kvl
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
     from pytest_aiohttp import AiohttpClient
 
     from hub.settings import HubSettings
-    from hub.state.store import Node
+    from hub.state.nodes import Node
     from tests.hub.conftest import HubDatabase
 
 # A node's tenancy, the operator's: (its tenant, private).
@@ -82,10 +84,10 @@ def test_an_account_restricted_to_dedicated_nodes_names_its_tenant() -> None:
 def _node(store: HubStore, name: str, site: str, tenancy: NodeTenancy) -> Node:
     """A node enrolled with a token of ``tenancy`` (the operator's to give)."""
     tenant, private = tenancy
-    token = store.create_token(
+    token = store.tokens.create(
         site, uses=1, expires_in_s=60, tenant=tenant, private=private
     ).plaintext
-    return store.enroll(
+    return store.nodes.enroll(
         token, name=name, wg_public_key=new_key(), overlay_prefix=PREFIX, labels={},
         versions={},
     ).node  # fmt: skip
@@ -114,9 +116,9 @@ def _fleet(settings: HubSettings) -> tuple[HubStore, dict[str, Node], dict[str, 
         "globex-staff": Tenancy("globex", dedicated=True),
         "site-b": Tenancy(sites=("b",)),
     }.items():
-        store.set_account(name, "S1")
-        store.set_tenancy(name, tenancy)
-        keys[name] = store.create_key(name).prefix
+        store.accounts.put(name, "S1")
+        store.accounts.set_tenancy(name, tenancy)
+        keys[name] = store.accounts.create_key(name).prefix
     return store, nodes, keys
 
 
@@ -127,7 +129,7 @@ def test_each_node_is_given_only_the_accounts_and_keys_that_reach_it(
     try:
         given = {}
         for kind, node in nodes.items():
-            state = store.desired_state(node)
+            state = store.desired.of(node)
             accounts = {a.name for a in state.accounts}
             # Keys follow their account: none of another's.
             assert {k.account for k in state.keys} == accounts
@@ -151,26 +153,26 @@ def test_a_rebinding_moves_an_account_and_its_usage_stays_reportable(
     try:
         shared = nodes["shared-a"]
         _seen(store, *nodes.values())
-        serial = store.desired_serial()
-        assert "acme-staff" in store.served_accounts(shared)
+        serial = store.serials.desired()
+        assert "acme-staff" in store.accounts.served(shared)
         # acme's staff account is restricted to acme's nodes: the shared node loses it...
-        assert store.set_tenancy("acme-staff", Tenancy("acme", dedicated=True)) > serial
-        assert "acme-staff" not in {a.name for a in store.desired_state(shared).accounts}
+        assert store.accounts.set_tenancy("acme-staff", Tenancy("acme", dedicated=True)) > serial
+        assert "acme-staff" not in {a.name for a in store.desired.of(shared).accounts}
         # ... but what it served before stays its to report.
-        assert "acme-staff" in store.node_accounts(shared)
-        assert "acme-staff" not in store.node_accounts(nodes["globex"])  # never had it
+        assert "acme-staff" in store.accounts.node_accounts(shared)
+        assert "acme-staff" not in store.accounts.node_accounts(nodes["globex"])  # never had it
         # A node that has not called since it was given an account never served it.
         quiet = _node(store, "quiet", "a", SHARED)
-        assert store.served_accounts(quiet) == {"public"}
+        assert store.accounts.served(quiet) == {"public"}
         # Shared again: given again, and no longer a departure.
         _seen(store, nodes["acme"])
-        store.set_tenancy("acme-staff", Tenancy())
-        assert "acme-staff" in store.served_accounts(shared)
+        store.accounts.set_tenancy("acme-staff", Tenancy())
+        assert "acme-staff" in store.accounts.served(shared)
         # Which withdrew it from acme's dedicated node, which had it.
-        assert "acme-staff" not in store.served_accounts(nodes["acme"])
-        assert "acme-staff" in store.node_accounts(nodes["acme"])
+        assert "acme-staff" not in store.accounts.served(nodes["acme"])
+        assert "acme-staff" in store.accounts.node_accounts(nodes["acme"])
         with pytest.raises(LookupError, match="no account"):
-            store.set_tenancy("nobody", Tenancy())
+            store.accounts.set_tenancy("nobody", Tenancy())
     finally:
         store.close()
 
@@ -194,8 +196,8 @@ async def test_what_a_node_may_report_is_its_own_and_follows_a_rebinding(
             await hub.check_reports(nodes["shared-a"], accounts={"acme-secret"}, leases=())
         # A binding change moves the serial; the replica's flusher reads it, and what it
         # remembered is dropped: globex's node may now report for the account it serves.
-        await hub.run(hub.sync.set_tenancy, "acme-secret", Tenancy("globex"))
-        hub.note_serials(await hub.run(hub.sync.serials))
+        await hub.run(hub.sync.accounts.set_tenancy, "acme-secret", Tenancy("globex"))
+        hub.note_serials(await hub.run(hub.sync.serials.current))
         await hub.check_reports(nodes["globex"], accounts={"acme-secret"}, leases=())
         # And acme's node still may, for what it served before.
         await hub.check_reports(nodes["acme"], accounts={"acme-secret"}, leases=())
@@ -219,15 +221,15 @@ def test_the_migration_applies_on_a_database_made_before_it(tmp_path: Path) -> N
     db.close()
     store = open_store(settings)
     try:
-        [row] = store.accounts()
+        [row] = store.accounts.all()
         assert (row["tenant"], row["sites"], row["dedicated"]) == (None, [], False)
         node = _node(store, "n", "a", SHARED)
-        state = store.desired_state(node)
+        state = store.desired.of(node)
         assert ([a.name for a in state.accounts], [k.prefix for k in state.keys]) == (
             ["old"],
             ["p"],
         )
-        assert store.served_accounts(_node(store, "d", "a", ACME)) == set()
+        assert store.accounts.served(_node(store, "d", "a", ACME)) == set()
     finally:
         store.close()
     with closing(sqlite3.connect(settings.db_path)) as conn:
@@ -260,8 +262,8 @@ def test_nodes_keep_their_tenancy_and_names_compare_without_case_after_m015(
     db.close()
     store = open_store(settings)
     try:
-        assert (store.node("n1").tenant, store.node("n1").private) == ("acme", True)
-        assert (store.node("n2").tenant, store.node("n2").private) == (None, False)
+        assert (store.nodes.get("n1").tenant, store.nodes.get("n1").private) == ("acme", True)
+        assert (store.nodes.get("n2").tenant, store.nodes.get("n2").private) == (None, False)
         names = store.db.execute("SELECT name, node_id FROM node_names ORDER BY name").fetchall()
     finally:
         store.close()
@@ -278,8 +280,8 @@ async def test_the_operator_binds_an_account_over_the_api(
     settings = settings_for(tmp_path, hub_database)
     store = open_store(settings)
     try:
-        store.set_account("acme-staff", "S1")
-        token = store.create_operator("ops").plaintext
+        store.accounts.put("acme-staff", "S1")
+        token = store.operators.create("ops").plaintext
     finally:
         store.close()
     client = await aiohttp_client(create_app(settings))
@@ -437,10 +439,10 @@ async def test_the_operator_deploys_at_a_level(
     settings = settings_for(tmp_path, hub_database)
     store = open_store(settings)
     try:
-        from hub.state.store import ModelArtifact  # noqa: PLC0415
+        from hub.state.deployments import ModelArtifact  # noqa: PLC0415
 
-        store.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
-        token = store.create_operator("ops").plaintext
+        store.deployments.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
+        token = store.operators.create("ops").plaintext
     finally:
         store.close()
     client = await aiohttp_client(create_app(settings))

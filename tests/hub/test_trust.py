@@ -118,7 +118,7 @@ class RawNode:
 def make_token(settings: HubSettings, uses: int = 1) -> str:
     store = open_store(settings)
     try:
-        return store.create_token("school-a", uses=uses, expires_in_s=600).plaintext
+        return store.tokens.create("school-a", uses=uses, expires_in_s=600).plaintext
     finally:
         store.close()
 
@@ -282,8 +282,8 @@ async def test_a_node_cannot_have_another_nodes_names_or_the_hubs(
         assert (status, answer["error"]["code"]) == (409, ErrorCode.certificate_name_taken)
     store = open_store(settings)
     try:
-        assert len(store.node_certificates(first.node_id)) == 1
-        assert len(store.node_certificates(second.node_id)) == 1  # nothing else was signed
+        assert len(store.certificates.of_node(first.node_id)) == 1
+        assert len(store.certificates.of_node(second.node_id)) == 1  # nothing else was signed
     finally:
         store.close()
 
@@ -366,8 +366,8 @@ async def test_a_node_left_with_a_name_of_the_hub_is_refused_renewal_and_listed_
     server = await start(aiohttp_server, settings)
     store = open_store(settings)
     try:
-        legacy = store.enroll(
-            store.create_token("school-a", uses=1, expires_in_s=60).plaintext, name="kvl-hub",
+        legacy = store.nodes.enroll(
+            store.tokens.create("school-a", uses=1, expires_in_s=60).plaintext, name="kvl-hub",
             wg_public_key=str(WireguardKey.generate().public_key()),
             overlay_prefix=settings.overlay.prefix, labels={}, versions={},
         )  # fmt: skip
@@ -394,9 +394,9 @@ async def test_a_node_left_with_a_name_of_the_hub_is_refused_renewal_and_listed_
     assert "certificate refused: kvl-hub: a name of the hub" in listed, listed
     store = open_store(settings)
     try:
-        assert store.node(legacy.node.id).certificate_refused is not None
-        assert store.node(honest.node_id).certificate_refused is None
-        assert store.node_certificates(legacy.node.id) == []
+        assert store.nodes.get(legacy.node.id).certificate_refused is not None
+        assert store.nodes.get(honest.node_id).certificate_refused is None
+        assert store.certificates.of_node(legacy.node.id) == []
     finally:
         store.close()
 

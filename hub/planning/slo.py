@@ -1,8 +1,8 @@
 """The fleet's objectives as the store counts them: what one heartbeat flush added
 (`Ingested`, one `SloDelta` per node, class and account), what a window of buckets holds
-(`SloTotals`), and how a node's cumulative counters become those deltas (`Counters`,
-`delta`): pure, so the store's flush and the tests share one rule. The rest of the hub
-names these through hub/fleet/objectives.py.
+(`SloTotals`, `totals_of`, `histogram`), and how a node's cumulative counters become those
+deltas (`Counters`, `delta`): pure, so the store's flush (hub/state/objectives.py), the
+views (hub/fleet/objectives.py) and the tests share one rule.
 
 A node counts cumulatively within an epoch (shared/protocol.py `Objectives`); the hub
 keeps the last values it counted of each (node, class, account) in its database and adds
@@ -69,6 +69,24 @@ class SloTotals:
     refused: dict[str, int] = field(default_factory=dict)
     met: dict[str, int] = field(default_factory=dict)
     missed: dict[str, int] = field(default_factory=dict)
+
+
+def totals_of(service_class: str, group: str, c: dict[str, float]) -> SloTotals:
+    """A window's totals out of its summed counters (columns named as `COUNTER_NAMES`)."""
+    return SloTotals(
+        service_class=service_class,
+        group=group,
+        requests=int(c["requests"]),
+        admitted=int(c["admitted"]),
+        refused={r: int(c[f"refused_{r}"]) for r in protocol.REFUSALS},
+        met={o: int(c[f"met_{o}"]) for o in protocol.OBJECTIVES},
+        missed={o: int(c[f"missed_{o}"]) for o in protocol.OBJECTIVES},
+    )
+
+
+def histogram(counters: dict[str, float], name: str) -> list[float]:
+    """A bucket's histogram (`ttft` or `completion`) out of its counters."""
+    return [counters.get(f"{name}_{i}", 0.0) for i in range(HISTOGRAM_BUCKETS)]
 
 
 # -- counters --------------------------------------------------------------------------------
