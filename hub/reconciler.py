@@ -20,7 +20,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from hub.planning.placement import Assignment, Deployment, Gpu, NodeSnapshot, Plan, plan
+from hub.planning.placement import plan
+from hub.planning.snapshots import Assignment, Deployment, Gpu, NodeSnapshot, Plan
 from hub.state.nodes import capacity_of
 from shared.classes import IsolationLevel
 

@@ -55,9 +55,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from hub.planning.health import seen_within
-from hub.planning.snapshots import Assignment, Deployment, Gpu, NodeSnapshot, Plan
-
-__all__ = ["Assignment", "Deployment", "Gpu", "NodeSnapshot", "Plan", "plan"]
+from hub.planning.snapshots import Assignment, Deployment, NodeSnapshot, Plan
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence

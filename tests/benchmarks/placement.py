@@ -25,14 +25,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hub.planning.placement import Deployment, Gpu, NodeSnapshot, Plan, plan
+from hub.planning.placement import plan
+from hub.planning.snapshots import Deployment, Gpu, NodeSnapshot, Plan
 from tests.benchmarks.report import headline, table
 from tests.benchmarks.serving import say, stamp
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from hub.planning.placement import Assignment
+    from hub.planning.snapshots import Assignment
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "placement.json"
 TARGET_S = 1.0

@@ -7,7 +7,8 @@ import pytest
 
 from hub.planning.health import NodeStatus, node_status, seen_within
 from hub.planning.offload import NodeLoad, candidates
-from hub.planning.placement import Assignment, Deployment, NodeSnapshot, plan
+from hub.planning.placement import plan
+from hub.planning.snapshots import Assignment, Deployment, NodeSnapshot
 
 NOW = 1_000.0
 STALE_AFTER_S = 45.0

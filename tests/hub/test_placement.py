@@ -12,7 +12,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from hub.planning.placement import Assignment, Deployment, Gpu, NodeSnapshot, Plan, plan
+from hub.planning.placement import plan
+from hub.planning.snapshots import Assignment, Deployment, Gpu, NodeSnapshot, Plan
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence

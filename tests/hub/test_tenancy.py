@@ -15,7 +15,8 @@ import pytest
 from sqlite_utils import Database
 
 from hub.app import create_app
-from hub.planning.placement import Deployment, NodeSnapshot, plan
+from hub.planning.placement import plan
+from hub.planning.snapshots import Deployment, NodeSnapshot
 from hub.planning.tenancy import Tenancy, account_reaches
 from hub.state.accounts import ForeignAccountError
 from hub.state.migrations import MIGRATION_SET, MIGRATIONS

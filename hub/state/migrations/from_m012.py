@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hub.state.sql import Migration
 
-# The counters of the objectives' buckets, as columns (hub/state/slo.py COUNTER_NAMES as of
+# The counters of the objectives' buckets, as columns (hub/planning/slo.py COUNTER_NAMES as of
 # m012): requests, admitted, refusals by reason, objectives met and missed, and the latency
 # histograms' buckets (protocol 4's 19 bounds and one above).
 _M012_COUNTERS = ",\n            ".join(
