@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import psutil
 
 from appliance.fleet.identity import FleetFiles, HubPeer, Identity
-from appliance.serving.catalog import CHAT_MODEL_NAME, EMBEDDED
-from appliance.state.records import ModelRecord
+from appliance.serving.catalog import CHAT_MODEL_NAME, DEFAULT_MODEL_NAME, EMBEDDED
 from appliance.state.store import Store
-from tests.conftest import kvl
+from tests.conftest import kvl, write_script
 
 
 def test_keys_create_prints_the_key_alone_then_list_and_revoke(tmp_path: Path) -> None:
@@ -74,13 +74,16 @@ def test_invalid_configuration_exits_2_listing_every_problem(tmp_path: Path) -> 
     assert "Traceback" not in result.stderr
 
 
-def test_models_add_and_list(tmp_path: Path, default_model: ModelRecord) -> None:
-    data = str(tmp_path)
+def test_models_add_and_list(tmp_path: Path) -> None:
+    # A model script registers as a GGUF file does (test_catalog registers a GGUF by path);
+    # the list copies in the embedded models itself.
+    script = write_script(tmp_path / "mine.json")
+    data = str(tmp_path / "data")
     added = kvl(
         "appliance",
         "models",
         "add",
-        default_model.path,
+        str(script),
         "--name",
         "mine",
         "--version",
@@ -88,7 +91,7 @@ def test_models_add_and_list(tmp_path: Path, default_model: ModelRecord) -> None
         "--data-dir",
         data,
     )
-    assert "registered mine@7" in added.stdout
+    assert "registered mine@7 (a scripted model" in added.stdout
     listed = [
         json.loads(line)
         for line in kvl(
@@ -96,15 +99,17 @@ def test_models_add_and_list(tmp_path: Path, default_model: ModelRecord) -> None
         ).stdout.splitlines()
     ]
     by_ref = {m["ref"]: m for m in listed}
+    gemma = EMBEDDED[DEFAULT_MODEL_NAME]
     chat = f"{CHAT_MODEL_NAME}@{EMBEDDED[CHAT_MODEL_NAME].version()}"
-    assert set(by_ref) == {"mine@7", f"gemma-3-270m@{default_model.version}", chat}
-    assert by_ref["mine@7"]["sha256"] == default_model.sha256
-    assert by_ref[f"gemma-3-270m@{default_model.version}"]["sha256"] == default_model.sha256
+    assert set(by_ref) == {"mine@7", f"{DEFAULT_MODEL_NAME}@{gemma.version()}", chat}
+    assert by_ref["mine@7"]["sha256"] == hashlib.sha256(script.read_bytes()).hexdigest()
+    assert by_ref["mine@7"]["format"] == "script"
+    assert by_ref[f"{DEFAULT_MODEL_NAME}@{gemma.version()}"]["sha256"] == gemma.sha256()
     dup = kvl(
         "appliance",
         "models",
         "add",
-        default_model.path,
+        str(script),
         "--name",
         "mine",
         "--version",

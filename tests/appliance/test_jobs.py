@@ -38,7 +38,15 @@ from shared.webhooks import (
     verify,
 )
 from tests.appliance.test_gateway import MODEL, assert_error, auth
-from tests.conftest import Client, free_port, kvl, make_settings, spawn_appliance, wait_ready
+from tests.conftest import (
+    SLOW,
+    Client,
+    free_port,
+    kvl,
+    make_settings,
+    spawn_appliance,
+    wait_ready,
+)
 from tests.waiting import until
 
 ENDED = frozenset({"completed", "failed", "cancelled"})
@@ -60,11 +68,13 @@ FAST_JOBS: dict[str, object] = {
 
 
 @pytest.fixture
-def settings(tmp_path: Path, default_model: ModelRecord) -> ApplianceSettings:
-    """conftest's settings, with job retries fast enough for tests."""
+def settings(tmp_path: Path, scripted_models: list[ModelRecord]) -> ApplianceSettings:
+    """conftest's settings (the scripted models: jobs are the subject, not the model), with
+    job retries fast enough for tests."""
     s = make_settings(tmp_path / "data", jobs=FAST_JOBS)
     store = Store(s.db_path)
-    store.add_model(default_model)
+    for record in scripted_models:
+        store.add_model(record)
     store.close()
     return s
 
@@ -400,8 +410,12 @@ async def test_cancel_stops_the_job_keeps_its_results_and_tells_the_webhook(
     client: Client, api_key: str, settings: ApplianceSettings, receiver: Receiver
 ) -> None:
     receiver.secret = webhook_secret(settings.db_path, "tester")
-    # Two run at a time: when the first pair is done, the second runs and two wait.
-    items = [text_item(str(i), prompt=f"{i}, {i + 1}, {i + 2},", max_tokens=16) for i in range(6)]
+    # Two run at a time: when the first pair is done, the second runs and two wait. On the
+    # slow scripted model, a second each.
+    items = [
+        text_item(str(i), prompt=f"{i}, {i + 1}, {i + 2},", max_tokens=50, model=SLOW)
+        for i in range(6)
+    ]
     status, created = await create_job(
         client, api_key, {"requests": items, "webhook_url": receiver.url}
     )
@@ -595,20 +609,22 @@ async def test_a_full_queue_is_retried_not_the_items_result(
     app = create_app(strict)
     client: Client = await aiohttp_client(app)
     await app[REGISTRY].wait_loaded()
+    # The slow scripted model: the live request would hold its slot for 20 s.
     live = await client.post(
         "/v1/completions",
         headers=auth(api_key),
         json={
-            "model": MODEL,
+            "model": SLOW,
             "prompt": "1, 2, 3,",
-            "max_tokens": 300,
+            "max_tokens": 1000,
             "temperature": 0,
             "stream": True,
         },
     )
     assert live.status == 200
     await live.content.readline()  # it holds the slot
-    status, created = await create_job(client, api_key, {"requests": [text_item("a")]})
+    item = text_item("a", model=SLOW)
+    status, created = await create_job(client, api_key, {"requests": [item]})
     assert status == 202
 
     async def retried() -> bool:
@@ -857,13 +873,14 @@ async def fetch_json(http: ClientSession, path: str) -> dict[str, Any]:
         return body
 
 
-@pytest.mark.model
 async def test_a_job_survives_kill_9_and_completes_each_item_once(
-    tmp_path: Path, default_model: ModelRecord, receiver: Receiver
+    tmp_path: Path, slow_model: ModelRecord, receiver: Receiver
 ) -> None:
     data_dir = tmp_path / "appliance"
     store = Store(data_dir / "appliance.db")
-    store.add_model(default_model)  # already assembled: the process needs no copy
+    # The slow scripted model: an item takes most of a second, so the job is mid-way when
+    # the appliance is killed (the jobs' durability is the subject, not the model).
+    store.add_model(slow_model)
     store.close()
     data = ["--data-dir", str(data_dir)]
     key = kvl("appliance", "keys", "create", "--account", "batch", *data).stdout.strip()
@@ -873,9 +890,9 @@ async def test_a_job_survives_kill_9_and_completes_each_item_once(
     env = {
         "KVL_DISCOVERY__ENABLED": "false",
         "KVL_EMBEDDINGS__ENABLED": "false",
+        "KVL_MODEL__DEFAULT": SLOW,
+        "KVL_MODEL__CHAT_DEFAULT": SLOW,
         "KVL_MODEL__N_CTX": "2048",
-        # One thread: two spin on each other on a busy 2-core machine.
-        "KVL_MODEL__N_THREADS": "1",
         "KVL_JOBS__WEBHOOK_BACKOFF_INITIAL_S": "0.1",
         "KVL_JOBS__WEBHOOK_BACKOFF_MAX_S": "1",
         "KVL_JOBS__WEBHOOK_ALLOW": '["127.0.0.1/8"]',  # the receiver is on loopback
@@ -883,7 +900,8 @@ async def test_a_job_survives_kill_9_and_completes_each_item_once(
     db_path = data_dir / "appliance.db"
     total = 8
     items = [
-        text_item(str(i), prompt=f"{i}, {i + 1}, {i + 2},", max_tokens=32) for i in range(total)
+        text_item(str(i), prompt=f"{i}, {i + 1}, {i + 2},", max_tokens=32, model=SLOW)
+        for i in range(total)
     ]
     with (data_dir / "serve.log").open("ab") as log:
         process, base_url = await start_appliance(data_dir, env, log)

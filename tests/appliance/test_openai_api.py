@@ -1,6 +1,7 @@
 """What OpenAI clients expect of the LAN API beyond one plain choice: fields it does not
 know, a missing or aliased `model`, the model list, several choices, logprobs, samplers,
-CORS and keep-alives. A real appliance in process, on the real default model."""
+CORS and keep-alives. A real appliance in process, on the scripted models (the API is the
+subject); the samplers' effect on the real default model."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import pytest
 
 from appliance.app import create_app
 from appliance.gateway.appkeys import EMBEDDINGS, REGISTRY
+from appliance.serving.catalog import CHAT_MODEL_NAME, DEFAULT_MODEL_NAME
 from appliance.state.store import Store
 from shared.errors import ErrorCode
-from tests.conftest import make_settings
+from tests.conftest import SCRIPTED, SLOW, make_settings
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -26,18 +28,23 @@ if TYPE_CHECKING:
 
     Client = TestClient[Any, Any]
 
-MODEL = "gemma-3-270m"
-CHAT_MODEL = "smollm2-135m-instruct"
+MODEL = SCRIPTED
+CHAT_MODEL = "scripted-chat"  # the scripted model under another name, the chat default
+GEMMA = DEFAULT_MODEL_NAME
 EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 HELLO = [{"role": "user", "content": "Say hello."}]
 
 
 async def appliance(
-    aiohttp_client: AiohttpClient, data: Path, record: ModelRecord, **sections: dict[str, object]
+    aiohttp_client: AiohttpClient,
+    data: Path,
+    records: list[ModelRecord],
+    **sections: dict[str, object],
 ) -> tuple[Client, str]:
     settings = make_settings(data, **sections)
     store = Store(settings.db_path)
-    store.add_model(record)
+    for record in records:
+        store.add_model(record)
     key = store.create_key("tester").plaintext
     store.close()
     app = create_app(settings)
@@ -50,13 +57,17 @@ async def appliance(
 
 @pytest.fixture
 async def lan(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient, tmp_path: Path, scripted_models: list[ModelRecord]
 ) -> tuple[Client, str]:
+    chat = dataclasses.replace(scripted_models[0], name=CHAT_MODEL)
     return await appliance(
         aiohttp_client,
         tmp_path / "data",
-        default_model,
-        model={"aliases": {"gpt-4o-mini": MODEL, "text-embedding-3-small": EMBEDDING_MODEL}},
+        [*scripted_models, chat],
+        model={
+            "chat_default": CHAT_MODEL,
+            "aliases": {"gpt-4o-mini": MODEL, "text-embedding-3-small": EMBEDDING_MODEL},
+        },
         server={"cors_origins": ["http://app.example:3000"], "sse_keepalive_s": 0.005},
     )
 
@@ -84,10 +95,10 @@ async def test_fields_it_does_not_know_are_ignored_and_named(lan: tuple[Client, 
 
 
 async def test_strict_mode_refuses_what_it_does_not_know(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient, tmp_path: Path, scripted_model: ModelRecord
 ) -> None:
     client, key = await appliance(
-        aiohttp_client, tmp_path / "data", default_model, server={"strict_parameters": True}
+        aiohttp_client, tmp_path / "data", [scripted_model], server={"strict_parameters": True}
     )
     body = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "mirostat": 0}
     response, out = await post(client, key, "/v1/chat/completions", body)
@@ -126,7 +137,9 @@ async def test_models_are_listed_once_each_with_their_aliases(lan: tuple[Client,
     listed = await (await client.get("/v1/models", headers=auth)).json()
     ids = [m["id"] for m in listed["data"]]
     assert len(ids) == len(set(ids))
-    assert ids[:3] == [MODEL, CHAT_MODEL, EMBEDDING_MODEL]  # the chat model: not loaded yet
+    # By id, the embedding model after them: the registered ones (the chat model not loaded
+    # yet) and the embedded ones this appliance has not registered.
+    assert ids[:6] == [GEMMA, MODEL, CHAT_MODEL, SLOW, CHAT_MODEL_NAME, EMBEDDING_MODEL]
     by_id = {m["id"]: m for m in listed["data"]}
     assert by_id[MODEL]["state"] == "ready"
     assert by_id[MODEL]["aliases"] == ["gpt-4o-mini"]
@@ -142,12 +155,12 @@ async def test_models_are_listed_once_each_with_their_aliases(lan: tuple[Client,
 
 
 async def test_a_registered_model_that_is_not_loaded_is_listed_as_such(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient, tmp_path: Path, scripted_model: ModelRecord
 ) -> None:
-    client, key = await appliance(aiohttp_client, tmp_path / "data", default_model)
+    client, key = await appliance(aiohttp_client, tmp_path / "data", [scripted_model])
     store = Store(tmp_path / "data" / "appliance.db")
     try:
-        other = dataclasses.replace(default_model, name="spare", version="2")
+        other = dataclasses.replace(scripted_model, name="spare", version="2")
         store.add_model(other)
     finally:
         store.close()
@@ -218,9 +231,19 @@ async def test_logprobs_of_chat_and_text(lan: tuple[Client, str]) -> None:
     assert all(len(top) <= 2 for top in legacy["top_logprobs"])
 
 
-async def test_logit_bias_and_samplers(lan: tuple[Client, str]) -> None:
-    client, key = lan
-    base = {"model": MODEL, "prompt": "One, two,", "max_tokens": 1, "temperature": 0}
+@pytest.mark.model
+async def test_logit_bias_and_samplers(
+    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+) -> None:
+    # On the real model: what the samplers do to its distribution is the subject (a
+    # scripted model ignores them).
+    client, key = await appliance(
+        aiohttp_client,
+        tmp_path / "data",
+        [default_model],
+        model={"default": GEMMA, "chat_default": CHAT_MODEL_NAME},
+    )
+    base = {"model": GEMMA, "prompt": "One, two,", "max_tokens": 1, "temperature": 0}
     response, out = await post(client, key, "/v1/completions", {**base, "logprobs": 0})
     assert response.status == 200, out
     greedy = out["choices"][0]["text"]
@@ -245,7 +268,7 @@ async def test_logit_bias_and_samplers(lan: tuple[Client, str]) -> None:
         key,
         "/v1/chat/completions",
         {
-            "model": MODEL,
+            "model": GEMMA,
             "messages": HELLO,
             "max_tokens": 2,
             "top_k": 1,
@@ -297,11 +320,11 @@ async def test_a_stream_gets_keepalive_comments_while_it_waits(lan: tuple[Client
     client, key = lan
     response = await client.post(
         "/v1/chat/completions",
-        json={"model": MODEL, "messages": HELLO, "max_tokens": 16, "stream": True},
+        json={"model": SLOW, "messages": HELLO, "max_tokens": 16, "stream": True},
         headers={"Authorization": f"Bearer {key}"},
     )
     raw = (await response.read()).decode()
-    # Keep-alives every 5 ms: a token takes longer than that to compute on any CPU.
+    # Keep-alives every 5 ms: the slow scripted model takes 20 ms a token.
     assert ": keep-alive\n\n" in raw
     assert raw.rstrip().endswith("data: [DONE]")
     events = [line for line in raw.split("\n\n") if line.startswith("data: {")]

@@ -2,7 +2,8 @@
 A package made on node A reaches the hub with its lineage through A's outbox; its archive,
 exported by A and kept by the hub (`kvl hub packages add --seed`), is seeded to node B,
 which fetches it, checks it, pins it and serves the very same files on its LAN; unseeded,
-B unpins it."""
+B unpins it. The nodes serve a scripted model that answers each item's request with a
+valid item (test_packages.package_model): the fleet is the subject, not the model."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import hashlib
 from typing import TYPE_CHECKING
 
 import aiohttp
-import pytest
 
 from appliance.gateway.packages import PACKAGES
 from hub.app import create_app as create_hub
 from hub.identity import ssl_context
 from hub.state.store import open_store
 from tests.appliance.fleet_nodes import join
+from tests.appliance.test_packages import package_model
 from tests.appliance.test_placement_fleet import _hub
 from tests.conftest import kvl
 from tests.waiting import until
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
 
     from pytest_aiohttp import AiohttpServer
 
-    from appliance.state.records import ModelRecord
     from hub.settings import HubSettings
 
 ASK = {"topic": "volcanoes", "level": "beginner", "wait": True,
@@ -36,23 +36,24 @@ ASK = {"topic": "volcanoes", "level": "beginner", "wait": True,
 def _nodes_holding(hub: HubSettings, package_id: str) -> list[str]:
     store = open_store(hub)
     try:
-        names = {n.id: n.name for n in store.nodes()}
-        found = [p for p in store.packages(package_id) if p.id == package_id]
+        names = {n.id: n.name for n in store.nodes.all()}
+        found = [p for p in store.packages.find(package_id) if p.id == package_id]
         return sorted(names[n] for n in found[0].nodes) if found else []
     finally:
         store.close()
 
 
-@pytest.mark.model
 async def test_a_package_made_on_one_node_is_reported_and_seeded_to_another(
-    aiohttp_server: AiohttpServer, tmp_path: Path, default_model: ModelRecord
+    aiohttp_server: AiohttpServer, tmp_path: Path
 ) -> None:
+    served = package_model(tmp_path)
     hub = _hub(tmp_path)
     data = str(hub.data_dir)
     hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     assert hub_server.port is not None
-    model = {"n_ctx": 1024, "n_threads": 1, "n_slots": 1}
-    a = await join(aiohttp_server, tmp_path, default_model, hub, hub_server.port, name="node-a",
+    # A scripted model's token is a byte: an item's prompt is some 1,450 of them.
+    model = {"n_ctx": 2048, "n_slots": 1}
+    a = await join(aiohttp_server, tmp_path, served, hub, hub_server.port, name="node-a",
                    model=model)  # fmt: skip
     auth = {"Authorization": f"Bearer {a.key}"}
     async with aiohttp.ClientSession() as session:
@@ -66,9 +67,9 @@ async def test_a_package_made_on_one_node_is_reported_and_seeded_to_another(
 
         await until(reported, "node A's package at the hub", timeout_s=60)
         store = open_store(hub)
-        [record] = store.packages(package_id)
+        [record] = store.packages.find(package_id)
         store.close()
-        assert record.lineage["model"]["sha256"] == default_model.sha256
+        assert record.lineage["model"]["sha256"] == served.sha256
         assert record.lineage["appliance_id"] == made["manifest"]["lineage"]["appliance_id"]
         assert record.bundle_sha256 is None  # reported, not held
 
@@ -80,7 +81,7 @@ async def test_a_package_made_on_one_node_is_reported_and_seeded_to_another(
         kvl("hub", "packages", "add", str(tmp_path / "package.oci.tar"), "--seed",
             "--data-dir", data)  # fmt: skip
 
-        b = await join(aiohttp_server, tmp_path, default_model, hub, hub_server.port,
+        b = await join(aiohttp_server, tmp_path, served, hub, hub_server.port,
                        name="node-b", model=model)  # fmt: skip
         cache_b = b.app[PACKAGES].cache
 

@@ -1,6 +1,8 @@
-"""Content packages end to end with the real model: a package asked for, generated,
-validated, narrated, cached, served (ETag, Range, digests) and exported; the same request
-again is a cache hit; the job path; a corrupted blob is never served."""
+"""Content packages end to end: a package asked for, generated, validated, narrated,
+cached, served (ETag, Range, digests) and exported; the same request again is a cache hit;
+a corrupted blob is never served. The items come from a scripted model that answers each
+item type's request with a valid item (the packages are the subject); the job path makes
+its package on the real model, the one check that the real model can make a package."""
 
 from __future__ import annotations
 
@@ -18,9 +20,13 @@ import pytest
 from appliance.app import create_app
 from appliance.gateway.appkeys import REGISTRY
 from appliance.gateway.packages import PACKAGES
+from appliance.packages.generate import _KIND, example
+from appliance.packages.model import ItemType
 from appliance.packages.voice import Espeak
+from appliance.serving.catalog import register_file
+from appliance.state.store import Store
 from tests.appliance.test_gateway import auth
-from tests.conftest import make_settings
+from tests.conftest import SCRIPTED, make_settings, write_script
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -30,10 +36,7 @@ if TYPE_CHECKING:
     from appliance.state.records import ModelRecord
     from tests.conftest import Client
 
-pytestmark = [
-    pytest.mark.model,
-    pytest.mark.skipif(not Espeak.available(), reason="espeak-ng: run `just setup`"),
-]
+pytestmark = pytest.mark.skipif(not Espeak.available(), reason="espeak-ng: run `just setup`")
 
 ASK = {
     "topic": "The Solar System",
@@ -43,21 +46,33 @@ ASK = {
 }  # fmt: skip
 
 
+def package_model(folder: Path) -> ModelRecord:
+    """SCRIPTED, registered (in a catalog of its own in ``folder``), answering each item
+    type's request (every prompt names its type) with a worked answer of that type, four
+    choices where it has choices: an item that passes every check."""
+    rules = [{"contains": _KIND[kind], "reply": example(kind, 4)} for kind in ItemType]
+    script = write_script(folder / "packages.json", rules=rules)
+    store = Store(folder / "catalog.db")
+    try:
+        return register_file(store, script, SCRIPTED, "1")
+    finally:
+        store.close()
+
+
 async def _client(
     aiohttp_client: AiohttpClient,
     tmp_path: Path,
-    default_model: ModelRecord,
+    record: ModelRecord,
     **packages: Any,
 ) -> tuple[Client, str, Any]:
-    from appliance.state.store import Store  # noqa: PLC0415
-
     settings = make_settings(
         tmp_path / "data",
+        model={"default": record.name, "chat_default": record.name},
         embeddings={"enabled": False},
         packages={"max_attempts": 5, **packages},
     )
     store = Store(settings.db_path)
-    store.add_model(default_model)
+    store.add_model(record)
     key = store.create_key("teacher").plaintext
     store.close()
     app = create_app(settings)
@@ -67,9 +82,10 @@ async def _client(
 
 
 async def test_a_package_is_generated_validated_cached_served_and_exported(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient, tmp_path: Path
 ) -> None:
-    client, key, app = await _client(aiohttp_client, tmp_path, default_model)
+    model = package_model(tmp_path)
+    client, key, app = await _client(aiohttp_client, tmp_path, model)
     response = await client.post("/v1/packages", headers=auth(key), json={**ASK, "wait": True})
     package = await response.json()
     assert response.status == 200, package
@@ -77,7 +93,7 @@ async def test_a_package_is_generated_validated_cached_served_and_exported(
     assert manifest["validation"]["passed"] is True
     assert all(c["passed"] for c in manifest["validation"]["checks"])
     assert [i["type"] for i in manifest["items"]] == ["single_choice", "true_false", "short_answer"]
-    assert manifest["lineage"]["model"]["sha256"] == default_model.sha256
+    assert manifest["lineage"]["model"]["sha256"] == model.sha256
     assert manifest["lineage"]["voice"]["engine"] == "espeak-ng"
     paths = {f["path"] for f in manifest["files"]}
     assert {"items.json", "cover.svg", "audio/intro.wav"} <= paths
@@ -145,6 +161,7 @@ async def test_a_package_is_generated_validated_cached_served_and_exported(
     assert (await missing.json())["error"]["code"] == "package_not_found"
 
 
+@pytest.mark.model
 async def test_a_package_job_ends_with_the_package(
     aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
 ) -> None:
@@ -168,9 +185,10 @@ async def test_a_package_job_ends_with_the_package(
 
 
 async def test_a_package_narrated_by_the_neural_voice(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient, tmp_path: Path
 ) -> None:
-    client, key, _ = await _client(aiohttp_client, tmp_path, default_model, voice="neural")
+    model = package_model(tmp_path)
+    client, key, _ = await _client(aiohttp_client, tmp_path, model, voice="neural")
     ask = {"topic": "Bees", "level": "beginner", "wait": True,
            "spec": {"items": 1, "item_types": ["true_false"], "narration": True}}  # fmt: skip
     response = await client.post("/v1/packages", headers=auth(key), json=ask)

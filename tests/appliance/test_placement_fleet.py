@@ -13,7 +13,6 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import pytest
 from wireguard_tools import WireguardKey
 
 from appliance.fleet.client import HubClient
@@ -28,7 +27,7 @@ from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared import pki, protocol
 from tests.appliance.fleet_nodes import join
-from tests.conftest import kvl
+from tests.conftest import kvl, write_script
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -54,13 +53,13 @@ def _hub(tmp_path: Path) -> HubSettings:
 async def _join(
     aiohttp_server: AiohttpServer,
     tmp_path: Path,
-    default_model: ModelRecord,
+    record: ModelRecord,
     hub: HubSettings,
     hub_port: int,
     *,
     name: str,
 ) -> tuple[web.Application, TestServer]:
-    node = await join(aiohttp_server, tmp_path, default_model, hub, hub_port, name=name,
+    node = await join(aiohttp_server, tmp_path, record, hub, hub_port, name=name,
                       model={"n_ctx": 512, "n_threads": 1, "n_slots": 1},
                       fleet={"sync_interval_s": 1})  # fmt: skip
     return node.app, node.server
@@ -73,19 +72,21 @@ def _served(app: web.Application) -> set[str]:
 def _placed(hub: HubSettings) -> list[str]:
     store = open_store(hub)
     try:
-        names = {n.id: n.name for n in store.nodes()}
-        return sorted(names[n] for _, n, _ in store.placements())
+        names = {n.id: n.name for n in store.nodes.all()}
+        return sorted(names[n] for _, n, _ in store.deployments.placements())
     finally:
         store.close()
 
 
-@pytest.mark.model
 async def test_a_deployment_follows_nodes_that_join_leave_and_drain(
-    aiohttp_server: AiohttpServer, tmp_path: Path, default_model: ModelRecord
+    aiohttp_server: AiohttpServer, tmp_path: Path, scripted_model: ModelRecord
 ) -> None:
+    # Model scripts (placement is the subject, not the model): the nodes serve one of their
+    # own; the one placed is another file, which they fetch from the hub.
     hub = _hub(tmp_path)
     data = str(hub.data_dir)
-    kvl("hub", "models", "add", default_model.path, "--name", "placed", "--version", "1",
+    placed = write_script(tmp_path / "placed.json", reply="Placed by the hub.")
+    kvl("hub", "models", "add", str(placed), "--name", "placed", "--version", "1",
         "--data-dir", data)  # fmt: skip
     deployment = kvl("hub", "deploy", "placed@1", "--replicas", "1", "--data-dir", data)
     deployment_id = deployment.stdout.strip()
@@ -94,12 +95,12 @@ async def test_a_deployment_follows_nodes_that_join_leave_and_drain(
     await asyncio.sleep(0.5)
     assert _placed(hub) == []  # no node yet: it waits
 
-    a, a_server = await _join(aiohttp_server, tmp_path, default_model, hub, hub_server.port,
+    a, a_server = await _join(aiohttp_server, tmp_path, scripted_model, hub, hub_server.port,
                               name="node-a")  # fmt: skip
     await until(lambda: "placed@1" in _served(a), "the replica on the first node", timeout_s=60)
     assert _placed(hub) == ["node-a"]
 
-    b, _ = await _join(aiohttp_server, tmp_path, default_model, hub, hub_server.port,
+    b, _ = await _join(aiohttp_server, tmp_path, scripted_model, hub, hub_server.port,
                        name="node-b")  # fmt: skip
     await asyncio.sleep(2)
     assert _placed(hub) == ["node-a"]  # a node joining moves nothing
@@ -117,7 +118,7 @@ async def test_a_deployment_follows_nodes_that_join_leave_and_drain(
         lambda: "placed@1" not in _served(b), "the replica off the drained node", timeout_s=60
     )
     assert _placed(hub) == []
-    assert "gemma-3-270m@1.0.0" in _served(b)  # its own default model stays
+    assert scripted_model.ref in _served(b)  # its own default model stays
 
 
 def _forget_models(store: Store) -> None:
@@ -142,16 +143,17 @@ async def test_a_placed_artifact_is_fetched_resumed_and_checked(
     aiohttp_server: AiohttpServer, tmp_path: Path
 ) -> None:
     hub = _hub(tmp_path)
-    blob = os.urandom(3 * 2**20 + 123)
+    blob = b"GGUF" + os.urandom(3 * 2**20 + 119)  # GGUF by its first bytes, as the hub asks
     source = tmp_path / "weights.bin"
     source.write_bytes(blob)
     data = str(hub.data_dir)
     kvl("hub", "models", "add", str(source), "--name", "tiny", "--version", "1", "--data-dir", data)
     kvl("hub", "deploy", "tiny@1", "--data-dir", data)
     store = open_store(hub)
-    token = store.create_token("s", uses=1, expires_in_s=60).plaintext
-    node = store.enroll(token, name="n", wg_public_key=str(WireguardKey.generate().public_key()),
-                        overlay_prefix="100.64.0.0/10", labels={}, versions={})  # fmt: skip
+    token = store.tokens.create("s", uses=1, expires_in_s=60).plaintext
+    node = store.nodes.enroll(token, name="n",
+                              wg_public_key=str(WireguardKey.generate().public_key()),
+                              overlay_prefix="100.64.0.0/10", labels={}, versions={})  # fmt: skip
     store.close()
     server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     pin = aiohttp.Fingerprint(pki.fingerprint_bytes(certificates(hub)[1].fingerprint))

@@ -1,5 +1,6 @@
-"""The model registry: memory planning (pure, property-based), then the admin API, loading
-on demand, LRU unloading, pins and the router with the real model in real workers."""
+"""The model registry: memory planning (pure, property-based), the estimate of a real GGUF
+model, then the admin API, loading on demand, LRU unloading, pins and the router with the
+scripted models in real workers (the registry is the subject, not the model)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from appliance.serving.registry import Resident, estimate_mb, plan_eviction
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from shared.errors import ErrorCode
-from tests.conftest import make_settings
+from tests.conftest import SCRIPTED, SLOW, make_settings
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
     from tests.conftest import Client
 
-MODEL = "gemma-3-270m"
+MODEL = SCRIPTED
 
 # -- planning --------------------------------------------------------------------------------
 
@@ -102,26 +103,24 @@ def admin(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-async def ask(client: Client, key: str, model: str) -> tuple[int, Any]:
-    response = await client.post(
-        "/v1/completions",
-        headers=admin(key),
-        json={"model": model, "prompt": "The sea is", "max_tokens": 4, "temperature": 0},
-    )
+async def ask(client: Client, key: str, model: str, max_tokens: int = 4) -> tuple[int, Any]:
+    body = {"model": model, "prompt": "The sea is", "max_tokens": max_tokens, "temperature": 0}
+    response = await client.post("/v1/completions", headers=admin(key), json=body)
     return response.status, await response.json()
 
 
 async def states(client: Client, key: str) -> dict[str, Any]:
     response = await client.get("/v1/admin/models", headers=admin(key))
     assert response.status == 200, await response.text()
-    return {m["ref"]: m for m in (await response.json())["data"] if m["format"] == "gguf"}
+    return {m["ref"]: m for m in (await response.json())["data"] if m["format"] == "script"}
 
 
-def registry_app(tmp_path: Path, default_model: ModelRecord, **model: object) -> tuple[Any, str]:
-    """An appliance whose store has the default model in three versions (the same file)."""
+def registry_app(tmp_path: Path, record: ModelRecord, **model: object) -> tuple[Any, str]:
+    """An appliance whose store has ``record``, its default model, in three versions (the
+    same file)."""
     settings = make_settings(
         tmp_path / "data",
-        model={"n_slots": 1, **model},
+        model={"default": record.name, "chat_default": record.name, "n_slots": 1, **model},
         embeddings={"enabled": False},
         # Loading and routing are under test here, not admission: objectives that a busy
         # CI machine cannot miss (test_admission.py holds the door to its objectives).
@@ -129,9 +128,9 @@ def registry_app(tmp_path: Path, default_model: ModelRecord, **model: object) ->
     )
     store = Store(settings.db_path)
     try:
-        store.add_model(default_model)
+        store.add_model(record)
         for version in ("b", "c"):
-            store.add_model(replace(default_model, version=version))
+            store.add_model(replace(record, version=version))
         key = store.create_key("ops", admin=True).plaintext
         user_key = store.create_key("someone").plaintext
     finally:
@@ -139,17 +138,16 @@ def registry_app(tmp_path: Path, default_model: ModelRecord, **model: object) ->
     return create_app(settings), f"{key} {user_key}"
 
 
-@pytest.mark.model
 async def test_models_load_on_demand_within_the_budget_lru_first_and_pins_hold(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient, tmp_path: Path, scripted_model: ModelRecord
 ) -> None:
     # Room for exactly two replicas of this model: the default (pinned) and one more.
-    each = estimate_mb(default_model, EngineOptions(n_ctx=2048, n_slots=1))
-    app, keys = registry_app(tmp_path, default_model, memory_budget_mb=int(2 * each) + 1)
+    each = estimate_mb(scripted_model, EngineOptions(n_ctx=2048, n_slots=1))
+    app, keys = registry_app(tmp_path, scripted_model, memory_budget_mb=int(2 * each) + 1)
     key, user_key = keys.split()
     client = await aiohttp_client(app)
     await app[REGISTRY].wait_loaded()
-    v = default_model.version
+    v = scripted_model.version
     b, c = f"{MODEL}@b", f"{MODEL}@c"
 
     forbidden = await client.get("/v1/admin/models", headers=admin(user_key))
@@ -200,16 +198,16 @@ async def test_models_load_on_demand_within_the_budget_lru_first_and_pins_hold(
     assert body["error"]["code"] == ErrorCode.model_not_found
 
 
-@pytest.mark.model
 async def test_the_router_spreads_requests_over_replicas(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient, tmp_path: Path, slow_model: ModelRecord
 ) -> None:
-    # Threads unset: two replicas on this machine's cores get half of them each.
-    app, keys = registry_app(tmp_path, default_model, n_threads=None)
+    # The slow scripted model: each request holds its slot for a second, so all four are
+    # routed before the first is done.
+    app, keys = registry_app(tmp_path, slow_model)
     key, user_key = keys.split()
     client = await aiohttp_client(app)
     await app[REGISTRY].wait_loaded()
-    b = f"{MODEL}@b"
+    b = f"{SLOW}@b"
     loaded = await client.post(
         "/v1/admin/models", headers=admin(key), json={"model": b, "replicas": 2}
     )
@@ -218,7 +216,7 @@ async def test_the_router_spreads_requests_over_replicas(
     assert len(replicas) == 2
     assert replicas[0]["pid"] != replicas[1]["pid"]
 
-    results = await asyncio.gather(*(ask(client, user_key, b) for _ in range(4)))
+    results = await asyncio.gather(*(ask(client, user_key, b, max_tokens=50) for _ in range(4)))
     assert [status for status, _ in results] == [200] * 4, results
     routed = [r["submitted"] for r in (await states(client, key))[b]["replicas"]]
     # One slot each: four requests at once go two and two, by least outstanding work.

@@ -4,7 +4,8 @@ libsndfile; the audio streams as it is read; errors in the one shape; usage reco
 
 The in-process appliance here serves no language model (`model.default` names none, so
 its load fails at start): speech needs none, and the tests stay fast. The last test
-drives a real appliance process with the official `openai` package."""
+drives a real appliance process (serving the scripted model, for it to be ready) with the
+official `openai` package."""
 
 from __future__ import annotations
 
@@ -25,15 +26,16 @@ from appliance.inference.speech import OPENAI_VOICES, pieces
 from appliance.packages.voice import Espeak, Neural
 from appliance.serving.audio import STREAMING_SIZE, resample
 from appliance.state.store import Store
-from tests.conftest import Client, make_settings
+from tests.conftest import SCRIPTED, ApplianceProcess, Client, make_settings, running_appliance
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from pathlib import Path
 
     from pytest_aiohttp import AiohttpClient
 
     from appliance.settings import ApplianceSettings
-    from tests.conftest import ApplianceProcess
+    from appliance.state.records import ModelRecord
 
 pytestmark = pytest.mark.skipif(not Espeak.available(), reason="espeak-ng: run `just setup`")
 
@@ -427,11 +429,33 @@ async def test_the_default_voice_is_a_setting(
 # -- the official SDK against a real appliance process ---------------------------------------------
 
 
-@pytest.mark.model
-def test_the_openai_sdk_reads_speech(appliance_process: ApplianceProcess) -> None:
+@pytest.fixture(scope="module")
+def speech_process(
+    tmp_path_factory: pytest.TempPathFactory, scripted_model: ModelRecord
+) -> Iterator[ApplianceProcess]:
+    """`kvl appliance serve` as a real process on loopback, serving the scripted model: a
+    process is ready only once its language model is, and speech needs no real one."""
+    data_dir = tmp_path_factory.mktemp("speech-appliance")
+    store = Store(data_dir / "appliance.db")
+    try:
+        store.add_model(scripted_model)
+        key = store.create_key("sdk").plaintext
+    finally:
+        store.close()
+    env = {
+        "KVL_DISCOVERY__ENABLED": "false",
+        "KVL_EMBEDDINGS__ENABLED": "false",
+        "KVL_MODEL__DEFAULT": SCRIPTED,
+        "KVL_MODEL__CHAT_DEFAULT": SCRIPTED,
+    }
+    with running_appliance(data_dir, key, env) as appliance:
+        yield appliance
+
+
+def test_the_openai_sdk_reads_speech(speech_process: ApplianceProcess) -> None:
     assert Neural.bundled() is not None
     sdk = openai.OpenAI(
-        base_url=f"{appliance_process.base_url}/v1", api_key=appliance_process.key, max_retries=0
+        base_url=f"{speech_process.base_url}/v1", api_key=speech_process.key, max_retries=0
     )
     whole = sdk.audio.speech.create(
         model="tts-1", voice="alloy", input=TEXT, response_format="wav", speed=1.25

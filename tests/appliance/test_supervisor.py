@@ -16,17 +16,21 @@ from appliance.app import create_app
 from appliance.gateway.appkeys import REGISTRY
 from appliance.serving.engine import EngineOptions, Finished, GenerationRequest, TextDelta
 from appliance.serving.sampling_options import Sampling
+from appliance.serving.scripted import LOGPROB
 from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, WorkerUnavailableError
 from appliance.settings import ApplianceSettings
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from shared.errors import ErrorCode
 from tests.appliance.test_batching import MAX_DRIFT
-from tests.conftest import Client
+from tests.conftest import SLOW, Client
 from tests.waiting import until
 
-MODEL = "gemma-3-270m"
+# The slow scripted model: 400 tokens take 8 s, a stream to kill (the supervisor is the
+# subject, not the model).
+MODEL = SLOW
 LONG = {"model": MODEL, "prompt": "Tell a very long story.", "max_tokens": 400, "temperature": 0}
+PROMPT = tuple(b"Tell a very long story.")  # the scripted model's tokens are bytes
 
 
 def auth(key: str) -> dict[str, str]:
@@ -38,7 +42,7 @@ async def test_kill_9_mid_stream(
 ) -> None:
     # The worker runs below the gateway's priority by `model.worker_nice` (5 by default).
     assert settings.model.worker_nice == 5
-    model = settings.model.model_copy(update={"worker_nice": 7})
+    model = settings.model.model_copy(update={"worker_nice": 7, "default": SLOW})
     app = create_app(settings.model_copy(update={"model": model}))
     client: Client = await aiohttp_client(app)
     host = app[REGISTRY]
@@ -79,7 +83,7 @@ async def test_kill_9_mid_stream(
     assert ok.status == 200, await ok.text()
 
     metrics = await (await client.get("/metrics")).text()
-    assert 'kvl_worker_restarts_total{kind="exited",model="gemma-3-270m@' in metrics
+    assert 'kvl_worker_restarts_total{kind="exited",model="scripted-slow@' in metrics
     store = Store(settings.db_path)
     restarts = store.worker_restarts()
     store.close()
@@ -88,14 +92,14 @@ async def test_kill_9_mid_stream(
     assert restarts[0]["exit_code"] in {-signal.SIGKILL, 255}
 
 
-async def test_a_frozen_worker_is_detected_and_replaced(default_model: ModelRecord) -> None:
+async def test_a_frozen_worker_is_detected_and_replaced(slow_model: ModelRecord) -> None:
     restarts: list[Restart] = []
 
     async def record(restart: Restart) -> None:
         restarts.append(restart)
 
     replica = Replica(
-        default_model,
+        slow_model,
         EngineOptions(n_ctx=512, n_threads=1),
         SupervisorOptions(heartbeat_s=0.2, heartbeat_timeout_s=1.5, backoff_initial_s=0.1),
         on_restart=record,
@@ -106,7 +110,7 @@ async def test_a_frozen_worker_is_detected_and_replaced(default_model: ModelReco
         assert frozen is not None
         run = replica.submit(
             GenerationRequest(
-                prompt_tokens=(2, 818), max_tokens=300, sampling=Sampling(temperature=0)
+                prompt_tokens=PROMPT, max_tokens=300, sampling=Sampling(temperature=0)
             )
         )
         await anext(run)
@@ -116,7 +120,7 @@ async def test_a_frozen_worker_is_detected_and_replaced(default_model: ModelReco
         assert stopped.value.retry_after > 0
         await until(lambda: replica.ready and replica.pid != frozen, timeout_s=120)
         assert [r.kind for r in restarts] == ["heartbeat"]
-        again = replica.submit(GenerationRequest(prompt_tokens=(2, 818), max_tokens=2))
+        again = replica.submit(GenerationRequest(prompt_tokens=PROMPT, max_tokens=2))
         events = [event async for event in again]
         assert events[-1].finish_reason in {"stop", "length"}  # type: ignore[union-attr]
     finally:
@@ -125,9 +129,35 @@ async def test_a_frozen_worker_is_detected_and_replaced(default_model: ModelReco
     assert not _alive(replica.pid)
 
 
+async def test_logprobs_cross_the_worker_pipe_as_the_engine_made_them(
+    scripted_model: ModelRecord,
+) -> None:
+    """The scripted model's made-up logprobs (each token LOGPROB, its alternatives the next
+    byte values, less likely), through a real worker process: each arrives as it was made,
+    tuples again, with the delta whose text it completes."""
+    replica = Replica(scripted_model, EngineOptions(n_ctx=512), SupervisorOptions())
+    await replica.start()
+    try:
+        request = GenerationRequest(prompt_tokens=tuple(b"ping"), max_tokens=8, logprobs=3)
+        events = [event async for event in replica.submit(request)]
+    finally:
+        await replica.close()
+    done = events[-1]
+    assert isinstance(done, Finished)
+    assert done.text == "pong"
+    entries = [lp for e in events if isinstance(e, TextDelta) for lp in e.logprobs]
+    assert [entry.id for entry in entries] == list(b"pong")
+    for entry in entries:
+        assert entry.logprob == LOGPROB
+        assert isinstance(entry.top, tuple)
+        assert entry.top == tuple((entry.id + i, LOGPROB - 2.0 * i) for i in range(3))
+
+
 async def test_logprobs_sampling_and_shared_prompts_cross_the_worker_pipe(
     default_model: ModelRecord,
 ) -> None:
+    # On the real model: logit_bias and prompt sharing act only in llama.cpp (a scripted
+    # model ignores both), so only there would a field the pipe dropped fail this test.
     # Two siblings (OpenAI's n) with the new sampling fields, through a real worker process;
     # prefix sharing is otherwise off and the prompt is short.
     replica = Replica(

@@ -20,13 +20,13 @@ from appliance.serving import isolation
 from appliance.state.store import EVERY_ACCOUNT, Store
 from hub.app import create_app as create_hub
 from hub.identity import certificates, ssl_context
-from hub.state.accounts import Tenancy
+from hub.planning.tenancy import Tenancy
 from hub.state.store import open_store
 from shared import protocol
 from shared.classes import IsolationLevel
 from tests.appliance.test_package_cache import package
 from tests.appliance.test_placement_fleet import _hub
-from tests.conftest import free_port, make_settings
+from tests.conftest import SCRIPTED, free_port, make_settings
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -69,13 +69,12 @@ def test_an_account_the_hub_withdraws_has_its_keys_refused_until_given_again(
 # -- packages and jobs per account --------------------------------------------------------
 
 
-@pytest.mark.model
 async def test_packages_and_jobs_are_listed_per_account_and_an_admin_sees_all(
-    aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
+    aiohttp_client: AiohttpClient, tmp_path: Path, scripted_model: ModelRecord
 ) -> None:
     settings = make_settings(tmp_path / "data", embeddings={"enabled": False})
     store = Store(settings.db_path)
-    store.add_model(default_model)
+    store.add_model(scripted_model)
     keys = {name: store.create_key(name).plaintext for name in ("a", "b")}
     keys["admin"] = store.create_key("ops", admin=True).plaintext
     ids = {a.name: a.id for a in store.list_accounts()}
@@ -121,7 +120,7 @@ async def test_packages_and_jobs_are_listed_per_account_and_an_admin_sees_all(
     # Jobs: each account lists its own, newest first; an admin key lists every one.
     made: dict[str, list[str]] = {"a": [], "b": []}
     for who in ("a", "b", "a"):
-        ask = {"model": "gemma-3-270m", "prompt": "Hi", "max_tokens": 1}
+        ask = {"model": SCRIPTED, "prompt": "Hi", "max_tokens": 1}
         body = {"requests": [{"custom_id": "x", "url": "/v1/completions", "body": ask}]}
         response = await client.post("/v1/jobs", json=body, headers=auth(who))
         assert response.status == 202, await response.text()
@@ -219,9 +218,8 @@ def test_a_worker_on_this_machine_runs_at_the_level_it_reports() -> None:
 # -- end to end ---------------------------------------------------------------------------
 
 
-@pytest.mark.model
 async def test_a_node_dedicated_to_a_tenant_refuses_another_tenants_key(
-    aiohttp_server: AiohttpServer, tmp_path: Path, default_model: ModelRecord
+    aiohttp_server: AiohttpServer, tmp_path: Path, scripted_model: ModelRecord
 ) -> None:
     hub = _hub(tmp_path)
     hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
@@ -229,13 +227,13 @@ async def test_a_node_dedicated_to_a_tenant_refuses_another_tenants_key(
     store = open_store(hub)
     try:
         for name, tenant in (("acme-staff", "acme"), ("globex-staff", "globex")):
-            store.set_account(name, "S1")
-            store.set_tenancy(name, Tenancy(tenant, dedicated=True))
-        acme_key = store.create_key("acme-staff").plaintext
-        globex_key = store.create_key("globex-staff").plaintext
+            store.accounts.put(name, "S1")
+            store.accounts.set_tenancy(name, Tenancy(tenant, dedicated=True))
+        acme_key = store.accounts.create_key("acme-staff").plaintext
+        globex_key = store.accounts.create_key("globex-staff").plaintext
     finally:
         store.close()
-    base_url = await _dedicated_node(aiohttp_server, tmp_path, default_model, hub, hub_server.port)
+    base_url = await _dedicated_node(aiohttp_server, tmp_path, scripted_model, hub, hub_server.port)
     async with aiohttp.ClientSession() as session:
 
         async def status(key: str) -> int:
@@ -254,7 +252,7 @@ async def test_a_node_dedicated_to_a_tenant_refuses_another_tenants_key(
 
         # globex's account rebound to acme's nodes: given, then withdrawn again.
         store = open_store(hub)
-        store.set_tenancy("globex-staff", Tenancy("acme"))
+        store.accounts.set_tenancy("globex-staff", Tenancy("acme"))
         store.close()
 
         async def globex_served() -> bool:
@@ -262,7 +260,7 @@ async def test_a_node_dedicated_to_a_tenant_refuses_another_tenants_key(
 
         await until(globex_served, "the rebound key reaches acme's node", timeout_s=30)
         store = open_store(hub)
-        store.set_tenancy("globex-staff", Tenancy("globex", dedicated=True))
+        store.accounts.set_tenancy("globex-staff", Tenancy("globex", dedicated=True))
         store.close()
 
         async def globex_refused() -> bool:
@@ -274,14 +272,15 @@ async def test_a_node_dedicated_to_a_tenant_refuses_another_tenants_key(
 async def _dedicated_node(
     aiohttp_server: AiohttpServer,
     tmp_path: Path,
-    default_model: ModelRecord,
+    record: ModelRecord,
     hub: HubSettings,
     hub_port: int,
 ) -> str:
     """An appliance enrolled with the hub as a node dedicated to tenant acme (its
-    enrollment token's tenancy), serving where its heartbeats say; its base URL."""
+    enrollment token's tenancy), serving ``record`` (the scripted model: tenancy is the
+    subject), where its heartbeats say; its base URL."""
     store = open_store(hub)
-    token = store.create_token("site", uses=1, expires_in_s=600, tenant="acme").plaintext
+    token = store.tokens.create("site", uses=1, expires_in_s=600, tenant="acme").plaintext
     store.close()
     provisioning = tmp_path / "acme-1.json"
     provisioning.write_text(json.dumps({
@@ -298,7 +297,7 @@ async def _dedicated_node(
                "heartbeat_s": 1, "sync_interval_s": 0.5},
     )  # fmt: skip
     local = Store(settings.db_path)
-    local.add_model(default_model)
+    local.add_model(record)
     local.close()
     app = create_app(settings)
     await aiohttp_server(app, port=port)
