@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from hub.appkeys import METRICS, REQUEST_ID
 from shared import protocol
-from shared.errors import ApiError, ErrorCode, error_body
+from shared.errors import ApiError, DomainError, ErrorCode, error_body
 from shared.tracing import new_request_id
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -39,9 +39,16 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     code: ErrorCode | None = None
     try:
         response = await handler(request)
-    except ApiError as err:
-        code = err.code
-        response = web.json_response(err.body(), status=err.status, headers=err.headers())
+    except DomainError as err:
+        api = (
+            err
+            if isinstance(err, ApiError)
+            else ApiError(err.code, err.message, param=err.param, retry_after=err.retry_after)
+        )
+        code = api.code
+        response = web.json_response(api.body(), status=api.status, headers=api.headers())
+        if code is ErrorCode.shutting_down:
+            response.force_close()  # the client's next request finds the new server
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

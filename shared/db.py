@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Generic, ParamSpec, Protocol, TypeVar
 
+from shared.errors import ShuttingDown
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
@@ -205,6 +207,7 @@ class AsyncStore(Generic[S]):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvl-store")
         self._open: Callable[[], S] = lambda: factory(where)
         self._store: S | None = None
+        self._closed = False
 
     async def open(self) -> None:
         self._store = await self._submit(self._open)
@@ -212,6 +215,7 @@ class AsyncStore(Generic[S]):
     async def close(self) -> None:
         if self._store is not None:
             await self._submit(self._store.close)
+        self._closed = True
         self._executor.shutdown(wait=True)
 
     @property
@@ -225,5 +229,9 @@ class AsyncStore(Generic[S]):
         return await self._submit(fn, *args, **kwargs)
 
     async def _submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        if self._closed:
+            # A server stopping: its app closed the store while a connection kept alive
+            # from before still sends requests (aiohttp serves them until it closes it).
+            raise ShuttingDown("the server is stopping; send the request again", retry_after=1)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))

@@ -85,6 +85,7 @@ class ErrorCode(StrEnum):
     last_admin_key = "last_admin_key"
     hub_managed = "hub_managed"
     insufficient_memory = "insufficient_memory"
+    shutting_down = "shutting_down"
     internal_error = "internal_error"
 
     @property
@@ -303,6 +304,12 @@ _KINDS: dict[ErrorCode, _Kind] = {
         "server_error",
         "the model does not fit the memory budget, even with every idle model unloaded",
     ),
+    ErrorCode.shutting_down: _Kind(
+        503,
+        "server_error",
+        "the server is stopping: the connection closes, and a new one reaches the server "
+        "that follows it",
+    ),
     ErrorCode.internal_error: _Kind(500, "server_error", "a bug; the request id is in the log"),
 }
 
@@ -498,6 +505,13 @@ class OutboxFull(Unavailable):
     """The usage ledger waits for the hub: no new work until it has acknowledged some."""
 
     code = ErrorCode.outbox_full
+
+
+class ShuttingDown(Unavailable):
+    """The server stopped taking work (its store is closed) while a connection kept
+    alive from before still sent a request."""
+
+    code = ErrorCode.shutting_down
 
 
 class InternalError(NodeFault):

@@ -90,6 +90,8 @@ async def _answer(
     except DomainError as err:
         code = err.code
         response = error_response(err)
+        if code is ErrorCode.shutting_down:
+            response.force_close()  # the client's next request finds the new server
         if (key := request.get(REQUEST_KEY)) is not None:
             await request.app[ADMISSION].hold_refusal(key.id, code)
     except RequestPayloadError as exc:
