@@ -129,15 +129,20 @@ lint: setup
     ruff check .
     mypy
 
-# Set up and run every test tier this machine can run (unit, model, netns, browser, postgres, image)
+# Set up and run every test tier this machine can run (unit, model, netns, browser, postgres,
+# image). Four workers, a test module each at a time (its module-scoped servers stay in one
+# worker): most of a test's time is waiting on processes, servers and tunnels, so they
+# overlap on two cores. The image's QEMU boots take every core, so they run alone, after
+# (a selection without image tests is no failure: pytest's exit status 5).
 test *args: setup setup-image lint
-    pytest {{ args }}
+    pytest -n 4 --dist loadfile -m "not image" {{ args }}
+    pytest -m image {{ args }} || [ $? -eq 5 ]
 
 # The edit loop's tier: lint, then every test that needs neither the real model (a test that
 # takes the model's fixtures is a `model` test whatever its module says), namespaces, the
-# browser, PostgreSQL nor the image
+# browser, PostgreSQL nor the image, on four workers as `just test` runs them
 test-fast *args: setup lint
-    pytest -m "not model and not netns and not browser and not postgres and not image" {{ args }}
+    pytest -n 4 --dist loadfile -m "not model and not netns and not browser and not postgres and not image" {{ args }}
 
 # Benchmarks against peers measured in the same run (writes tests/benchmarks/results/*.json):
 # serving (one stream vs llama-server), concurrency (1-16 streams and a shared prefix vs

@@ -56,7 +56,7 @@ from appliance.serving.registry import ModelRegistry
 from appliance.state.store import AsyncStore
 from appliance.update.installer import Rauc
 from shared import __version__
-from shared.backup import serving
+from shared.backup_archive import serving
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator

@@ -1,6 +1,6 @@
 """A backup of the appliance, taken while it serves, and its restore into a stopped
 appliance's data directory (`kvl appliance backup`, `kvl appliance restore`; the archive's
-format is shared/backup.py's).
+format is shared/backup_archive.py's).
 
 A backup holds the appliance's state: a consistent copy of `appliance.db` (accounts, API
 key hashes, usage events and the outbox with its checkpoints, jobs and their webhook
@@ -13,8 +13,8 @@ registered by path stays where it is.
 
 A restore refuses a running appliance (the data directory's lock), a data directory that
 is not empty unless forced (what is there is then set aside, never deleted), and an archive
-it cannot trust (shared/backup.py `read_archive`) or whose schema is newer than this
-code's; then makes the restored store ready (appliance/state/backup.py says what it
+it cannot trust (shared/backup_archive.py `read_archive`) or whose schema is newer than this
+code's; then makes the restored store ready (appliance/state/dump.py says what it
 changes, and why).
 """
 
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from appliance.state import backup as stored
+from appliance.state import dump as stored
 from appliance.state.store import Store
 from shared import __version__, db
-from shared.backup import (
+from shared.backup_archive import (
     BackupError,
     Kind,
     Made,

@@ -449,7 +449,7 @@ def backup(config_file: Path | None, data_dir: Path | None, out: Path, no_packag
     while it serves: its database, its fleet identity and its package cache. OUT holds the
     node's keys: it is written mode 0600; keep it as safe as the appliance."""
     from appliance import backup as appliance_backup  # noqa: PLC0415
-    from shared.backup import BackupError  # noqa: PLC0415
+    from shared.backup_archive import BackupError  # noqa: PLC0415
 
     settings = _settings(config_file, data_dir)
     try:
@@ -483,7 +483,7 @@ def restore(config_file: Path | None, data_dir: Path | None, archive: Path, forc
     import datetime  # noqa: PLC0415
 
     from appliance import backup as appliance_backup  # noqa: PLC0415
-    from shared.backup import BackupError  # noqa: PLC0415
+    from shared.backup_archive import BackupError  # noqa: PLC0415
 
     settings = _settings(config_file, data_dir)
     try:
@@ -519,8 +519,8 @@ def outbox_resend(config_file: Path | None, data_dir: Path | None, since: Any) -
     twice. Run it with the appliance stopped."""
     import datetime  # noqa: PLC0415
 
-    from appliance.state.backup import resend_since  # noqa: PLC0415
-    from shared.backup import BackupError, restoring  # noqa: PLC0415
+    from appliance.state.dump import resend_since  # noqa: PLC0415
+    from shared.backup_archive import BackupError, restoring  # noqa: PLC0415
 
     settings = _settings(config_file, data_dir)
     try:

@@ -10,6 +10,8 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.tracing import ServiceName, TracingSettings
+
 EXAMPLE_HEADER = """
 Kovenlab Edge appliance: every setting, at its default.
 Use with `kvl appliance serve --config FILE` (or $KVL_CONFIG). Each setting can also be set
@@ -709,7 +711,7 @@ class ClassSettings(_Section):
         return merged
 
 
-class FleetSettings(_Section):
+class FleetLinkSettings(_Section):
     provisioning_file: Path | None = Field(
         None,
         description=(
@@ -843,23 +845,8 @@ class ResponsesSettings(_Section):
     )
 
 
-class TracingSettings(_Section):
-    otlp_endpoint: str | None = Field(
-        None,
-        min_length=1,
-        max_length=2000,
-        pattern=r"^https?://",
-        description=(
-            "OTLP/HTTP traces endpoint (`http://collector:4318/v1/traces`); when set, every "
-            "stage of each request is an OpenTelemetry span. Unset: no tracing."
-        ),
-    )
-    service_name: str = Field(
-        "kovenlab-appliance", min_length=1, max_length=200, description="`service.name`."
-    )
-    sample_ratio: float = Field(
-        1.0, ge=0.0, le=1.0, description="Share of requests traced (parent-based sampling)."
-    )
+class ApplianceTracingSettings(TracingSettings):
+    service_name: ServiceName = "kovenlab-appliance"
 
 
 class ApplianceSettings(BaseSettings):
@@ -895,8 +882,8 @@ class ApplianceSettings(BaseSettings):
     speech: SpeechSettings = Field(
         default_factory=SpeechSettings, description="Text to speech (`/v1/audio/speech`)."
     )
-    fleet: FleetSettings = Field(
-        default_factory=FleetSettings, description="The link to the fleet's hub."
+    fleet: FleetLinkSettings = Field(
+        default_factory=FleetLinkSettings, description="The link to the fleet's hub."
     )
     update: UpdateSettings = Field(
         default_factory=UpdateSettings,
@@ -905,8 +892,8 @@ class ApplianceSettings(BaseSettings):
     responses: ResponsesSettings = Field(
         default_factory=ResponsesSettings, description="The Responses API's stored answers."
     )
-    tracing: TracingSettings = Field(
-        default_factory=TracingSettings, description="OpenTelemetry tracing (OTLP/HTTP)."
+    tracing: ApplianceTracingSettings = Field(
+        default_factory=ApplianceTracingSettings, description="OpenTelemetry tracing (OTLP/HTTP)."
     )
     classes: ClassSettings = Field(
         default_factory=ClassSettings,

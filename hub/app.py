@@ -47,7 +47,7 @@ from hub.reconciler import reconcile_forever
 from hub.rollouts import rollouts_forever
 from hub.state.store import AsyncHubStore
 from shared import __version__
-from shared.backup import serving
+from shared.backup_archive import serving
 from shared.tracing import Tracing
 
 if TYPE_CHECKING:

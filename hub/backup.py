@@ -1,5 +1,5 @@
 """A backup of the hub, taken while it serves, and its restore into a stopped hub's data
-directory (`kvl hub backup`, `kvl hub restore`; the archive's format is shared/backup.py's).
+directory (`kvl hub backup`, `kvl hub restore`; the archive's format is shared/backup_archive.py's).
 
 A backup holds what a working hub needs: its store (a consistent copy of `hub.db`, or a
 `pg_dump` of its PostgreSQL database), its identity in `pki/` (the CA that nodes trust, its
@@ -11,8 +11,8 @@ it, and artifacts are never removed, so all of them are in the archive.
 A restore refuses a running hub (the data directory's lock, and for PostgreSQL the hub's
 connections to the database), a data directory or database that is not empty unless
 forced (what is there is then set aside, never deleted), and an archive it cannot trust
-(shared/backup.py `read_archive`) or whose schema is newer than this code's. Once the
-store is back, its serials jump forward (hub/state/backup.py says why and by how much), so
+(shared/backup_archive.py `read_archive`) or whose schema is newer than this code's. Once the
+store is back, its serials jump forward (hub/state/dump.py says why and by how much), so
 every node takes the restored state.
 """
 
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hub.state import backup as stored
+from hub.state import dump as stored
 from hub.state.store import open_database
 from shared import __version__, db
-from shared.backup import (
+from shared.backup_archive import (
     BackupError,
     DataDirBusyError,
     Kind,

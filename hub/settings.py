@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from hub.alerting.settings import AlertsSettings
 from hub.fleet.budgets import window_s
 from shared.protocol import Objective, ServiceClassName
+from shared.tracing import ServiceName, TracingSettings
 
 EXAMPLE_HEADER = """
 Kovenlab Edge hub: every setting, at its default.
@@ -231,26 +232,8 @@ class ConsoleSettings(BaseModel):
     )
 
 
-class TracingSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    otlp_endpoint: str | None = Field(
-        None,
-        min_length=1,
-        max_length=2000,
-        pattern=r"^https?://",
-        description=(
-            "OTLP/HTTP traces endpoint (`http://collector:4318/v1/traces`); when set, the "
-            "hub's hop of each offloaded request is an OpenTelemetry span of the client's "
-            "trace (`hub.offload`). Unset: no tracing."
-        ),
-    )
-    service_name: str = Field(
-        "kovenlab-hub", min_length=1, max_length=200, description="`service.name`."
-    )
-    sample_ratio: float = Field(
-        1.0, ge=0.0, le=1.0, description="Share of requests traced (parent-based sampling)."
-    )
+class HubTracingSettings(TracingSettings):
+    service_name: ServiceName = "kovenlab-hub"
 
 
 Target = Annotated[float, Field(gt=0.0, lt=1.0)]
@@ -376,8 +359,8 @@ class HubSettings(BaseSettings):
     console: ConsoleSettings = Field(
         default_factory=ConsoleSettings, description="The web console (/console/)."
     )
-    tracing: TracingSettings = Field(
-        default_factory=TracingSettings, description="OpenTelemetry tracing (OTLP/HTTP)."
+    tracing: HubTracingSettings = Field(
+        default_factory=HubTracingSettings, description="OpenTelemetry tracing (OTLP/HTTP)."
     )
     objectives: ObjectivesSettings = Field(
         default_factory=ObjectivesSettings,

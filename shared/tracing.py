@@ -1,5 +1,6 @@
 """OpenTelemetry spans, exported over OTLP/HTTP when configured: the appliance's request
-path and the hub's hop of an offloaded request, so one request is one trace across them.
+path and the hub's hop of an offloaded request, so one request is one trace across them;
+and their settings, the `tracing:` section both sides' configurations share.
 
 One :class:`Tracing` per application (never OpenTelemetry's global provider, so several
 apps in one process, as in the tests, keep their own). Without an endpoint every span is
@@ -12,10 +13,11 @@ import contextlib
 import itertools
 import secrets
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from pydantic import BaseModel, ConfigDict, Field
 
 from shared.protocol import TRACE_HEADERS
 
@@ -35,6 +37,34 @@ Attribute = str | bool | int | float | Sequence[str]
 # request in the logs and answers, it grants nothing, so it need not be unguessable.
 _ID_PREFIX = secrets.token_hex(8)
 _ID_COUNTER = itertools.count()
+
+
+# Each side's subclass gives its own default: `service_name: ServiceName = "kovenlab-hub"`.
+ServiceName = Annotated[str, Field(min_length=1, max_length=200, description="`service.name`.")]
+
+
+class TracingSettings(BaseModel):
+    """The `tracing:` section of the appliance's and the hub's settings, less the default
+    `service.name`, which each side's subclass gives."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    otlp_endpoint: str | None = Field(
+        None,
+        min_length=1,
+        max_length=2000,
+        pattern=r"^https?://",
+        description=(
+            "OTLP/HTTP traces endpoint (`http://collector:4318/v1/traces`); when set, this "
+            "side's part of each request is OpenTelemetry spans of the client's trace: on the "
+            "appliance every stage of the request, on the hub its hop of an offloaded request "
+            "(`hub.offload`). Unset: no tracing."
+        ),
+    )
+    service_name: ServiceName
+    sample_ratio: float = Field(
+        1.0, ge=0.0, le=1.0, description="Share of requests traced (parent-based sampling)."
+    )
 
 
 def new_request_id() -> str:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -18,10 +20,13 @@ import pytest
 from image import netns
 from image.netns import ip, pids_in
 
-__all__ = ["A_ADDR", "B_ADDR", "Link", "ip", "linked_namespaces", "pids_in", "require_netns"]
-
 if TYPE_CHECKING:
     from collections.abc import Iterator
+
+__all__ = [
+    "A_ADDR", "B_ADDR", "REPO", "Link", "ip", "linked_namespaces", "pids_in", "require_netns",
+    "spawn", "stop",
+]  # fmt: skip
 
 A_ADDR = "198.18.0.1"
 B_ADDR = "198.18.0.2"
@@ -77,3 +82,29 @@ def linked_namespaces() -> Iterator[Link]:
         # Deleting a namespace destroys the veth ends in it; this catches a setup that failed
         # before the pair was moved out of the root namespace.
         subprocess.run(["ip", "link", "del", link.veth_a], capture_output=True, check=False)
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def spawn(
+    link: Link, ns: str, args: list[str], env: dict[str, str], log: Path
+) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            link.argv(ns, sys.executable, "-m", "shared.cli", *args),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, **env},
+        )
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -32,20 +32,13 @@ from tests.benchmarks import concurrency
 from tests.benchmarks.report import DASH, TIMES
 from tests.benchmarks.tables import NOT_SHOWN, RESULTS, TABLES, Table
 from tests.benchmarks.tables import block as results_block
-
-REPO = Path(__file__).resolve().parents[1]
-DOCS_DIR = REPO / "docs"
-DOC_FILES = [REPO / "README.md", *sorted(DOCS_DIR.glob("*.md"))]
-TEXT = {path: path.read_text() for path in DOC_FILES}
+from tests.docs import DOC_FILES, DOCS_DIR, REPO, TEXT
 
 README_MD = TEXT[REPO / "README.md"]
 API_DOC = (DOCS_DIR / "api.md").read_text()
 HUB_DOC = (DOCS_DIR / "hub.md").read_text()
 OPERATIONS_DOC = (DOCS_DIR / "operations.md").read_text()
 LAYOUT_DOC = (DOCS_DIR / "README.md").read_text()
-# Every doc, one after the other. tests/hub/test_openapi.py imports this as README.
-DOCS = "\n".join(TEXT.values())
-README = DOCS
 
 # Build and test outputs the docs name (ignored by git): they exist once made.
 OUTPUTS = ("image/build/", "tests/browser/artifacts/")

@@ -25,7 +25,7 @@ from hub.state.nodes import Node
 from hub.state.store import open_store
 from shared import pki
 from tests.conftest import SCRIPTED
-from tests.netns import A_ADDR, Link, ip, linked_namespaces
+from tests.netns import A_ADDR, REPO, Link, ip, linked_namespaces, spawn, stop
 from tests.waiting import until_sync
 
 if TYPE_CHECKING:
@@ -33,36 +33,11 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.netns
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture
 def link() -> Iterator[Link]:
     with linked_namespaces() as made:
         yield made
-
-
-def spawn(
-    link: Link, ns: str, args: list[str], env: dict[str, str], log: Path
-) -> subprocess.Popen[bytes]:
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            link.argv(ns, sys.executable, "-m", "shared.cli", *args),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env={**os.environ, **env},
-        )
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def complete_in(link: Link, port: int, key: str) -> int:

@@ -433,3 +433,24 @@ def test_no_module_of_hub_state_subclasses_another_modules_class() -> None:
                     if origin in classes and origin[0] not in {module, "hub.state.errors"}:
                         found.append(f"{module}.{node.name}({'.'.join(origin)})")
     assert found == [], f"hub/state/ classes that subclass another module's: {found}"
+
+
+def test_no_test_module_imports_from_another_test_module() -> None:
+    """What tests share lives in a module that says what it holds (tests/hubs.py,
+    tests/console.py …): a `test_*` module is imported by pytest alone, so that running
+    one file never runs, or depends on, another file's tests."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            if any(
+                name.startswith("tests.") and name.split(".")[-1].startswith("test_")
+                for name in names
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == [], f"imports from a test module: {found}"

@@ -46,6 +46,7 @@ from hub.state.store import HubStore, open_store
 from shared import protocol
 from shared.provisioning import Provisioning
 from tests.conftest import REPO, free_port
+from tests.hubs import settings_for
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -271,14 +272,7 @@ async def call(
 
 
 def hub_settings(tmp_path: Path) -> HubSettings:
-    return HubSettings.model_validate(
-        {
-            "data_dir": tmp_path / "hub",
-            "server": {"require_overlay_source": False},
-            "overlay": {"interface": None},  # loopback: no WireGuard interface on the host
-            "pki": {"reload_s": 0.5},  # the running hub follows a CA rotation at once
-        }
-    )
+    return settings_for(tmp_path, pki={"reload_s": 0.5})  # it follows a CA rotation at once
 
 
 def read(hub: HubSettings, what: Callable[[HubStore], T]) -> T:

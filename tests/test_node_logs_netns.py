@@ -21,8 +21,7 @@ from hub.identity import certificates
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from tests.conftest import SCRIPTED
-from tests.netns import A_ADDR, Link, linked_namespaces
-from tests.test_fleet_netns import REPO, spawn, stop
+from tests.netns import A_ADDR, REPO, Link, linked_namespaces, spawn, stop
 from tests.waiting import until_sync
 
 if TYPE_CHECKING:

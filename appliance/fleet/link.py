@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from appliance.packages.service import PackageService
     from appliance.quotas.leases import LeaseBook
     from appliance.serving.registry import ModelRegistry
-    from appliance.settings import FleetSettings
+    from appliance.settings import FleetLinkSettings
     from appliance.state.store import AsyncStore
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ async def enroll(files: FleetFiles, provisioning: Provisioning) -> Identity:
 class FleetLink:
     def __init__(
         self,
-        settings: FleetSettings,
+        settings: FleetLinkSettings,
         files: FleetFiles,
         store: AsyncStore,
         metrics: Metrics,

@@ -635,7 +635,7 @@ class Store:
     def worker_restart_count(self) -> int:
         """Model-worker restarts recorded (any cause) in the objectives' epoch: since the
         database was made, or since it was restored (a restore starts a new epoch, which the
-        hub counts whole: appliance/state/backup.py)."""
+        hub counts whole: appliance/state/dump.py)."""
         after = int(self.meta(RESTARTS_COUNTED_AFTER) or 0)
         row = self.db.execute("SELECT COUNT(*) FROM worker_restarts WHERE id > ?", [after])
         return int(row.fetchone()[0])

@@ -34,7 +34,6 @@ def hub() -> None:
 for command in (
     serve.show_config,
     serve.serve,
-    serve.simulate,
     tokens.tokens,
     tokens.provision,
     nodes.nodes,

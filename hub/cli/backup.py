@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from hub.cli.common import hub_settings
-from shared.backup import BackupError
+from shared.backup_archive import BackupError
 from shared.cli import common_options, config_errors_exit
 
 

@@ -13,6 +13,7 @@ from appliance.state.store import Store
 from hub.identity import certificates
 from hub.state.store import open_store
 from tests.conftest import free_port, make_settings
+from tests.hubs import settings_for
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -23,6 +24,16 @@ if TYPE_CHECKING:
 
     from appliance.state.records import ModelRecord
     from hub.settings import HubSettings
+
+
+def placement_hub(tmp_path: Path) -> HubSettings:
+    """A hub on loopback that places models every 0.3 s and gives a node up (stale at
+    2 s, offline at 4 s, its placements moved 4 s later) within seconds."""
+    return settings_for(
+        tmp_path,
+        fleet={"stale_after_s": 2, "offline_after_s": 4, "offline_grace_s": 4,
+               "placement_every_s": 0.3},
+    )  # fmt: skip
 
 
 @dataclass

@@ -215,6 +215,7 @@ async def test_quotas_refuse_name_the_quota_and_recover(
     assert error["code"] == ErrorCode.rate_limit_exceeded
     assert "requests_per_minute" in error["message"]
     assert over.headers["Retry-After"] == "1"  # one request back per second
+    # Time is the subject here: a request comes back only once a second has passed.
     await asyncio.sleep(1.1)
     assert (await client.post("/v1/completions", headers=headers, json=body)).status == 404
 

@@ -18,7 +18,7 @@ import pytest
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import FleetLink
 from appliance.observability.metrics import Metrics
-from appliance.state.backup import resend_since
+from appliance.state.dump import resend_since
 from appliance.state.jobs import JobStore, NewItem
 from appliance.state.records import ModelRecord
 from appliance.state.store import AsyncStore, Store, UsageEvent
@@ -26,7 +26,7 @@ from hub.app import create_app as create_hub
 from hub.identity import ssl_context
 from hub.state.store import open_store
 from shared import protocol
-from shared.backup import serving
+from shared.backup_archive import serving
 from tests.conftest import NoModels, free_port, kvl, make_settings
 from tests.fleet import provisioning
 from tests.hubs import settings_for

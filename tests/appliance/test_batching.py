@@ -26,6 +26,7 @@ from appliance.serving.engine import (
     TextDelta,
 )
 from appliance.serving.sampling_options import Sampling
+from tests.appliance.logits import MAX_DRIFT, MEAN_DRIFT
 
 if TYPE_CHECKING:
     from appliance.state.records import ModelRecord
@@ -118,20 +119,6 @@ def run(
     # Each prompt is there once; one that never sampled (cancelled) has none.
     logits = [engine.first_logits.get(tokens, [np.zeros(0)])[0] for tokens in tokenized]
     return Ran(outcomes, engine.prefix_tokens_reused, logits)
-
-
-# How far the first generated token's logits may move with and without the shared prefix
-# (greedy text is no measure: a near-tie flips with rounding, and the rest of the answer
-# follows). Measured with gemma-3-270m Q4_K_M on an x86-64 CPU, these prompts, one slot:
-# - sharing vs not: prompts 0, 1 and 3 (of 0..4) bitwise equal, 2 and 4 max |d| 0.66 and
-#   0.86, mean |d| 0.11 and 0.17 (logits up to ~22). Which rows of a prefill ubatch a token
-#   sits in decides the kernels' rounding: without any sharing, prefilling in one 256-token
-#   ubatch instead of 128-token ones moves them as much (max 0.90..1.06, mean 0.15..0.25),
-#   and flips greedy's first pick where its margin is 0.2 logits.
-# - a real fault, the copy missing the prompt's first cell: max 5.6..9.0, mean 0.85..1.5;
-#   another question instead of this one: max 9.9..11.8, mean 1.0..2.7.
-MAX_DRIFT = 2.5
-MEAN_DRIFT = 0.5
 
 
 def test_a_shared_prefix_is_computed_once_and_the_model_sees_the_same_prompt(

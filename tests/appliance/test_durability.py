@@ -19,9 +19,9 @@ from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from hub.app import create_app as create_hub
 from hub.identity import certificates, ssl_context
-from hub.settings import HubSettings
 from hub.state.store import open_store
 from tests.conftest import SCRIPTED, free_port, spawn_appliance, wait_ready
+from tests.hubs import settings_for
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -51,13 +51,7 @@ async def load(base_url: str, key: str, answered: set[str], stop: asyncio.Event)
 async def test_every_answered_request_survives_kill_9_exactly_once(
     aiohttp_server: AiohttpServer, tmp_path: Path, scripted_model: ModelRecord
 ) -> None:
-    hub = HubSettings.model_validate(
-        {
-            "data_dir": tmp_path / "hub",
-            "server": {"require_overlay_source": False},
-            "overlay": {"interface": None},  # loopback: no WireGuard interface on the host
-        }
-    )
+    hub = settings_for(tmp_path)
     hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     hub_store = open_store(hub)
     token = hub_store.tokens.create("site", uses=1, expires_in_s=3600).plaintext
@@ -104,6 +98,7 @@ async def test_every_answered_request_survives_kill_9_exactly_once(
                 clients = [
                     asyncio.create_task(load(base_url, key, answered, stop)) for _ in range(CLIENTS)
                 ]
+                # The subject: a kill at a random moment of the load, not a condition.
                 await asyncio.sleep(rng.uniform(0.05, 1.5))
                 os.kill(process.pid, signal.SIGKILL)
                 await asyncio.to_thread(process.wait)

@@ -19,8 +19,8 @@ from appliance.serving.embeddings import DIMENSION, choose_providers
 from appliance.settings import ApplianceSettings
 from appliance.state.store import Store
 from shared.errors import ErrorCode
-from tests.appliance.test_gateway import assert_error, auth, post
 from tests.conftest import Client
+from tests.gateway import assert_error, auth, post
 
 MODEL = "all-MiniLM-L6-v2"
 PATH = "/v1/embeddings"

@@ -330,7 +330,8 @@ async def test_desired_state_from_the_hub_is_applied_and_kept_while_offline(
 
     await until(library, timeout_s=30)
     await hub_server.close()
-    await asyncio.sleep(1.5)  # a heartbeat fails meanwhile
+    link = app[FLEET]
+    await until(lambda: link.error is not None, "a heartbeat failing with the hub gone", 30)
     assert await library()
 
 
@@ -437,7 +438,7 @@ async def test_heartbeats_name_the_gpus_the_workers_see(tmp_path: Path) -> None:
     from appliance.fleet.link import FleetLink  # noqa: PLC0415
     from appliance.observability.metrics import Metrics  # noqa: PLC0415
     from appliance.serving.devices import Device, DeviceLayout  # noqa: PLC0415
-    from appliance.settings import FleetSettings  # noqa: PLC0415
+    from appliance.settings import FleetLinkSettings  # noqa: PLC0415
     from appliance.state.store import AsyncStore  # noqa: PLC0415
 
     cpu = Device("CPU", "AMD EPYC", "cpu", 64_000, 60_000)
@@ -454,7 +455,13 @@ async def test_heartbeats_name_the_gpus_the_workers_see(tmp_path: Path) -> None:
 
     store = AsyncStore(tmp_path / "appliance.db")
     await store.open()
-    link = FleetLink(FleetSettings(), FleetFiles(tmp_path / "fleet"), store, Metrics(), Registry())  # type: ignore[arg-type]
+    link = FleetLink(
+        FleetLinkSettings(),
+        FleetFiles(tmp_path / "fleet"),
+        store,
+        Metrics(),
+        Registry(),  # type: ignore[arg-type]
+    )
     try:
         capacity = await link.capacity()
         assert capacity.gpus == [

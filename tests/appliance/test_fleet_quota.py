@@ -19,11 +19,11 @@ from appliance.gateway.appkeys import ADMISSION, STORE
 from hub.app import create_app as create_hub
 from hub.identity import certificates, ssl_context
 from hub.planning.quota import Budget
-from hub.settings import HubSettings
 from hub.state.store import HubStore, open_store
 from shared import pki, protocol
 from tests.conftest import SCRIPTED
 from tests.fleet import fleet_appliance, provisioning
+from tests.hubs import settings_for
 from tests.proxy import CuttableProxy
 from tests.waiting import until
 
@@ -73,15 +73,10 @@ async def test_a_partitioned_node_spends_its_lease_then_refuses_and_the_budget_h
     tmp_path: Path,
     scripted_model: ModelRecord,
 ) -> None:
-    hub = HubSettings.model_validate(
-        {
-            "data_dir": tmp_path / "hub",
-            "server": {"require_overlay_source": False},
-            "overlay": {"interface": None},
-            "quota": {"lease_s": LEASE_S, "share": 0.5, "min_slice_tokens": 40,
-                      "max_slice_tokens": 120},
-        }
-    )  # fmt: skip
+    hub = settings_for(
+        tmp_path,
+        quota={"lease_s": LEASE_S, "share": 0.5, "min_slice_tokens": 40, "max_slice_tokens": 120},
+    )
     store = open_store(hub)
     store.accounts.put("acme", "S1", budget=Budget(BUDGET, 86_400))
     acme_key = store.accounts.create_key("acme").plaintext
@@ -190,6 +185,7 @@ async def test_a_partitioned_node_spends_its_lease_then_refuses_and_the_budget_h
     proxy.sever()
     fresh = book.current["acme"]
     assert fresh.room() > cost
+    # Time is the subject: the lease must run out (the node, cut off, shows nothing else).
     await asyncio.sleep(max(0.0, fresh.expires_at - time.time()) + 0.2)
     status, body = await _ask(client, acme_key)
     assert status == 429

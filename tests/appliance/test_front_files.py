@@ -28,8 +28,8 @@ import pytest
 from appliance.gateway.front import DECIDE, nginx_binary
 from appliance.packages.cache import PackageCache, blob_dir
 from appliance.state.store import Store
-from tests.appliance.test_http2 import HOST, Appliance, start, stop
-from tests.appliance.test_package_cache import package
+from tests.appliance.front_processes import HOST, Appliance, start, stop
+from tests.packages import package
 from tests.rawhttp import dechunk
 from tests.waiting import until_sync
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from appliance.gateway.front import _started, nginx_binary, remove_stale
-from tests.appliance.test_http2 import start, stop
+from tests.appliance.front_processes import start, stop
 
 SHM = Path("/dev/shm")  # noqa: S108 - where the front keeps its decisions
 

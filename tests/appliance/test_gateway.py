@@ -20,33 +20,11 @@ from appliance.gateway.routes import ROUTES
 from appliance.settings import ApplianceSettings
 from appliance.state.store import Store
 from shared.errors import ErrorCode
-from tests.conftest import SCRIPTED, SLOW, Client
+from tests.conftest import SLOW, Client
+from tests.gateway import MODEL, assert_error, auth, post
 
-# The scripted model (tests/conftest.py); the tests of the model itself (marked `model`) get
-# the real default model, Gemma 3 270M.
-MODEL = SCRIPTED
 GEMMA = "gemma-3-270m"
 EMBEDDING_MODEL = "all-MiniLM-L6-v2"
-
-
-def auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-def assert_error(body: Any, code: ErrorCode, param: str | None = None) -> None:
-    assert set(body) == {"error"}
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert body["error"]["code"] == code.value
-    assert body["error"]["type"] == code.type
-    assert isinstance(body["error"]["message"], str)
-    assert body["error"]["message"]
-    if param is not None:
-        assert body["error"]["param"] == param
-
-
-async def post(client: Client, path: str, key: str, body: Any) -> tuple[int, Any, Any]:
-    response = await client.post(path, headers=auth(key), data=json.dumps(body))
-    return response.status, await response.json(), response.headers
 
 
 @pytest.mark.model

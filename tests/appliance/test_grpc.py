@@ -25,7 +25,7 @@ from appliance.grpc.proto.kovenlab.edge.v1 import inference_pb2 as pb
 from appliance.grpc.proto.kovenlab.edge.v1 import inference_pb2_grpc as pb_grpc
 from appliance.grpc.server import client_address
 from shared.errors import ErrorCode
-from tests.appliance.test_tls import make_certificate
+from tests.appliance.tls import make_certificate
 from tests.conftest import ApplianceProcess, free_port, kvl, running_appliance, spawn_appliance
 from tests.waiting import until_sync
 

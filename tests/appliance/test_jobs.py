@@ -37,7 +37,6 @@ from shared.webhooks import (
     WebhookVerificationError,
     verify,
 )
-from tests.appliance.test_gateway import MODEL, assert_error, auth
 from tests.conftest import (
     SLOW,
     Client,
@@ -47,6 +46,7 @@ from tests.conftest import (
     spawn_appliance,
     wait_ready,
 )
+from tests.gateway import MODEL, assert_error, auth
 from tests.waiting import until
 
 ENDED = frozenset({"completed", "failed", "cancelled"})

@@ -41,10 +41,8 @@ if TYPE_CHECKING:
 async def test_a_node_reports_the_accounts_it_serves_without_a_lease_and_the_hub_alerts(
     aiohttp_server: AiohttpServer, tmp_path: Path
 ) -> None:
-    base = settings_for(tmp_path)
     # The alert loop quick, and no grace: the test drives each heartbeat itself.
-    alerts = base.alerts.model_dump() | {"every_s": 0.2, "lease_grace_s": 0}
-    hub = HubSettings.model_validate(base.model_dump() | {"alerts": alerts})
+    hub = settings_for(tmp_path, alerts={"every_s": 0.2, "lease_grace_s": 0})
     store = open_store(hub)
     store.accounts.put("acme", "S1", budget=Budget(100_000, 86_400))
     store.close()

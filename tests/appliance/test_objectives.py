@@ -13,7 +13,7 @@ from appliance.fleet.client import HubClient
 from appliance.fleet.link import VERSIONS, FleetLink
 from appliance.observability.metrics import Metrics
 from appliance.observability.objectives import OTHER, ClassObjectives, ObjectiveBook
-from appliance.settings import FleetSettings
+from appliance.settings import FleetLinkSettings
 from appliance.state.store import AsyncStore, Store
 from shared import protocol
 from tests.conftest import NoModels
@@ -172,7 +172,7 @@ async def test_the_heartbeat_body_is_a_protocol_heartbeat_stored_before_it_is_se
     server = await aiohttp_server(hub)
     book = ObjectiveBook(TARGETS)
     link = FleetLink(
-        FleetSettings(),
+        FleetLinkSettings(),
         _NoFiles(),  # type: ignore[arg-type]
         store,
         Metrics(),

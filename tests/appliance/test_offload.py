@@ -31,6 +31,8 @@ from hub.state.store import open_store
 from shared import tls
 from tests.appliance.fleet_nodes import join
 from tests.conftest import SLOW
+from tests.hubs import settings_for
+from tests.waiting import until
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -160,10 +162,7 @@ async def _hold(session: aiohttp.ClientSession, base: str, key: str) -> aiohttp.
 async def test_an_overloaded_node_offloads_to_a_peer_with_room(
     aiohttp_server: AiohttpServer, tmp_path: Path, slow_model: ModelRecord
 ) -> None:
-    hub = HubSettings.model_validate(
-        {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False},
-         "overlay": {"interface": None}}
-    )  # fmt: skip
+    hub = settings_for(tmp_path)
     hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     assert hub_server.port is not None
     a, a_url, a_key = await _appliance(
@@ -269,11 +268,11 @@ async def test_an_overloaded_node_offloads_to_a_peer_with_room(
             ).fetchall()
         ]
 
-    await asyncio.sleep(0.2)
-    assert sorted(usage(b)) == [
+    served = [
         ("lan-user", "/v1/offloaded/chat/completions"),
         ("lan-user", "/v1/offloaded/completions"),
     ]
+    await until(lambda: sorted(usage(b)) == served, "B's usage of the two offloaded requests")
     assert usage(a) == []  # A served nothing to completion (its held streams were cut)
 
 
@@ -301,10 +300,7 @@ async def test_an_offloaded_request_is_one_trace_through_both_nodes_and_the_hub(
     collector.router.add_post("/v1/traces", traces)
     otlp = await aiohttp_server(collector)
     traced = {"tracing": {"otlp_endpoint": str(otlp.make_url("/v1/traces"))}}
-    hub = HubSettings.model_validate(
-        {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False},
-         "overlay": {"interface": None}, **traced}
-    )  # fmt: skip
+    hub = settings_for(tmp_path, **traced)
     hub_app = create_hub(hub)
     hub_server = await aiohttp_server(hub_app, ssl=ssl_context(hub))
     assert hub_server.port is not None

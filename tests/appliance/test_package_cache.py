@@ -19,21 +19,17 @@ from appliance.packages.cache import (
     PackageCache,
 )
 from appliance.packages.model import (
-    Check,
-    Choice,
-    FileEntry,
-    Item,
-    ItemType,
-    Level,
-    Lineage,
     Manifest,
-    ModelLineage,
-    Spec,
-    ValidationReport,
-    VoiceLineage,
 )
-from tests.shared.oci_shapes import APPLIANCE_TAKES, INDEX, SHAPES, rewrap
-from tests.shared.test_oci import sparse_member, with_last_member
+from tests.packages import package
+from tests.shared.oci_shapes import (
+    APPLIANCE_TAKES,
+    INDEX,
+    SHAPES,
+    rewrap,
+    sparse_member,
+    with_last_member,
+)
 
 BIG = 10**9
 REF = "org.opencontainers.image.ref.name"
@@ -51,54 +47,6 @@ class Clock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
-
-
-def package(
-    n: int,
-    *,
-    version: str = "0123456789ab",
-    topic: str | None = None,
-    files: dict[str, bytes] | None = None,
-    day: int | None = None,
-) -> tuple[Manifest, dict[str, bytes]]:
-    """Package number ``n``: its manifest and its files (manifest.json aside)."""
-    files = {"items.json": f"items of package {n}".encode() * 10} if files is None else files
-    item = Item(
-        id="q1",
-        type=ItemType.single_choice,
-        prompt="What do plants take in?",
-        choices=[Choice(id="a", text="Carbon dioxide"), Choice(id="b", text="Salt")],
-        correct=["a"],
-    )
-    manifest = Manifest(
-        id=f"pkg_{n:024x}",
-        version=version,
-        title=f"Lesson {n}",
-        topic=topic or f"Topic {n}",
-        level=Level.beginner,
-        spec=Spec(items=1),
-        items=[item],
-        files=[
-            FileEntry(
-                path=path,
-                sha256=hashlib.sha256(data).hexdigest(),
-                size=len(data),
-                media_type="audio/wav" if path.endswith(".wav") else "application/json",
-            )
-            for path, data in files.items()
-        ],
-        lineage=Lineage(
-            model=ModelLineage(name="gemma3-270m", version="1", sha256="0" * 64),
-            voice=VoiceLineage(engine="espeak-ng", voice="en", version="1.51"),
-            prompt_template_version="1",
-            seed=n,
-            appliance_id="appliance-1",
-        ),
-        validation=ValidationReport(passed=True, checks=[Check(name="one_correct", passed=True)]),
-        created_at=f"2024-01-{(day or n) % 28 + 1:02d}T08:00:00+00:00",
-        request_digest=f"{n:064x}",
-    )
-    return manifest, files
 
 
 def key(n: int) -> str:

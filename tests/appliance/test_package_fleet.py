@@ -16,10 +16,9 @@ from appliance.gateway.packages import PACKAGES
 from hub.app import create_app as create_hub
 from hub.identity import ssl_context
 from hub.state.store import open_store
-from tests.appliance.fleet_nodes import join
-from tests.appliance.test_packages import package_model
-from tests.appliance.test_placement_fleet import _hub
+from tests.appliance.fleet_nodes import join, placement_hub
 from tests.conftest import kvl
+from tests.packages import package_model
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -47,7 +46,7 @@ async def test_a_package_made_on_one_node_is_reported_and_seeded_to_another(
     aiohttp_server: AiohttpServer, tmp_path: Path
 ) -> None:
     served = package_model(tmp_path)
-    hub = _hub(tmp_path)
+    hub = placement_hub(tmp_path)
     data = str(hub.data_dir)
     hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     assert hub_server.port is not None

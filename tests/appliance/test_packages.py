@@ -20,13 +20,11 @@ import pytest
 from appliance.app import create_app
 from appliance.gateway.appkeys import REGISTRY
 from appliance.gateway.packages import PACKAGES
-from appliance.packages.generate import _KIND, example
-from appliance.packages.model import ItemType
 from appliance.packages.voice import Espeak
-from appliance.serving.catalog import register_file
 from appliance.state.store import Store
-from tests.appliance.test_gateway import auth
-from tests.conftest import SCRIPTED, make_settings, write_script
+from tests.conftest import make_settings
+from tests.gateway import auth
+from tests.packages import package_model
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -44,19 +42,6 @@ ASK = {
     "spec": {"items": 3, "item_types": ["single_choice", "true_false", "short_answer"],
              "narration": True},
 }  # fmt: skip
-
-
-def package_model(folder: Path) -> ModelRecord:
-    """SCRIPTED, registered (in a catalog of its own in ``folder``), answering each item
-    type's request (every prompt names its type) with a worked answer of that type, four
-    choices where it has choices: an item that passes every check."""
-    rules = [{"contains": _KIND[kind], "reply": example(kind, 4)} for kind in ItemType]
-    script = write_script(folder / "packages.json", rules=rules)
-    store = Store(folder / "catalog.db")
-    try:
-        return register_file(store, script, SCRIPTED, "1")
-    finally:
-        store.close()
 
 
 async def _client(

@@ -26,7 +26,7 @@ from hub.identity import certificates, ssl_context
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared import pki, protocol
-from tests.appliance.fleet_nodes import join
+from tests.appliance.fleet_nodes import join, placement_hub
 from tests.conftest import kvl, write_script
 from tests.waiting import until
 
@@ -36,18 +36,6 @@ if TYPE_CHECKING:
     from aiohttp import web
     from aiohttp.test_utils import TestServer
     from pytest_aiohttp import AiohttpServer
-
-
-def _hub(tmp_path: Path) -> HubSettings:
-    return HubSettings.model_validate(
-        {
-            "data_dir": tmp_path / "hub",
-            "server": {"require_overlay_source": False},
-            "overlay": {"interface": None},
-            "fleet": {"stale_after_s": 2, "offline_after_s": 4, "offline_grace_s": 4,
-                      "placement_every_s": 0.3},
-        }
-    )  # fmt: skip
 
 
 async def _join(
@@ -83,7 +71,7 @@ async def test_a_deployment_follows_nodes_that_join_leave_and_drain(
 ) -> None:
     # Model scripts (placement is the subject, not the model): the nodes serve one of their
     # own; the one placed is another file, which they fetch from the hub.
-    hub = _hub(tmp_path)
+    hub = placement_hub(tmp_path)
     data = str(hub.data_dir)
     placed = write_script(tmp_path / "placed.json", reply="Placed by the hub.")
     kvl("hub", "models", "add", str(placed), "--name", "placed", "--version", "1",
@@ -142,7 +130,7 @@ class _NoLoads:
 async def test_a_placed_artifact_is_fetched_resumed_and_checked(
     aiohttp_server: AiohttpServer, tmp_path: Path
 ) -> None:
-    hub = _hub(tmp_path)
+    hub = placement_hub(tmp_path)
     blob = b"GGUF" + os.urandom(3 * 2**20 + 119)  # GGUF by its first bytes, as the hub asks
     source = tmp_path / "weights.bin"
     source.write_bytes(blob)

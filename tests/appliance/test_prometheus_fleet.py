@@ -20,13 +20,12 @@ from appliance.state.store import Store
 from hub.alerting.prometheus import rules_yaml, scaled
 from hub.app import create_app as create_hub
 from hub.identity import ssl_context
-from hub.settings import HubSettings
 from hub.state.store import open_store
+from tests.alerts import SECRET, Receiver
 from tests.conftest import SCRIPTED, free_port, make_settings
 from tests.fleet import provisioning
-from tests.hub.test_alerts import SECRET, Receiver
-from tests.hub.test_prometheus import SCALE, WINDOW, prometheus
 from tests.hubs import settings_for
+from tests.prometheus import SCALE, WINDOW, prometheus
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -48,21 +47,17 @@ async def test_an_appliances_slo_breach_fires_the_burn_rate_alert_in_prometheus_
 ) -> None:
     receiver = Receiver()
     hook = await aiohttp_server(receiver.app)
-    base = settings_for(tmp_path)
     metrics_port = free_port()
     hub = scaled(
-        HubSettings.model_validate(
-            base.model_dump()
-            | {
-                "metrics": {"listen": f"127.0.0.1:{metrics_port}"},
-                "alerts": base.alerts.model_dump()
-                | {
-                    "every_s": 0.5,
-                    "webhooks": [{"url": f"http://127.0.0.1:{hook.port}/hook", "secret": SECRET}],
-                    "backoff_initial_s": 0.1,
-                    "backoff_max_s": 0.5,
-                },
-            }
+        settings_for(
+            tmp_path,
+            metrics={"listen": f"127.0.0.1:{metrics_port}"},
+            alerts={
+                "every_s": 0.5,
+                "webhooks": [{"url": f"http://127.0.0.1:{hook.port}/hook", "secret": SECRET}],
+                "backoff_initial_s": 0.1,
+                "backoff_max_s": 0.5,
+            },
         ),
         SCALE,
     )

@@ -37,7 +37,8 @@ from hub.rollouts import begin
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared import pki, protocol
-from tests.hub.test_rollouts import speak_releases
+from tests.hubs import settings_for
+from tests.releases import speak_releases
 from tests.waiting import until, until_sync
 
 if TYPE_CHECKING:
@@ -70,10 +71,7 @@ def _targeted(hub: HubSettings) -> bool:
 async def give_release(
     aiohttp_server: AiohttpServer, tmp_path: Path, bundle: bytes
 ) -> AsyncIterator[Given]:
-    hub = HubSettings.model_validate(
-        {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False},
-         "overlay": {"interface": None}, "fleet": {"rollout_every_s": 0.05}}
-    )  # fmt: skip
+    hub = settings_for(tmp_path, fleet={"rollout_every_s": 0.05})
     hub.artifacts_dir.mkdir(parents=True)
     sha256 = hashlib.sha256(bundle).hexdigest()
     (hub.artifacts_dir / sha256).write_bytes(bundle)

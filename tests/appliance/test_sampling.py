@@ -29,7 +29,7 @@ from appliance.serving.engine import (
     TokenLogprob,
 )
 from appliance.serving.sampling_options import Sampling
-from tests.appliance.test_batching import MAX_DRIFT, MEAN_DRIFT
+from tests.appliance.logits import MAX_DRIFT, MEAN_DRIFT
 
 if TYPE_CHECKING:
     from appliance.state.records import ModelRecord

@@ -22,7 +22,7 @@ from appliance.settings import ApplianceSettings
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from shared.errors import ErrorCode
-from tests.appliance.test_batching import MAX_DRIFT
+from tests.appliance.logits import MAX_DRIFT
 from tests.conftest import SLOW, Client
 from tests.waiting import until
 

@@ -24,9 +24,9 @@ from hub.planning.tenancy import Tenancy
 from hub.state.store import open_store
 from shared import protocol
 from shared.classes import IsolationLevel
-from tests.appliance.test_package_cache import package
-from tests.appliance.test_placement_fleet import _hub
+from tests.appliance.fleet_nodes import placement_hub
 from tests.conftest import SCRIPTED, free_port, make_settings
+from tests.packages import package
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -221,7 +221,7 @@ def test_a_worker_on_this_machine_runs_at_the_level_it_reports() -> None:
 async def test_a_node_dedicated_to_a_tenant_refuses_another_tenants_key(
     aiohttp_server: AiohttpServer, tmp_path: Path, scripted_model: ModelRecord
 ) -> None:
-    hub = _hub(tmp_path)
+    hub = placement_hub(tmp_path)
     hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     assert hub_server.port is not None
     store = open_store(hub)

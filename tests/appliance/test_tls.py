@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import ssl
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -12,36 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.appliance.tls import make_certificate
 from tests.conftest import free_port, kvl, spawn_appliance
-
-
-def make_certificate(tmp_path: Path) -> tuple[Path, Path]:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=appliance.test",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
 
 
 def test_serves_https_with_the_operators_certificate(tmp_path: Path) -> None:

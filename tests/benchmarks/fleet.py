@@ -4,11 +4,11 @@ on SQLite and on PostgreSQL, as one process and as two replicas.
 For each combination of store, replicas and fleet size: a fresh hub (a new SQLite file, or
 a new database on a throwaway PostgreSQL cluster started once for the run from Debian's
 binaries, durable commits as SQLite's), each replica a real `kvl hub serve` (HTTPS on
-loopback, no tunnel) on its own port, and `kvl hub simulate` in another process. The
-simulator enrolls the nodes across the replicas; then every node sends a heartbeat every
-15 s at its own random phase and, half an interval later, syncs one usage event (open
-loop, latency from the scheduled time), 1 % of syncs sent again to the other replica, for
-``--duration-s`` seconds. A combination holds when no call failed, every event was new
+loopback, no tunnel) on its own port, and the simulator (`tests/benchmarks/simulate.py`)
+in another process. It enrolls the nodes across the replicas; then every node sends a
+heartbeat every 15 s at its own random phase and, half an interval later, syncs one usage
+event (open loop, latency from the scheduled time), 1 % of syncs sent again to the other
+replica, for ``--duration-s`` seconds. A combination holds when no call failed, every event was new
 at the hub exactly once, and heartbeat and sync p99 stay under 100 ms.
 
 The sizes run from the smallest up; once one is not held, the larger ones of that store
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
     from tests.postgres import Cluster
 
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "fleet.json"
 TARGET = {"p99_ms": 100.0}
 CONFIG = "overlay:\n  interface: null\nserver:\n  require_overlay_source: false\n"
@@ -134,14 +135,17 @@ def one_fleet(
             cpu_before = sum(sum(p.cpu_times()[:2]) for p in processes)
             database_before = database_cpu(postgres) if store == "postgres" else 0.0
             started = time.perf_counter()
+            # Today's simulator, whichever commit's hub it loads (tests/benchmarks/simulate.py).
             simulator = subprocess.Popen(
-                kvl("hub", "simulate", *common, *urls, "--nodes", str(nodes),
-                    "--interval", str(interval_s), "--duration", str(duration_s),
-                    "--events", "1", "--resend", "0.01", "--json", *simulate_mode),
+                [sys.executable, "-m", "tests.benchmarks.simulate", *common, *urls,
+                 "--nodes", str(nodes), "--interval", str(interval_s),
+                 "--duration", str(duration_s), "--events", "1", "--resend", "0.01", "--json",
+                 *simulate_mode],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
                 env=env,
+                cwd=ROOT,
             )  # fmt: skip
             watched = psutil.Process(simulator.pid)
             # The hub's (and PostgreSQL's) CPU at the moment the load begins: the simulator
@@ -176,7 +180,7 @@ def one_fleet(
             database = database_total - database_before if store == "postgres" else 0.0
         if simulator.returncode != 0:
             say(err)
-            raise RuntimeError(f"kvl hub simulate exited with {simulator.returncode}")
+            raise RuntimeError(f"the simulator exited with {simulator.returncode}")
     report: dict[str, Any] = json.loads(out)
     report["store"] = store
     report["mode"] = mode

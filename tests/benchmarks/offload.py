@@ -34,6 +34,7 @@ from tests.benchmarks.concurrency import _percentile
 from tests.benchmarks.report import headline, table
 from tests.benchmarks.serving import HOST, free_port, say, stamp
 from tests.benchmarks.sync import wait_for_hub
+from tests.hubs import settings_for
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "offload.json"
 MODEL = "gemma-3-270m"
@@ -175,10 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         (work / "hub.yaml").write_text(HUB_CONFIG)
         port = free_port()
-        hub = HubSettings.model_validate(
-            {"data_dir": work / "hub", "server": {"port": port, "require_overlay_source": False},
-             "overlay": {"interface": None}}
-        )  # fmt: skip
+        hub = settings_for(work, port=port)  # the store and the CA: `kvl hub serve` reads hub.yaml
         url = f"https://{HOST}:{port}"
         try:
             with (work / "hub.log").open("wb") as log:

@@ -25,16 +25,16 @@ from typing import Any
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import FleetLink, enroll
 from appliance.observability.metrics import Metrics
-from appliance.settings import FleetSettings
+from appliance.settings import FleetLinkSettings
 from appliance.state.store import AsyncStore, Store
 from hub.identity import certificates
-from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared.db import now_iso
 from shared.provisioning import Provisioning
 from tests.benchmarks.report import headline, table
 from tests.benchmarks.serving import HOST, free_port, say, stamp
 from tests.conftest import NoModels
+from tests.hubs import settings_for
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "sync.json"
 TARGET_EVENTS_S = 10_000
@@ -89,7 +89,7 @@ def wait_for_hub(url: str, process: subprocess.Popen[bytes]) -> None:
     raise TimeoutError("the hub did not start")
 
 
-async def drain(settings: FleetSettings, fleet_dir: Path, db_path: Path) -> tuple[float, int]:
+async def drain(settings: FleetLinkSettings, fleet_dir: Path, db_path: Path) -> tuple[float, int]:
     store = AsyncStore(db_path)
     await store.open()
     link = FleetLink(settings, FleetFiles(fleet_dir), store, Metrics(), NoModels())  # type: ignore[arg-type]
@@ -110,13 +110,9 @@ def once(events: int, batch: int) -> tuple[float, int, int, int]:
     with tempfile.TemporaryDirectory(prefix="kvl-bench-") as tmp:
         work = Path(tmp)
         port = free_port()
-        hub = HubSettings.model_validate(
-            {
-                "data_dir": work / "hub",
-                "server": {"port": port, "require_overlay_source": False},
-                "overlay": {"interface": None},
-            }
-        )
+        hub = settings_for(
+            work, port=port
+        )  # the store and the CA: `kvl hub serve` reads its config
         store = open_store(hub)
         token = store.tokens.create("bench", uses=1, expires_in_s=600).plaintext
         store.accounts.put("bench", "S1")  # the account the events are for
@@ -146,7 +142,7 @@ def once(events: int, batch: int) -> tuple[float, int, int, int]:
             fill(node, events)
             node.close()
             say(f"sync: draining {events} events into the hub")
-            settings = FleetSettings(tunnel=False, sync_batch=batch)
+            settings = FleetLinkSettings(tunnel=False, sync_batch=batch)
             seconds, sent = asyncio.run(drain(settings, fleet_dir, db_path))
         finally:
             process.terminate()

@@ -7,19 +7,14 @@ cross-site form post refused. Screenshots go to tests/browser/artifacts/ (printe
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import re
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from aiohttp import web
-from playwright.async_api import Page, async_playwright, expect
+from playwright.async_api import expect
 
 from hub.app import create_app
 from hub.identity import ssl_context
@@ -28,21 +23,22 @@ from hub.state.nodes import Heartbeat
 from hub.state.store import open_store
 from shared import __version__, protocol
 from tests.appliance.fleet_nodes import join
-from tests.conftest import REPO, kvl
+from tests.browser.chromium import (
+    ARTIFACTS,
+    CHROMIUM,
+    PASSWORD,
+    Shots,
+    create_admin,
+    open_browser,
+)
+from tests.conftest import kvl
+from tests.hubs import settings_for
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
-
-    from playwright.async_api import BrowserContext
     from pytest_aiohttp import AiohttpServer
 
     from appliance.state.records import ModelRecord
 
-CHROMIUM = shutil.which("chromium")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
-ARTIFACTS = Path(os.environ.get("KVL_BROWSER_ARTIFACTS", REPO / "tests" / "browser" / "artifacts"))
-PASSWORD = "a long test password"
 WAIT_MS = 90_000  # model loads and downloads on a small machine
 
 pytestmark = [
@@ -55,57 +51,12 @@ pytestmark = [
 
 
 def _hub(tmp_path: Path) -> HubSettings:
-    return HubSettings.model_validate(
-        {
-            "data_dir": tmp_path / "hub",
-            "server": {"require_overlay_source": False},
-            "overlay": {"interface": None},
-            "fleet": {"stale_after_s": 3, "offline_after_s": 5, "offline_grace_s": 600,
-                      "placement_every_s": 0.3},
-            "console": {"stream_every_s": 0.5, "sample_every_s": 1},
-        }
+    return settings_for(
+        tmp_path,
+        fleet={"stale_after_s": 3, "offline_after_s": 5, "offline_grace_s": 600,
+               "placement_every_s": 0.3},
+        console={"stream_every_s": 0.5, "sample_every_s": 1},
     )  # fmt: skip
-
-
-@contextlib.asynccontextmanager
-async def _browser(profile: Path) -> AsyncIterator[BrowserContext]:
-    assert CHROMIUM is not None
-    async with async_playwright() as playwright:
-        context = await playwright.chromium.launch_persistent_context(
-            profile,  # a fresh user data directory
-            executable_path=CHROMIUM,
-            headless=True,
-            args=ARGS,
-            ignore_https_errors=True,  # the hub's own CA; the API tests pin it instead
-            viewport={"width": 1280, "height": 900},
-        )
-        try:
-            yield context
-        finally:
-            await context.close()
-
-
-class Shots:
-    def __init__(self, folder: Path) -> None:
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        self.folder = folder
-        self.count = 0
-        print(f"console screenshots: {folder}")  # noqa: T201 - where the artifacts are
-
-    async def take(self, page: Page, name: str) -> None:
-        self.count += 1
-        await page.screenshot(path=self.folder / f"{self.count:02d}-{name}.png", full_page=True)
-
-
-def _create_admin(data: str) -> None:
-    """The first admin, as an operator makes one: `kvl hub admin create`."""
-    made = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "hub", "admin", "create", "--name", "ops",
-         "--password-stdin", "--data-dir", data],
-        input=PASSWORD + "\n", capture_output=True, text=True, cwd=REPO, timeout=120, check=False,
-    )  # fmt: skip
-    assert made.returncode == 0, made.stderr
 
 
 def _objectives_counted(hub: HubSettings, node: str) -> None:
@@ -142,7 +93,7 @@ async def test_the_console_in_chromium(
 ) -> None:
     hub = _hub(tmp_path)
     data = str(hub.data_dir)
-    _create_admin(data)
+    create_admin(data)
     kvl("hub", "models", "add", default_model.path, "--name", "placed", "--version", "1",
         "--data-dir", data)  # fmt: skip
     server = await aiohttp_server(create_app(hub), ssl=ssl_context(hub))
@@ -150,7 +101,7 @@ async def test_the_console_in_chromium(
     base = f"https://127.0.0.1:{server.port}"
     shots = Shots(ARTIFACTS / "console")
 
-    async with _browser(tmp_path / "chromium-profile") as context:
+    async with open_browser(tmp_path / "chromium-profile") as context:
         page = await context.new_page()
 
         # Unauthenticated: to the login page, whose form the keyboard alone fills in.

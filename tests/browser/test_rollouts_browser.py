@@ -23,9 +23,16 @@ from hub.rollouts import begin
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared import pki, protocol
-from tests.browser.test_console_browser import ARTIFACTS, CHROMIUM, PASSWORD, Shots, _browser
-from tests.browser.test_console_browser import _create_admin as create_admin
-from tests.hub.test_rollouts import speak_releases
+from tests.browser.chromium import (
+    ARTIFACTS,
+    CHROMIUM,
+    PASSWORD,
+    Shots,
+    create_admin,
+    open_browser,
+)
+from tests.hubs import settings_for
+from tests.releases import speak_releases
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -52,11 +59,7 @@ def _wave(hub: HubSettings, rollout_id: str) -> int:
 async def test_the_rollouts_page_follows_a_rollout_live_in_chromium(
     aiohttp_server: AiohttpServer, tmp_path: Path
 ) -> None:
-    hub = HubSettings.model_validate(
-        {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False},
-         "overlay": {"interface": None}, "fleet": {"rollout_every_s": 0.1},
-         "console": {"stream_every_s": 0.3}}
-    )  # fmt: skip
+    hub = settings_for(tmp_path, fleet={"rollout_every_s": 0.1}, console={"stream_every_s": 0.3})
     create_admin(str(hub.data_dir))
     store = open_store(hub)
     tokens = {}
@@ -79,7 +82,7 @@ async def test_the_rollouts_page_follows_a_rollout_live_in_chromium(
             await client.heartbeat({}, protocol.Capacity(image=old))
         await until(lambda: speak_releases(hub), "both nodes heard")
 
-        async with _browser(tmp_path / "chromium-profile") as context:
+        async with open_browser(tmp_path / "chromium-profile") as context:
             page = await context.new_page()
             await page.goto(f"{base}/console/rollouts")
             await page.get_by_label("Name", exact=True).fill("ops")

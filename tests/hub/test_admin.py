@@ -11,11 +11,11 @@ from wireguard_tools import WireguardKey
 from hub.app import create_app
 from hub.identity import certificates, ssl_context
 from hub.planning.quota import Budget
-from hub.settings import HubSettings
 from hub.state.deployments import ModelArtifact
 from hub.state.store import open_store
 from shared import pki
 from tests.conftest import kvl
+from tests.hubs import settings_for
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -28,10 +28,7 @@ if TYPE_CHECKING:
 async def test_the_admin_api_needs_an_operator_token_and_runs_the_fleet(
     aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
-    hub = HubSettings.model_validate(
-        {"data_dir": tmp_path / "hub", **hub_database, "server": {"require_overlay_source": False},
-         "overlay": {"interface": None}}
-    )  # fmt: skip
+    hub = settings_for(tmp_path, hub_database)
     data = str(hub.data_dir)
     token = kvl("hub", "operators", "create", "--name", "ops", "--data-dir", data).stdout.strip()
     assert token.startswith("kvlo_")

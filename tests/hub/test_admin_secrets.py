@@ -11,12 +11,12 @@ from wireguard_tools import WireguardKey
 
 from hub.app import create_app
 from hub.identity import certificates, ssl_context
-from hub.settings import HubSettings
 from hub.state.nodes import Enrolled
 from hub.state.store import HubStore, open_store
 from hub.state.tokens import TokenRefusedError
 from shared import pki
 from tests.conftest import kvl
+from tests.hubs import settings_for
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -27,10 +27,7 @@ if TYPE_CHECKING:
 async def test_tokens_and_keys_are_made_listed_and_revoked(
     aiohttp_server: AiohttpServer, tmp_path: Path
 ) -> None:
-    hub = HubSettings.model_validate(
-        {"data_dir": tmp_path / "hub", "server": {"require_overlay_source": False},
-         "overlay": {"interface": None}}
-    )  # fmt: skip
+    hub = settings_for(tmp_path)
     data = str(hub.data_dir)
     operator = kvl("hub", "operators", "create", "--name", "ops", "--data-dir", data).stdout.strip()
     kvl("hub", "accounts", "set", "acme", "--data-dir", data)

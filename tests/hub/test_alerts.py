@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from hub.alerting import rules
 from hub.alerting.delivery import AlertSender
@@ -30,11 +29,11 @@ from hub.state.nodes import Heartbeat, Node
 from hub.state.store import AsyncHubStore, open_store
 from shared import protocol
 from shared.errors import ErrorCode
-from shared.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, verify
+from tests.alerts import SECRET, Receiver
 from tests.conftest import REPO, kvl
-from tests.hub.test_hostile_nodes import _enroll
-from tests.hub.test_metrics import promtool
+from tests.hub.nodes import enroll_node
 from tests.hubs import settings_for
+from tests.prometheus import promtool
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -43,7 +42,6 @@ if TYPE_CHECKING:
     from tests.hub.conftest import HubDatabase
 
 RULES_FILE = REPO / "docs" / "prometheus" / "kvl-hub.rules.yml"
-SECRET = "a-webhook-secret-of-the-test"
 
 
 def _node(name: str, last_seen: float | None, **capacity: Any) -> Node:
@@ -62,7 +60,7 @@ def test_the_alert_loop_reads_every_nodes_health_in_chunks(
     older hub, free-form, as defaults."""
     store = open_store(settings_for(tmp_path, hub_database))
     try:
-        ids = [_enroll(store, f"n{i}")[0] for i in range(7)]
+        ids = [enroll_node(store, f"n{i}")[0] for i in range(7)]
         now = time.time()
         lapsed = protocol.Capacity(outbox_alarm=True, outbox_lag=40, leases_lapsed=2,
                                    lease_failures=3)  # fmt: skip
@@ -257,40 +255,13 @@ def test_the_store_records_each_change_once_and_silences_hold_deliveries_back(
         two.close()
 
 
-class Receiver:
-    """A webhook receiver on loopback: verifies each delivery's signature with
-    shared/webhooks.py, and answers `status` (503 while it is "down")."""
-
-    def __init__(self) -> None:
-        self.status = 200
-        self.received: list[dict[str, Any]] = []
-        self.refused = 0
-        self.app = web.Application()
-        self.app.add_routes([web.post("/hook", self.hook)])
-
-    async def hook(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        verify(SECRET, body, request.headers.get(SIGNATURE_HEADER))  # raises if forged
-        if self.status != 200:
-            self.refused += 1
-            return web.Response(status=self.status)
-        self.received.append({"id": request.headers[DELIVERY_HEADER], **json.loads(body)})
-        return web.Response(status=204)
-
-    def events(self) -> list[tuple[str, str]]:
-        return [(r["event"], r["alert"]["labels"].get("node", "")) for r in self.received]
-
-
 def alert_settings(
     tmp_path: Path, database: dict[str, Any], url: str, **alerts: Any
 ) -> HubSettings:
     """A loopback hub's settings, its alert loop quick and its retries short."""
-    settings = settings_for(tmp_path, database)
     every = {"every_s": 0.2, "webhooks": [{"url": url, "secret": SECRET}],
              "backoff_initial_s": 0.1, "backoff_max_s": 0.2, **alerts}  # fmt: skip
-    return HubSettings.model_validate(
-        settings.model_dump() | {"alerts": settings.alerts.model_dump() | every}
-    )
+    return settings_for(tmp_path, database, alerts=every)
 
 
 async def test_a_real_hub_fires_resolves_and_delivers_signed_webhooks_across_a_restart(
@@ -300,8 +271,8 @@ async def test_a_real_hub_fires_resolves_and_delivers_signed_webhooks_across_a_r
     hook = await aiohttp_server(receiver.app)
     settings = alert_settings(tmp_path, hub_database, f"http://127.0.0.1:{hook.port}/hook")
     store = open_store(settings)
-    _, token = _enroll(store, "n1")
-    _, quiet_token = _enroll(store, "n2")
+    _, token = enroll_node(store, "n1")
+    _, quiet_token = enroll_node(store, "n2")
     operator = store.operators.create("ops").plaintext
     store.close()
     server = await aiohttp_server(create_app(settings))
@@ -410,8 +381,8 @@ async def test_a_real_hub_alerts_on_lapsed_leases_and_serves_version_4_nodes(
     url = f"http://127.0.0.1:{hook.port}/hook"
     settings = alert_settings(tmp_path, hub_database, url, lease_grace_s=0.5)
     store = open_store(settings)
-    _, token = _enroll(store, "n1")
-    older_id, older_token = _enroll(store, "n4")
+    _, token = enroll_node(store, "n1")
+    older_id, older_token = enroll_node(store, "n4")
     store.close()
     server = await aiohttp_server(create_app(settings))
     base = f"http://127.0.0.1:{server.port}"

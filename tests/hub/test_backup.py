@@ -25,14 +25,15 @@ from psycopg import conninfo, sql
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import FleetLink
 from appliance.observability.metrics import Metrics
-from appliance.state.backup import resend_since
+from appliance.state.dump import resend_since
 from appliance.state.store import AsyncStore, UsageEvent
 from hub.app import create_app as create_hub
 from hub.backup import backup, restore
 from hub.identity import certificates, hub_keys, ssl_context
 from hub.state.store import open_store
-from tests.conftest import NoModels, free_port, kvl, make_settings
+from tests.conftest import NoModels, free_port, make_settings
 from tests.fleet import provisioning
+from tests.hub.backups import fresh_database, hub_cli
 from tests.hubs import settings_for
 from tests.waiting import until, until_sync
 
@@ -42,20 +43,6 @@ if TYPE_CHECKING:
     from hub.settings import HubSettings
     from tests.hub.conftest import HubDatabase
     from tests.postgres import Cluster
-
-
-def fresh_database(request: pytest.FixtureRequest, database: HubDatabase) -> HubDatabase:
-    """Where a restored hub keeps its store: on PostgreSQL a database of its own."""
-    if not database:
-        return {}
-    cluster: Cluster = request.getfixturevalue("postgres")
-    return {"database_url": cluster.create()}
-
-
-def hub_cli(*args: str, database: HubDatabase, check: bool = True) -> Any:
-    """`kvl hub …` as a real process, on the store `database` names."""
-    env = {"KVL_HUB_DATABASE_URL": database["database_url"]} if database else None
-    return kvl("hub", *args, env=env, check=check)
 
 
 def manifest_of(archive: Path) -> dict[str, Any]:
@@ -310,7 +297,7 @@ def test_a_restore_refuses_a_target_that_is_not_empty_unless_forced(
 
 
 def test_the_lock_keeps_a_hub_from_starting_under_a_restore(tmp_path: Path) -> None:
-    from shared.backup import DataDirBusyError, restoring, serving  # noqa: PLC0415
+    from shared.backup_archive import DataDirBusyError, restoring, serving  # noqa: PLC0415
 
     data_dir = tmp_path / "hub"
     with (
@@ -336,7 +323,7 @@ SECRET = "s3cret:pa\\ss w@rd/ü"
 def test_pg_dump_and_pg_restore_get_the_password_in_their_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from hub.state import backup as stored  # noqa: PLC0415
+    from hub.state import dump as stored  # noqa: PLC0415
 
     monkeypatch.delenv("PGPASSWORD", raising=False)
     url = f"postgresql://kvl:{quote(SECRET, safe='')}@db.example:5432/kvl?sslmode=require"

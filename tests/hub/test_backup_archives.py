@@ -1,4 +1,4 @@
-"""A restore trusts nothing in an archive (shared/backup.py `read_archive`): a genuine
+"""A restore trusts nothing in an archive (shared/backup_archive.py `read_archive`): a genuine
 hub backup, altered each way an archive can lie or attack, is refused with an error that
 says what is wrong, nothing is written outside the data directory, and the data directory
 is left as it was (empty). Its tar headers and its manifest are bounded before they are
@@ -21,7 +21,7 @@ import pytest
 from hub.backup import backup, restore
 from hub.identity import certificates, hub_keys
 from hub.state.store import open_store
-from shared.backup import MAX_HEADER_BYTES, BackupError, occupied
+from shared.backup_archive import MAX_HEADER_BYTES, BackupError, occupied
 from tests.conftest import REPO, kvl
 from tests.hubs import settings_for
 from tests.tarballs import pax_record
@@ -300,7 +300,7 @@ def _bomb(path: Path, kind: bytes, tail: bytes) -> Path:
 MEASURE = """
 import json, re, sys
 from pathlib import Path
-from shared.backup import BackupError
+from shared.backup_archive import BackupError
 from shared.cli import settings_from
 
 def status(field):

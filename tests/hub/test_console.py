@@ -6,10 +6,8 @@ The browser tier (tests/browser) drives the same pages in chromium."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import html
-import json
 import re
 import subprocess
 import sys
@@ -21,116 +19,40 @@ import pytest
 from wireguard_tools import WireguardKey
 from yarl import URL
 
-from hub.app import create_app
-from hub.console.auth import LOGIN_COOKIE, SESSION_COOKIE, LoginThrottle, hash_password
+from hub.console.auth import LOGIN_COOKIE, SESSION_COOKIE, LoginThrottle
 from hub.console.charts import Series, line_chart, nice_ceiling
-from hub.identity import certificates, ssl_context
 from hub.planning.quota import Budget
 from hub.settings import HubSettings
 from hub.state.deployments import ModelArtifact
 from hub.state.store import open_store
-from shared import pki, protocol
+from shared import protocol
 from tests.conftest import REPO, kvl
+from tests.console import (
+    PASSWORD,
+    Console,
+    add_user,
+    console_settings,
+    csrf_of,
+    enroll,
+    heartbeat,
+    open_console,
+    start,
+    stream_event,
+)
 from tests.waiting import until
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
     from pathlib import Path
 
-    from aiohttp.test_utils import TestServer
     from pytest_aiohttp import AiohttpServer
 
     from tests.hub.conftest import HubDatabase
 
-PASSWORD = "correct horse battery"
-
-
-def settings_for(tmp_path: Path, database: HubDatabase, **console: Any) -> HubSettings:
-    return HubSettings.model_validate(
-        {
-            "data_dir": tmp_path / "hub",
-            **database,
-            "server": {"require_overlay_source": False},
-            "overlay": {"interface": None},
-            "fleet": {"stale_after_s": 3, "offline_after_s": 6},
-            "console": {"stream_every_s": 0.2, "sample_every_s": 0.5, **console},
-        }
-    )
-
-
-def add_user(hub: HubSettings, name: str = "ops", password: str = PASSWORD) -> None:
-    store = open_store(hub)
-    try:
-        store.console.add_user(name, hash_password(password), time.time())
-    finally:
-        store.close()
-
-
-def csrf_of(page: str) -> str:
-    found = re.search(r'name="csrf" value="([^"]+)"', page)
-    assert found, page
-    return found.group(1)
-
-
-class Console:
-    """A cookie-keeping HTTPS client of one hub, as a browser would be: it sends the
-    hub's own Origin with its posts unless told otherwise."""
-
-    def __init__(self, session: aiohttp.ClientSession, base: str) -> None:
-        self.session = session
-        self.base = base
-        self.csrf = ""
-
-    async def get(self, path: str) -> tuple[int, str, aiohttp.ClientResponse]:
-        async with self.session.get(self.base + path, allow_redirects=False) as response:
-            return response.status, await response.text(), response
-
-    async def post(
-        self, path: str, data: dict[str, str], *, origin: str | None = "", with_csrf: bool = True
-    ) -> tuple[int, str, aiohttp.ClientResponse]:
-        headers = {} if origin is None else {"Origin": origin or self.base}
-        form = {"csrf": self.csrf, **data} if with_csrf else data
-        async with self.session.post(
-            self.base + path, data=form, headers=headers, allow_redirects=False
-        ) as response:
-            return response.status, await response.text(), response
-
-    async def login(self, name: str = "ops", password: str = PASSWORD, **extra: str) -> int:
-        status, page, _ = await self.get("/console/login")
-        assert status == 200
-        self.csrf = csrf_of(page)
-        status, _, _ = await self.post(
-            "/console/login", {"name": name, "password": password, **extra}
-        )
-        if status == 303:
-            _, page, _ = await self.get("/console/nodes")
-            self.csrf = csrf_of(page)
-        return status
-
-    def cookie(self, name: str) -> str | None:
-        for cookie in self.session.cookie_jar:
-            if cookie.key == name:
-                return cookie.value
-        return None
-
 
 @pytest.fixture
 async def hub(tmp_path: Path, hub_database: HubDatabase) -> HubSettings:
-    return settings_for(tmp_path, hub_database)
-
-
-async def start(aiohttp_server: AiohttpServer, hub: HubSettings) -> TestServer:
-    return await aiohttp_server(create_app(hub), ssl=ssl_context(hub))
-
-
-@contextlib.asynccontextmanager
-async def open_console(server: TestServer, hub: HubSettings) -> AsyncIterator[Console]:
-    pin = aiohttp.Fingerprint(pki.fingerprint_bytes(certificates(hub)[1].fingerprint))
-    # unsafe: the jar keeps cookies of an IP address (127.0.0.1), as a browser does.
-    async with aiohttp.ClientSession(
-        cookie_jar=aiohttp.CookieJar(unsafe=True), connector=aiohttp.TCPConnector(ssl=pin)
-    ) as session:
-        yield Console(session, f"https://127.0.0.1:{server.port}")
+    return console_settings(tmp_path, hub_database)
 
 
 @pytest.fixture
@@ -145,36 +67,6 @@ def set_cookie(response: aiohttp.ClientResponse, name: str) -> str:
     headers = [h for h in response.headers.getall("Set-Cookie", []) if h.startswith(name + "=")]
     assert len(headers) == 1, response.headers
     return headers[0]
-
-
-async def enroll(console: Console, hub: HubSettings, name: str, site: str = "lab") -> str:
-    """A node enrolled over the real API; its node token."""
-    store = open_store(hub)
-    token = store.tokens.create(site, uses=1, expires_in_s=60).plaintext
-    store.close()
-    body = {
-        "token": token,
-        "name": name,
-        "wg_public_key": str(WireguardKey.generate().public_key()),
-    }
-    async with console.session.post(
-        console.base + "/v1/enroll", json=body, headers=protocol.HEADERS
-    ) as response:
-        assert response.status == 201, await response.text()
-        return str((await response.json())["node_token"])
-
-
-async def heartbeat(console: Console, node_token: str, **capacity: Any) -> None:
-    body = {"versions": {"kvl": "9.9.9"}, "capacity": {
-        "cpu_percent": 37.0, "cpu_count": 4, "memory_total_mib": 8000,
-        "memory_available_mib": 6000, "queue_waiting": 2, "outbox_lag": 5,
-        "models": ["m@1"], **capacity}}  # fmt: skip
-    async with console.session.post(
-        console.base + "/v1/node/heartbeat",
-        json=body,
-        headers={"Authorization": f"Bearer {node_token}", **protocol.HEADERS},
-    ) as response:
-        assert response.status == 200, await response.text()
 
 
 # -- logins -----------------------------------------------------------------------------
@@ -252,7 +144,7 @@ async def test_a_wrong_password_or_name_is_refused_on_the_login_page(console: Co
 async def test_failed_logins_are_throttled_per_address(
     aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
-    hub = settings_for(tmp_path, hub_database, login_failures_allowed=2)
+    hub = console_settings(tmp_path, hub_database, login_failures_allowed=2)
     add_user(hub)
     server = await start(aiohttp_server, hub)
     async with open_console(server, hub) as console:
@@ -569,15 +461,6 @@ def _key(hub: HubSettings, prefix: str) -> tuple[Any, ...]:
 # -- the live stream --------------------------------------------------------------------
 
 
-async def _event(response: aiohttp.ClientResponse, name: str) -> Any:
-    while True:
-        block = (await response.content.readuntil(b"\n\n")).decode()
-        if not block:
-            raise AssertionError("the stream ended")
-        if block.startswith(f"event: {name}\n"):
-            return json.loads(block.split("data: ", 1)[1])
-
-
 async def test_the_fleet_stream_follows_the_nodes_and_ends_with_the_hub(
     aiohttp_server: AiohttpServer, hub: HubSettings
 ) -> None:
@@ -589,7 +472,7 @@ async def test_the_fleet_stream_follows_the_nodes_and_ends_with_the_hub(
         assert await console.login() == 303
         async with console.session.get(console.base + "/console/nodes/stream?site=lab") as stream:
             assert stream.headers["Content-Type"] == "text/event-stream"
-            first = await _event(stream, "nodes")
+            first = await stream_event(stream, "nodes")
             assert first["rows"] == []
             token = await enroll(console, hub, "live-1")
             await enroll(console, hub, "elsewhere", site="other")
@@ -597,7 +480,7 @@ async def test_the_fleet_stream_follows_the_nodes_and_ends_with_the_hub(
 
             async def status_of(wanted: str) -> dict[str, Any]:
                 while True:
-                    data: dict[str, Any] = await _event(stream, "nodes")
+                    data: dict[str, Any] = await stream_event(stream, "nodes")
                     rows = {r["name"]: r for r in data["rows"]}
                     assert "elsewhere" not in rows  # the filter holds
                     if "live-1" in rows and rows["live-1"]["status"] == wanted:

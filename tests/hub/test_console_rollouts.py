@@ -10,17 +10,17 @@ from typing import TYPE_CHECKING, Any
 from hub.planning.rollout import Strategy
 from hub.rollouts import begin
 from hub.state.store import open_store
-from tests.hub.test_console import (
-    _event,
+from tests.console import (
     add_user,
+    console_settings,
     csrf_of,
     enroll,
     heartbeat,
     open_console,
-    settings_for,
     start,
+    stream_event,
 )
-from tests.hub.test_rollouts import speak_releases
+from tests.releases import speak_releases
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 async def test_the_rollouts_page_shows_each_wave_live_and_takes_the_operators_steps(
     aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
-    hub = settings_for(tmp_path, hub_database)
+    hub = console_settings(tmp_path, hub_database)
     # Nodes offline only past ten minutes: a rollback waits on them here (never by itself
     # over while the page is read).
     fleet = {"rollout_every_s": 0.05, "offline_after_s": 600.0}
@@ -70,7 +70,7 @@ async def test_the_rollouts_page_shows_each_wave_live_and_takes_the_operators_st
 
             async def node_state(name: str, wanted: str) -> dict[str, Any]:
                 while True:
-                    data: dict[str, Any] = await _event(stream, "rollouts")
+                    data: dict[str, Any] = await stream_event(stream, "rollouts")
                     views: list[dict[str, Any]] = data["rollouts"]
                     view = views[0]
                     nodes = {n["name"]: n for w in view["waves"] for n in w["nodes"]}

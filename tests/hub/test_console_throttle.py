@@ -13,15 +13,15 @@ import pytest
 
 from hub.console.auth import SESSION_COOKIE, LoginThrottle, source_key
 from hub.console.web import CONSOLE
-from tests.hub.test_console import PASSWORD, add_user, csrf_of, open_console, settings_for, start
+from tests.console import PASSWORD, add_user, console_settings, csrf_of, open_console, start
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from pytest_aiohttp import AiohttpServer
 
+    from tests.console import Console
     from tests.hub.conftest import HubDatabase
-    from tests.hub.test_console import Console
 
 ALLOWED = 3
 ATTEMPTS = 24
@@ -30,7 +30,7 @@ ATTEMPTS = 24
 async def test_parallel_wrong_passwords_get_no_more_tries_than_allowed(
     aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
-    hub = settings_for(tmp_path, hub_database, login_failures_allowed=ALLOWED)
+    hub = console_settings(tmp_path, hub_database, login_failures_allowed=ALLOWED)
     add_user(hub)
     server = await start(aiohttp_server, hub)
     async with contextlib.AsyncExitStack() as stack:
@@ -216,7 +216,7 @@ async def test_the_console_throttles_an_account_failed_against_from_elsewhere(
 ) -> None:
     """The login page counts the name tried: `ops`, failed against from other addresses,
     waits even with its right password; `alice`, from the same address, logs in."""
-    hub = settings_for(tmp_path, hub_database, login_failures_allowed=ALLOWED)
+    hub = console_settings(tmp_path, hub_database, login_failures_allowed=ALLOWED)
     add_user(hub)
     add_user(hub, "alice")
     server = await start(aiohttp_server, hub)

@@ -54,8 +54,8 @@ from hub.state.deployments import DeploymentRecord, ModelArtifact
 from hub.state.store import open_store
 from shared import protocol
 from shared.errors import ErrorCode
-from tests.appliance.test_package_cache import package
 from tests.hubs import PREFIX, new_key, settings_for
+from tests.packages import package
 from tests.shared.oci_shapes import INDEX, SHAPES, rewrap
 
 if TYPE_CHECKING:

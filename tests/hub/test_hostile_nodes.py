@@ -19,31 +19,22 @@ from hub.planning.quota import Budget
 from hub.planning.tenancy import Tenancy
 from hub.state.deployments import DeploymentRecord, ModelArtifact
 from hub.state.serials import Serials
-from hub.state.store import HubStore, open_store
+from hub.state.store import open_store
 from shared import protocol
-from shared.errors import ErrorCode
 from tests.conftest import kvl
-from tests.hubs import PREFIX, new_key, settings_for
+from tests.hub.nodes import assert_refused, enroll_node, node_call
+from tests.hubs import new_key, settings_for
 from tests.waiting import until
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from aiohttp.test_utils import TestClient
     from pytest_aiohttp import AiohttpClient, AiohttpServer
 
     from hub.settings import HubSettings
     from tests.hub.conftest import HubDatabase
 
 DEEP = "[" * 5000 + "]" * 5000
-
-
-def _enroll(store: HubStore, name: str) -> tuple[str, str]:
-    token = store.tokens.create("site", uses=1, expires_in_s=60).plaintext
-    enrolled = store.nodes.enroll(
-        token, name=name, wg_public_key=new_key(), overlay_prefix=PREFIX, labels={}, versions={}
-    )
-    return enrolled.node.id, enrolled.node_token
 
 
 def _usage(event_id: str, **body: Any) -> dict[str, Any]:
@@ -121,37 +112,6 @@ def _hostile_calls(honest_lease: str) -> list[tuple[str, str, str | bytes]]:
     return calls
 
 
-async def _call(
-    client: TestClient[Any, Any],
-    method: str,
-    path: str,
-    token: str,
-    body: str | bytes = "",
-    *,
-    headers: dict[str, str] | None = None,
-) -> tuple[int, Any]:
-    response = await client.request(
-        method,
-        path,
-        data=body or None,
-        headers={
-            "Authorization": f"Bearer {token}",
-            "Content-Type": "application/json",
-            **protocol.HEADERS,
-            **(headers or {}),
-        },
-    )
-    raw = await response.read()
-    return response.status, json.loads(raw) if raw else None
-
-
-def _assert_refused(status: int, body: Any, what: str) -> None:
-    assert 400 <= status < 500, f"{what}: {status} {body}"
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}, what
-    assert ErrorCode(error["code"]).status == status, what
-
-
 def _fleet(tmp_path: Path, hub_database: HubDatabase) -> tuple[HubSettings, dict[str, Any]]:
     settings = settings_for(tmp_path, hub_database)
     settings = settings.model_copy(
@@ -161,8 +121,8 @@ def _fleet(tmp_path: Path, hub_database: HubDatabase) -> tuple[HubSettings, dict
     try:
         store.accounts.put("acme", "S1", budget=Budget(100_000, 86_400.0))
         store.accounts.put("globex", "S1", budget=Budget(100_000, 86_400.0))
-        honest, honest_token = _enroll(store, "honest")
-        hostile, hostile_token = _enroll(store, "hostile")
+        honest, honest_token = enroll_node(store, "honest")
+        hostile, hostile_token = enroll_node(store, "hostile")
         store.deployments.add_model(ModelArtifact("m", "1", "ab" * 32, 10, "gguf", 600))
     finally:
         store.close()
@@ -182,17 +142,17 @@ async def test_a_hostile_node_is_refused_everything_and_the_fleet_goes_on(
     honest, hostile = ids["honest_token"], ids["hostile_token"]
 
     # The honest node: a heartbeat, a lease for acme, usage under it.
-    status, _ = await _call(client, "POST", "/v1/node/heartbeat", honest,
+    status, _ = await node_call(client, "POST", "/v1/node/heartbeat", honest,
                             json.dumps({"capacity": _capacity()}))  # fmt: skip
     assert status == 200
-    status, answer = await _call(client, "POST", "/v1/node/leases", honest,
+    status, answer = await node_call(client, "POST", "/v1/node/leases", honest,
                                  json.dumps({"accounts": ["acme"]}))  # fmt: skip
     assert status == 200, answer
     [lease] = answer["leases"]
     granted = lease["granted"]
     assert granted > 0
     usage = [_usage("ok-1", tokens_in=100, tokens_out=20, lease_id=lease["lease_id"])]
-    status, answer = await _call(client, "POST", "/v1/node/events", honest,
+    status, answer = await node_call(client, "POST", "/v1/node/events", honest,
                                  json.dumps({"events": usage}))  # fmt: skip
     assert (status, answer["new"]) == (200, 1)
 
@@ -208,25 +168,25 @@ async def test_a_hostile_node_is_refused_everything_and_the_fleet_goes_on(
 
     # The hostile node: every call refused, in the error shape.
     for method, path, body in _hostile_calls(lease["lease_id"]):
-        status, answer = await _call(client, method, path, hostile, body)
-        _assert_refused(status, answer, f"{method} {path} {str(body)[:80]!r}")
+        status, answer = await node_call(client, method, path, hostile, body)
+        assert_refused(status, answer, f"{method} {path} {str(body)[:80]!r}")
 
     # Offload: no client key, a forged key, an account in a header: refused at the hub.
     ask = json.dumps({"model": "m@1", "prompt": "hi"})
     for headers in ({}, {protocol.CLIENT_KEY_HEADER: "kvl_forged_000000"},
                     {"X-Kvl-Account": "globex", "X-Kvl-Class": "S0"}):  # fmt: skip
-        status, answer = await _call(
+        status, answer = await node_call(
             client, "POST", "/v1/node/offload/completions", hostile, ask, headers=headers
         )
-        _assert_refused(status, answer, f"offload {headers}")
+        assert_refused(status, answer, f"offload {headers}")
         assert answer["error"]["code"] in {"missing_api_key", "invalid_api_key"}
 
     # Versions outside the window: a clear error, naming the side to upgrade.
     newer = str(protocol.PROTOCOL_VERSION + 1)
     for version, fix in (("1", "upgrade the node"), (newer, "upgrade the hub"), ("x", "node")):
-        status, answer = await _call(client, "POST", "/v1/node/heartbeat", hostile, "{}",
+        status, answer = await node_call(client, "POST", "/v1/node/heartbeat", hostile, "{}",
                                      headers={protocol.PROTOCOL_HEADER: version})  # fmt: skip
-        _assert_refused(status, answer, f"protocol {version}")
+        assert_refused(status, answer, f"protocol {version}")
         assert answer["error"]["code"] == "protocol_unsupported"
         assert fix in answer["error"]["message"]
 
@@ -247,7 +207,7 @@ async def test_a_hostile_node_is_refused_everything_and_the_fleet_goes_on(
 
     # The honest node goes on: its heartbeat lands (the flusher still runs), its sync is
     # accepted, placement converges on it.
-    status, _ = await _call(client, "POST", "/v1/node/heartbeat", honest,
+    status, _ = await node_call(client, "POST", "/v1/node/heartbeat", honest,
                             json.dumps({"capacity": _capacity(cpu_percent=42.0)}))  # fmt: skip
     assert status == 200
 
@@ -259,7 +219,7 @@ async def test_a_hostile_node_is_refused_everything_and_the_fleet_goes_on(
             store.close()
 
     await until(landed, "the honest heartbeat written", timeout_s=10)
-    status, answer = await _call(client, "POST", "/v1/node/events", honest,
+    status, answer = await node_call(client, "POST", "/v1/node/events", honest,
                                  json.dumps({"events": [_usage("ok-2", tokens_in=1)]}))  # fmt: skip
     assert (status, answer["new"]) == (200, 1)
 
@@ -286,7 +246,7 @@ async def test_a_hostile_node_is_refused_everything_and_the_fleet_goes_on(
         store.close()
 
     async def revoked() -> bool:
-        status, answer = await _call(client, "POST", "/v1/node/heartbeat", hostile, "{}")
+        status, answer = await node_call(client, "POST", "/v1/node/heartbeat", hostile, "{}")
         return status == 403 and answer["error"]["code"] == "node_revoked"
 
     await until(revoked, "the revocation seen", timeout_s=3 * 1.0 + 2)
@@ -330,7 +290,7 @@ async def test_a_node_cannot_read_as_another_or_steal_its_key(
     assert (await client.post("/v1/node/heartbeat", json={}, headers=beat)).status == 200
 
     status, refused = await enroll({**body, "token": other})
-    _assert_refused(status, refused, "the same key, another token")
+    assert_refused(status, refused, "the same key, another token")
     assert refused["error"]["code"] == "already_enrolled"
     status, refused = await enroll({**body, "name": "n2"})
     assert refused["error"]["code"] == "already_enrolled"
@@ -348,7 +308,7 @@ async def test_nesting_and_surprises_are_refused_in_the_error_shape(
     settings = settings_for(tmp_path, {})
     store = open_store(settings)
     try:
-        _, node = _enroll(store, "n")
+        _, node = enroll_node(store, "n")
         operator = store.operators.create("ops").plaintext
     finally:
         store.close()
@@ -362,7 +322,7 @@ async def test_nesting_and_surprises_are_refused_in_the_error_shape(
         for body in (DEEP, "{" * 3000, '{"a": ' * 3000, '{"a": NaN}'):
             response = await client.post(path, data=body, headers={**auth, **protocol.HEADERS})
             answer = await response.json()
-            _assert_refused(response.status, answer, f"{path} {body[:20]}")
+            assert_refused(response.status, answer, f"{path} {body[:20]}")
 
 
 async def test_an_unexpected_error_is_a_500_in_the_error_shape_with_a_request_id(
@@ -371,7 +331,7 @@ async def test_an_unexpected_error_is_a_500_in_the_error_shape_with_a_request_id
     settings = settings_for(tmp_path, {})
     store = open_store(settings)
     try:
-        _, token = _enroll(store, "n")
+        _, token = enroll_node(store, "n")
     finally:
         store.close()
     client = await aiohttp_client(create_app(settings))
@@ -417,7 +377,7 @@ async def test_a_node_is_given_no_tenancy_lease_or_offload_that_is_not_its_own(
 
     async def enroll(token: str, name: str, labels: dict[str, str]) -> tuple[str, str]:
         body = {"token": token, "name": name, "wg_public_key": new_key(), "labels": labels}
-        status, answer = await _call(client, "POST", "/v1/enroll", "", json.dumps(body))
+        status, answer = await node_call(client, "POST", "/v1/enroll", "", json.dumps(body))
         assert status == 201, answer
         return answer["node_id"], answer["node_token"]
 
@@ -426,12 +386,12 @@ async def test_a_node_is_given_no_tenancy_lease_or_offload_that_is_not_its_own(
     tx_node, tx_token = await enroll(dedicated, "tx-node", {})
 
     async def accounts_of(token: str) -> set[str]:
-        status, state = await _call(client, "GET", "/v1/node/state", token)
+        status, state = await node_call(client, "GET", "/v1/node/state", token)
         assert status == 200, state
         return {a["name"] for a in state["accounts"]}
 
     async def lease(token: str, account: str) -> tuple[int, Any]:
-        return await _call(client, "POST", "/v1/node/leases", token,
+        return await node_call(client, "POST", "/v1/node/leases", token,
                            json.dumps({"accounts": [account]}))  # fmt: skip
 
     # Tenancy: the labels grant nothing; the token's tenancy is the node's.
@@ -445,7 +405,7 @@ async def test_a_node_is_given_no_tenancy_lease_or_offload_that_is_not_its_own(
     assert "tx-secret" not in await accounts_of(claimer_token)
     assert "tx-secret" in await accounts_of(tx_token)
     status, answer = await lease(claimer_token, "tx-secret")
-    _assert_refused(status, answer, "a lease of a tenant's dedicated account")
+    assert_refused(status, answer, "a lease of a tenant's dedicated account")
     assert answer["error"]["code"] == "foreign_account"
 
     # The honest node, before: its accounts, a lease and usage under it.
@@ -454,7 +414,7 @@ async def test_a_node_is_given_no_tenancy_lease_or_offload_that_is_not_its_own(
     assert status == 200, answer
     [honest_lease] = answer["leases"]
     usage = [_usage("h-1", tokens_in=100, tokens_out=20, lease_id=honest_lease["lease_id"])]
-    status, answer = await _call(client, "POST", "/v1/node/events", honest_token,
+    status, answer = await node_call(client, "POST", "/v1/node/events", honest_token,
                                  json.dumps({"events": usage}))  # fmt: skip
     assert (status, answer["new"]) == (200, 1)
 
@@ -483,9 +443,9 @@ async def test_a_node_is_given_no_tenancy_lease_or_offload_that_is_not_its_own(
             "lease_id": acme_lease["lease_id"],
         },
     }
-    status, answer = await _call(client, "POST", "/v1/node/events", claimer_token,
+    status, answer = await node_call(client, "POST", "/v1/node/events", claimer_token,
                                  json.dumps({"events": [crossed]}))  # fmt: skip
-    _assert_refused(status, answer, "usage under another account's lease")
+    assert_refused(status, answer, "usage under another account's lease")
     assert answer["error"]["code"] == "foreign_lease"
     assert "not 'globex'" in answer["error"]["message"]
 
@@ -502,7 +462,7 @@ async def test_a_node_is_given_no_tenancy_lease_or_offload_that_is_not_its_own(
     plain_http = await aiohttp_server(lan)
     capacity = _capacity(models=["m@1"], offload=True, queue_waiting=0,
                          api={"port": plain_http.port, "tls": False})  # fmt: skip
-    status, answer = await _call(client, "POST", "/v1/node/heartbeat", claimer_token,
+    status, answer = await node_call(client, "POST", "/v1/node/heartbeat", claimer_token,
                                  json.dumps({"capacity": capacity}))  # fmt: skip
     assert status == 200, answer
 
@@ -514,22 +474,22 @@ async def test_a_node_is_given_no_tenancy_lease_or_offload_that_is_not_its_own(
             store.close()
 
     await until(beat_landed, "the claimer's heartbeat written", timeout_s=10)
-    status, answer = await _call(
+    status, answer = await node_call(
         client, "POST", "/v1/node/offload/completions", honest_token,
         json.dumps({"model": "m@1", "prompt": "hi"}),
         headers={protocol.CLIENT_KEY_HEADER: client_key},
     )  # fmt: skip
-    _assert_refused(status, answer, "offload to a node without mutual TLS")
+    assert_refused(status, answer, "offload to a node without mutual TLS")
     assert answer["error"]["code"] == "overloaded"
     assert seen == []
 
     # Nothing of the honest nodes changed: budgets, accounts; their calls go on.
     assert quotas() == before
     assert await accounts_of(honest_token) == honest_accounts
-    status, answer = await _call(client, "POST", "/v1/node/events", honest_token,
+    status, answer = await node_call(client, "POST", "/v1/node/events", honest_token,
                                  json.dumps({"events": [_usage("h-2", tokens_in=1)]}))  # fmt: skip
     assert (status, answer["new"]) == (200, 1)
-    status, _ = await _call(client, "POST", "/v1/node/heartbeat", honest_token,
+    status, _ = await node_call(client, "POST", "/v1/node/heartbeat", honest_token,
                             json.dumps({"capacity": _capacity()}))  # fmt: skip
     assert status == 200
 

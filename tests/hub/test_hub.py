@@ -82,7 +82,7 @@ def test_tokens_are_single_use_by_default_and_expire_or_get_revoked(
         assert addresses == {"100.64.0.3", "100.64.0.4"}
 
         expired = store.tokens.create("school-b", uses=5, expires_in_s=0.01)
-        time.sleep(0.02)
+        time.sleep(0.02)  # time is the subject: the token's 10 ms run out
         revoked = store.tokens.create("school-b", uses=5, expires_in_s=3600)
         store.tokens.revoke(revoked.prefix)
         for plaintext, problem in [
@@ -429,7 +429,7 @@ async def test_the_simulator_enrolls_a_fleet_and_its_heartbeats_and_syncs_land(
     """With certificates (mutual TLS, a connection per node, or a handshake per call),
     and without (token only, shared connections: how a hub of an earlier commit is
     measured)."""
-    from hub.simulate import Simulator  # noqa: PLC0415
+    from tests.benchmarks.simulate import Simulator  # noqa: PLC0415
 
     settings = settings_for(tmp_path, hub_database)
     store = open_store(settings)

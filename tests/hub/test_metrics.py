@@ -6,7 +6,6 @@ open on the `metrics.listen` listener only; routes labelled by their pattern."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -20,8 +19,9 @@ from hub.state.store import open_store
 from shared import __version__, protocol
 from shared.errors import ErrorCode
 from tests.conftest import free_port
-from tests.hub.test_objectives import objectives, series
+from tests.hub.objective_series import objectives, series
 from tests.hubs import PREFIX, new_key, settings_for
+from tests.prometheus import promtool
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -52,12 +52,6 @@ FAMILIES = (
     "kvl_fleet_node_leases_lapsed",
     "kvl_fleet_node_certificate_expiry_timestamp_seconds",
 )
-
-
-def promtool() -> str:
-    found = shutil.which("promtool")
-    assert found, "promtool is missing: run `just setup-system` (Debian's prometheus package)"
-    return found
 
 
 def samples(text: str, name: str) -> dict[str, float]:

@@ -27,7 +27,7 @@ from hub.state.store import open_store
 from shared import protocol, tls
 from shared.cli import main
 from tests.appliance.fleet_nodes import join
-from tests.hub.test_console import add_user, open_console
+from tests.console import add_user, open_console
 from tests.hubs import PREFIX, new_key, settings_for
 from tests.waiting import until
 

@@ -28,7 +28,8 @@ from hub.state.nodes import Heartbeat
 from hub.state.objectives import FIVE_MINUTES, HOUR, KEPT_S, SloFilters
 from hub.state.store import HubStore, open_store
 from shared import protocol
-from tests.hub.test_hostile_nodes import _assert_refused, _call, _enroll
+from tests.hub.nodes import assert_refused, enroll_node, node_call
+from tests.hub.objective_series import BUCKETS, objectives, series
 from tests.hubs import settings_for
 from tests.waiting import until
 
@@ -44,41 +45,6 @@ if TYPE_CHECKING:
     from tests.postgres import Cluster
 
 T = TypeVar("T")
-BUCKETS = len(protocol.LATENCY_BOUNDS_S) + 1
-
-
-def series(
-    account: str = "acme",
-    service_class: str = "S1",
-    *,
-    requests: int = 0,
-    admitted: int | None = None,
-    refused: dict[str, int] | None = None,
-    met: int = 0,
-    missed: int = 0,
-    ttft: dict[int, int] | None = None,
-) -> dict[str, Any]:
-    """One (class, account) series: `met`/`missed` for first_token (and admit: all that
-    were admitted met it), the TTFT histogram's counts by bucket index."""
-    refused = refused or {}
-    admitted = requests - sum(refused.values()) if admitted is None else admitted
-    counts = [0] * BUCKETS
-    for i, n in (ttft or {}).items():
-        counts[i] = n
-    return {
-        "service_class": service_class,
-        "account": account,
-        "requests": requests,
-        "admitted": admitted,
-        "refused": refused,
-        "met": {"first_token": met, "admit": admitted},
-        "missed": {"first_token": missed, "admit": requests - admitted - refused.get("quota", 0)},
-        "ttft": {"counts": counts, "sum_s": float(sum(counts))},
-    }
-
-
-def objectives(epoch: str, *many: dict[str, Any], restarts: int = 0) -> dict[str, Any]:
-    return {"epoch": epoch, "series": list(many), "worker_restarts": restarts}
 
 
 @pytest.fixture
@@ -88,8 +54,8 @@ def fleet(tmp_path: Path, hub_database: HubDatabase) -> tuple[HubSettings, dict[
     try:
         store.accounts.put("acme", "S1")
         store.accounts.put("globex", "S2")
-        node_id, token = _enroll(store, "n1")
-        other_id, other_token = _enroll(store, "n2")
+        node_id, token = enroll_node(store, "n1")
+        other_id, other_token = enroll_node(store, "n2")
     finally:
         store.close()
     return settings, {"id": node_id, "token": token, "other_id": other_id, "other": other_token}
@@ -128,7 +94,7 @@ class Beats:
         beat: dict[str, Any] = {"capacity": {"cpu_percent": self.marker}}
         if body is not None:
             beat["objectives"] = body
-        status, answer = await _call(self.client, "POST", "/v1/node/heartbeat", token,
+        status, answer = await node_call(self.client, "POST", "/v1/node/heartbeat", token,
                                      json.dumps(beat))  # fmt: skip
         assert status == 200, answer
         marker = self.marker
@@ -309,7 +275,7 @@ async def test_a_flush_is_written_in_turns_that_let_queued_calls_go_between(
     nodes = 2 * COUNTS_A_TURN + 5
     store = open_store(settings)
     try:
-        ids = [_enroll(store, f"t{i}")[0] for i in range(nodes)]
+        ids = [enroll_node(store, f"t{i}")[0] for i in range(nodes)]
     finally:
         store.close()
     app = create_app(settings)
@@ -396,8 +362,8 @@ async def test_out_of_bounds_objectives_are_refused_and_change_nothing(
     await beats.send(ids["token"], objectives("e1", series(requests=5, met=5)))
     before = _totals(settings)
     for body in _hostile_objectives():
-        status, answer = await _call(client, "POST", "/v1/node/heartbeat", ids["token"], body)
-        _assert_refused(status, answer, body[:120])
+        status, answer = await node_call(client, "POST", "/v1/node/heartbeat", ids["token"], body)
+        assert_refused(status, answer, body[:120])
     # A beat after them lands, and nothing they carried was counted.
     await beats.send(ids["token"], objectives("e1", series(requests=5, met=5)))
     assert _totals(settings) == before
@@ -430,7 +396,7 @@ def test_windows_buckets_and_pruning(tmp_path: Path, hub_database: HubDatabase) 
     store = open_store(settings, clock=clock)
     try:
         store.accounts.put("acme", "S1")
-        node, _ = _enroll(store, "n1")
+        node, _ = enroll_node(store, "n1")
         # 10 requests at t0 + 1 s, 10 more at t0 + 7 min (the next five minutes), 10 more
         # 3 days later (the old five-minute buckets then pruned).
         store.heartbeats([_beat(node, t0 + 1, "e", series(requests=10, met=9, missed=1))])
@@ -495,7 +461,7 @@ def test_a_second_replica_counts_from_the_same_cursors(
     one, two = open_store(settings), open_store(settings)
     try:
         one.accounts.put("acme", "S1")
-        node, _ = _enroll(one, "n1")
+        node, _ = enroll_node(one, "n1")
         one.heartbeats([_beat(node, now, "e", series(requests=10, met=10))])
         added = two.heartbeats([_beat(node, now + 1, "e", series(requests=12, met=12))])
         assert [d.requests for d in added.series] == [2]
@@ -519,8 +485,8 @@ def test_hostile_nodes_resetting_on_purpose_cannot_overflow_the_sums(
     store = open_store(settings)
     try:
         store.accounts.put("acme", "S1")
-        hostile = [_enroll(store, f"hostile{i}")[0] for i in range(5)]
-        honest, _ = _enroll(store, "honest")
+        hostile = [enroll_node(store, f"hostile{i}")[0] for i in range(5)]
+        honest, _ = enroll_node(store, "honest")
         top = 1 << 53
         for i in range(4):
             value = top if i % 2 == 0 else 1
@@ -634,7 +600,7 @@ def test_two_replicas_flushing_the_same_nodes_at_once_count_each_value_once(
     setup = open_store(settings)
     try:
         setup.accounts.put("acme", "S1")
-        nodes = [_enroll(setup, f"n{i}")[0] for i in range(40)]
+        nodes = [enroll_node(setup, f"n{i}")[0] for i in range(40)]
     finally:
         setup.close()
     t0 = time.time()

@@ -17,9 +17,9 @@ from hub.state.nodes import Heartbeat
 from hub.state.store import open_store
 from shared import pki, protocol
 from tests.conftest import kvl
-from tests.hub.test_console import add_user, open_console, settings_for, start
-from tests.hub.test_hostile_nodes import _assert_refused, _enroll
-from tests.hub.test_objectives import objectives, series
+from tests.console import add_user, console_settings, open_console, start
+from tests.hub.nodes import assert_refused, enroll_node
+from tests.hub.objective_series import objectives, series
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -39,7 +39,7 @@ def _fleet(hub: HubSettings) -> tuple[str, dict[str, str]]:
         store.accounts.put("acme", "S1")
         operator = store.operators.create("ops").plaintext
         token = store.tokens.create("depot", uses=1, expires_in_s=60).plaintext
-        n1, _ = _enroll(store, "n1")  # site "site"
+        n1, _ = enroll_node(store, "n1")  # site "site"
         from tests.hubs import PREFIX, new_key  # noqa: PLC0415
 
         n2 = store.nodes.enroll(
@@ -72,7 +72,7 @@ def _rows(report: dict[str, Any], objective: str = "first_token") -> dict[str, d
 async def test_the_operator_api_reports_and_refuses_bad_queries(
     aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
-    hub = settings_for(tmp_path, hub_database)
+    hub = console_settings(tmp_path, hub_database)
     operator, _ = _fleet(hub)
     server = await start(aiohttp_server, hub)
     pin = aiohttp.Fingerprint(pki.fingerprint_bytes(certificates(hub)[1].fingerprint))
@@ -129,7 +129,7 @@ async def test_the_operator_api_reports_and_refuses_bad_queries(
                     "step=soon", "window="):  # fmt: skip
             for path in ("/v1/admin/objectives", "/v1/admin/objectives/series"):
                 status, answer = await get(f"{path}?{bad}")
-                _assert_refused(status, answer, f"{path}?{bad}")
+                assert_refused(status, answer, f"{path}?{bad}")
                 assert answer["error"]["code"] == "invalid_value"
     async with (
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=pin)) as anonymous,
@@ -139,7 +139,7 @@ async def test_the_operator_api_reports_and_refuses_bad_queries(
 
 
 def test_the_cli_reports_the_objectives(tmp_path: Path, hub_database: HubDatabase) -> None:
-    hub = settings_for(tmp_path, hub_database)
+    hub = console_settings(tmp_path, hub_database)
     _fleet(hub)
     data_dir = str(hub.data_dir)
     out = kvl("hub", "objectives", "--data-dir", data_dir, "--by", "node").stdout
@@ -160,7 +160,7 @@ def test_the_cli_reports_the_objectives(tmp_path: Path, hub_database: HubDatabas
 async def test_the_console_shows_the_objectives(
     aiohttp_server: AiohttpServer, tmp_path: Path, hub_database: HubDatabase
 ) -> None:
-    hub = settings_for(tmp_path, hub_database)
+    hub = console_settings(tmp_path, hub_database)
     _, ids = _fleet(hub)
     add_user(hub)
     server = await start(aiohttp_server, hub)

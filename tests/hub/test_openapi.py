@@ -15,8 +15,8 @@ from aiohttp import web
 from hub.api.route_kinds import Auth, Route, route_defs
 from hub.api.route_table import ROUTES, openapi_document
 from hub.app import create_app
+from tests.docs import DOCS
 from tests.hubs import settings_for
-from tests.test_docs import README
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -127,4 +127,4 @@ def test_request_and_answer_models_are_in_the_document() -> None:
 def test_the_readme_lists_every_route() -> None:
     for route in ROUTES:
         # As far as the first parameter: the README writes `{chat/completions,completions}`.
-        assert f"`{route.method} {route.registered.split('{')[0]}" in README, route.path
+        assert f"`{route.method} {route.registered.split('{')[0]}" in DOCS, route.path

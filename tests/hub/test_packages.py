@@ -19,8 +19,9 @@ from hub.state.nodes import Node
 from hub.state.store import HubStore, open_store
 from shared import pki, protocol
 from shared.protocol import EVENTS
-from tests.appliance.test_package_cache import package
 from tests.conftest import kvl
+from tests.hubs import settings_for
+from tests.packages import package
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -31,10 +32,7 @@ if TYPE_CHECKING:
 
 
 def _settings(tmp_path: Path, database: HubDatabase) -> HubSettings:
-    return HubSettings.model_validate(
-        {"data_dir": tmp_path / "hub", **database, "server": {"require_overlay_source": False},
-         "overlay": {"interface": None}}
-    )  # fmt: skip
+    return settings_for(tmp_path, database)
 
 
 def _enroll(store: HubStore, name: str, site: str) -> tuple[Node, str]:

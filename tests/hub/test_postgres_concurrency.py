@@ -22,6 +22,7 @@ from hub.planning.quota import Budget
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared import pki, protocol
+from tests.hubs import settings_for
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -38,16 +39,12 @@ BUDGET = 10_000
 
 @pytest.fixture
 def hub(tmp_path: Path, postgres: Cluster) -> HubSettings:
-    return HubSettings.model_validate(
-        {
-            "data_dir": tmp_path / "hub",
-            "database_url": postgres.create(),
-            "server": {"require_overlay_source": False},
-            "overlay": {"interface": None},
-            # Every grant takes all that is left: a grant made without seeing the one
-            # before it would promise the whole budget a second time.
-            "quota": {"share": 1.0, "min_slice_tokens": BUDGET, "max_slice_tokens": BUDGET},
-        }
+    return settings_for(
+        tmp_path,
+        {"database_url": postgres.create()},
+        # Every grant takes all that is left: a grant made without seeing the one
+        # before it would promise the whole budget a second time.
+        quota={"share": 1.0, "min_slice_tokens": BUDGET, "max_slice_tokens": BUDGET},
     )
 
 
@@ -250,7 +247,7 @@ async def test_concurrent_lease_grants_through_two_replicas_stay_within_the_budg
 async def test_a_simulated_fleet_spread_over_two_replicas_lands_once(
     replicas: Replicas, hub: HubSettings
 ) -> None:
-    from hub.simulate import Simulator  # noqa: PLC0415
+    from tests.benchmarks.simulate import Simulator  # noqa: PLC0415
 
     store = open_store(hub)
     token = store.tokens.create("simulated", uses=30, expires_in_s=600).plaintext

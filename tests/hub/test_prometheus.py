@@ -12,105 +12,31 @@ by the test: tests/appliance/test_prometheus_fleet.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import signal
-import subprocess
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
-import yaml
 
 from hub.alerting.prometheus import rules_yaml, scaled
 from hub.app import create_app
-from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared import protocol
-from tests.conftest import free_port
-from tests.hub.test_alerts import SECRET, Receiver
-from tests.hub.test_hostile_nodes import _enroll
-from tests.hub.test_objectives import objectives, series
+from tests.alerts import SECRET, Receiver
+from tests.hub.nodes import enroll_node
+from tests.hub.objective_series import objectives, series
 from tests.hubs import settings_for
+from tests.prometheus import SCALE, WINDOW, prometheus
 from tests.waiting import until
 
 T = TypeVar("T")
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Iterator, Sequence
+    from collections.abc import Awaitable, Callable
     from pathlib import Path
 
     from pytest_aiohttp import AiohttpServer
 
-SCALE = 1 / 60  # 1h -> 60 s, 5m -> 5 s
-WINDOW = "1m/5s"  # the first page pair, scaled
 DEADLINE_S = 90.0
-
-
-def prometheus_binary() -> str:
-    found = shutil.which("prometheus")
-    assert found, "prometheus is missing: run `just setup-system` (Debian's prometheus package)"
-    return found
-
-
-@contextlib.contextmanager
-def prometheus(
-    tmp_path: Path, hub_port: int, token: str, rules: str, appliances: Sequence[int] = ()
-) -> Iterator[str]:
-    """Prometheus on 127.0.0.1 scraping the hub (and `appliances`, by port: their
-    /metrics) every second, evaluating `rules` every second; its base URL. Stopped, with
-    its process group, on the way out."""
-    (tmp_path / "kvl-hub.rules.yml").write_text(rules)
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(tmp_path / "kvl-hub.rules.yml")],
-        "scrape_configs": [
-            {
-                "job_name": "kvl-hub",
-                "metrics_path": "/metrics",
-                "authorization": {"type": "Bearer", "credentials": token},
-                "static_configs": [{"targets": [f"127.0.0.1:{hub_port}"]}],
-            },
-            *(
-                [
-                    {
-                        "job_name": "kvl-appliance",
-                        "metrics_path": "/metrics",
-                        "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in appliances]}],
-                    }
-                ]
-                if appliances
-                else []
-            ),
-        ],
-    }
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    log = (tmp_path / "prometheus.log").open("wb")
-    process = subprocess.Popen(
-        [
-            prometheus_binary(),
-            f"--config.file={tmp_path / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group, stopped whole
-    )
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(30)
-        log.close()
 
 
 async def test_prometheus_and_the_hub_fire_and_resolve_a_burn_rate_alert(
@@ -118,26 +44,22 @@ async def test_prometheus_and_the_hub_fire_and_resolve_a_burn_rate_alert(
 ) -> None:
     receiver = Receiver()
     hook = await aiohttp_server(receiver.app)
-    base = settings_for(tmp_path, {})
     settings = scaled(
-        HubSettings.model_validate(
-            base.model_dump()
-            | {
-                "alerts": base.alerts.model_dump()
-                | {
-                    "every_s": 0.5,
-                    "webhooks": [{"url": f"http://127.0.0.1:{hook.port}/hook", "secret": SECRET}],
-                    "backoff_initial_s": 0.1,
-                    "backoff_max_s": 0.5,
-                }
-            }
+        settings_for(
+            tmp_path,
+            alerts={
+                "every_s": 0.5,
+                "webhooks": [{"url": f"http://127.0.0.1:{hook.port}/hook", "secret": SECRET}],
+                "backoff_initial_s": 0.1,
+                "backoff_max_s": 0.5,
+            },
         ),
         SCALE,
     )
     assert settings.alerts.burn[0].long_s == 60
     store = open_store(settings)
     store.accounts.put("acme", "S1")
-    _, node_token = _enroll(store, "n1")
+    _, node_token = enroll_node(store, "n1")
     operator = store.operators.create("prometheus").plaintext
     store.close()
     hub = await aiohttp_server(create_app(settings))
@@ -254,16 +176,10 @@ async def test_prometheus_fires_lease_lapsed_after_its_grace_for_a_node_heard_fr
     grace, 5 s scaled), firing while the node's heartbeats say it serves accounts without
     a live lease, and gone once the node is stale (its last word is old), as the hub's own
     rule."""
-    base = settings_for(tmp_path, {})
-    settings = scaled(
-        HubSettings.model_validate(
-            base.model_dump() | {"fleet": base.fleet.model_dump() | {"stale_after_s": 3}}
-        ),
-        SCALE,
-    )
+    settings = scaled(settings_for(tmp_path, fleet={"stale_after_s": 3}), SCALE)
     assert settings.alerts.lease_grace_s == 5
     store = open_store(settings)
-    _, node_token = _enroll(store, "n1")
+    _, node_token = enroll_node(store, "n1")
     operator = store.operators.create("prometheus").plaintext
     store.close()
     hub = await aiohttp_server(create_app(settings))

@@ -19,6 +19,7 @@ from hub.settings import HubSettings
 from hub.state.store import HubStore, open_store
 from shared import pki, protocol
 from tests.conftest import kvl
+from tests.hubs import settings_for
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -133,14 +134,8 @@ def test_periods_are_aligned_to_the_epoch() -> None:
 
 
 def _hub(tmp_path: Path, database: HubDatabase) -> HubSettings:
-    return HubSettings.model_validate(
-        {
-            "data_dir": tmp_path / "hub",
-            **database,
-            "server": {"require_overlay_source": False},
-            "overlay": {"interface": None},
-            "quota": {"lease_s": 30, "share": 0.5, "min_slice_tokens": 100},
-        }
+    return settings_for(
+        tmp_path, database, quota={"lease_s": 30, "share": 0.5, "min_slice_tokens": 100}
     )
 
 

@@ -32,7 +32,9 @@ from hub.state.nodes import Heartbeat
 from hub.state.store import HubStore, open_store
 from shared import pki, protocol
 from tests.conftest import kvl
-from tests.hub.test_backup import fresh_database, hub_cli
+from tests.hub.backups import fresh_database, hub_cli
+from tests.hubs import settings_for
+from tests.releases import speak_releases
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -45,11 +47,9 @@ if TYPE_CHECKING:
 
 
 def _settings(tmp_path: Path, database: HubDatabase) -> HubSettings:
-    return HubSettings.model_validate(
-        {"data_dir": tmp_path / "hub", **database, "server": {"require_overlay_source": False},
-         "overlay": {"interface": None},
-         "fleet": {"rollout_every_s": 0.05, "placement_every_s": 0.1}}
-    )  # fmt: skip
+    return settings_for(
+        tmp_path, database, fleet={"rollout_every_s": 0.05, "placement_every_s": 0.1}
+    )
 
 
 def _enroll(store: HubStore, name: str, site: str) -> str:
@@ -125,16 +125,6 @@ async def fleet(
     finally:
         for client in fleet.nodes.values():
             await client.close()
-
-
-def speak_releases(settings: HubSettings) -> bool:
-    """Whether every node's last heartbeat, as stored, spoke protocol 6 (releases reach
-    only such nodes)."""
-    store = open_store(settings)
-    try:
-        return all(n.versions.get("protocol") == "6" for n in store.nodes.all())
-    finally:
-        store.close()
 
 
 async def test_a_release_rolls_out_wave_by_wave_halts_on_a_rollback_and_aborts_back(

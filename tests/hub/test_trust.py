@@ -30,6 +30,7 @@ from hub.state.store import open_store
 from shared import pki, protocol, tls
 from shared.errors import ErrorCode
 from tests.conftest import kvl
+from tests.hubs import settings_for
 
 if TYPE_CHECKING:
     from aiohttp.test_utils import TestServer
@@ -41,14 +42,8 @@ OPENSSL = shutil.which("openssl")
 
 
 def hub_settings(tmp_path: Path, database: HubDatabase | None = None, **pki_: Any) -> HubSettings:
-    return HubSettings.model_validate(
-        {
-            "data_dir": tmp_path / "hub",
-            "server": {"require_overlay_source": False, "names": ["localhost", "127.0.0.1"]},
-            "overlay": {"interface": None},
-            "pki": {"reload_s": 0.5, **pki_},
-            **(database or {}),
-        }
+    return settings_for(
+        tmp_path, database, names=["localhost", "127.0.0.1"], pki={"reload_s": 0.5, **pki_}
     )
 
 

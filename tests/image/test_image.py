@@ -210,7 +210,7 @@ def lan_call(base: str, path: str, key: str, body: dict[str, Any] | None = None)
 def test_the_documented_sizes_are_the_built_image_s(manifest: dict[str, Any]) -> None:
     """docs/image.md states the image's sizes as this build measured them (within 10 %: a
     dependency's new version moves them a little)."""
-    from tests.image.test_sizes import documented_sizes  # noqa: PLC0415
+    from tests.image.sizes import documented_sizes  # noqa: PLC0415
 
     measured = {
         "image file": manifest["size_bytes"],

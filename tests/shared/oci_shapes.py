@@ -246,3 +246,44 @@ def package_archive() -> bytes:
     index = {"schemaVersion": 2, "manifests": [
         descriptor(oci, "application/vnd.oci.image.manifest.v1+json")]}  # fmt: skip
     return write_layout(index, {_hex(b): b for b in (manifest, items, config, oci)})
+
+
+def sparse_member(name: str, stored: bytes, real_size: int) -> bytes:
+    """A GNU sparse member (type S): `stored` at offset 0, then a hole up to `real_size`,
+    which reads back as zeros. tarfile reads these but cannot write them."""
+    info = tarfile.TarInfo(name)
+    info.type, info.size = tarfile.GNUTYPE_SPARSE, len(stored)
+    header = tar_header(info)
+    header[386:398] = octal(0)  # the first (offset, numbytes) of the sparse map
+    header[398:410] = octal(len(stored))
+    header[483:495] = octal(real_size)  # the size the member expands to
+    return sealed(header) + padded(stored)
+
+
+def with_last_member(valid: bytes, last: bytes) -> bytes:
+    """A well-formed archive, then one hand-made member, then the end of the archive."""
+    with tarfile.open(fileobj=io.BytesIO(valid)) as tar:
+        final = tar.getmembers()[-1]
+    # write_layout's end-of-archive blocks are cut off: the hostile member goes last, so
+    # that a reader going member by member would have read every good one before it.
+    members = valid[: final.offset_data + len(padded(b"x" * final.size))]
+    return members + last + b"\0" * (2 * tarfile.BLOCKSIZE)
+
+
+def octal(value: int, width: int = 12) -> bytes:
+    return f"{value:0{width - 1}o}\0".encode()
+
+
+def tar_header(info: tarfile.TarInfo) -> bytearray:
+    return bytearray(info.tobuf(tarfile.GNU_FORMAT))
+
+
+def sealed(header: bytearray) -> bytes:
+    """The header with its checksum made again (after fields were written by hand)."""
+    header[148:156] = b" " * 8
+    header[148:156] = f"{sum(header):06o}\0 ".encode()
+    return bytes(header)
+
+
+def padded(data: bytes) -> bytes:
+    return data + b"\0" * (-len(data) % tarfile.BLOCKSIZE)

@@ -14,7 +14,18 @@ import pytest
 from shared import oci
 from shared.oci import LayoutError, package_summary, read_layout, write_layout
 from tests.conftest import REPO
-from tests.shared.oci_shapes import INDEX, SHAPES, package_archive, rewrap
+from tests.shared.oci_shapes import (
+    INDEX,
+    SHAPES,
+    octal,
+    package_archive,
+    padded,
+    rewrap,
+    sealed,
+    sparse_member,
+    tar_header,
+    with_last_member,
+)
 from tests.tarballs import pax_record
 
 CONFIG = b"{}"
@@ -108,44 +119,13 @@ def test_an_archive_above_the_limit_is_refused_unread() -> None:
 # -- hostile archives: refused from their headers, before any member is read -------------------
 
 
-def _octal(value: int, width: int = 12) -> bytes:
-    return f"{value:0{width - 1}o}\0".encode()
-
-
-def _header(info: tarfile.TarInfo) -> bytearray:
-    return bytearray(info.tobuf(tarfile.GNU_FORMAT))
-
-
-def _sealed(header: bytearray) -> bytes:
-    """The header with its checksum made again (after fields were written by hand)."""
-    header[148:156] = b" " * 8
-    header[148:156] = f"{sum(header):06o}\0 ".encode()
-    return bytes(header)
-
-
-def _padded(data: bytes) -> bytes:
-    return data + b"\0" * (-len(data) % tarfile.BLOCKSIZE)
-
-
-def sparse_member(name: str, stored: bytes, real_size: int) -> bytes:
-    """A GNU sparse member (type S): `stored` at offset 0, then a hole up to `real_size`,
-    which reads back as zeros. tarfile reads these but cannot write them."""
-    info = tarfile.TarInfo(name)
-    info.type, info.size = tarfile.GNUTYPE_SPARSE, len(stored)
-    header = _header(info)
-    header[386:398] = _octal(0)  # the first (offset, numbytes) of the sparse map
-    header[398:410] = _octal(len(stored))
-    header[483:495] = _octal(real_size)  # the size the member expands to
-    return _sealed(header) + _padded(stored)
-
-
 def _lying(name: str, stored: bytes, declared: int) -> bytes:
     """A plain member whose header declares more bytes than follow it."""
     info = tarfile.TarInfo(name)
     info.size = len(stored)
-    header = _header(info)
-    header[124:136] = _octal(declared)
-    return _sealed(header) + _padded(stored)
+    header = tar_header(info)
+    header[124:136] = octal(declared)
+    return sealed(header) + padded(stored)
 
 
 def _special(name: str, kind: bytes, linkname: str = "") -> bytes:
@@ -153,17 +133,7 @@ def _special(name: str, kind: bytes, linkname: str = "") -> bytes:
     info.type, info.linkname = kind, linkname
     if kind in {tarfile.CHRTYPE, tarfile.BLKTYPE}:
         info.devmajor, info.devminor = 1, 3
-    return bytes(_header(info))
-
-
-def with_last_member(valid: bytes, last: bytes) -> bytes:
-    """A well-formed archive, then one hand-made member, then the end of the archive."""
-    with tarfile.open(fileobj=io.BytesIO(valid)) as tar:
-        final = tar.getmembers()[-1]
-    # write_layout's end-of-archive blocks are cut off: the hostile member goes last, so
-    # that a reader going member by member would have read every good one before it.
-    members = valid[: final.offset_data + len(_padded(b"x" * final.size))]
-    return members + last + b"\0" * (2 * tarfile.BLOCKSIZE)
+    return bytes(tar_header(info))
 
 
 def _archive(last: bytes) -> bytes:
@@ -291,7 +261,7 @@ else:
 def _pax(body: bytes) -> bytes:
     info = tarfile.TarInfo("././@PaxHeader")
     info.type, info.size = tarfile.XHDTYPE, len(body)
-    return info.tobuf(tarfile.USTAR_FORMAT) + _padded(body)
+    return info.tobuf(tarfile.USTAR_FORMAT) + padded(body)
 
 
 def _each_after(body: bytes) -> tuple[bytes, int]:
@@ -300,7 +270,7 @@ def _each_after(body: bytes) -> tuple[bytes, int]:
     blobs |= {_hex(b): b for b in (f"extra blob {i}".encode() for i in range(EXTRA_BLOBS))}
     valid = write_layout(index, blobs)
     with tarfile.open(fileobj=io.BytesIO(valid)) as tar:
-        spans = [(m.offset, m.offset_data + len(_padded(b"x" * m.size))) for m in tar]
+        spans = [(m.offset, m.offset_data + len(padded(b"x" * m.size))) for m in tar]
     parts = [_pax(body) + valid[start:end] for start, end in spans]
     return b"".join(parts) + b"\0" * (2 * tarfile.BLOCKSIZE), len(blobs)
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from shared import backup
+from shared import backup_archive
 from shared.tarstream import (
     MAX_HEADER_BYTES,
     ExtendedHeaderTooLargeError,
@@ -125,15 +125,17 @@ def test_a_damaged_archive_is_unreadable(data: bytes, reason: str) -> None:
 def test_a_pax_size_past_what_int_converts_is_refused(tmp_path: Path) -> None:
     # Python refuses to convert a number of over 4,300 digits with a ValueError of its own,
     # which a restore did not catch: it ended in a traceback.
-    data = _pax(pax_record("size", "9" * 5000)) + _file(backup.MANIFEST)
+    data = _pax(pax_record("size", "9" * 5000)) + _file(backup_archive.MANIFEST)
     with pytest.raises(TarStreamError, match="has a PAX size of '9999") as refused:
         TarStream(io.BytesIO(data)).next()
     assert len(str(refused.value)) < 200
     archive = tmp_path / "size.tar"
     archive.write_bytes(data)
     (tmp_path / "staging").mkdir()
-    with pytest.raises(backup.BackupError, match=re.escape(f"{archive}: 'manifest.json' has a")):
-        backup.read_archive(
+    with pytest.raises(
+        backup_archive.BackupError, match=re.escape(f"{archive}: 'manifest.json' has a")
+    ):
+        backup_archive.read_archive(
             archive, tmp_path / "staging", kind="hub", allowed=lambda _: True, check=lambda _: None
         )
 

@@ -30,7 +30,7 @@ from hub.state import sql
 from hub.state.migrations import MIGRATION_SET, MIGRATIONS
 from hub.state.serials import AUTH_REVISION, DESIRED_SERIAL
 from shared import db
-from shared.backup import BackupError
+from shared.backup_archive import BackupError
 
 # The serials kept in `meta` that a restore moves forward: the desired state's, which nodes
 # compare, and the authentication revision, which replicas compare to drop what they

@@ -1,0 +1,93 @@
+"""Lesson packages made by hand (a manifest and its files), and the scripted model that
+makes ones passing every check."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from appliance.packages.generate import _KIND, example
+from appliance.packages.model import (
+    Check,
+    Choice,
+    FileEntry,
+    Item,
+    ItemType,
+    Level,
+    Lineage,
+    Manifest,
+    ModelLineage,
+    Spec,
+    ValidationReport,
+    VoiceLineage,
+)
+from appliance.serving.catalog import register_file
+from appliance.state.store import Store
+from tests.conftest import SCRIPTED, write_script
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from appliance.state.records import ModelRecord
+
+
+def package(
+    n: int,
+    *,
+    version: str = "0123456789ab",
+    topic: str | None = None,
+    files: dict[str, bytes] | None = None,
+    day: int | None = None,
+) -> tuple[Manifest, dict[str, bytes]]:
+    """Package number ``n``: its manifest and its files (manifest.json aside)."""
+    files = {"items.json": f"items of package {n}".encode() * 10} if files is None else files
+    item = Item(
+        id="q1",
+        type=ItemType.single_choice,
+        prompt="What do plants take in?",
+        choices=[Choice(id="a", text="Carbon dioxide"), Choice(id="b", text="Salt")],
+        correct=["a"],
+    )
+    manifest = Manifest(
+        id=f"pkg_{n:024x}",
+        version=version,
+        title=f"Lesson {n}",
+        topic=topic or f"Topic {n}",
+        level=Level.beginner,
+        spec=Spec(items=1),
+        items=[item],
+        files=[
+            FileEntry(
+                path=path,
+                sha256=hashlib.sha256(data).hexdigest(),
+                size=len(data),
+                media_type="audio/wav" if path.endswith(".wav") else "application/json",
+            )
+            for path, data in files.items()
+        ],
+        lineage=Lineage(
+            model=ModelLineage(name="gemma3-270m", version="1", sha256="0" * 64),
+            voice=VoiceLineage(engine="espeak-ng", voice="en", version="1.51"),
+            prompt_template_version="1",
+            seed=n,
+            appliance_id="appliance-1",
+        ),
+        validation=ValidationReport(passed=True, checks=[Check(name="one_correct", passed=True)]),
+        created_at=f"2024-01-{(day or n) % 28 + 1:02d}T08:00:00+00:00",
+        request_digest=f"{n:064x}",
+    )
+    return manifest, files
+
+
+def package_model(folder: Path) -> ModelRecord:
+    """SCRIPTED, registered (in a catalog of its own in ``folder``), answering each item
+    type's request (every prompt names its type) with a worked answer of that type, four
+    choices where it has choices: an item that passes every check."""
+    rules = [{"contains": _KIND[kind], "reply": example(kind, 4)} for kind in ItemType]
+    script = write_script(folder / "packages.json", rules=rules)
+    store = Store(folder / "catalog.db")
+    try:
+        return register_file(store, script, SCRIPTED, "1")
+    finally:
+        store.close()
