@@ -152,8 +152,11 @@ async def test_a_queued_request_past_its_first_token_objective_is_shed(
         n_slots=1,
     )
     key = keys[ServiceClass.S1]
-    long = asyncio.create_task(streamed(client, key, "The history of the world begins", 1500))
-    await asyncio.sleep(0.5)
+    holds = asyncio.Event()  # its first text came: it holds the slot
+    long = asyncio.create_task(
+        streamed(client, key, "The history of the world begins", 1500, holds)
+    )
+    await asyncio.wait_for(holds.wait(), 60)
     status, _, body, headers = await streamed(client, key, "Hello", 8)
     assert status == 429, body
     assert body["error"]["code"] == ErrorCode.overloaded
