@@ -26,7 +26,14 @@ from appliance.grpc.proto.kovenlab.edge.v1 import inference_pb2_grpc as pb_grpc
 from appliance.grpc.server import client_address
 from shared.errors import ErrorCode
 from tests.appliance.tls import make_certificate
-from tests.conftest import ApplianceProcess, free_port, kvl, running_appliance, spawn_appliance
+from tests.conftest import (
+    PATIENT_S1_ENV,
+    ApplianceProcess,
+    free_port,
+    kvl,
+    running_appliance,
+    spawn_appliance,
+)
 from tests.waiting import until_sync
 
 if TYPE_CHECKING:
@@ -80,6 +87,7 @@ def appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrpcApplianc
         "KVL_MODEL__N_CTX": "2048",
         "KVL_GRPC__ENABLED": "true",
         "KVL_GRPC__PORT": str(port),
+        **PATIENT_S1_ENV,
         "KVL_CLASSES__S0__REQUESTS_PER_MINUTE": "1",
         # A client that asks again at once is held after two refusals a second, briefly.
         "KVL_CLASSES__REFUSALS_PER_SECOND": "2",
