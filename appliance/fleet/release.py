@@ -209,7 +209,12 @@ class Updater:
             await self._settle(target, record)
         elif self._due(target, record) and _in_window(target.window, self._clock()):
             await self._update(client, target)
-        await self.refresh()
+        try:
+            await self.refresh()
+        except InstallerError as err:
+            # After an install the machine reboots, and RAUC's service stops with it: the
+            # status read after is refused (it was a traceback in the log of every update).
+            log.info("the image updater does not answer (the node is rebooting?): %s", err)
 
     async def _settle(self, target: protocol.ReleaseTarget, record: Record | None) -> None:
         """The node runs the release: marked good (it booted, and reached the hub)."""

@@ -37,6 +37,7 @@ from hub.rollouts import begin
 from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared import pki, protocol
+from shared.supervise import Failures
 from tests.hubs import settings_for
 from tests.releases import speak_releases
 from tests.waiting import until, until_sync
@@ -380,3 +381,29 @@ async def test_a_damaged_bundle_fails_and_a_slot_that_never_booted_is_a_rollback
         assert updater.image is not None
         assert (_image(updater).version, _image(updater).state) == ("1.0", "rolled-back")
         assert "booted the previous image (1.0)" in (_image(updater).error or "")
+
+
+async def test_the_reboot_after_an_install_stops_rauc_and_the_updater_takes_it_calmly(
+    aiohttp_server: AiohttpServer, tmp_path: Path, rauc: RaucHost
+) -> None:
+    """On a node the reboot command stops RAUC's service at once, before the updater reads
+    its status again: that read is refused, which is the reboot, not a failure of the loop
+    (it was a logged traceback and a counted failure on every update)."""
+    host = rauc
+    bundle = host.bundle("1.1")
+    async for given in give_release(aiohttp_server, tmp_path, bundle):
+        assert host.service is not None
+        failures = Failures()
+        updater = Updater(
+            given.store, Rauc("rauc", [f"--conf={host.conf}"]), tmp_path / "node" / "updates",
+            os_release=tmp_path / "os-release", boot=lambda: "boot-1", failures=failures,
+            reboot=["kill", str(host.service.pid)],
+        )  # fmt: skip
+        (tmp_path / "os-release").write_text("IMAGE_VERSION=1.0\n")
+        updater.kick(given.client)
+        assert updater._task is not None  # the background run kick started
+        await updater._task
+        assert host.service.wait(10) is not None  # the "reboot" stopped the service
+        assert failures.count("fleet.release") == 0, failures.report()
+        assert _image(updater).state == "installed-pending-reboot"
+        assert (tmp_path / "rauc" / "slot-b.img").read_bytes().startswith(b"rootfs 1.1")
