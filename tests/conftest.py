@@ -86,8 +86,12 @@ SLOW = "scripted-slow"
 # the subject: a first token past 10 s on two cores busy with three other test workers is
 # the host, not the code, and the 429 that sheds it would fail a test of something else.
 PATIENT_S1: dict[str, object] = {"admit_s": 300, "first_token_s": 600, "complete_s": 3600}
-# The same for an appliance process, in its environment.
-PATIENT_S1_ENV = {f"KVL_CLASSES__S1__{name.upper()}": str(v) for name, v in PATIENT_S1.items()}
+# The environment of an appliance process that serves the real model in a test: the patient
+# S1, and one llama.cpp thread (as make_settings gives).
+REAL_MODEL_ENV = {
+    "KVL_MODEL__N_THREADS": "1",
+    **{f"KVL_CLASSES__S1__{name.upper()}": str(v) for name, v in PATIENT_S1.items()},
+}
 SLOW_SCRIPT = {"step_s": 0.02, "reply": "tick " * 400, "rules": []}
 
 
@@ -299,7 +303,7 @@ def appliance_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appl
     env = {
         "KVL_DISCOVERY__ENABLED": "false",
         "KVL_MODEL__N_CTX": "2048",
-        **PATIENT_S1_ENV,
+        **REAL_MODEL_ENV,
     }
     with running_appliance(data_dir, key, env) as appliance:
         yield appliance

@@ -87,7 +87,7 @@ def run(
             n_ctx=512,
             n_slots=slots,
             n_batch=128,
-            n_threads=2,
+            n_threads=1,
             prefix_min_tokens=share,
             cache_prompt=False,
         ),
@@ -176,7 +176,7 @@ def test_s2_preempts_a_running_s0_sequence_which_resumes_and_completes(
     default_model: ModelRecord,
 ) -> None:
     engine = BatchEngine(
-        default_model, EngineOptions(n_ctx=512, n_slots=1, n_batch=128, n_threads=2)
+        default_model, EngineOptions(n_ctx=512, n_slots=1, n_batch=128, n_threads=1)
     )
     engine.load()
     assert engine.vocab is not None
@@ -244,7 +244,7 @@ def test_a_conversations_next_turn_reuses_the_cells_its_slot_kept(
                 n_ctx=512,
                 n_slots=2,
                 n_batch=128,
-                n_threads=2,
+                n_threads=1,
                 # The shared prefix store is on, as in service: turn two starts with turn
                 # one's prompt, which must not make it build a store of that instead.
                 prefix_min_tokens=32,

@@ -162,7 +162,7 @@ def serve(lan: Lan, node_name: str, host: str) -> Iterator[Appliance]:
             env=_clean_env(
                 KVL_DISCOVERY__NODE_NAME=node_name,
                 KVL_MODEL__N_CTX="2048",
-                KVL_MODEL__N_THREADS="2",
+                KVL_MODEL__N_THREADS="1",
             ),
         )
     appliance = Appliance(process, log_path)

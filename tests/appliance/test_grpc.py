@@ -27,7 +27,7 @@ from appliance.grpc.server import client_address
 from shared.errors import ErrorCode
 from tests.appliance.tls import make_certificate
 from tests.conftest import (
-    PATIENT_S1_ENV,
+    REAL_MODEL_ENV,
     ApplianceProcess,
     free_port,
     kvl,
@@ -87,7 +87,7 @@ def appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrpcApplianc
         "KVL_MODEL__N_CTX": "2048",
         "KVL_GRPC__ENABLED": "true",
         "KVL_GRPC__PORT": str(port),
-        **PATIENT_S1_ENV,
+        **REAL_MODEL_ENV,
         "KVL_CLASSES__S0__REQUESTS_PER_MINUTE": "1",
         # A client that asks again at once is held after two refusals a second, briefly.
         "KVL_CLASSES__REFUSALS_PER_SECOND": "2",

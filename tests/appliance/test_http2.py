@@ -45,7 +45,7 @@ from tests.appliance.node_certificates import (
     serve_hub,
     served_serial,
 )
-from tests.conftest import PATIENT_S1_ENV, free_port, make_settings
+from tests.conftest import REAL_MODEL_ENV, free_port, make_settings
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -252,7 +252,7 @@ def test_http2_off_serves_http11_only(tmp_path: Path) -> None:
 
 @pytest.mark.model
 def test_a_chat_completion_streams_over_h2(tmp_path: Path) -> None:
-    env = {"KVL_MODEL__DEFAULT": "gemma-3-270m", "KVL_MODEL__N_CTX": "2048", **PATIENT_S1_ENV}
+    env = {"KVL_MODEL__DEFAULT": "gemma-3-270m", "KVL_MODEL__N_CTX": "2048", **REAL_MODEL_ENV}
     appliance = start(tmp_path, env)
     try:
         with appliance.client() as client:

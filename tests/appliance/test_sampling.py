@@ -86,7 +86,7 @@ class Engine:
                 n_ctx=512,
                 n_slots=slots,
                 n_batch=128,
-                n_threads=2,
+                n_threads=1,
                 prefix_min_tokens=share,
                 cache_prompt=False,
             ),

@@ -77,7 +77,7 @@ def generate(
 ) -> list[Finished]:
     """One constrained generation per seed, four at a time, all queued before the start.
     ``prompt`` is a user message, or (``chat`` false) the rendered prompt itself."""
-    engine = BatchEngine(model, EngineOptions(n_ctx=512, n_slots=4, n_batch=256, n_threads=2))
+    engine = BatchEngine(model, EngineOptions(n_ctx=512, n_slots=4, n_batch=256, n_threads=1))
     engine.load()
     assert engine.vocab is not None
     if chat:
