@@ -255,6 +255,10 @@ class Neural:
             raise ModelUnavailable(f"{self._path.name} is not a voice file")
         options = ort.SessionOptions()
         options.intra_op_num_threads = self._threads
+        options.inter_op_num_threads = 1
+        # As the embedder's: idle threads that spin after each run steal the cores the LLM
+        # decodes on (speech is read while the text is still being generated).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             data = self._path.read_bytes()
             self._session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
