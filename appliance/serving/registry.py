@@ -453,6 +453,7 @@ class ModelRegistry:
             cache_prompt=m.cache_prompt,
             reserved_slots=self._settings.classes.reserved_slots,
             preemption=self._settings.classes.preemption,
+            stamps_dir=str(self._settings.models_dir / "verified"),
         )
 
     async def _deploy(self, record: ModelRecord, *, replicas: int, pinned: bool) -> LoadedModel:

@@ -230,7 +230,8 @@ class ScriptedEngine:
         self.after_turn: Callable[[], None] = _nothing
 
     def load(self) -> None:
-        # The file registered, as a GGUF model's is checked (catalog.verify) at every load.
+        # Checked against its registered sha256 at every load: a script is a few kilobytes
+        # (catalog.verify's stamps spare gigabytes of weights that hashing).
         self._script = Script.read(Path(self.record.path), sha256=self.record.sha256)
         self.vocab = ByteVocabulary(self._script.chat_template)
         log.info("loaded the scripted model %s: %d slots", self.record.ref, self.options.n_slots)

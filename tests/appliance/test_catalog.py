@@ -2,10 +2,13 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
+import time
 from pathlib import Path
 
 import pytest
 
+from appliance.serving import catalog
 from appliance.serving.catalog import (
     CHAT_MODEL_NAME,
     DEFAULT_MODEL_NAME,
@@ -23,6 +26,7 @@ from appliance.serving.progress import ProgressBar
 from appliance.settings import ApplianceSettings
 from appliance.state.records import ModelRecord
 from appliance.state.store import ConflictError, Store
+from tests.waiting import until_sync
 
 
 def _quiet(label: str, total: int) -> ProgressBar:
@@ -188,3 +192,59 @@ def test_the_chat_models_own_template_renders_through_llama_cpps_vocabulary(
     assert len(end) == 1  # one control token, and the one that ends generation
     assert vocab.is_eog(end[0])
     assert end[0] in vocab.tokenize(own, chat=True)
+
+
+def test_a_file_unchanged_since_it_matched_is_not_hashed_again_and_a_written_one_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"weights " * 4096)
+    record = ModelRecord(
+        name="m", version="1", format="gguf", path=str(model),
+        sha256=catalog.sha256_file(model), size_bytes=model.stat().st_size,
+        quantization=None, source="file:", added_at="2026-12-06T00:00:00Z",
+    )  # fmt: skip
+    hashed: list[Path] = []
+    real = catalog.sha256_file
+
+    def counted(path: Path) -> str:
+        hashed.append(path)
+        return real(path)
+
+    monkeypatch.setattr(catalog, "sha256_file", counted)
+    stamps = tmp_path / "verified"
+    # Changed just now (the kernel's clock is coarse): hashed, and not stamped yet.
+    verify(record, stamps)
+    verify(record, stamps)
+    assert len(hashed) == 2
+    # Later: hashed once more, stamped; then trusted while unchanged.
+    monkeypatch.setattr(catalog, "_clock_ns", lambda: model.stat().st_ctime_ns + 10**10)
+    verify(record, stamps)
+    verify(record, stamps)
+    verify(record, stamps)
+    assert len(hashed) == 3
+    # Without the stamps: every load hashes.
+    verify(record)
+    assert len(hashed) == 4
+
+    # Written in place, same size, its mtime put back: the ctime moved, so it is hashed
+    # again, and refused.
+    before = model.stat()
+    until_sync(lambda: time.time_ns() > before.st_ctime_ns + 20_000_000, "a later tick", 5)
+    with model.open("r+b") as f:
+        f.write(b"W")
+    os.utime(model, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(ModelFileError, match="sha256"):
+        verify(record, stamps)
+    assert len(hashed) == 5
+    # A stamp of another path is not this file's; a missing file is missing.
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"weights " * 4096)
+    with pytest.raises(ModelFileError, match="sha256"):
+        verify(record, stamps)  # the stamp is still not trusted for the written file
+    moved = dataclasses.replace(record, path=str(other))
+    verify(moved, stamps)
+    assert len(hashed) == 7
+    other.unlink()
+    with pytest.raises(ModelFileError, match="missing"):
+        verify(moved, stamps)
