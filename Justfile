@@ -131,8 +131,8 @@ lint: setup
 
 # Set up and run every test tier this machine can run (unit, model, netns, browser, postgres,
 # image). Four workers, a test module each at a time (its module-scoped servers stay in one
-# worker): most of a test's time is waiting on processes, servers and tunnels, so they
-# overlap on two cores. The image's QEMU boots take every core, so they run alone, after
+# worker), the slowest modules first (tests/scheduling.py): most of a test's time is waiting
+# on processes, servers and tunnels, so they overlap on two cores. The image's QEMU boots take every core, so they run alone, after
 # (a selection without image tests is no failure: pytest's exit status 5).
 test *args: setup setup-image lint
     pytest -n 4 --dist loadfile -m "not image" {{ args }}

@@ -36,9 +36,12 @@ from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from shared.classes import IsolationLevel
 from tests.postgres import MISSING, Cluster, cluster, server_bin
+from tests.scheduling import HeaviestFirst, heaviest_first
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+
+    from xdist.remote import Producer
 
 REPO = Path(__file__).resolve().parents[1]
 Client = TestClient[web.Request, web.Application]
@@ -330,6 +333,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & MODEL_FIXTURES and item.get_closest_marker("model") is None:
             item.add_marker(pytest.mark.model)
+    heaviest_first(items)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> HeaviestFirst | None:
+    """`--dist loadfile` as tests/scheduling.py orders it; other modes as xdist's own."""
+    return HeaviestFirst(config, log) if config.getoption("dist") == "loadfile" else None
 
 
 def pytest_sessionfinish() -> None:

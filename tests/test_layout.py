@@ -12,6 +12,8 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
+from tests.scheduling import HEAVIEST, PER_BACKEND
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("appliance", "hub", "image", "shared")
 
@@ -454,3 +456,10 @@ def test_no_test_module_imports_from_another_test_module() -> None:
             ):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert found == [], f"imports from a test module: {found}"
+
+
+def test_the_modules_the_scheduler_sends_first_exist() -> None:
+    """tests/scheduling.py names the slowest modules; a rename must not leave it naming
+    none, which would put them back at the end of the run."""
+    missing = [m for m in (*HEAVIEST, *PER_BACKEND) if not (ROOT / m).is_file()]
+    assert missing == [], f"tests/scheduling.py names modules that are not there: {missing}"
