@@ -18,7 +18,8 @@ reach the handlers' work and not only the 404 or the refusal in front of it.
 Text no database can keep (NUL, lone surrogates), which the generator sends only now and
 then, has hand-written cases for every place a client's text goes.
 
-Runs in about 35 s on a 2-core machine, and as long again on PostgreSQL.
+The suite's longest module: `just test` runs it on SQLite and on PostgreSQL in two workers
+at once (tests/scheduling.py).
 """
 
 from __future__ import annotations
