@@ -59,6 +59,13 @@ async def complete(client: Any, key: str, model: str = SCRIPTED) -> None:
     assert response.status == 200, await response.text()
 
 
+async def given_by_hub(store: AsyncStore, name: str = "lan-user") -> bool:
+    """Whether the node holds `name` as the fleet's account (a heartbeat brought the hub's
+    desired state): only then is its usage synced to the hub."""
+    account = await store.run(store.sync.get_account, name)
+    return account is not None and account.fleet
+
+
 async def fleet_account(store: AsyncStore, name: str = "lan-user") -> Account:
     """An account of the fleet on a node's store, as the hub's desired state gives it
     (accounts made on the node keep their usage there; the fleet's is synced)."""

@@ -27,7 +27,7 @@ from shared import protocol
 from shared.provisioning import Provisioning
 from shared.wireguard import read_private_key
 from tests.conftest import SCRIPTED, NoModels, free_port, kvl, make_settings
-from tests.fleet import complete, fleet_account, fleet_appliance, provisioning
+from tests.fleet import complete, fleet_account, fleet_appliance, given_by_hub, provisioning
 from tests.hubs import settings_for
 from tests.waiting import until
 
@@ -357,6 +357,10 @@ async def test_the_outbox_is_bounded_and_takes_work_again_once_the_hub_is_back(
     )
     link = app[FLEET]
     await until(lambda: _enrolled(link), timeout_s=30)
+    # Only the fleet's usage waits for the hub: the account is the fleet's once a heartbeat
+    # has brought the hub's desired state (enrolled alone, on a busy machine it was not yet,
+    # and the usage stayed the node's own, never filling the outbox).
+    await until(lambda: given_by_hub(app[STORE]), "the hub's account on the node", 30)
     await hub_server.close()
     for _ in range(2):
         await complete(client, key)
