@@ -239,9 +239,12 @@ def verify(record: ModelRecord, stamps: Path | None = None) -> None:
     included. A file written since, even put back with its old mtime, is hashed again."""
     path = Path(record.path)
     try:
-        seen = _stat_key(path)
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise FileNotFoundError(path)
     except OSError:
         raise ModelFileError(f"model file {path} of {record.ref} is missing") from None
+    seen = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
     stamp = _stamp_path(stamps, record) if stamps is not None else None
     if stamp is not None and _read_stamp(stamp) == seen:
         return
@@ -250,7 +253,7 @@ def verify(record: ModelRecord, stamps: Path | None = None) -> None:
         raise ModelFileError(
             f"model file {path} of {record.ref} has sha256 {digest}, registered {record.sha256}"
         )
-    if stamp is not None and _clock_ns() - int(seen.rsplit(":", 1)[1]) > RACY_NS:
+    if stamp is not None and _clock_ns() - st.st_ctime_ns > RACY_NS:
         # Not for a file changed just now: a write in the same tick of the kernel's coarse
         # clock would leave its ctime as it is (git's "racily clean" files, hashed again).
         _write_stamp(stamp, seen)
@@ -258,13 +261,6 @@ def verify(record: ModelRecord, stamps: Path | None = None) -> None:
 
 RACY_NS = 2_000_000_000
 _clock_ns = time.time_ns
-
-
-def _stat_key(path: Path) -> str:
-    st = path.stat()
-    if not stat.S_ISREG(st.st_mode):
-        raise FileNotFoundError(path)
-    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
 def _stamp_path(stamps: Path, record: ModelRecord) -> Path:
