@@ -90,6 +90,7 @@ IMAGE_NAME = "kovenlab-edge.img"
 COMPRESSED_NAME = IMAGE_NAME + ".zst"
 MANIFEST_NAME = "kovenlab-edge.json"
 FORMAT = 1  # bump when the build changes in a way its inputs do not show
+# (image/ is among its inputs; FORMAT also keys the llama.cpp wheel, 13 minutes to compile)
 # zstd's level for the download: -10 takes the image to about half of its data in about a
 # minute on two cores; -19 saves a few percent more for ten times as long.
 ZSTD_LEVEL = 10
@@ -98,14 +99,14 @@ MIB = 1024 * 1024
 # systemd-boot, and a kernel and initrd for each slot (about 30 MiB a slot), with room for a
 # slot's new pair while its old one is still there
 ESP_SIZE = 128 * MIB
-# Fixed once a node is flashed: every later version must fit. The root holds about 1.1 GiB
+# Fixed once a node is flashed: every later version must fit. The root holds about 0.8 GiB
 # (the manifest's root_used_bytes); the rest is room for the versions to come, and the
 # build refuses a root that fills more than ROOT_FULL of it.
 ROOT_SLOT_SIZE = 1536 * MIB
 ROOT_FULL = 0.85
 # Grown to the end of the disk on first boot, before the appliance writes to it: the image
-# carries only an empty file system.
-DATA_SIZE = 128 * MIB
+# carries the embedded models in it (335 MiB; `place_models`), and room to start.
+DATA_SIZE = 512 * MIB
 ALIGN = MIB
 
 SUITE = "bookworm"
@@ -434,11 +435,21 @@ def _fresh(path: Path) -> Path:
     return path
 
 
+# A machine's cache entry unused this long is removed; the Debian tree is made again when it
+# is this old, so a build takes Debian's security updates within a week.
+CACHE_DAYS = 7
+
+
 def _prune(folder: Path, pattern: str, keep: Path) -> None:
-    """Old cache entries of one kind: only the current one is kept."""
+    """Old cache entries of one kind: the current one is kept, and any other whose mtime is
+    within CACHE_DAYS (another clone on this machine may be building with it now)."""
     for old in folder.glob(pattern):
-        if old != keep:
+        if old != keep and ".partial-" not in old.name and _age_days(old) > CACHE_DAYS:
             _fresh(old)
+
+
+def _age_days(path: Path) -> float:
+    return (time.time() - path.stat().st_mtime) / 86400
 
 
 def project_wheel(paths: Paths) -> Path:
@@ -481,12 +492,22 @@ def llama_key() -> str:
     return _digest(FORMAT, _requirement("llama-cpp-python"), LLAMA_CMAKE_ARGS, sys.version_info[:2])
 
 
-def wheel_cache() -> Path:
-    """Where compiled wheels are kept: per machine, beside `just setup`'s, not in the build
-    folder, so a fresh clone (CI's, a new worktree) takes the wheel this machine compiled
-    before instead of compiling it again."""
+def machine_cache() -> Path:
+    """Where what the build makes from its pinned inputs is kept: per machine, beside `just
+    setup`'s wheels, not in the build folder, so a fresh clone (CI's, a new worktree) takes
+    what this machine made before instead of making it again."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kovenlab-edge" / "image-wheels"
+    return Path(base) / "kovenlab-edge"
+
+
+def wheel_cache() -> Path:
+    """Compiled and downloaded wheels (`machine_cache`)."""
+    return machine_cache() / "image-wheels"
+
+
+def debian_cache() -> Path:
+    """Debian trees made by mmdebstrap (`machine_cache`)."""
+    return machine_cache() / "image-debian"
 
 
 def llama_wheel(paths: Paths) -> Path:
@@ -535,11 +556,12 @@ def dependency_wheels(paths: Paths, project: Path, llama: Path) -> Path:
     """Wheels of every dependency: downloaded (or from pip's cache), and llama-cpp-python's
     portable one."""
     key = _digest(dependencies_key(), llama_key())[:16]
-    folder = paths.cache / f"wheels-{key}"
+    folder = wheel_cache() / f"wheels-{key}"
     if (folder / ".complete").is_file():
-        log.info("      cached: %s", folder.relative_to(paths.build))
+        log.info("      cached: %s", folder)
+        folder.touch()
         return folder
-    partial = _fresh(folder.with_name(folder.name + ".partial"))
+    partial = _fresh(folder.with_name(f"{folder.name}.partial-{os.getpid()}"))
     partial.mkdir(parents=True)
     # A wheel found by --find-links beats an sdist of the same version on the index.
     run(
@@ -561,19 +583,26 @@ def dependency_wheels(paths: Paths, project: Path, llama: Path) -> Path:
         show=r"^\s*(Collecting|Using cached|Saved) ",
     )  # fmt: skip
     (partial / ".complete").write_text(key + "\n")
-    partial.rename(folder)
-    _prune(paths.cache, "wheels-*", folder)
+    try:
+        partial.rename(folder)
+    except OSError:  # another clone's build made the same folder first: take it
+        if not (folder / ".complete").is_file():
+            raise
+        _fresh(partial)
+    _prune(wheel_cache(), "wheels-*", folder)
     return folder
 
 
 def debian_base(paths: Paths) -> Path:
-    """Debian 12 with the image's packages, as a tarball (mmdebstrap, as root)."""
+    """Debian 12 with the image's packages, as a tarball (mmdebstrap, as root); made again
+    once it is CACHE_DAYS old, for Debian's updates."""
     key = debian_key()[:16]
-    tarball = paths.cache / f"debian-{SUITE}-{key}.tar"
-    if tarball.is_file():
-        log.info("      cached: %s", tarball.relative_to(paths.build))
+    tarball = debian_cache() / f"debian-{SUITE}-{key}.tar"
+    if tarball.is_file() and _age_days(tarball) <= CACHE_DAYS:
+        log.info("      cached: %s", tarball)
         return tarball
-    partial = _fresh(tarball.with_suffix(".partial"))
+    tarball.parent.mkdir(parents=True, exist_ok=True)
+    partial = _fresh(tarball.with_name(f"{tarball.name}.partial-{os.getpid()}"))
     argv = [
         "mmdebstrap",
         "--mode=root",
@@ -589,7 +618,7 @@ def debian_base(paths: Paths) -> Path:
     ]
     run(argv, paths.log, show=r"^I: ")
     partial.rename(tarball)
-    _prune(paths.cache, f"debian-{SUITE}-*.tar", tarball)
+    _prune(debian_cache(), f"debian-{SUITE}-*.tar", tarball)
     return tarball
 
 
@@ -644,6 +673,7 @@ def system_tree(paths: Paths, base: Path, wheels: list[Path], keyring: Path) -> 
     appliance.mkdir(mode=0o700)
     uid, gid = _user(root, "kovenlab")
     os.chown(appliance, uid, gid)
+    place_models(paths, root, appliance, (uid, gid))
     (root / DATA_MOUNT).mkdir(parents=True, exist_ok=True)
     (root / "boot/efi").mkdir(parents=True, exist_ok=True)
 
@@ -655,6 +685,39 @@ def system_tree(paths: Paths, base: Path, wheels: list[Path], keyring: Path) -> 
     if not initrd.is_file():
         raise BuildError(f"the Debian tree has no initrd for kernel {version}")
     return System(root, data, kernels[0], initrd, version, packages)
+
+
+def place_models(paths: Paths, root: Path, appliance: Path, owner: tuple[int, int]) -> None:
+    """The embedded models' files (checked against their published sha256) into the data
+    partition's models folder, and out of the root: an update bundle is then the system alone
+    (less than half its size; fetching and writing it took most of an update), a node keeps
+    the models it has across updates, and its first start registers them where they are
+    instead of copying 335 MiB. The packages stay installed for their versions and digests."""
+    staged = root / "var/tmp/kvl-models"
+    script = (
+        "import io, json, pathlib; "
+        "from appliance.serving.catalog import place_embedded; "
+        "from appliance.serving.progress import ProgressBar; "
+        "quiet = lambda label, total: ProgressBar(label, total, stream=io.StringIO()); "
+        f"placed = place_embedded(pathlib.Path('/{staged.relative_to(root)}'), quiet); "
+        "print(json.dumps([str(p) for p in placed]))"
+    )
+    out = chroot(root, paths.log, f"{VENV}/bin/python", "-c", script)
+    sources = [Path(p) for p in json.loads(out.strip().splitlines()[-1])]
+    models = appliance / "models"
+    models.mkdir(mode=0o755)
+    os.chown(models, *owner)
+    for placed in sorted(staged.iterdir()):
+        moved = models / placed.name
+        shutil.move(placed, moved)
+        os.chown(moved, *owner)
+        moved.chmod(0o644)
+    staged.rmdir()
+    for source in sources:
+        (root / source.relative_to("/")).unlink()
+    log.info(
+        "      the models onto the data partition: %s", ", ".join(p.name for p in _files(models))
+    )
 
 
 def _install_files(root: Path, keyring: Path) -> None:

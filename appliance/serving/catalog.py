@@ -4,8 +4,10 @@ Two models ship inside PyPI packages (:data:`EMBEDDED`): SmolLM2 135M Instruct, 
 instruction-tuned model with a chat template (`model.chat_default`), and Gemma 3 270M, a
 base model for text completions (`model.default`, loaded at start). Each is copied (Gemma's
 chunks assembled) into the data dir on first use, with a progress bar, checked against its
-published sha256 and registered. A load checks the sha256 again unless the file is unchanged
-since it last matched (:func:`verify`).
+published sha256 and registered; a file already there with that sha256 is registered as it
+is (the appliance image ships the files on its data partition, not in the system slot that
+an update replaces: :func:`place_embedded`). A load checks the sha256 again unless the file
+is unchanged since it last matched (:func:`verify`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -127,29 +129,71 @@ EMBEDDED: dict[str, EmbeddedModel] = {
 def ensure_embedded(
     store: Store, models_dir: Path, model: str | EmbeddedModel, progress: Progress = ProgressBar
 ) -> ModelRecord:
-    """The registered embedded model (by name, or itself), copied into ``models_dir`` on
-    first use."""
+    """The registered embedded model (by name, or itself), put into ``models_dir`` on first
+    use: taken as it is when its file is there with the published sha256, else copied from
+    its package. A package whose files are gone (the image keeps them on the data partition,
+    and a release that names a newer version brings none) leaves the newest version the node
+    already has registered, if any."""
     model = EMBEDDED[model] if isinstance(model, str) else model
     name, version = model.name, model.version()
     record = store.get_model(name, version)
     if record is not None and Path(record.path).is_file():
         return record
     target = models_dir / model.file_name
-    digest = _assemble(model, target, progress)
     record = ModelRecord(
         name=name,
         version=version,
         format="gguf",
         path=str(target),
-        sha256=digest,
-        size_bytes=target.stat().st_size,
-        quantization=read_gguf(target).quantization,
+        sha256=model.sha256(),
+        size_bytes=0,
+        quantization=None,
         source=f"pypi:{model.package}=={version}",
         added_at=_now_iso(),
+    )
+    try:
+        verify(record, stamps_folder(models_dir))  # already there: hashed once, not copied
+    except ModelFileError:
+        try:
+            _assemble(model, target, progress)
+        except ModelFileError:
+            earlier = _earlier_version(store, name, version)
+            if earlier is None:
+                raise
+            return earlier
+    record = replace(
+        record,
+        size_bytes=target.stat().st_size,
+        quantization=read_gguf(target).quantization,
     )
     if store.get_model(name, version) is None:
         store.add_model(record)
     return record
+
+
+def _earlier_version(store: Store, name: str, version: str) -> ModelRecord | None:
+    """The most recently added other version of `name` whose file is still there."""
+    for record in reversed(store.list_models()):  # by name, then by when added
+        if record.name == name and record.version != version and Path(record.path).is_file():
+            return record
+    return None
+
+
+def place_embedded(models_dir: Path, progress: Progress = ProgressBar) -> list[Path]:
+    """Every embedded model's file put into ``models_dir`` (checked against its published
+    sha256), for the first start to register as it is: the image build does this on the data
+    partition. Returns the package files they came from, which the build then leaves out
+    of the system slot."""
+    sources: list[Path] = []
+    for model in EMBEDDED.values():
+        _assemble(model, models_dir / model.file_name, progress)
+        sources += model.sources()
+    return sources
+
+
+def stamps_folder(models_dir: Path) -> Path:
+    """Where :func:`verify` notes the files that matched: beside the models it checks."""
+    return models_dir / "verified"
 
 
 def ensure_default_model(

@@ -34,7 +34,12 @@ from typing import TYPE_CHECKING, Literal
 import psutil
 
 from appliance.serving import isolation
-from appliance.serving.catalog import EMBEDDED, ModelFileError, ensure_embedded
+from appliance.serving.catalog import (
+    EMBEDDED,
+    ModelFileError,
+    ensure_embedded,
+    stamps_folder,
+)
 from appliance.serving.engine import (
     EngineOptions,
     GenerationRequest,
@@ -453,7 +458,7 @@ class ModelRegistry:
             cache_prompt=m.cache_prompt,
             reserved_slots=self._settings.classes.reserved_slots,
             preemption=self._settings.classes.preemption,
-            stamps_dir=str(self._settings.models_dir / "verified"),
+            stamps_dir=str(stamps_folder(self._settings.models_dir)),
         )
 
     async def _deploy(self, record: ModelRecord, *, replicas: int, pinned: bool) -> LoadedModel:

@@ -248,3 +248,87 @@ def test_a_file_unchanged_since_it_matched_is_not_hashed_again_and_a_written_one
     other.unlink()
     with pytest.raises(ModelFileError, match="missing"):
         verify(moved, stamps)
+
+
+def test_the_image_s_placed_models_are_registered_where_they_are_and_hashed_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The image build places each embedded model's file on the data partition and leaves
+    the package's copy out of the system slot (`image/build.py`'s place_models): the first
+    start registers the placed file without copying it, hashing it once (a stamp spares the
+    load the second hash), and asks nothing of the package's files, which are gone."""
+    chat = EMBEDDED[CHAT_MODEL_NAME]
+    monkeypatch.setattr(catalog, "EMBEDDED", {CHAT_MODEL_NAME: chat})
+    models = tmp_path / "data" / "models"
+    sources = catalog.place_embedded(models, _quiet)
+    assert sources == chat.sources()
+    (placed,) = models.iterdir()
+    assert placed.name == chat.file_name
+    inode = placed.stat().st_ino
+
+    gone = dataclasses.replace(chat, sources=lambda: [tmp_path / "package" / chat.file_name])
+    monkeypatch.setattr(catalog, "_clock_ns", lambda: time.time_ns() + 10**10)  # not racy
+    hashed: list[Path] = []
+    real = catalog.sha256_file
+
+    def counted(path: Path) -> str:
+        hashed.append(path)
+        return real(path)
+
+    monkeypatch.setattr(catalog, "sha256_file", counted)
+    shown = io.StringIO()
+    store = Store(tmp_path / "a.db")
+    record = ensure_embedded(
+        store, models, gone, progress=lambda label, total: ProgressBar(label, total, stream=shown)
+    )
+    assert (record.path, record.sha256) == (str(placed), chat.sha256())
+    assert (record.size_bytes, record.quantization) == (placed.stat().st_size, "Q4_1")
+    assert placed.stat().st_ino == inode  # not copied
+    assert shown.getvalue() == ""
+    assert store.get_model(CHAT_MODEL_NAME) == record
+    verify(record, catalog.stamps_folder(models))  # the load: stamped, not hashed again
+    assert hashed == [placed]
+
+
+def test_a_placed_file_that_does_not_match_is_replaced_from_the_package(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    chat = EMBEDDED[CHAT_MODEL_NAME]
+    (models / chat.file_name).write_bytes(b"GGUF but not the published weights")
+    shown = io.StringIO()
+    record = ensure_embedded(
+        Store(tmp_path / "a.db"),
+        models,
+        chat,
+        progress=lambda label, total: ProgressBar(label, total, stream=shown),
+    )
+    assert f"copying {chat.file_name}" in shown.getvalue()
+    assert catalog.sha256_file(Path(record.path)) == record.sha256 == chat.sha256()
+
+
+def test_without_its_package_s_files_a_node_keeps_the_version_it_has(
+    chat_model: ModelRecord, tmp_path: Path
+) -> None:
+    """A release whose package names a newer version of an embedded model brings no files for
+    it (the image keeps models on the data partition): the node serves the newest version it
+    has registered, and with none a clear error."""
+    gone = dataclasses.replace(
+        EMBEDDED[CHAT_MODEL_NAME], sources=lambda: [tmp_path / "package" / "gone.gguf"]
+    )
+    store = Store(tmp_path / "a.db")
+    with pytest.raises(ModelFileError, match="files missing"):
+        ensure_embedded(store, tmp_path / "models", gone, progress=_quiet)
+    assert store.list_models() == []
+
+    kept = tmp_path / "kept.gguf"
+    os.link(chat_model.path, kept)
+    older = [
+        dataclasses.replace(chat_model, version=v, path=str(p), added_at=at)
+        for v, p, at in (
+            ("0.0.9", kept, "2026-12-01T00:00:00Z"),
+            ("0.1.0", tmp_path / "deleted.gguf", "2026-12-02T00:00:00Z"),
+        )
+    ]
+    for record in older:
+        store.add_model(record)
+    assert ensure_embedded(store, tmp_path / "models", gone, progress=_quiet) == older[0]
