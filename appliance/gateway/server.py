@@ -40,7 +40,12 @@ class _Handler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        self.log_exception("bad request from %s", request.remote, exc_info=exc)
+        if status >= 500:
+            self.log_exception("error answering %s", request.remote, exc_info=exc)
+        else:
+            # The peer's fault, not ours: no traceback, and below the operator's level (a
+            # client that speaks TLS to the plain port, or a hostile one, would fill the log).
+            log.debug("refused a malformed request from %s: %s", request.remote, exc or message)
         if request.writer.output_size > 0:
             raise ConnectionError("response already started; cannot send an error")
         if status == 413:
