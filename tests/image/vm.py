@@ -48,6 +48,8 @@ OVERLAY = "198.18.192.0/24"
 # measures it); TCG emulates every instruction on two cores.
 READY_BOUND_S = {"kvm": 180.0, "tcg": 1200.0}
 ENROLLED_BOUND_S = {"kvm": 120.0, "tcg": 600.0}
+# A flashed disk is this much larger than the image (a real disk is): the data partition grows.
+GROW = 2 * 1024**3
 
 
 def accelerator() -> str:
