@@ -370,7 +370,7 @@ async def _discovery(app: web.Application) -> AsyncIterator[None]:
         addresses=lan_addresses(settings.server.host),
         interfaces=settings.discovery.interfaces,
     )
-    await announcer.start()
+    await announcer.start_or_keep_trying()
     app[ANNOUNCER] = announcer
     yield
     await announcer.stop()

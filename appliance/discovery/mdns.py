@@ -2,20 +2,37 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
+import logging
 import socket
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import psutil
-from zeroconf import InterfaceChoice, ServiceBrowser, ServiceListener, Zeroconf
+from zeroconf import (
+    EventLoopBlocked,
+    InterfaceChoice,
+    NotRunningException,
+    ServiceBrowser,
+    ServiceListener,
+    Zeroconf,
+)
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
 SERVICE_TYPE = "_kovenlab._tcp.local."
+# What keeps zeroconf from announcing now but may pass: its engine not started within its
+# bound (a node whose CPU is busy, or emulated), no multicast route yet, a socket error.
+NOT_YET = (NotRunningException, EventLoopBlocked, OSError)
+RETRY_FIRST_S = 5.0
+RETRY_MAX_S = 300.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -109,11 +126,12 @@ class Announcer:
         self._interfaces = interfaces
         self._zc: AsyncZeroconf | None = None
         self._info: AsyncServiceInfo | None = None
+        self._retrying: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         a = self.announcement
         self._zc = AsyncZeroconf(interfaces=self._interfaces or InterfaceChoice.All)
-        self._info = AsyncServiceInfo(
+        info = AsyncServiceInfo(
             SERVICE_TYPE,
             f"{a.name}.{SERVICE_TYPE}",
             port=a.port,
@@ -124,21 +142,56 @@ class Announcer:
         # Registering returns once probing is done, with the announcements still to be sent in
         # a task; waiting for them means the appliance is discoverable once start() returns,
         # and no un-referenced task is left for the garbage collector to drop mid-way.
-        announced = await self._zc.async_register_service(self._info, allow_name_change=True)
-        await announced
+        try:
+            announced = await self._zc.async_register_service(info, allow_name_change=True)
+            await announced
+        except BaseException:
+            await self._close()  # nothing registered: close what was opened
+            raise
+        self._info = info
+
+    async def start_or_keep_trying(self) -> None:
+        """Announce now, or, when zeroconf cannot yet (NOT_YET), say so and keep trying in the
+        background: being found on the LAN is a convenience, and a slow first start (a busy
+        or emulated CPU) must not stop the appliance from serving."""
+        try:
+            await self.start()
+        except NOT_YET as err:
+            log.warning("not announced on the LAN yet (%r); trying again", err)
+            self._retrying = asyncio.create_task(self._keep_trying(), name="mdns-announce")
+
+    async def _keep_trying(self) -> None:
+        wait_s = RETRY_FIRST_S
+        while True:
+            await asyncio.sleep(wait_s)
+            try:
+                await self.start()
+            except NOT_YET as err:
+                wait_s = min(wait_s * 2, RETRY_MAX_S)
+                log.warning("not announced on the LAN yet (%r); next try in %.0f s", err, wait_s)
+                continue
+            log.info("announced on the LAN as %s", self.announcement.name)
+            return
 
     async def stop(self) -> None:
-        if self._zc is None:
-            return
-        if self._info is not None:
+        retrying, self._retrying = self._retrying, None
+        if retrying is not None:
+            retrying.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await retrying
+        if self._zc is not None and self._info is not None:
             # Unregistering only schedules the goodbyes; closing right away would drop them (a
             # closed Zeroconf sends nothing), and browsers would list this appliance until its
             # records expire (75 minutes for the PTR), so wait until they are sent.
             goodbyes = await self._zc.async_unregister_service(self._info)
             await goodbyes
             self._info = None
-        await self._zc.async_close()
-        self._zc = None
+        await self._close()
+
+    async def _close(self) -> None:
+        if self._zc is not None:
+            await self._zc.async_close()
+            self._zc = None
 
 
 class _Collector(ServiceListener):

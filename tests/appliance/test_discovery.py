@@ -7,8 +7,10 @@ appliance discover` browses from B, and only multicast over that link can connec
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
+import logging
 import os
 import queue
 import signal
@@ -22,9 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from zeroconf import NotRunningException
 
+from appliance.discovery import mdns
 from appliance.discovery.mdns import SERVICE_TYPE, Announcement, Found, prefer_reachable
 from tests.netns import A_ADDR, B_ADDR, Link, ip, linked_namespaces
+from tests.waiting import until
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -100,6 +105,62 @@ def test_prefer_reachable_puts_on_link_addresses_first() -> None:
         "198.19.0.2",
     )
     assert prefer_reachable(addresses[:2], []) == ("198.19.0.1", "2001:db8::1")
+
+
+async def test_an_announcement_zeroconf_cannot_start_yet_is_retried_and_serving_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a busy or emulated CPU zeroconf's engine may not start within its bound
+    (NotRunningException): the appliance's start went down with it, and systemd restarted it
+    over and over. Now the start goes on, says so, and the announcement is tried again."""
+    attempts: list[str] = []
+    closed: list[object] = []
+
+    class Flaky:
+        def __init__(self, interfaces: object) -> None:
+            pass
+
+        async def async_register_service(
+            self, info: object, allow_name_change: bool
+        ) -> asyncio.Future[None]:
+            attempts.append("register")
+            if len(attempts) < 3:
+                raise NotRunningException
+            return _done()
+
+        async def async_unregister_service(self, info: object) -> asyncio.Future[None]:
+            attempts.append("unregister")
+            return _done()
+
+        async def async_close(self) -> None:
+            closed.append(self)
+
+    def _done() -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+    monkeypatch.setattr(mdns, "AsyncZeroconf", Flaky)
+    monkeypatch.setattr(mdns, "RETRY_FIRST_S", 0.01)
+    announcement = Announcement(node_id="n1", name="site-a", version="1", port=8080, tls=False)
+    announcer = mdns.Announcer(announcement, ["127.0.0.1"], None)
+    with caplog.at_level(logging.INFO, logger=mdns.__name__):
+        await announcer.start_or_keep_trying()  # does not raise
+        await until(lambda: attempts == ["register"] * 3, "the third try", 30)
+        await announcer.stop()
+    assert attempts[-1] == "unregister"
+    assert len(closed) == 3  # each failed try closed what it opened, and the stop the last
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2, caplog.text
+    assert "announced on the LAN as site-a" in caplog.text
+
+    # Stopped while still trying: the retries end with it.
+    attempts.clear()
+    announcer = mdns.Announcer(announcement, ["127.0.0.1"], None)
+    monkeypatch.setattr(mdns, "RETRY_FIRST_S", 3600.0)
+    await announcer.start_or_keep_trying()
+    await announcer.stop()
+    assert attempts == ["register"]
 
 
 # --- two namespaces on one link --------------------------------------------------------
