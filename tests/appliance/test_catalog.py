@@ -33,6 +33,19 @@ def _quiet(label: str, total: int) -> ProgressBar:
     return ProgressBar(label, total, stream=io.StringIO())
 
 
+def _count_hashes(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The files catalog.sha256_file hashes from now on, in order."""
+    hashed: list[Path] = []
+    real = catalog.sha256_file
+
+    def counted(path: Path) -> str:
+        hashed.append(path)
+        return real(path)
+
+    monkeypatch.setattr(catalog, "sha256_file", counted)
+    return hashed
+
+
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> ModelRecord:
     """SmolLM2 135M Instruct, copied out of its package and registered once per module."""
@@ -204,14 +217,7 @@ def test_a_file_unchanged_since_it_matched_is_not_hashed_again_and_a_written_one
         sha256=catalog.sha256_file(model), size_bytes=model.stat().st_size,
         quantization=None, source="file:", added_at="2026-12-06T00:00:00Z",
     )  # fmt: skip
-    hashed: list[Path] = []
-    real = catalog.sha256_file
-
-    def counted(path: Path) -> str:
-        hashed.append(path)
-        return real(path)
-
-    monkeypatch.setattr(catalog, "sha256_file", counted)
+    hashed = _count_hashes(monkeypatch)
     stamps = tmp_path / "verified"
     # Changed just now (the kernel's clock is coarse): hashed, and not stamped yet.
     verify(record, stamps)
@@ -268,14 +274,7 @@ def test_the_image_s_placed_models_are_registered_where_they_are_and_hashed_once
 
     gone = dataclasses.replace(chat, sources=lambda: [tmp_path / "package" / chat.file_name])
     monkeypatch.setattr(catalog, "_clock_ns", lambda: time.time_ns() + 10**10)  # not racy
-    hashed: list[Path] = []
-    real = catalog.sha256_file
-
-    def counted(path: Path) -> str:
-        hashed.append(path)
-        return real(path)
-
-    monkeypatch.setattr(catalog, "sha256_file", counted)
+    hashed = _count_hashes(monkeypatch)
     shown = io.StringIO()
     store = Store(tmp_path / "a.db")
     record = ensure_embedded(
