@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -208,9 +209,32 @@ async def client(aiohttp_client: AiohttpClient, settings: ApplianceSettings) -> 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port on 127.0.0.1 free now, for a process that binds it a moment later: drawn below
+    the kernel's ephemeral range, from which bind(0) and every outgoing connection take
+    theirs. One from that range, released and bound again by a starting appliance, was taken
+    in between by another test's server (EADDRINUSE, once in a clean-clone run with the
+    image's QEMU beside the suite); below it only another free_port draw can collide."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = _PORTS.randrange(FREE_PORTS_FROM, low) if low > FREE_PORTS_FROM + 1000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise AssertionError(f"no free port in {FREE_PORTS_FROM}-{low} on 127.0.0.1")
+
+
+FREE_PORTS_FROM = 10000
+_PORTS = random.Random()  # its own: a test that seeds the module's random must not pin ports
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 @dataclass

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from image import netns
 from image.configure import DATA_LABEL, ESP_LABEL, ROOT_A_LABEL, ROOT_B_LABEL, partitions
+from tests.conftest import free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -78,12 +79,6 @@ def unavailable() -> str | None:
     if shutil.which(QEMU) is None or not OVMF_CODE.is_file():
         return f"{QEMU} or OVMF is not installed: run `just setup-image`"
     return netns.available()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def build_image(timeout_s: float = 3600) -> dict[str, Any]:
