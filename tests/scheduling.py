@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from xdist.remote import Producer
 
 # Measured: every tier on four workers, each module's time summed (2026-12). The image's
-# modules (QEMU under TCG: 20 minutes, and 2) first: the rest of the suite runs beside them.
+# two modules (QEMU under TCG: 15 minutes, and 2) run on their own, the longer first.
 HEAVIEST = (
     "tests/image/test_image.py",
     "tests/image/test_hubless_image.py",
