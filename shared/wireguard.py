@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import logging
 import os
 import re
@@ -569,6 +570,26 @@ def _link_exists(ns: _Namespace, name: str) -> bool:
     return probe.returncode == 0
 
 
+def _link_kind(ns: _Namespace, name: str) -> str | None:
+    """The link's kind as `ip -d` names it (`wireguard`, `tun`, `veth`, …); None when there is
+    no such link or it has no kind (a physical interface)."""
+    probe = subprocess.run(  # noqa: S603 - see _run
+        ns.ip("-d", "-j", "link", "show", "dev", name),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
+    if probe.returncode != 0:
+        return None
+    try:
+        links = json.loads(probe.stdout)
+        kind = links[0].get("linkinfo", {}).get("info_kind")
+    except (ValueError, LookupError, AttributeError):
+        return None
+    return kind if isinstance(kind, str) else None
+
+
 def kernel_has_wireguard(netns: str | None = None) -> bool:
     """Whether the kernel makes WireGuard interfaces here (probed with a throwaway link).
 
@@ -916,10 +937,35 @@ class Tunnel:
         """wireguard-go's process id, with the userspace backend."""
         return self._device.pid if isinstance(self._device, _UserspaceDevice) else None
 
-    def up(self) -> Tunnel:
+    def up(self, *, take_over: bool = False) -> Tunnel:
+        """Make and configure the interface. With `take_over`, a WireGuard interface of the
+        same name is one the caller left behind (an appliance restarted after a crash finds
+        the kernel interface its last run made): it is removed first. Any other link of that
+        name is never touched."""
         with self._lock:
+            if take_over and self._device is None:
+                self._remove_leftover()
             self._up()
         return self
+
+    def _remove_leftover(self) -> None:
+        kind = _link_kind(self._ns, self.name)
+        socket_path = uapi_socket(self.name)
+        if kind == "wireguard" or (kind == "tun" and _answers(socket_path)):
+            log.warning(
+                "removing the WireGuard interface %s%s an earlier run left behind",
+                self.name,
+                self._ns.where(),
+            )
+            _run(self._ns.ip("link", "del", "dev", self.name), f"cannot remove {self.name}")
+        if kind in {"tun", None} and socket_path.exists():
+            # wireguard-go exits once its interface is gone, removing its socket; a killed
+            # one left the socket.
+            deadline = time.monotonic() + self._start_timeout_s
+            while _answers(socket_path) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not _answers(socket_path):
+                socket_path.unlink(missing_ok=True)
 
     def _up(self) -> None:
         if self._device is not None:

@@ -307,7 +307,9 @@ class FleetLink:
             (ipaddress.ip_interface(f"{identity.overlay_address}/{network.prefixlen}"),),
             peers=(hub,),
         )
-        tunnel = Tunnel(config).up()
+        # The interface is this node's: one its last run left (a crash, a kill) is taken over,
+        # or the node could never reach its hub again until a reboot.
+        tunnel = Tunnel(config).up(take_over=True)
         log.info("WireGuard %s up: %s", tunnel.name, identity.overlay_address)
         return tunnel
 

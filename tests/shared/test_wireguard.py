@@ -544,6 +544,15 @@ def link_exists(ns: str, name: str) -> bool:
     return probe.returncode == 0
 
 
+def running(pid: int) -> bool:
+    """Whether the process runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def assert_gone(side: Side) -> None:
     name = side.tunnel.name
     assert not link_exists(side.ns, name), f"{name} is still there"
@@ -797,6 +806,47 @@ def test_interface_names_must_be_unique_on_the_host(link: Link, start: Callable[
         elsewhere.up()
     assert not link_exists(link.b, again.name)
     assert first.tunnel.state().listen_port > 0  # the first one is untouched
+
+
+@pytest.mark.netns
+def test_take_over_removes_the_wireguard_interface_a_dead_owner_left_and_nothing_else(
+    link: Link, start: Callable[..., Side], tmp_path: Path
+) -> None:
+    """An appliance killed with its tunnel up leaves the interface (the kernel's outlives
+    the process; a wireguard-go child may too): its next run takes the name over. A link of
+    that name that is not WireGuard's is still refused, and left as it is."""
+    left = start(link.a, "hub", HUB_OVERLAY)
+    old_pid = left.pid
+    config = InterfaceConfig(
+        name=left.tunnel.name,
+        private_key=generate_keypair().private_key,
+        addresses=(NODE_OVERLAY,),
+    )
+    again = Tunnel(config, netns=link.a, backend=Backend.userspace)
+    with pytest.raises(WireGuardError, match="already exists"):
+        again.up()  # without take_over, the rule stands
+    again.up(take_over=True)
+    try:
+        assert again.pid != old_pid
+        assert old_pid is not None
+        assert not running(old_pid), "the old wireguard-go still runs"
+        assert again.state().listen_port > 0
+    finally:
+        again.down()
+    left.tunnel.down()  # its owner's handle: nothing is left to remove
+    assert_gone(Side(again, left.keys, link.a, again.pid))
+
+    name = f"kwv{link.suffix}"
+    subprocess.run(
+        link.argv(link.a, "ip", "link", "add", name, "type", "veth", "peer", "name", f"{name}p"),
+        check=True,
+    )
+    other = InterfaceConfig(
+        name=name, private_key=generate_keypair().private_key, addresses=(NODE_OVERLAY,)
+    )
+    with pytest.raises(WireGuardError, match="already exists"):
+        Tunnel(other, netns=link.a, backend=Backend.userspace).up(take_over=True)
+    assert link_exists(link.a, name)
 
 
 @pytest.mark.netns
