@@ -5,6 +5,11 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 venv := justfile_directory() / ".venv"
 py := venv / "bin" / "python"
 export PATH := venv / "bin" + ":" + env_var("PATH")
+# Python keeps its compiled bytecode (in the ignored __pycache__ folders) even where the
+# environment says not to: a test run starts hundreds of Python processes (appliances, hubs,
+# model workers, `kvl` commands) and four pytest workers, and without the cache each compiled
+# the project again (a worker's collection: 12 s of CPU instead of 5).
+export PYTHONDONTWRITEBYTECODE := ""
 
 # Show the recipes
 default:
@@ -137,14 +142,15 @@ lint: setup
 # (where KVM cannot run a stock kernel) took 1.8 times as long, and the whole run no less
 # (a selection without image tests is no failure: pytest's exit status 5).
 test *args: setup setup-image lint
-    pytest -n 4 --dist loadfile -m "not image" {{ args }}
-    pytest -n 2 --dist loadfile -m image {{ args }} || [ $? -eq 5 ]
+    KVL_TESTS=full pytest -n 4 --dist loadfile -m "not image" {{ args }}
+    KVL_TESTS=full pytest -n 2 --dist loadfile -m image {{ args }} || [ $? -eq 5 ]
 
 # The edit loop's tier: lint, then every test that needs neither the real model (a test that
 # takes the model's fixtures is a `model` test whatever its module says), namespaces, the
-# browser, PostgreSQL nor the image, on four workers as `just test` runs them
+# browser, PostgreSQL nor the image, on four workers as `just test` runs them; the randomised
+# tests try a quarter of their cases (tests/budget.py)
 test-fast *args: setup lint
-    pytest -n 4 --dist loadfile -m "not model and not netns and not browser and not postgres and not image" {{ args }}
+    KVL_TESTS=quick pytest -n 4 --dist loadfile -m "not model and not netns and not browser and not postgres and not image" {{ args }}
 
 # Benchmarks against peers measured in the same run (writes tests/benchmarks/results/*.json):
 # serving (one stream vs llama-server), concurrency (1-16 streams and a shared prefix vs

@@ -17,6 +17,7 @@ from appliance.serving.predictor import (
     decide,
     predict,
 )
+from tests.budget import tries
 
 RATES = Rates(prefill_tok_s=1000.0, token_s=0.1, expected_tokens=20.0)
 S1 = Objectives(admit_s=1.0, first_token_s=2.0, complete_s=30.0)
@@ -138,7 +139,7 @@ new_st = st.builds(
 objectives_st = st.builds(
     Objectives, admit_s=st.floats(0, 30), first_token_s=st.floats(0, 60), complete_s=st.just(600.0)
 )
-PROPERTIES = settings(max_examples=300, derandomize=True, deadline=None)
+PROPERTIES = settings(max_examples=tries(300), derandomize=True, deadline=None)
 
 
 @PROPERTIES

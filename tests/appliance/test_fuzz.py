@@ -56,6 +56,7 @@ from schemathesis.specs.openapi.checks import (
 
 from appliance.gateway.routes import ROUTES
 from shared.errors import ErrorCode
+from tests.budget import tries
 from tests.conftest import SCRIPTED, ApplianceProcess, kvl, running_appliance, write_script
 from tests.rawhttp import dechunk
 
@@ -65,8 +66,8 @@ MAX_TOKENS_LIMIT = 8
 # Small, so that the raw-body property reaches the limit (413) cheaply.
 MAX_BODY_BYTES = 16 * 1024
 # Generated cases per operation and mode (a bodiless GET has only one possible case).
-EXAMPLES = 50
-PROPERTY_EXAMPLES = 60
+EXAMPLES = tries(50)
+PROPERTY_EXAMPLES = tries(60)
 TIMEOUT_S = 120.0
 
 ERROR_CODES = frozenset(code.value for code in ErrorCode)
@@ -711,7 +712,7 @@ def test_lone_surrogates_hold_the_contract(
     as its 3 UTF-8-like bytes (Python's JSON decoder lets them through): wherever one is, the
     answer is a 4xx in the error shape or a completion, never a 500."""
 
-    @settings(PROPERTY_SETTINGS, max_examples=16)
+    @settings(PROPERTY_SETTINGS, max_examples=tries(16))
     @given(
         before=st.text(max_size=4),
         surrogate=st.integers(0xD800, 0xDFFF),
@@ -753,7 +754,7 @@ def test_content_encodings_hold_the_contract(fuzzed: Fuzzed, encoding: str) -> N
     (the request names a model that does not exist), never a 500."""
     encoder = ENCODERS[encoding]
 
-    @settings(PROPERTY_SETTINGS, max_examples=20)
+    @settings(PROPERTY_SETTINGS, max_examples=tries(20))
     @given(
         path=st.sampled_from(BODY_PATHS),
         prompt=st.text(max_size=20),

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from appliance.quotas.leases import LeaseBook, LeaseCall
 from shared import protocol
 from shared.errors import AccountLimit, ErrorCode
+from tests.budget import tries
 
 NOW = 1_000_000.0
 
@@ -166,7 +167,7 @@ def test_an_account_without_a_budget_on_the_hub_is_not_asked_again() -> None:
     assert leases.call(NOW) == LeaseCall((), {})
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=tries(300), deadline=None)
 @given(
     granted=st.integers(1, 500),
     steps=st.lists(st.tuples(st.booleans(), st.integers(1, 80), st.floats(0, 1)), max_size=80),

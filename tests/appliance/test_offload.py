@@ -30,6 +30,7 @@ from hub.settings import HubSettings
 from hub.state.store import open_store
 from shared import tls
 from tests.appliance.fleet_nodes import join
+from tests.budget import tries
 from tests.conftest import SLOW
 from tests.hubs import settings_for
 from tests.waiting import until
@@ -84,7 +85,7 @@ _NODES = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=tries(300), deadline=None)
 @given(nodes=_NODES, origin=st.sampled_from("abcdefgh"), offloaded=st.booleans(),
        model=st.sampled_from([MODEL, f"{MODEL}@1.0.0", "other"]))  # fmt: skip
 def test_offload_never_loops_and_only_goes_where_it_can_be_served(

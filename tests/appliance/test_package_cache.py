@@ -21,6 +21,7 @@ from appliance.packages.cache import (
 from appliance.packages.model import (
     Manifest,
 )
+from tests.budget import tries
 from tests.packages import package
 from tests.shared.oci_shapes import (
     APPLIANCE_TAKES,
@@ -426,7 +427,7 @@ OPS = st.one_of(
 )
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=tries(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(max_bytes=st.integers(2_000, 12_000), ops=st.lists(OPS, max_size=25))
 def test_eviction_keeps_the_cap_and_the_pins_and_never_breaks_the_index(
     max_bytes: int, ops: list[tuple[str, int]]

@@ -22,6 +22,7 @@ from appliance.packages.checks import (
     topic_text,
 )
 from appliance.packages.model import Check, Choice, Item, ItemType, Level, Spec
+from tests.budget import tries
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -384,7 +385,7 @@ def valid_packages(draw: st.DrawFn) -> tuple[list[Item], Spec, Level]:
     return items, spec, draw(st.sampled_from(list(Level)))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=tries(60), deadline=None)
 @given(valid_packages())
 def test_random_valid_packages_always_pass(package: tuple[list[Item], Spec, Level]) -> None:
     items, spec, level = package
@@ -392,7 +393,7 @@ def test_random_valid_packages_always_pass(package: tuple[list[Item], Spec, Leve
     assert failures(check_items(items, spec, level)) == []
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=tries(60), deadline=None)
 @given(valid_packages(), st.data())
 def test_a_second_correct_answer_always_fails_single_choice(
     package: tuple[list[Item], Spec, Level], data: st.DataObject

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance.serving.prefix import Alone, Build, Park, PrefixShare, Reuse, common_prefix
+from tests.budget import tries
 
 SYSTEM = tuple(range(100, 180))  # an 80-token system prompt
 
@@ -152,7 +153,7 @@ prompts = st.tuples(prefixes, st.lists(st.integers(0, 5), min_size=1, max_size=6
 )
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(max_examples=tries(200), deadline=None, derandomize=True)
 @given(
     st.lists(
         st.tuples(prompts, st.integers(0, 3), st.booleans(), st.integers(0, 24)),

@@ -20,6 +20,7 @@ from appliance.serving.registry import Resident, estimate_mb, plan_eviction
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from shared.errors import ErrorCode
+from tests.budget import tries
 from tests.conftest import SCRIPTED, SLOW, make_settings
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ residents_st = st.lists(
 )
 
 
-@settings(max_examples=300, derandomize=True, deadline=None)
+@settings(max_examples=tries(300), derandomize=True, deadline=None)
 @given(residents_st, st.floats(0, 2000), st.floats(0, 4000))
 def test_eviction_frees_enough_least_recently_used_first_and_never_pinned_or_busy(
     residents: list[Resident], need: float, budget: float

@@ -37,6 +37,7 @@ from appliance.serving.scheduler import (
     retain,
     submit,
 )
+from tests.budget import tries
 
 Reported = dict[int, Literal["stop", "cancelled"]]
 
@@ -601,7 +602,7 @@ class ClassesMachine(SchedulerMachine):
 
 # derandomize: CI and a laptop explore the same cases; no deadline, tests check behaviour.
 PROPERTY_SETTINGS = settings(
-    max_examples=150, stateful_step_count=40, derandomize=True, deadline=None
+    max_examples=tries(150), stateful_step_count=40, derandomize=True, deadline=None
 )
 
 

@@ -55,6 +55,7 @@ from hub.state.deployments import DeploymentRecord, ModelArtifact
 from hub.state.store import open_store
 from shared import protocol
 from shared.errors import ErrorCode
+from tests.budget import tries
 from tests.hubs import PREFIX, new_key, settings_for
 from tests.packages import package
 from tests.shared.oci_shapes import INDEX, SHAPES, rewrap
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
     from tests.postgres import Cluster
 
 # Generated cases per operation and mode; KVL_FUZZ_EXAMPLES sets more, for a longer hunt.
-EXAMPLES = int(os.environ.get("KVL_FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("KVL_FUZZ_EXAMPLES", tries(150)))
 TIMEOUT_S = 30.0
 START_S = 30.0
 

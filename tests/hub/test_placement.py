@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from hub.planning.placement import plan
 from hub.planning.snapshots import Assignment, Deployment, Gpu, NodeSnapshot, Plan
+from tests.budget import tries
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -27,7 +28,7 @@ TENANTS = ("t1", "t2")
 
 T = TypeVar("T")
 
-PROPERTIES = settings(max_examples=200, deadline=None)
+PROPERTIES = settings(max_examples=tries(200), deadline=None)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from hub.planning.quota import Budget, LeaseView, Sizing, grant, remaining
 from hub.settings import HubSettings
 from hub.state.store import HubStore, open_store
 from shared import pki, protocol
+from tests.budget import tries
 from tests.conftest import kvl
 from tests.hubs import settings_for
 
@@ -56,7 +57,7 @@ OPS = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=tries(300), deadline=None)
 @given(
     budget=st.integers(0, 100_000),
     share=st.floats(0.05, 1.0),
