@@ -135,15 +135,13 @@ lint: setup
     mypy
 
 # Set up and run every test tier this machine can run (unit, model, netns, browser, postgres,
-# image). Four workers, a test module each at a time (its module-scoped servers stay in one
-# worker), the slowest modules first (tests/scheduling.py): most of a test's time is waiting
-# on processes, servers and tunnels, so they overlap on two cores. Then the image's two
-# modules, one QEMU session each, side by side: beside the rest of the suite, emulated boots
-# (where KVM cannot run a stock kernel) took 1.8 times as long, and the whole run no less
-# (a selection without image tests is no failure: pytest's exit status 5).
+# image) in one run. Four workers, a test module each at a time (its module-scoped servers
+# stay in one worker), the slowest modules first (tests/scheduling.py): most of a test's time
+# is waiting on processes, servers and tunnels, so they overlap on two cores. The image's
+# three QEMU sessions (an update, a rollback, a hub-less site) start first, each on a worker of
+# its own, and the rest of the suite runs beside them.
 test *args: setup setup-image lint
-    KVL_TESTS=full pytest -n 4 --dist loadfile -m "not image" {{ args }}
-    KVL_TESTS=full pytest -n 2 --dist loadfile -m image {{ args }} || [ $? -eq 5 ]
+    KVL_TESTS=full pytest -n 4 --dist loadfile {{ args }}
 
 # The edit loop's tier: lint, then every test that needs neither the real model (a test that
 # takes the model's fixtures is a `model` test whatever its module says), namespaces, the

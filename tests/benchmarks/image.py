@@ -42,12 +42,13 @@ from tests.benchmarks.report import headline
 from tests.benchmarks.serving import say, stamp
 from tests.image.vm import (
     ENROLLED_BOUND_S,
+    GROW,
     READY_BOUND_S,
-    Hub,
     Machine,
     accelerator,
     build_image,
     copy_image,
+    heartbeat_after,
     hub_in_namespace,
     kvl,
     release_bundles,
@@ -59,12 +60,6 @@ from tests.image.vm import (
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "image.json"
 TARGET_READY_S = 30.0
-GROW = 2 * 1024**3
-
-
-def _heartbeat_after(hub: Hub, seen: float) -> bool:
-    nodes = hub.nodes()
-    return bool(nodes) and nodes[0]["status"] == "online" and nodes[0]["last_seen"] > seen
 
 
 def boots(image: Path, work: Path, count: int) -> dict[str, Any]:
@@ -84,7 +79,7 @@ def boots(image: Path, work: Path, count: int) -> dict[str, Any]:
                 else:
                     ready.append(machine.wait_ready("https", tls))
                 wait_for(
-                    partial(_heartbeat_after, hub, seen),
+                    partial(heartbeat_after, hub, seen),
                     "a heartbeat from the node",
                     ENROLLED_BOUND_S[machine.accel],
                     machine.diagnostics,
@@ -167,7 +162,7 @@ def updates(manifest: dict[str, Any], work: Path) -> dict[str, Any]:
             bound = ENROLLED_BOUND_S[machine.accel]
             update_bound = 2 * READY_BOUND_S[machine.accel]
             why = machine.diagnostics
-            wait_for(partial(_heartbeat_after, hub, 0.0), "a heartbeat", bound, why)
+            wait_for(partial(heartbeat_after, hub, 0.0), "a heartbeat", bound, why)
             machine.wait_console("slot A marked good")
             node = hub.nodes()[0]["id"]
             poller = Poller(machine.port, tls)

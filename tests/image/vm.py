@@ -34,6 +34,7 @@ from tests.conftest import free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
+    from concurrent.futures import Future
 
 REPO = Path(__file__).resolve().parents[2]
 OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
@@ -540,6 +541,39 @@ def release_bundles(
         root.unlink()
     rootfs.unlink()
     return made
+
+
+def heartbeat_after(hub: Hub, seen: float) -> bool:
+    """The one node is online, with a heartbeat later than `seen` (through its tunnel: the
+    hub takes heartbeats only from a node's overlay address)."""
+    nodes = hub.nodes()
+    assert len(nodes) <= 1, nodes
+    return bool(nodes) and nodes[0]["status"] == "online" and nodes[0]["last_seen"] > seen
+
+
+@dataclass
+class Enrolled:
+    """A node after its first boot, and the bounds its test waits within."""
+
+    node_id: str
+    bound_s: float  # a heartbeat, a rollout's step
+    update_bound_s: float  # a fetch, an install, a boot
+    why: Callable[[], str]  # what a failure quotes
+
+
+def first_boot(machine: Machine, hub: Hub, bundles: Future[dict[str, Path]]) -> Enrolled:
+    """Slot A's first boot: ready, enrolled, heartbeating through its tunnel, marked good;
+    the release bundles (made meanwhile) added to the hub."""
+    machine.wait_ready()
+    for version, bundle in bundles.result().items():
+        hub.cli("releases", "add", str(bundle), "--version", version)
+    bound = ENROLLED_BOUND_S[machine.accel]
+    why = lambda: f"{hub.nodes()}\n{hub.log_tail()}\n{machine.diagnostics()}"  # noqa: E731
+    wait_for(lambda: heartbeat_after(hub, 0.0), "a heartbeat", bound, why)
+    node = hub.nodes()[0]
+    assert (node["name"], node["site"]) == (NODE_NAME, SITE)
+    machine.wait_console("slot A marked good")
+    return Enrolled(node["id"], bound, 2 * READY_BOUND_S[machine.accel], why)
 
 
 def start_rollout(hub: Hub, version: str, node_id: str, soak: str = "2h") -> str:
