@@ -258,9 +258,10 @@ async def test_a_stopping_hub_counts_the_objectives_still_waiting(
     beats = Beats(client, app)
     await beats.send(ids["token"], objectives("e1", series(requests=10, met=10)))
     await beats.send(ids["token"], objectives("e1", series(requests=25, met=25)))
-    # The first counted only if its share of the period was under the second it waited.
+    # Each waits its node's random share of the period: none counted yet, or on a slow host
+    # (its share was shorter than the host took) the first or both, never a sum.
     counted = _totals(settings).get(("S1", "acme"))
-    assert (counted.requests if counted else 0) in (0, 10)
+    assert (counted.requests if counted else 0) in (0, 10, 25)
     await client.close()  # the hub stops: its last flush
     assert _totals(settings)[("S1", "acme")].requests == 25
 
