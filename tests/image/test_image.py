@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import ssl
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,41 +39,22 @@ from tests.image.vm import (
     copy_image,
     data_partition_end,
     first_boot,
-    hub_in_namespace,
     kvl,
     loader_entries,
     read_file,
-    release_bundles,
     reported,
     start_rollout,
     wait_for,
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from concurrent.futures import Future
 
 pytestmark = pytest.mark.image
 
 CURRENT = __version__
 UPDATE = f"{__version__}+update"
-
-
-@pytest.fixture(scope="module")
-def bundles(
-    manifest: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Future[dict[str, Path]]]:
-    """The release's bundle, made in a thread while the first boot runs (under TCG the boot
-    is minutes, the bundle one)."""
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(
-            release_bundles, manifest, tmp_path_factory.mktemp("bundles"), {UPDATE: False}
-        )
-
-
-@pytest.fixture
-def hub(tmp_path: Path) -> Iterator[Hub]:
-    with hub_in_namespace(tmp_path) as made:
-        yield made
+RELEASES = {UPDATE: False}  # the bundles conftest.py makes
 
 
 @pytest.mark.timeout(7200)  # a first build compiles llama.cpp; TCG boots take minutes

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import ssl
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,40 +34,22 @@ from tests.image.vm import (
     Machine,
     copy_image,
     first_boot,
-    hub_in_namespace,
     kvl,
     loader_entries,
     read_file,
-    release_bundles,
     reported,
     start_rollout,
     wait_for,
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from concurrent.futures import Future
 
 pytestmark = pytest.mark.image
 
 CURRENT = __version__
 BROKEN = f"{__version__}+broken"
-
-
-@pytest.fixture(scope="module")
-def bundles(
-    manifest: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Future[dict[str, Path]]]:
-    """The broken release's bundle, made in a thread while the first boot runs."""
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(
-            release_bundles, manifest, tmp_path_factory.mktemp("bundles"), {BROKEN: True}
-        )
-
-
-@pytest.fixture
-def hub(tmp_path: Path) -> Iterator[Hub]:
-    with hub_in_namespace(tmp_path) as made:
-        yield made
+RELEASES = {BROKEN: True}  # the bundles conftest.py makes
 
 
 @pytest.mark.timeout(7200)  # a first build compiles llama.cpp; TCG boots take minutes
