@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from hub.fleet.budgets import burn_rate
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from hub.planning.rollout import Member, Report, RolloutState, Strategy
     from hub.settings import HubSettings
     from hub.state.nodes import Node
-    from hub.state.rollouts import Rollout, RolloutKind
+    from hub.state.rollouts import Release, Rollout, RolloutKind
     from hub.state.store import AsyncHubStore, HubStore
     from shared.supervise import Failures
 
@@ -329,6 +330,11 @@ def phase(rollout: Rollout) -> str:
     if rollout.state in {"paused", "halted"}:
         return f"{rollout.state} at {at}"
     return rollout.state
+
+
+def release_view(release: Release, nodes: int) -> dict[str, Any]:
+    """A release and how many nodes run it (or were given it)."""
+    return {**asdict(release), "nodes": nodes}
 
 
 def rollout_view(

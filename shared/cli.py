@@ -14,41 +14,67 @@ import click
 from shared import __version__
 from shared.config import ConfigError, S, load_settings
 
-_GROUPS = {
-    "appliance": (
-        "appliance.cli",
-        "appliance",
-        "The appliance: serve the LAN API, keys, models, discovery.",
-    ),
-    "hub": ("hub.cli", "hub", "The hub of the fleet."),
-    "image": ("image.configure", "image", "The appliance image: its provisioning file."),
-    "demo": (
-        "image.demo",
-        "demo",
-        "A hub and an appliance on this machine, joined over WireGuard.",
-    ),
-}
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class _LazyGroup(click.Group):
+class LazyGroup(click.Group):
+    """A group whose commands are imported only when one is run (or its help asked for): a
+    command pays for its own imports, not for its siblings'. `lazy` maps a command's name
+    to its module, attribute and short help: what `--help` lists without importing it, the
+    command's own as click cuts it at 84 characters (tests/test_kvl.py checks each)."""
+
+    def __init__(self, *args: Any, lazy: dict[str, tuple[str, str, str]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = lazy
+
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(_GROUPS)
+        return sorted({*self.lazy, *self.commands})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name not in _GROUPS:
-            return None
-        module, attr, _ = _GROUPS[cmd_name]
+        if cmd_name not in self.lazy:
+            return super().get_command(ctx, cmd_name)
+        module, attr, _ = self.lazy[cmd_name]
         command: click.Command = getattr(importlib.import_module(module), attr)
         return command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        names = self.list_commands(ctx)
+        if not names:
+            return
+        limit = formatter.width - 6 - max(len(name) for name in names)
+        rows = []
+        for name in names:
+            if name in self.lazy:
+                # A command of its help alone: truncated as click truncates any command's.
+                summary = click.Command(name, help=self.lazy[name][2])
+                rows.append((name, summary.get_short_help_str(limit)))
+            else:
+                rows.append((name, self.commands[name].get_short_help_str(limit)))
         with formatter.section("Commands"):
-            formatter.write_dl([(name, help_) for name, (_, _, help_) in sorted(_GROUPS.items())])
+            formatter.write_dl(rows)
 
 
-@click.group(cls=_LazyGroup)
+@click.group(
+    cls=LazyGroup,
+    lazy={
+        "appliance": (
+            "appliance.cli",
+            "appliance",
+            "The appliance: the LAN API, its keys and models.",
+        ),
+        "hub": ("hub.cli", "hub", "The hub of the fleet."),
+        "image": (
+            "image.configure",
+            "image",
+            "The appliance image (`just image` builds it): its provisioning file.",
+        ),
+        "demo": (
+            "image.demo",
+            "demo",
+            "A hub and an appliance on this machine, joined over WireGuard (needs root).",
+        ),
+    },
+)
 @click.version_option(__version__, prog_name="kvl")
 def main() -> None:
     """Kovenlab Edge: the appliance and the hub of its fleet."""

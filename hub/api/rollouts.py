@@ -6,8 +6,7 @@ over hub/releases.py, hub/rollouts.py and the store. What the store finds missin
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -17,18 +16,12 @@ from hub.appkeys import OPERATOR, SETTINGS, STORE
 from hub.http import parse, query
 from hub.planning.rollout import STEPS
 from hub.releases import BundleTooLargeError, keep_stream
-from hub.rollouts import begin, rollout_view, take_step
+from hub.rollouts import begin, release_view, rollout_view, take_step
 from hub.state.rollouts import RolloutConflictError
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
-
-    from hub.state.rollouts import Release
-
-
-def release_view(release: Release, nodes: int) -> dict[str, Any]:
-    return {**asdict(release), "nodes": nodes}
 
 
 async def _conflicts(call: Callable[[], Awaitable[web.Response]]) -> web.Response:

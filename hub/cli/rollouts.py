@@ -66,7 +66,7 @@ def releases_add(
 @config_errors_exit
 def releases_list(config_file: Path | None, data_dir: Path | None, *, as_json: bool) -> None:
     """Releases, newest first, with how many nodes have each as their target."""
-    from hub.api.rollouts import release_view  # noqa: PLC0415
+    from hub.rollouts import release_view  # noqa: PLC0415
 
     with opened_store(hub_settings(config_file, data_dir)) as store:
         found = store.rollouts.releases()
@@ -85,7 +85,7 @@ def releases_list(config_file: Path | None, data_dir: Path | None, *, as_json: b
 @config_errors_exit
 def releases_show(config_file: Path | None, data_dir: Path | None, version: str) -> None:
     """One release, as JSON."""
-    from hub.api.rollouts import release_view  # noqa: PLC0415
+    from hub.rollouts import release_view  # noqa: PLC0415
 
     with opened_store(hub_settings(config_file, data_dir)) as store:
         release = store.rollouts.release(version)
