@@ -11,18 +11,22 @@ everyone else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
     from types import TracebackType
 
+    from aiohttp import web
     from prometheus_client import Counter
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -122,3 +126,31 @@ class _Guard:
         )
         self._failures.record(self._loop, error)
         return True
+
+
+def client_gone(request: web.Request) -> bool:
+    """Whether the client of an aiohttp request closed its connection."""
+    return request.transport is None or request.transport.is_closing()
+
+
+async def unless_gone(
+    gone: Callable[[], bool], work: Awaitable[T], every_s: float = 0.25
+) -> tuple[bool, T | None]:
+    """`work` awaited while `gone()` stays false (checked every `every_s`): (True, its
+    result), or (False, None) with `work` cancelled once `gone()` holds. For a long poll
+    whose client may leave: aiohttp serves on without cancelling a handler whose client
+    went, so a follower who closed the stream would hold a wait (and, on the hub, the
+    node's own long poll behind it) for its whole length."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            if gone():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return False, None
+            await asyncio.wait({task}, timeout=every_s)
+        return True, task.result()
+    finally:
+        if not task.done():  # we were cancelled ourselves
+            task.cancel()

@@ -9,6 +9,7 @@ from appliance.gateway.appkeys import LOGS
 from appliance.observability import logs
 from shared import protocol
 from shared.errors import ApiError, ErrorCode
+from shared.supervise import client_gone, unless_gone
 
 FLEET_PREFIX = "/v1/fleet/"
 
@@ -52,7 +53,12 @@ async def node_logs(request: web.Request) -> web.Response:
     if tail == "1":
         found = ring.read(after, limit, level, tail=True)
     elif wait > 0:
-        found = await ring.wait(after, wait, limit, level)
+        waited, read = await unless_gone(
+            lambda: client_gone(request), ring.wait(after, wait, limit, level)
+        )
+        if not waited or read is None:
+            return web.Response(status=499)  # no one reads it: the hub went
+        found = read
     else:
         found = ring.read(after, limit, level)
     answer = protocol.LogsAnswer(

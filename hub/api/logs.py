@@ -15,6 +15,7 @@ from hub.appkeys import NODE_LOGS, SETTINGS, STORE
 from hub.nodelogs import LogQuery, reachable_url
 from shared import protocol
 from shared.errors import ApiError, ErrorCode
+from shared.supervise import client_gone, unless_gone
 
 NDJSON = "application/x-ndjson"
 SSE = "text/event-stream"
@@ -75,11 +76,18 @@ async def node_logs(request: web.Request) -> web.StreamResponse:
                 await response.write(
                     f"id: {record.seq}\ndata: {line}\n\n".encode() if sse else f"{line}\n".encode()
                 )
-            if request.transport is None or request.transport.is_closing():
-                return response  # the client went
+            if client_gone(request):
+                return response
             query = query.following(answer)
             try:
-                answer = await reader.read(node, url, query)
+                # The node's long poll ends with the follower: the hub cancels its call,
+                # and the node sees its client go.
+                polled, answered = await unless_gone(
+                    lambda: client_gone(request), reader.read(node, url, query)
+                )
+                if not polled or answered is None:
+                    return response
+                answer = answered
             except ApiError as err:  # the node went: said, as the stream's last line
                 body = json.dumps(err.body())
                 await response.write(

@@ -11,10 +11,12 @@ import json
 import logging
 import socket
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from click.testing import CliRunner
 
 from appliance.app import FLEET
@@ -118,11 +120,33 @@ async def test_what_the_hub_answers_when_it_cannot_read_a_nodes_logs(
     assert await get("/v1/admin/nodes/node-a/logs") == (409, "node_offline")
 
 
+class _AsServed(TestServer):
+    """The hub as `kvl hub serve` serves it: a handler whose client goes runs on (aiohttp's
+    test servers cancel it), so a follow must end its long poll of the node itself."""
+
+    async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
+        return await super()._make_runner(**{**kwargs, "handler_cancellation": False})
+
+
 async def test_the_operator_reads_and_follows_a_nodes_logs_through_the_hub(
     aiohttp_server: AiohttpServer, tmp_path: Path, scripted_model: ModelRecord
 ) -> None:
     hub = settings_for(tmp_path, {})
-    hub_server = await aiohttp_server(create_app(hub), ssl=ssl_context(hub))
+    hub_server = _AsServed(create_app(hub), host="127.0.0.1")
+    await hub_server.start_server(ssl=ssl_context(hub))
+    try:
+        await _reads_and_follows(aiohttp_server, tmp_path, scripted_model, hub, hub_server)
+    finally:
+        await hub_server.close()
+
+
+async def _reads_and_follows(
+    aiohttp_server: AiohttpServer,
+    tmp_path: Path,
+    scripted_model: ModelRecord,
+    hub: HubSettings,
+    hub_server: TestServer,
+) -> None:
     assert hub_server.port is not None
     node = await join(
         aiohttp_server, tmp_path, scripted_model, hub, hub_server.port, name="node-a",
@@ -187,6 +211,9 @@ async def test_the_operator_reads_and_follows_a_nodes_logs_through_the_hub(
         data = await asyncio.wait_for(events.content.readline(), 20)
         assert data.startswith(b"data: {")
         events.close()
+    # The followers went: the hub ends its long polls of the node, and the node its waits
+    # (each would have held on for up to 25 s).
+    await until(lambda: node.app[LOGS].waiting == 0, "the node's waits to end", timeout_s=5)
 
     # The node's own route: the hub's certificate only, and its query checked there too.
     listener = f"https://127.0.0.1:{node.app[FLEET].fleet_port}/v1/fleet/logs"
