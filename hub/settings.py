@@ -6,7 +6,7 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from hub.alerting.settings import AlertsSettings
@@ -328,6 +328,37 @@ class MetricsSettings(BaseModel):
     )
 
 
+class ModelSourcesSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hf_endpoint: str | None = Field(
+        None,
+        max_length=300,
+        pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$",
+        description=(
+            "The Hugging Face Hub, or a mirror of it, that `hf://` references are resolved "
+            "against. Unset: $HF_ENDPOINT, else https://huggingface.co."
+        ),
+    )
+    hf_token: SecretStr | None = Field(
+        None,
+        max_length=500,
+        description=(
+            "A Hugging Face access token, for gated and private repositories: sent to the "
+            "Hub's own host only, never to the storage host it redirects to, never logged. "
+            "Unset: $HF_TOKEN."
+        ),
+    )
+    max_pull_bytes: int = Field(
+        64 << 30, ge=1, description="The largest model file a pull fetches, in bytes."
+    )
+    keep_free_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description="Bytes a pull leaves free in the data directory (it refuses to start if not).",
+    )
+
+
 class HubSettings(BaseSettings):
     # Its own prefix, so an appliance and a hub on one machine never read each other's settings.
     model_config = SettingsConfigDict(extra="forbid", env_prefix="KVL_HUB_")
@@ -373,6 +404,10 @@ class HubSettings(BaseSettings):
         default_factory=AlertsSettings,
         description="The alerts the hub evaluates, records and delivers.",
     )
+    models: ModelSourcesSettings = Field(
+        default_factory=ModelSourcesSettings,
+        description="Where `kvl hub models pull` fetches model files from, and its bounds.",
+    )
 
     @field_validator("data_dir")
     @classmethod
@@ -391,3 +426,8 @@ class HubSettings(BaseSettings):
     def artifacts_dir(self) -> Path:
         """Model files the hub serves to nodes, named by their sha256."""
         return self.data_dir / "artifacts"
+
+    @property
+    def pulls_dir(self) -> Path:
+        """Model files being pulled, kept across restarts so a pull resumes."""
+        return self.artifacts_dir / "pulls"

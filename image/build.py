@@ -697,7 +697,7 @@ def place_models(paths: Paths, root: Path, appliance: Path, owner: tuple[int, in
     script = (
         "import io, json, pathlib; "
         "from appliance.serving.catalog import place_embedded; "
-        "from appliance.serving.progress import ProgressBar; "
+        "from shared.progress import ProgressBar; "
         "quiet = lambda label, total: ProgressBar(label, total, stream=io.StringIO()); "
         f"placed = place_embedded(pathlib.Path('/{staged.relative_to(root)}'), quiet); "
         "print(json.dumps([str(p) for p in placed]))"

@@ -31,11 +31,11 @@ from appliance.serving.catalog import (
     register_file,
 )
 from appliance.serving.chat import GEMMA_TEMPLATE
-from appliance.serving.progress import ProgressBar
 from appliance.settings import ApplianceSettings
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from shared.classes import IsolationLevel
+from shared.progress import ProgressBar
 from tests.postgres import MISSING, Cluster, cluster, server_bin
 from tests.scheduling import HeaviestFirst, heaviest_first
 

@@ -31,6 +31,7 @@ def settings_for(
     objectives: Mapping[str, Any] | None = None,
     metrics: Mapping[str, Any] | None = None,
     alerts: Mapping[str, Any] | None = None,
+    models: Mapping[str, Any] | None = None,
     **server: Any,
 ) -> HubSettings:
     """A hub in ``tmp_path / "hub"`` on ``database`` (None: SQLite there), serving on
@@ -55,6 +56,7 @@ def settings_for(
                     "tracing": tracing,
                     "metrics": metrics,
                     "alerts": alerts,
+                    "models": models,
                 }.items()
                 if section
             },

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from appliance.serving import scripted
 from appliance.serving.gguf import GGUFError, read_gguf
-from appliance.serving.progress import ProgressBar
 from appliance.state.records import ModelRecord
+from shared.progress import ProgressBar
 
 if TYPE_CHECKING:
     from appliance.state.store import Store

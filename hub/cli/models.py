@@ -72,16 +72,87 @@ def models_add(
     )
 
 
+@models.command("pull")
+@common_options
+@click.argument("reference")
+@click.option("--name", default=None, help="Model name (default: the repository's, or the file's).")
+@click.option(
+    "--version", default=None, help="Its version (default: the quantisation, e.g. q4_k_m)."
+)
+@click.option(
+    "--memory-mib",
+    type=click.IntRange(1),
+    default=None,
+    help="What one replica needs on a node (default: the file's size plus 512 MiB).",
+)
+@config_errors_exit
+def models_pull(
+    config_file: Path | None,
+    data_dir: Path | None,
+    reference: str,
+    *,
+    name: str | None,
+    version: str | None,
+    memory_mib: int | None,
+) -> None:
+    """Pull a GGUF model into the hub and register it: hf://OWNER/REPO[@REVISION]:QUANT (the
+    repository's file of that quantisation), hf://OWNER/REPO[@REVISION]/FILE.gguf, or an
+    https:// URL. The revision is pinned to the commit it names now and the file checked
+    against the sha256 the repository lists; a pull cut off goes on from where it stopped
+    when run again. `models.hf_endpoint` (or HF_ENDPOINT) names a mirror of the Hugging Face
+    Hub, `models.hf_token` (or HF_TOKEN) a token for gated repositories."""
+    import asyncio  # noqa: PLC0415
+
+    from hub.models.errors import PullError  # noqa: PLC0415
+    from hub.models.pull import Naming, pull  # noqa: PLC0415
+    from shared.progress import ProgressBar  # noqa: PLC0415
+
+    settings = hub_settings(config_file, data_dir)
+    bar: ProgressBar | None = None
+
+    def progress(done: int, total: int | None) -> None:
+        nonlocal bar
+        if bar is None and total:
+            bar = ProgressBar(reference, total)
+        if bar is not None:
+            bar.update(done)
+
+    try:
+        model = asyncio.run(
+            pull(reference, settings, Naming(name, version, memory_mib), progress=progress)
+        )
+    except PullError as err:
+        raise click.ClickException(str(err)) from err
+    except KeyboardInterrupt:
+        raise click.ClickException("interrupted: the same pull goes on from here") from None
+    if bar is not None:
+        bar.finish()
+    with opened_store(settings) as store:
+        known = {m.ref: m for m in store.deployments.models()}.get(model.ref)
+        if known is not None and known.sha256 == model.sha256:
+            click.echo(f"model {model.ref} is there already: sha256 {model.sha256}")
+            return
+        store.deployments.add_model(model)
+    click.echo(
+        f"model {model.ref}: {model.source}, sha256 {model.sha256}, {model.size_bytes >> 20} MiB, "
+        f"{model.memory_mib} MiB a replica"
+        + (f", licence {model.license}" if model.license else "")
+    )
+
+
 @models.command("list")
 @common_options
 @config_errors_exit
 def models_list(config_file: Path | None, data_dir: Path | None) -> None:
-    """List the models: ref, sha256, size, memory a replica."""
+    """List the models: ref, sha256, size, memory a replica, where each was pulled from
+    and its licence."""
     with opened_store(hub_settings(config_file, data_dir)) as store:
         rows = store.deployments.models()
     for m in rows:
         click.echo(
             f"{m.ref:<32} {m.sha256[:16]}  {m.size_bytes >> 20} MiB  {m.memory_mib} MiB/replica"
+            + (f"  {m.source}" if m.source else "")
+            + (f"  ({m.license})" if m.license else "")
         )
 
 

@@ -24,6 +24,8 @@ class ModelArtifact:
     size_bytes: int
     format: str
     memory_mib: int
+    source: str | None = None  # the pinned reference it was pulled by (hf://…@COMMIT/…, a URL)
+    license: str | None = None  # as its source states it
 
     @property
     def ref(self) -> str:
@@ -53,23 +55,25 @@ class Deployments:
     def add_model(self, model: ModelArtifact) -> None:
         added = self._db.execute(
             "INSERT INTO models (ref, name, version, sha256, size_bytes, format, memory_mib,"
-            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            " created_at, source, license) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT DO NOTHING",
             [model.ref, model.name, model.version, model.sha256, model.size_bytes,
-             model.format, model.memory_mib, self._clock()],
+             model.format, model.memory_mib, self._clock(), model.source, model.license],
         ).rowcount  # fmt: skip
         if added == 0:
             raise ConflictError(f"model {model.ref} is already registered")
 
     def models(self) -> list[ModelArtifact]:
         rows = self._db.execute(
-            "SELECT name, version, sha256, size_bytes, format, memory_mib FROM models ORDER BY ref"
+            "SELECT name, version, sha256, size_bytes, format, memory_mib, source, license"
+            " FROM models ORDER BY ref"
         ).fetchall()
         return [ModelArtifact(*r) for r in rows]
 
     def model_by_sha256(self, sha256: str) -> ModelArtifact | None:
         row = self._db.execute(
-            "SELECT name, version, sha256, size_bytes, format, memory_mib FROM models"
-            " WHERE sha256 = ? LIMIT 1",
+            "SELECT name, version, sha256, size_bytes, format, memory_mib, source, license"
+            " FROM models WHERE sha256 = ? LIMIT 1",
             [sha256],
         ).fetchone()
         return None if row is None else ModelArtifact(*row)

@@ -22,10 +22,10 @@ from appliance.serving.catalog import (
 from appliance.serving.chat import GEMMA_TEMPLATE, ChatTemplateError, select_template
 from appliance.serving.engine import LlamaVocabulary
 from appliance.serving.gguf import read_gguf
-from appliance.serving.progress import ProgressBar
 from appliance.settings import ApplianceSettings
 from appliance.state.records import ModelRecord
 from appliance.state.store import ConflictError, Store
+from shared.progress import ProgressBar
 from tests.waiting import until_sync
 
 

@@ -197,4 +197,12 @@ MIGRATIONS = (
             labels::json ->> 'private' = 'true' THEN 1 ELSE 0 END WHERE labels <> '';
         """,
     ),
+    # Where a model came from: the pinned reference it was pulled by, and its licence.
+    Migration(
+        "m016_model_sources",
+        """
+        ALTER TABLE models ADD COLUMN source TEXT;
+        ALTER TABLE models ADD COLUMN license TEXT;
+        """,
+    ),
 )

@@ -1,0 +1,291 @@
+"""`kvl hub models pull`: a reference resolved against a local stand-in for the Hugging
+Face Hub (tests/hfhub.py; these machines cannot reach the public one), the file fetched,
+resumed after a cut, checked against the repository's sha256, and registered with where it
+came from; and each way a pull is refused, with nothing half-registered."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from hub.models import huggingface
+from hub.models.errors import PullError
+from hub.models.pull import Naming, pull
+from hub.models.reference import BadReferenceError, HubReference, UrlReference, parse_reference
+from hub.state.store import open_store
+from tests.conftest import REPO, kvl
+from tests.hfhub import Repo, StandIn, tiny_gguf
+from tests.hubs import settings_for
+from tests.waiting import until
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from pytest_aiohttp import AiohttpServer
+
+    from hub.settings import HubSettings
+
+SMOL = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF"
+FILES = {
+    "smollm2-135m-instruct-q4_k_m.gguf": tiny_gguf("q4km"),
+    "smollm2-135m-instruct-q8_0.gguf": tiny_gguf("q80"),
+    "mmproj-smollm2-q4_k_m.gguf": tiny_gguf("mmproj", 1000),
+}
+
+
+# -- references -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        (f"hf://{SMOL}:Q4_K_M", HubReference(SMOL, None, quant="Q4_K_M")),
+        (f"hf://{SMOL}:q8_0", HubReference(SMOL, None, quant="Q8_0")),
+        (f"hf://{SMOL}@v1.0:IQ4_XS", HubReference(SMOL, "v1.0", quant="IQ4_XS")),
+        (f"hf://{SMOL}@refs/pr/3/a/b.gguf", HubReference(SMOL, "refs", path="pr/3/a/b.gguf")),
+        (f"hf://{SMOL}/sub/x-Q4_0.gguf", HubReference(SMOL, None, path="sub/x-Q4_0.gguf")),
+        ("https://example.com/m.gguf", UrlReference("https://example.com/m.gguf")),
+    ],
+)
+def test_references_are_parsed(text: str, parsed: object) -> None:
+    assert parse_reference(text) == parsed
+    if isinstance(parsed, HubReference) and parsed.quant:
+        assert parse_reference(str(parsed)) == parsed
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("", "1 to"),
+        ("http://example.com/m.gguf", "never plain http"),
+        ("ollama://x", "name a model as"),
+        ("hf://owner", "not a repository id"),
+        ("hf://-owner/repo:Q4_K_M", "not a repository id"),
+        ("hf://owner/re..po:Q4_K_M", "not a repository id"),
+        (f"hf://{SMOL}", "say which file"),
+        (f"hf://{SMOL}:Q4_K_MM", "not a quantisation"),
+        (f"hf://{SMOL}:latest", "not a quantisation"),
+        (f"hf://{SMOL}/../x.gguf", "not a file of"),
+        (f"hf://{SMOL}/model.safetensors", "GGUF files"),
+        (f"hf://{SMOL}@:Q4_0", "not a revision"),
+        ("hf://" + "a" * 2000, "1 to"),
+    ],
+)
+def test_bad_references_say_why(text: str, why: str) -> None:
+    with pytest.raises(BadReferenceError, match=why):
+        parse_reference(text)
+
+
+def _listed(*paths: str) -> list[huggingface._Listed]:
+    return [huggingface._Listed(p, 10, "a" * 64) for p in paths]
+
+
+def test_a_quantisation_names_one_file_as_ollama_and_llama_server_choose_it() -> None:
+    files = _listed(
+        "Model-Q4_K_S.gguf", "Model-Q4_K_M.gguf", "model.Q8_0.gguf", "mmproj-Model-Q4_K_M.gguf",
+        "README.md", "Model-Q4_K.gguf", "big/Model-Q6_K-00001-of-00002.gguf",
+        "big/Model-Q6_K-00002-of-00002.gguf",
+    )  # fmt: skip
+
+    def pick(quant: str) -> str:
+        return huggingface.pick(HubReference("o/r", None, quant=quant), files).path
+
+    assert pick("Q4_K_M") == "Model-Q4_K_M.gguf"  # not the vision projector
+    assert pick("Q4_K") == "Model-Q4_K.gguf"  # not Q4_K_M nor Q4_K_S
+    assert pick("Q8_0") == "model.Q8_0.gguf"
+    with pytest.raises(PullError, match=r"no GGUF file of Q5_K_M \(quantisations there: "
+                       r"Q4_K, Q4_K_M, Q4_K_S, Q6_K, Q8_0\)") as refused:  # fmt: skip
+        pick("Q5_K_M")
+    assert refused.value.kind == "no_quantisation"
+    with pytest.raises(PullError, match="one part of a split GGUF") as split:
+        pick("Q6_K")
+    assert split.value.kind == "unsupported"
+    twice = [*files, *_listed("other/Model-Q8_0.gguf")]
+    with pytest.raises(PullError, match="several files of Q8_0"):
+        huggingface.pick(HubReference("o/r", None, quant="Q8_0"), twice)
+
+
+# -- pulls ------------------------------------------------------------------------------------
+
+
+async def _stand_in(aiohttp_server: AiohttpServer, tmp_path: Path, **repo: Any) -> StandIn:
+    stand_in = StandIn({SMOL: Repo(dict(FILES), **repo)}, tmp_path / "stand-in")
+    return await stand_in.start(aiohttp_server)
+
+
+def _hub(tmp_path: Path, stand_in: StandIn, **models: object) -> HubSettings:
+    return settings_for(tmp_path, models={"hf_endpoint": stand_in.hub_url, **models})
+
+
+def _registered(settings: HubSettings) -> list[str]:
+    store = open_store(settings)
+    try:
+        return [m.ref for m in store.deployments.models()]
+    finally:
+        store.close()
+
+
+def _leftovers(settings: HubSettings) -> list[str]:
+    folder = settings.artifacts_dir
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+async def test_a_pull_pins_the_commit_checks_the_digest_and_says_where_it_came_from(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    stand_in = await _stand_in(aiohttp_server, tmp_path)
+    settings = _hub(tmp_path, stand_in)
+    seen: list[tuple[int, int | None]] = []
+    model = await pull(
+        f"hf://{SMOL}:Q4_K_M", settings, progress=lambda done, total: seen.append((done, total))
+    )
+    data = FILES["smollm2-135m-instruct-q4_k_m.gguf"]
+    assert (model.name, model.version) == ("smollm2-135m-instruct", "q4_k_m")
+    assert model.sha256 == hashlib.sha256(data).hexdigest()
+    assert model.size_bytes == len(data)
+    assert model.source == (f"hf://{SMOL}@{Repo({}).commit}/smollm2-135m-instruct-q4_k_m.gguf")
+    assert model.license == "apache-2.0"
+    assert (settings.artifacts_dir / model.sha256).read_bytes() == data
+    assert _leftovers(settings) == [model.sha256]  # no part, no sidecar
+    assert seen[0] == (0, len(data))
+    assert seen[-1] == (len(data), len(data))
+    # Named by the operator; by path; an https:// URL (no listing to check it against).
+    named = await pull(
+        f"hf://{SMOL}/smollm2-135m-instruct-q8_0.gguf", settings, Naming("smol", "8")
+    )
+    assert (named.ref, named.version) == ("smol@8", "8")
+    url = f"{stand_in.storage_url}/blobs/{named.sha256}".replace("http://", "https://")
+    with pytest.raises(PullError, match=r"TLS .* failed"):  # no TLS there
+        await pull(url, settings)
+
+
+async def test_the_token_goes_to_the_hub_only_and_a_gated_repo_without_it_is_refused(
+    aiohttp_server: AiohttpServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stand_in = await _stand_in(aiohttp_server, tmp_path, gated_token="hf_right")
+    settings = _hub(tmp_path, stand_in)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    with pytest.raises(PullError, match="is gated: accept its conditions") as refused:
+        await pull(f"hf://{SMOL}:Q4_K_M", settings)
+    assert refused.value.kind == "gated"
+    wrong = _hub(tmp_path, stand_in, hf_token="hf_wrong")
+    with pytest.raises(PullError, match="the token has no access"):
+        await pull(f"hf://{SMOL}:Q4_K_M", wrong)
+    monkeypatch.setenv("HF_TOKEN", "hf_right")  # as huggingface_hub reads it
+    model = await pull(f"hf://{SMOL}:Q4_K_M", settings)
+    assert model.sha256 == hashlib.sha256(FILES["smollm2-135m-instruct-q4_k_m.gguf"]).hexdigest()
+    assert stand_in.seen.listing_auth[-1] == "Bearer hf_right"
+    assert stand_in.seen.storage_auth == [None]  # the redirect's host never saw it
+    assert _registered(settings) == []  # pull() fetches; the command registers
+
+
+async def test_a_cut_download_resumes_where_it_stopped(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    stand_in = await _stand_in(aiohttp_server, tmp_path)
+    stand_in.faults.cut_after, stand_in.faults.cuts = 1 << 20, 2
+    settings = _hub(tmp_path, stand_in)
+    model = await pull(f"hf://{SMOL}:Q4_K_M", settings)
+    assert model.sha256 == hashlib.sha256(FILES["smollm2-135m-instruct-q4_k_m.gguf"]).hexdigest()
+    # Each try asks for the rest from what arrived (what of a cut answer arrives is the
+    # kernel's business).
+    first, *resumed = stand_in.seen.ranges
+    offsets = [int(r.removeprefix("bytes=").removesuffix("-")) for r in resumed if r]
+    assert (first, len(resumed)) == (None, 2)
+    assert 0 < offsets[0] < offsets[1] < len(FILES["smollm2-135m-instruct-q4_k_m.gguf"])
+
+
+async def test_a_pull_killed_mid_file_goes_on_from_there_when_run_again(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    stand_in = await _stand_in(aiohttp_server, tmp_path)
+    stand_in.faults.stall_after = 1 << 20
+    settings = _hub(tmp_path, stand_in)
+    data_dir = ["--data-dir", str(settings.data_dir)]
+    env = {**os.environ, "HF_ENDPOINT": stand_in.hub_url}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "shared.cli", "hub", "models", "pull", f"hf://{SMOL}:Q4_K_M",
+        *data_dir, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        await until(lambda: stand_in.seen.sent == 1 << 20, "the first MiB to go out")
+        await until(lambda: _leftovers(settings) and (settings.pulls_dir).exists() and any(
+            p.stat().st_size == 1 << 20 for p in settings.pulls_dir.glob("*.part")),
+            "the first MiB on disk")  # fmt: skip
+    finally:
+        process.send_signal(signal.SIGKILL)
+        await process.wait()
+    assert _registered(settings) == []
+    stand_in.faults.stall_after = None
+    done = await asyncio.to_thread(
+        kvl, "hub", "models", "pull", f"hf://{SMOL}:Q4_K_M", *data_dir,
+        env={"HF_ENDPOINT": stand_in.hub_url},
+    )  # fmt: skip
+    assert "model smollm2-135m-instruct@q4_k_m: hf://" in done.stdout
+    assert stand_in.seen.ranges[-1] == "bytes=1048576-"
+    listed = await asyncio.to_thread(kvl, "hub", "models", "list", *data_dir)
+    assert f"@{Repo({}).commit}/smollm2-135m-instruct-q4_k_m.gguf  (apache-2.0)" in listed.stdout
+    again = await asyncio.to_thread(
+        kvl, "hub", "models", "pull", f"hf://{SMOL}:Q4_K_M", *data_dir,
+        env={"HF_ENDPOINT": stand_in.hub_url},
+    )  # fmt: skip
+    assert "is there already" in again.stdout
+
+
+async def test_a_file_whose_bytes_are_not_the_listed_ones_is_deleted_and_not_kept(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    stand_in = await _stand_in(
+        aiohttp_server, tmp_path, listed_sha256={"smollm2-135m-instruct-q4_k_m.gguf": "0" * 64}
+    )
+    settings = _hub(tmp_path, stand_in)
+    with pytest.raises(PullError, match="deleted, not kept: its sha256 is") as refused:
+        await pull(f"hf://{SMOL}:Q4_K_M", settings)
+    assert refused.value.kind == "checksum_mismatch"
+    assert _leftovers(settings) == []
+
+
+@pytest.mark.parametrize(
+    ("reference", "kind", "message"),
+    [
+        ("hf://nobody/nothing:Q4_K_M", "not_found", "no such repository"),
+        (f"hf://{SMOL}@v9:Q4_K_M", "not_found", "no such revision"),
+        (f"hf://{SMOL}/absent.gguf", "not_found", "not a file of the repository"),
+        (f"hf://{SMOL}:Q5_K_M", "no_quantisation", "quantisations there: Q4_K_M, Q8_0"),
+    ],
+)
+async def test_what_is_not_there_gets_a_clear_error(
+    aiohttp_server: AiohttpServer, tmp_path: Path, reference: str, kind: str, message: str
+) -> None:
+    stand_in = await _stand_in(aiohttp_server, tmp_path)
+    settings = _hub(tmp_path, stand_in)
+    with pytest.raises(PullError, match=message) as refused:
+        await pull(reference, settings)
+    assert refused.value.kind == kind
+    assert stand_in.seen.storage_auth == []  # nothing fetched
+
+
+async def test_bounds_refuse_before_the_download_and_a_rate_limit_says_when(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    stand_in = await _stand_in(aiohttp_server, tmp_path)
+    small = _hub(tmp_path, stand_in, max_pull_bytes=1 << 20)
+    with pytest.raises(PullError, match="over the hub's bound of 1 MiB") as refused:
+        await pull(f"hf://{SMOL}:Q4_K_M", small)
+    assert refused.value.kind == "too_large"
+    full = _hub(tmp_path, stand_in, keep_free_bytes=1 << 60)
+    with pytest.raises(PullError, match="free in the hub's data directory") as no_room:
+        await pull(f"hf://{SMOL}:Q4_K_M", full)
+    assert no_room.value.kind == "disk_full"
+    stand_in.faults.rate_limited = 1
+    with pytest.raises(PullError, match="rate limiting the hub; try again in 7 s") as limited:
+        await pull(f"hf://{SMOL}:Q4_K_M", _hub(tmp_path, stand_in))
+    assert limited.value.retry_after_s == 7
+    assert _leftovers(full) == []
