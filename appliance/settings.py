@@ -10,6 +10,7 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.gguf import DEFAULT_N_CTX, DEFAULT_N_SLOTS
 from shared.tracing import ServiceName, TracingSettings
 
 EXAMPLE_HEADER = """
@@ -164,7 +165,10 @@ class ModelSettings(_Section):
         ),
     )
     n_ctx: int = Field(
-        4096, ge=256, le=131_072, description="Context window in tokens (prompt plus output)."
+        DEFAULT_N_CTX,
+        ge=256,
+        le=131_072,
+        description="Context window in tokens (prompt plus output).",
     )
     n_batch: int = Field(
         512, ge=32, le=8192, description="Prompt tokens evaluated per decode call (prefill chunk)."
@@ -192,7 +196,7 @@ class ModelSettings(_Section):
         ),
     )
     n_slots: int = Field(
-        4,
+        DEFAULT_N_SLOTS,
         ge=1,
         le=256,
         description=(

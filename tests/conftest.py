@@ -30,10 +30,10 @@ from appliance.serving.catalog import (
     ensure_default_model,
     register_file,
 )
-from appliance.serving.chat import GEMMA_TEMPLATE
 from appliance.settings import ApplianceSettings
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
+from shared.chat import GEMMA_TEMPLATE
 from shared.classes import IsolationLevel
 from shared.progress import ProgressBar
 from tests.postgres import MISSING, Cluster, cluster, server_bin

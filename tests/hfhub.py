@@ -29,10 +29,17 @@ if TYPE_CHECKING:
     from pytest_aiohttp import AiohttpServer
 
 
-def tiny_gguf(tag: str, size: int = 3 << 20) -> bytes:
-    """A file that starts as a GGUF does (magic, version 3, no tensors, no metadata), padded
-    to `size` bytes: the pull's subject is the bytes, not the model."""
-    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 0)
+def tiny_gguf(tag: str, size: int = 3 << 20, strings: dict[str, str] | None = None) -> bytes:
+    """A file that starts as a GGUF does (magic, version 3, no tensors, the `strings` as its
+    metadata), padded to `size` bytes: the pull's subject is the bytes, not the model."""
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text.encode())) + text.encode()
+
+    metadata = b"".join(
+        string(k) + struct.pack("<I", 8) + string(v) for k, v in (strings or {}).items()
+    )
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, len(strings or {})) + metadata
     body = hashlib.sha256(tag.encode()).digest() * (size // 32 + 1)
     return (head + body)[:size]
 

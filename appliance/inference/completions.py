@@ -23,7 +23,6 @@ from pydantic import BaseModel
 from appliance.inference.choices import Choice, ChoiceDelta, ChoiceStream, ToolCalls
 from appliance.inference.names import ModelNames
 from appliance.inference.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
-from appliance.serving.chat import ChatTemplate, ChatTemplateError
 from appliance.serving.engine import (
     EngineError,
     Event,
@@ -51,6 +50,7 @@ from appliance.validation.structured import (
     json_schema_output,
 )
 from appliance.validation.tools import ToolPlan, ToolSpecError, plan_tools
+from shared.chat import ChatTemplate, ChatTemplateError
 from shared.errors import (
     ContextTooLong,
     ErrorCode,

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appliance.serving import scripted
-from appliance.serving.gguf import GGUFError, read_gguf
 from appliance.state.records import ModelRecord
+from shared.gguf import GGUFError, read_gguf
 from shared.progress import ProgressBar
 
 if TYPE_CHECKING:

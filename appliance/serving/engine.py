@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from appliance.serving.chat import select_template
-from appliance.serving.gguf import GGUFInfo, read_gguf
 from appliance.serving.sampling_options import Sampling
+from shared.chat import select_template
+from shared.gguf import GGUFInfo, read_gguf
 
 if TYPE_CHECKING:
     import asyncio
 
-    from appliance.serving.chat import ChatTemplate
     from appliance.state.records import ModelRecord
+    from shared.chat import ChatTemplate
 
 log = logging.getLogger(__name__)
 

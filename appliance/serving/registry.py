@@ -47,8 +47,8 @@ from appliance.serving.engine import (
     Vocabulary,
     default_threads,
 )
-from appliance.serving.gguf import GGUFError, read_gguf
 from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, WorkerStats
+from shared.gguf import GGUFError, cache_cells, read_gguf, replica_mib
 from shared.supervise import wait_until_set
 
 if TYPE_CHECKING:
@@ -71,9 +71,6 @@ def _rank(level: IsolationLevel) -> int:
     return level.rank
 
 
-# Python, llama.cpp's compute buffers and the gateway-side vocabulary of one worker: an
-# upper bound measured on the default model (about 300 MiB resident beyond weights and KV).
-WORKER_OVERHEAD_MB = 400.0
 MAX_REPLICAS = 8
 
 State = Literal["loading", "ready", "failed"]
@@ -143,30 +140,15 @@ def plan_eviction(
 
 
 def estimate_mb(record: ModelRecord, options: EngineOptions) -> float:
-    """An upper bound of one replica's resident memory: the weights, a full-size f16 KV cache
-    for every slot (and the shared-prefix store), and :data:`WORKER_OVERHEAD_MB`."""
-    weights = record.size_bytes / 2**20
-    cells = options.n_ctx * options.n_slots + (options.n_ctx if options.prefix_min_tokens else 0)
+    """An upper bound of one replica's resident memory (shared/gguf.py `replica_mib`): the
+    weights, a full-size f16 KV cache for every slot (and the shared-prefix store), and the
+    worker's overhead."""
+    cells = cache_cells(options.n_ctx, options.n_slots, prefix_store=options.prefix_min_tokens > 0)
     try:
-        meta = read_gguf(Path(record.path)).metadata
+        per_token = read_gguf(Path(record.path)).kv_elements_per_token()
     except (GGUFError, OSError):
-        return weights + WORKER_OVERHEAD_MB
-    arch = meta.get("general.architecture")
-
-    def number(key: str, default: int) -> int:
-        value = meta.get(f"{arch}.{key}")
-        return value if isinstance(value, int) else default
-
-    layers = number("block_count", 0)
-    heads = number("attention.head_count", 1)
-    kv_heads = number("attention.head_count_kv", heads)
-    head_dim = number("embedding_length", 0) // max(heads, 1)
-    per_token = (
-        layers
-        * kv_heads
-        * (number("attention.key_length", head_dim) + number("attention.value_length", head_dim))
-    )
-    return weights + cells * per_token * 2 / 2**20 + WORKER_OVERHEAD_MB
+        per_token = None
+    return replica_mib(per_token, record.size_bytes, cells)
 
 
 # -- deployments -----------------------------------------------------------------------------

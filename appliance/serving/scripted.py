@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from appliance.serving import scheduler as sched
-from appliance.serving.chat import ChatTemplate, select_template
 from appliance.serving.devices import DeviceLayout
 from appliance.serving.engine import (
     Emit,
@@ -57,6 +56,7 @@ from appliance.serving.engine import (
     TokenLogprob,
 )
 from appliance.serving.text import TextAssembler
+from shared.chat import ChatTemplate, select_template
 from shared.modelfiles import model_format
 
 if TYPE_CHECKING:

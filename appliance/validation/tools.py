@@ -30,7 +30,7 @@ from appliance.validation.grammar import GrammarBuilder, SchemaConversionError, 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from appliance.serving.chat import ChatTemplate
+    from shared.chat import ChatTemplate
 
 # At most this many calls in one answer when parallel calls are allowed.
 MAX_PARALLEL_CALLS = 8

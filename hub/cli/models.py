@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from hub.cli.common import hub_settings, opened_store
 from shared.cli import common_options, config_errors_exit
 from shared.modelfiles import model_format
+
+if TYPE_CHECKING:
+    from hub.state.deployments import ModelArtifact
 
 
 @click.group("models")
@@ -27,7 +31,7 @@ def models() -> None:
     "--memory-mib",
     type=click.IntRange(1),
     default=None,
-    help="What one replica needs on a node (default: the file's size plus 512 MiB).",
+    help="What one replica needs on a node (default: estimated from the file).",
 )
 @config_errors_exit
 def models_add(
@@ -39,8 +43,8 @@ def models_add(
     version: str,
     memory_mib: int | None,
 ) -> None:
-    """Register a model file (GGUF, or a model script): copied into the hub's data
-    directory under its sha256."""
+    """Register a model file (GGUF, or a model script): inspected (a GGUF that cannot be
+    read is refused), copied into the hub's data directory under its sha256."""
     import hashlib  # noqa: PLC0415
     import shutil  # noqa: PLC0415
 
@@ -51,6 +55,15 @@ def models_add(
         raise click.BadParameter(
             f"{file} is neither a GGUF file nor a model script", param_hint="FILE"
         )
+    inspection = None
+    if kind == "gguf":
+        from hub.models.errors import PullError  # noqa: PLC0415
+        from hub.models.inspect import inspect  # noqa: PLC0415
+
+        try:
+            inspection = inspect(file)
+        except PullError as err:
+            raise click.BadParameter(str(err), param_hint="FILE") from err
     settings = hub_settings(config_file, data_dir)
     digest = hashlib.sha256()
     with file.open("rb") as source:
@@ -64,12 +77,51 @@ def models_add(
         partial = target.with_suffix(".part")
         shutil.copyfile(file, partial)
         partial.replace(target)
-    model = ModelArtifact(name, version, sha256, size, kind, memory_mib or (size >> 20) + 512)
+    estimate = inspection.replica_mib(size) if inspection else (size >> 20) + 512
+    model = ModelArtifact(
+        name, version, sha256, size, kind, memory_mib or estimate,
+        inspection=None if inspection is None else inspection.as_json(),
+    )  # fmt: skip
     with opened_store(settings) as store:
         store.deployments.add_model(model)
-    click.echo(
-        f"model {model.ref}: sha256 {sha256}, {size >> 20} MiB, {model.memory_mib} MiB a replica"
-    )
+    click.echo(f"model {model.ref}: sha256 {sha256}, {size >> 20} MiB{_described(model)}")
+
+
+def _described(model: ModelArtifact) -> str:
+    """`, llama 135M Q4_1, trained for 8192 tokens, its own chat template, 944 MiB a
+    replica` (what the inspection found, and the estimate)."""
+    seen = model.inspection or {}
+    parts = []
+    what = " ".join(
+        x for x in (seen.get("architecture"), _count(seen.get("parameters")),
+                    seen.get("quantisation")) if x
+    )  # fmt: skip
+    if what:
+        parts.append(what)
+    if seen.get("context_length"):
+        parts.append(f"trained for {seen['context_length']} tokens")
+    if seen:
+        template = seen.get("chat_template", "")
+        whose = "its own chat template" if template == "gguf" else f"chat template {template}"
+        parts.append(
+            whose
+            + (
+                f" (does not render: {seen['template_error']})"
+                if seen.get("template_error")
+                else ""
+            )
+        )
+    parts.append(f"{model.memory_mib} MiB a replica")
+    return "".join(f", {p}" for p in parts)
+
+
+def _count(parameters: object) -> str | None:
+    if not isinstance(parameters, int):
+        return None
+    for unit, size in (("B", 10**9), ("M", 10**6)):
+        if parameters >= size:
+            return f"{parameters / size:.3g}{unit}"
+    return str(parameters)
 
 
 @models.command("pull")
@@ -83,7 +135,7 @@ def models_add(
     "--memory-mib",
     type=click.IntRange(1),
     default=None,
-    help="What one replica needs on a node (default: the file's size plus 512 MiB).",
+    help="What one replica needs on a node (default: estimated from the file).",
 )
 @config_errors_exit
 def models_pull(
@@ -134,10 +186,10 @@ def models_pull(
             return
         store.deployments.add_model(model)
     click.echo(
-        f"model {model.ref}: {model.source}, sha256 {model.sha256}, {model.size_bytes >> 20} MiB, "
-        f"{model.memory_mib} MiB a replica"
-        + (f", licence {model.license}" if model.license else "")
-    )
+        f"model {model.ref}: {model.source}, sha256 {model.sha256}, "
+        f"{model.size_bytes >> 20} MiB" + (f", licence {model.license}" if model.license else "")
+        + _described(model)
+    )  # fmt: skip
 
 
 @models.command("list")
@@ -149,8 +201,14 @@ def models_list(config_file: Path | None, data_dir: Path | None) -> None:
     with opened_store(hub_settings(config_file, data_dir)) as store:
         rows = store.deployments.models()
     for m in rows:
+        seen = m.inspection or {}
+        what = " ".join(
+            str(x) for x in (seen.get("architecture"), _count(seen.get("parameters")),
+                             seen.get("quantisation")) if x
+        )  # fmt: skip
         click.echo(
             f"{m.ref:<32} {m.sha256[:16]}  {m.size_bytes >> 20} MiB  {m.memory_mib} MiB/replica"
+            + (f"  {what}" if what else "")
             + (f"  {m.source}" if m.source else "")
             + (f"  ({m.license})" if m.license else "")
         )

@@ -1,5 +1,6 @@
-"""A pull: a reference resolved, its file fetched into the hub's data directory and
-checked, and the model it is made ready to register, with where it came from.
+"""A pull: a reference resolved, its file fetched into the hub's data directory, checked
+and inspected, and the model it is made ready to register, with where it came from and the
+memory a replica needs.
 
 Nothing is registered until the file is whole, checked and in place; a pull stopped at
 any point leaves only its part file, which the next pull of the same file goes on from.
@@ -7,6 +8,7 @@ any point leaves only its part file, which the next pull of the same file goes o
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 from dataclasses import dataclass
@@ -19,16 +21,14 @@ import aiohttp
 from hub.models import huggingface
 from hub.models.download import Bounds, Wanted, download
 from hub.models.errors import PullError
+from hub.models.inspect import inspect
 from hub.models.reference import BadReferenceError, HubReference, parse_reference
 from hub.state.deployments import ModelArtifact
-from shared.modelfiles import model_format
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from hub.settings import HubSettings
-
-OVERHEAD_MIB = 512  # what a replica needs beyond its weights until the hub estimates it
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,11 @@ async def pull(
     finally:
         if own:
             await session.close()
-    if model_format(part) != "gguf":
+    try:
+        inspection = await asyncio.to_thread(inspect, part)
+    except PullError:
         part.unlink(missing_ok=True)
-        raise PullError("unsupported", f"{planned.source} is not a GGUF file")
+        raise
     target = settings.artifacts_dir / sha256
     if target.exists():
         part.unlink()
@@ -88,9 +90,10 @@ async def pull(
         sha256,
         size,
         "gguf",
-        naming.memory_mib or (size >> 20) + OVERHEAD_MIB,
+        naming.memory_mib or inspection.replica_mib(size),
         planned.source,
         planned.license,
+        inspection.as_json(),
     )
 
 

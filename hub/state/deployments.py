@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from hub.state.errors import ConflictError, NotFoundError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping
+    from collections.abc import Callable, Iterable, Mapping, Sequence
 
     from hub.state import sql
     from hub.state.serials import Serials
@@ -26,6 +26,7 @@ class ModelArtifact:
     memory_mib: int
     source: str | None = None  # the pinned reference it was pulled by (hf://…@COMMIT/…, a URL)
     license: str | None = None  # as its source states it
+    inspection: Mapping[str, Any] | None = None  # what its file says (hub/models/inspect.py)
 
     @property
     def ref(self) -> str:
@@ -42,6 +43,15 @@ class DeploymentRecord:
     constraints: Mapping[str, Any]  # sites, regions, labels, gpu, gpu_memory_mib, tenant
 
 
+def _model(row: Sequence[Any]) -> ModelArtifact:
+    """A model from its row: the columns in the order the model's fields are."""
+    name, version, sha256, size_bytes, format_, memory_mib, source, license_, inspection = row
+    return ModelArtifact(
+        name, version, sha256, size_bytes, format_, memory_mib, source, license_,
+        None if inspection is None else json.loads(inspection),
+    )  # fmt: skip
+
+
 class Deployments:
     """The `models`, `deployments` and `placements` tables."""
 
@@ -55,28 +65,29 @@ class Deployments:
     def add_model(self, model: ModelArtifact) -> None:
         added = self._db.execute(
             "INSERT INTO models (ref, name, version, sha256, size_bytes, format, memory_mib,"
-            " created_at, source, license) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " created_at, source, license, inspection) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT DO NOTHING",
             [model.ref, model.name, model.version, model.sha256, model.size_bytes,
-             model.format, model.memory_mib, self._clock(), model.source, model.license],
+             model.format, model.memory_mib, self._clock(), model.source, model.license,
+             None if model.inspection is None else json.dumps(model.inspection)],
         ).rowcount  # fmt: skip
         if added == 0:
             raise ConflictError(f"model {model.ref} is already registered")
 
     def models(self) -> list[ModelArtifact]:
         rows = self._db.execute(
-            "SELECT name, version, sha256, size_bytes, format, memory_mib, source, license"
-            " FROM models ORDER BY ref"
+            "SELECT name, version, sha256, size_bytes, format, memory_mib, source, license,"
+            " inspection FROM models ORDER BY ref"
         ).fetchall()
-        return [ModelArtifact(*r) for r in rows]
+        return [_model(r) for r in rows]
 
     def model_by_sha256(self, sha256: str) -> ModelArtifact | None:
         row = self._db.execute(
-            "SELECT name, version, sha256, size_bytes, format, memory_mib, source, license"
-            " FROM models WHERE sha256 = ? LIMIT 1",
+            "SELECT name, version, sha256, size_bytes, format, memory_mib, source, license,"
+            " inspection FROM models WHERE sha256 = ? LIMIT 1",
             [sha256],
         ).fetchone()
-        return None if row is None else ModelArtifact(*row)
+        return None if row is None else _model(row)
 
     def add(self, deployment: DeploymentRecord) -> int:
         """Add a deployment; the new serial (the reconciler places it within seconds)."""

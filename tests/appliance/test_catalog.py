@@ -19,12 +19,12 @@ from appliance.serving.catalog import (
     register_file,
     verify,
 )
-from appliance.serving.chat import GEMMA_TEMPLATE, ChatTemplateError, select_template
 from appliance.serving.engine import LlamaVocabulary
-from appliance.serving.gguf import read_gguf
 from appliance.settings import ApplianceSettings
 from appliance.state.records import ModelRecord
 from appliance.state.store import ConflictError, Store
+from shared.chat import GEMMA_TEMPLATE, ChatTemplateError, select_template
+from shared.gguf import read_gguf
 from shared.progress import ProgressBar
 from tests.waiting import until_sync
 

@@ -1,5 +1,5 @@
 """Tool calling's building blocks (appliance.validation.tools, the tool side of
-appliance.serving.chat): grammars llama.cpp compiles over the real vocabulary, which take
+shared.chat): grammars llama.cpp compiles over the real vocabulary, which take
 the calls each tool_choice allows and nothing else; every text a grammar lets through
 parses into valid calls; streamed deltas reassemble into exactly what the parse returns.
 With the real model: test_structured_output.py."""
@@ -13,12 +13,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 
-from appliance.serving.chat import (
-    CHATML_TEMPLATE,
-    GEMMA_TEMPLATE,
-    ChatTemplate,
-    ChatTemplateError,
-)
 from appliance.serving.engine import LlamaVocabulary
 from appliance.validation.tools import (
     MAX_PARALLEL_CALLS,
@@ -29,6 +23,12 @@ from appliance.validation.tools import (
     ToolPlan,
     ToolSpecError,
     plan_tools,
+)
+from shared.chat import (
+    CHATML_TEMPLATE,
+    GEMMA_TEMPLATE,
+    ChatTemplate,
+    ChatTemplateError,
 )
 from tests.appliance.grammar_check import Walker, accepts, compiles
 

@@ -15,11 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from appliance.serving.catalog import CHAT_MODEL_NAME, EMBEDDED
 from hub.models import huggingface
 from hub.models.errors import PullError
+from hub.models.inspect import inspect
 from hub.models.pull import Naming, pull
 from hub.models.reference import BadReferenceError, HubReference, UrlReference, parse_reference
 from hub.state.store import open_store
+from shared.gguf import REPLICA_OVERHEAD_MIB
 from tests.conftest import REPO, kvl
 from tests.hfhub import Repo, StandIn, tiny_gguf
 from tests.hubs import settings_for
@@ -289,3 +292,67 @@ async def test_bounds_refuse_before_the_download_and_a_rate_limit_says_when(
         await pull(f"hf://{SMOL}:Q4_K_M", _hub(tmp_path, stand_in))
     assert limited.value.retry_after_s == 7
     assert _leftovers(full) == []
+
+
+# -- inspection -------------------------------------------------------------------------------
+
+
+async def test_a_real_gguf_is_inspected_and_a_replica_estimated_from_it(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    smol = EMBEDDED[CHAT_MODEL_NAME].sources()[0].read_bytes()
+    stand_in = StandIn(
+        {SMOL: Repo({"SmolLM2-135M-Instruct-Q4_1.gguf": smol})}, tmp_path / "stand-in"
+    )
+    await stand_in.start(aiohttp_server)
+    settings = _hub(tmp_path, stand_in)
+    model = await pull(f"hf://{SMOL}:Q4_1", settings)
+    assert model.inspection == {
+        "architecture": "llama",
+        "parameters": 134_515_008,
+        "quantisation": "Q4_1",
+        "context_length": 8192,
+        "tokenizer": "gpt2",
+        "chat_template": "gguf",  # its own, which renders the test conversation
+        "template_error": None,
+        # 30 layers, 3 KV heads of 64 for K and for V
+        "kv_elements_per_token": 30 * 3 * (64 + 64),
+    }
+    # Weights, an f16 KV cache for 4 slots of 4096 tokens and the prefix store, overhead.
+    kv = 5 * 4096 * 11_520 * 2
+    assert model.memory_mib == round((len(smol) + kv) / 2**20 + REPLICA_OVERHEAD_MIB)
+    store = open_store(settings)
+    try:
+        store.deployments.add_model(model)
+    finally:
+        store.close()
+    listed = await asyncio.to_thread(
+        kvl, "hub", "models", "list", "--data-dir", str(settings.data_dir)
+    )
+    assert f"{model.memory_mib} MiB/replica  llama 135M Q4_1  hf://{SMOL}@" in listed.stdout
+
+
+def test_a_template_that_does_not_render_is_said_and_a_bad_header_refused(
+    tmp_path: Path,
+) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(
+        tiny_gguf("t", 4096, {"tokenizer.chat_template": "{{ raise_exception('no system') }}"})
+    )
+    seen = inspect(broken)
+    assert (seen.chat_template, seen.template_error) == ("gguf", "no system")
+    settings = settings_for(tmp_path)
+    added = kvl(
+        "hub", "models", "add", str(broken), "--name", "b", "--version", "1",
+        "--data-dir", str(settings.data_dir),
+    )  # fmt: skip
+    assert "its own chat template (does not render: no system)" in added.stdout
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + b"\xff" * 64)
+    refused = kvl(
+        "hub", "models", "add", str(corrupt), "--name", "c", "--version", "1",
+        "--data-dir", str(settings.data_dir), check=False,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert "not a GGUF model the hub can read" in refused.stderr
+    assert _registered(settings) == ["b@1"]

@@ -197,12 +197,14 @@ MIGRATIONS = (
             labels::json ->> 'private' = 'true' THEN 1 ELSE 0 END WHERE labels <> '';
         """,
     ),
-    # Where a model came from: the pinned reference it was pulled by, and its licence.
+    # Where a model came from (the pinned reference it was pulled by, its licence), and
+    # what reading its file found (JSON: hub/models/inspect.py).
     Migration(
         "m016_model_sources",
         """
         ALTER TABLE models ADD COLUMN source TEXT;
         ALTER TABLE models ADD COLUMN license TEXT;
+        ALTER TABLE models ADD COLUMN inspection TEXT;
         """,
     ),
 )

@@ -1,7 +1,10 @@
-"""A small reader for GGUF metadata, so models can be registered without loading them."""
+"""A small reader for GGUF headers (metadata and the tensors' shapes), so a model can be
+registered, inspected and fitted without loading it; and the estimate of what one replica of
+it holds in memory, which the appliance's budget and the hub's placement both count."""
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
@@ -67,10 +70,22 @@ class GGUFError(ValueError):
     """The file is not a readable GGUF model."""
 
 
+# What a worker holds beyond weights and KV cache: Python, llama.cpp's compute buffers, the
+# gateway-side vocabulary (measured on the embedded models: tests/appliance/test_fit.py).
+REPLICA_OVERHEAD_MIB = 400.0
+# Bytes a KV cache element takes, by the cache's type (q8_0 and q4_0 blocks with their scales).
+KV_ELEMENT_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+# A node's model defaults (the appliance's `model.n_ctx` and `model.n_slots`): what a
+# replica is sized for unless its deployment says otherwise.
+DEFAULT_N_CTX = 4096
+DEFAULT_N_SLOTS = 4
+
+
 @dataclass(frozen=True)
 class GGUFInfo:
     version: int
     metadata: dict[str, Any]
+    parameters: int | None = None  # elements of every tensor (None: not read)
 
     @property
     def architecture(self) -> str | None:
@@ -92,6 +107,36 @@ class GGUFInfo:
         value = self.metadata.get(f"{self.architecture}.context_length")
         return value if isinstance(value, int) else None
 
+    def _number(self, key: str, default: int) -> int:
+        value = self.metadata.get(f"{self.architecture}.{key}")
+        return value if isinstance(value, int) else default
+
+    def kv_elements_per_token(self) -> int:
+        """K and V elements one token's cache cell holds across the layers (0 when the
+        metadata does not say)."""
+        layers = self._number("block_count", 0)
+        heads = self._number("attention.head_count", 1)
+        kv_heads = self._number("attention.head_count_kv", heads)
+        head_dim = self._number("embedding_length", 0) // max(heads, 1)
+        key = self._number("attention.key_length", head_dim)
+        value = self._number("attention.value_length", head_dim)
+        return layers * kv_heads * (key + value)
+
+
+def cache_cells(n_ctx: int, n_slots: int, *, prefix_store: bool = True) -> int:
+    """Tokens a worker's KV cache holds: every slot's context, and the shared-prefix store's."""
+    return n_ctx * n_slots + (n_ctx if prefix_store else 0)
+
+
+def replica_mib(
+    kv_elements_per_token: int | None, size_bytes: int, cells: int, kv_type: str = "f16"
+) -> float:
+    """What one replica holds resident, at most: its weights (the file), a KV cache of
+    `cells` tokens at `kv_type` (`kv_elements_per_token`: GGUFInfo's; None when the file
+    says nothing of it), and :data:`REPLICA_OVERHEAD_MIB`."""
+    kv = cells * (kv_elements_per_token or 0) * KV_ELEMENT_BYTES[kv_type]
+    return (size_bytes + kv) / 2**20 + REPLICA_OVERHEAD_MIB
+
 
 def read_gguf(path: Path, *, skip_arrays: bool = True) -> GGUFInfo:
     """Read the header and metadata of a GGUF file.
@@ -106,15 +151,27 @@ def read_gguf(path: Path, *, skip_arrays: bool = True) -> GGUFInfo:
             (version,) = _unpack(f, "<I")
             if version < 2:
                 raise GGUFError(f"{path}: GGUF version {version} is too old")
-            _n_tensors, n_kv = _unpack(f, "<QQ")
+            n_tensors, n_kv = _unpack(f, "<QQ")
             metadata: dict[str, Any] = {}
             for _ in range(n_kv):
                 key = _read_string(f)
                 (vtype,) = _unpack(f, "<I")
                 metadata[key] = _read_value(f, vtype, skip_arrays)
-            return GGUFInfo(version=version, metadata=metadata)
+            parameters = sum(_tensor_elements(f) for _ in range(n_tensors))
+            return GGUFInfo(version=version, metadata=metadata, parameters=parameters or None)
     except (struct.error, UnicodeDecodeError) as err:
         raise GGUFError(f"{path}: truncated or corrupt GGUF header") from err
+
+
+def _tensor_elements(f: IO[bytes]) -> int:
+    """One tensor's entry read (name, dimensions, type, offset): its element count."""
+    _read_string(f)
+    (n_dims,) = _unpack(f, "<I")
+    if n_dims > 8:  # ggml's GGML_MAX_DIMS is 4
+        raise struct.error("a tensor of more than 8 dimensions")
+    elements: int = math.prod(_unpack(f, f"<{n_dims}Q"))
+    _unpack(f, "<IQ")
+    return elements
 
 
 def _unpack(f: IO[bytes], fmt: str) -> tuple[Any, ...]:

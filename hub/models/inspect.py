@@ -1,0 +1,94 @@
+"""A GGUF read before the hub offers it for placement: what it is (architecture,
+parameters, quantisation, trained context, tokenizer), whether its chat template renders a
+conversation, and from these the memory a replica needs (shared/gguf.py `replica_mib`,
+the estimate the appliance's budget counts too)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from hub.models.errors import PullError
+from shared.chat import ChatTemplateError, select_template
+from shared.gguf import (
+    DEFAULT_N_CTX,
+    DEFAULT_N_SLOTS,
+    GGUFError,
+    cache_cells,
+    read_gguf,
+    replica_mib,
+)
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+# A conversation any chat template should render: a system message, a finished turn, a new
+# question (Gemma's template folds the system message into the first user turn).
+TEST_CONVERSATION = [
+    {"role": "system", "content": "Answer in one word."},
+    {"role": "user", "content": "What colour is the sky?"},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "And grass?"},
+]
+
+
+@dataclass(frozen=True)
+class Inspection:
+    architecture: str | None
+    parameters: int | None
+    quantisation: str | None
+    context_length: int | None  # what it was trained for
+    tokenizer: str | None  # `tokenizer.ggml.model`: gpt2, llama, …
+    chat_template: str  # whose: "gguf" (its own), "family:ARCH" or "chatml"
+    template_error: str | None  # None: the template renders TEST_CONVERSATION
+    kv_elements_per_token: int
+
+    def replica_mib(
+        self, size_bytes: int, n_ctx: int = DEFAULT_N_CTX, n_slots: int = DEFAULT_N_SLOTS
+    ) -> int:
+        """The memory one replica needs at this context and slots (f16 KV cache)."""
+        cells = cache_cells(n_ctx, n_slots)
+        return round(replica_mib(self.kv_elements_per_token, size_bytes, cells))
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def inspect(path: Path) -> Inspection:
+    """The file read; PullError (`unsupported`) when it is not a GGUF model."""
+    try:
+        info = read_gguf(path, skip_arrays=False)
+    except (GGUFError, OSError) as err:
+        raise PullError("unsupported", f"not a GGUF model the hub can read: {err}") from err
+    meta = info.metadata
+    tokens = meta.get("tokenizer.ggml.tokens")
+
+    def token(key: str) -> str:
+        index = meta.get(key)
+        if isinstance(tokens, list) and isinstance(index, int) and 0 <= index < len(tokens):
+            return str(tokens[index])
+        return ""
+
+    template = select_template(
+        info.chat_template,
+        info.architecture,
+        token("tokenizer.ggml.bos_token_id"),
+        token("tokenizer.ggml.eos_token_id"),
+    )
+    error = None
+    try:
+        if not template.render(TEST_CONVERSATION).strip():
+            error = "the chat template renders an empty prompt"
+    except ChatTemplateError as err:
+        error = str(err)
+    tokenizer = meta.get("tokenizer.ggml.model")
+    return Inspection(
+        info.architecture,
+        info.parameters,
+        info.quantization,
+        info.context_length,
+        tokenizer if isinstance(tokenizer, str) else None,
+        template.origin,
+        error,
+        info.kv_elements_per_token(),
+    )
