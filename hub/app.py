@@ -26,6 +26,7 @@ from hub.appkeys import (
     LOOPS,
     METRICS,
     NODE_LOGS,
+    PULLS,
     RUNNING,
     SETTINGS,
     STORE,
@@ -40,6 +41,7 @@ from hub.fleet.peers import tunnel_up
 from hub.http import errors
 from hub.identity import identity
 from hub.loops import Running, running
+from hub.models.jobs import PullRunner
 from hub.nodelogs import NodeLogs
 from hub.observability.metrics import HubMetrics
 from hub.offload import Forwarder
@@ -81,6 +83,7 @@ def create_app(settings: HubSettings) -> web.Application:
     app.cleanup_ctx.append(_pki)
     app.cleanup_ctx.append(_placement)
     app.cleanup_ctx.append(_rollouts)
+    app.cleanup_ctx.append(_pulls)
     app.cleanup_ctx.append(_alerts)
     if settings.overlay.interface is not None:
         app.cleanup_ctx.append(_tunnel)
@@ -202,6 +205,13 @@ async def _rollouts(app: web.Application) -> AsyncIterator[None]:
     """The rollout loop (hub/rollouts.py): staged rollouts moved on, or halted."""
     loop = rollouts_forever(app[STORE], app[SETTINGS], app[LOOPS])
     async with running(app[RUNNING], "rollouts", loop):
+        yield
+
+
+async def _pulls(app: web.Application) -> AsyncIterator[None]:
+    """The pull loop (hub/models/jobs.py): model pulls operators asked for, one at a time."""
+    runner = app[PULLS] = PullRunner(app[STORE], app[SETTINGS], app[LOOPS])
+    async with running(app[RUNNING], "pulls", runner.forever()):
         yield
 
 

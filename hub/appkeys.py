@@ -10,6 +10,7 @@ from hub.certificates import HubTls
 from hub.fleet.heartbeats import Heartbeats
 from hub.fleet.learning import Learning
 from hub.loops import Running
+from hub.models.jobs import PullRunner
 from hub.nodelogs import NodeLogs
 from hub.observability.metrics import HubMetrics
 from hub.offload import Forwarder
@@ -35,6 +36,8 @@ IDENTITY = web.AppKey("hub_identity", dict[str, str])
 # Every background loop of this hub counts its failed rounds here (hub/loops.py).
 LOOPS = web.AppKey("hub_loops", Failures)
 RUNNING = web.AppKey("hub_running_loops", Running)
+# The model pulls operators asked for (hub/models/jobs.py).
+PULLS = web.AppKey("hub_pulls", PullRunner)
 # The hub's Prometheus registry and its families (hub/observability/metrics.py).
 METRICS = web.AppKey("hub_metrics", HubMetrics)
 

@@ -117,6 +117,22 @@ class NodeTenancyRequest(BaseModel):
     private: bool = Field(default=False, description="on its tenant's private site (S4)")
 
 
+class PullRequest(BaseModel):
+    """A model to pull into the hub (hub/models/reference.py says what a reference is)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reference: str = Field(
+        min_length=1,
+        max_length=1000,
+        description="hf://OWNER/REPO[@REVISION]:QUANT, hf://OWNER/REPO[@REVISION]/FILE.gguf "
+        "or an https:// URL",
+    )
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+    version: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+    memory_mib: int | None = Field(None, ge=1, le=16 << 20)
+
+
 class TokenRequest(NodeTenancyRequest):
     """An enrollment token; the nodes it enrolls get its tenancy."""
 

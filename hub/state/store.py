@@ -1,11 +1,12 @@
 """The hub's store: one façade, `HubStore`, holding one repository per aggregate (the
 modules beside this one: `tokens`, `nodes`, `certificates`, `operators`, `accounts` with
-their API keys, `leases`, `ledger`, `packages`, `deployments`, `rollouts`, `objectives`,
-`alerts`, `console`, and `desired`, the desired state drawn from several), each a plain
-class given the one connection and what else it reads (the clock, the serials, the
-repositories it draws on), composed here; and its async facade, `AsyncHubStore`, on one
-writer thread per process (shared.db.AsyncStore) with a second connection for reads of the
-whole fleet. The modules of hub/state/ are the only hub modules that hold SQL.
+their API keys, `leases`, `ledger`, `packages`, `deployments`, `pulls` (model pulls),
+`rollouts`, `objectives`, `alerts`, `console`, and `desired`, the desired state drawn from
+several), each a plain class given the one connection and what else it reads (the clock,
+the serials, the repositories it draws on), composed here; and its async facade,
+`AsyncHubStore`, on one writer thread per process (shared.db.AsyncStore) with a second
+connection for reads of the whole fleet. The modules of hub/state/ are the only hub
+modules that hold SQL.
 
 The same statements run on SQLite (the default: one file, one writer) and on PostgreSQL
 (`database_url`: several hub replicas on one database) through hub.state.sql. What must stay
@@ -38,6 +39,7 @@ from hub.state.nodes import Nodes
 from hub.state.objectives import Objectives
 from hub.state.operators import Operators
 from hub.state.packages import Packages
+from hub.state.pulls import Pulls
 from hub.state.rollouts import Rollouts
 from hub.state.serials import Serials
 from hub.state.tokens import Tokens
@@ -88,6 +90,7 @@ class HubStore:
         self.packages = Packages(database, clock, self.serials)
         self.ledger = Ledger(database, clock, self.packages)
         self.deployments = Deployments(database, clock, self.serials)
+        self.pulls = Pulls(database, clock)
         self.rollouts = Rollouts(database, clock, self.serials)
         self.desired = DesiredStates(
             database,

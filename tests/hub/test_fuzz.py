@@ -186,7 +186,8 @@ def fuzzed(
     if request.param == "postgres":
         cluster: Cluster = request.getfixturevalue("postgres")
         database = {"database_url": cluster.create()}
-    hub_settings = settings_for(tmp_path, database)
+    # Model pulls the fuzzing queues resolve against a port nothing listens on, on loopback.
+    hub_settings = settings_for(tmp_path, database, models={"hf_endpoint": "http://127.0.0.1:9"})
     store = open_store(hub_settings)
     try:
         token = store.tokens.create("lab", uses=3, expires_in_s=3600).plaintext

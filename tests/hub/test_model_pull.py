@@ -13,9 +13,12 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import pytest
 
 from appliance.serving.catalog import CHAT_MODEL_NAME, EMBEDDED
+from hub.app import create_app
+from hub.identity import ssl_context
 from hub.models import huggingface
 from hub.models.errors import PullError
 from hub.models.inspect import inspect
@@ -356,3 +359,96 @@ def test_a_template_that_does_not_render_is_said_and_a_bad_header_refused(
     assert refused.returncode == 2
     assert "not a GGUF model the hub can read" in refused.stderr
     assert _registered(settings) == ["b@1"]
+
+
+# -- the operator API: pulls as durable jobs --------------------------------------------------
+
+
+async def test_the_operator_api_pulls_as_a_job_with_progress_and_cancel(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    stand_in = await _stand_in(aiohttp_server, tmp_path)
+    settings = _hub(tmp_path, stand_in)
+    store = open_store(settings)
+    try:
+        operator = store.operators.create("ops").plaintext
+    finally:
+        store.close()
+    hub = await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
+    auth = {"Authorization": f"Bearer {operator}"}
+    async with aiohttp.ClientSession(headers=auth) as session:
+
+        async def call(method: str, path: str, **kw: Any) -> tuple[int, dict[str, Any]]:
+            async with session.request(method, hub.make_url(path), ssl=False, **kw) as answer:
+                return answer.status, await answer.json()
+
+        async def finished(pull_id: str) -> dict[str, Any]:
+            async def state() -> dict[str, Any] | None:
+                _, pull = await call("GET", f"/v1/admin/models/pulls/{pull_id}")
+                return pull if pull["state"] in {"done", "failed", "cancelled"} else None
+
+            found: dict[str, Any] = await until(state, f"pull {pull_id} to finish")
+            return found
+
+        status, bad = await call("POST", "/v1/admin/models", json={"reference": "ollama://x"})
+        assert (status, bad["error"]["code"], bad["error"]["param"]) == (
+            400, "invalid_value", "reference",
+        )  # fmt: skip
+        status, queued = await call(
+            "POST", "/v1/admin/models", json={"reference": f"hf://{SMOL}:Q4_K_M", "name": "smol"}
+        )
+        assert (status, queued["created_by"]) == (202, "ops")
+        done = await finished(queued["id"])
+        data = FILES["smollm2-135m-instruct-q4_k_m.gguf"]
+        assert (done["state"], done["model"]) == ("done", "smol@q4_k_m")
+        assert done["done_bytes"] == done["total_bytes"] == len(data)
+        assert _registered(settings) == ["smol@q4_k_m"]
+        status, late = await call("DELETE", f"/v1/admin/models/pulls/{queued['id']}")
+        assert (status, late["error"]["code"]) == (409, "job_finished")
+        # A gated repository without a token: the job fails, saying why; nothing registered.
+        status, gated = await call(
+            "POST", "/v1/admin/models", json={"reference": "hf://nobody/nothing:Q4_K_M"}
+        )
+        failed = await finished(gated["id"])
+        assert (failed["state"], failed["error_kind"]) == ("failed", "not_found")
+        # Cancelled mid-file: stopped, nothing registered.
+        stand_in.faults.stall_after = 1 << 20
+        status, stalled = await call(
+            "POST", "/v1/admin/models", json={"reference": f"hf://{SMOL}:Q8_0"}
+        )
+        await until(lambda: stand_in.seen.sent >= 1 << 20, "the first MiB to go out")
+        status, cancelled = await call("DELETE", f"/v1/admin/models/pulls/{stalled['id']}")
+        assert (status, cancelled["state"]) == (200, "cancelled")
+        assert (await finished(stalled["id"]))["state"] == "cancelled"
+        assert _registered(settings) == ["smol@q4_k_m"]
+        status, listed = await call("GET", "/v1/admin/models/pulls")
+        assert [p["state"] for p in listed["data"]] == ["cancelled", "failed", "done"]
+        status, missing = await call("GET", "/v1/admin/models/pulls/pull_nothing")
+        assert (status, missing["error"]["code"]) == (404, "not_found")
+    await hub.close()
+
+
+async def test_a_pull_the_hub_was_running_when_it_stopped_goes_on_at_its_next_start(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    stand_in = await _stand_in(aiohttp_server, tmp_path)
+    settings = _hub(tmp_path, stand_in)
+    store = open_store(settings)
+    try:
+        created = store.pulls.create(f"hf://{SMOL}:Q4_K_M", None, None, None, "ops")
+        claimed = store.pulls.claim()  # the hub stopped while running it
+        assert claimed is not None
+        assert claimed.state == "running"
+    finally:
+        store.close()
+    await aiohttp_server(create_app(settings), ssl=ssl_context(settings))
+
+    def state() -> str:
+        store = open_store(settings)
+        try:
+            return store.pulls.get(created.id).state
+        finally:
+            store.close()
+
+    await until(lambda: state() == "done", "the pull to go on and finish")
+    assert _registered(settings) == ["smollm2-135m-instruct@q4_k_m"]

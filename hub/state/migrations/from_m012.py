@@ -207,4 +207,27 @@ MIGRATIONS = (
         ALTER TABLE models ADD COLUMN inspection TEXT;
         """,
     ),
+    # Model pulls the operator asked for: durable jobs with their progress.
+    Migration(
+        "m017_model_pulls",
+        """
+        CREATE TABLE model_pulls (
+            id TEXT PRIMARY KEY,
+            reference TEXT NOT NULL,
+            name TEXT,
+            version TEXT,
+            memory_mib {int},
+            state TEXT NOT NULL,
+            done_bytes {int} NOT NULL,
+            total_bytes {int},
+            model TEXT,
+            error_kind TEXT,
+            error TEXT,
+            created_by TEXT NOT NULL,
+            created_at {real} NOT NULL,
+            updated_at {real} NOT NULL
+        );
+        CREATE INDEX idx_model_pulls_state ON model_pulls (state);
+        """,
+    ),
 )
