@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -28,6 +27,7 @@ from hub.state.store import open_store
 from shared import pki, protocol
 from tests.appliance.fleet_nodes import join, placement_hub
 from tests.conftest import kvl, write_script
+from tests.hfhub import tiny_gguf
 from tests.hubs import settings_for
 from tests.waiting import until
 
@@ -135,7 +135,7 @@ async def test_a_placed_artifact_is_fetched_resumed_and_checked(
     # keeps the node placeable for the whole test however busy the machine is (at
     # placement_hub's 4 s, a loaded run lost the placement before the last fetch).
     hub = settings_for(tmp_path, fleet={"placement_every_s": 0.3})
-    blob = b"GGUF" + os.urandom(3 * 2**20 + 119)  # GGUF by its first bytes, as the hub asks
+    blob = tiny_gguf("placed", 3 * 2**20 + 123)  # a GGUF header the hub reads, then bytes
     source = tmp_path / "weights.bin"
     source.write_bytes(blob)
     data = str(hub.data_dir)
