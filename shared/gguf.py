@@ -70,15 +70,16 @@ class GGUFError(ValueError):
     """The file is not a readable GGUF model."""
 
 
-# What a worker holds beyond weights and KV cache: Python, llama.cpp's compute buffers, the
-# gateway-side vocabulary (measured on the embedded models: tests/appliance/test_fit.py).
-REPLICA_OVERHEAD_MIB = 400.0
+# What a worker holds beyond weights and KV cache: Python and llama.cpp's compute buffers
+# (62 and 91 MiB for the embedded models at the defaults: tests/appliance/test_fit.py).
+REPLICA_OVERHEAD_MIB = 100.0
 # Bytes a KV cache element takes, by the cache's type (q8_0 and q4_0 blocks with their scales).
 KV_ELEMENT_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 # A node's model defaults (the appliance's `model.n_ctx` and `model.n_slots`): what a
 # replica is sized for unless its deployment says otherwise.
 DEFAULT_N_CTX = 4096
 DEFAULT_N_SLOTS = 4
+DEFAULT_N_BATCH = 512
 
 
 @dataclass(frozen=True)
@@ -111,30 +112,63 @@ class GGUFInfo:
         value = self.metadata.get(f"{self.architecture}.{key}")
         return value if isinstance(value, int) else default
 
-    def kv_elements_per_token(self) -> int:
-        """K and V elements one token's cache cell holds across the layers (0 when the
-        metadata does not say)."""
+    def kv_shape(self) -> KvShape:
+        """What one token's KV cache cell holds, across full-attention and sliding-window
+        layers (all zero when the metadata does not say)."""
         layers = self._number("block_count", 0)
         heads = self._number("attention.head_count", 1)
         kv_heads = self._number("attention.head_count_kv", heads)
         head_dim = self._number("embedding_length", 0) // max(heads, 1)
         key = self._number("attention.key_length", head_dim)
         value = self._number("attention.value_length", head_dim)
-        return layers * kv_heads * (key + value)
+        window = self._number("attention.sliding_window", 0)
+        # Which layers slide is llama.cpp's knowledge of the architecture, not the file's: of
+        # every `pattern` layers, all but the last (Gemma 3: five of six).
+        pattern = _SWA_PATTERNS.get(self.architecture or "", 0) if window > 0 else 0
+        sliding = sum(1 for i in range(layers) if i % pattern < pattern - 1) if pattern else 0
+        per_layer = kv_heads * (key + value)
+        return KvShape(
+            (layers - sliding) * per_layer, sliding * per_layer, window if sliding else 0
+        )
 
 
-def cache_cells(n_ctx: int, n_slots: int, *, prefix_store: bool = True) -> int:
-    """Tokens a worker's KV cache holds: every slot's context, and the shared-prefix store's."""
-    return n_ctx * n_slots + (n_ctx if prefix_store else 0)
+# llama.cpp's sliding-window layer patterns (`set_swa_pattern`) of the architectures whose
+# GGUF names a window; one not named here is counted at full size (an upper bound).
+_SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "cohere2": 4, "gpt-oss": 2}
+
+
+@dataclass(frozen=True)
+class KvShape:
+    """K and V elements per token: over the full-attention layers, over the sliding-window
+    ones, and their window (0: none)."""
+
+    full: int
+    sliding: int = 0
+    window: int = 0
 
 
 def replica_mib(
-    kv_elements_per_token: int | None, size_bytes: int, cells: int, kv_type: str = "f16"
+    shape: KvShape | None,
+    size_bytes: int,
+    n_ctx: int = DEFAULT_N_CTX,
+    n_slots: int = DEFAULT_N_SLOTS,
+    *,
+    n_batch: int = DEFAULT_N_BATCH,
+    kv_type: str = "f16",
 ) -> float:
-    """What one replica holds resident, at most: its weights (the file), a KV cache of
-    `cells` tokens at `kv_type` (`kv_elements_per_token`: GGUFInfo's; None when the file
-    says nothing of it), and :data:`REPLICA_OVERHEAD_MIB`."""
-    kv = cells * (kv_elements_per_token or 0) * KV_ELEMENT_BYTES[kv_type]
+    """What one replica's worker holds resident: its weights (the file), its KV cache as the
+    appliance sizes it (appliance/serving/batching.py: every slot's context and the
+    shared-prefix store, unified; sliding-window layers only their window for each sequence
+    and a batch, as llama.cpp sizes them) at `kv_type`, and :data:`REPLICA_OVERHEAD_MIB`.
+    Without a shape (a file that says nothing of its layers), the weights and the overhead."""
+    kv = 0.0
+    if shape is not None:
+        store = min(n_ctx - 1, shape.window - 1) if shape.window > 0 else n_ctx - 1
+        cells = n_ctx * n_slots + store
+        window_cells = 0
+        if shape.window > 0:  # llama.cpp: n_swa per sequence plus a ubatch, padded to 256
+            window_cells = min(cells, -(-(shape.window * (n_slots + 1) + n_batch) // 256) * 256)
+        kv = (cells * shape.full + window_cells * shape.sliding) * KV_ELEMENT_BYTES[kv_type]
     return (size_bytes + kv) / 2**20 + REPLICA_OVERHEAD_MIB
 
 

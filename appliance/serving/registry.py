@@ -48,7 +48,7 @@ from appliance.serving.engine import (
     default_threads,
 )
 from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, WorkerStats
-from shared.gguf import GGUFError, cache_cells, read_gguf, replica_mib
+from shared.gguf import GGUFError, read_gguf, replica_mib
 from shared.supervise import wait_until_set
 
 if TYPE_CHECKING:
@@ -140,15 +140,15 @@ def plan_eviction(
 
 
 def estimate_mb(record: ModelRecord, options: EngineOptions) -> float:
-    """An upper bound of one replica's resident memory (shared/gguf.py `replica_mib`): the
-    weights, a full-size f16 KV cache for every slot (and the shared-prefix store), and the
-    worker's overhead."""
-    cells = cache_cells(options.n_ctx, options.n_slots, prefix_store=options.prefix_min_tokens > 0)
+    """One replica's resident memory (shared/gguf.py `replica_mib`): the weights, the KV
+    cache its context is created with, and the worker's overhead."""
     try:
-        per_token = read_gguf(Path(record.path)).kv_elements_per_token()
+        shape = read_gguf(Path(record.path)).kv_shape()
     except (GGUFError, OSError):
-        per_token = None
-    return replica_mib(per_token, record.size_bytes, cells)
+        shape = None
+    return replica_mib(
+        shape, record.size_bytes, options.n_ctx, options.n_slots, n_batch=options.n_batch
+    )
 
 
 # -- deployments -----------------------------------------------------------------------------

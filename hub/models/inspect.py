@@ -10,14 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from hub.models.errors import PullError
 from shared.chat import ChatTemplateError, select_template
-from shared.gguf import (
-    DEFAULT_N_CTX,
-    DEFAULT_N_SLOTS,
-    GGUFError,
-    cache_cells,
-    read_gguf,
-    replica_mib,
-)
+from shared.gguf import DEFAULT_N_CTX, DEFAULT_N_SLOTS, GGUFError, KvShape, read_gguf, replica_mib
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -41,14 +34,16 @@ class Inspection:
     tokenizer: str | None  # `tokenizer.ggml.model`: gpt2, llama, …
     chat_template: str  # whose: "gguf" (its own), "family:ARCH" or "chatml"
     template_error: str | None  # None: the template renders TEST_CONVERSATION
-    kv_elements_per_token: int
+    kv_per_token: int  # K and V elements over the full-attention layers
+    kv_per_token_sliding: int  # over the sliding-window layers
+    sliding_window: int  # their window (0: none)
 
     def replica_mib(
         self, size_bytes: int, n_ctx: int = DEFAULT_N_CTX, n_slots: int = DEFAULT_N_SLOTS
     ) -> int:
         """The memory one replica needs at this context and slots (f16 KV cache)."""
-        cells = cache_cells(n_ctx, n_slots)
-        return round(replica_mib(self.kv_elements_per_token, size_bytes, cells))
+        shape = KvShape(self.kv_per_token, self.kv_per_token_sliding, self.sliding_window)
+        return round(replica_mib(shape, size_bytes, n_ctx, n_slots))
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,6 +77,7 @@ def inspect(path: Path) -> Inspection:
     except ChatTemplateError as err:
         error = str(err)
     tokenizer = meta.get("tokenizer.ggml.model")
+    shape = info.kv_shape()
     return Inspection(
         info.architecture,
         info.parameters,
@@ -90,5 +86,7 @@ def inspect(path: Path) -> Inspection:
         tokenizer if isinstance(tokenizer, str) else None,
         template.origin,
         error,
-        info.kv_elements_per_token(),
+        shape.full,
+        shape.sliding,
+        shape.window,
     )

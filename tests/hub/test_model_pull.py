@@ -318,11 +318,13 @@ async def test_a_real_gguf_is_inspected_and_a_replica_estimated_from_it(
         "tokenizer": "gpt2",
         "chat_template": "gguf",  # its own, which renders the test conversation
         "template_error": None,
-        # 30 layers, 3 KV heads of 64 for K and for V
-        "kv_elements_per_token": 30 * 3 * (64 + 64),
+        # 30 layers, 3 KV heads of 64 for K and for V, none sliding
+        "kv_per_token": 30 * 3 * (64 + 64),
+        "kv_per_token_sliding": 0,
+        "sliding_window": 0,
     }
     # Weights, an f16 KV cache for 4 slots of 4096 tokens and the prefix store, overhead.
-    kv = 5 * 4096 * 11_520 * 2
+    kv = (4 * 4096 + 4095) * 11_520 * 2
     assert model.memory_mib == round((len(smol) + kv) / 2**20 + REPLICA_OVERHEAD_MIB)
     store = open_store(settings)
     try:

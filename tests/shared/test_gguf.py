@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from appliance.state.records import ModelRecord
-from shared.gguf import REPLICA_OVERHEAD_MIB, GGUFError, cache_cells, read_gguf, replica_mib
+from shared.gguf import REPLICA_OVERHEAD_MIB, GGUFError, KvShape, read_gguf, replica_mib
 
 
 def _string(text: str) -> bytes:
@@ -80,8 +80,23 @@ def test_the_tensors_shapes_count_the_parameters_and_the_cache_is_sized(tmp_path
     info = read_gguf(path)
     assert info.parameters == 64 * 32 + 64 + 24
     # 2 layers, 2 KV heads, each 16 wide for K and for V (a head is 64 / 4 wide).
-    assert info.kv_elements_per_token() == 2 * 2 * 32
-    assert replica_mib(128, 2**20, cells=1024) == 1 + 1024 * 128 * 2 / 2**20 + REPLICA_OVERHEAD_MIB
-    assert replica_mib(128, 2**20, 1024, "q8_0") < replica_mib(128, 2**20, 1024)
-    assert cache_cells(4096, 4) == 5 * 4096
-    assert cache_cells(4096, 4, prefix_store=False) == 4 * 4096
+    assert info.kv_shape() == KvShape(2 * 2 * 32)
+    # Every slot's context and the prefix store's (one less), f16.
+    cells = 4 * 1024 + 1023
+    assert replica_mib(KvShape(128), 2**20, 1024, 4) == pytest.approx(
+        1 + cells * 128 * 2 / 2**20 + REPLICA_OVERHEAD_MIB
+    )
+    assert replica_mib(KvShape(128), 2**20, 1024, 4, kv_type="q8_0") < replica_mib(
+        KvShape(128), 2**20, 1024, 4
+    )
+    # Sliding layers hold their window for each sequence (the slots and the store) and a
+    # batch, padded to 256 cells; the store is shorter than the window.
+    sliding = replica_mib(KvShape(0, 128, window=512), 0, 4096, 4) - REPLICA_OVERHEAD_MIB
+    assert sliding == pytest.approx(3072 * 128 * 2 / 2**20)
+    assert replica_mib(None, 2**20, 4096, 4) == 1 + REPLICA_OVERHEAD_MIB
+
+
+def test_gemma_3s_sliding_layers_are_five_of_six(default_model: ModelRecord) -> None:
+    shape = read_gguf(Path(default_model.path)).kv_shape()
+    # 18 layers, one KV head of 256 for K and for V: 3 full, 15 sliding over 512 tokens.
+    assert shape == KvShape(3 * 512, 15 * 512, 512)
