@@ -17,6 +17,15 @@ if TYPE_CHECKING:
     from hub.state.deployments import ModelArtifact
 
 
+# What one replica needs, when the operator knows better than the file's estimate.
+_memory_mib = click.option(
+    "--memory-mib",
+    type=click.IntRange(1),
+    default=None,
+    help="What one replica needs on a node (default: estimated from the file).",
+)
+
+
 @click.group("models")
 def models() -> None:
     """Model files the hub places on nodes (stored by sha256, fetched through the tunnel)."""
@@ -27,12 +36,7 @@ def models() -> None:
 @click.argument("file", type=click.Path(path_type=Path, dir_okay=False, exists=True))
 @click.option("--name", required=True, help="Model name (as clients ask for it).")
 @click.option("--version", required=True, help="Its version: deployments name `name@version`.")
-@click.option(
-    "--memory-mib",
-    type=click.IntRange(1),
-    default=None,
-    help="What one replica needs on a node (default: estimated from the file).",
-)
+@_memory_mib
 @config_errors_exit
 def models_add(
     config_file: Path | None,
@@ -131,12 +135,7 @@ def _count(parameters: object) -> str | None:
 @click.option(
     "--version", default=None, help="Its version (default: the quantisation, e.g. q4_k_m)."
 )
-@click.option(
-    "--memory-mib",
-    type=click.IntRange(1),
-    default=None,
-    help="What one replica needs on a node (default: estimated from the file).",
-)
+@_memory_mib
 @config_errors_exit
 def models_pull(
     config_file: Path | None,
