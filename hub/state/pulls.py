@@ -39,12 +39,6 @@ class Pull:
     updated_at: float
 
 
-_COLUMNS = (
-    "id, reference, name, version, memory_mib, state, done_bytes, total_bytes, model,"
-    " error_kind, error, created_by, created_at, updated_at"
-)
-
-
 def _pull(row: Sequence[Any]) -> Pull:
     return Pull(*row)
 
