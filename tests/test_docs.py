@@ -58,7 +58,9 @@ PACKAGE_DIRS = sorted(
     init.parent.relative_to(REPO).as_posix()
     for top in TOP_PACKAGES
     for init in (REPO / top).rglob("__init__.py")
-    if "__pycache__" not in init.parts
+    # Not what a run leaves in ignored folders (an image build copies the sources into
+    # `image/build/`, while other tests run beside it).
+    if not {"__pycache__", "build", "dist"} & set(init.relative_to(REPO).parts)
 )
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)

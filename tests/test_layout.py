@@ -22,6 +22,8 @@ def _modules() -> dict[str, Path]:
     found = {}
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
+            if "build" in path.relative_to(ROOT).parts:  # an image build's copy (ignored)
+                continue
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
             found[name.removesuffix(".__init__")] = path
     return found
