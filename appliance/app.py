@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections import ChainMap
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -24,6 +25,7 @@ from appliance.gateway.appkeys import (
     NAMES,
     NODE_ID,
     OFFLOAD,
+    PRESETS,
     REGISTRY,
     SETTINGS,
     STORE,
@@ -52,6 +54,7 @@ from appliance.observability.tracing import Tracing
 from appliance.packages.cache import PackageCache
 from appliance.packages.service import PackageService
 from appliance.packages.voice import Espeak, Neural
+from appliance.serving.presets import Presets
 from appliance.serving.registry import ModelRegistry
 from appliance.state.store import AsyncStore
 from appliance.update.installer import Rauc
@@ -85,8 +88,10 @@ def create_app(settings: ApplianceSettings) -> web.Application:
     app[METRICS] = Metrics(objectives=settings.classes.objective_seconds())
     app[LOGS] = logs.ring()  # the hub reads the node's recent records (GET /v1/fleet/logs)
     app[CERTIFICATE] = NodeCertificate(settings.fleet_dir)
+    app[PRESETS] = presets = Presets()
     app[NAMES] = ModelNames(
-        aliases=settings.model.aliases,
+        # The node's own aliases first, then those of the hub's presets (read live).
+        aliases=ChainMap(dict(settings.model.aliases), presets.aliases),
         default=settings.model.default,
         chat_default=settings.model.chat_default,
         embedding=settings.embeddings.model if settings.embeddings.enabled else None,
@@ -158,7 +163,7 @@ async def _tracing(app: web.Application) -> AsyncIterator[None]:
 
 async def _models(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
-    host = ModelRegistry(app[STORE], settings, app[METRICS])
+    host = ModelRegistry(app[STORE], settings, app[METRICS], app[PRESETS])
     app[REGISTRY] = host
     admission = AdmissionControl(settings.classes, app[STORE], app[METRICS])
     app[ADMISSION] = admission

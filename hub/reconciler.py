@@ -20,6 +20,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from hub.models.inspect import deployment_mib
 from hub.planning.placement import plan
 from hub.planning.snapshots import Assignment, Deployment, Gpu, NodeSnapshot, Plan
 from hub.state.nodes import capacity_of
@@ -112,7 +113,7 @@ def deployment_of(record: DeploymentRecord, models: dict[str, ModelArtifact]) ->
         version=version,
         replicas=record.replicas,
         service_class=record.service_class,
-        memory_mib=model.memory_mib if model is not None else 0,
+        memory_mib=deployment_mib(model, record.preset) if model is not None else 0,
         gpu=bool(c.get("gpu")),
         gpu_memory_mib=int(c.get("gpu_memory_mib") or 0),
         sites=tuple(c.get("sites") or ()),

@@ -74,6 +74,7 @@ def deployment_view(
         "service_class": deployment.service_class,
         "isolation": deployment.isolation,
         "constraints": dict(deployment.constraints),
+        "preset": dict(deployment.preset or {}),
         "nodes": nodes,
     }
 

@@ -66,7 +66,7 @@ from pydantic import (
 
 from shared import jsonlimits
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 OLDEST_NODE_PROTOCOL = 2
 PROTOCOL_HEADER = "Kvl-Protocol"
 
@@ -563,6 +563,46 @@ class KeyState(Message):
     revoked: bool = False
 
 
+KvType = Literal["f16", "q8_0", "q4_0"]
+ToolFormat = Literal["auto", "generic", "hermes"]
+Stop = Annotated[str, StringConstraints(min_length=1, max_length=256), Clean]
+Alias = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^@\s]+$"), Clean]
+MAX_SYSTEM_PROMPT = 8000  # characters
+
+
+class ModelPreset(Message):
+    """A deployment's settings for its model (protocol 7): the node loads the model with
+    them and applies them to the requests it serves. Unset: the node's own setting
+    (`model.n_ctx`, `model.n_slots`, f16, the request's or the API's default)."""
+
+    n_ctx: int | None = Field(None, ge=256, le=131_072)  # context per slot, in tokens
+    n_slots: int | None = Field(None, ge=1, le=256)
+    kv_type: KvType | None = None  # the KV cache's element type
+    # Default sampling: a request's own value wins.
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=100_000)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repeat_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    # A chat without a system message gets this one first.
+    system_prompt: (
+        Annotated[str, StringConstraints(min_length=1, max_length=MAX_SYSTEM_PROMPT), Clean] | None
+    ) = None
+    stop: list[Stop] = Field(default_factory=list, max_length=4)  # added to a request's own
+    tool_format: ToolFormat = "auto"  # auto: the chat template's own, else generic
+    aliases: list[Alias] = Field(default_factory=list, max_length=16)  # names it answers to
+
+    @model_validator(mode="after")
+    def _distinct(self) -> Self:
+        if len(set(self.aliases)) != len(self.aliases):
+            raise ValueError("an alias appears twice")
+        return self
+
+    def load_options(self) -> tuple[int | None, int | None, KvType | None]:
+        """What changes how the model is loaded (a change is a reload)."""
+        return self.n_ctx, self.n_slots, self.kv_type
+
+
 class PlacedModel(Message):
     """A model placed on the node: fetched through the tunnel by sha256, checked, loaded."""
 
@@ -571,6 +611,7 @@ class PlacedModel(Message):
     sha256: Sha256
     size_bytes: int = Field(ge=0)
     format: Short
+    preset: ModelPreset | None = None  # protocol 7
 
 
 class SeededPackage(Message):
@@ -675,13 +716,27 @@ ADDED_IN: dict[type[Message], dict[str, int]] = {
     HeartbeatRequest: {"objectives": 4},
     Capacity: {"leases_lapsed": 5, "lease_failures": 5, "image": 6, "release_error": 6},
     DesiredState: {"release": 6},
+    PlacedModel: {"preset": 7},
 }
+# Where a message nests one of those above: their fields are left out there too.
+NESTED: dict[type[Message], dict[str, type[Message]]] = {DesiredState: {"models": PlacedModel}}
+
+
+def _left_out(message_type: type[Message], version: int) -> dict[str, Any]:
+    """The fields of ``message_type`` (and of the messages it nests) a node that speaks
+    ``version`` does not know, as pydantic's ``exclude`` takes them."""
+    added = ADDED_IN.get(message_type, {})
+    out: dict[str, Any] = {f: True for f, v in added.items() if v > version}
+    for field, nested in NESTED.get(message_type, {}).items():
+        inner = _left_out(nested, version)
+        if inner and field not in out:
+            out[field] = {"__all__": inner}
+    return out
 
 
 def dump_for(message: Message, version: int) -> str:
     """``message`` as JSON for a node that speaks ``version``."""
-    added = ADDED_IN.get(type(message), {})
-    return message.model_dump_json(exclude={f for f, v in added.items() if v > version})
+    return message.model_dump_json(exclude=_left_out(type(message), version))
 
 
 def json_schema() -> dict[str, object]:

@@ -98,6 +98,8 @@ class Converger:
         before = set(json.loads(placed or "[]"))
         wanted: list[str] = []
         errors: dict[str, str] = {}
+        # Set before loading: each placed model loads with its own (a changed one reloads).
+        self._registry.presets.set_desired(raw)
         for model in desired:
             ref = f"{model['name']}@{model['version']}"
             wanted.append(ref)
@@ -112,10 +114,9 @@ class Converger:
                 log.warning("placed model %s: %s", ref, err)
         for ref in sorted(before - set(wanted)):
             try:
-                await self._registry.load(ref, replicas=None, pinned=False)
-                await self._registry.unload(ref)
-                log.info("unloaded %s: the hub placed it elsewhere", ref)
-            except REFUSALS as err:  # already gone, or pinned by an operator
+                await self._registry.release(ref)
+                log.info("released %s: the hub placed it elsewhere", ref)
+            except REFUSALS as err:  # already gone
                 log.info("%s stays: %s", ref, err)
         await self._store.run(self._store.sync.set_meta, "placed_models", json.dumps(wanted))
         return errors

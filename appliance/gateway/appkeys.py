@@ -14,6 +14,7 @@ from appliance.inference.names import ModelNames
 from appliance.observability.logs import LogRing
 from appliance.observability.metrics import Metrics
 from appliance.observability.tracing import Tracing
+from appliance.serving.presets import Presets
 from appliance.serving.registry import ModelRegistry
 from appliance.settings import ApplianceSettings
 from appliance.state.store import ApiKey, AsyncStore
@@ -32,6 +33,8 @@ LOGS = web.AppKey("logs", LogRing)
 OFFLOAD = web.AppKey("offload", Offload)
 # What a request's `model` names: aliases and defaults (appliance/inference/names.py).
 NAMES = web.AppKey("model_names", ModelNames)
+# The hub's presets for the models it placed here (appliance/serving/presets.py).
+PRESETS = web.AppKey("presets", Presets)
 # This node's certificate and trust (appliance/fleet/certificates.py): who the hub is.
 CERTIFICATE = web.AppKey("certificate", NodeCertificate)
 # Accounts and keys made over the LAN (appliance/inference/accounts.py).

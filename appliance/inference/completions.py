@@ -16,7 +16,7 @@ import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel
 
@@ -67,6 +67,7 @@ from shared.errors import (
     QueueFull,
     UnsupportedParameter,
 )
+from shared.protocol import ModelPreset
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -80,6 +81,8 @@ if TYPE_CHECKING:
 
     # Commits a finished completion's usage: (prepared, finished, status).
     Recorder = Callable[["Prepared", Finished, int], Awaitable[None]]
+
+_T = TypeVar("_T")
 
 Kind = Literal["chat", "text"]
 # OpenTelemetry's GenAI semantic conventions (gen_ai.*): the provider is this appliance,
@@ -245,7 +248,11 @@ class CompletionService:
         engine = await self._engine(req.model, chat=True)
         vocab = engine.require_vocab()
         messages = [_message(m) for m in req.messages]
-        tools = _tools(req, vocab.chat_template)
+        preset = engine.preset
+        roles = {m.get("role") for m in messages}
+        if preset is not None and preset.system_prompt and not roles & {"system", "developer"}:
+            messages.insert(0, {"role": "system", "content": preset.system_prompt})
+        tools = _tools(req, vocab.chat_template, preset.tool_format if preset else "auto")
         try:
             if tools is not None:
                 prompt = tools.render(vocab.chat_template, messages)
@@ -393,22 +400,25 @@ class CompletionService:
                 f"the context holds {engine.n_ctx}",
                 param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
             )
+        # The request's own sampling, else the deployment's preset's, else the API's.
+        p = engine.preset or ModelPreset()
         return GenerationRequest(
             prompt_tokens=tuple(tokens),
             max_tokens=min(max_tokens or room, room, limit),
             sampling=Sampling(
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
+                temperature=_first(req.temperature, p.temperature, 1.0),
+                top_p=_first(req.top_p, p.top_p, 1.0),
                 seed=req.seed,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                top_k=req.top_k or 0,
-                min_p=req.min_p or 0.0,
-                repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
+                top_k=_first(req.top_k, p.top_k, 0),
+                min_p=_first(req.min_p, p.min_p, 0.0),
+                repeat_penalty=_first(req.repeat_penalty, p.repeat_penalty, 1.0),
                 repeat_last_n=64 if req.repeat_last_n is None else req.repeat_last_n,
                 logit_bias=_logit_bias(req.logit_bias, engine.require_vocab().n_vocab),
             ),
-            stop=req.stop_list(),
+            # The preset's stop strings end every request (a model's own turn markers).
+            stop=tuple(dict.fromkeys((*req.stop_list(), *p.stop))),
             grammar=structured.grammar if structured is not None else None,
         )
 
@@ -816,9 +826,16 @@ def _logit_bias(bias: dict[str, float] | None, n_vocab: int) -> tuple[tuple[int,
     return tuple(sorted(out))
 
 
-def _tools(req: ChatCompletionRequest, template: ChatTemplate) -> ToolPlan | None:
+def _first(*values: _T | None) -> _T:
+    """The first value that is set (the last is the default, always set)."""
+    return next(v for v in values if v is not None)
+
+
+def _tools(
+    req: ChatCompletionRequest, template: ChatTemplate, tool_format: str = "auto"
+) -> ToolPlan | None:
     """The request's tools, planned for this model's template (its own tool format, or
-    the generic one); None without tools."""
+    the generic one, unless the deployment's preset says which); None without tools."""
     if not req.tools:
         return None
     choice = req.tool_choice
@@ -828,6 +845,7 @@ def _tools(req: ChatCompletionRequest, template: ChatTemplate) -> ToolPlan | Non
             choice.model_dump() if isinstance(choice, BaseModel) else choice,
             parallel_tool_calls=req.parallel_tool_calls is not False,
             template=template,
+            tool_format=tool_format,
         )
     except ToolSpecError as err:
         # A parameters schema no grammar can enforce is the schema's fault; the rest

@@ -68,6 +68,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+KV_TYPES = {"q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+
 
 def _nothing() -> None:
     pass
@@ -178,6 +180,11 @@ class BatchEngine:
         # price: a kept slot whose sequence outgrew the window has lost its first cells
         # there, so only sequences shorter than the window are kept (_keepable).
         cparams.swa_full = False
+        if o.kv_type != "f16":
+            kind = KV_TYPES[o.kv_type]
+            cparams.type_k = kind
+            if o.flash_attn:  # llama.cpp quantises V only with flash attention
+                cparams.type_v = kind
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             llama_cpp.llama_model_free(model)

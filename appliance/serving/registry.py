@@ -47,6 +47,7 @@ from appliance.serving.engine import (
     Vocabulary,
     default_threads,
 )
+from appliance.serving.presets import Presets
 from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, WorkerStats
 from shared.gguf import GGUFError, read_gguf, replica_mib
 from shared.supervise import wait_until_set
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from appliance.state.records import ModelRecord
     from appliance.state.store import AsyncStore
     from shared.classes import IsolationLevel
+    from shared.protocol import ModelPreset
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +141,12 @@ def plan_eviction(
     return None
 
 
+def _load_options(
+    preset: ModelPreset | None,
+) -> tuple[int | None, int | None, str | None]:
+    return (None, None, None) if preset is None else preset.load_options()
+
+
 def estimate_mb(record: ModelRecord, options: EngineOptions) -> float:
     """One replica's resident memory (shared/gguf.py `replica_mib`): the weights, the KV
     cache its context is created with, and the worker's overhead."""
@@ -147,7 +155,13 @@ def estimate_mb(record: ModelRecord, options: EngineOptions) -> float:
     except (GGUFError, OSError):
         shape = None
     return replica_mib(
-        shape, record.size_bytes, options.n_ctx, options.n_slots, n_batch=options.n_batch
+        shape,
+        record.size_bytes,
+        options.n_ctx,
+        options.n_slots,
+        n_batch=options.n_batch,
+        # Without flash attention the V half stays f16: counted as f16 (an upper bound).
+        kv_type=options.kv_type if options.flash_attn else "f16",
     )
 
 
@@ -162,6 +176,7 @@ class LoadedModel:
     options: EngineOptions
     memory_mb: float  # the estimate the budget accounts, all replicas
     pinned: bool
+    preset: ModelPreset | None = None  # the hub's, for a model it placed here
     replicas: list[Replica] = field(default_factory=list)
     state: State = "loading"
     error: str | None = None
@@ -221,7 +236,14 @@ class LoadedModel:
 
 
 class ModelRegistry:
-    def __init__(self, store: AsyncStore, settings: ApplianceSettings, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        store: AsyncStore,
+        settings: ApplianceSettings,
+        metrics: Metrics,
+        presets: Presets | None = None,
+    ) -> None:
+        self.presets = presets or Presets()
         self._store = store
         self._settings = settings
         self._metrics = metrics
@@ -258,6 +280,9 @@ class ModelRegistry:
 
     async def _start(self) -> None:
         try:
+            # The hub's presets first: the pinned models it placed load with them.
+            desired = await self._store.run(self._store.sync.meta, "desired_models")
+            self.presets.set_desired(desired)
             record = await self._default_record()
             self._default_ref = record.ref
             await self._deploy(record, replicas=1, pinned=True)
@@ -389,8 +414,12 @@ class ModelRegistry:
         """Load ``model`` (or change its replicas or pin) and wait until it serves."""
         record = await self._registered(model)
         deployment = self._deployments.get(record.ref)
-        if deployment is not None and replicas is not None and replicas != len(deployment.replicas):
-            # A new replica count is a reload; pinned state carries over unless given.
+        held = len(deployment.replicas) if deployment is not None else 0
+        resized = replicas is not None and replicas != held
+        if deployment is not None and (resized or self._preset_changed(deployment)):
+            # A new replica count, or a preset that loads it otherwise, is a reload; the
+            # replicas and the pin carry over unless given.
+            replicas = replicas or len(deployment.replicas) or 1
             pinned = deployment.pinned if pinned is None else pinned
             await self.unload(record.ref, force=True)
             deployment = None
@@ -400,8 +429,20 @@ class ModelRegistry:
             deployment.pinned = pinned
         if pinned is not None:
             await self._store.run(self._store.sync.set_model_pinned, record.ref, pinned)
+        # What the preset says of serving (sampling, names, …) applies from the next request.
+        deployment.preset = self.presets.of(record.ref)
         await deployment.loaded.wait()
         return deployment
+
+    async def release(self, model: str) -> None:
+        """Unpin a model and unload it once its requests are done (the hub placed it
+        elsewhere); nothing when it is not loaded."""
+        record = await self._registered(model)
+        await self._store.run(self._store.sync.set_model_pinned, record.ref, pinned=False)
+        deployment = self._deployments.get(record.ref)
+        if deployment is not None:
+            deployment.pinned = False
+            await self.unload(record.ref)
 
     async def unload(self, model: str, *, force: bool = False) -> LoadedModel:
         """Unload a model, after the requests in flight finished (or a drain timeout)."""
@@ -422,18 +463,25 @@ class ModelRegistry:
 
     # -- loading and unloading ---------------------------------------------------------------
 
-    def _options(self, replicas: int = 1) -> EngineOptions:
+    def _preset_changed(self, deployment: LoadedModel) -> bool:
+        """Whether the hub's preset for a loaded model now loads it otherwise."""
+        now = self.presets.of(deployment.record.ref)
+        return _load_options(now) != _load_options(deployment.preset)
+
+    def _options(self, replicas: int = 1, preset: ModelPreset | None = None) -> EngineOptions:
         m = self._settings.model
         # Replicas share the cores: llama.cpp's threads spin while they wait, so more
         # threads than cores slow every replica down many times over.
         threads = m.n_threads or max(1, default_threads() // replicas)
+        n_ctx, n_slots, kv_type = _load_options(preset)
         return EngineOptions(
-            n_ctx=m.n_ctx,
+            n_ctx=n_ctx or m.n_ctx,
             n_batch=m.n_batch,
             n_threads=threads,
             n_gpu_layers=m.n_gpu_layers,
             max_queue=m.max_queue,
-            n_slots=m.n_slots,
+            n_slots=n_slots or m.n_slots,
+            kv_type=kv_type or "f16",
             flash_attn=m.flash_attn,
             worker_nice=m.worker_nice,
             prefix_min_tokens=m.prefix_min_tokens,
@@ -456,7 +504,8 @@ class ModelRegistry:
             existing = self._deployments.get(record.ref)
             if existing is not None:
                 return existing
-            options = self._options(replicas)
+            preset = self.presets.of(record.ref)
+            options = self._options(replicas, preset)
             need = estimate_mb(record, options) * replicas
             evict = plan_eviction(
                 (d.resident() for d in self._deployments.values()), need, self.budget_mb
@@ -467,7 +516,7 @@ class ModelRegistry:
                 log.info("unloading %s (least recently used) to make room for %s", ref, record.ref)
                 victim = self._deployments.pop(ref)
                 await self._close(victim, drain_s=0)
-            deployment = LoadedModel(record, options, need, pinned)
+            deployment = LoadedModel(record, options, need, pinned, preset)
             self._deployments[record.ref] = deployment
         deployment.task = asyncio.create_task(
             self._bring_up(deployment, replicas), name=f"kvl-load-{record.ref}"

@@ -231,15 +231,28 @@ def plan_tools(
     *,
     parallel_tool_calls: bool = True,
     template: ChatTemplate | None = None,
+    tool_format: str = "auto",
 ) -> ToolPlan:
     """Everything a request with ``tools`` (OpenAI's shape) needs; ToolSpecError when it
-    cannot be served. ``template`` decides the format: its own (hermes) when it knows
-    tools, else generic."""
+    cannot be served. ``template`` decides the format (``auto``): its own (hermes) when it
+    knows tools, else generic; a deployment's preset may choose generic, or hermes for a
+    template that renders tools without the hermes markers."""
     parsed = parse_tools(tools)
     mode, callable_tools = _chosen(parsed, tool_choice)
-    fmt: ToolFormat = (
+    own: ToolFormat = (
         "hermes" if template is not None and template.tool_format == "hermes" else "generic"
     )
+    fmt: ToolFormat = own
+    if tool_format == "generic":
+        fmt = "generic"
+    elif tool_format == "hermes":
+        if template is None or not template.knows_tools:
+            raise ToolSpecError(
+                "the model's preset asks for hermes tool calls, but its chat template does "
+                "not render tools",
+                "tools",
+            )
+        fmt = "hermes"
     import jsonschema  # noqa: PLC0415 - see parse_tools
 
     validators = {}

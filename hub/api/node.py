@@ -268,7 +268,7 @@ async def artifact(request: web.Request) -> web.StreamResponse:
     placed = await store.run(store.sync.deployments.placed_models, node.id)
     seeded = await store.run(store.sync.packages.seeded_to, node)
     release = await store.run(store.sync.rollouts.release_target, node)
-    given = {m.sha256 for m in placed} | {p.sha256 for p in seeded}
+    given = {p.model.sha256 for p in placed} | {p.sha256 for p in seeded}
     if release is not None:
         given.add(release.sha256)
     if sha256 not in given:

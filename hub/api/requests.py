@@ -56,6 +56,9 @@ class DeploymentRequest(BaseModel):
     isolation: IsolationLevel = Field(
         IsolationLevel.I1, description="I1, I2 or I3 (docs/hub.md#tenancy-and-isolation)"
     )
+    preset: protocol.ModelPreset | None = Field(
+        None, description="The model's settings on its nodes (docs/hub.md#model-presets)"
+    )
 
     def record(self) -> DeploymentRecord:
         """The deployment to store, with a new id."""
@@ -67,6 +70,7 @@ class DeploymentRequest(BaseModel):
             isolation=self.isolation.value,
             constraints=self.model_dump(include={"sites", "regions", "labels", "gpu",
                                                  "gpu_memory_mib", "tenant"}),
+            preset=None if self.preset is None else self.preset.model_dump(exclude_defaults=True),
         )  # fmt: skip
 
     @model_validator(mode="after")

@@ -14,6 +14,8 @@ from shared.cli import common_options, config_errors_exit
 from shared.modelfiles import model_format
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from hub.state.deployments import ModelArtifact
 
 
@@ -232,6 +234,23 @@ def models_list(config_file: Path | None, data_dir: Path | None) -> None:
     default="I1",
     help="I1 its own process, I2 and a cgroup with limits, I3 I2 on its tenant's nodes (I1).",
 )
+@click.option("--context", "n_ctx", type=int, help="Context per slot, in tokens (the node's).")
+@click.option("--slots", "n_slots", type=int, help="Sequences decoded together (the node's).")
+@click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), help="KV cache (f16).")
+@click.option("--alias", "aliases", multiple=True, help="A name it answers to (repeat).")
+@click.option("--system-prompt", help="Put first in a chat that has no system message.")
+@click.option("--temperature", type=float, help="Default sampling: a request's own wins.")
+@click.option("--top-p", type=float, help="Default nucleus sampling.")
+@click.option("--top-k", type=int, help="Default top-k (0: off).")
+@click.option("--min-p", type=float, help="Default min-p (0: off).")
+@click.option("--repeat-penalty", type=float, help="Default repeat penalty (1: off).")
+@click.option("--stop", "stops", multiple=True, help="A stop string for every request (repeat).")
+@click.option(
+    "--tool-format",
+    type=click.Choice(["auto", "generic", "hermes"]),
+    default="auto",
+    help="Tool calls: the template's own (auto), generic JSON, or hermes <tool_call>.",
+)
 @config_errors_exit
 def deploy(
     config_file: Path | None,
@@ -247,12 +266,20 @@ def deploy(
     gpu_memory_mib: int,
     tenant: str | None,
     isolation: str,
+    aliases: tuple[str, ...],
+    stops: tuple[str, ...],
+    **preset_options: Any,
 ) -> None:
     """Deploy MODEL (name@version) on the fleet; the placement reconciler picks the nodes.
-    Prints the deployment's id."""
+    The preset options set how its nodes load and serve it. Prints the deployment's id
+    (and on stderr the memory a replica needs)."""
     import uuid  # noqa: PLC0415
 
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    from hub.models.inspect import deployment_mib  # noqa: PLC0415
     from hub.state.deployments import DeploymentRecord  # noqa: PLC0415
+    from shared.protocol import ModelPreset  # noqa: PLC0415
 
     if service_class == "S3" and not tenant:
         raise click.BadParameter("an S3 (dedicated) deployment names its --tenant")
@@ -264,6 +291,17 @@ def deploy(
         if not sep or not key:
             raise click.BadParameter(f"{label!r} is not KEY=VALUE", param_hint="--label")
         pairs[key] = value
+    given = {k: v for k, v in preset_options.items() if v is not None and v != "auto"}
+    if aliases:
+        given["aliases"] = list(aliases)
+    if stops:
+        given["stop"] = list(stops)
+    try:
+        preset = ModelPreset.model_validate(given).model_dump(exclude_defaults=True)
+    except ValidationError as err:
+        problem = err.errors()[0]
+        where = ".".join(str(p) for p in problem["loc"])
+        raise click.BadParameter(f"{where}: {problem['msg']}") from None
     record = DeploymentRecord(
         id=uuid.uuid4().hex[:12],
         model=model,
@@ -272,10 +310,13 @@ def deploy(
         isolation=isolation,
         constraints={"sites": list(sites), "regions": list(regions), "labels": pairs,
                      "gpu": gpu, "gpu_memory_mib": gpu_memory_mib, "tenant": tenant},
+        preset=preset or None,
     )  # fmt: skip
     with opened_store(hub_settings(config_file, data_dir)) as store:
         store.deployments.add(record)
+        artifact = {m.ref: m for m in store.deployments.models()}[model]
     click.echo(record.id)
+    click.echo(f"{deployment_mib(artifact, record.preset)} MiB a replica", err=True)
 
 
 @click.command("undeploy")

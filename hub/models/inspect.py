@@ -13,7 +13,10 @@ from shared.chat import ChatTemplateError, select_template
 from shared.gguf import DEFAULT_N_CTX, DEFAULT_N_SLOTS, GGUFError, KvShape, read_gguf, replica_mib
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from pathlib import Path
+
+    from hub.state.deployments import ModelArtifact
 
 # A conversation any chat template should render: a system message, a finished turn, a new
 # question (Gemma's template folds the system message into the first user turn).
@@ -39,11 +42,23 @@ class Inspection:
     sliding_window: int  # their window (0: none)
 
     def replica_mib(
-        self, size_bytes: int, n_ctx: int = DEFAULT_N_CTX, n_slots: int = DEFAULT_N_SLOTS
+        self,
+        size_bytes: int,
+        n_ctx: int = DEFAULT_N_CTX,
+        n_slots: int = DEFAULT_N_SLOTS,
+        kv_type: str = "f16",
     ) -> int:
-        """The memory one replica needs at this context and slots (f16 KV cache)."""
+        """The memory one replica needs at this context, slots and KV cache type."""
         shape = KvShape(self.kv_per_token, self.kv_per_token_sliding, self.sliding_window)
-        return round(replica_mib(shape, size_bytes, n_ctx, n_slots))
+        return round(replica_mib(shape, size_bytes, n_ctx, n_slots, kv_type=kv_type))
+
+    @classmethod
+    def of_json(cls, stored: Mapping[str, Any]) -> Inspection | None:
+        """An inspection as `as_json` stored it; None when it is not one this hub reads."""
+        try:
+            return cls(**stored)
+        except TypeError:
+            return None
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,4 +104,18 @@ def inspect(path: Path) -> Inspection:
         shape.full,
         shape.sliding,
         shape.window,
+    )
+
+
+def deployment_mib(model: ModelArtifact, preset: Mapping[str, Any] | None) -> int:
+    """The memory one replica of a deployment needs: the model's own figure, or, where the
+    deployment's preset loads it otherwise (context, slots, KV cache type), the estimate
+    for those from what its file says."""
+    given = preset or {}
+    n_ctx, n_slots, kv_type = given.get("n_ctx"), given.get("n_slots"), given.get("kv_type")
+    inspection = None if model.inspection is None else Inspection.of_json(model.inspection)
+    if (n_ctx, n_slots, kv_type) == (None, None, None) or inspection is None:
+        return model.memory_mib
+    return inspection.replica_mib(
+        model.size_bytes, n_ctx or DEFAULT_N_CTX, n_slots or DEFAULT_N_SLOTS, kv_type or "f16"
     )

@@ -41,6 +41,15 @@ class DeploymentRecord:
     service_class: str
     isolation: str
     constraints: Mapping[str, Any]  # sites, regions, labels, gpu, gpu_memory_mib, tenant
+    preset: Mapping[str, Any] | None = None  # its model's settings (protocol.ModelPreset)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A model placed on a node, with the preset it is loaded with there."""
+
+    model: ModelArtifact
+    preset: Mapping[str, Any] | None
 
 
 def _model(row: Sequence[Any]) -> ModelArtifact:
@@ -101,9 +110,10 @@ class Deployments:
                 )
             self._db.execute(
                 "INSERT INTO deployments (id, model, replicas, service_class, isolation,"
-                " constraints, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                " constraints, created_at, preset) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 [deployment.id, deployment.model, deployment.replicas, deployment.service_class,
-                 deployment.isolation, json.dumps(deployment.constraints), self._clock()],
+                 deployment.isolation, json.dumps(deployment.constraints), self._clock(),
+                 None if deployment.preset is None else json.dumps(deployment.preset)],
             )  # fmt: skip
             return self._serials.bump()
 
@@ -120,10 +130,16 @@ class Deployments:
 
     def all(self) -> list[DeploymentRecord]:
         rows = self._db.execute(
-            "SELECT id, model, replicas, service_class, isolation, constraints FROM deployments"
-            " ORDER BY created_at, id"
+            "SELECT id, model, replicas, service_class, isolation, constraints, preset"
+            " FROM deployments ORDER BY created_at, id"
         ).fetchall()
-        return [DeploymentRecord(r[0], r[1], int(r[2]), r[3], r[4], json.loads(r[5])) for r in rows]
+        return [
+            DeploymentRecord(
+                r[0], r[1], int(r[2]), r[3], r[4], json.loads(r[5]),
+                None if r[6] is None else json.loads(r[6]),
+            )
+            for r in rows
+        ]  # fmt: skip
 
     def placements(self) -> list[tuple[str, str, int | None]]:
         """(deployment id, node id, GPU index or None) of every replica placed."""
@@ -164,17 +180,23 @@ class Deployments:
             self._serials.bump()
             return True
 
-    def placed_models(self, node_id: str) -> list[ModelArtifact]:
+    def placed_models(self, node_id: str) -> list[Placed]:
         """The models placed on a node, for its desired state: each placement's
         deployment's model, or the one a model rollout gave that placement
-        (`placement_models`, hub/state/rollouts.py)."""
+        (`placement_models`, hub/state/rollouts.py), with its deployment's preset. A model
+        two deployments place on one node is loaded once, with the older one's preset."""
         rows = self._db.execute(
-            "SELECT DISTINCT m.name, m.version, m.sha256, m.size_bytes, m.format, m.memory_mib,"
-            " m.ref FROM placements p JOIN deployments d ON d.id = p.deployment_id"
+            "SELECT m.name, m.version, m.sha256, m.size_bytes, m.format, m.memory_mib,"
+            " d.preset FROM placements p JOIN deployments d ON d.id = p.deployment_id"
             " LEFT JOIN placement_models o ON o.deployment_id = p.deployment_id"
             " AND o.node_id = p.node_id"
             " JOIN models m ON m.ref = COALESCE(o.model, d.model) WHERE p.node_id = ?"
-            " ORDER BY m.ref",
+            " ORDER BY m.ref, d.created_at, d.id",
             [node_id],
         ).fetchall()
-        return [ModelArtifact(*r[:6]) for r in rows]
+        placed: dict[str, Placed] = {}
+        for r in rows:
+            model = ModelArtifact(*r[:6])
+            if model.ref not in placed:
+                placed[model.ref] = Placed(model, None if r[6] is None else json.loads(r[6]))
+        return list(placed.values())

@@ -3,11 +3,16 @@ keys, placed models, seeded packages, its image release), under the serial it is
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from shared import protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from hub.state import sql
     from hub.state.accounts import Accounts
     from hub.state.deployments import Deployments
@@ -15,6 +20,8 @@ if TYPE_CHECKING:
     from hub.state.packages import Packages
     from hub.state.rollouts import Rollouts
     from hub.state.serials import Serials
+
+log = logging.getLogger(__name__)
 
 
 class DesiredStates:
@@ -80,13 +87,16 @@ class DesiredStates:
                 # tunnel (GET /v1/node/artifacts/SHA256), checks its sha256, loads it.
                 models=[
                     protocol.PlacedModel(
-                        name=m.name,
-                        version=m.version,
-                        sha256=m.sha256,
-                        size_bytes=m.size_bytes,
-                        format=m.format,
+                        name=p.model.name,
+                        version=p.model.version,
+                        sha256=p.model.sha256,
+                        size_bytes=p.model.size_bytes,
+                        format=p.model.format,
+                        # Checked when the deployment was made; a stored preset this
+                        # protocol no longer reads is left out rather than failing the node.
+                        preset=_preset(p.preset),
                     )
-                    for m in self._deployments.placed_models(node.id)
+                    for p in self._deployments.placed_models(node.id)
                 ],
                 # The content packages seeded to this node: fetched the same way, pinned.
                 packages=self._packages.seeded_to(node),
@@ -94,3 +104,13 @@ class DesiredStates:
                 # older nodes), fetched the same way and installed within its window.
                 release=self._rollouts.release_target(node),
             )
+
+
+def _preset(stored: Mapping[str, Any] | None) -> protocol.ModelPreset | None:
+    if stored is None:
+        return None
+    try:
+        return protocol.ModelPreset.model_validate(stored)
+    except ValidationError:
+        log.warning("a deployment's stored preset is not one this hub reads: left out")
+        return None

@@ -10,15 +10,17 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from appliance.app import create_app
-from appliance.gateway.appkeys import REGISTRY
+from appliance.gateway.appkeys import PRESETS, REGISTRY
 from appliance.serving.catalog import CHAT_MODEL_NAME, DEFAULT_MODEL_NAME
 from appliance.state.store import Store
 from shared.gguf import DEFAULT_N_CTX, DEFAULT_N_SLOTS
+from shared.protocol import ModelPreset
 from tests.conftest import REAL_MODELS, make_settings
 
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from aiohttp.test_utils import TestClient
     from pytest_aiohttp import AiohttpClient
 
     from appliance.state.records import ModelRecord
@@ -47,11 +49,32 @@ async def test_the_estimate_is_within_15_percent_of_a_serving_workers_resident_m
         body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         answer = await client.post("/v1/chat/completions", json=body, headers=headers)
         assert answer.status == 200, await answer.text()
-    listed: dict[str, Any] = await (await client.get("/v1/admin/models", headers=headers)).json()
-    seen = {}
-    for entry in listed["data"]:
-        if entry["name"] in {DEFAULT_MODEL_NAME, CHAT_MODEL_NAME}:
-            seen[entry["name"]] = (entry["memory_estimate_mib"], entry["memory_resident_mib"])
-    assert set(seen) == {DEFAULT_MODEL_NAME, CHAT_MODEL_NAME}, listed
+    seen = await _memory(client, headers)
+    assert set(seen) == {DEFAULT_MODEL_NAME, CHAT_MODEL_NAME}, seen
     for name, (estimate, resident) in seen.items():
         assert abs(estimate - resident) <= 0.15 * resident, (name, estimate, resident)
+
+    # A deployment's preset with a q8_0 KV cache: the chat model loaded again with it holds
+    # about half the cache (SmolLM2's is most of its replica), and the estimate follows.
+    registry = app[REGISTRY]
+    [chat] = [r.ref for r in registry.served() if r.name == CHAT_MODEL_NAME]
+    await registry.unload(chat)
+    app[PRESETS].set({chat: ModelPreset(kv_type="q8_0")})
+    body = {"model": chat, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    answer = await client.post("/v1/chat/completions", json=body, headers=headers)
+    assert answer.status == 200, await answer.text()
+    estimate, resident = (await _memory(client, headers))[CHAT_MODEL_NAME]
+    assert abs(estimate - resident) <= 0.15 * resident, (estimate, resident)
+    assert resident < 0.75 * seen[CHAT_MODEL_NAME][1], (resident, seen)
+
+
+async def _memory(
+    client: TestClient[Any, Any], headers: dict[str, str]
+) -> dict[str, tuple[float, float]]:
+    """name → (estimate, resident) MiB of the embedded models loaded."""
+    listed: dict[str, Any] = await (await client.get("/v1/admin/models", headers=headers)).json()
+    return {
+        e["name"]: (e["memory_estimate_mib"], e["memory_resident_mib"])
+        for e in listed["data"]
+        if e["name"] in {DEFAULT_MODEL_NAME, CHAT_MODEL_NAME} and e["memory_resident_mib"]
+    }

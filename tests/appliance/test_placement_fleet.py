@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -17,6 +18,7 @@ from wireguard_tools import WireguardKey
 from appliance.fleet.client import HubClient
 from appliance.fleet.placement import Converger
 from appliance.gateway.appkeys import REGISTRY
+from appliance.serving.presets import Presets
 from appliance.serving.registry import ModelNotReadyError
 from appliance.state.records import ModelRecord
 from appliance.state.store import AsyncStore, Store
@@ -110,6 +112,67 @@ async def test_a_deployment_follows_nodes_that_join_leave_and_drain(
     assert scripted_model.ref in _served(b)  # its own default model stays
 
 
+async def test_a_deployment_s_preset_is_how_its_node_loads_and_serves_the_model(
+    aiohttp_server: AiohttpServer, tmp_path: Path, scripted_model: ModelRecord
+) -> None:
+    # The placed script answers a prompt that holds the preset's system prompt otherwise,
+    # and its replies hold the preset's stop string.
+    hub = placement_hub(tmp_path)
+    data = str(hub.data_dir)
+    placed = write_script(
+        tmp_path / "placed.json",
+        reply="Plain. END and more",
+        rules=[{"contains": "You are a terse pirate.", "reply": "Arr. END matey"}],
+    )
+    kvl("hub", "models", "add", str(placed), "--name", "placed", "--version", "1",
+        "--data-dir", data)  # fmt: skip
+    deployed = kvl("hub", "deploy", "placed@1", "--context", "1024", "--slots", "3",
+                   "--alias", "gpt-4o-mini", "--system-prompt", "You are a terse pirate.",
+                   "--stop", "END", "--temperature", "0.2", "--data-dir", data)  # fmt: skip
+    assert "MiB a replica" in deployed.stderr
+    listed = json.loads(kvl("hub", "deployments", "--json", "--data-dir", data).stdout)
+    assert listed["preset"] == {"n_ctx": 1024, "n_slots": 3, "temperature": 0.2,
+                                "system_prompt": "You are a terse pirate.", "stop": ["END"],
+                                "aliases": ["gpt-4o-mini"]}  # fmt: skip
+    hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
+    assert hub_server.port is not None
+    own = {"n_ctx": 512, "n_threads": 1, "n_slots": 1}  # the node's settings
+    node = await join(aiohttp_server, tmp_path, scripted_model, hub, hub_server.port,
+                      name="node-a", model=own)  # fmt: skip
+    await until(lambda: "placed@1" in _served(node.app), "the replica on the node", timeout_s=60)
+    [loaded] = [d for d in node.app[REGISTRY].loaded_models() if d.record.ref == "placed@1"]
+    assert (loaded.options.n_ctx, loaded.options.n_slots) == (1024, 3)  # not the node's own
+    assert loaded.preset is not None
+    assert loaded.preset.temperature == 0.2
+
+    headers = {"Authorization": f"Bearer {node.key}"}
+    async with aiohttp.ClientSession(node.base_url, headers=headers) as http:
+
+        async def chat(model: str, messages: list[dict[str, str]]) -> str:
+            async with http.post(
+                "/v1/chat/completions", json={"model": model, "messages": messages}
+            ) as response:
+                body = await response.json()
+                assert response.status == 200, body
+                return str(body["choices"][0]["message"]["content"])
+
+        question = [{"role": "user", "content": "Hello?"}]
+        # The alias names the placed model; its system prompt goes first; its stop ends it.
+        assert await chat("gpt-4o-mini", question) == "Arr. "
+        # A chat with a system message of its own keeps it.
+        plain = [{"role": "system", "content": "Be plain."}, *question]
+        assert await chat("placed", plain) == "Plain. "
+        async with http.get("/v1/models") as response:
+            models = {m["id"]: m for m in (await response.json())["data"]}
+        assert "gpt-4o-mini" in models["placed"]["aliases"]
+        # The node's own model does not take the placed model's preset.
+        async with http.post(
+            "/v1/chat/completions", json={"model": scripted_model.name, "messages": question}
+        ) as r:
+            assert r.status == 200
+            assert "Arr" not in (await r.json())["choices"][0]["message"]["content"]
+
+
 def _forget_models(store: Store) -> None:
     with store.db.conn:
         store.db.execute("DELETE FROM models")
@@ -118,13 +181,15 @@ def _forget_models(store: Store) -> None:
 class _NoLoads:
     """The converger's registry: here only the download is under test."""
 
+    presets = Presets()
+
     def served(self) -> list[Any]:
         return []
 
     async def load(self, model: str, *, replicas: int | None, pinned: bool | None) -> None:
         raise ModelNotReadyError(f"{model} is not a model")
 
-    async def unload(self, model: str, *, force: bool = False) -> None:
+    async def release(self, model: str) -> None:
         raise ModelNotReadyError(model)
 
 

@@ -78,6 +78,13 @@ async def test_the_admin_api_needs_an_operator_token_and_runs_the_fleet(
     bad = await call("POST", "/deployments", {"model": "m@1", "replicas": -1})
     assert (bad[0], bad[1]["error"]["param"]) == (400, "replicas")
     assert (await call("POST", "/deployments", {"model": "nope@1"}))[0] == 404
+    # A preset goes with the deployment as given (what is left unset stays the node's).
+    preset = {"n_ctx": 2048, "kv_type": "q8_0", "aliases": ["gpt-4o-mini"], "stop": ["</s>"]}
+    status, with_preset = await call("POST", "/deployments", {"model": "m@1", "preset": preset})
+    assert (status, with_preset["preset"]) == (201, preset)
+    bad = await call("POST", "/deployments", {"model": "m@1", "preset": {"kv_type": "q2"}})
+    assert (bad[0], bad[1]["error"]["param"]) == (400, "preset.kv_type")
+    assert (await call("DELETE", f"/deployments/{with_preset['id']}"))[0] == 200
     assert (await call("DELETE", f"/deployments/{created['id']}"))[0] == 200
     assert (await call("DELETE", f"/deployments/{created['id']}"))[0] == 404
 

@@ -21,9 +21,11 @@ from hub.app import create_app
 from hub.identity import ssl_context
 from hub.models import huggingface
 from hub.models.errors import PullError
-from hub.models.inspect import inspect
+from hub.models.inspect import deployment_mib, inspect
 from hub.models.pull import Naming, pull
 from hub.models.reference import BadReferenceError, HubReference, UrlReference, parse_reference
+from hub.reconciler import deployment_of
+from hub.state.deployments import DeploymentRecord
 from hub.state.store import open_store
 from shared.gguf import REPLICA_OVERHEAD_MIB
 from tests.conftest import REPO, kvl
@@ -335,6 +337,17 @@ async def test_a_real_gguf_is_inspected_and_a_replica_estimated_from_it(
         kvl, "hub", "models", "list", "--data-dir", str(settings.data_dir)
     )
     assert f"{model.memory_mib} MiB/replica  llama 135M Q4_1  hf://{SMOL}@" in listed.stdout
+
+    # A deployment whose preset loads it otherwise needs what that preset makes of it: here
+    # 2 slots of 1024 tokens (and the store) at q8_0, 34 bytes for 32 elements.
+    preset = {"n_ctx": 1024, "n_slots": 2, "kv_type": "q8_0", "aliases": ["chat"]}
+    kv_q8 = (2 * 1024 + 1023) * 11_520 * 34 / 32
+    record = DeploymentRecord("d", model.ref, 1, "S1", "I1", {}, preset)
+    planned = deployment_of(record, {model.ref: model})
+    assert planned.memory_mib == round((len(smol) + kv_q8) / 2**20 + REPLICA_OVERHEAD_MIB)
+    assert planned.memory_mib < model.memory_mib
+    # A preset that changes nothing of the load: the model's own figure.
+    assert deployment_mib(model, {"aliases": ["chat"]}) == model.memory_mib
 
 
 def test_a_template_that_does_not_render_is_said_and_a_bad_header_refused(

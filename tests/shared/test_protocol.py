@@ -98,3 +98,26 @@ def test_an_older_node_is_answered_without_the_fields_its_version_does_not_know(
     for message, added in protocol.ADDED_IN.items():
         assert set(added) <= set(message.model_fields), message.__name__
         assert all(2 < v <= protocol.PROTOCOL_VERSION for v in added.values())
+
+
+def test_a_desired_state_for_an_older_node_leaves_out_what_its_models_do_not_know() -> None:
+    """A placed model's preset (protocol 7) is left out for a node of protocol 6, which
+    would refuse the whole state for a field it does not know."""
+    model = protocol.PlacedModel(
+        name="m", version="1", sha256="a" * 64, size_bytes=1, format="gguf",
+        preset=protocol.ModelPreset(n_ctx=1024, aliases=["gpt-4o-mini"]),
+    )  # fmt: skip
+    state = protocol.DesiredState(node_id="n", serial=1, accounts=[], keys=[], models=[model])
+    old = json.loads(protocol.dump_for(state, 6))
+    assert "preset" not in old["models"][0]
+    assert protocol.DesiredState.model_validate(old).models[0].name == "m"
+    new = protocol.DesiredState.model_validate_json(protocol.dump_for(state, 7))
+    assert new.models[0].preset == model.preset
+
+
+def test_a_preset_is_bounded() -> None:
+    for wrong in ({"n_ctx": 10}, {"kv_type": "q2_k"}, {"aliases": ["a", "a"]},
+                  {"aliases": ["has@at"]}, {"stop": ["x"] * 5}, {"tool_format": "xml"},
+                  {"system_prompt": "x" * 8001}, {"temperature": 3}):  # fmt: skip
+        with pytest.raises(ValidationError):
+            protocol.ModelPreset.model_validate(wrong)

@@ -230,4 +230,6 @@ MIGRATIONS = (
         CREATE INDEX idx_model_pulls_state ON model_pulls (state);
         """,
     ),
+    # A deployment's settings for its model (JSON: protocol.ModelPreset).
+    Migration("m018_deployment_presets", "ALTER TABLE deployments ADD COLUMN preset TEXT;"),
 )
