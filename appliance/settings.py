@@ -760,6 +760,13 @@ class FleetLinkSettings(_Section):
         5.0, ge=0.5, le=3600, description="Seconds between outbox syncs (with jitter)."
     )
     sync_batch: int = Field(1000, ge=1, le=5000, description="Events per sync request.")
+    evaluate_placed: bool = Field(
+        default=True,
+        description=(
+            "Run the short instruction-following evaluation on each model the hub places here "
+            "(12 greedy chat requests at the lowest priority) and report its score."
+        ),
+    )
     outbox_alarm_events: int = Field(
         100_000,
         ge=1,

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RELEASE_PROTOCOL = 6  # the first protocol with release targets and image status
+EVALUATION_PROTOCOL = 7  # the first whose nodes evaluate the models placed on them
 
 
 def _protocol(node: Node) -> int:
@@ -136,17 +137,39 @@ def observe_release(node: Node | None, version: str | None) -> Seen:
     return Seen(report, detail, node.last_seen)
 
 
-def observe_model(node: Node | None, ref: str, placed: set[str]) -> Seen:
+def observe_model(
+    node: Node | None, ref: str, placed: set[str], min_score: int | None = None
+) -> Seen:
     """What a node's last heartbeat says of model `ref` of a deployment placed on the
-    nodes `placed`."""
+    nodes `placed`; with `min_score`, it is healthy only once its evaluation of the model
+    (protocol 7) saw that many instructions followed, and failed below it."""
     if node is None or node.revoked or node.id not in placed:
         return Seen("gone")
     capacity = node.capacity
     if ref in capacity.placement_errors:
         return Seen("failed", capacity.placement_errors[ref], node.last_seen)
-    if ref in capacity.models:
+    if ref not in capacity.models:
+        return Seen("pending", last_seen=node.last_seen)
+    if min_score is None:
         return Seen("healthy", last_seen=node.last_seen)
-    return Seen("pending", last_seen=node.last_seen)
+    return _scored(node, ref, min_score)
+
+
+def _scored(node: Node, ref: str, min_score: int) -> Seen:
+    """A node serving `ref`, judged by its evaluation of it."""
+    score = node.capacity.evaluations.get(ref)
+    if score is None and _protocol(node) < EVALUATION_PROTOCOL:
+        why = f"it speaks protocol {_protocol(node)}: it evaluates no model"
+        return Seen("failed", why, node.last_seen)
+    if score is None:
+        return Seen("pending", last_seen=node.last_seen)  # evaluating
+    if score.followed < min_score:
+        why = (
+            f"its evaluation of {ref} followed {score.followed} of {score.total} "
+            f"instructions; the rollout requires {min_score}"
+        )
+        return Seen("failed", why, node.last_seen)
+    return Seen("healthy", last_seen=node.last_seen)
 
 
 def burn_rates(
@@ -201,8 +224,10 @@ def _seen(
     deployment = rollout.target["deployment"]
     placed = {node for d, node, _ in store.deployments.placements() if d == deployment}
     ref = rollout.target["from"] if back else rollout.target["model"]
+    # Going back, the model it had served before: no score gates the way back.
+    least = None if back else rollout.strategy.min_score
     return {
-        m.member.node_id: observe_model(nodes.get(m.member.node_id), ref, placed)
+        m.member.node_id: observe_model(nodes.get(m.member.node_id), ref, placed, least)
         for m in rollout.members
     }
 
@@ -401,4 +426,5 @@ def _strategy_view(strategy: Strategy) -> dict[str, Any]:
         "offline_after_s": strategy.offline_after_s,
         "max_burn_rate": strategy.max_burn_rate,
         "min_requests": strategy.min_requests,
+        "min_score": strategy.min_score,
     }

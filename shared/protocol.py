@@ -229,6 +229,26 @@ class ImageStatus(Message):
     error: Text | None = None  # why it failed or rolled back
 
 
+class Evaluation(Message):
+    """A placed model's short evaluation on the node that loaded it (protocol 7): of the
+    fixed instructions (appliance/serving/evaluation.py), how many it followed and how many
+    it answered on topic; how long it took to load, what its workers hold, how long the
+    evaluation took."""
+
+    followed: int = Field(ge=0, le=1000)
+    on_topic: int = Field(ge=0, le=1000)
+    total: int = Field(ge=1, le=1000)
+    load_s: Seconds = 0.0
+    memory_mib: Mib = 0
+    eval_s: Seconds = 0.0
+
+    @model_validator(mode="after")
+    def _counted(self) -> Self:
+        if max(self.followed, self.on_topic) > self.total:
+            raise ValueError("more instructions followed than there are")
+        return self
+
+
 class Capacity(Message):
     """What a node has and how loaded it is, as it reports in each heartbeat. None of it
     can make a node look better than empty: no negative load, no more free memory than
@@ -267,6 +287,8 @@ class Capacity(Message):
     # hub gives it a release.
     image: ImageStatus | None = None
     release_error: Text | None = None
+    # Each placed model's short evaluation, once it ran (protocol 7).
+    evaluations: dict[Name, Evaluation] = Field(default_factory=dict, max_length=64)
 
     @model_validator(mode="after")
     def _within_itself(self) -> Self:
@@ -714,7 +736,13 @@ ADDED_IN: dict[type[Message], dict[str, int]] = {
     EnrollAnswer: {"trust": 3, "renew_at": 3},
     HeartbeatAnswer: {"trust_digest": 3, "renew_certificate": 3},
     HeartbeatRequest: {"objectives": 4},
-    Capacity: {"leases_lapsed": 5, "lease_failures": 5, "image": 6, "release_error": 6},
+    Capacity: {
+        "leases_lapsed": 5,
+        "lease_failures": 5,
+        "image": 6,
+        "release_error": 6,
+        "evaluations": 7,
+    },
     DesiredState: {"release": 6},
     PlacedModel: {"preset": 7},
 }

@@ -122,7 +122,14 @@ class FleetLink:
         self._api = api or {}
         # Models the hub places here are fetched into `models_dir` (None: placement off).
         self._converger = (
-            Converger(store, registry, models_dir, packages, failures=metrics.failures)
+            Converger(
+                store,
+                registry,
+                models_dir,
+                packages,
+                failures=metrics.failures,
+                evaluate=settings.evaluate_placed,
+            )
             if models_dir is not None
             else None
         )
@@ -449,6 +456,10 @@ class FleetLink:
             # the release the hub gives it.
             image=self._updater.image if self._updater is not None else None,
             release_error=self._updater.release_error if self._updater is not None else None,
+            # Each placed model's short evaluation (protocol 7), for the hub's quality gate.
+            evaluations=dict(list(self._converger.evaluations.items())[:64])
+            if self._converger is not None
+            else {},
         )
 
     def gpus(self) -> list[protocol.Gpu]:

@@ -15,22 +15,29 @@ serves in the heartbeat's `models`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from appliance.fleet.client import HubError
 from appliance.fleet.downloads import CHUNK, DownloadError, fetch_checked
 from appliance.packages.cache import CacheError
+from appliance.serving.engine import NotLoadedError, QueueFullError
+from appliance.serving.evaluation import evaluate
 from appliance.serving.registry import (
     InsufficientMemoryError,
     ModelNotReadyError,
     ModelPinnedError,
     UnknownModelError,
 )
+from appliance.serving.supervisor import WorkerUnavailableError
 from appliance.state.records import ModelRecord
 from appliance.state.store import now_iso
+from shared import protocol
 from shared.supervise import Failures
 
 if TYPE_CHECKING:
@@ -60,7 +67,14 @@ class Converger:
         packages: PackageService | None = None,
         *,
         failures: Failures | None = None,
+        evaluate: bool = True,
     ) -> None:
+        self._evaluate = evaluate
+        # ref → the evaluation of the model placed here under its current preset (heartbeats
+        # carry them); kept in the store, so a restart does not evaluate again.
+        self.evaluations: dict[str, protocol.Evaluation] = {}
+        self._evaluated: dict[str, str] = {}  # ref → the preset it was evaluated under
+        self._evaluating: asyncio.Task[None] | None = None
         self._packages = packages
         self._failures = failures or Failures()
         self._store = store
@@ -79,15 +93,62 @@ class Converger:
             await self.converge(client)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._evaluating):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def converge(self, client: HubClient) -> None:
         errors = await self._models(client)
         if self._packages is not None:
             errors |= await self._seed(client, self._packages)
         self.errors = errors
+        if self._evaluate and (self._evaluating is None or self._evaluating.done()):
+            self._evaluating = asyncio.get_running_loop().create_task(self._evaluations())
+
+    async def _evaluations(self) -> None:
+        with self._failures.guard("fleet.evaluation"):
+            await self._evaluate_placed()
+
+    async def _evaluate_placed(self) -> None:
+        """Evaluate each placed model that serves and has no evaluation under its preset
+        (one at a time, in the background: a real model takes a while); forget those no
+        longer placed. A failed evaluation is tried again after the next heartbeat."""
+        store = self._store
+        if not self._evaluated:
+            stored = await store.run(store.sync.meta, "placed_evaluations")
+            kept = json.loads(stored or "{}")
+            for ref, entry in kept.items():
+                with contextlib.suppress(ValidationError, KeyError, TypeError):
+                    self.evaluations[ref] = protocol.Evaluation.model_validate(entry["score"])
+                    self._evaluated[ref] = str(entry["preset"])
+        raw = await store.run(store.sync.meta, "placed_models")
+        placed = set(json.loads(raw or "[]"))
+        for ref in set(self.evaluations) - placed:
+            self.evaluations.pop(ref, None)
+            self._evaluated.pop(ref, None)
+        for deployment in self._registry.loaded_models():
+            ref = deployment.record.ref
+            preset = "" if deployment.preset is None else deployment.preset.model_dump_json()
+            if ref not in placed or deployment.state != "ready":
+                continue
+            if self._evaluated.get(ref) == preset and ref in self.evaluations:
+                continue
+            try:
+                score = await evaluate(deployment)
+            except (*REFUSALS, QueueFullError, NotLoadedError, WorkerUnavailableError) as err:
+                log.warning("evaluating %s: %s (tried again later)", ref, err)
+                continue
+            log.info(
+                "%s followed %d of %d instructions (loaded in %.1f s, %d MiB)",
+                ref, score.followed, score.total, score.load_s, score.memory_mib,
+            )  # fmt: skip
+            self.evaluations[ref], self._evaluated[ref] = score, preset
+        kept = {
+            ref: {"score": self.evaluations[ref].model_dump(), "preset": self._evaluated[ref]}
+            for ref in self.evaluations
+        }
+        await store.run(store.sync.set_meta, "placed_evaluations", json.dumps(kept))
 
     async def _models(self, client: HubClient) -> dict[str, str]:
         raw = await self._store.run(self._store.sync.meta, "desired_models")

@@ -177,6 +177,7 @@ class LoadedModel:
     memory_mb: float  # the estimate the budget accounts, all replicas
     pinned: bool
     preset: ModelPreset | None = None  # the hub's, for a model it placed here
+    load_s: float | None = None  # from the first worker's start to every replica's ready
     replicas: list[Replica] = field(default_factory=list)
     state: State = "loading"
     error: str | None = None
@@ -535,6 +536,7 @@ class ModelRegistry:
 
     async def _bring_up(self, deployment: LoadedModel, count: int) -> None:
         ref = deployment.record.ref
+        started = time.monotonic()
         try:
             for _ in range(count):
                 replica = Replica(
@@ -560,6 +562,7 @@ class ModelRegistry:
             await asyncio.gather(*(r.close() for r in deployment.replicas))
         else:
             deployment.state = "ready"
+            deployment.load_s = time.monotonic() - started
             self._watch(deployment)
             log.info("model %s ready: %d replica(s)", ref, len(deployment.replicas))
         finally:

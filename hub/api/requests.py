@@ -276,6 +276,13 @@ class StrategyRequest(BaseModel):
     offline_after_s: float = Field(300.0, ge=1, le=7 * 86_400)
     max_burn_rate: float | None = Field(14.4, gt=0, le=1e6, description="None: not gated")
     min_requests: int = Field(20, ge=1, le=1_000_000_000)
+    min_score: int | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        description="a model rollout: instructions the node's evaluation of the new model "
+        "must see followed (of 12); below it halts the rollout. None: not gated",
+    )
 
     @model_validator(mode="after")
     def _waves(self) -> Self:
@@ -298,6 +305,7 @@ class StrategyRequest(BaseModel):
             offline_after_s=self.offline_after_s,
             max_burn_rate=self.max_burn_rate,
             min_requests=self.min_requests,
+            min_score=self.min_score,
         )
 
 

@@ -141,6 +141,9 @@ def rollouts() -> None:
 @click.option("--max-burn-rate", type=float, default=14.4, show_default=True)
 @click.option("--no-burn-gate", is_flag=True, help="Do not gate on objectives.")
 @click.option("--min-requests", type=int, default=20, show_default=True)
+@click.option(
+    "--min-score", type=int, default=None, help="A model's evaluation must follow this many."
+)
 @config_errors_exit
 def rollouts_start(
     config_file: Path | None,
@@ -159,6 +162,7 @@ def rollouts_start(
     max_burn_rate: float,
     no_burn_gate: bool,
     min_requests: int,
+    min_score: int | None,
 ) -> None:
     """Start a rollout of a release, or of a deployment's new model."""
     from hub.api.requests import RolloutRequest  # noqa: PLC0415
@@ -173,6 +177,7 @@ def rollouts_start(
         "offline_after_s": parse_duration(offline_after),
         "max_burn_rate": None if no_burn_gate else max_burn_rate,
         "min_requests": min_requests,
+        "min_score": min_score,
     }
     if waves is not None:
         try:

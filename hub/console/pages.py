@@ -227,6 +227,7 @@ async def node_page(request: web.Request) -> web.StreamResponse:
         events=events,
         models=served_models(node),
         errors=placement_errors(node),
+        evaluations=node.capacity.evaluations,
         sample=None if node.last_seen is None else sample_of(node.last_seen, node.capacity),
         gpus=[g.model_dump() for g in node.capacity.gpus],
         placed=[d for d in deployments if d.id in here],

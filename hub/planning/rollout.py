@@ -63,6 +63,9 @@ class Strategy:
     offline_after_s: float = 300.0  # a node of the wave unheard this long halts it
     max_burn_rate: float | None = 14.4  # a node of the wave burning faster halts it
     min_requests: int = 20  # what a node must have served before its burn rate counts
+    # A model rollout: instructions of the node's evaluation the new model must follow
+    # (None: not gated); a node's score below it halts the rollout.
+    min_score: int | None = None
 
 
 @dataclass(frozen=True)

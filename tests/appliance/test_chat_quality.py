@@ -11,7 +11,8 @@ import urllib.error
 import pytest
 
 from appliance.serving.catalog import CHAT_MODEL_NAME, DEFAULT_MODEL_NAME
-from tests.benchmarks.chat_quality import DEFAULT_OUT, INSTRUCTIONS, judge, reply, tally
+from appliance.serving.evaluation import INSTRUCTIONS, judge, tally
+from tests.benchmarks.chat_quality import DEFAULT_OUT, reply
 from tests.benchmarks.tables import block
 from tests.conftest import REPO, ApplianceProcess
 

@@ -18,6 +18,7 @@ from wireguard_tools import WireguardKey
 from appliance.fleet.client import HubClient
 from appliance.fleet.placement import Converger
 from appliance.gateway.appkeys import REGISTRY
+from appliance.serving.evaluation import INSTRUCTIONS
 from appliance.serving.presets import Presets
 from appliance.serving.registry import ModelNotReadyError
 from appliance.state.records import ModelRecord
@@ -165,12 +166,30 @@ async def test_a_deployment_s_preset_is_how_its_node_loads_and_serves_the_model(
         async with http.get("/v1/models") as response:
             models = {m["id"]: m for m in (await response.json())["data"]}
         assert "gpt-4o-mini" in models["placed"]["aliases"]
+        # The node evaluated the placed model (with its preset: every reply is the
+        # pirate's, cut at the stop string, so it follows none of the instructions) and
+        # told the hub, with its load time and memory.
+        await until(lambda: _evaluation(hub) is not None, "the evaluation at the hub")
+        score = _evaluation(hub)
+        assert score is not None
+        assert (score.followed, score.total) == (0, len(INSTRUCTIONS))
+        assert score.load_s > 0
+        assert score.memory_mib > 0
         # The node's own model does not take the placed model's preset.
         async with http.post(
             "/v1/chat/completions", json={"model": scripted_model.name, "messages": question}
         ) as r:
             assert r.status == 200
             assert "Arr" not in (await r.json())["choices"][0]["message"]["content"]
+
+
+def _evaluation(hub: HubSettings) -> protocol.Evaluation | None:
+    store = open_store(hub)
+    try:
+        [node] = store.nodes.all()
+        return node.capacity.evaluations.get("placed@1")
+    finally:
+        store.close()
 
 
 def _forget_models(store: Store) -> None:
@@ -184,6 +203,9 @@ class _NoLoads:
     presets = Presets()
 
     def served(self) -> list[Any]:
+        return []
+
+    def loaded_models(self) -> list[Any]:
         return []
 
     async def load(self, model: str, *, replicas: int | None, pinned: bool | None) -> None:

@@ -1,8 +1,7 @@
 """Chat quality: do the embedded models follow short instructions?
 
-Twelve fixed instructions (:data:`INSTRUCTIONS`), each with two mechanical checks of the
-reply: on topic (a keyword of the right answer) and in the form asked for (one word, JSON
-with keys a and b, three lines, just the number, ...); followed means both. Both embedded
+The twelve fixed instructions a node evaluates a placed model with
+(appliance/serving/evaluation.py: a reply on topic and in the form asked for). Both embedded
 models answer each one through a real appliance (`kvl appliance serve` on a fresh data dir:
 `/v1/chat/completions`, one user message, greedy, at most :data:`MAX_TOKENS` tokens, one
 request at a time): SmolLM2 135M Instruct with the chat template its GGUF carries, Gemma 3
@@ -21,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -29,215 +27,18 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from appliance.serving.catalog import CHAT_MODEL_NAME, DEFAULT_MODEL_NAME
+from appliance.serving.evaluation import INSTRUCTIONS, MAX_TOKENS, judge, tally
 from tests.benchmarks.report import headline, table
 from tests.benchmarks.serving import HOST, free_port, say, stamp
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "chat-quality.json"
 MODELS = (CHAT_MODEL_NAME, DEFAULT_MODEL_NAME)
-MAX_TOKENS = 96
 N_THREADS = 2
 N_CTX = 2048
-
-
-def words(text: str) -> list[str]:
-    return re.findall(r"[A-Za-z0-9']+", text)
-
-
-def lines(text: str) -> list[str]:
-    return [line.strip() for line in text.strip().splitlines() if line.strip()]
-
-
-Check = Callable[[str], bool]
-
-
-def has(*keywords: str) -> Check:
-    """Any of the keywords, as a whole word, in any case."""
-    pattern = re.compile(rf"\b(?:{'|'.join(keywords)})\b", re.IGNORECASE)
-    return lambda reply: pattern.search(reply) is not None
-
-
-def at_most(n: int) -> Check:
-    return lambda reply: 0 < len(words(reply)) <= n
-
-
-def only(expected: str) -> Check:
-    """Exactly this and nothing else, but for surrounding punctuation and space."""
-    return lambda reply: reply.strip().strip(".!'\"") == expected
-
-
-def one_word(reply: str) -> bool:
-    return len(words(reply)) == 1
-
-
-def three_lines(reply: str) -> bool:
-    return len(lines(reply)) == 3
-
-
-def json_with_keys_a_and_b(reply: str) -> bool:
-    text = re.sub(r"^```(?:json)?\s*|\s*```$", "", reply.strip())  # a fenced block is JSON too
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return False
-    return isinstance(value, dict) and set(value) == {"a", "b"}
-
-
-FRUITS = has(
-    "apples?", "bananas?", "oranges?", "pears?", "grapes?", "grapefruits?", "mangoe?s?",
-    "strawberry", "strawberries", "cherry", "cherries", "peach", "peaches", "plums?",
-    "kiwis?", "lemons?", "limes?", "pineapples?", "watermelons?", "melons?", "blueberry",
-    "blueberries", "raspberry", "raspberries", "apricots?", "papayas?", "figs?",
-    "pomegranates?", "avocados?", "coconuts?",
-)  # fmt: skip
-
-
-def a_fruit_a_line(reply: str) -> bool:
-    return three_lines(reply) and all(FRUITS(line) for line in lines(reply))
-
-
-def answers_yes_or_no(reply: str) -> bool:
-    found = words(reply)
-    return bool(found) and found[0].lower() in ("yes", "no")
-
-
-def one_to_five(reply: str) -> bool:
-    return all(re.search(rf"\b{n}\b", reply) for n in "12345")
-
-
-def with_commas(reply: str) -> bool:
-    return re.search(r"\b1\s*,\s*2\s*,\s*3\s*,\s*4\s*,\s*5\b", reply) is not None
-
-
-def one_sentence(reply: str) -> bool:
-    text = reply.strip()
-    return "\n" not in text and len(re.findall(r"[.!?](?=\s|$)", text)) == 1
-
-
-@dataclass(frozen=True)
-class Instruction:
-    """One instruction, and how its reply is judged: ``topic`` (a keyword of the right
-    answer) and ``form`` (the format asked for); followed means both."""
-
-    id: str
-    prompt: str
-    topic: Check
-    form: Check
-    passes_when: str
-
-
-INSTRUCTIONS: tuple[Instruction, ...] = (
-    Instruction(
-        "one_word_capital",
-        "What is the capital of France? Answer with one word.",
-        has("paris"),
-        one_word,
-        "Paris, in one word",
-    ),
-    Instruction(
-        "json_keys",
-        "Reply in JSON with keys a and b, where a is 1 and b is 2. Reply with the JSON only.",
-        lambda reply: '"a"' in reply and '"b"' in reply,
-        json_with_keys_a_and_b,
-        'names "a" and "b"; the reply parses as a JSON object with exactly those keys',
-    ),
-    Instruction(
-        "three_fruits",
-        "List three fruits, one per line, and nothing else.",
-        FRUITS,
-        a_fruit_a_line,
-        "names a fruit; three lines, a fruit on each",
-    ),
-    Instruction(
-        "haiku_sea",
-        "Write a haiku about the sea.",
-        has("seas?", "oceans?", "waves?", "tides?", "shores?", "surf"),
-        three_lines,
-        "about the sea (sea, ocean, waves, tide, shore, surf); three lines",
-    ),
-    Instruction(
-        "translate_french",
-        "Translate 'good morning' to French.",
-        has("bonjour"),
-        at_most(12),
-        "bonjour; 12 words or fewer",
-    ),
-    Instruction(
-        "number_only",
-        "What is 7 plus 5? Answer with just the number.",
-        has("12"),
-        only("12"),
-        "12, and nothing else",
-    ),
-    Instruction(
-        "yes_or_no",
-        "Is the sun a star? Answer yes or no.",
-        lambda reply: answers_yes_or_no(reply) and words(reply)[0].lower() == "yes",
-        answers_yes_or_no,
-        "the first word is yes or no; yes",
-    ),
-    Instruction(
-        "opposite",
-        "What is the opposite of hot? Answer with one word.",
-        has("cold"),
-        one_word,
-        "cold, in one word",
-    ),
-    Instruction(
-        "count_commas",
-        "Count from 1 to 5, separated by commas.",
-        one_to_five,
-        with_commas,
-        "the numbers 1 to 5; as 1, 2, 3, 4, 5",
-    ),
-    Instruction(
-        "capitals",
-        "Write the word 'hello' in capital letters, and nothing else.",
-        has("hello"),
-        only("HELLO"),
-        "hello; HELLO, and nothing else",
-    ),
-    Instruction(
-        "bees",
-        "What do bees make? Answer in a few words.",
-        has("honey"),
-        at_most(20),
-        "honey; 20 words or fewer",
-    ),
-    Instruction(
-        "one_sentence_cat",
-        "Describe a cat in one sentence.",
-        has("cats?"),
-        one_sentence,
-        "about a cat; one sentence, one line",
-    ),
-)
-
-
-def judge(instruction: Instruction, reply: str) -> dict[str, Any]:
-    # The instruction echoed back is not on topic: a base model repeats its prompt.
-    on_topic = instruction.topic(reply.replace(instruction.prompt, ""))
-    in_form = instruction.form(reply)
-    return {
-        "id": instruction.id,
-        "followed": on_topic and in_form,
-        "on_topic": on_topic,
-        "form": in_form,
-        "reply": reply,
-    }
-
-
-def tally(results: list[dict[str, Any]]) -> dict[str, int]:
-    return {
-        "followed": sum(r["followed"] for r in results),
-        "on_topic": sum(r["on_topic"] for r in results),
-        "total": len(results),
-    }
 
 
 # -- a real appliance --------------------------------------------------------------------

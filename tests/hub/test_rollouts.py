@@ -12,6 +12,7 @@ side of a release (fetch, install) is tested in tests/appliance/test_release.py.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -449,6 +450,38 @@ async def test_a_model_rollout_moves_a_deployment_one_placement_at_a_time(fleet:
         json={"kind": "model", "deployment": "dep", "model": "tiny@2"},
     )  # fmt: skip
     assert (status, body["error"]["code"]) == (409, "rollout_conflict")
+
+
+async def test_a_model_rollout_with_a_minimum_score_waits_for_it_and_halts_below_it(
+    fleet: Fleet,
+) -> None:
+    store = open_store(fleet.settings)
+    for version in ("1", "2"):
+        store.deployments.add_model(ModelArtifact("tiny", version, version * 64, 10, "gguf", 100))
+    store.deployments.add(DeploymentRecord("dep", "tiny@1", 2, "S1", "I1", {}))
+    store.close()
+    for name in ("n1", "n2"):
+        await fleet.beat(name, model_memory_mib=1000)
+    await until(lambda: _placed_on(fleet.settings) == ["n1", "n2"], "both replicas placed")
+    status, view = await fleet.call(
+        "POST", "/v1/admin/rollouts",
+        json={"kind": "model", "deployment": "dep", "model": "tiny@2",
+              "strategy": {"soak_s": 0, "max_burn_rate": None, "min_score": 8}},
+    )  # fmt: skip
+    assert (status, view["strategy"]["min_score"]) == (201, 8), view
+    await until(lambda: _models_of(fleet, "n1", ["tiny@2"]), "the canary moved to tiny@2")
+    # Serving, not yet evaluated: the canary is not healthy, the next wave waits.
+    await fleet.beat("n1", model_memory_mib=1000, models=["tiny@2"])
+    await asyncio.sleep(0.5)
+    assert fleet.node_state(await fleet.rollout(view["id"]), "n1") == "targeted"
+    assert await _models_of(fleet, "n2", ["tiny@1"])
+    # Its evaluation below the minimum halts the rollout, saying why.
+    low = protocol.Evaluation(followed=3, on_topic=7, total=12, load_s=1.5, memory_mib=300)
+    await fleet.beat("n1", model_memory_mib=1000, models=["tiny@2"], evaluations={"tiny@2": low})
+    await until(lambda: _state_is(fleet, view["id"], "halted"), "the rollout halted")
+    halted = await fleet.rollout(view["id"])
+    assert "followed 3 of 12 instructions; the rollout requires 8" in halted["reason"], halted
+    assert await _models_of(fleet, "n2", ["tiny@1"])  # the second node never moved
 
 
 def _placed_on(settings: HubSettings) -> list[str]:
