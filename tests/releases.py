@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from hub.rollouts import RELEASE_PROTOCOL
 from hub.settings import HubSettings
 from hub.state.store import open_store
 
 
 def speak_releases(settings: HubSettings) -> bool:
-    """Whether every node's last heartbeat, as stored, spoke protocol 6 (releases reach
-    only such nodes)."""
+    """Whether every node's last heartbeat, as stored, spoke protocol 6 or later (releases
+    reach only such nodes)."""
     store = open_store(settings)
     try:
-        return all(n.versions.get("protocol") == "6" for n in store.nodes.all())
+        spoken = [n.versions.get("protocol", "") for n in store.nodes.all()]
+        return all(p.isdigit() and int(p) >= RELEASE_PROTOCOL for p in spoken)
     finally:
         store.close()
