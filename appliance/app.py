@@ -251,6 +251,7 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
         models_dir=settings.models_dir,
         packages=app[PACKAGES],
         objectives=admission.book,
+        names=app[NAMES],
         updater=Updater(
             app[STORE],
             Rauc(settings.update.rauc, settings.update.rauc_options),

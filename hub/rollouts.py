@@ -31,6 +31,13 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from hub.fleet.budgets import burn_rate
+from hub.node_settings import (
+    SETTINGS_PROTOCOL,
+    observe_settings,
+    protocol_of,
+    settings_digest,
+    settings_reach,
+)
 from hub.planning.health import status_of
 from hub.planning.rollout import STEPS, Candidate, Seen, assign_waves, rollback, step
 from hub.state.errors import NotFoundError
@@ -53,11 +60,6 @@ RELEASE_PROTOCOL = 6  # the first protocol with release targets and image status
 EVALUATION_PROTOCOL = 7  # the first whose nodes evaluate the models placed on them
 
 
-def _protocol(node: Node) -> int:
-    raw = node.versions.get("protocol", "")
-    return int(raw) if raw.isdigit() and len(raw) < 6 else 0
-
-
 def begin(
     store: HubStore, kind: RolloutKind, target: Mapping[str, str], strategy: Strategy, by: str
 ) -> Rollout:
@@ -70,7 +72,7 @@ def begin(
         store.rollouts.release(version)  # NotFoundError when the hub holds no such release
         known = {r.version for r in store.rollouts.releases()}
         given = store.rollouts.node_release_versions()
-        reach = [n for n in nodes if _protocol(n) >= RELEASE_PROTOCOL]
+        reach = [n for n in nodes if protocol_of(n) >= RELEASE_PROTOCOL]
         previous: dict[str, str | None] = {}
         for n in reach:
             running = n.capacity.image.version if n.capacity.image is not None else None
@@ -78,6 +80,8 @@ def begin(
             # if the hub holds it (an abort can give back only what the hub can serve).
             previous[n.id] = given.get(n.id) or (running if running in known else None)
         stored_target = {"release": version}
+    elif kind == "settings":
+        reach, previous, stored_target = settings_reach(store, nodes, target)
     else:
         deployment_id, ref = target["deployment"], target["model"]
         deployment = next((d for d in store.deployments.all() if d.id == deployment_id), None)
@@ -94,11 +98,7 @@ def begin(
         previous = {n.id: deployment.model for n in reach}
         stored_target = {"deployment": deployment_id, "model": ref, "from": deployment.model}
     if not reach:
-        raise RolloutConflictError(
-            "no node to roll out to"
-            + (f" (a release reaches nodes of protocol {RELEASE_PROTOCOL} on)"
-               if kind == "release" else " (the deployment has no replica placed)")
-        )  # fmt: skip
+        raise RolloutConflictError("no node to roll out to" + _unreached(kind))
     candidates = [Candidate(n.id, n.name, n.site) for n in reach]
     missing = set(strategy.canary_nodes) - {c.name for c in candidates} - {c.id for c in candidates}
     if missing:
@@ -113,6 +113,14 @@ def begin(
     )  # fmt: skip
 
 
+def _unreached(kind: RolloutKind) -> str:
+    if kind == "release":
+        return f" (a release reaches nodes of protocol {RELEASE_PROTOCOL} on)"
+    if kind == "settings":
+        return f" (a setting reaches the scope's nodes of protocol {SETTINGS_PROTOCOL} on)"
+    return " (the deployment has no replica placed)"
+
+
 def observe_release(node: Node | None, version: str | None) -> Seen:
     """What a node's last heartbeat says of release `version` (None: nothing to wait
     for)."""
@@ -125,9 +133,9 @@ def observe_release(node: Node | None, version: str | None) -> Seen:
     if image is None:
         if capacity.release_error:
             report, detail = "failed", capacity.release_error
-        elif _protocol(node) < RELEASE_PROTOCOL:
+        elif protocol_of(node) < RELEASE_PROTOCOL:
             report = "failed"
-            detail = f"it speaks protocol {_protocol(node)}: no release reaches it"
+            detail = f"it speaks protocol {protocol_of(node)}: no release reaches it"
     elif image.version == version and image.state == "good":
         report = "healthy"
     elif image.target == version and image.state == "failed":
@@ -158,8 +166,8 @@ def observe_model(
 def _scored(node: Node, ref: str, min_score: int) -> Seen:
     """A node serving `ref`, judged by its evaluation of it."""
     score = node.capacity.evaluations.get(ref)
-    if score is None and _protocol(node) < EVALUATION_PROTOCOL:
-        why = f"it speaks protocol {_protocol(node)}: it evaluates no model"
+    if score is None and protocol_of(node) < EVALUATION_PROTOCOL:
+        why = f"it speaks protocol {protocol_of(node)}: it evaluates no model"
         return Seen("failed", why, node.last_seen)
     if score is None:
         return Seen("pending", last_seen=node.last_seen)  # evaluating
@@ -218,6 +226,13 @@ def _seen(
         return {
             m.member.node_id: observe_release(
                 nodes.get(m.member.node_id), m.previous if back else rollout.target["release"]
+            )
+            for m in rollout.members
+        }
+    if rollout.kind == "settings":
+        return {
+            m.member.node_id: observe_settings(
+                nodes.get(m.member.node_id), settings_digest(store, rollout, nodes, m, back=back)
             )
             for m in rollout.members
         }

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
     from hub.settings import HubSettings
     from hub.state.alerts import AlertRecord, Silence
+    from hub.state.configuration import Configuration
     from hub.state.deployments import DeploymentRecord
     from hub.state.leases import Quota
     from hub.state.nodes import Node
@@ -137,4 +138,18 @@ def silence_view(silence: Silence, now: float) -> dict[str, Any]:
         "created_by": silence.created_by,
         "comment": silence.comment,
         "created_at": _iso(silence.created_at),
+    }
+
+
+def configuration_view(node: Node, configuration: Configuration) -> dict[str, Any]:
+    """What the hub sets of a node's settings (with the changes rollouts in flight gave it),
+    where each value came from, and whether its last heartbeat says it applied them (on
+    the store's thread)."""
+    values, origins = configuration.effective(node, configuration.staged(node))
+    digest = configuration.desired(node).digest()
+    return {
+        "node": node.name,
+        "values": {k: {"value": v, "from": origins[k]} for k, v in sorted(values.items())},
+        "digest": digest,
+        "applied": node.capacity.settings_digest == digest,
     }

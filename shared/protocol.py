@@ -51,6 +51,7 @@ that cannot take the release.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Annotated, Any, Literal, Self
 
@@ -289,6 +290,8 @@ class Capacity(Message):
     release_error: Text | None = None
     # Each placed model's short evaluation, once it ran (protocol 7).
     evaluations: dict[Name, Evaluation] = Field(default_factory=dict, max_length=64)
+    # The digest of the hub's settings the node applied (protocol 7: NodeSettings.digest).
+    settings_digest: Short | None = None
 
     @model_validator(mode="after")
     def _within_itself(self) -> Self:
@@ -666,6 +669,21 @@ class ReleaseTarget(Message):
     window: UpdateWindow | None = None  # None: any time
 
 
+class NodeSettings(Message):
+    """The part of a node's settings the hub sets (protocol 7): fleet-wide, per site and per
+    node, the most specific winning (hub/state/configuration.py). A value set here wins over
+    the node's configuration file; one unset leaves the node's own."""
+
+    chat_default: Name | None = None  # model.chat_default
+    default: Name | None = None  # model.default: a text completion without `model`
+    aliases: dict[Alias, Name] = Field(default_factory=dict, max_length=64)  # model.aliases
+
+    def digest(self) -> str:
+        """What a node reports once it applied these (`Capacity.settings_digest`)."""
+        text = self.model_dump_json(exclude_defaults=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 class DesiredState(Message):
     """What a node should hold, read in one transaction with the serial it is at."""
 
@@ -676,6 +694,7 @@ class DesiredState(Message):
     models: list[PlacedModel] = Field(default_factory=list)
     packages: list[SeededPackage] = Field(default_factory=list)
     release: ReleaseTarget | None = None  # protocol 6
+    settings: NodeSettings = Field(default_factory=NodeSettings)  # protocol 7
 
 
 # -- node logs (the hub reads them on the node's fleet listener) ---------------------------
@@ -742,8 +761,9 @@ ADDED_IN: dict[type[Message], dict[str, int]] = {
         "image": 6,
         "release_error": 6,
         "evaluations": 7,
+        "settings_digest": 7,
     },
-    DesiredState: {"release": 6},
+    DesiredState: {"release": 6, "settings": 7},
     PlacedModel: {"preset": 7},
 }
 # Where a message nests one of those above: their fields are left out there too.

@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import psutil
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from appliance.fleet.certificates import lan_addresses
 from appliance.fleet.client import HubClient, HubError, HubRefusedError, bootstrap
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
     from appliance.fleet.release import Updater
+    from appliance.inference.names import ModelNames
     from appliance.observability.metrics import Metrics
     from appliance.observability.objectives import ObjectiveBook
     from appliance.packages.service import PackageService
@@ -115,8 +116,10 @@ class FleetLink:
         packages: PackageService | None = None,
         objectives: ObjectiveBook | None = None,
         updater: Updater | None = None,
+        names: ModelNames | None = None,
     ) -> None:
         self._settings = settings
+        self._names = names  # takes what the hub sets of this node's settings
         self._objectives = objectives  # the live objectives, sent in every heartbeat
         self._ensuring = asyncio.Lock()
         self._api = api or {}
@@ -320,8 +323,27 @@ class FleetLink:
         log.info("WireGuard %s up: %s", tunnel.name, identity.overlay_address)
         return tunnel
 
+    async def apply_settings(self) -> None:
+        """What the hub sets of this node's settings, as the store keeps them from the last
+        desired state (at start too, the hub reachable or not), applied to the model
+        names."""
+        if self._names is None:
+            return
+        raw = await self._store.run(self._store.sync.meta, "desired_settings")
+        if raw is None:
+            return
+        try:
+            given = protocol.NodeSettings.model_validate_json(raw)
+        except ValidationError as err:  # checked when it arrived; kept as it was
+            log.warning("the hub's settings are not ones this node reads: %s", err)
+            return
+        if given != self._names.hub:
+            log.info("the hub's settings applied: %s", given.model_dump(exclude_defaults=True))
+            self._names.hub = given
+
     async def tick(self) -> None:
         """One heartbeat (enrolling first if this node has not yet)."""
+        await self.apply_settings()
         try:
             client = await self._ensure()
             if client is None:
@@ -334,6 +356,7 @@ class FleetLink:
             if state is not None:
                 serial = await self._store.run(self._store.sync.apply_desired_state, state)
                 log.info("applied the hub's desired state %d", serial)
+                await self.apply_settings()
             await self._keep_certificate(client, answer)
             if self._converger is not None:
                 self._converger.kick(client)  # also retries what failed the last time
@@ -456,6 +479,8 @@ class FleetLink:
             # the release the hub gives it.
             image=self._updater.image if self._updater is not None else None,
             release_error=self._updater.release_error if self._updater is not None else None,
+            # The hub's settings this node applies (protocol 7), for a settings rollout.
+            settings_digest=self._names.hub.digest() if self._names is not None else None,
             # Each placed model's short evaluation (protocol 7), for the hub's quality gate.
             evaluations=dict(list(self._converger.evaluations.items())[:64])
             if self._converger is not None

@@ -497,6 +497,13 @@ class Store:
                 " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                 [json.dumps(release)],
             )
+            # What the hub sets of this node's settings (protocol 7); the fleet link applies
+            # them (appliance/inference/names.py), now and at every start.
+            self.db.execute(
+                "INSERT INTO meta (key, value) VALUES ('desired_settings', ?)"
+                " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                [state.settings.model_dump_json()],
+            )
         return serial
 
     def save_leases(self, leases: list[tuple[dict[str, Any], bool]]) -> None:

@@ -20,6 +20,7 @@ from hub.fleet.budgets import window_s
 from hub.planning.rollout import Strategy
 from hub.planning.slo import Grouping
 from hub.planning.tenancy import Tenancy
+from hub.state.configuration import scope_of
 from hub.state.deployments import DeploymentRecord
 from hub.state.objectives import SloFilters
 from shared import protocol
@@ -119,6 +120,24 @@ class NodeTenancyRequest(BaseModel):
         None, min_length=1, description="dedicated to this tenant (S3); None: to none"
     )
     private: bool = Field(default=False, description="on its tenant's private site (S4)")
+
+
+class SettingRequest(BaseModel):
+    """One node setting the hub sets (hub/state/configuration.py): fleet-wide, or for a site
+    or a node; `value` null unsets it there."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: Text = Field(min_length=1, description="chat_default, default or aliases.ALIAS")
+    value: Text | None = Field(description="a model (name or name@version); null: unset")
+    site: Text | None = None
+    node: Text | None = None
+
+    @model_validator(mode="after")
+    def _one_scope(self) -> Self:
+        if self.site is not None and self.node is not None:
+            raise ValueError("a setting is for a site or a node, not both")
+        return self
 
 
 class PullRequest(BaseModel):
@@ -315,23 +334,45 @@ class RolloutRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["release", "model"]
+    kind: Literal["release", "model", "settings"]
     release: ReleaseVersion | None = Field(None, description="kind release: its version")
     deployment: Text | None = Field(None, description="kind model: the deployment's id")
     model: Text | None = Field(
         None, pattern=r"^[^@\s]+@[^@\s]+$", description="kind model: the new name@version"
     )
+    setting: Text | None = Field(
+        None, description="kind settings: the key (chat_default, default, aliases.ALIAS)"
+    )
+    value: Text | None = Field(None, description="kind settings: its new value")
+    site: Text | None = Field(None, description="kind settings: for this site's nodes only")
+    node: Text | None = Field(None, description="kind settings: for this node only")
     strategy: StrategyRequest = Field(default_factory=StrategyRequest)
 
     @model_validator(mode="after")
     def _target(self) -> Self:
-        if self.kind == "release" and (not self.release or self.deployment or self.model):
+        settings = (self.setting, self.value, self.site, self.node)
+        if self.kind == "release" and (
+            not self.release or self.deployment or self.model or any(settings)
+        ):
             raise ValueError("a release rollout names `release` (only)")
-        if self.kind == "model" and (not self.deployment or not self.model or self.release):
+        if self.kind == "model" and (
+            not self.deployment or not self.model or self.release or any(settings)
+        ):
             raise ValueError("a model rollout names `deployment` and `model` (only)")
+        if self.kind == "settings" and (
+            not self.setting or self.value is None or self.release or self.deployment
+            or self.model or (self.site and self.node)
+        ):  # fmt: skip
+            raise ValueError(
+                "a settings rollout names `setting` and `value`, and `site` or `node` (or "
+                "neither: the fleet)"
+            )
         return self
 
     def target(self) -> dict[str, str]:
         if self.kind == "release":
             return {"release": str(self.release)}
+        if self.kind == "settings":
+            scope = scope_of(self.site, f"{self.node}" if self.node else None)
+            return {"scope": scope, "key": str(self.setting), "value": str(self.value)}
         return {"deployment": str(self.deployment), "model": str(self.model)}

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from hub.api import alerts, enrollment, node, objectives, operator, pulls, rollouts
+from hub.api import alerts, enrollment, node, objectives, operator, pulls, rollouts, settings
 from hub.api.openapi import build_openapi
 from hub.api.route_kinds import Auth, Route
 from hub.appkeys import LOOPS
@@ -54,4 +54,5 @@ ROUTES: tuple[Route, ...] = (
     *alerts.ROUTES,
     *rollouts.ROUTES,
     *pulls.ROUTES,
+    *settings.ROUTES,
 )

@@ -1,6 +1,6 @@
 """`kvl hub …`: serve the hub, and manage its enrollment tokens, nodes, accounts, keys,
-models and deployments, packages, image releases and staged rollouts,
-operators and console users, read the fleet's
+models and deployments, packages, image releases and staged rollouts, the settings it
+sets on its nodes, operators and console users, read the fleet's
 objectives, and back the hub up and restore it. One module per command
 group, imported only when one of its commands runs; each opens the store the one way
 (`common.opened_store`)."""
@@ -110,6 +110,11 @@ from shared.cli import LazyGroup
             "hub.cli.serve",
             "serve",
             "Serve the hub API over HTTPS; prints the fingerprint of the hub's CA, which...",
+        ),
+        "settings": (
+            "hub.cli.settings",
+            "settings",
+            "Node settings the hub sets: fleet-wide, per site, per node (the most specific wins).",
         ),
         "tokens": (
             "hub.cli.tokens",

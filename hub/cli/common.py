@@ -39,7 +39,7 @@ def opened_store(settings: HubSettings) -> Iterator[HubStore]:
     be reached, and what the store finds missing or already there, are the command's
     error message (and exit status 1), never a traceback."""
     # Imported here, not above: `kvl hub config` and `--help` stay light.
-    from hub.state.errors import ConflictError, NotFoundError  # noqa: PLC0415
+    from hub.state.errors import ConflictError, InvalidError, NotFoundError  # noqa: PLC0415
     from hub.state.sql import DatabaseError  # noqa: PLC0415
     from hub.state.store import open_store  # noqa: PLC0415
 
@@ -49,7 +49,7 @@ def opened_store(settings: HubSettings) -> Iterator[HubStore]:
         raise click.ClickException(f"{err} (database_url in the settings)") from err
     try:
         yield store
-    except (NotFoundError, ConflictError) as err:
+    except (NotFoundError, ConflictError, InvalidError) as err:
         raise click.ClickException(str(err)) from err
     finally:
         store.close()

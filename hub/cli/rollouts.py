@@ -1,6 +1,7 @@
 """`kvl hub releases …` and `kvl hub rollouts …`: image releases the hub holds, sites'
-update windows, and staged rollouts of a release or of a deployment's new model. The
-commands write the store; the serving hub's rollout loop moves each rollout on."""
+update windows, and staged rollouts of a release, of a deployment's new model or of a node
+setting. The commands write the store; the serving hub's rollout loop moves each rollout
+on."""
 
 from __future__ import annotations
 
@@ -131,6 +132,9 @@ def rollouts() -> None:
 @click.option("--release", default=None, help="Roll out this release to the fleet.")
 @click.option("--deployment", default=None, help="Or: move this deployment…")
 @click.option("--model", default=None, help="…to this model (name@version).")
+@click.option("--setting", default=None, help="Or: KEY=VALUE, a node setting (kvl hub settings).")
+@click.option("--for-site", default=None, help="The setting for this site's nodes only.")
+@click.option("--for-node", default=None, help="The setting for this node only.")
 @click.option("--canary", type=int, default=1, show_default=True, help="Nodes in the canary.")
 @click.option("--canary-node", "canary_nodes", multiple=True, help="A canary node (repeat).")
 @click.option("--waves", default=None, help="Cumulative shares in %, e.g. 25,50,100.")
@@ -152,6 +156,9 @@ def rollouts_start(
     release: str | None,
     deployment: str | None,
     model: str | None,
+    setting: str | None,
+    for_site: str | None,
+    for_node: str | None,
     canary: int,
     canary_nodes: tuple[str, ...],
     waves: str | None,
@@ -164,7 +171,7 @@ def rollouts_start(
     min_requests: int,
     min_score: int | None,
 ) -> None:
-    """Start a rollout of a release, or of a deployment's new model."""
+    """Start a rollout of a release, of a deployment's new model, or of a node setting."""
     from hub.api.requests import RolloutRequest  # noqa: PLC0415
     from hub.rollouts import begin  # noqa: PLC0415
 
@@ -184,9 +191,14 @@ def rollouts_start(
             strategy["waves"] = [float(w) for w in waves.split(",")]
         except ValueError as err:
             raise click.BadParameter("shares like 25,50,100", param_hint="--waves") from err
-    kind = "release" if release is not None else "model"
-    body = {"kind": kind, "release": release, "deployment": deployment, "model": model,
-            "strategy": strategy}  # fmt: skip
+    kind = "release" if release is not None else "settings" if setting is not None else "model"
+    body: dict[str, Any] = {"kind": kind, "release": release, "deployment": deployment,
+                            "model": model, "strategy": strategy}  # fmt: skip
+    if setting is not None:
+        key, sep, value = setting.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{setting!r} is not KEY=VALUE", param_hint="--setting")
+        body |= {"setting": key, "value": value, "site": for_site, "node": for_node}
     req = _checked(RolloutRequest, body)
     settings = hub_settings(config_file, data_dir)
     with opened_store(settings) as store:
@@ -202,8 +214,11 @@ def _show(store: HubStore, settings: HubSettings, rollout: Rollout, *, as_json: 
     if as_json:
         click.echo(json.dumps(view))
         return
-    target = view["target"].get("release") or (
-        f"{view['target'].get('model')} to {view['target'].get('deployment')}"
+    t = view["target"]
+    target = t.get("release") or (
+        f"{t['key']}={t['value']} at {t['scope']}"
+        if view["kind"] == "settings"
+        else f"{t.get('model')} to {t.get('deployment')}"
     )
     click.echo(f"rollout {view['id']} ({view['kind']} {target}): {view['phase']}")
     if view["reason"]:

@@ -51,7 +51,7 @@ from hub.console.web import (
 from hub.fleet.objectives import report_view
 from hub.state.errors import NotFoundError
 from hub.state.objectives import SloFilters
-from hub.views import deployment_view, node_view, quota_view
+from hub.views import configuration_view, deployment_view, node_view, quota_view
 from shared.keys import ENROLLMENT_TOKEN, parse_prefix
 from shared.protocol import LOG_LEVELS
 
@@ -192,6 +192,7 @@ async def node_page(request: web.Request) -> web.StreamResponse:
     deployments = await store.run(store.sync.deployments.all)
     placed = await store.run(store.sync.deployments.placements)
     here = {d for d, n, _ in placed if n == node.id}
+    configured = await store.run(configuration_view, node, store.sync.configuration)
     gap = max(3 * settings.console.sample_every_s, 3 * settings.fleet.stale_after_s)
     # From the first sample kept (at least the last ten minutes), so a new node's short
     # history is not a sliver at the right edge of six hours.
@@ -228,6 +229,7 @@ async def node_page(request: web.Request) -> web.StreamResponse:
         models=served_models(node),
         errors=placement_errors(node),
         evaluations=node.capacity.evaluations,
+        configured=configured,
         sample=None if node.last_seen is None else sample_of(node.last_seen, node.capacity),
         gpus=[g.model_dump() for g in node.capacity.gpus],
         placed=[d for d in deployments if d.id in here],

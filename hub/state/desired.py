@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from hub.state import sql
     from hub.state.accounts import Accounts
+    from hub.state.configuration import Configuration
     from hub.state.deployments import Deployments
     from hub.state.nodes import Node
     from hub.state.packages import Packages
@@ -37,7 +38,9 @@ class DesiredStates:
         deployments: Deployments,
         packages: Packages,
         rollouts: Rollouts,
+        configuration: Configuration,
     ) -> None:
+        self._configuration = configuration
         self._db = database
         self._serials = serials
         self._accounts = accounts
@@ -103,6 +106,9 @@ class DesiredStates:
                 # The image release a rollout gave this node (protocol 6; left out for
                 # older nodes), fetched the same way and installed within its window.
                 release=self._rollouts.release_target(node),
+                # What the hub sets of the node's settings (protocol 7), with the changes
+                # the settings rollouts that reached it have given it so far.
+                settings=self._configuration.desired(node),
             )
 
 

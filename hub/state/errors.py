@@ -16,3 +16,12 @@ class NotFoundError(LookupError):
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class InvalidError(ValueError):
+    """A value the store does not take (a key it does not know, a value out of bounds).
+    `param`: the field of the caller's request that holds it."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -1,10 +1,13 @@
-"""Image releases, the sites' update windows, and staged rollouts of a release or of a
-deployment's new model (hub/planning/rollout.py decides; hub/rollouts.py runs them).
+"""Image releases, the sites' update windows, and staged rollouts of a release, of a
+deployment's new model, or of a node setting (hub/planning/rollout.py decides;
+hub/rollouts.py runs them).
 
 What a rollout gives a node is written where the desired state reads it: a release as the
 node's row in `node_releases`, a model as the node's row in `placement_models` (which
-overrides the deployment's model for that one placement). Nodes a rollout has not reached
-have no such row, so they never see its target; each change moves the desired serial."""
+overrides the deployment's model for that one placement), a setting as the rollout's own
+member row (hub/state/configuration.py reads the changes of the settings rollouts that
+reached a node; done, the setting is written to `node_settings`). Nodes a rollout has not
+reached never see its target; each change moves the desired serial."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ if TYPE_CHECKING:
     from hub.state.nodes import Node
     from hub.state.serials import Serials
 
-RolloutKind = Literal["release", "model"]
+RolloutKind = Literal["release", "model", "settings"]
 
 
 class RolloutConflictError(ConflictError):
@@ -46,7 +49,8 @@ class Rollout:
     id: str
     kind: RolloutKind
     # A release: {"release": VERSION}; a model: {"deployment": ID, "model": NAME@VERSION,
-    # "from": the deployment's model when it started}.
+    # "from": the deployment's model when it started}; a setting: {"scope": SCOPE, "key":
+    # KEY, "value": VALUE} (hub/state/configuration.py).
     target: dict[str, str]
     strategy: Strategy
     state: RolloutState
@@ -171,7 +175,7 @@ class Rollouts:
         now = self._clock()
         with self._db.transaction():
             for other in self._active(kind):
-                if kind == "release" or other.target.get("deployment") == target.get("deployment"):
+                if kind != "model" or other.target.get("deployment") == target.get("deployment"):
                     raise RolloutConflictError(_busy(other))
             self._db.execute(
                 "INSERT INTO rollouts (id, kind, target, strategy, state, wave, wave_started_at,"
@@ -288,12 +292,18 @@ class Rollouts:
             if state == "done" and rollout.kind == "model":
                 self._finish_model(rollout)
                 serial_moves = True
+            if state == "done" and rollout.kind == "settings":
+                self._finish_settings(rollout)
+                serial_moves = True
             if serial_moves:
                 self._serials.bump()
         return True
 
     def _give(self, rollout: Rollout, node_id: str) -> None:
-        """The rollout's target for one node, where its desired state reads it."""
+        """The rollout's target for one node, where its desired state reads it (a setting's:
+        the member's row, now `targeted`)."""
+        if rollout.kind == "settings":
+            return
         if rollout.kind == "release":
             self._db.execute(
                 "INSERT INTO node_releases (node_id, version, rollout_id, set_at)"
@@ -318,6 +328,16 @@ class Rollouts:
             "UPDATE deployments SET model = ? WHERE id = ?", [rollout.target["model"], deployment]
         )
         self._db.execute("DELETE FROM placement_models WHERE deployment_id = ?", [deployment])
+
+    def _finish_settings(self, rollout: Rollout) -> None:
+        """A settings rollout done: its value is the scope's, for every node of it."""
+        t = rollout.target
+        self._db.execute(
+            "INSERT INTO node_settings (scope, key, value, set_by, set_at)"
+            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (scope, key) DO UPDATE SET"
+            " value = excluded.value, set_by = excluded.set_by, set_at = excluded.set_at",
+            [t["scope"], t["key"], t["value"], f"rollout {rollout.id}", self._clock()],
+        )
 
     def set_state(
         self, rollout_id: str, state: RolloutState, reason: str, *, allowed: Sequence[str]
@@ -348,6 +368,8 @@ class Rollouts:
         return self.get(rollout_id)
 
     def _take_back(self, rollout: Rollout) -> None:
+        if rollout.kind == "settings":
+            return  # a rolling-back rollout's change counts for no node (configuration.py)
         if rollout.kind == "model":
             # The placements' own models go: the deployment's model (the old one) again.
             self._db.execute("DELETE FROM placement_models WHERE rollout_id = ?", [rollout.id])
@@ -389,6 +411,8 @@ def _busy(other: Rollout) -> str:
 def _what(kind: str, target: Mapping[str, str]) -> str:
     if kind == "release":
         return f"release {target.get('release')}"
+    if kind == "settings":
+        return f"{target.get('key')}={target.get('value')} ({target.get('scope')})"
     return f"{target.get('model')} to deployment {target.get('deployment')}"
 
 

@@ -1,12 +1,12 @@
-"""The hub's store: one façade, `HubStore`, holding one repository per aggregate (the
-modules beside this one: `tokens`, `nodes`, `certificates`, `operators`, `accounts` with
-their API keys, `leases`, `ledger`, `packages`, `deployments`, `pulls` (model pulls),
-`rollouts`, `objectives`, `alerts`, `console`, and `desired`, the desired state drawn from
-several), each a plain class given the one connection and what else it reads (the clock,
-the serials, the repositories it draws on), composed here; and its async facade,
-`AsyncHubStore`, on one writer thread per process (shared.db.AsyncStore) with a second
-connection for reads of the whole fleet. The modules of hub/state/ are the only hub
-modules that hold SQL.
+"""The hub's store: one façade, `HubStore`, holding one repository per aggregate (the modules
+beside this one: `tokens`, `nodes`, `certificates`, `operators`, `accounts` with their API
+keys, `leases`, `ledger`, `packages`, `deployments`, `pulls` (model pulls), `rollouts`,
+`configuration` (what the hub sets of its nodes' settings), `objectives`, `alerts`,
+`console`, and `desired`, the desired state drawn from several), each a plain class given
+the one connection and what else it reads (the clock, the serials, the repositories it draws
+on), composed here; and its async facade, `AsyncHubStore`, on one writer thread per process
+(shared.db.AsyncStore) with a second connection for reads of the whole fleet. The modules of
+hub/state/ are the only hub modules that hold SQL.
 
 The same statements run on SQLite (the default: one file, one writer) and on PostgreSQL
 (`database_url`: several hub replicas on one database) through hub.state.sql. What must stay
@@ -29,6 +29,7 @@ from hub.state import sql
 from hub.state.accounts import Accounts, ForeignAccountError
 from hub.state.alerts import Alerts
 from hub.state.certificates import Certificates
+from hub.state.configuration import Configuration
 from hub.state.console import Console
 from hub.state.deployments import Deployments
 from hub.state.desired import DesiredStates
@@ -92,6 +93,7 @@ class HubStore:
         self.deployments = Deployments(database, clock, self.serials)
         self.pulls = Pulls(database, clock)
         self.rollouts = Rollouts(database, clock, self.serials)
+        self.configuration = Configuration(database, clock, self.serials)
         self.desired = DesiredStates(
             database,
             self.serials,
@@ -99,6 +101,7 @@ class HubStore:
             deployments=self.deployments,
             packages=self.packages,
             rollouts=self.rollouts,
+            configuration=self.configuration,
         )
         self.objectives = Objectives(database, clock)
         self.alerts = Alerts(database, clock)

@@ -16,6 +16,7 @@ from tests.conftest import free_port, make_settings
 from tests.hubs import settings_for
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from pathlib import Path
 
     from aiohttp import web
@@ -55,10 +56,11 @@ async def join(
     model: dict[str, Any],
     fleet: dict[str, Any] | None = None,
     sections: dict[str, Any] | None = None,
+    others: Sequence[ModelRecord] = (),
 ) -> FleetNode:
     """An appliance enrolled with the hub through a provisioning file of its own, serving
     ``record`` (its default model), loaded; ``model``: its model settings; ``sections``:
-    more of its settings (`tracing`)."""
+    more of its settings (`tracing`); ``others``: more models registered on it."""
     store = open_store(hub)
     token = store.tokens.create("site", uses=1, expires_in_s=600).plaintext
     store.accounts.put("lan-user", "S1")  # the LAN key's account, the fleet's: usage syncs
@@ -79,7 +81,8 @@ async def join(
         **(sections or {}),
     )  # fmt: skip
     local = Store(settings.db_path)
-    local.add_model(record)
+    for registered in (record, *others):
+        local.add_model(registered)
     key = local.create_key("lan-user").plaintext
     local.close()
     app = create_app(settings)

@@ -88,6 +88,23 @@ async def test_the_admin_api_needs_an_operator_token_and_runs_the_fleet(
     assert (await call("DELETE", f"/deployments/{created['id']}"))[0] == 200
     assert (await call("DELETE", f"/deployments/{created['id']}"))[0] == 404
 
+    # Node settings: set fleet-wide, listed, refused when the hub does not set the key,
+    # unset; a node that is not there is a 404.
+    status, put = await call("PUT", "/settings", {"key": "chat_default", "value": "m@1"})
+    assert (status, put["scope"]) == (200, "fleet"), put
+    status, listed = await call("GET", "/settings")
+    assert listed["data"] == [{"scope": "fleet", "key": "chat_default", "value": "m@1"}]
+    bad = await call("PUT", "/settings", {"key": "model.n_ctx", "value": "9"})
+    assert (bad[0], bad[1]["error"]["code"], bad[1]["error"]["param"]) == (
+        400, "invalid_value", "key"
+    )  # fmt: skip
+    assert (await call("PUT", "/settings", {"key": "chat_default", "value": None}))[0] == 200
+    assert (await call("GET", "/settings"))[1]["data"] == []
+    assert (await call("GET", "/nodes/nope/settings"))[0] == 404
+    assert (await call("PUT", "/settings", {"key": "default", "value": "x", "node": "no"}))[
+        0
+    ] == 404
+
     # A revoked operator token is refused at once.
     kvl("hub", "operators", "revoke", token, "--data-dir", data)
     assert (await call("GET", "/nodes"))[0] == 401

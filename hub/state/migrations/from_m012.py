@@ -232,4 +232,18 @@ MIGRATIONS = (
     ),
     # A deployment's settings for its model (JSON: protocol.ModelPreset).
     Migration("m018_deployment_presets", "ALTER TABLE deployments ADD COLUMN preset TEXT;"),
+    # What the hub sets of its nodes' settings: fleet-wide, per site, per node (the scope).
+    Migration(
+        "m019_node_settings",
+        """
+        CREATE TABLE node_settings (
+            scope TEXT NOT NULL,
+            key TEXT NOT NULL,
+            value TEXT NOT NULL,
+            set_by TEXT NOT NULL,
+            set_at {real} NOT NULL,
+            PRIMARY KEY (scope, key)
+        );
+        """,
+    ),
 )

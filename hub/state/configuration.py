@@ -1,0 +1,158 @@
+"""What the hub sets of its nodes' settings (protocol.NodeSettings): values fleet-wide, per
+site and per node (`node_settings`), the most specific winning for each key; and what a
+settings rollout has given the nodes it reached so far (hub/state/rollouts.py keeps the
+rollout; its change counts for those nodes only until it is done, when it is written here).
+
+Keys: `chat_default`, `default` (model names, `name` or `name@version`) and
+`aliases.ALIAS` (the model an alias names). A scope is `fleet`, `site:NAME` or
+`node:ID`."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from hub.state.errors import InvalidError, NotFoundError
+from shared import protocol
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Mapping
+
+    from hub.state import sql
+    from hub.state.nodes import Node
+    from hub.state.serials import Serials
+
+FLEET = "fleet"
+_ALIAS = re.compile(r"^aliases\.([^@\s]{1,200})$")
+
+
+@dataclass(frozen=True)
+class Setting:
+    scope: str  # fleet, site:NAME, node:ID
+    key: str
+    value: str
+
+
+def scope_of(site: str | None = None, node_id: str | None = None) -> str:
+    if node_id is not None:
+        return f"node:{node_id}"
+    return FLEET if site is None else f"site:{site}"
+
+
+def check(key: str, value: str | None) -> None:
+    """InvalidError unless `key` is one the hub sets and `value` one it may have."""
+    if key not in {"chat_default", "default"} and not _ALIAS.match(key):
+        raise InvalidError(
+            f"{key!r} is not a node setting the hub sets: chat_default, default, or aliases.ALIAS",
+            param="key",
+        )
+    if value is not None:
+        try:
+            settings_of({key: value})
+        except ValidationError as err:
+            raise InvalidError(
+                f"{value!r} is not a value of {key}: {err.errors()[0]['msg']}", param="value"
+            ) from err
+
+
+def settings_of(values: Mapping[str, str]) -> protocol.NodeSettings:
+    """The settings the keys' values make (ValidationError for a value out of bounds)."""
+    aliases = {m.group(1): v for k, v in values.items() if (m := _ALIAS.match(k))}
+    return protocol.NodeSettings.model_validate({
+        "chat_default": values.get("chat_default"), "default": values.get("default"),
+        "aliases": dict(sorted(aliases.items())),
+    })  # fmt: skip
+
+
+def _rank(scope: str, node: Node) -> int | None:
+    """How specific a scope is for `node` (None: not its)."""
+    if scope == FLEET:
+        return 0
+    if scope == f"site:{node.site}":
+        return 1
+    if scope == f"node:{node.id}":
+        return 2
+    return None
+
+
+class Configuration:
+    """The `node_settings` table, and the changes of settings rollouts in flight."""
+
+    def __init__(
+        self, database: sql.Database, clock: Callable[[], float], serials: Serials
+    ) -> None:
+        self._db = database
+        self._clock = clock
+        self._serials = serials
+
+    def set(self, scope: str, key: str, value: str | None, *, by: str) -> int:
+        """Set (or with None unset) one key at one scope; the new serial. InvalidError for
+        a key or value the hub does not set; NotFoundError to unset what is not set."""
+        check(key, value)
+        with self._db.transaction():
+            if value is None:
+                gone = self._db.execute(
+                    "DELETE FROM node_settings WHERE scope = ? AND key = ?", [scope, key]
+                ).rowcount
+                if gone == 0:
+                    raise NotFoundError(f"{key} is not set for {scope}", param="key")
+            else:
+                self._db.execute(
+                    "INSERT INTO node_settings (scope, key, value, set_by, set_at)"
+                    " VALUES (?, ?, ?, ?, ?) ON CONFLICT (scope, key) DO UPDATE SET"
+                    " value = excluded.value, set_by = excluded.set_by, set_at = excluded.set_at",
+                    [scope, key, value, by, self._clock()],
+                )
+            return self._serials.bump()
+
+    def all(self) -> list[Setting]:
+        rows = self._db.execute(
+            "SELECT scope, key, value FROM node_settings ORDER BY scope, key"
+        ).fetchall()
+        return [Setting(*r) for r in rows]
+
+    def staged(self, node: Node) -> list[Setting]:
+        """The changes settings rollouts have given `node` so far (oldest first): those of
+        rollouts not yet done nor rolled back, that reached it."""
+        rows = self._db.execute(
+            "SELECT r.target FROM rollouts r JOIN rollout_nodes n ON n.rollout_id = r.id"
+            " WHERE r.kind = 'settings' AND n.node_id = ?"
+            " AND r.state IN ('pending', 'running', 'paused', 'halted')"
+            " AND n.state IN ('targeted', 'updated', 'failed') ORDER BY r.created_at",
+            [node.id],
+        ).fetchall()
+        targets = [json.loads(r[0]) for r in rows]
+        return [Setting(t["scope"], t["key"], t["value"]) for t in targets]
+
+    def effective(
+        self, node: Node, extra: Iterable[Setting] = ()
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """`node`'s values by key, and the scope each came from: the most specific scope
+        of the node's wins; `extra` (changes in flight) over the stored ones."""
+        values: dict[str, str] = {}
+        origins: dict[str, str] = {}
+        ranks: dict[str, tuple[int, int]] = {}
+        candidates = [(0, s) for s in self.all()] + [(1, s) for s in extra]
+        for staged, setting in candidates:
+            rank = _rank(setting.scope, node)
+            if rank is None:
+                continue
+            # The most specific scope first; at one scope, a change in flight over the value.
+            weight = (rank, staged)
+            if setting.key not in ranks or weight >= ranks[setting.key]:
+                ranks[setting.key] = weight
+                values[setting.key] = setting.value
+                origins[setting.key] = setting.scope + (" (rollout)" if staged else "")
+        return values, origins
+
+    def desired(self, node: Node, *, staged: bool = True) -> protocol.NodeSettings:
+        """What `node` should apply (`staged`: with what rollouts gave it so far)."""
+        values, _ = self.effective(node, self.staged(node) if staged else ())
+        try:
+            return settings_of(values)
+        except ValidationError:  # checked when set; a bound since tightened leaves it out
+            return protocol.NodeSettings()
