@@ -431,3 +431,8 @@ class HubSettings(BaseSettings):
     def pulls_dir(self) -> Path:
         """Model files being pulled, kept across restarts so a pull resumes."""
         return self.artifacts_dir / "pulls"
+
+    @property
+    def uploads_dir(self) -> Path:
+        """Model files being uploaded, kept across restarts so an upload resumes."""
+        return self.artifacts_dir / "uploads"

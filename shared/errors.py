@@ -78,6 +78,7 @@ class ErrorCode(StrEnum):
     model_pinned = "model_pinned"
     outbox_full = "outbox_full"
     job_finished = "job_finished"
+    upload_offset_mismatch = "upload_offset_mismatch"
     account_not_found = "account_not_found"
     key_not_found = "key_not_found"
     account_exists = "account_exists"
@@ -274,6 +275,12 @@ _KINDS: dict[ErrorCode, _Kind] = {
     ),
     ErrorCode.job_finished: _Kind(
         409, "conflict_error", "the job already ended (completed, failed or cancelled)"
+    ),
+    ErrorCode.upload_offset_mismatch: _Kind(
+        409,
+        "conflict_error",
+        "hub: a piece of an upload sent at an offset that is not where the upload stands "
+        "(`Upload-Offset` in the answer says where)",
     ),
     ErrorCode.account_not_found: _Kind(404, "not_found_error", "no account by that name"),
     ErrorCode.key_not_found: _Kind(404, "not_found_error", "no API key with that prefix"),

@@ -140,6 +140,20 @@ class SettingRequest(BaseModel):
         return self
 
 
+class UploadRequest(BaseModel):
+    """A model file the operator will upload in pieces (hub/api/uploads.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+    version: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+    size_bytes: int = Field(ge=1, le=1 << 44, description="the whole file's size")
+    sha256: str | None = Field(
+        None, pattern=r"^[0-9a-f]{64}$", description="checked once whole (unset: not checked)"
+    )
+    memory_mib: int | None = Field(None, ge=1, le=1 << 30)
+
+
 class PullRequest(BaseModel):
     """A model to pull into the hub (hub/models/reference.py says what a reference is)."""
 

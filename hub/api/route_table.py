@@ -13,7 +13,17 @@ from typing import Any
 
 from aiohttp import web
 
-from hub.api import alerts, enrollment, node, objectives, operator, pulls, rollouts, settings
+from hub.api import (
+    alerts,
+    enrollment,
+    node,
+    objectives,
+    operator,
+    pulls,
+    rollouts,
+    settings,
+    uploads,
+)
 from hub.api.openapi import build_openapi
 from hub.api.route_kinds import Auth, Route
 from hub.appkeys import LOOPS
@@ -55,4 +65,5 @@ ROUTES: tuple[Route, ...] = (
     *rollouts.ROUTES,
     *pulls.ROUTES,
     *settings.ROUTES,
+    *uploads.ROUTES,
 )

@@ -1,6 +1,7 @@
 """The hub's store: one façade, `HubStore`, holding one repository per aggregate (the modules
 beside this one: `tokens`, `nodes`, `certificates`, `operators`, `accounts` with their API
-keys, `leases`, `ledger`, `packages`, `deployments`, `pulls` (model pulls), `rollouts`,
+keys, `leases`, `ledger`, `packages`, `deployments`, `pulls` and `uploads` (model files
+coming in), `rollouts`,
 `configuration` (what the hub sets of its nodes' settings), `objectives`, `alerts`,
 `console`, and `desired`, the desired state drawn from several), each a plain class given
 the one connection and what else it reads (the clock, the serials, the repositories it draws
@@ -44,6 +45,7 @@ from hub.state.pulls import Pulls
 from hub.state.rollouts import Rollouts
 from hub.state.serials import Serials
 from hub.state.tokens import Tokens
+from hub.state.uploads import Uploads
 from shared import db, protocol
 from shared.keys import NODE_TOKEN, hash_key, parse_prefix
 
@@ -92,6 +94,7 @@ class HubStore:
         self.ledger = Ledger(database, clock, self.packages)
         self.deployments = Deployments(database, clock, self.serials)
         self.pulls = Pulls(database, clock)
+        self.uploads = Uploads(database, clock, self.deployments)
         self.rollouts = Rollouts(database, clock, self.serials)
         self.configuration = Configuration(database, clock, self.serials)
         self.desired = DesiredStates(

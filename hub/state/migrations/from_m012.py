@@ -246,4 +246,24 @@ MIGRATIONS = (
         );
         """,
     ),
+    # Model files an operator uploads in pieces (resumable); the bytes so far are its part file.
+    Migration(
+        "m020_model_uploads",
+        """
+        CREATE TABLE model_uploads (
+            id TEXT PRIMARY KEY,
+            name TEXT NOT NULL,
+            version TEXT NOT NULL,
+            size_bytes {int} NOT NULL,
+            sha256 TEXT,
+            memory_mib {int},
+            state TEXT NOT NULL,
+            model TEXT,
+            error TEXT,
+            created_by TEXT NOT NULL,
+            created_at {real} NOT NULL,
+            updated_at {real} NOT NULL
+        );
+        """,
+    ),
 )
