@@ -58,6 +58,17 @@ def upload_view(upload: Upload, offset: int) -> dict[str, Any]:
 
 async def create_upload(request: web.Request) -> web.Response:
     req = await parse(request, UploadRequest)
+    upload = await begin(request, req, request[OPERATOR])
+    return web.json_response(
+        upload_view(upload, 0),
+        status=201,
+        headers={OFFSET: "0", "Location": f"/v1/admin/models/uploads/{upload.id}"},
+    )
+
+
+async def begin(request: web.Request, req: UploadRequest, by: str) -> Upload:
+    """A new upload, its part file made; ApiError when it could not fit or is registered
+    already (the operator API's call, and the console's)."""
     settings = request.app[SETTINGS]
     bounds = settings.models
     if req.size_bytes > bounds.max_pull_bytes:
@@ -66,7 +77,7 @@ async def create_upload(request: web.Request) -> web.Response:
             f"{req.size_bytes} bytes is over models.max_pull_bytes ({bounds.max_pull_bytes})",
             param="size_bytes",
         )
-    settings.uploads_dir.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(settings.uploads_dir.mkdir, parents=True, exist_ok=True)
     free = (await asyncio.to_thread(shutil.disk_usage, settings.uploads_dir)).free
     if free < req.size_bytes + bounds.keep_free_bytes:
         raise ApiError(
@@ -80,33 +91,41 @@ async def create_upload(request: web.Request) -> web.Response:
         upload = await store.run(
             lambda: store.sync.uploads.create(
                 req.name, req.version, size_bytes=req.size_bytes, sha256=req.sha256,
-                memory_mib=req.memory_mib, created_by=request[OPERATOR],
+                memory_mib=req.memory_mib, created_by=by,
             )
         )  # fmt: skip
     except ConflictError as err:
         raise ApiError(ErrorCode.invalid_value, str(err), param="version") from err
     await asyncio.to_thread(_part(settings, upload.id).touch)
-    return web.json_response(
-        upload_view(upload, 0),
-        status=201,
-        headers={OFFSET: "0", "Location": f"/v1/admin/models/uploads/{upload.id}"},
-    )
+    return upload
 
 
 async def get_upload(request: web.Request) -> web.Response:
     store = request.app[STORE]
     upload = await store.run(store.sync.uploads.get, request.match_info["id"])
-    offset = _offset(request.app[SETTINGS], upload)
+    offset = await stands_at(request, upload)
     return web.json_response(upload_view(upload, offset), headers={OFFSET: str(offset)})
 
 
+async def stands_at(request: web.Request, upload: Upload) -> int:
+    """Where an upload stands: the bytes its part file holds (0 once it ended)."""
+    return await asyncio.to_thread(_offset, request.app[SETTINGS], upload)
+
+
 async def append(request: web.Request) -> web.Response:
+    upload, offset = await append_piece(request)
+    return web.json_response(upload_view(upload, offset), headers={OFFSET: str(offset)})
+
+
+async def append_piece(request: web.Request) -> tuple[Upload, int]:
+    """The request's body appended to the upload `{id}` at its `Upload-Offset`, and the
+    upload completed when that made it whole; the upload and where it now stands."""
     store = request.app[STORE]
     settings = request.app[SETTINGS]
     upload = await store.run(store.sync.uploads.get, request.match_info["id"])
     if upload.state != "open":
         raise ApiError(ErrorCode.job_finished, f"upload {upload.id} has ended ({upload.state})")
-    offset = _offset(settings, upload)
+    offset = await stands_at(request, upload)
     given = request.headers.get(OFFSET, "")
     if not given.isdigit() or int(given) != offset:
         raise ApiError(
@@ -125,7 +144,7 @@ async def append(request: web.Request) -> web.Response:
             offset += len(piece)
     if offset == upload.size_bytes:
         upload = await _complete(request, upload, part)
-    return web.json_response(upload_view(upload, offset), headers={OFFSET: str(offset)})
+    return upload, offset
 
 
 async def _complete(request: web.Request, upload: Upload, part: Path) -> Upload:

@@ -12,6 +12,7 @@ from aiohttp import web
 from hub.appkeys import BEATS, LOOPS, RUNNING, SETTINGS, STORE
 from hub.console.alerts import alert_routes
 from hub.console.auth import LoginThrottle
+from hub.console.models import model_routes
 from hub.console.objectives import objectives_routes
 from hub.console.pages import console_routes
 from hub.console.rollouts import rollout_routes
@@ -54,6 +55,7 @@ def setup_console(app: web.Application) -> None:
     app.add_routes(alert_routes())
     app.add_routes(objectives_routes())
     app.add_routes(rollout_routes())
+    app.add_routes(model_routes())
     app.add_routes([
         web.get("/console/static/{name}", static),
         # Last: any other console path is an HTML 404, not the API's JSON one.

@@ -84,6 +84,7 @@ NOTICES = {
     "rollout-resumed": "The rollout goes on (a halt's failed nodes are judged again).",
     "rollout-aborted": "The rollout is aborted: the nodes it reached get what they had before.",
     "rollout-finished": "The rollback is finished: the nodes that never confirmed are recorded.",
+    "pull-started": "The pull is queued: its progress shows below, live.",
 }
 
 

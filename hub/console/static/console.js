@@ -157,3 +157,116 @@
   source.addEventListener("logout", () => { source.close(); window.location.reload(); });
   source.addEventListener("error", () => { live.textContent = "(reconnecting…)"; });
 })();
+
+// The models page, live: the pulls' and uploads' progress from /console/models/stream (text
+// only, as above: each row rebuilt with textContent). And the upload form: the file sent in
+// pieces of 8 MiB to /console/models/uploads (the session's CSRF token in a header), each at
+// the offset where the upload stands; a piece cut off is sent again from where the hub says
+// the upload stands, so a flaky link costs a piece, not the file.
+(function () {
+  const root = document.querySelector("#models-progress[data-stream]");
+  if (!root || !window.EventSource) return;
+  const live = document.getElementById("models-live");
+  const rows = document.getElementById("models-rows");
+
+  function size(bytes) {
+    if (bytes === null || bytes === undefined) return "-";
+    if (bytes < 1024 * 1024) return (bytes / 1024).toFixed(1) + " KiB";
+    if (bytes < 1024 * 1024 * 1024) return (bytes / 1048576).toFixed(1) + " MiB";
+    return (bytes / 1073741824).toFixed(1) + " GiB";
+  }
+
+  function row(cells) {
+    const tr = document.createElement("tr");
+    for (const text of cells) {
+      const td = document.createElement("td");
+      td.textContent = text;
+      tr.appendChild(td);
+    }
+    return tr;
+  }
+
+  const source = new EventSource(root.dataset.stream);
+  source.addEventListener("models", (e) => {
+    const data = JSON.parse(e.data);
+    const fresh = [];
+    for (const p of data.pulls) {
+      const done = size(p.done) + (p.total ? " of " + size(p.total) : "");
+      fresh.push(row([p.reference, p.state, done, p.model || p.error || ""]));
+    }
+    for (const u of data.uploads) {
+      fresh.push(row(["upload " + u.name, u.state, size(u.total), u.model || u.error || ""]));
+    }
+    if (fresh.length) rows.replaceChildren(...fresh);
+    live.textContent = "(live, updated " + new Date().toLocaleTimeString() + ")";
+  });
+  source.addEventListener("logout", () => { source.close(); window.location.reload(); });
+  source.addEventListener("error", () => { live.textContent = "(reconnecting…)"; });
+})();
+
+(function () {
+  const form = document.getElementById("upload");
+  if (!form) return;
+  const bar = document.getElementById("upload-progress");
+  const status = document.getElementById("upload-status");
+  const PIECE = 8 * 1024 * 1024;
+  const headers = { "X-CSRF-Token": form.dataset.csrf };
+
+  async function send(url, upload, file) {
+    let offset = upload.offset;
+    let tries = 0;
+    while (offset < file.size) {
+      const piece = file.slice(offset, Math.min(offset + PIECE, file.size));
+      let answer;
+      try {
+        answer = await fetch(url, {
+          method: "PATCH", credentials: "same-origin", body: piece,
+          headers: { ...headers, "Upload-Offset": String(offset), "Content-Type": "application/offset+octet-stream" },
+        });
+      } catch (err) {
+        if (++tries > 5) throw new Error("the link to the hub keeps failing");
+        await new Promise((r) => setTimeout(r, 1000 * tries));
+        try {
+          const seen = await fetch(url, { credentials: "same-origin", headers });
+          if (seen.ok) offset = (await seen.json()).offset;
+        } catch (again) { /* the next try asks again */ }
+        continue;
+      }
+      const body = await answer.json();
+      if (!answer.ok) {
+        const stands = /stands at (\d+) bytes/.exec(body.error.message);
+        if (answer.status === 409 && stands) { offset = Number(stands[1]); continue; }
+        throw new Error(body.error.message);
+      }
+      tries = 0;
+      offset = body.offset;
+      bar.value = offset / file.size;
+      status.textContent = size(offset) + " of " + size(file.size);
+      if (body.state !== "open") return body;
+    }
+    return null;
+  }
+
+  function size(bytes) { return (bytes / 1048576).toFixed(1) + " MiB"; }
+
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const file = form.elements.file.files[0];
+    if (!file) return;
+    bar.hidden = false;
+    status.textContent = "starting…";
+    try {
+      const made = await fetch(form.dataset.uploads, {
+        method: "POST", credentials: "same-origin",
+        headers: { ...headers, "Content-Type": "application/json" },
+        body: JSON.stringify({ name: form.elements.name.value, version: form.elements.version.value, size_bytes: file.size }),
+      });
+      const upload = await made.json();
+      if (!made.ok) throw new Error(upload.error.message);
+      const done = await send(form.dataset.uploads + "/" + upload.id, upload, file);
+      status.textContent = done && done.model ? "registered " + done.model : "uploaded";
+    } catch (err) {
+      status.textContent = "not uploaded: " + err.message;
+    }
+  });
+})();
