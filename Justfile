@@ -159,14 +159,15 @@ test-fast *args: setup lint
 # HTTP/1.1 served by the app), structured (the JSON Schema converter vs llama-cpp-python's
 # bundled one and llguidance), image (boot-to-ready time and size of the appliance image;
 # root), api (tool calls, n and logprobs vs llama-server; HTTP/2 and gRPC vs HTTP/1.1),
-# or all of them
+# models (a model's pull vs curl, pull to first token on a node, the memory estimate vs
+# resident memory), or all of them
 bench suite="all" *args: setup
     #!/usr/bin/env bash
     set -euo pipefail
     case "{{ suite }}" in
-        all) suites="serving concurrency memory embeddings overload sync fleet placement offload packages chat_quality http2 structured image api" ;;
-        serving|concurrency|memory|embeddings|overload|sync|fleet|placement|offload|packages|chat_quality|http2|structured|image|api) suites="{{ suite }}" ;;
-        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, memory, embeddings, overload, sync, fleet, placement, offload, packages, chat_quality, http2, structured, image, api, all)" >&2; exit 2 ;;
+        all) suites="serving concurrency memory embeddings overload sync fleet placement offload packages chat_quality http2 structured image api models" ;;
+        serving|concurrency|memory|embeddings|overload|sync|fleet|placement|offload|packages|chat_quality|http2|structured|image|api|models) suites="{{ suite }}" ;;
+        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, memory, embeddings, overload, sync, fleet, placement, offload, packages, chat_quality, http2, structured, image, api, models, all)" >&2; exit 2 ;;
     esac
     for s in $suites; do {{ py }} -m "tests.benchmarks.$s" {{ args }}; done
     {{ py }} -m tests.benchmarks.tables  # the docs' results tables, rewritten from the new results

@@ -34,6 +34,7 @@ from tests.benchmarks import (
     http2,
     image,
     memory,
+    models,
     offload,
     overload,
     packages,
@@ -96,6 +97,7 @@ TABLES: tuple[Table, ...] = (
     Table("image", BENCHMARKS_MD, ("image.json",), image.markdown),
     Table("api", BENCHMARKS_MD, ("api.json",), api.markdown),
     Table("structured", BENCHMARKS_MD, ("structured.json",), structured.markdown),
+    Table("models", BENCHMARKS_MD, ("models.json",), models.markdown),
     Table("chat-quality", README_MD, ("chat-quality.json",), chat_quality.markdown),
 )
 
