@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from appliance.discovery.mdns import Announcer
     from appliance.grpc.server import GrpcServer
     from appliance.settings import ApplianceSettings
+    from shared.protocol import NodeSettings
 
 log = logging.getLogger(__name__)
 # Discovery may be off: zeroconf (about 14 MiB) is imported only when it is on.
@@ -251,7 +252,7 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
         models_dir=settings.models_dir,
         packages=app[PACKAGES],
         objectives=admission.book,
-        names=app[NAMES],
+        on_settings=lambda given: _apply_settings(app, given),
         updater=Updater(
             app[STORE],
             Rauc(settings.update.rauc, settings.update.rauc_options),
@@ -380,3 +381,10 @@ async def _discovery(app: web.Application) -> AsyncIterator[None]:
     app[ANNOUNCER] = announcer
     yield
     await announcer.stop()
+
+
+def _apply_settings(app: web.Application, given: NodeSettings) -> None:
+    """What the hub sets of this node's settings: the model names (its defaults and
+    aliases over the node's own) and the service classes' objectives."""
+    app[NAMES].hub = given
+    app[ADMISSION].apply_targets(given.objectives)

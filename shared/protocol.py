@@ -669,6 +669,17 @@ class ReleaseTarget(Message):
     window: UpdateWindow | None = None  # None: any time
 
 
+ObjectiveSeconds = Annotated[float, Field(ge=0.01, le=86_400)]
+
+
+class ClassTargets(Message):
+    """A service class's objectives as the hub sets them (each unset: the node's own)."""
+
+    admit_s: ObjectiveSeconds | None = None  # SLO.A
+    first_token_s: ObjectiveSeconds | None = None  # SLO.B
+    complete_s: ObjectiveSeconds | None = None  # SLO.C
+
+
 class NodeSettings(Message):
     """The part of a node's settings the hub sets (protocol 7): fleet-wide, per site and per
     node, the most specific winning (hub/state/configuration.py). A value set here wins over
@@ -677,6 +688,8 @@ class NodeSettings(Message):
     chat_default: Name | None = None  # model.chat_default
     default: Name | None = None  # model.default: a text completion without `model`
     aliases: dict[Alias, Name] = Field(default_factory=dict, max_length=64)  # model.aliases
+    # The service classes' objectives (classes.s0 … s4): what admission holds requests to.
+    objectives: dict[ServiceClassName, ClassTargets] = Field(default_factory=dict)
 
     def digest(self) -> str:
         """What a node reports once it applied these (`Capacity.settings_digest`)."""

@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
     from appliance.fleet.release import Updater
-    from appliance.inference.names import ModelNames
     from appliance.observability.metrics import Metrics
     from appliance.observability.objectives import ObjectiveBook
     from appliance.packages.service import PackageService
@@ -116,10 +115,13 @@ class FleetLink:
         packages: PackageService | None = None,
         objectives: ObjectiveBook | None = None,
         updater: Updater | None = None,
-        names: ModelNames | None = None,
+        on_settings: Callable[[protocol.NodeSettings], None] | None = None,
     ) -> None:
         self._settings = settings
-        self._names = names  # takes what the hub sets of this node's settings
+        # What the hub sets of this node's settings, and who applies it (the model names,
+        # admission's objectives: appliance/app.py).
+        self.applied = protocol.NodeSettings()
+        self._on_settings = on_settings
         self._objectives = objectives  # the live objectives, sent in every heartbeat
         self._ensuring = asyncio.Lock()
         self._api = api or {}
@@ -325,9 +327,8 @@ class FleetLink:
 
     async def apply_settings(self) -> None:
         """What the hub sets of this node's settings, as the store keeps them from the last
-        desired state (at start too, the hub reachable or not), applied to the model
-        names."""
-        if self._names is None:
+        desired state (at start too, the hub reachable or not), applied."""
+        if self._on_settings is None:
             return
         raw = await self._store.run(self._store.sync.meta, "desired_settings")
         if raw is None:
@@ -337,9 +338,10 @@ class FleetLink:
         except ValidationError as err:  # checked when it arrived; kept as it was
             log.warning("the hub's settings are not ones this node reads: %s", err)
             return
-        if given != self._names.hub:
+        if given != self.applied:
+            self._on_settings(given)
+            self.applied = given
             log.info("the hub's settings applied: %s", given.model_dump(exclude_defaults=True))
-            self._names.hub = given
 
     async def tick(self) -> None:
         """One heartbeat (enrolling first if this node has not yet)."""
@@ -480,7 +482,7 @@ class FleetLink:
             image=self._updater.image if self._updater is not None else None,
             release_error=self._updater.release_error if self._updater is not None else None,
             # The hub's settings this node applies (protocol 7), for a settings rollout.
-            settings_digest=self._names.hub.digest() if self._names is not None else None,
+            settings_digest=self.applied.digest() if self._on_settings is not None else None,
             # Each placed model's short evaluation (protocol 7), for the hub's quality gate.
             evaluations=dict(list(self._converger.evaluations.items())[:64])
             if self._converger is not None

@@ -32,12 +32,15 @@ from shared.errors import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from appliance.observability.metrics import Metrics
     from appliance.observability.objectives import Ticket
     from appliance.serving.engine import Finished
     from appliance.serving.registry import LoadedModel
     from appliance.settings import ClassObjectives, ClassSettings
     from appliance.state.store import ApiKey, AsyncStore
+    from shared import protocol
 
 DAY_S = 86_400.0
 MINUTE_S = 60.0
@@ -71,6 +74,8 @@ class AdmissionControl:
         self._refusals: OrderedDict[int, TokenBucket] = OrderedDict()  # key id -> 429s a second
         self._held: dict[int, int] = {}  # key id -> its refusals being held now
         self.outbox_full = False  # set by the fleet link: the outbox is at its bound
+        # class → the objectives the hub set for it (apply_targets)
+        self._hub_targets: dict[protocol.ServiceClassName, protocol.ClassTargets] = {}
         # Budgets across the fleet: leases from the hub (the fleet link renews them).
         self.leases = LeaseBook(
             lambda klass: self.class_settings(ServiceClass(klass)).safe_tokens_per_minute
@@ -86,8 +91,22 @@ class AdmissionControl:
         )
 
     def class_settings(self, klass: ServiceClass) -> ClassObjectives:
+        """A class's settings: the node's own, with the objectives the hub set over them."""
         objectives: ClassObjectives = getattr(self._settings, klass.value.lower())
-        return objectives
+        given = self._hub_targets.get(klass.value)
+        if given is None:
+            return objectives
+        return objectives.model_copy(update=given.model_dump(exclude_none=True))
+
+    def apply_targets(
+        self, targets: Mapping[protocol.ServiceClassName, protocol.ClassTargets]
+    ) -> None:
+        """The objectives the hub sets (protocol.NodeSettings.objectives), from now on: for
+        admission and for what the live objectives count met or missed."""
+        self._hub_targets = dict(targets)
+        for k in ServiceClass:
+            o = self.class_settings(k)
+            self.book.objectives[k.value] = Targets(o.admit_s, o.first_token_s, o.complete_s)
 
     def objectives(self, klass: ServiceClass) -> Objectives:
         c = self.class_settings(klass)

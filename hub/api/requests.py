@@ -128,7 +128,10 @@ class SettingRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    key: Text = Field(min_length=1, description="chat_default, default or aliases.ALIAS")
+    key: Text = Field(
+        min_length=1,
+        description="chat_default, default, aliases.ALIAS or objectives.CLASS.OBJECTIVE",
+    )
     value: Text | None = Field(description="a model (name or name@version); null: unset")
     site: Text | None = None
     node: Text | None = None
@@ -355,7 +358,7 @@ class RolloutRequest(BaseModel):
         None, pattern=r"^[^@\s]+@[^@\s]+$", description="kind model: the new name@version"
     )
     setting: Text | None = Field(
-        None, description="kind settings: the key (chat_default, default, aliases.ALIAS)"
+        None, description="kind settings: the key (as `PUT /v1/admin/settings` takes it)"
     )
     value: Text | None = Field(None, description="kind settings: its new value")
     site: Text | None = Field(None, description="kind settings: for this site's nodes only")

@@ -1,8 +1,8 @@
-"""`kvl hub settings …`: what the hub sets of its nodes' settings (the chat default, the
-text default, aliases), fleet-wide, per site and per node, the most specific winning. A
-value set here reaches the nodes at their next heartbeat; to stage one through canary and
-waves instead, `kvl hub rollouts start --setting KEY=VALUE`. (`kvl hub config` is the hub's
-own configuration.)"""
+"""`kvl hub settings …`: what the hub sets of its nodes' settings (the chat default, the text
+default, aliases, the service classes' objectives), fleet-wide, per site and per node, the
+most specific winning. A value set here reaches the nodes at their next heartbeat; to stage
+one through canary and waves instead, `kvl hub rollouts start --setting KEY=VALUE`.
+(`kvl hub config` is the hub's own configuration.)"""
 
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ def settings_set(
     site: str | None,
     node: str | None,
 ) -> None:
-    """Set KEY (chat_default, default, aliases.ALIAS) to VALUE (a model, name or
-    name@version), fleet-wide unless --site or --node."""
+    """Set KEY to VALUE, fleet-wide unless --site or --node: chat_default, default and
+    aliases.ALIAS take a model (name or name@version), objectives.CLASS.admit_s,
+    first_token_s and complete_s seconds."""
     with opened_store(hub_settings(config_file, data_dir)) as store:
         scope = _scope(store, site, node)
         serial = store.configuration.set(scope, key, value, by="cli")

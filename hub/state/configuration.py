@@ -3,9 +3,10 @@ site and per node (`node_settings`), the most specific winning for each key; and
 settings rollout has given the nodes it reached so far (hub/state/rollouts.py keeps the
 rollout; its change counts for those nodes only until it is done, when it is written here).
 
-Keys: `chat_default`, `default` (model names, `name` or `name@version`) and
-`aliases.ALIAS` (the model an alias names). A scope is `fleet`, `site:NAME` or
-`node:ID`."""
+Keys: `chat_default`, `default` (model names, `name` or `name@version`),
+`aliases.ALIAS` (the model an alias names) and `objectives.CLASS.OBJECTIVE` (seconds: a
+service class's `admit_s`, `first_token_s` or `complete_s`). A scope is `fleet`,
+`site:NAME` or `node:ID`."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 FLEET = "fleet"
 _ALIAS = re.compile(r"^aliases\.([^@\s]{1,200})$")
+_OBJECTIVE = re.compile(r"^objectives\.(S[0-4])\.(admit_s|first_token_s|complete_s)$")
 
 
 @dataclass(frozen=True)
@@ -45,9 +47,11 @@ def scope_of(site: str | None = None, node_id: str | None = None) -> str:
 
 def check(key: str, value: str | None) -> None:
     """InvalidError unless `key` is one the hub sets and `value` one it may have."""
-    if key not in {"chat_default", "default"} and not _ALIAS.match(key):
+    known = key in {"chat_default", "default"} or _ALIAS.match(key) or _OBJECTIVE.match(key)
+    if not known:
         raise InvalidError(
-            f"{key!r} is not a node setting the hub sets: chat_default, default, or aliases.ALIAS",
+            f"{key!r} is not a node setting the hub sets: chat_default, default, "
+            "aliases.ALIAS, or objectives.CLASS.admit_s|first_token_s|complete_s",
             param="key",
         )
     if value is not None:
@@ -62,9 +66,13 @@ def check(key: str, value: str | None) -> None:
 def settings_of(values: Mapping[str, str]) -> protocol.NodeSettings:
     """The settings the keys' values make (ValidationError for a value out of bounds)."""
     aliases = {m.group(1): v for k, v in values.items() if (m := _ALIAS.match(k))}
+    objectives: dict[str, dict[str, str]] = {}
+    for key, value in sorted(values.items()):
+        if found := _OBJECTIVE.match(key):
+            objectives.setdefault(found.group(1), {})[found.group(2)] = value
     return protocol.NodeSettings.model_validate({
         "chat_default": values.get("chat_default"), "default": values.get("default"),
-        "aliases": dict(sorted(aliases.items())),
+        "aliases": dict(sorted(aliases.items())), "objectives": objectives,
     })  # fmt: skip
 
 

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from appliance.gateway.appkeys import NAMES
+from appliance.gateway.appkeys import ADMISSION, NAMES
 from appliance.serving.catalog import register_file
 from appliance.state.store import Store
 from hub.app import create_app as create_hub
 from hub.identity import ssl_context
+from shared.classes import ServiceClass
 from tests.appliance.fleet_nodes import FleetNode, join
 from tests.conftest import kvl, write_script
 from tests.hubs import settings_for
@@ -111,6 +112,17 @@ async def test_a_fleet_wide_chat_default_is_rolled_out_rolled_back_and_made_the_
     await until(lambda: node.app[NAMES].hub.chat_default == "pirate", "the node's own value")
     shown = json.loads(await _hub_cli(hub, "settings", "show", "--node", "node-a", "--json"))
     assert shown["values"]["chat_default"]["from"].startswith("node:")
+    # A service class's objective: admission holds S1's first token to it, and the live
+    # objectives count against it (what the heartbeat sends the hub).
+    await _hub_cli(hub, "settings", "set", "objectives.S1.first_token_s", "42", "--site", "site")
+    admission = node.app[ADMISSION]
+    await until(
+        lambda: admission.class_settings(ServiceClass.S1).first_token_s == 42.0, "S1's objective"
+    )
+    assert admission.book.objectives["S1"].first_token_s == 42.0
+    assert admission.class_settings(ServiceClass.S1).admit_s == 5.0  # the node's own stays
+    assert admission.book.objectives_s()["S1"]["first_token"] == 42.0
+
     # A key or a value the hub does not set is refused, naming it; nothing changes.
     refused = await asyncio.to_thread(
         kvl, "hub", "settings", "set", "model.n_ctx", "9", "--data-dir", str(hub.data_dir),
