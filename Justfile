@@ -23,12 +23,13 @@ default:
 # several replicas; the tests and benchmarks start throwaway clusters of their own) and
 # prometheus (its `promtool` lints the hub's and the appliance's /metrics and the rules file;
 # a test scrapes a hub with it), rauc (the image updater the appliance calls; a test makes
-# a bundle, with squashfs-tools, and installs it into file-backed slots)
+# a bundle, with squashfs-tools, and installs it into file-backed slots), curl and openssl
+# (the models benchmark's peers: a pull against curl, and curl with its sha256)
 setup-system:
     #!/usr/bin/env bash
     set -euo pipefail
     missing=()
-    for package in wireguard-go iproute2 espeak-ng nginx nghttp2-client chromium postgresql prometheus rauc squashfs-tools; do
+    for package in wireguard-go iproute2 espeak-ng nginx nghttp2-client chromium postgresql prometheus rauc squashfs-tools curl openssl; do
         dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed' || missing+=("$package")
     done
     if [ ${#missing[@]} -eq 0 ]; then exit 0; fi

@@ -385,6 +385,8 @@ async def _discovery(app: web.Application) -> AsyncIterator[None]:
 
 def _apply_settings(app: web.Application, given: NodeSettings) -> None:
     """What the hub sets of this node's settings: the model names (its defaults and
-    aliases over the node's own) and the service classes' objectives."""
+    aliases over the node's own), the service classes' objectives, and the content
+    packages' settings."""
     app[NAMES].hub = given
     app[ADMISSION].apply_targets(given.objectives)
+    app[PACKAGES].apply(given.packages)

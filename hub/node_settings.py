@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from hub.planning.rollout import Seen
-from hub.state.configuration import FLEET, Setting, check, settings_of
+from hub.state.configuration import (
+    FLEET,
+    Setting,
+    check,
+    digest_for,
+    key_protocol,
+    node_protocol,
+    settings_of,
+)
 from hub.state.errors import InvalidError, NotFoundError
 from hub.state.rollouts import RolloutConflictError
 
@@ -20,13 +28,6 @@ if TYPE_CHECKING:
     from hub.state.nodes import Node
     from hub.state.rollouts import Rollout, RolloutMember
     from hub.state.store import HubStore
-
-SETTINGS_PROTOCOL = 7  # the first whose nodes take settings from the hub
-
-
-def protocol_of(node: Node) -> int:
-    raw = node.versions.get("protocol", "")
-    return int(raw) if raw.isdigit() and len(raw) < 6 else 0
 
 
 def settings_reach(
@@ -45,7 +46,7 @@ def settings_reach(
         node = store.nodes.get(name)  # NotFoundError for no such node
         scope = f"node:{node.id}"
     of_scope = [n for n in nodes if scope in {FLEET, f"site:{n.site}", f"node:{n.id}"}]
-    reach = [n for n in of_scope if protocol_of(n) >= SETTINGS_PROTOCOL]
+    reach = [n for n in of_scope if node_protocol(n) >= key_protocol(key)]
     previous: dict[str, str | None] = {}
     for n in reach:
         values, _ = store.configuration.effective(n)
@@ -85,6 +86,6 @@ def settings_digest(
     change = [] if back else [Setting(t["scope"], t["key"], t["value"])]
     values, _ = store.configuration.effective(node, change)
     try:
-        return settings_of(values).digest()
+        return digest_for(settings_of(values), node)
     except ValidationError:
         return None

@@ -31,15 +31,10 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from hub.fleet.budgets import burn_rate
-from hub.node_settings import (
-    SETTINGS_PROTOCOL,
-    observe_settings,
-    protocol_of,
-    settings_digest,
-    settings_reach,
-)
+from hub.node_settings import observe_settings, settings_digest, settings_reach
 from hub.planning.health import status_of
 from hub.planning.rollout import STEPS, Candidate, Seen, assign_waves, rollback, step
+from hub.state.configuration import key_protocol, node_protocol
 from hub.state.errors import NotFoundError
 from hub.state.rollouts import RolloutConflictError
 from shared import protocol
@@ -72,7 +67,7 @@ def begin(
         store.rollouts.release(version)  # NotFoundError when the hub holds no such release
         known = {r.version for r in store.rollouts.releases()}
         given = store.rollouts.node_release_versions()
-        reach = [n for n in nodes if protocol_of(n) >= RELEASE_PROTOCOL]
+        reach = [n for n in nodes if node_protocol(n) >= RELEASE_PROTOCOL]
         previous: dict[str, str | None] = {}
         for n in reach:
             running = n.capacity.image.version if n.capacity.image is not None else None
@@ -98,7 +93,7 @@ def begin(
         previous = {n.id: deployment.model for n in reach}
         stored_target = {"deployment": deployment_id, "model": ref, "from": deployment.model}
     if not reach:
-        raise RolloutConflictError("no node to roll out to" + _unreached(kind))
+        raise RolloutConflictError("no node to roll out to" + _unreached(kind, target))
     candidates = [Candidate(n.id, n.name, n.site) for n in reach]
     missing = set(strategy.canary_nodes) - {c.name for c in candidates} - {c.id for c in candidates}
     if missing:
@@ -113,11 +108,12 @@ def begin(
     )  # fmt: skip
 
 
-def _unreached(kind: RolloutKind) -> str:
+def _unreached(kind: RolloutKind, target: Mapping[str, str]) -> str:
     if kind == "release":
         return f" (a release reaches nodes of protocol {RELEASE_PROTOCOL} on)"
     if kind == "settings":
-        return f" (a setting reaches the scope's nodes of protocol {SETTINGS_PROTOCOL} on)"
+        first = key_protocol(target["key"])
+        return f" (the setting reaches the scope's nodes of protocol {first} on)"
     return " (the deployment has no replica placed)"
 
 
@@ -133,9 +129,9 @@ def observe_release(node: Node | None, version: str | None) -> Seen:
     if image is None:
         if capacity.release_error:
             report, detail = "failed", capacity.release_error
-        elif protocol_of(node) < RELEASE_PROTOCOL:
+        elif node_protocol(node) < RELEASE_PROTOCOL:
             report = "failed"
-            detail = f"it speaks protocol {protocol_of(node)}: no release reaches it"
+            detail = f"it speaks protocol {node_protocol(node)}: no release reaches it"
     elif image.version == version and image.state == "good":
         report = "healthy"
     elif image.target == version and image.state == "failed":
@@ -166,8 +162,8 @@ def observe_model(
 def _scored(node: Node, ref: str, min_score: int) -> Seen:
     """A node serving `ref`, judged by its evaluation of it."""
     score = node.capacity.evaluations.get(ref)
-    if score is None and protocol_of(node) < EVALUATION_PROTOCOL:
-        why = f"it speaks protocol {protocol_of(node)}: it evaluates no model"
+    if score is None and node_protocol(node) < EVALUATION_PROTOCOL:
+        why = f"it speaks protocol {node_protocol(node)}: it evaluates no model"
         return Seen("failed", why, node.last_seen)
     if score is None:
         return Seen("pending", last_seen=node.last_seen)  # evaluating

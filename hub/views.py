@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from hub.planning.health import status_of
+from hub.state.configuration import digest_for
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -146,7 +147,7 @@ def configuration_view(node: Node, configuration: Configuration) -> dict[str, An
     where each value came from, and whether its last heartbeat says it applied them (on
     the store's thread)."""
     values, origins = configuration.effective(node, configuration.staged(node))
-    digest = configuration.desired(node).digest()
+    digest = digest_for(configuration.desired(node), node)
     return {
         "node": node.name,
         "values": {k: {"value": v, "from": origins[k]} for k, v in sorted(values.items())},

@@ -188,9 +188,9 @@ def read_gguf(path: Path, *, skip_arrays: bool = True) -> GGUFInfo:
             n_tensors, n_kv = _unpack(f, "<QQ")
             metadata: dict[str, Any] = {}
             for _ in range(n_kv):
-                key = _read_string(f)
+                key = read_string(f)
                 (vtype,) = _unpack(f, "<I")
-                metadata[key] = _read_value(f, vtype, skip_arrays)
+                metadata[key] = read_value(f, vtype, skip_arrays)
             parameters = sum(_tensor_elements(f) for _ in range(n_tensors))
             return GGUFInfo(version=version, metadata=metadata, parameters=parameters or None)
     except (struct.error, UnicodeDecodeError) as err:
@@ -199,7 +199,7 @@ def read_gguf(path: Path, *, skip_arrays: bool = True) -> GGUFInfo:
 
 def _tensor_elements(f: IO[bytes]) -> int:
     """One tensor's entry read (name, dimensions, type, offset): its element count."""
-    _read_string(f)
+    read_string(f)
     (n_dims,) = _unpack(f, "<I")
     if n_dims > 8:  # ggml's GGML_MAX_DIMS is 4
         raise struct.error("a tensor of more than 8 dimensions")
@@ -216,7 +216,7 @@ def _unpack(f: IO[bytes], fmt: str) -> tuple[Any, ...]:
     return struct.unpack(fmt, data)
 
 
-def _read_string(f: IO[bytes]) -> str:
+def read_string(f: IO[bytes]) -> str:
     (length,) = _unpack(f, "<Q")
     if length > 1 << 30:
         raise struct.error("string length out of range")
@@ -226,11 +226,11 @@ def _read_string(f: IO[bytes]) -> str:
     return data.decode("utf-8")
 
 
-def _read_value(f: IO[bytes], vtype: int, skip_arrays: bool) -> Any:
+def read_value(f: IO[bytes], vtype: int, skip_arrays: bool) -> Any:
     if vtype in _SCALARS:
         return _unpack(f, _SCALARS[vtype])[0]
     if vtype == _STRING:
-        return _read_string(f)
+        return read_string(f)
     if vtype == _ARRAY:
         (item_type,), (count,) = _unpack(f, "<I"), _unpack(f, "<Q")
         if skip_arrays and item_type in _SCALARS:
@@ -241,5 +241,5 @@ def _read_value(f: IO[bytes], vtype: int, skip_arrays: bool) -> Any:
                 (length,) = _unpack(f, "<Q")
                 f.seek(length, 1)
             return count
-        return [_read_value(f, item_type, skip_arrays) for _ in range(count)]
+        return [read_value(f, item_type, skip_arrays) for _ in range(count)]
     raise struct.error(f"unknown GGUF value type {vtype}")

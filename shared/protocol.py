@@ -47,13 +47,20 @@ how its last update went, and `Capacity.release_error` why a node refuses a rele
 target (no updater on it). The hub's staged rollouts (hub/rollouts.py) read them. An
 older node never gets `release` (the hub leaves it out), so a rollout counts it as one
 that cannot take the release.
+
+Version 7 adds models' presets (`PlacedModel.preset`: context, slots, KV cache type,
+sampling, names), the node's evaluation of each placed model (`Capacity.evaluations`),
+and the part of a node's settings the hub sets (`DesiredState.settings`, and
+`Capacity.settings_digest` once the node applied them). Version 8 adds the content
+packages' settings to those (`NodeSettings.packages`); the hub gives an older node only
+the settings it takes, and expects its digest of those.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Literal, Self, get_origin
 
 from pydantic import (
     AfterValidator,
@@ -67,7 +74,7 @@ from pydantic import (
 
 from shared import jsonlimits
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 OLDEST_NODE_PROTOCOL = 2
 PROTOCOL_HEADER = "Kvl-Protocol"
 
@@ -680,6 +687,17 @@ class ClassTargets(Message):
     complete_s: ObjectiveSeconds | None = None  # SLO.C
 
 
+class PackageOverrides(Message):
+    """What the hub sets of a node's content packages (its `packages` section; protocol 8):
+    each unset keeps the node's own."""
+
+    model: Name | None = None  # packages.model: the model that writes the items
+    max_attempts: int | None = Field(None, ge=1, le=20)
+    item_max_tokens: int | None = Field(None, ge=64, le=4096)
+    topic_min_similarity: float | None = Field(None, ge=0, le=1)
+    cache_max_mb: int | None = Field(None, ge=1, le=10**7)
+
+
 class NodeSettings(Message):
     """The part of a node's settings the hub sets (protocol 7): fleet-wide, per site and per
     node, the most specific winning (hub/state/configuration.py). A value set here wins over
@@ -690,6 +708,7 @@ class NodeSettings(Message):
     aliases: dict[Alias, Name] = Field(default_factory=dict, max_length=64)  # model.aliases
     # The service classes' objectives (classes.s0 … s4): what admission holds requests to.
     objectives: dict[ServiceClassName, ClassTargets] = Field(default_factory=dict)
+    packages: PackageOverrides = Field(default_factory=PackageOverrides)  # protocol 8
 
     def digest(self) -> str:
         """What a node reports once it applied these (`Capacity.settings_digest`)."""
@@ -778,9 +797,13 @@ ADDED_IN: dict[type[Message], dict[str, int]] = {
     },
     DesiredState: {"release": 6, "settings": 7},
     PlacedModel: {"preset": 7},
+    NodeSettings: {"packages": 8},
 }
-# Where a message nests one of those above: their fields are left out there too.
-NESTED: dict[type[Message], dict[str, type[Message]]] = {DesiredState: {"models": PlacedModel}}
+# Where a message nests one of those above (in a list or as itself): their fields are left
+# out there too.
+NESTED: dict[type[Message], dict[str, type[Message]]] = {
+    DesiredState: {"models": PlacedModel, "settings": NodeSettings}
+}
 
 
 def _left_out(message_type: type[Message], version: int) -> dict[str, Any]:
@@ -791,7 +814,8 @@ def _left_out(message_type: type[Message], version: int) -> dict[str, Any]:
     for field, nested in NESTED.get(message_type, {}).items():
         inner = _left_out(nested, version)
         if inner and field not in out:
-            out[field] = {"__all__": inner}
+            many = get_origin(message_type.model_fields[field].annotation) is list
+            out[field] = {"__all__": inner} if many else inner
     return out
 
 

@@ -44,6 +44,82 @@ def tiny_gguf(tag: str, size: int = 3 << 20, strings: dict[str, str] | None = No
     return (head + body)[:size]
 
 
+def split_gguf(data: bytes, parts: int) -> list[bytes]:
+    """`data` (a whole GGUF file) split as llama.cpp's `llama-gguf-split --split` splits
+    it: the tensors in `parts` runs, the first part with all the metadata and the `split.*`
+    keys, each other with only those; each part a GGUF of its own whose tensors' offsets
+    count from its own data section. Written here from the format (the tool is not
+    installed), and checked by llama.cpp loading the parts."""
+    view = memoryview(data)
+    at = 24
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
+
+    def string() -> None:
+        nonlocal at
+        (length,) = struct.unpack_from("<Q", data, at)
+        at += 8 + length
+
+    def value(vtype: int) -> None:
+        nonlocal at
+        sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+        if vtype in sizes:
+            at += sizes[vtype]
+        elif vtype == 8:
+            string()
+        else:  # an array
+            (item, count) = struct.unpack_from("<IQ", data, at)
+            at += 12
+            for _ in range(count):
+                value(item)
+
+    metadata = []
+    alignment = 32
+    for _ in range(n_kv):
+        start = at
+        string()
+        key = bytes(view[start + 8 : at]).decode()
+        (vtype,) = struct.unpack_from("<I", data, at)
+        at += 4
+        value(vtype)
+        if key == "general.alignment":
+            (alignment,) = struct.unpack_from("<I", data, at - 4)
+        metadata.append(bytes(view[start:at]))
+    tensors = []
+    for _ in range(n_tensors):
+        start = at
+        string()
+        (n_dims,) = struct.unpack_from("<I", data, at)
+        at += 4 + 8 * n_dims + 4
+        (offset,) = struct.unpack_from("<Q", data, at)
+        tensors.append((bytes(view[start:at]), offset))
+        at += 8
+    data_start = -(-at // alignment) * alignment
+    ends = [o for _, o in tensors[1:]] + [len(data) - data_start]
+
+    def kv(key: str, vtype: int, fmt: str, number: int) -> bytes:
+        name = key.encode()
+        return (
+            struct.pack("<Q", len(name))
+            + name
+            + struct.pack("<I", vtype)
+            + struct.pack(fmt, number)
+        )
+
+    out = []
+    per = -(-len(tensors) // parts)
+    for number in range(parts):
+        run = range(number * per, min(len(tensors), (number + 1) * per))
+        base = tensors[run.start][1]
+        split = [kv("split.no", 2, "<H", number), kv("split.count", 2, "<H", parts),
+                 kv("split.tensors.count", 5, "<i", len(tensors))]  # fmt: skip
+        keys = [*metadata, *split] if number == 0 else split
+        head = b"GGUF" + struct.pack("<IQQ", 3, len(run), len(keys)) + b"".join(keys)
+        head += b"".join(tensors[i][0] + struct.pack("<Q", tensors[i][1] - base) for i in run)
+        head += bytes(-(-len(head) // alignment) * alignment - len(head))
+        out.append(head + bytes(view[data_start + base : data_start + ends[run.stop - 1]]))
+    return out
+
+
 @dataclass
 class Repo:
     files: dict[str, bytes]
@@ -76,10 +152,12 @@ class StandIn:
         self.faults = Faults()
         self.seen = Seen()
         self.blobs: dict[str, Path] = {}
+        # id(data): the bytes (held, so that no other object takes their id) and their sha256
+        self.digests: dict[int, tuple[bytes, str]] = {}
         folder.mkdir(parents=True, exist_ok=True)
         for repo in repos.values():
             for data in repo.files.values():
-                sha256 = hashlib.sha256(data).hexdigest()
+                sha256 = self.digest(data)
                 self.blobs[sha256] = folder / sha256
                 self.blobs[sha256].write_bytes(data)
         self.hub_url = ""
@@ -96,6 +174,14 @@ class StandIn:
         hub_server = await aiohttp_server(hub)
         self.hub_url = str(hub_server.make_url("")).rstrip("/")
         return self
+
+    def digest(self, data: bytes) -> str:
+        """The sha256 of a file's bytes, kept: the Hub answers from what it stored, and a
+        stand-in hashing gigabytes per request would time itself, not the puller."""
+        known = self.digests.get(id(data))
+        if known is None:
+            known = self.digests[id(data)] = (data, hashlib.sha256(data).hexdigest())
+        return known[1]
 
     def _repo(self, request: web.Request) -> Repo:
         name = f"{request.match_info['owner']}/{request.match_info['repo']}"
@@ -120,7 +206,7 @@ class StandIn:
         repo = self._repo(request)
         siblings: list[dict[str, Any]] = []
         for path, data in repo.files.items():
-            sha256 = repo.listed_sha256.get(path, hashlib.sha256(data).hexdigest())
+            sha256 = repo.listed_sha256.get(path) or self.digest(data)
             siblings.append(
                 {"rfilename": path, "size": len(data), "lfs": {"sha256": sha256, "size": len(data)}}
             )
@@ -139,7 +225,7 @@ class StandIn:
         data = repo.files.get(request.match_info["path"])
         if data is None:
             raise _error(404, "EntryNotFound", "Entry not found")
-        sha256 = hashlib.sha256(data).hexdigest()
+        sha256 = self.digest(data)
         raise web.HTTPFound(
             f"{self.storage_url}/blobs/{sha256}",
             headers={"X-Repo-Commit": repo.commit, "X-Linked-Etag": f'"{sha256}"',

@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from appliance.settings import PackageSettings
     from appliance.state.records import ModelRecord
     from appliance.state.store import ApiKey, AsyncStore
+    from shared.protocol import PackageOverrides
 
     # The embedding model's similarity of each text to an anchor (None: not computed).
     Similarity = Callable[[str, Sequence[str]], Awaitable[list[float] | None]]
@@ -128,6 +129,8 @@ class PackageService:
         self._completions = completions
         self._host = host
         self.cache = cache
+        self._own_settings, self._own_model = settings, model
+        self._own_max_bytes = cache.max_bytes
         self._settings = settings
         self._model = model  # the model that writes the items (name or name@version)
         self._node_id = node_id
@@ -136,6 +139,33 @@ class PackageService:
         # the on_topic check is not run).
         self.similarity: Similarity | None = None
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._tasks: set[asyncio.Task[list[str]]] = set()
+
+    @property
+    def settings(self) -> PackageSettings:
+        """The packages' settings in force: the node's own, with what the hub sets."""
+        return self._settings
+
+    @property
+    def model(self) -> str:
+        """The model that writes the items (name or name@version)."""
+        return self._model
+
+    def apply(self, hub: PackageOverrides) -> None:
+        """What the hub sets of the packages' settings, over the node's own (each unset:
+        the node's own again). The voice settings stay the node's: they name its files."""
+        chosen = hub.model_dump(exclude_none=True, exclude={"model", "cache_max_mb"})
+        self._settings = self._own_settings.model_copy(update=chosen)
+        self._model = hub.model or self._own_model
+        max_bytes = self._own_max_bytes if hub.cache_max_mb is None else hub.cache_max_mb << 20
+        if max_bytes != self.cache.max_bytes:
+            smaller = max_bytes < self.cache.max_bytes
+            self.cache.max_bytes = max_bytes
+            log.info("the package cache is capped at %d bytes", max_bytes)
+            if smaller:  # what is over the new cap goes now, off the event loop
+                task = asyncio.get_running_loop().create_task(asyncio.to_thread(self.cache.evict))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
     async def create(self, req: PackageRequest, key: ApiKey) -> CachedPackage:
         record = (await self._host.resolve(self._model)).record

@@ -130,9 +130,12 @@ class SettingRequest(BaseModel):
 
     key: Text = Field(
         min_length=1,
-        description="chat_default, default, aliases.ALIAS or objectives.CLASS.OBJECTIVE",
+        description="chat_default, default, aliases.ALIAS, objectives.CLASS.OBJECTIVE or "
+        "packages.FIELD",
     )
-    value: Text | None = Field(description="a model (name or name@version); null: unset")
+    value: Text | None = Field(
+        description="a model (name or name@version), or the field's number; null: unset"
+    )
     site: Text | None = None
     node: Text | None = None
 

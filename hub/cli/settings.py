@@ -54,9 +54,10 @@ def settings_set(
     site: str | None,
     node: str | None,
 ) -> None:
-    """Set KEY to VALUE, fleet-wide unless --site or --node: chat_default, default and
-    aliases.ALIAS take a model (name or name@version), objectives.CLASS.admit_s,
-    first_token_s and complete_s seconds."""
+    """Set KEY to VALUE, fleet-wide unless --site or --node: chat_default, default,
+    aliases.ALIAS and packages.model take a model (name or name@version),
+    objectives.CLASS.admit_s, first_token_s and complete_s seconds; packages.max_attempts,
+    item_max_tokens, topic_min_similarity and cache_max_mb a number."""
     with opened_store(hub_settings(config_file, data_dir)) as store:
         scope = _scope(store, site, node)
         serial = store.configuration.set(scope, key, value, by="cli")

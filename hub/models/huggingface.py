@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 MAX_INFO_BYTES = 16 << 20  # a repository's listing: thousands of files at most
+MAX_PARTS = 256  # of a split GGUF file (llama-gguf-split writes ~50 GB parts at most)
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.I)
 # A quantisation as it appears in a file name: separated from what comes before by one of
 # `-._/` (or starting it), and followed by `-` or `.` or nothing (Q4_K is not Q4_K_M).
@@ -49,12 +50,18 @@ class RemoteFile:
 
 @dataclass(frozen=True)
 class Resolved:
-    """A reference resolved: the commit it names now and the file to fetch."""
+    """A reference resolved: the commit it names now and the file to fetch (the parts of
+    a split GGUF file, in order, to be joined into one)."""
 
     repo: str
     commit: str
-    file: RemoteFile
+    files: tuple[RemoteFile, ...]
     license: str | None
+
+    @property
+    def file(self) -> RemoteFile:
+        """The file, or a split file's first part (whose name stands for the whole)."""
+        return self.files[0]
 
     @property
     def source(self) -> str:
@@ -99,12 +106,14 @@ async def resolve(
     except (ValueError, TypeError, KeyError) as err:
         raise PullError("unavailable", f"{base} answered no repository listing: {err}") from err
     commit, files, license_ = info
-    chosen = pick(reference, files)
-    remote = RemoteFile(
-        chosen.path,
-        chosen.size,
-        chosen.sha256,
-        f"{base}/{reference.repo}/resolve/{commit}/{quote(chosen.path)}",
+    remote = tuple(
+        RemoteFile(
+            chosen.path,
+            chosen.size,
+            chosen.sha256,
+            f"{base}/{reference.repo}/resolve/{commit}/{quote(chosen.path)}",
+        )
+        for chosen in pick(reference, files)
     )
     return Resolved(reference.repo, commit, remote, license_)
 
@@ -138,9 +147,10 @@ def _listing(body: Any) -> tuple[str, list[_Listed], str | None]:
     return commit, files, license_ if isinstance(license_, str) else None
 
 
-def pick(reference: HubReference, files: list[_Listed]) -> _Listed:
+def pick(reference: HubReference, files: list[_Listed]) -> list[_Listed]:
     """The file `reference` names among the repository's: by path, or the one GGUF of its
-    quantisation (a vision projector, `mmproj`, is never a model)."""
+    quantisation (a vision projector, `mmproj`, is never a model); all the parts of a split
+    one, in order."""
     ggufs = [f for f in files if f.path.lower().endswith(".gguf")]
     if reference.path is not None:
         found = next((f for f in files if f.path == reference.path), None)
@@ -172,14 +182,23 @@ def pick(reference: HubReference, files: list[_Listed]) -> _Listed:
         chosen = firsts[0]
     if not chosen.path.lower().endswith(".gguf"):
         raise PullError("unsupported", f"{chosen.path} is not a GGUF file")
-    if _SPLIT.search(chosen.path):
-        raise PullError(
-            "unsupported",
-            f"{chosen.path} is one part of a split GGUF file: the hub keeps a model as one "
-            "file (join the parts with llama.cpp's `llama-gguf-split --merge` and add it with "
-            "`kvl hub models add`)",
-        )
-    return chosen
+    split = _SPLIT.search(chosen.path)
+    if split is None:
+        return [chosen]
+    count = int(split.group(2))
+    if not 1 <= count <= MAX_PARTS:
+        raise PullError("unsupported", f"{chosen.path}: a split file of {count} parts")
+    stem = chosen.path[: split.start()]
+    by_path = {f.path: f for f in files}
+    parts = []
+    for number in range(1, count + 1):
+        path = f"{stem}-{number:05d}-of-{count:05d}.gguf"
+        if path not in by_path:
+            raise PullError(
+                "not_found", f"{path}, part {number} of {chosen.path}'s {count}, is not there"
+            )
+        parts.append(by_path[path])
+    return parts
 
 
 def failure(response: aiohttp.ClientResponse, what: str, had_token: bool) -> PullError:

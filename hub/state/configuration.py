@@ -4,9 +4,10 @@ settings rollout has given the nodes it reached so far (hub/state/rollouts.py ke
 rollout; its change counts for those nodes only until it is done, when it is written here).
 
 Keys: `chat_default`, `default` (model names, `name` or `name@version`),
-`aliases.ALIAS` (the model an alias names) and `objectives.CLASS.OBJECTIVE` (seconds: a
-service class's `admit_s`, `first_token_s` or `complete_s`). A scope is `fleet`,
-`site:NAME` or `node:ID`."""
+`aliases.ALIAS` (the model an alias names), `objectives.CLASS.OBJECTIVE` (seconds: a
+service class's `admit_s`, `first_token_s` or `complete_s`) and `packages.FIELD` (the
+content packages' `model`, `max_attempts`, `item_max_tokens`, `topic_min_similarity`,
+`cache_max_mb`; nodes of protocol 8 on). A scope is `fleet`, `site:NAME` or `node:ID`."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 FLEET = "fleet"
 _ALIAS = re.compile(r"^aliases\.([^@\s]{1,200})$")
 _OBJECTIVE = re.compile(r"^objectives\.(S[0-4])\.(admit_s|first_token_s|complete_s)$")
+_PACKAGES = re.compile(
+    r"^packages\.(model|max_attempts|item_max_tokens|topic_min_similarity|cache_max_mb)$"
+)
 
 
 @dataclass(frozen=True)
@@ -47,11 +51,14 @@ def scope_of(site: str | None = None, node_id: str | None = None) -> str:
 
 def check(key: str, value: str | None) -> None:
     """InvalidError unless `key` is one the hub sets and `value` one it may have."""
-    known = key in {"chat_default", "default"} or _ALIAS.match(key) or _OBJECTIVE.match(key)
+    known = key in {"chat_default", "default"} or any(
+        pattern.match(key) for pattern in (_ALIAS, _OBJECTIVE, _PACKAGES)
+    )
     if not known:
         raise InvalidError(
             f"{key!r} is not a node setting the hub sets: chat_default, default, "
-            "aliases.ALIAS, or objectives.CLASS.admit_s|first_token_s|complete_s",
+            "aliases.ALIAS, objectives.CLASS.admit_s|first_token_s|complete_s, or "
+            "packages.model|max_attempts|item_max_tokens|topic_min_similarity|cache_max_mb",
             param="key",
         )
     if value is not None:
@@ -70,10 +77,30 @@ def settings_of(values: Mapping[str, str]) -> protocol.NodeSettings:
     for key, value in sorted(values.items()):
         if found := _OBJECTIVE.match(key):
             objectives.setdefault(found.group(1), {})[found.group(2)] = value
+    packages = {m.group(1): v for k, v in values.items() if (m := _PACKAGES.match(k))}
     return protocol.NodeSettings.model_validate({
         "chat_default": values.get("chat_default"), "default": values.get("default"),
         "aliases": dict(sorted(aliases.items())), "objectives": objectives,
+        "packages": packages,
     })  # fmt: skip
+
+
+def key_protocol(key: str) -> int:
+    """The first protocol whose nodes take `key`."""
+    return 8 if _PACKAGES.match(key) else 7
+
+
+def node_protocol(node: Node) -> int:
+    """The protocol `node`'s last heartbeat named (0: none it could read)."""
+    raw = node.versions.get("protocol", "")
+    return int(raw) if raw.isdigit() and len(raw) < 6 else 0
+
+
+def digest_for(settings: protocol.NodeSettings, node: Node) -> str:
+    """The digest `node` reports once it applied `settings`: of the fields its protocol
+    takes (the hub answers an older node without the others)."""
+    wire = protocol.dump_for(settings, node_protocol(node))
+    return protocol.NodeSettings.model_validate_json(wire).digest()
 
 
 def _rank(scope: str, node: Node) -> int | None:

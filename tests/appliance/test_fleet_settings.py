@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from appliance.gateway.appkeys import ADMISSION, NAMES
+from appliance.gateway.packages import PACKAGES
 from appliance.serving.catalog import register_file
 from appliance.state.store import Store
 from hub.app import create_app as create_hub
@@ -122,6 +123,20 @@ async def test_a_fleet_wide_chat_default_is_rolled_out_rolled_back_and_made_the_
     assert admission.book.objectives["S1"].first_token_s == 42.0
     assert admission.class_settings(ServiceClass.S1).admit_s == 5.0  # the node's own stays
     assert admission.book.objectives_s()["S1"]["first_token"] == 42.0
+    # The content packages' settings: the model that writes them, its attempts, the cache's
+    # cap; unset, the node's own again.
+    packages = node.app[PACKAGES]
+    own_attempts, own_cap = packages.settings.max_attempts, packages.cache.max_bytes
+    for key, value in (("packages.model", "pirate"), ("packages.max_attempts", "7"),
+                       ("packages.cache_max_mb", "64")):  # fmt: skip
+        await _hub_cli(hub, "settings", "set", key, value)
+    await until(lambda: packages.settings.max_attempts == 7, "the packages' settings")
+    assert (packages.model, packages.cache.max_bytes) == ("pirate", 64 << 20)
+    assert packages.settings.item_max_tokens == 320  # the node's own stays
+    for key in ("packages.model", "packages.max_attempts", "packages.cache_max_mb"):
+        await _hub_cli(hub, "settings", "unset", key)
+    await until(lambda: packages.settings.max_attempts == own_attempts, "the node's own again")
+    assert (packages.model, packages.cache.max_bytes) == (scripted_model.name, own_cap)
 
     # A key or a value the hub does not set is refused, naming it; nothing changes.
     refused = await asyncio.to_thread(
@@ -130,6 +145,12 @@ async def test_a_fleet_wide_chat_default_is_rolled_out_rolled_back_and_made_the_
     )  # fmt: skip
     assert refused.returncode != 0
     assert "not a node setting the hub sets" in refused.stderr, refused.stderr
+    refused = await asyncio.to_thread(
+        kvl, "hub", "settings", "set", "packages.max_attempts", "99", "--data-dir",
+        str(hub.data_dir), check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "not a value of packages.max_attempts" in refused.stderr, refused.stderr
 
 
 async def _in_state(hub: HubSettings, rollout_id: str, state: str) -> bool:

@@ -4,11 +4,16 @@ What is measured, on one machine in one run:
 
 * **Pull throughput.** The hub's pull (`hub/models/pull.py`'s `pull`, what `kvl hub models
   pull` and the hub's pull jobs run: the listing, the redirect, the download written to its
-  part file while its sha256 is computed, then the check and the inspection of the GGUF)
-  of a ``--size-mib`` file, against `curl -sSL -o FILE` of the same resolve URL (which only
-  writes the bytes), alternated, ``--runs`` each. Both fetch from one local stand-in of the
-  Hugging Face Hub (tests/hfhub.py, in a process of its own: the public Hub cannot be
-  reached from these machines). The ratio is pull's throughput over curl's (≥ 0.9 holds).
+  part file while its sha256 is computed, then the check and the inspection of the GGUF) of
+  a ``--size-mib`` file, against `curl -sSL -o FILE` of the same resolve URL (which only
+  writes the bytes) and against `curl` followed by `openssl dgst -sha256` (the same work:
+  the bytes and their check, hashed by the fastest sha256 this machine has), alternated,
+  ``--runs`` each. All fetch from one local stand-in of the Hugging Face Hub
+  (tests/hfhub.py, in a process of its own: the public Hub cannot be reached from these
+  machines), over loopback and then, where network namespaces can be made, over a veth link
+  whose stand-in side is shaped with `tc` to the rates a site's uplink has (1, 2.5 and 5
+  Gbit/s). Unshaped, the transfer runs at what the machine's cores can copy, and the pull's
+  sha256 competes with the copying for them.
 * **Pull to first token.** A hub and an appliance on loopback (in this process; the model
   worker is the appliance's own process) with the appliance enrolled: the embedded chat
   model's file pulled from the stand-in, deployed with a preset, placed, fetched by the
@@ -51,9 +56,9 @@ SMOL_FILE = "SmolLM2-135M-Instruct-Q4_1.gguf"
 # -- the stand-in, in a process of its own ----------------------------------------------------
 
 
-def serve_stand_in(folder: Path, size_mib: int, port_file: Path) -> None:
+def serve_stand_in(folder: Path, size_mib: int, port_file: Path, host: str) -> None:
     """`python -m tests.benchmarks.models --stand-in`: the stand-in with a file of
-    `size_mib` and the embedded chat model's, until killed."""
+    `size_mib` and the embedded chat model's, on `host`, until killed."""
     from appliance.serving.catalog import CHAT_MODEL_NAME, EMBEDDED  # noqa: PLC0415
     from tests.hfhub import Repo, StandIn, tiny_gguf  # noqa: PLC0415
 
@@ -67,7 +72,7 @@ def serve_stand_in(folder: Path, size_mib: int, port_file: Path) -> None:
 
     async def main() -> None:
         async def factory(app: web.Application) -> TestServer:
-            server = TestServer(app, host="127.0.0.1")
+            server = TestServer(app, host=host)
             await server.start_server()
             return server
 
@@ -78,11 +83,16 @@ def serve_stand_in(folder: Path, size_mib: int, port_file: Path) -> None:
     asyncio.run(main())
 
 
-def start_stand_in(work: Path, size_mib: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_stand_in(
+    work: Path, size_mib: int, host: str = "127.0.0.1", inside: list[str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """The stand-in's process (`inside`: the command prefix that runs it in a namespace)."""
     port_file = work / "stand-in.json"
+    port_file.unlink(missing_ok=True)
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.benchmarks.models", "--stand-in", str(work / "blobs"),
-         "--size-mib", str(size_mib), "--port-file", str(port_file)],
+        [*(inside or []), sys.executable, "-m", "tests.benchmarks.models", "--stand-in",
+         str(work / "blobs"), "--size-mib", str(size_mib), "--port-file", str(port_file),
+         "--host", host],
     )  # fmt: skip
     deadline = time.monotonic() + 300
     while not port_file.exists():
@@ -109,35 +119,76 @@ def pull_once(hub_url: str, work: Path, run: int) -> float:
     return took
 
 
-def curl_once(hub_url: str, work: Path) -> float:
+def curl_once(hub_url: str, work: Path, *, check: bool = False) -> float:
+    """Seconds of `curl -o` of the file (`check`: and then its sha256, by OpenSSL)."""
     target = work / "curl.gguf"
     started = time.perf_counter()
     subprocess.run(
         ["curl", "-sSL", "-o", str(target), f"{hub_url}/{REPOSITORY}/resolve/main/bench-q8_0.gguf"],
         check=True,
     )  # fmt: skip
+    if check:
+        subprocess.run(
+            ["openssl", "dgst", "-sha256", str(target)], check=True, stdout=subprocess.DEVNULL
+        )
     took = time.perf_counter() - started
     target.unlink()
     return took
 
 
 def throughput(hub_url: str, work: Path, size_mib: int, runs: int) -> dict[str, Any]:
-    pulls: list[float] = []
-    curls: list[float] = []
+    """Pull, curl, and curl then sha256 of one file from `hub_url`, alternated."""
+    times: dict[str, list[float]] = {"pull": [], "curl": [], "curl_sha256": []}
     for run in range(runs):
-        curls.append(curl_once(hub_url, work))
-        pulls.append(pull_once(hub_url, work, run))
-        say(f"  run {run + 1}: curl {curls[-1]:.2f} s, pull {pulls[-1]:.2f} s")
-    pull_s, curl_s = statistics.median(pulls), statistics.median(curls)
+        times["curl"].append(curl_once(hub_url, work))
+        times["pull"].append(pull_once(hub_url, work, run))
+        times["curl_sha256"].append(curl_once(hub_url, work, check=True))
+    median = {name: statistics.median(seconds) for name, seconds in times.items()}
     return {
-        "size_mib": size_mib,
-        "runs": runs,
-        "pull_s": [round(x, 3) for x in pulls],
-        "curl_s": [round(x, 3) for x in curls],
-        "pull_mib_s": round(size_mib / pull_s, 1),
-        "curl_mib_s": round(size_mib / curl_s, 1),
-        "ratio": round(curl_s / pull_s, 3),
+        **{f"{name}_s": [round(x, 3) for x in seconds] for name, seconds in times.items()},
+        **{f"{name}_mib_s": round(size_mib / median[name], 1) for name in times},
+        "ratio": round(median["curl"] / median["pull"], 3),
+        "ratio_same_work": round(median["curl_sha256"] / median["pull"], 3),
     }
+
+
+LINK_RATES = (("1 Gbit/s", "1gbit"), ("2.5 Gbit/s", "2500mbit"), ("5 Gbit/s", "5gbit"))
+
+
+def over_links(work: Path, size_mib: int, runs: int) -> list[dict[str, Any]]:
+    """The stand-in in one namespace, the pulls and curls in another, one veth link between
+    them shaped in turn to each of LINK_RATES (a token bucket on the stand-in's side: what
+    it sends). Empty, said, where namespaces cannot be made."""
+    from image import netns  # noqa: PLC0415
+    from tests.netns import B_ADDR, linked_namespaces  # noqa: PLC0415
+
+    tc = shutil.which("tc", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")
+    why = netns.available() or (None if tc else "`tc` (iproute2) is not installed")
+    if why is not None or tc is None:
+        say(f"  no shaped links: {why}")
+        return []
+    links: list[dict[str, Any]] = []
+    with linked_namespaces() as link:
+        stand_in, hub_url = start_stand_in(work, size_mib, B_ADDR, netns.argv(link.b))
+        try:
+            for label, rate in LINK_RATES:
+                subprocess.run(
+                    [tc, "-n", link.b, "qdisc", "replace", "dev", link.veth_b, "root", "tbf",
+                     "rate", rate, "burst", "4mb", "latency", "100ms"],
+                    check=True,
+                )  # fmt: skip
+                measured = subprocess.run(
+                    netns.argv(link.a, sys.executable, "-m", "tests.benchmarks.models",
+                               "--measure", hub_url, "--size-mib", str(size_mib),
+                               "--runs", str(runs)),
+                    check=True, capture_output=True, text=True,
+                )  # fmt: skip
+                links.append({"link": label, **json.loads(measured.stdout)})
+                say(f"  {label}: {links[-1]['ratio']}x curl")
+        finally:
+            stand_in.kill()
+            stand_in.wait()
+    return links
 
 
 # -- pull to first token -------------------------------------------------------------------------
@@ -271,24 +322,30 @@ def measure(size_mib: int, runs: int) -> dict[str, Any]:
         work = Path(tmp)
         stand_in, hub_url = start_stand_in(work, size_mib)
         try:
-            say(f"pull against curl: {size_mib} MiB, {runs} runs each")
-            pulled = throughput(hub_url, work, size_mib, runs)
+            say(f"pull against curl: {size_mib} MiB, {runs} runs each, over loopback")
+            loopback = throughput(hub_url, work, size_mib, runs)
+            say(f"  loopback: {loopback['ratio']}x curl")
             say("pull to first token: the embedded chat model, a hub and a node on loopback")
             token = asyncio.run(first_token(hub_url, work))
         finally:
             stand_in.kill()
             stand_in.wait()
+        say("pull against curl over a veth link shaped to a site's uplink rates")
+        links = over_links(work, size_mib, runs)
         say("the replica estimate against resident memory")
         memory = asyncio.run(fit(work))
+    pulled = {"size_mib": size_mib, "runs": runs,
+              "links": [{"link": "loopback (unshaped)", **loopback}, *links]}  # fmt: skip
     return {**stamp(), "pull": pulled, "first_token": token, "fit": memory}
 
 
 def markdown(result: dict[str, Any]) -> str:
     p, t = result["pull"], result["first_token"]
     rows = [
-        ["pull (sha256 checked, GGUF inspected)", f"{p['pull_mib_s']} MiB/s", f"{p['ratio']}x"],
-        ["curl -o (the bytes only)", f"{p['curl_mib_s']} MiB/s", "1x"],
-    ]
+        [link["link"], f"{link['curl_mib_s']} MiB/s", f"{link['curl_sha256_mib_s']} MiB/s",
+         f"{link['pull_mib_s']} MiB/s", f"**{link['ratio']}x**", f"{link['ratio_same_work']}x"]
+        for link in p["links"]
+    ]  # fmt: skip
     fit_rows = [
         [f"`{name}`", f"{f['estimate_mib']} MiB", f"{f['resident_mib']} MiB",
          f"{f['error'] * 100:+.1f} %"]
@@ -304,7 +361,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"and loaded {t['placed_s']} s, the first token {t['first_token_s']} s."
     )
     return "\n".join([
-        headline(result), "", pulled, "", *table(["", "throughput", "against curl"], rows),
+        headline(result), "", pulled, "",
+        *table(["link", "curl -o", "curl + sha256", "pull", "pull against curl",
+                "against curl + sha256"], rows),
         "", token, "", *table(["model", "estimate", "resident", "error"], fit_rows),
     ])  # fmt: skip
 
@@ -316,9 +375,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--stand-in", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--measure", metavar="HUB_URL", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.stand_in is not None:
-        serve_stand_in(args.stand_in, args.size_mib, args.port_file)
+        serve_stand_in(args.stand_in, args.size_mib, args.port_file, args.host)
+        return 0
+    if args.measure is not None:  # one link's throughput, run inside its namespace
+        with tempfile.TemporaryDirectory(prefix="kvl-bench-pull-") as tmp:
+            measured = throughput(args.measure, Path(tmp), args.size_mib, args.runs)
+        sys.stdout.write(json.dumps(measured) + "\n")
         return 0
     os.environ.setdefault("KVL_TESTS", "full")
     result = measure(args.size_mib, args.runs)

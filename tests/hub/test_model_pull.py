@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import os
 import signal
 import subprocess
@@ -29,7 +30,7 @@ from hub.state.deployments import DeploymentRecord
 from hub.state.store import open_store
 from shared.gguf import REPLICA_OVERHEAD_MIB
 from tests.conftest import REPO, kvl
-from tests.hfhub import Repo, StandIn, tiny_gguf
+from tests.hfhub import Repo, StandIn, split_gguf, tiny_gguf
 from tests.hubs import settings_for
 from tests.waiting import until
 
@@ -103,7 +104,9 @@ def test_a_quantisation_names_one_file_as_ollama_and_llama_server_choose_it() ->
     )  # fmt: skip
 
     def pick(quant: str) -> str:
-        return huggingface.pick(HubReference("o/r", None, quant=quant), files).path
+        return " ".join(
+            f.path for f in huggingface.pick(HubReference("o/r", None, quant=quant), files)
+        )
 
     assert pick("Q4_K_M") == "Model-Q4_K_M.gguf"  # not the vision projector
     assert pick("Q4_K") == "Model-Q4_K.gguf"  # not Q4_K_M nor Q4_K_S
@@ -112,9 +115,13 @@ def test_a_quantisation_names_one_file_as_ollama_and_llama_server_choose_it() ->
                        r"Q4_K, Q4_K_M, Q4_K_S, Q6_K, Q8_0\)") as refused:  # fmt: skip
         pick("Q5_K_M")
     assert refused.value.kind == "no_quantisation"
-    with pytest.raises(PullError, match="one part of a split GGUF") as split:
-        pick("Q6_K")
-    assert split.value.kind == "unsupported"
+    # A split file: all its parts, in order, whichever part a path names.
+    assert pick("Q6_K") == "big/Model-Q6_K-00001-of-00002.gguf big/Model-Q6_K-00002-of-00002.gguf"
+    second = HubReference("o/r", None, path="big/Model-Q6_K-00002-of-00002.gguf")
+    assert [f.path for f in huggingface.pick(second, files)] == pick("Q6_K").split()
+    with pytest.raises(PullError, match=r"Model-Q6_K-00002-of-00002.gguf, part 2 of") as gone:
+        huggingface.pick(HubReference("o/r", None, quant="Q6_K"), files[:-1])
+    assert gone.value.kind == "not_found"
     twice = [*files, *_listed("other/Model-Q8_0.gguf")]
     with pytest.raises(PullError, match="several files of Q8_0"):
         huggingface.pick(HubReference("o/r", None, quant="Q8_0"), twice)
@@ -348,6 +355,43 @@ async def test_a_real_gguf_is_inspected_and_a_replica_estimated_from_it(
     assert planned.memory_mib < model.memory_mib
     # A preset that changes nothing of the load: the model's own figure.
     assert deployment_mib(model, {"aliases": ["chat"]}) == model.memory_mib
+
+
+async def test_a_split_file_is_fetched_part_by_part_and_kept_as_one(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    """A split GGUF file (three parts, each with its own LFS sha256) pulled by its
+    quantisation: each part fetched and checked, a cut one resumed, the parts joined into
+    the very bytes of the whole file, and only that kept; a part whose bytes are not the
+    listed ones fails the pull, and nothing is kept."""
+    smol = EMBEDDED[CHAT_MODEL_NAME].sources()[0].read_bytes()
+    parts = split_gguf(smol, 3)
+    names = [f"SmolLM2-135M-Instruct-Q4_1-{n:05d}-of-00003.gguf" for n in (1, 2, 3)]
+    repo = Repo(dict(zip(names, parts, strict=True)))
+    stand_in = await StandIn({SMOL: repo}, tmp_path / "stand-in").start(aiohttp_server)
+    stand_in.faults.cut_after, stand_in.faults.cuts = 1 << 20, 1
+    settings = _hub(tmp_path / "hub", stand_in)
+    seen: list[tuple[int, int | None]] = []
+    model = await pull(
+        f"hf://{SMOL}:Q4_1", settings, progress=lambda done, total: seen.append((done, total))
+    )
+    assert (model.name, model.version) == ("smollm2-135m-instruct", "q4_1")
+    assert (model.sha256, model.size_bytes) == (hashlib.sha256(smol).hexdigest(), len(smol))
+    assert model.source == f"hf://{SMOL}@{repo.commit}/{names[0]}"
+    assert model.inspection is not None
+    assert model.inspection["parameters"] == 134_515_008
+    assert _leftovers(settings) == [model.sha256]  # the parts gone, the joined file kept
+    total = sum(len(p) for p in parts)
+    assert seen[-1] == (total, total)
+    assert all(a[0] <= b[0] for a, b in itertools.pairwise(seen))
+    assert any(r is not None and r.startswith("bytes=") for r in stand_in.seen.ranges)
+
+    repo.listed_sha256[names[1]] = "0" * 64
+    again = _hub(tmp_path / "again", stand_in)
+    with pytest.raises(PullError, match="deleted, not kept") as refused:
+        await pull(f"hf://{SMOL}:Q4_1", again)
+    assert refused.value.kind == "checksum_mismatch"
+    assert _leftovers(again) == [f"pulls/{hashlib.sha256(parts[0]).hexdigest()}.part"]
 
 
 def test_a_template_that_does_not_render_is_said_and_a_bad_header_refused(

@@ -660,6 +660,17 @@ def test_a_nodes_burn_rate_is_read_from_the_live_objectives(
     assert "quiet" not in rates
 
 
+def _all_heard(fleet: Fleet, *, old: str) -> bool:
+    """Whether the hub has recorded n1 to n3 at today's protocol and n4 at `old`."""
+    store = open_store(fleet.settings)
+    try:
+        heard = {n.name: n.versions.get("protocol", "") for n in store.nodes.all()}
+    finally:
+        store.close()
+    today = str(protocol.PROTOCOL_VERSION)
+    return heard == {**dict.fromkeys(("n1", "n2", "n3"), today), "n4": old}
+
+
 async def test_a_node_of_protocol_5_is_left_out_and_never_sees_a_release(fleet: Fleet) -> None:
     """A node a version behind (protocol 5, as `tests/test_mixed_versions.py` runs one)
     cannot take a release: the rollout leaves it out, and its desired state, answered in
@@ -679,19 +690,7 @@ async def test_a_node_of_protocol_5_is_left_out_and_never_sees_a_release(fleet: 
         for name in ("n1", "n2", "n3"):
             await fleet.beat(name)
 
-        today = str(protocol.PROTOCOL_VERSION)
-
-        def protocols() -> dict[str, str]:
-            store = open_store(fleet.settings)
-            try:
-                return {n.name: n.versions.get("protocol", "") for n in store.nodes.all()}
-            finally:
-                store.close()
-
-        await until(
-            lambda: protocols() == {**dict.fromkeys(("n1", "n2", "n3"), today), "n4": "5"},
-            "all heard",
-        )
+        await until(lambda: _all_heard(fleet, old="5"), "all heard")
         status, view = await fleet.call(
             "POST", "/v1/admin/rollouts",
             json={"kind": "release", "release": "5.0",
@@ -705,3 +704,62 @@ async def test_a_node_of_protocol_5_is_left_out_and_never_sees_a_release(fleet: 
         status, state = await as_old_node("GET", "/v1/node/state")
         assert status == 200
         assert "release" not in state
+
+
+async def test_a_node_of_protocol_7_gets_and_is_held_to_the_settings_it_takes(
+    fleet: Fleet,
+) -> None:
+    """The content packages' settings came with protocol 8. A node of protocol 7 gets the
+    hub's settings without them (its models would refuse the field), the hub expects the
+    digest of what it gets, and a rollout of a packages setting leaves it out."""
+    old = {"Authorization": f"Bearer {fleet.tokens['n4']}", protocol.PROTOCOL_HEADER: "7"}
+    async with aiohttp.ClientSession() as session:
+
+        async def as_old_node(method: str, path: str, **kw: Any) -> tuple[int, Any]:
+            async with session.request(
+                method, fleet.base + path, headers=old, ssl=fleet.pin, **kw
+            ) as response:
+                return response.status, await response.json()
+
+        assert (await as_old_node("POST", "/v1/node/heartbeat", json={"capacity": {}}))[0] == 200
+        for name in ("n1", "n2", "n3"):
+            await fleet.beat(name)
+        await until(lambda: _all_heard(fleet, old="7"), "all heard")
+        for key, value in (("chat_default", "m@1"), ("packages.max_attempts", "5")):
+            status, body = await fleet.call("PUT", "/v1/admin/settings",
+                                            json={"key": key, "value": value})  # fmt: skip
+            assert status == 200, body
+        status, state = await as_old_node("GET", "/v1/node/state")
+        assert status == 200, state
+        assert state["settings"]["chat_default"] == "m@1"
+        assert "packages" not in state["settings"]
+        new = await fleet.nodes["n1"].state(-1)
+        assert new is not None
+        assert new.settings.packages.max_attempts == 5
+        shown = {}
+        for name in ("n1", "n4"):
+            status, shown[name] = await fleet.call("GET", f"/v1/admin/nodes/{name}/settings")
+            assert status == 200, shown[name]
+        assert shown["n4"]["digest"] == protocol.NodeSettings(chat_default="m@1").digest()
+        assert (
+            shown["n1"]["digest"]
+            == protocol.NodeSettings(
+                chat_default="m@1", packages=protocol.PackageOverrides(max_attempts=5)
+            ).digest()
+        )
+
+        strategy = {"canary": 1, "max_unavailable": 3, "soak_s": 0, "max_burn_rate": None}
+        status, view = await fleet.call(
+            "POST", "/v1/admin/rollouts",
+            json={"kind": "settings", "setting": "packages.item_max_tokens", "value": "100",
+                  "strategy": strategy},
+        )  # fmt: skip
+        assert status == 201, view
+        assert sorted(n["name"] for w in view["waves"] for n in w["nodes"]) == ["n1", "n2", "n3"]
+        status, body = await fleet.call(
+            "POST", "/v1/admin/rollouts",
+            json={"kind": "settings", "setting": "packages.model", "value": "m@1",
+                  "node": "n4", "strategy": strategy},
+        )  # fmt: skip
+        assert (status, body["error"]["code"]) == (409, "rollout_conflict"), body
+        assert "protocol 8 on" in body["error"]["message"]
