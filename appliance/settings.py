@@ -588,6 +588,25 @@ class ClassObjectives(_Section):
     complete_s: float = Field(
         ge=0.01, le=86_400, description="SLO.C: its last token comes within this (measured)."
     )
+    first_token_per_token_s: float | None = Field(
+        None,
+        ge=0,
+        le=10,
+        description=(
+            "SLO.B's allowance per prompt token, on top of first_token_s. Unset: the model's "
+            "own prefill time per token on this node when idle (measured at load, kept "
+            "current from traffic), so a prompt an idle node serves in time is never refused."
+        ),
+    )
+    complete_per_token_s: float | None = Field(
+        None,
+        ge=0,
+        le=60,
+        description=(
+            "SLO.C's allowance per completion token, on top of complete_s and the first "
+            "token's allowance. Unset: the model's own time per token on this node when idle."
+        ),
+    )
     requests_per_minute: int = Field(
         ge=0, le=1_000_000, description="Requests an account may send per minute; 0: no limit."
     )

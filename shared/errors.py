@@ -38,6 +38,7 @@ class ErrorCode(StrEnum):
     unsupported_parameter = "unsupported_parameter"
     invalid_schema = "invalid_schema"
     context_length_exceeded = "context_length_exceeded"
+    prompt_too_long_for_class = "prompt_too_long_for_class"
     request_too_large = "request_too_large"
     missing_api_key = "missing_api_key"
     invalid_api_key = "invalid_api_key"
@@ -121,6 +122,12 @@ _KINDS: dict[ErrorCode, _Kind] = {
     ),
     ErrorCode.context_length_exceeded: _Kind(
         400, _INVALID, "prompt plus `max_tokens` does not fit the model's context"
+    ),
+    ErrorCode.prompt_too_long_for_class: _Kind(
+        400,
+        _INVALID,
+        "even an idle node could not give the prompt its first token within its class's "
+        "objective: the message names the longest prompt the class takes on this node",
     ),
     ErrorCode.request_too_large: _Kind(413, _INVALID, "the body is over `server.max_body_bytes`"),
     ErrorCode.missing_api_key: _Kind(401, "authentication_error", "no `Authorization: Bearer`"),
@@ -377,6 +384,13 @@ class ContextTooLong(InvalidRequest):
     """The prompt and the tokens asked for do not fit the model's context."""
 
     code = ErrorCode.context_length_exceeded
+
+
+class PromptTooLongForClass(InvalidRequest):
+    """No wait would bring the prompt's first token within its class's objective on this
+    node: not retryable, unlike Overloaded."""
+
+    code = ErrorCode.prompt_too_long_for_class
 
 
 class MissingApiKey(DomainError):

@@ -3,8 +3,19 @@ throttle on failed authentication. No aiohttp here; the completion service (and 
 gateway's authentication) calls it.
 
 The prediction itself is pure (appliance.serving.predictor); this service keeps what it
-needs between requests: each model's smoothed service rates, each account's buckets, and
-the metrics of every decision.
+needs between requests: each model's smoothed service rates and its idle speed (measured
+at load, kept current), each account's buckets, and the metrics of every decision.
+
+A request's objectives are its class's with allowances for its tokens: its first token
+within `first_token_s` plus an allowance per prompt token, its last within `complete_s`
+plus those and an allowance per completion token; unset, the allowances are the model's
+own idle time per token on this node. Three answers at the door: a prompt that even an
+idle node could not serve within its class is refused for good (400
+`prompt_too_long_for_class`, naming the longest prompt the class takes here); one that
+would wait too long behind the work in flight is refused for now (429 `overloaded`,
+Retry-After when it would fit); one that would take a free slot at once is admitted
+whatever the current speed says (a busy host shows in the speed measured, not in refusals
+with every slot free).
 """
 
 from __future__ import annotations
@@ -20,13 +31,22 @@ from appliance.observability.objectives import ClassObjectives as Targets
 from appliance.observability.objectives import ObjectiveBook
 from appliance.quotas.buckets import TokenBucket
 from appliance.quotas.leases import LeaseBook
-from appliance.serving.predictor import Capacity, InFlight, Objectives, Rates, decide
+from appliance.serving.predictor import (
+    Capacity,
+    InFlight,
+    Objectives,
+    Rates,
+    decide,
+    fits_idle,
+    largest_prompt,
+)
 from shared.classes import ServiceClass
 from shared.errors import (
     AccountLimit,
     ErrorCode,
     OutboxFull,
     Overloaded,
+    PromptTooLongForClass,
     QuotaExhausted,
     RateLimited,
 )
@@ -67,7 +87,8 @@ class AdmissionControl:
         self._settings = settings
         self._store = store
         self._metrics = metrics
-        self._rates: dict[str, Rates] = {}
+        self._rates: dict[str, Rates] = {}  # model -> its speed now, smoothed
+        self._idle: dict[str, Rates] = {}  # model -> its speed with nothing else running
         self._minute: dict[int, TokenBucket] = {}  # account id -> requests per minute
         self._day: dict[int, TokenBucket] = {}  # account id -> tokens per day
         self._auth: OrderedDict[str, TokenBucket] = OrderedDict()  # client address -> failures
@@ -108,12 +129,44 @@ class AdmissionControl:
             o = self.class_settings(k)
             self.book.objectives[k.value] = Targets(o.admit_s, o.first_token_s, o.complete_s)
 
-    def objectives(self, klass: ServiceClass) -> Objectives:
-        c = self.class_settings(klass)
-        return Objectives(c.admit_s, c.first_token_s, c.complete_s)
-
     def rates(self, model: str) -> Rates:
         return self._rates.get(model, Rates())
+
+    def idle_rates(self, model: str) -> Rates:
+        """`model`'s speed with nothing else running: measured at its load, kept current
+        from its requests (until either, Rates' defaults)."""
+        return self._idle.get(model, Rates())
+
+    def targets(
+        self, klass: ServiceClass, model: str, prompt_tokens: int, completion_tokens: int = 0
+    ) -> Targets:
+        """One request's objectives: its class's, with the allowances for its tokens."""
+        c = self.class_settings(klass)
+        per_prompt, per_output = self.allowances(klass, model)
+        first = prompt_tokens * per_prompt
+        return Targets(
+            c.admit_s,
+            c.first_token_s + first,
+            c.complete_s + first + completion_tokens * per_output,
+        )
+
+    def allowances(self, klass: ServiceClass, model: str) -> tuple[float, float]:
+        """Seconds a class's objectives allow per prompt token (SLO.B) and per completion
+        token (SLO.C) on `model`: the class's settings, else the model's idle speed."""
+        c = self.class_settings(klass)
+        idle = self.idle_rates(model)
+        per_prompt = c.first_token_per_token_s
+        per_output = c.complete_per_token_s
+        return (
+            1 / idle.prefill_tok_s if per_prompt is None else per_prompt,
+            idle.token_s if per_output is None else per_output,
+        )
+
+    def calibrated(self, model: str, idle: Rates) -> None:
+        """A model's idle speed as measured at its load: what the allowances and the
+        prediction start from (until then, Rates' defaults)."""
+        self._idle[model] = idle
+        self._rates.setdefault(model, idle)
 
     # -- quotas ------------------------------------------------------------------------------
 
@@ -225,11 +278,24 @@ class AdmissionControl:
         prompt_tokens: int,
         max_tokens: int,
         ticket: Ticket | None = None,
-    ) -> None:
-        """Refuse now (429 ``overloaded``) a request that the prediction says cannot hold a
-        slot within its class's SLO.A or see its first token within SLO.B."""
+    ) -> Targets:
+        """The request's objectives, once admitted. Refuse it for good (400
+        ``prompt_too_long_for_class``) when even an idle replica could not give its first
+        token in time, or now (429 ``overloaded``) when the prediction says it cannot hold
+        a slot within its class's SLO.A or see its first token within SLO.B; a request
+        that would take a free slot at once is admitted."""
         if ticket is not None:
             ticket.at_door = True
+        model = deployment.record.ref
+        if model not in self._idle and deployment.calibration is not None:
+            self.calibrated(model, deployment.calibration)
+        targets = self.targets(klass, model, prompt_tokens)
+        idle = self.idle_rates(model)
+        if not fits_idle(prompt_tokens, idle, targets.first_token_s):
+            self._metrics.admission.labels(klass.value, "prompt_too_long").inc()
+            if ticket is not None:
+                ticket.refuse("first_token")
+            raise PromptTooLongForClass(self._too_long(klass, model, prompt_tokens, idle))
         flights = [f for r in deployment.replicas if r.ready for f in r.flights()]
         new = InFlight(klass.priority, prompt_tokens, max_tokens, arrival=1 << 62)
         capacity = Capacity(
@@ -238,27 +304,54 @@ class AdmissionControl:
             reserved=deployment.options.reserved_slots,
             preemption=deployment.options.preemption,
         )
-        decision = decide(
-            new, flights, capacity, self.rates(deployment.record.ref), self.objectives(klass)
-        )
-        self._metrics.admission.labels(klass.value, decision.reason.value).inc()
-        if not decision.admitted:
+        objectives = Objectives(targets.admit_s, targets.first_token_s, targets.complete_s)
+        decision = decide(new, flights, capacity, self.rates(model), objectives)
+        at_once = decision.prediction.admit_s == 0 and decision.prediction.drain_s == 0
+        admitted = decision.admitted or at_once
+        reason = decision.reason.value if not admitted else "admitted"
+        self._metrics.admission.labels(klass.value, reason).inc()
+        if not admitted:
             if ticket is not None:
-                ticket.refuse("first_token" if decision.reason.value == "first_token" else "admit")
+                ticket.refuse("first_token" if reason == "first_token" else "admit")
             raise Overloaded(
                 f"class {klass.value} cannot be served within its objectives now: "
                 f"{decision.detail}",
                 retry_after=decision.retry_after_s,
             )
+        if ticket is not None:
+            ticket.targets = targets
+        return targets
+
+    def _too_long(self, klass: ServiceClass, model: str, prompt_tokens: int, idle: Rates) -> str:
+        c = self.class_settings(klass)
+        per_prompt, _ = self.allowances(klass, model)
+        most = largest_prompt(c.first_token_s, per_prompt, idle)
+        others = [
+            k.value
+            for k in ServiceClass
+            if k != klass
+            and fits_idle(prompt_tokens, idle, self.targets(k, model, prompt_tokens).first_token_s)
+        ]
+        takes = (
+            f"an account of class {' or '.join(others)} would be served it"
+            if others
+            else "no class takes it on this node"
+        )
+        return (
+            f"the prompt has {prompt_tokens} tokens; class {klass.value} takes at most "
+            f"{most} on this node, whose model {model} prefills {idle.prefill_tok_s:.0f} "
+            f"tokens/s idle (the class's first token within {c.first_token_s:g} s and "
+            f"{per_prompt * 1000:g} ms per prompt token); {takes}"
+        )
 
     def shed(
-        self, klass: ServiceClass, waited_s: float, ticket: Ticket | None = None
+        self, klass: ServiceClass, waited_s: float, objective: float, ticket: Ticket | None = None
     ) -> Overloaded:
-        """The error for a queued request that missed its first-token objective."""
+        """The error for a queued request that missed its first-token objective (its own:
+        the class's with the allowance for its prompt)."""
         self._metrics.sheds.labels(klass.value).inc()
         if ticket is not None:
             ticket.refuse("shed")
-        objective = self.objectives(klass).first_token_s
         return Overloaded(
             f"class {klass.value}: no first token after {waited_s:.1f} s, past the "
             f"{objective:g} s objective; the request was dropped from the queue",
@@ -268,9 +361,12 @@ class AdmissionControl:
     def finished(
         self, model: str, klass: ServiceClass, finished: Finished, ticket: Ticket | None = None
     ) -> None:
-        """Learn from a finished request, and measure it against its class's objectives."""
+        """Learn from a finished request, and measure it against its own objectives (its
+        class's with the allowances for its tokens)."""
         m = self._metrics
+        objectives = self.targets(klass, model, finished.prompt_tokens, finished.completion_tokens)
         if ticket is not None:
+            ticket.targets = objectives
             ticket.serve(
                 queue_s=finished.queue_s,
                 ttft_s=finished.ttft_s,
@@ -279,17 +375,26 @@ class AdmissionControl:
             )
         if finished.ttft_s is not None:
             prefill_s = finished.ttft_s - (finished.queue_s or 0.0)
+            decode_s = finished.duration_s - finished.ttft_s
             self._rates[model] = self.rates(model).observe(
                 prompt_tokens=finished.prompt_tokens,
                 prefill_s=prefill_s,
                 completion_tokens=finished.completion_tokens,
-                decode_s=finished.duration_s - finished.ttft_s,
+                decode_s=decode_s,
             )
+            if finished.cached_tokens == 0:  # with a cached prefix: not its prefill speed
+                self._idle[model] = self.idle_rates(model).toward(
+                    prefill_tok_s=finished.prompt_tokens / prefill_s if prefill_s > 0 else None,
+                    token_s=(
+                        decode_s / (finished.completion_tokens - 1)
+                        if finished.completion_tokens > 1 and decode_s > 0
+                        else None
+                    ),
+                )
             m.class_ttft_seconds.labels(klass.value).observe(finished.ttft_s)
         if finished.finish_reason == "cancelled":
             return
         m.class_completion_seconds.labels(klass.value).observe(finished.duration_s)
-        objectives = self.objectives(klass)
         if finished.queue_s is not None and finished.queue_s > objectives.admit_s:
             m.slo_misses.labels(klass.value, "admit").inc()
         if finished.ttft_s is not None and finished.ttft_s > objectives.first_token_s:

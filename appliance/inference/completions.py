@@ -434,7 +434,7 @@ class CompletionService:
         )
         n = prepared.n
         with self._tracing.span("admission", {"kvl.class": klass.value}):
-            self._admission.admit(
+            targets = self._admission.admit(
                 prepared.engine, klass, len(request.prompt_tokens), request.max_tokens * n, ticket
             )
         cost = len(request.prompt_tokens) + request.max_tokens * n
@@ -456,11 +456,11 @@ class CompletionService:
                 raise ModelNotReady(str(err), retry_after=5) from err
             raise ModelUnavailable(str(err), retry_after=err.retry_after) from err
         self._metrics.queue_waiting.labels(prepared.model).set(prepared.engine.waiting)
-        objective = self._admission.objectives(klass).first_token_s
+        objective = targets.first_token_s  # the class's, with the allowance for its prompt
         return Generation(
             runs,
             objective,
-            lambda waited: self._admission.shed(klass, waited, ticket),
+            lambda waited: self._admission.shed(klass, waited, objective, ticket),
             # A generation closed without a usage record (it failed) frees its reservation.
             on_close=lambda: self._admission.settle_lease(prepared.lease_id, prepared.id, 0),
         )
@@ -684,8 +684,10 @@ class Generation:
     ) -> None:
         self._runs = runs
         self._on_close = on_close
-        # A request still waiting for its first token at this deadline is dropped from the
-        # queue (its class's SLO.B) rather than served late.
+        # A request still waiting in the queue at this deadline (its class's SLO.B, with
+        # the allowance for its prompt) is dropped from it rather than served late; one that
+        # holds a slot by then is being served (a busy host slows it: not the queue's fault)
+        # and goes on.
         self._started = time.monotonic()
         self._first_token_s = first_token_s
         self._shed = shed
@@ -726,6 +728,8 @@ class Generation:
                     async with asyncio.timeout(max(0.0, left)):  # not wait_for: see wait_until_set
                         return await self._event()
                 except TimeoutError:
+                    if any(run.seated for run in self._runs):
+                        return await self._event()
                     self.cancel()
                     waited = time.monotonic() - self._started
                     if self._shed is None:  # pragma: no cover - set with the deadline

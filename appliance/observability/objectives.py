@@ -161,12 +161,14 @@ class ObjectiveBook:
         ttft_s: float | None,
         duration_s: float,
         cancelled: bool,
+        targets: ClassObjectives | None = None,
     ) -> None:
         """An admitted request that ended with its worker's timings (from its arrival
-        there). Cancelled, it counts for `complete` neither way, and for an objective it
-        had not reached yet only once it had waited past it."""
+        there), against `targets` (the request's own: its class's with their allowances
+        for its tokens), else its class's. Cancelled, it counts for `complete` neither
+        way, and for an objective it had not reached yet only once it had waited past it."""
         s = self.series(klass, account)
-        o = self.objectives[klass]
+        o = targets or self.objectives[klass]
         s.requests += 1
         s.admitted += 1
         if queue_s is not None:
@@ -244,7 +246,7 @@ class Ticket:
     """One request's way through admission: it ends once, admitted or refused; what the
     admission control and the completion service say after its end changes nothing."""
 
-    __slots__ = ("_book", "account", "at_door", "klass", "open")
+    __slots__ = ("_book", "account", "at_door", "klass", "open", "targets")
 
     def __init__(self, book: ObjectiveBook, klass: str, account: str) -> None:
         self._book = book
@@ -252,6 +254,9 @@ class Ticket:
         self.account = account
         self.open = True
         self.at_door = False  # past the quotas, at the door's prediction
+        # The request's own objectives (its class's with the allowances for its tokens),
+        # set at the door; None: its class's.
+        self.targets: ClassObjectives | None = None
 
     def refuse(self, reason: protocol.Refusal) -> None:
         if self.open:
@@ -270,6 +275,7 @@ class Ticket:
                 ttft_s=ttft_s,
                 duration_s=duration_s,
                 cancelled=cancelled,
+                targets=self.targets,
             )
 
     def close(self) -> None:

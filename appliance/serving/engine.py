@@ -149,6 +149,8 @@ class Run:
         self.cancelled = threading.Event()  # set by cancel(); read by the engine thread
         self._on_cancel = on_cancel
         self._done = False
+        # It has held a batch slot (the worker says when): being served, not queued.
+        self.seated = False
 
     def emit(self, event: Event | Failed) -> None:
         """Hand an event to the consumer; called from the engine thread."""

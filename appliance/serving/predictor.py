@@ -14,6 +14,11 @@ not counted for lower classes; running S0 sequences are preemptible, so for S1 a
 their slots count as free now. A request is refused when the predicted admission is later
 than its class's SLO.A or its first token later than SLO.B; ``Retry-After`` is when the
 prediction says it would fit.
+
+A class's first-token objective is a base plus an allowance per prompt token (the admission
+control scales it per request), and a prompt is judged against what an idle replica does
+with it (:func:`idle_first_token_s`, from the model's idle speed): one that no wait could
+bring within its class (:func:`largest_prompt`) is refused for good, not for now.
 """
 
 from __future__ import annotations
@@ -63,6 +68,42 @@ class Rates:
             token = _ewma(token, decode_s / (completion_tokens - 1), alpha)
         expected = _ewma(self.expected_tokens, float(max(completion_tokens, 1)), alpha)
         return Rates(prefill, token, expected)
+
+    def toward(
+        self, *, prefill_tok_s: float | None, token_s: float | None, drift: float = 0.01
+    ) -> Rates:
+        """Idle speed kept current from one request's measured speeds (None: not measured):
+        a faster one is taken at once, a slower one moves it by `drift` only (a busy host
+        slows requests for a while; a model's own speed changes seldom)."""
+        prefill, token = self.prefill_tok_s, self.token_s
+        if prefill_tok_s is not None and prefill_tok_s > 0:
+            prefill = max(prefill_tok_s, _ewma(prefill, prefill_tok_s, drift))
+        if token_s is not None and token_s > 0:
+            token = min(token_s, _ewma(token, token_s, drift))
+        return Rates(prefill, token, self.expected_tokens)
+
+
+_EPSILON = 1e-9  # of rounding: a prompt that fits exactly, fits
+
+
+def fits_idle(prompt_tokens: int, idle: Rates, first_token_s: float) -> bool:
+    """Whether an idle replica gives the prompt its first token within `first_token_s`."""
+    return idle_first_token_s(prompt_tokens, idle) <= first_token_s + _EPSILON
+
+
+def idle_first_token_s(prompt_tokens: int, idle: Rates) -> float:
+    """A prompt's first token on an idle replica: its prefill and one decode step."""
+    return prompt_tokens / idle.prefill_tok_s + idle.token_s
+
+
+def largest_prompt(first_token_s: float, per_token_s: float, idle: Rates) -> int | None:
+    """The longest prompt whose first token an idle replica gives within `first_token_s`
+    plus `per_token_s` per prompt token; None: any (the allowance covers the prefill)."""
+    room = first_token_s - idle.token_s
+    prefill = 1 / idle.prefill_tok_s
+    if per_token_s >= prefill:
+        return None if room >= 0 else 0
+    return max(0, math.floor(room / (prefill - per_token_s) + _EPSILON))
 
 
 def _ewma(old: float, new: float, alpha: float) -> float:

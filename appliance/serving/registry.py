@@ -42,12 +42,15 @@ from appliance.serving.catalog import (
 )
 from appliance.serving.engine import (
     EngineOptions,
+    Finished,
     GenerationRequest,
     Run,
     Vocabulary,
     default_threads,
 )
+from appliance.serving.predictor import Rates
 from appliance.serving.presets import Presets
+from appliance.serving.sampling_options import Sampling
 from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, WorkerStats
 from shared.gguf import GGUFError, read_gguf, replica_mib
 from shared.supervise import wait_until_set
@@ -178,6 +181,7 @@ class LoadedModel:
     pinned: bool
     preset: ModelPreset | None = None  # the hub's, for a model it placed here
     load_s: float | None = None  # from the first worker's start to every replica's ready
+    calibration: Rates | None = None  # its speed on this node, idle, measured at load
     replicas: list[Replica] = field(default_factory=list)
     state: State = "loading"
     error: str | None = None
@@ -234,6 +238,55 @@ class LoadedModel:
             except psutil.Error:
                 return None
         return total
+
+
+# The calibration at load: a prompt of ordinary text prefilled and a few tokens decoded.
+CALIBRATION_TEXT = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. "
+CALIBRATION_PROMPT = 64  # tokens
+CALIBRATION_STEPS = 6  # tokens generated
+CALIBRATION_TIMEOUT_S = 120.0
+
+
+async def calibrate(deployment: LoadedModel) -> Rates | None:
+    """A model's speed on this node with nothing else running, measured once its replicas
+    are up and before any request: its prefill speed and its time per token. The admission
+    control's per-token allowances and its prediction start from it (appliance.inference
+    .admission). None for a model script (its timings are the script's), or when the
+    measurement fails (the model still serves; the defaults stand until traffic measures)."""
+    if deployment.record.format != "gguf":
+        return None
+    replica = deployment.replicas[0]
+    try:
+        vocab = replica.require_vocab()
+        tokens = vocab.tokenize(CALIBRATION_TEXT * 8, chat=False)
+        count = min(CALIBRATION_PROMPT, len(tokens), deployment.n_ctx // 2)
+        request = GenerationRequest(
+            tuple(tokens[:count]), CALIBRATION_STEPS, Sampling(temperature=0.0)
+        )
+        finished = None
+        async with asyncio.timeout(CALIBRATION_TIMEOUT_S):
+            async for event in replica.submit(request):
+                if isinstance(event, Finished):
+                    finished = event
+    except Exception:  # noqa: BLE001 - measured or not, the model serves
+        log.warning("model %s: its speed could not be measured", deployment.record.ref)
+        return None
+    if finished is None or finished.ttft_s is None:
+        return None
+    prefill_s = finished.ttft_s - (finished.queue_s or 0.0)
+    decode_s = finished.duration_s - finished.ttft_s
+    default = Rates()
+    rates = Rates(
+        finished.prompt_tokens / prefill_s if prefill_s > 0 else default.prefill_tok_s,
+        decode_s / (finished.completion_tokens - 1)
+        if finished.completion_tokens > 1 and decode_s > 0
+        else default.token_s,
+    )
+    log.info(
+        "model %s idle on this node: %.0f prompt tokens/s, %.1f ms per token",
+        deployment.record.ref, rates.prefill_tok_s, rates.token_s * 1000,
+    )  # fmt: skip
+    return rates
 
 
 class ModelRegistry:
@@ -561,6 +614,7 @@ class ModelRegistry:
                 del self._deployments[ref]
             await asyncio.gather(*(r.close() for r in deployment.replicas))
         else:
+            deployment.calibration = await calibrate(deployment)
             deployment.state = "ready"
             deployment.load_s = time.monotonic() - started
             self._watch(deployment)

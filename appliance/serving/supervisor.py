@@ -381,6 +381,7 @@ class Replica:
         if kind == "slot":
             if flight is not None:
                 flight.running = bool(message.get("holds"))
+            run.seated = run.seated or bool(message.get("holds"))
             return
         if kind == "delta" and flight is not None:
             # A delta with logprobs says how many tokens it completes; one without is about

@@ -15,6 +15,9 @@ from appliance.serving.predictor import (
     Rates,
     Reason,
     decide,
+    fits_idle,
+    idle_first_token_s,
+    largest_prompt,
     predict,
 )
 from tests.budget import tries
@@ -90,6 +93,29 @@ def test_rates_learn_from_finished_requests() -> None:
     assert rates.observe(prompt_tokens=0, prefill_s=None, completion_tokens=1, decode_s=None) == (
         Rates(100.0, 0.1, 8.2)
     )
+
+
+def test_the_idle_speed_takes_a_faster_measurement_at_once_and_drifts_to_a_slower_one() -> None:
+    idle = Rates(prefill_tok_s=1000.0, token_s=0.05)
+    assert idle.toward(prefill_tok_s=1500.0, token_s=0.04) == Rates(1500.0, 0.04)
+    slower = idle.toward(prefill_tok_s=500.0, token_s=0.1)  # a busy host, for a while
+    assert slower.prefill_tok_s == 995.0
+    assert math.isclose(slower.token_s, 0.0505)
+    assert idle.toward(prefill_tok_s=None, token_s=None) == idle  # nothing measured
+
+
+def test_the_longest_prompt_a_class_takes_follows_its_allowance_and_the_idle_speed() -> None:
+    idle = Rates(prefill_tok_s=1000.0, token_s=0.1)
+    # No allowance: the base alone, less one step, at 1 ms a token.
+    assert largest_prompt(2.0, 0.0, idle) == 1900
+    assert fits_idle(1900, idle, 2.0)
+    assert not fits_idle(1901, idle, 2.0)
+    assert idle_first_token_s(1901, idle) > 2.0
+    # Half a prefill's time allowed per token: twice as many.
+    assert largest_prompt(2.0, 0.0005, idle) == 3800
+    # The prefill's time or more: any prompt; a base shorter than one step: none.
+    assert largest_prompt(2.0, 0.001, idle) is None
+    assert largest_prompt(0.05, 0.0, idle) == 0
 
 
 def test_a_token_bucket_refuses_when_empty_recovers_with_time_and_carries_debt() -> None:

@@ -144,11 +144,12 @@ async def test_each_request_is_counted_once_by_how_it_ended_and_a_restart_resume
     assert ErrorCode.model_unavailable.value in (await stream.read()).decode()
     await until(lambda: replica.ready and replica.pid != pid, "the worker back", timeout_s=120)
 
-    # Refused at the door, and over a quota.
+    # Refused at the door (for good: not even an idle node meets S2's objectives here),
+    # and over a quota.
     for _ in range(2):
         refused = await client.post("/v1/completions", headers=auth(door), json=SHORT)
-        assert refused.status == 429
-        assert (await refused.json())["error"]["code"] == ErrorCode.overloaded
+        assert refused.status == 400
+        assert (await refused.json())["error"]["code"] == ErrorCode.prompt_too_long_for_class
     statuses = [
         (await client.post("/v1/completions", headers=auth(limited), json=SHORT)).status
         for _ in range(2)
