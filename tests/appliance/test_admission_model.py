@@ -113,10 +113,7 @@ def body_tokens(app: Any, ref: str, prompt: str) -> int:
 @pytest.fixture
 def busy_host() -> Iterator[None]:
     """Two processes that burn a core each, as other work on the host would."""
-    burners = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        for _ in range(2)
-    ]
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         yield
     finally:
