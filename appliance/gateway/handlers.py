@@ -195,7 +195,7 @@ async def _respond(request: web.Request, prepared: Prepared, *, stream: bool) ->
         return await _stream(request, prepared, headers)
     completed = await service.complete(prepared)
     if completed.problems:
-        raise invalid_output(completed.problems)
+        raise invalid_output(completed)
     return web.json_response(response_body(completed), headers=headers)
 
 
@@ -293,7 +293,7 @@ async def _stream(
         raise AssertionError("a completed stream has begun")
     finished = completed.finished
     if completed.problems:
-        await sse.send(response, error_data(invalid_output(completed.problems)))
+        await sse.send(response, error_data(invalid_output(completed)))
     else:
         for choice in completed.choices:
             last = choice is completed.choices[-1]

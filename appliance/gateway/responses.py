@@ -51,7 +51,7 @@ async def create(request: web.Request) -> web.StreamResponse:
         return await _stream(request, service, events, messages)
     completed = await service.complete(prepared)
     if completed.problems:
-        raise invalid_output(completed.problems)
+        raise invalid_output(completed)
     choice = completed.choices[0]
     body = response_object(
         response_id,
@@ -228,7 +228,7 @@ async def _stream(
     if response is None:  # pragma: no cover - the first event opens it
         raise AssertionError("a completed stream has begun")
     if completed.problems:
-        await events.error(invalid_output(completed.problems))
+        await events.error(invalid_output(completed))
     else:
         choice = completed.choices[0]
         final = output_items(response_id, choice)

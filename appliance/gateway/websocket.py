@@ -152,7 +152,7 @@ class _Connection:
             await self.send({"id": request_id, "event": "cancelled", "usage": usage(finished)})
             return
         if completed.problems:
-            await self.error(request_id, invalid_output(completed.problems))
+            await self.error(request_id, invalid_output(completed))
             return
         for choice in completed.choices:
             last = choice is completed.choices[-1]

@@ -171,7 +171,7 @@ class Inference(pb_grpc.InferenceServicer):
         completed = await service.complete(prepared, replies)
         if completed.problems:
             # The text went out as it came; the call fails closed at its end.
-            raise invalid_output(completed.problems)
+            raise invalid_output(completed)
         await context.write(messages.last_reply(completed.finished))
 
     async def _serve(

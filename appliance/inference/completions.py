@@ -140,10 +140,16 @@ class Completed:
     # All its choices together: the prompt once, the tokens of every choice; the first
     # choice's text and reason (what a one-choice caller reads).
     finished: Finished
-    # Why the output fails its `response_format` (empty when it holds, or when cancelled).
+    # Why the output fails its contract, `response_format` or the tool calls the request
+    # asked for (empty when it holds, or when cancelled).
     problems: list[str]
     status: int  # the status its usage event was recorded with
     choices: list[Choice] = field(default_factory=list)
+
+    @property
+    def contract(self) -> Literal["response_format", "tools"]:
+        """What its output is held to: the tool calls, or the response format."""
+        return "tools" if self.prepared.tools is not None else "response_format"
 
     @property
     def cancelled(self) -> bool:
@@ -617,23 +623,32 @@ class CompletionService:
         with self._tracing.span("validation", {"kvl.structured": prepared.structured is not None}):
             found: list[str] = []
             for choice in choices:
-                problems = streams[choice.index].problems() + self._output_problems(
-                    prepared, choice
-                )
+                problems = self._output_problems(prepared, choice, streams[choice.index].problems())
                 prefix = f"choice {choice.index}: " if prepared.n > 1 else ""
                 found += [prefix + problem for problem in problems]
             return found
 
-    def _output_problems(self, prepared: Prepared, choice: Choice) -> list[str]:
-        """Why a choice's output fails its structured-output contract (empty when it
-        holds)."""
+    def _output_problems(self, prepared: Prepared, choice: Choice, calls: list[str]) -> list[str]:
+        """Why a choice's output fails its contract (empty when it holds): `calls`, the
+        problems its stream found in its tool calls."""
         finished = choice.finished
-        if prepared.structured is None or finished.finish_reason == "cancelled":
-            return []
-        found = prepared.structured.problems(choice.content)
+        if prepared.structured is None:
+            cut = calls and finished.finish_reason == "length"
+            # Tool calls broken off: say why, and what to change.
+            return [*calls, self._cut(prepared)] if cut else calls
+        if finished.finish_reason == "cancelled":
+            return calls
+        found = calls + prepared.structured.problems(choice.content)
         if finished.finish_reason == "length":
-            found.insert(0, f"generation stopped at max_tokens={prepared.request.max_tokens}")
+            found.insert(0, self._cut(prepared))
         return found
+
+    @staticmethod
+    def _cut(prepared: Prepared) -> str:
+        return (
+            f"generation stopped at max_tokens={prepared.request.max_tokens}; "
+            "allow more tokens for the whole output"
+        )
 
     async def record(self, prepared: Prepared, finished: Finished, status: int) -> None:
         """Count the tokens and commit the usage event (before the response completes)."""
@@ -843,11 +858,15 @@ def _tools(
     if not req.tools:
         return None
     choice = req.tool_choice
+    # Calls in parallel unless the request says not; for a function the request names,
+    # one call unless it asks for more (a small model repeats the call it is forced to).
+    named = isinstance(choice, BaseModel)
+    parallel = req.parallel_tool_calls is True if named else req.parallel_tool_calls is not False
     try:
         return plan_tools(
             [tool.model_dump(exclude_none=True) for tool in req.tools],
             choice.model_dump() if isinstance(choice, BaseModel) else choice,
-            parallel_tool_calls=req.parallel_tool_calls is not False,
+            parallel_tool_calls=parallel,
             template=template,
             tool_format=tool_format,
         )
@@ -883,9 +902,12 @@ async def drain(generation: Generation) -> list[Finished]:
     return ends
 
 
-def invalid_output(problems: list[str]) -> OutputInvalid:
-    """The error of an output that fails its `response_format` (it fails closed)."""
-    return OutputInvalid(
-        "the output does not satisfy response_format: " + "; ".join(problems),
-        param="response_format",
+def invalid_output(completed: Completed) -> OutputInvalid:
+    """The error of an output that fails its contract (it fails closed): its
+    `response_format`, or the tool calls the request asked for."""
+    what = (
+        "the tool calls are not valid"
+        if completed.contract == "tools"
+        else ("the output does not satisfy response_format")
     )
+    return OutputInvalid(what + ": " + "; ".join(completed.problems), param=completed.contract)

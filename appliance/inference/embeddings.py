@@ -56,6 +56,7 @@ class LoadedModel:
     provider: str  # onnxruntime's execution provider actually running it
     dimension: int
     sha256: str
+    created: int = 0  # when its file was installed, in Unix seconds
 
     @property
     def ref(self) -> str:
@@ -140,6 +141,7 @@ class EmbeddingService:
                 provider=engine.provider,
                 dimension=engine.dimension,
                 sha256=MODEL_FILE.sha256,
+                created=int(MODEL_FILE.locate().stat().st_mtime),
             )
         except Exception as err:
             # Readiness and requests report this; the process stays up for the LLM routes.

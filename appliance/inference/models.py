@@ -4,11 +4,15 @@ One entry per registered model name (the version a request without `@version` ge
 whether it is loaded or not (a request for an unloaded one loads it), then the embedding
 model, then each alias as an entry of its own that says what it leads to. OpenAI's fields
 first; the rest are this appliance's. Pure: the caller hands in what the registry, the
-store and the embedding service know.
+store and the embedding service know. `created` (Unix seconds, as OpenAI's) is when the
+model was registered on this appliance; for a model a package ships and no request has
+registered yet, and for the embedding model, when its file was installed; an alias's is
+its model's.
 """
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -25,10 +29,10 @@ def model_entries(
     loaded: list[LoadedModel],
     embedding: LoadedEmbedding | None,
     names: ModelNames,
-    embedded: Sequence[tuple[str, str]] = (),
+    embedded: Sequence[tuple[str, str, int]] = (),
 ) -> list[dict[str, Any]]:
-    """`embedded`: (name, version) of the models shipped in installed packages, which a
-    first request registers and loads."""
+    """`embedded`: (name, version, created) of the models shipped in installed packages,
+    which a first request registers and loads."""
     by_ref = {d.record.ref: d for d in loaded}
     entries: list[dict[str, Any]] = []
     newest: dict[str, ModelRecord] = {}
@@ -43,7 +47,7 @@ def model_entries(
         entry: dict[str, Any] = {
             "id": name,
             "object": "model",
-            "created": 0,
+            "created": _created(current.added_at),
             "owned_by": "kovenlab",
             "version": current.version,
             "ref": current.ref,
@@ -65,13 +69,13 @@ def model_entries(
                 ),
             }
         entries.append(entry)
-    for name, version in embedded:
+    for name, version, created in embedded:
         if name not in newest:
             entries.append(
                 {
                     "id": name,
                     "object": "model",
-                    "created": 0,
+                    "created": created,
                     "owned_by": "kovenlab",
                     "version": version,
                     "ref": f"{name}@{version}",
@@ -87,7 +91,7 @@ def model_entries(
             {
                 "id": embedding.name,
                 "object": "model",
-                "created": 0,
+                "created": embedding.created,
                 "owned_by": "kovenlab",
                 "version": embedding.version,
                 "ref": embedding.ref,
@@ -107,13 +111,21 @@ def model_entries(
             {
                 "id": alias,
                 "object": "model",
-                "created": 0,
+                "created": to["created"] if to is not None else 0,
                 "owned_by": "kovenlab",
                 "alias_of": target,
                 "state": to["state"] if to is not None else "unregistered",
             }
         )
     return entries
+
+
+def _created(added_at: str) -> int:
+    """Unix seconds of a registration time as the store keeps it (ISO 8601, UTC)."""
+    try:
+        return int(datetime.fromisoformat(added_at).timestamp())
+    except ValueError:
+        return 0
 
 
 def find_entry(entries: list[dict[str, Any]], model: str) -> dict[str, Any] | None:

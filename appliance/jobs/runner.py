@@ -351,7 +351,7 @@ class JobRunner:
         if completed.cancelled:
             return None
         if completed.problems:
-            return _Result.failed(invalid_output(completed.problems))
+            return _Result.failed(invalid_output(completed))
         return _Result(200, response_body(completed))
 
     async def _handled(self, handler: ItemHandler, item: PendingItem) -> _Result | _Retry:

@@ -340,13 +340,15 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def embedded_models() -> list[tuple[str, str]]:
-    """(name, version) of each embedded model whose package is installed."""
-    out: list[tuple[str, str]] = []
+def embedded_models() -> list[tuple[str, str, int]]:
+    """(name, version, when its file was installed, in Unix seconds) of each embedded
+    model whose package is installed."""
+    out: list[tuple[str, str, int]] = []
     for model in EMBEDDED.values():
         try:
-            out.append((model.name, model.version()))
-        except ModelFileError:
+            created = int(model.sources()[0].stat().st_mtime)
+            out.append((model.name, model.version(), created))
+        except (ModelFileError, OSError, IndexError):
             continue
     return out
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -145,6 +146,12 @@ async def test_models_are_listed_once_each_with_their_aliases(lan: tuple[Client,
     assert by_id[MODEL]["aliases"] == ["gpt-4o-mini"]
     assert by_id["gpt-4o-mini"]["alias_of"] == MODEL
     assert by_id["text-embedding-3-small"]["alias_of"] == EMBEDDING_MODEL
+    # `created`: when each was registered here (or, shipped in a package, installed); an
+    # alias's is its model's. Unix seconds, as OpenAI's.
+    created = {m["id"]: m["created"] for m in listed["data"]}
+    assert all(1_600_000_000 < c <= time.time() + 1 for c in created.values()), created
+    assert created["gpt-4o-mini"] == created[MODEL]
+    assert created["text-embedding-3-small"] == created[EMBEDDING_MODEL]
     for name in (MODEL, by_id[MODEL]["ref"], "gpt-4o-mini"):
         response = await client.get(f"/v1/models/{name}", headers=auth)
         assert response.status == 200

@@ -288,6 +288,31 @@ def test_tool_choice_required_and_named(sdk: OpenAI, model: str) -> None:
             assert call.function.name == "get_time"
 
 
+def test_a_named_function_is_called_once_and_a_call_cut_short_says_by_what(sdk: OpenAI) -> None:
+    # Named, without parallel_tool_calls: one call (the grammar allows no second).
+    reply = sdk.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        max_tokens=200,
+    )
+    calls = reply.choices[0].message.tool_calls or []
+    assert [call.function.name for call in calls] == ["get_weather"]
+    # Cut by max_tokens mid-call: refused (fails closed), saying so and what to change.
+    with pytest.raises(openai.UnprocessableEntityError) as cut:
+        sdk.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=4
+        )
+    error = cut.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == "tools"
+    assert "the tool calls are not valid" in error["message"]
+    assert "max_tokens=4" in error["message"]
+    assert "response_format" not in error["message"]
+
+
 def test_parallel_calls_and_auto(sdk: OpenAI) -> None:
     reply = sdk.chat.completions.create(
         model=MODEL,
