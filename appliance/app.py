@@ -363,9 +363,19 @@ async def _grpc(app: web.Application) -> AsyncIterator[None]:
 
 async def _discovery(app: web.Application) -> AsyncIterator[None]:
     # zeroconf only when discovery is on (ANNOUNCER).
-    from appliance.discovery.mdns import Announcement, Announcer, lan_addresses  # noqa: PLC0415
+    from appliance.discovery.mdns import (  # noqa: PLC0415
+        Announcement,
+        Announcer,
+        announced_on,
+        lan_addresses,
+    )
 
     settings = app[SETTINGS]
+    interfaces = announced_on(settings.server.host, settings.discovery.interfaces)
+    if interfaces == []:
+        log.info("not announced over mDNS: the server listens on loopback only")
+        yield
+        return
     announcer = Announcer(
         Announcement(
             node_id=app[NODE_ID],
@@ -375,7 +385,7 @@ async def _discovery(app: web.Application) -> AsyncIterator[None]:
             tls=settings.server.tls_cert_file is not None,
         ),
         addresses=lan_addresses(settings.server.host),
-        interfaces=settings.discovery.interfaces,
+        interfaces=interfaces,
     )
     await announcer.start_or_keep_trying()
     app[ANNOUNCER] = announcer

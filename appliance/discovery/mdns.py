@@ -85,6 +85,24 @@ def lan_addresses(listen_host: str) -> list[str]:
     return found or ["127.0.0.1"]
 
 
+def announced_on(listen_host: str, configured: list[str] | None) -> list[str] | None:
+    """The interfaces (by address) to announce on: none for a server that listens on
+    loopback only (nothing on the LAN could reach it), else those `discovery.interfaces`
+    names, else the one address it listens on; None: every interface (it listens on all)."""
+    if listen_host == "localhost":
+        return []
+    try:
+        if ipaddress.ip_address(listen_host).is_loopback:
+            return []
+    except ValueError:  # a host name: where it resolves is not ours to guess
+        return configured
+    if configured:
+        return configured
+    if listen_host in ("0.0.0.0", "::"):  # noqa: S104 - comparing, not binding
+        return None
+    return [listen_host]
+
+
 def local_networks(interfaces: list[str] | None = None) -> list[ipaddress.IPv4Network]:
     """The IPv4 networks this host is directly attached to (only those of `interfaces`, if set)."""
     return [

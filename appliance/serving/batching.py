@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import llama_cpp
 
-from appliance.serving import devices
+from appliance.serving import devices, llama_log
 from appliance.serving import prefix as px
 from appliance.serving import scheduler as sched
 from appliance.serving.catalog import verify
@@ -139,6 +139,7 @@ class BatchEngine:
     def load(self) -> None:
         stamps = self.options.stamps_dir
         verify(self.record, Path(stamps) if stamps is not None else None)
+        llama_log.route()  # its loader's 1,300 lines: the log's, at debug level
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = self.options.n_gpu_layers

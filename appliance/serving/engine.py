@@ -254,18 +254,16 @@ class LlamaVocabulary:
         into the gateway (numpy, diskcache: see appliance/serving/llama_package.py).
         Blocking."""
         import llama_cpp  # noqa: PLC0415
-        from llama_cpp._logger import set_verbose  # noqa: PLC0415
-        from llama_cpp._utils import suppress_stdout_stderr  # noqa: PLC0415
 
-        # Quiet, as `Llama(verbose=False)` was: llama.cpp's log through llama-cpp-python's
-        # callback, errors only, and nothing at all while loading (the loader reports
-        # every key it reads, and warns of the vocabulary's oddities).
-        set_verbose(False)
+        from appliance.serving import llama_log  # noqa: PLC0415
+
+        # llama.cpp's log (the loader reports every key it reads, and warns of the
+        # vocabulary's oddities) to the appliance's log, at debug level.
+        llama_log.route()
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
-        with suppress_stdout_stderr(disable=False):
-            llama_cpp.llama_backend_init()
-            model = llama_cpp.llama_model_load_from_file(record.path.encode(), params)
+        llama_cpp.llama_backend_init()
+        model = llama_cpp.llama_model_load_from_file(record.path.encode(), params)
         if not model:
             raise ValueError(f"llama.cpp could not read the vocabulary of {record.path}")
         freed = False

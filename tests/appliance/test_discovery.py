@@ -26,13 +26,17 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from zeroconf import NotRunningException
 
+from appliance.app import create_app
 from appliance.discovery import mdns
 from appliance.discovery.mdns import SERVICE_TYPE, Announcement, Found, prefer_reachable
+from tests.conftest import make_settings
 from tests.netns import A_ADDR, B_ADDR, Link, ip, linked_namespaces
 from tests.waiting import until
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+
+    from pytest_aiohttp import AiohttpClient
 
 REPO = Path(__file__).resolve().parents[2]
 PORT = 8080  # each test has fresh namespaces, so a fixed port cannot collide
@@ -105,6 +109,31 @@ def test_prefer_reachable_puts_on_link_addresses_first() -> None:
         "198.19.0.2",
     )
     assert prefer_reachable(addresses[:2], []) == ("198.19.0.1", "2001:db8::1")
+
+
+def test_announced_only_where_the_server_listens() -> None:
+    """Loopback only: nothing on the LAN could reach it, so nothing is announced; one
+    address: that interface only; every address: every interface (or those configured)."""
+    assert mdns.announced_on("127.0.0.1", None) == []
+    assert mdns.announced_on("::1", ["198.18.0.1"]) == []
+    assert mdns.announced_on("localhost", None) == []
+    assert mdns.announced_on("198.18.0.1", None) == ["198.18.0.1"]
+    assert mdns.announced_on("0.0.0.0", None) is None  # noqa: S104 - a value, not a bind
+    assert mdns.announced_on("::", ["198.18.0.1"]) == ["198.18.0.1"]
+
+
+async def test_an_appliance_on_loopback_starts_no_announcement(
+    aiohttp_client: AiohttpClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[object] = []
+    monkeypatch.setattr(mdns, "AsyncZeroconf", lambda **kw: started.append(kw))
+    settings = make_settings(
+        tmp_path / "data", discovery={"enabled": True}, embeddings={"enabled": False},
+        server={"host": "127.0.0.1"},
+    )  # fmt: skip
+    client = await aiohttp_client(create_app(settings))
+    assert (await client.get("/healthz")).status == 200
+    assert started == []
 
 
 async def test_an_announcement_zeroconf_cannot_start_yet_is_retried_and_serving_goes_on(
