@@ -298,7 +298,7 @@ def test_a_named_function_is_called_once_and_a_call_cut_short_says_by_what(sdk: 
         temperature=0,
         max_tokens=200,
     )
-    calls = reply.choices[0].message.tool_calls or []
+    calls: list[Any] = list(reply.choices[0].message.tool_calls or [])
     assert [call.function.name for call in calls] == ["get_weather"]
     # Cut by max_tokens mid-call: refused (fails closed), saying so and what to change.
     with pytest.raises(openai.UnprocessableEntityError) as cut:
