@@ -161,4 +161,6 @@ async def test_an_appliances_slo_breach_fires_the_burn_rate_alert_in_prometheus_
             assert missed, "the appliance's own first-token misses in Prometheus"
             assert float(missed[0]["value"][1]) > 0
     assert sum(statuses.values()) > 0
-    assert set(statuses) <= {200, 429}, statuses  # served late, or refused at the door
+    # Served late, or refused at the door: for now (429), or for good (400: even an idle
+    # node's first token takes longer than 10 ms).
+    assert set(statuses) <= {200, 400, 429}, statuses
