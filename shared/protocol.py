@@ -52,8 +52,9 @@ Version 7 adds models' presets (`PlacedModel.preset`: context, slots, KV cache t
 sampling, names), the node's evaluation of each placed model (`Capacity.evaluations`),
 and the part of a node's settings the hub sets (`DesiredState.settings`, and
 `Capacity.settings_digest` once the node applied them). Version 8 adds the content
-packages' settings to those (`NodeSettings.packages`); the hub gives an older node only
-the settings it takes, and expects its digest of those.
+packages' settings to those (`NodeSettings.packages`) and the objectives' allowances per
+token (`ClassTargets.first_token_per_token_s`, `complete_per_token_s`); the hub gives an
+older node only the settings it takes, and expects its digest of those.
 """
 
 from __future__ import annotations
@@ -685,6 +686,10 @@ class ClassTargets(Message):
     admit_s: ObjectiveSeconds | None = None  # SLO.A
     first_token_s: ObjectiveSeconds | None = None  # SLO.B
     complete_s: ObjectiveSeconds | None = None  # SLO.C
+    # Their allowances per token (protocol 8): SLO.B's per prompt token, SLO.C's per
+    # completion token (unset: the node's own, by default its model's idle speed).
+    first_token_per_token_s: float | None = Field(None, ge=0, le=10)
+    complete_per_token_s: float | None = Field(None, ge=0, le=60)
 
 
 class PackageOverrides(Message):
@@ -798,11 +803,13 @@ ADDED_IN: dict[type[Message], dict[str, int]] = {
     DesiredState: {"release": 6, "settings": 7},
     PlacedModel: {"preset": 7},
     NodeSettings: {"packages": 8},
+    ClassTargets: {"first_token_per_token_s": 8, "complete_per_token_s": 8},
 }
 # Where a message nests one of those above (in a list or as itself): their fields are left
 # out there too.
 NESTED: dict[type[Message], dict[str, type[Message]]] = {
-    DesiredState: {"models": PlacedModel, "settings": NodeSettings}
+    DesiredState: {"models": PlacedModel, "settings": NodeSettings},
+    NodeSettings: {"objectives": ClassTargets},
 }
 
 
@@ -814,7 +821,7 @@ def _left_out(message_type: type[Message], version: int) -> dict[str, Any]:
     for field, nested in NESTED.get(message_type, {}).items():
         inner = _left_out(nested, version)
         if inner and field not in out:
-            many = get_origin(message_type.model_fields[field].annotation) is list
+            many = get_origin(message_type.model_fields[field].annotation) in {list, dict}
             out[field] = {"__all__": inner} if many else inner
     return out
 

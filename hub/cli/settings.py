@@ -56,7 +56,8 @@ def settings_set(
 ) -> None:
     """Set KEY to VALUE, fleet-wide unless --site or --node: chat_default, default,
     aliases.ALIAS and packages.model take a model (name or name@version),
-    objectives.CLASS.admit_s, first_token_s and complete_s seconds; packages.max_attempts,
+    objectives.CLASS.admit_s, first_token_s and complete_s seconds (and
+    first_token_per_token_s, complete_per_token_s seconds a token); packages.max_attempts,
     item_max_tokens, topic_min_similarity and cache_max_mb a number."""
     with opened_store(hub_settings(config_file, data_dir)) as store:
         scope = _scope(store, site, node)

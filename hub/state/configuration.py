@@ -5,9 +5,11 @@ rollout; its change counts for those nodes only until it is done, when it is wri
 
 Keys: `chat_default`, `default` (model names, `name` or `name@version`),
 `aliases.ALIAS` (the model an alias names), `objectives.CLASS.OBJECTIVE` (seconds: a
-service class's `admit_s`, `first_token_s` or `complete_s`) and `packages.FIELD` (the
-content packages' `model`, `max_attempts`, `item_max_tokens`, `topic_min_similarity`,
-`cache_max_mb`; nodes of protocol 8 on). A scope is `fleet`, `site:NAME` or `node:ID`."""
+service class's `admit_s`, `first_token_s` or `complete_s`; and, for nodes of protocol 8
+on, its allowances per token `first_token_per_token_s` and `complete_per_token_s`) and
+`packages.FIELD` (the content packages' `model`, `max_attempts`, `item_max_tokens`,
+`topic_min_similarity`, `cache_max_mb`; nodes of protocol 8 on). A scope is `fleet`,
+`site:NAME` or `node:ID`."""
 
 from __future__ import annotations
 
@@ -30,7 +32,11 @@ if TYPE_CHECKING:
 
 FLEET = "fleet"
 _ALIAS = re.compile(r"^aliases\.([^@\s]{1,200})$")
-_OBJECTIVE = re.compile(r"^objectives\.(S[0-4])\.(admit_s|first_token_s|complete_s)$")
+_OBJECTIVE = re.compile(
+    r"^objectives\.(S[0-4])\."
+    r"(admit_s|first_token_s|complete_s|first_token_per_token_s|complete_per_token_s)$"
+)
+_PER_TOKEN = re.compile(r"^objectives\.S[0-4]\.(first_token|complete)_per_token_s$")
 _PACKAGES = re.compile(
     r"^packages\.(model|max_attempts|item_max_tokens|topic_min_similarity|cache_max_mb)$"
 )
@@ -57,7 +63,8 @@ def check(key: str, value: str | None) -> None:
     if not known:
         raise InvalidError(
             f"{key!r} is not a node setting the hub sets: chat_default, default, "
-            "aliases.ALIAS, objectives.CLASS.admit_s|first_token_s|complete_s, or "
+            "aliases.ALIAS, objectives.CLASS.admit_s|first_token_s|complete_s|"
+            "first_token_per_token_s|complete_per_token_s, or "
             "packages.model|max_attempts|item_max_tokens|topic_min_similarity|cache_max_mb",
             param="key",
         )
@@ -87,7 +94,7 @@ def settings_of(values: Mapping[str, str]) -> protocol.NodeSettings:
 
 def key_protocol(key: str) -> int:
     """The first protocol whose nodes take `key`."""
-    return 8 if _PACKAGES.match(key) else 7
+    return 8 if _PACKAGES.match(key) or _PER_TOKEN.match(key) else 7
 
 
 def node_protocol(node: Node) -> int:

@@ -123,6 +123,14 @@ async def test_a_fleet_wide_chat_default_is_rolled_out_rolled_back_and_made_the_
     assert admission.book.objectives["S1"].first_token_s == 42.0
     assert admission.class_settings(ServiceClass.S1).admit_s == 5.0  # the node's own stays
     assert admission.book.objectives_s()["S1"]["first_token"] == 42.0
+    # And its allowance per prompt token (protocol 8): the node's own is its model's speed.
+    await _hub_cli(hub, "settings", "set", "objectives.S1.first_token_per_token_s", "0.002")
+    await until(
+        lambda: admission.class_settings(ServiceClass.S1).first_token_per_token_s == 0.002,
+        "S1's allowance per prompt token",
+    )
+    assert admission.allowances(ServiceClass.S1, scripted_model.ref)[0] == 0.002
+    assert admission.targets(ServiceClass.S1, scripted_model.ref, 1000).first_token_s == 44.0
     # The content packages' settings: the model that writes them, its attempts, the cache's
     # cap; unset, the node's own again.
     packages = node.app[PACKAGES]

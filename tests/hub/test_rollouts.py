@@ -725,7 +725,8 @@ async def test_a_node_of_protocol_7_gets_and_is_held_to_the_settings_it_takes(
         for name in ("n1", "n2", "n3"):
             await fleet.beat(name)
         await until(lambda: _all_heard(fleet, old="7"), "all heard")
-        for key, value in (("chat_default", "m@1"), ("packages.max_attempts", "5")):
+        for key, value in (("chat_default", "m@1"), ("packages.max_attempts", "5"),
+                           ("objectives.S1.first_token_per_token_s", "0.001")):  # fmt: skip
             status, body = await fleet.call("PUT", "/v1/admin/settings",
                                             json={"key": key, "value": value})  # fmt: skip
             assert status == 200, body
@@ -733,18 +734,29 @@ async def test_a_node_of_protocol_7_gets_and_is_held_to_the_settings_it_takes(
         assert status == 200, state
         assert state["settings"]["chat_default"] == "m@1"
         assert "packages" not in state["settings"]
+        assert state["settings"]["objectives"] == {
+            "S1": {"admit_s": None, "first_token_s": None, "complete_s": None}
+        }  # fmt: skip - its allowance is protocol 8's
         new = await fleet.nodes["n1"].state(-1)
         assert new is not None
         assert new.settings.packages.max_attempts == 5
+        assert new.settings.objectives["S1"].first_token_per_token_s == 0.001
         shown = {}
         for name in ("n1", "n4"):
             status, shown[name] = await fleet.call("GET", f"/v1/admin/nodes/{name}/settings")
             assert status == 200, shown[name]
-        assert shown["n4"]["digest"] == protocol.NodeSettings(chat_default="m@1").digest()
+        assert (
+            shown["n4"]["digest"]
+            == protocol.NodeSettings(
+                chat_default="m@1", objectives={"S1": protocol.ClassTargets()}
+            ).digest()
+        )
         assert (
             shown["n1"]["digest"]
             == protocol.NodeSettings(
-                chat_default="m@1", packages=protocol.PackageOverrides(max_attempts=5)
+                chat_default="m@1",
+                objectives={"S1": protocol.ClassTargets(first_token_per_token_s=0.001)},
+                packages=protocol.PackageOverrides(max_attempts=5),
             ).digest()
         )
 
