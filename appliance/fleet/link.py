@@ -156,6 +156,8 @@ class FleetLink:
         # Made by start(): a node outside a fleet never starts the link, nor imports
         # apscheduler (about 5 MiB, with tzlocal and its executors).
         self._scheduler: AsyncIOScheduler | None = None
+        self._rounds: set[asyncio.Task[Any]] = set()  # the loops' rounds running now
+        self._closing = False
         self.identity: Identity | None = files.identity()
         self.error: str | None = None
         self.fleet_port: int | None = None  # where the fleet listener serves the hub
@@ -209,8 +211,20 @@ class FleetLink:
         self, loop: str, body: Callable[[], Awaitable[object]]
     ) -> Callable[[], Coroutine[Any, Any, None]]:
         async def round_() -> None:
-            with self._metrics.failures.guard(loop):
-                await body()
+            task = asyncio.current_task()
+            if task is not None:
+                self._rounds.add(task)
+            try:
+                with self._metrics.failures.guard(loop):
+                    await body()
+            except asyncio.CancelledError:
+                if not self._closing:
+                    raise
+                # Stopped with the link (the process stops): the round ends, and the
+                # scheduler does not report it as a job that failed.
+            finally:
+                if task is not None:
+                    self._rounds.discard(task)
 
         return round_
 
@@ -251,12 +265,17 @@ class FleetLink:
         await self._store.run(self._store.sync.save_leases, held)
 
     async def close(self) -> None:
+        self._closing = True
         if self._converger is not None:
             await self._converger.close()
         if self._updater is not None:
             await self._updater.close()
         if self._scheduler is not None and self._scheduler.running:
             self._scheduler.shutdown(wait=False)
+        rounds = list(self._rounds)  # a heartbeat or a sync in flight: ended before the client
+        for task in rounds:
+            task.cancel()
+        await asyncio.gather(*rounds, return_exceptions=True)
         if self._client is not None:
             await self._client.close()
         if self.tunnel is not None:

@@ -4,6 +4,8 @@ and the scheduler's next round does the work."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -124,3 +126,45 @@ async def test_a_placement_round_that_raises_is_counted_and_the_next_one_runs(
         await store.close()
     assert rounds == ["ran", "ran"]
     assert metrics.failures.count("fleet.placement") == 1
+
+
+async def test_a_round_in_flight_when_the_link_closes_ends_without_a_failure(
+    aiohttp_server: AiohttpServer,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sync waiting on the hub when the process stops: the link's close ends it before it
+    closes its client, and neither the scheduler nor the loop's guard reports a failure (a
+    traceback on the operator's terminal at every stop, before)."""
+    hub = settings_for(tmp_path)
+    hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
+    assert hub_server.port is not None
+    settings = make_settings(
+        tmp_path / "data",
+        embeddings={"enabled": False},
+        fleet={"provisioning_file": str(provisioning(tmp_path, hub, hub_server.port)),
+               "tunnel": False, "heartbeat_s": 1, "sync_interval_s": 0.5},
+    )  # fmt: skip
+    store = AsyncStore(settings.db_path)
+    await store.open()
+    await fleet_account(store)
+    metrics = Metrics()
+    link = FleetLink(settings.fleet, FleetFiles(settings.fleet_dir), store, metrics, NoModels())  # type: ignore[arg-type]
+    waiting = asyncio.Event()
+
+    async def hangs(*args: Any) -> Any:
+        waiting.set()
+        await asyncio.Event().wait()  # the hub never answers
+
+    monkeypatch.setattr(link, "_usage_batch", hangs)
+    link.start()
+    try:
+        await until(waiting.is_set, "a sync round waiting", timeout_s=20)
+    finally:
+        async with asyncio.timeout(20):
+            await link.close()
+        await store.close()
+    assert metrics.failures.count("fleet.sync") == 0
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], caplog.text

@@ -138,13 +138,17 @@ async def test_a_fleet_wide_chat_default_is_rolled_out_rolled_back_and_made_the_
     for key, value in (("packages.model", "pirate"), ("packages.max_attempts", "7"),
                        ("packages.cache_max_mb", "64")):  # fmt: skip
         await _hub_cli(hub, "settings", "set", key, value)
-    await until(lambda: packages.settings.max_attempts == 7, "the packages' settings")
-    assert (packages.model, packages.cache.max_bytes) == ("pirate", 64 << 20)
+
+    def packages_now() -> tuple[str, int, int]:
+        return packages.model, packages.settings.max_attempts, packages.cache.max_bytes
+
+    # Each `set` is a desired state of its own: the node may apply them one at a time.
+    await until(lambda: packages_now() == ("pirate", 7, 64 << 20), "the packages' settings")
     assert packages.settings.item_max_tokens == 320  # the node's own stays
     for key in ("packages.model", "packages.max_attempts", "packages.cache_max_mb"):
         await _hub_cli(hub, "settings", "unset", key)
-    await until(lambda: packages.settings.max_attempts == own_attempts, "the node's own again")
-    assert (packages.model, packages.cache.max_bytes) == (scripted_model.name, own_cap)
+    own = (scripted_model.name, own_attempts, own_cap)
+    await until(lambda: packages_now() == own, "the node's own again")
 
     # A key or a value the hub does not set is refused, naming it; nothing changes.
     refused = await asyncio.to_thread(
