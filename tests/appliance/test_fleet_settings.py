@@ -147,8 +147,8 @@ async def test_a_fleet_wide_chat_default_is_rolled_out_rolled_back_and_made_the_
     assert packages.settings.item_max_tokens == 320  # the node's own stays
     for key in ("packages.model", "packages.max_attempts", "packages.cache_max_mb"):
         await _hub_cli(hub, "settings", "unset", key)
-    own = (scripted_model.name, own_attempts, own_cap)
-    await until(lambda: packages_now() == own, "the node's own again")
+    own_packages = (scripted_model.name, own_attempts, own_cap)
+    await until(lambda: packages_now() == own_packages, "the node's own again")
 
     # A key or a value the hub does not set is refused, naming it; nothing changes.
     refused = await asyncio.to_thread(
