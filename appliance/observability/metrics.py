@@ -153,7 +153,8 @@ class Metrics:
         self.admission = Counter(
             "kvl_admission_decisions",
             "Admission decisions at the door, by class and outcome (admitted, or the "
-            "objective that refused it: admit, first_token).",
+            "objective that refused it: admit, first_token; prompt_too_long: refused for "
+            "good, as no wait would meet the class).",
             ["class", "decision"],
             registry=r,
         )
