@@ -28,13 +28,15 @@ if TYPE_CHECKING:
 
     from pytest_aiohttp import AiohttpServer
 
+    from appliance.state.store import Account
+    from hub.settings import HubSettings
 
-async def test_each_link_loop_fails_once_and_goes_on(
-    aiohttp_server: AiohttpServer,
-    tmp_path: Path,
-    caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+
+async def _linked(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> tuple[HubSettings, AsyncStore, Account, FleetLink, Metrics]:
+    """A hub on loopback and a fleet link to it (not started), with its store and an
+    account of the fleet's."""
     hub = settings_for(tmp_path)
     hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     assert hub_server.port is not None
@@ -47,12 +49,22 @@ async def test_each_link_loop_fails_once_and_goes_on(
     store = AsyncStore(settings.db_path)
     await store.open()
     account = await fleet_account(store)
+    metrics = Metrics()
+    link = FleetLink(settings.fleet, FleetFiles(settings.fleet_dir), store, metrics, NoModels())  # type: ignore[arg-type]
+    return hub, store, account, link, metrics
+
+
+async def test_each_link_loop_fails_once_and_goes_on(
+    aiohttp_server: AiohttpServer,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hub, store, account, link, metrics = await _linked(aiohttp_server, tmp_path)
     await store.run(
         store.sync.record_usage,
         UsageEvent(account.id, "kvl", "/v1/completions", "m", 1, 1, None, 1.0, 200, "stop"),
     )
-    metrics = Metrics()
-    link = FleetLink(settings.fleet, FleetFiles(settings.fleet_dir), store, metrics, NoModels())  # type: ignore[arg-type]
 
     # The first round of each loop raises (a bug, a disk error: anything), once.
     broken = {"capacity": 1, "_usage_batch": 1}
@@ -137,20 +149,7 @@ async def test_a_round_in_flight_when_the_link_closes_ends_without_a_failure(
     """A sync waiting on the hub when the process stops: the link's close ends it before it
     closes its client, and neither the scheduler nor the loop's guard reports a failure (a
     traceback on the operator's terminal at every stop, before)."""
-    hub = settings_for(tmp_path)
-    hub_server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
-    assert hub_server.port is not None
-    settings = make_settings(
-        tmp_path / "data",
-        embeddings={"enabled": False},
-        fleet={"provisioning_file": str(provisioning(tmp_path, hub, hub_server.port)),
-               "tunnel": False, "heartbeat_s": 1, "sync_interval_s": 0.5},
-    )  # fmt: skip
-    store = AsyncStore(settings.db_path)
-    await store.open()
-    await fleet_account(store)
-    metrics = Metrics()
-    link = FleetLink(settings.fleet, FleetFiles(settings.fleet_dir), store, metrics, NoModels())  # type: ignore[arg-type]
+    _, store, _, link, metrics = await _linked(aiohttp_server, tmp_path)
     waiting = asyncio.Event()
 
     async def hangs(*args: Any) -> Any:
