@@ -706,15 +706,29 @@ class ClassSettings(_Section):
         le=1_000_000,
         description=(
             "429s (overloaded, queue full, a quota) one API key gets answered at once each "
-            "second; beyond that, each is held `refusal_hold_s` first: a client that asks "
-            "again without waiting its Retry-After is slowed, not served a flood of refusals."
+            "second, past a burst of `refusal_burst`; beyond that, each is held "
+            "`refusal_hold_s` first. A refusal on a connection that asks again within its "
+            "last refusal's Retry-After is held whatever the rate: a client that does not "
+            "wait is slowed, not served a flood of refusals."
+        ),
+    )
+    refusal_burst: int = Field(
+        200,
+        ge=1,
+        le=1_000_000,
+        description=(
+            "429s one API key gets answered at once in a burst (its users' requests "
+            "arriving together, each refused once), before `refusals_per_second` applies."
         ),
     )
     refusal_hold_s: float = Field(
         1.0,
         ge=0,
         le=60,
-        description="How long a refusal beyond `refusals_per_second` is held (0: never).",
+        description=(
+            "How long a refusal is held when its connection did not wait its Retry-After, "
+            "or its key is past `refusals_per_second` (0: never)."
+        ),
     )
 
     @model_validator(mode="before")

@@ -93,7 +93,9 @@ async def _answer(
         if code is ErrorCode.shutting_down:
             response.force_close()  # the client's next request finds the new server
         if (key := request.get(REQUEST_KEY)) is not None:
-            await request.app[ADMISSION].hold_refusal(key.id, code)
+            await request.app[ADMISSION].hold_refusal(
+                key.id, code, _connection(request), err.retry_after
+            )
     except RequestPayloadError as exc:
         # The body could not be read: a Content-Encoding that does not decode, bad chunking.
         code = ErrorCode.bad_request
@@ -186,3 +188,9 @@ async def _authenticated(request: web.Request) -> ApiKey:
             "`kvl appliance keys create --account NAME --admin`",
         )
     return key
+
+
+def _connection(request: web.Request) -> str:
+    """The client's connection: its address and port while it is open."""
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    return repr(peer) if peer else (request.remote or "")

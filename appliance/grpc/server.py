@@ -225,7 +225,7 @@ class Inference(pb_grpc.InferenceServicer):
         if key is not None:
             # A key that calls again at once after refusals for load or a quota waits here
             # first (past its rate), as on HTTP.
-            await s.admission.hold_refusal(key.id, error.code)
+            await s.admission.hold_refusal(key.id, error.code, context.peer(), error.retry_after)
         return await context.abort(status, error.message, trailing_metadata(error, request_id))
 
 

@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 DAY_S = 86_400.0
 MINUTE_S = 60.0
 _MAX_CLIENTS = 10_000  # addresses remembered by the authentication throttle
+_MAX_CONNECTIONS = 10_000  # connections whose last refusal's Retry-After is remembered
 _MAX_KEYS = 10_000  # keys remembered by the refusal hold
 # Refusals of one key held at once; beyond, they are answered at once (a client with more
 # connections than this costs what it costs, but cannot make the gateway hold sockets
@@ -94,6 +95,8 @@ class AdmissionControl:
         self._auth: OrderedDict[str, TokenBucket] = OrderedDict()  # client address -> failures
         self._refusals: OrderedDict[int, TokenBucket] = OrderedDict()  # key id -> 429s a second
         self._held: dict[int, int] = {}  # key id -> its refusals being held now
+        # (key id, connection) -> until when its last refusal's Retry-After runs
+        self._refused: OrderedDict[tuple[int, str], float] = OrderedDict()
         self.outbox_full = False  # set by the fleet link: the outbox is at its bound
         # class → the objectives the hub set for it (apply_targets)
         self._hub_targets: dict[protocol.ServiceClassName, protocol.ClassTargets] = {}
@@ -404,36 +407,51 @@ class AdmissionControl:
 
     # -- clients that do not wait ------------------------------------------------------------
 
-    async def hold_refusal(self, key_id: int, code: ErrorCode) -> bool:
-        """Hold a refusal for load or a quota (`_HELD_REFUSALS`) of this key for
-        `classes.refusal_hold_s` before it is answered, when the key was refused more than
-        `classes.refusals_per_second` times in the last second; True if it was held.
+    async def hold_refusal(
+        self, key_id: int, code: ErrorCode, connection: str, retry_after_s: float | None
+    ) -> bool:
+        """Hold a refusal for load or a quota (`_HELD_REFUSALS`) for `classes.refusal_hold_s`
+        before it is answered, when the same connection (`connection`: its peer address and
+        port) was refused within the Retry-After its last refusal gave, or when the key's
+        refusals are past `classes.refusal_burst` and then `classes.refusals_per_second`;
+        True if it was held.
 
         A refusal costs the gateway a parse, a key check and a prediction: well under a
         millisecond, but a client in a loop that asks again the moment it is refused (not
         waiting its Retry-After) sends a thousand a second, and the CPU that takes from the
         model's decode threads (which wait on each other at every step) stalls every
         account's generation. A held refusal costs nothing while it waits, and such a client
-        then asks once per hold per connection. A burst of one key's users under overload
-        (within the rate) is still refused at once."""
+        then asks once per hold per connection (or, opening a new connection each time, is
+        held past the key's rate). A burst of one key's users (each on its own connection,
+        refused for the first time) is refused at once: they cannot have waited a
+        Retry-After they have not had yet."""
         settings = self._settings
         if code not in _HELD_REFUSALS or settings.refusal_hold_s <= 0:
             return False
         now = time.monotonic()
+        peer = (key_id, connection)
+        again = self._refused.pop(peer, 0.0) > now  # asked again within its Retry-After
+        wait = max(retry_after_s or 0.0, settings.refusal_hold_s)
+        self._refused[peer] = now + wait
+        while len(self._refused) > _MAX_CONNECTIONS:
+            self._refused.popitem(last=False)
         bucket = self._refusals.get(key_id)
         if bucket is None:
-            rate = settings.refusals_per_second
-            bucket = self._refusals[key_id] = TokenBucket.full(rate, 1.0, now)
+            burst, rate = settings.refusal_burst, settings.refusals_per_second
+            bucket = self._refusals[key_id] = TokenBucket.full(burst, burst / rate, now)
             while len(self._refusals) > _MAX_KEYS:
                 self._refusals.popitem(last=False)
         self._refusals.move_to_end(key_id)
         held = self._held.get(key_id, 0)
-        if bucket.take(1, now) == 0 or held >= _MAX_HELD:
+        over_rate = bucket.take(1, now) > 0
+        if not (again or over_rate) or held >= _MAX_HELD:
             return False
         self._held[key_id] = held + 1
         self._metrics.refusals_held.inc()
         try:
             await asyncio.sleep(settings.refusal_hold_s)
+            # Its Retry-After runs from the answer it is about to get.
+            self._refused[peer] = time.monotonic() + wait
         finally:
             if (left := self._held[key_id] - 1) > 0:
                 self._held[key_id] = left

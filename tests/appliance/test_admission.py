@@ -11,6 +11,8 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
+
 from appliance.app import create_app
 from appliance.gateway.appkeys import REGISTRY
 from appliance.state.records import ModelRecord
@@ -293,3 +295,43 @@ async def test_a_key_that_asks_again_without_waiting_is_held_and_no_other_key_is
     assert (await client.post("/v1/completions", headers=s2, json=body)).status == 404
     assert (await client.post("/v1/completions", headers=s2, json=body)).status == 429
     assert _held(await (await client.get("/metrics")).text()) == held
+
+
+async def test_a_burst_on_new_connections_is_refused_at_once_and_a_loop_of_them_is_held(
+    aiohttp_client: AiohttpClient, tmp_path: Path, slow_model: ModelRecord
+) -> None:
+    client, keys = await appliance(
+        aiohttp_client,
+        tmp_path,
+        slow_model,
+        {
+            "s1": {"requests_per_minute": 1},
+            "refusal_burst": 30,
+            "refusals_per_second": 1,
+            "refusal_hold_s": 0.2,
+        },
+    )
+    body = {"model": "no-such-model", "prompt": "x"}
+    s1 = {"Authorization": f"Bearer {keys[ServiceClass.S1]}"}
+    assert (await client.post("/v1/completions", headers=s1, json=body)).status == 404
+    url = client.make_url("/v1/completions")
+    # Each request on its own connection, as a burst of one key's users sends them.
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def ask() -> tuple[int, float]:
+            started = time.monotonic()
+            async with session.post(url, headers=s1, json=body) as response:
+                await response.read()
+                return response.status, time.monotonic() - started
+
+        burst = await asyncio.gather(*(ask() for _ in range(30)))
+        assert {status for status, _ in burst} == {429}
+        assert _held(await (await client.get("/metrics")).text()) == 0
+
+        # The same key past its burst, a new connection each time: held at its rate (one a
+        # second answered at once; a hold of 0.2 s refills a fifth of one).
+        loop = [await ask() for _ in range(20)]
+        assert {status for status, _ in loop} == {429}
+        held = _held(await (await client.get("/metrics")).text())
+        assert 8 <= held <= 20, held
