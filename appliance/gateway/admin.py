@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 from aiohttp import web
 
-from appliance.gateway.appkeys import EMBEDDINGS, REGISTRY, STORE
+from appliance.gateway.appkeys import ADMISSION, EMBEDDINGS, REGISTRY, STORE
 from appliance.gateway.parsing import read_json
 from appliance.gateway.schemas import AdminModelRequest
 from appliance.inference.schemas import parse_body
@@ -37,6 +37,9 @@ async def list_models(request: web.Request) -> web.Response:
     pinned = {r.ref for r in await store.run(store.sync.pinned_models)}
     loaded = {d.record.ref: d for d in registry.loaded_models()}
     data = [_entry(r, loaded.get(r.ref), r.ref in pinned) for r in records]
+    for entry in data:
+        if entry["state"] == "ready":
+            entry["door"] = request.app[ADMISSION].door(entry["ref"])
     data += [
         {
             "ref": m.ref,

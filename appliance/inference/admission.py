@@ -25,7 +25,7 @@ import math
 import time
 from collections import OrderedDict
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from appliance.observability.objectives import ClassObjectives as Targets
 from appliance.observability.objectives import ObjectiveBook
@@ -170,6 +170,32 @@ class AdmissionControl:
         prediction start from (until then, Rates' defaults)."""
         self._idle[model] = idle
         self._rates.setdefault(model, idle)
+
+    def door(self, model: str) -> dict[str, Any]:
+        """What the door holds for `model`: its idle speed (whether measured yet) and each
+        class's objectives with their allowances, and the longest prompt each admits (None:
+        any); the admin API shows it."""
+        idle = self.idle_rates(model)
+        classes: dict[str, Any] = {}
+        for k in ServiceClass:
+            c = self.class_settings(k)
+            per_prompt, per_output = self.allowances(k, model)
+            classes[k.value] = {
+                "admit_s": c.admit_s,
+                "first_token_s": c.first_token_s,
+                "first_token_per_prompt_token_s": per_prompt,
+                "complete_s": c.complete_s,
+                "complete_per_token_s": per_output,
+                "largest_prompt": largest_prompt(c.first_token_s, per_prompt, idle),
+            }
+        return {
+            "idle_speed": {
+                "measured": model in self._idle,
+                "prefill_tokens_per_s": round(idle.prefill_tok_s, 1),
+                "seconds_per_token": round(idle.token_s, 5),
+            },
+            "objectives": classes,
+        }
 
     # -- quotas ------------------------------------------------------------------------------
 

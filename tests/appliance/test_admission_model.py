@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from appliance.app import create_app
-from appliance.gateway.appkeys import ADMISSION, REGISTRY
+from appliance.gateway.appkeys import ADMISSION, REGISTRY, SETTINGS
 from appliance.state.store import Store
 from shared.classes import ServiceClass
 from shared.errors import ErrorCode
@@ -98,11 +98,29 @@ async def test_an_idle_node_serves_a_long_prompt_and_refuses_for_good_what_no_wa
     assert found is not None, message
     most = int(found.group(1))
     assert most < body_tokens(app, default_model.ref, prompt)
+    # The admin API shows the same figures: the speed measured, what each class admits.
+    admin = await _admin_key(app)
+    listed = await (await client.get("/v1/admin/models", headers=admin)).json()
+    (entry,) = [m for m in listed["data"] if m["ref"] == default_model.ref]
+    door = entry["door"]
+    assert door["idle_speed"]["measured"] is True
+    assert door["objectives"]["S2"]["largest_prompt"] == most
+    assert door["objectives"]["S2"]["first_token_per_prompt_token_s"] == 0
+    assert door["objectives"]["S1"]["first_token_per_prompt_token_s"] > 0
     assert "tokens/s idle" in message
     assert "S0" in message  # the class that would take it
     # A prompt within what S2 takes is served.
     status, _, body = await _complete(client, keys[ServiceClass.S2], "Hello")
     assert status == 200, body
+
+
+async def _admin_key(app: Any) -> dict[str, str]:
+    store = Store(app[SETTINGS].db_path)
+    try:
+        key = store.create_key("operator", ServiceClass.S1, admin=True).plaintext
+    finally:
+        store.close()
+    return {"Authorization": f"Bearer {key}"}
 
 
 def body_tokens(app: Any, ref: str, prompt: str) -> int:
