@@ -39,8 +39,10 @@ import json
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,7 +202,9 @@ def start(
     model: Path | None,
     args: Any,
     extra_env: dict[str, str] | None = None,
+    defaults: bool = False,
 ) -> base.Server:
+    """`defaults`: the appliance with its own S1 objectives, not the benchmark's tight ones."""
     port = base.free_port()
     log_path = work / f"{name}-overload.log"
     if name.startswith("appliance"):
@@ -211,12 +215,13 @@ def start(
             {
                 "KVL_MODEL__N_SLOTS": str(SLOTS),
                 "KVL_MODEL__MAX_QUEUE": "256",
-                "KVL_CLASSES__S1__ADMIT_S": str(args.admit_s),
-                "KVL_CLASSES__S1__FIRST_TOKEN_S": str(args.first_token_s),
                 "KVL_CLASSES__S1__REQUESTS_PER_MINUTE": "0",
                 **(extra_env or {}),
             }
         )
+        if not defaults:
+            env["KVL_CLASSES__S1__ADMIT_S"] = str(args.admit_s)
+            env["KVL_CLASSES__S1__FIRST_TOKEN_S"] = str(args.first_token_s)
         with log_path.open("ab") as log:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         headers = {"Authorization": f"Bearer {key}"}
@@ -406,6 +411,272 @@ def refusals_with_h2load(
     }
 
 
+# -- long prompts under the node's own objectives ---------------------------------------------
+
+# The long mix: prompt lengths in tokens up to the context of a slot (base.N_CTX, 2048, less
+# the completion), each prompt its own text from its first word (no prefix shared).
+LONG_TOKENS = (96, 512, 1024, 1536, 1960)
+_FILLER = (
+    "The river bends twice before it reaches the old mill, where the water slows. ",
+    "A ledger of the harvest lists barley, oats and beans by the week. ",
+    "Engineers measured the bridge each spring and wrote down every crack. ",
+    "The library kept maps of the valley drawn by three generations of surveyors. ",
+)
+LONG_TARGETS = {"goodput_share": 0.9, "refused_of_served_idle": 0}
+
+
+def long_prompt(index: int, tokens: int, tokens_per_word: float) -> str:
+    words: list[str] = []
+    sentence = 0
+    while len(words) * tokens_per_word < tokens - 8:
+        words += _FILLER[(index + sentence) % len(_FILLER)].split()
+        sentence += 1
+    cut = max(1, int((tokens - 8) / tokens_per_word))
+    return f"Record {index}: " + " ".join(words[:cut])
+
+
+@dataclass
+class LongOutcome:
+    status: int
+    code: str | None  # the error's code, refused
+    prompt_tokens: int | None
+    ttft_s: float | None  # from the scheduled time
+    length: int  # the mix's length it was built for
+
+
+async def one_long(
+    session: aiohttp.ClientSession, server: base.Server, prompt: str, length: int, due: float
+) -> LongOutcome:
+    body = {
+        "model": base.MODEL,
+        "prompt": prompt,
+        "max_tokens": 32,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    ttft: float | None = None
+    usage: int | None = None
+    async with session.post(
+        server.base_url + "/v1/completions", json=body, headers=server.headers
+    ) as resp:
+        if resp.status != 200:
+            error = json.loads(await resp.text()).get("error", {})
+            code = error.get("code")
+            if "dropped from the queue" in error.get("message", ""):
+                code = "shed"
+            return LongOutcome(resp.status, code, None, None, length)
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[5:])
+            if ttft is None and any(c.get("text") for c in chunk.get("choices") or []):
+                ttft = time.perf_counter() - due
+            if chunk.get("usage"):
+                usage = chunk["usage"]["prompt_tokens"]
+    return LongOutcome(200, None, usage, ttft, length)
+
+
+async def _tokens_per_word(server: base.Server) -> float:
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        text = " ".join("".join(_FILLER).split()[:200])
+        body = {"model": base.MODEL, "prompt": text, "max_tokens": 1, "temperature": 0.0}
+        async with session.post(
+            server.base_url + "/v1/completions", json=body, headers=server.headers
+        ) as resp:
+            usage = (await resp.json())["usage"]["prompt_tokens"]
+    return float(usage) / 200
+
+
+async def _long_phases(
+    server: base.Server, admin: dict[str, str], seconds: float, capacity_s: float
+) -> dict[str, Any]:
+    per_word = await _tokens_per_word(server)
+    timeout = aiohttp.ClientTimeout(total=900)
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        # The idle node: each length once, one at a time.
+        idle = []
+        for n, length in enumerate(LONG_TOKENS):
+            prompt = long_prompt(10_000 + n, length, per_word)
+            idle.append(await one_long(session, server, prompt, length, time.perf_counter()))
+        served_idle = {o.length for o in idle if o.status == 200}
+
+        # Capacity: one closed-loop client a slot, the mix in turn.
+        done = 0
+        counter = iter(range(20_000, 1 << 30))
+        stop = time.perf_counter() + capacity_s
+        capacity_outcomes: list[LongOutcome] = []
+
+        async def client(i: int) -> None:
+            nonlocal done
+            while time.perf_counter() < stop:
+                length = LONG_TOKENS[i % len(LONG_TOKENS)]
+                prompt = long_prompt(next(counter), length, per_word)
+                outcome = await one_long(session, server, prompt, length, time.perf_counter())
+                capacity_outcomes.append(outcome)
+                if outcome.status == 200:
+                    done += 1
+                else:
+                    await asyncio.sleep(1.0)
+                i += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client(i) for i in range(SLOTS)))
+        cap = done / (time.perf_counter() - started)
+        async with session.get(server.base_url + "/v1/admin/models", headers=admin) as resp:
+            listed = await resp.json()
+        (door,) = [m["door"] for m in listed["data"] if m.get("door")]
+        s1 = door["objectives"]["S1"]
+
+        # 0.8x that capacity, open loop, the mix in turn.
+        rate = 0.8 * cap
+        start = time.perf_counter() + 0.2
+        tasks = []
+        for i in range(int(rate * seconds)):
+            due = start + i / rate
+            if (delay := due - time.perf_counter()) > 0:
+                await asyncio.sleep(delay)
+            length = LONG_TOKENS[i % len(LONG_TOKENS)]
+            prompt = long_prompt(i, length, per_word)
+            tasks.append(asyncio.create_task(one_long(session, server, prompt, length, due)))
+        outcomes = list(await asyncio.gather(*tasks))
+
+    def objective(o: LongOutcome) -> float:
+        return float(s1["first_token_s"]) + (o.prompt_tokens or 0) * float(
+            s1["first_token_per_prompt_token_s"]
+        )
+
+    served = [o for o in outcomes if o.status == 200 and o.ttft_s is not None]
+    good = [o for o in served if o.ttft_s is not None and o.ttft_s <= objective(o)]
+    refused = [o for o in outcomes if o.status != 200]
+    codes: dict[str, int] = {}
+    for o in refused:
+        codes[o.code or str(o.status)] = codes.get(o.code or str(o.status), 0) + 1
+    ttfts = sorted(o.ttft_s for o in served if o.ttft_s is not None)
+    return {
+        "lengths": list(LONG_TOKENS),
+        "idle": [
+            {"length": o.length, "status": o.status, "prompt_tokens": o.prompt_tokens,
+             "ttft_ms": None if o.ttft_s is None else round(o.ttft_s * 1000, 1)}
+            for o in idle
+        ],
+        "capacity_rps": round(cap, 3),
+        "capacity_refused": sum(1 for o in capacity_outcomes if o.status != 200),
+        "door": door,
+        "sent": len(outcomes),
+        "served": len(served),
+        "refused": codes,
+        "refused_of_served_idle": sum(1 for o in refused if o.length in served_idle),
+        "ttft_ms_p50": round(statistics.median(ttfts) * 1000, 1) if ttfts else None,
+        "ttft_ms_p99": round(_percentile(ttfts, 0.99) * 1000, 1) if ttfts else None,
+        "within_objective": len(good),
+        "goodput_rps": round(len(good) / seconds, 3),
+        "goodput_share_of_capacity": round(len(good) / seconds / cap, 3) if cap else None,
+    }  # fmt: skip
+
+
+def long_prompts(work: Path, data_dir: Path, key: str, args: Any) -> dict[str, Any]:
+    """The long mix on the appliance with its own S1 objectives (the defaults: a base and
+    the model's idle time per prompt token): the idle node serves each length, then its
+    capacity, then 0.8x that capacity open loop."""
+    admin = _admin_key(data_dir)
+    server = start("appliance-long", work, data_dir, key, model=None, args=args, defaults=True)
+    try:
+        base.wait_ready(server, timeout_s=600)
+        return asyncio.run(
+            _long_phases(
+                server, {"Authorization": f"Bearer {admin}"}, args.long_s, args.capacity_s * 2
+            )
+        )
+    finally:
+        base.stop(server)
+
+
+def _admin_key(data_dir: Path) -> str:
+    command = [*base.kvl_executable(), "appliance", "keys", "create", "--account", "operator"]
+    command += ["--admin", "--data-dir", str(data_dir)]
+    out = subprocess.run(
+        command, check=True, capture_output=True, text=True, env=base.appliance_env()
+    )
+    return out.stdout.strip()
+
+
+# -- a burst at the door on a host busy with other work ----------------------------------------
+
+BURST = 96
+BURST_TARGETS = {"refusal_p99_ms_busy_host": 50.0}
+
+
+def _h2load_burst(server: base.Server, key: str, work: Path, label: str) -> dict[str, Any]:
+    """BURST chat requests of one key at once, each on its own connection (h2load, C)."""
+    h2load = shutil.which("h2load")
+    if h2load is None:
+        raise RuntimeError("h2load is not installed: run `just setup-system` as root")
+    body = work / "burst.json"
+    body.write_text(
+        json.dumps(
+            {"model": base.MODEL, "max_tokens": 32,
+             "messages": [{"role": "user", "content": "Tell me about the river. " * 20}]}
+        )
+    )  # fmt: skip
+    log_file = work / f"burst-{label}.tsv"
+    command = [h2load, "--h1", "-c", str(BURST), "-n", str(BURST), "-d", str(body)]
+    command += ["-H", f"authorization: Bearer {key}", "-H", "content-type: application/json"]
+    command += ["--log-file", str(log_file), server.base_url + "/v1/chat/completions"]
+    subprocess.run(command, check=True, capture_output=True)
+    rows = [line.split("\t") for line in log_file.read_text().splitlines() if line.strip()]
+    refused = sorted(int(row[2]) / 1000 for row in rows if row[1] == "429")
+    statuses: dict[str, int] = {}
+    for row in rows:
+        statuses[row[1]] = statuses.get(row[1], 0) + 1
+    return {
+        "statuses": statuses,
+        "refusal_ms_p50": round(statistics.median(refused), 2) if refused else None,
+        "refusal_ms_p99": round(_percentile(refused, 0.99), 2) if refused else None,
+        "refusal_ms_max": round(refused[-1], 2) if refused else None,
+    }
+
+
+def burst(work: Path, data_dir: Path, key: str, args: Any) -> dict[str, Any]:
+    """The burst on an idle host, then with two processes burning a core each (the model's
+    slots free before each burst: its first requests are admitted, the rest refused)."""
+    server = start("appliance-burst", work, data_dir, key, model=None, args=args, defaults=True)
+    figures: dict[str, Any] = {"requests": BURST}
+    try:
+        base.wait_ready(server, timeout_s=600)
+        figures["idle_host"] = _h2load_burst(server, key, work, "idle")
+        _wait_idle(server)
+        burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+        try:
+            time.sleep(1.0)
+            figures["busy_host"] = _h2load_burst(server, key, work, "busy")
+        finally:
+            for burner in burners:
+                burner.kill()
+                burner.wait()
+    finally:
+        base.stop(server)
+    return figures
+
+
+def _wait_idle(server: base.Server, timeout_s: float = 300) -> None:
+    """Until the model's admitted requests of the last burst have finished."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(server.base_url + "/metrics", timeout=10).read().decode()
+        busy = [
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith(("kvl_slots_busy{", "kvl_queue_waiting{"))
+        ]
+        if busy and not any(busy):
+            return
+        time.sleep(0.5)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Open-loop overload, appliance vs llama-server.")
     # 150 s: at 0.8x about 350 requests on two cores, so the p99 is the fourth slowest,
@@ -425,14 +696,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--flood-s", type=float, default=15.0, help="each phase of the no-waiting flood (15)"
     )
+    parser.add_argument(
+        "--long-s", type=float, default=150.0, help="the long mix's run at 0.8x (150)"
+    )
+    parser.add_argument(
+        "--only",
+        choices=("long", "burst"),
+        help="run this part alone, and update its figures in --out",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
     args = parser.parse_args(argv)
+    if args.only is not None:
+        return _only(args)
     build_llama_server()
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvl-bench-") as tmp:
         work = Path(tmp)
         data_dir = work / "data"
         key = base.create_key(data_dir)
+        base.say("overload: long prompts under the node's own objectives")
+        long_figures = long_prompts(work, data_dir, key, args)
+        base.say(f"  {_brief_long(long_figures)}")
+        base.say("overload: a burst at the door, idle host and busy host")
+        burst_figures = burst(work, data_dir, key, args)
+        base.say(f"  {burst_figures}")
         base.say("overload: the appliance")
         server = start("appliance", work, data_dir, key, model=None, args=args)
         results["appliance"] = measure(server, args, keep=True)
@@ -466,6 +753,8 @@ def main(argv: list[str] | None = None) -> int:
         results["llama_server"] = measure(
             start("llama-server", work, data_dir, key, model=model, args=args), args
         )
+    results["appliance"]["long_prompts"] = long_figures
+    results["appliance"]["burst"] = burst_figures
     app, ref = results["appliance"], results["llama_server"]
     low, high = app["load_0.8x"], app["load_3.0x"]
     ratios = {
@@ -486,9 +775,10 @@ def main(argv: list[str] | None = None) -> int:
             "refusal_s": args.refusal_s,
             "refusal_load": REFUSAL_LOAD,
             "flood_s": args.flood_s,
+            "long_s": args.long_s,
             "prompts": list(PROMPTS),
         },
-        "targets": TARGETS,
+        "targets": {**TARGETS, "long": LONG_TARGETS, "burst": BURST_TARGETS},
         "appliance": app,
         "llama_server": ref,
         "ratios": ratios,
@@ -498,6 +788,33 @@ def main(argv: list[str] | None = None) -> int:
     base.say(json.dumps(ratios, indent=2))
     base.say(f"written to {args.out}")
     return 0
+
+
+def _only(args: Any) -> int:
+    """One part alone (`--only`), its figures written over its own in `--out`."""
+    result = json.loads(args.out.read_text())
+    with tempfile.TemporaryDirectory(prefix="kvl-bench-") as tmp:
+        work = Path(tmp)
+        data_dir = work / "data"
+        key = base.create_key(data_dir)
+        if args.only == "long":
+            figures = long_prompts(work, data_dir, key, args)
+            result["appliance"]["long_prompts"] = figures
+            result["settings"]["long_s"] = args.long_s
+            base.say(f"  {_brief_long(figures)}")
+        else:
+            figures = burst(work, data_dir, key, args)
+            result["appliance"]["burst"] = figures
+            base.say(f"  {figures}")
+    result["targets"] = {**TARGETS, "long": LONG_TARGETS, "burst": BURST_TARGETS}
+    result[f"{args.only}_stamp"] = base.stamp()
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    base.say(f"written to {args.out}")
+    return 0
+
+
+def _brief_long(figures: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in figures.items() if k != "door"}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
