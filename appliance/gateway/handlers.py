@@ -131,7 +131,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse:
     body = await read_json(request)
     req = completion_request(body, chat=chat, strict=request.app[SETTINGS].server.strict_parameters)
-    prepared = await request.app[COMPLETIONS].prepare(req, api_key(request), route_label(request))
+    key = api_key(request)
+    # A request the fleet could take when refused here is prepared whole first.
+    early = not request.app[OFFLOAD].possible(key.account.service_class)
+    prepared = await request.app[COMPLETIONS].prepare(
+        req, key, route_label(request), refuse_early=early
+    )
     return await _respond_or_offload(request, prepared, body, stream=req.stream)
 
 

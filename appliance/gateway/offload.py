@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from appliance.inference.completions import Prepared
     from appliance.observability.metrics import Metrics
     from appliance.observability.tracing import Tracing
+    from shared.classes import ServiceClass
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,12 @@ class Offload:
         self.link: FleetLink | None = None  # set when the node is in a fleet
 
     def eligible(self, err: DomainError, prepared: Prepared) -> bool:
+        return err.code in SHED and self.possible(prepared.klass)
+
+    def possible(self, klass: ServiceClass) -> bool:
+        """Whether a request of `klass` refused here for load could go to the fleet now."""
         return (
-            err.code in SHED
-            and self._admission.class_settings(prepared.klass).offload
+            self._admission.class_settings(klass).offload
             and self.link is not None
             and self.link.connected
         )

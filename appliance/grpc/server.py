@@ -166,7 +166,7 @@ class Inference(pb_grpc.InferenceServicer):
     ) -> None:
         service = self._s.completions
         req = completion_request(body, chat=method == "Chat")
-        prepared = await service.prepare(req, key, route(method))
+        prepared = await service.prepare(req, key, route(method), refuse_early=True)
         replies = _Replies(context, (("x-request-id", request_id), ("kvl-model", prepared.model)))
         completed = await service.complete(prepared, replies)
         if completed.problems:

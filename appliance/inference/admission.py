@@ -315,9 +315,7 @@ class AdmissionControl:
         that would take a free slot at once is admitted."""
         if ticket is not None:
             ticket.at_door = True
-        model = deployment.record.ref
-        if model not in self._idle and deployment.calibration is not None:
-            self.calibrated(model, deployment.calibration)
+        model = self._calibrate(deployment)
         targets = self.targets(klass, model, prompt_tokens)
         idle = self.idle_rates(model)
         if not fits_idle(prompt_tokens, idle, targets.first_token_s):
@@ -325,6 +323,46 @@ class AdmissionControl:
             if ticket is not None:
                 ticket.refuse("first_token")
             raise PromptTooLongForClass(self._too_long(klass, model, prompt_tokens, idle))
+        self._decide(deployment, klass, prompt_tokens, max_tokens, targets, ticket)
+        self._metrics.admission.labels(klass.value, "admitted").inc()
+        if ticket is not None:
+            ticket.targets = targets
+        return targets
+
+    def refuse_early(
+        self, deployment: LoadedModel, klass: ServiceClass, ticket: Ticket | None = None
+    ) -> None:
+        """Refuse now (429 ``overloaded``) what `admit` would refuse whatever its prompt,
+        before the prompt is rendered and tokenized (the most of a refusal's cost, when a
+        burst meets a full queue): the predicted wait for a slot does not depend on the
+        prompt, nor does the first token's lateness shrink with it while the class allows
+        no more per prompt token than the model now takes."""
+        model = self._calibrate(deployment)
+        targets = self.targets(klass, model, 0)
+        per_prompt, _ = self.allowances(klass, model)
+        by_prompt = per_prompt <= 1 / self.rates(model).prefill_tok_s
+        self._decide(deployment, klass, 0, 1, targets, ticket, first_token=by_prompt)
+
+    def _calibrate(self, deployment: LoadedModel) -> str:
+        model = deployment.record.ref
+        if model not in self._idle and deployment.calibration is not None:
+            self.calibrated(model, deployment.calibration)
+        return model
+
+    def _decide(  # noqa: PLR0917 - one prediction's inputs
+        self,
+        deployment: LoadedModel,
+        klass: ServiceClass,
+        prompt_tokens: int,
+        max_tokens: int,
+        targets: Targets,
+        ticket: Ticket | None,
+        *,
+        first_token: bool = True,
+    ) -> None:
+        """Raise `Overloaded` when the prediction refuses the request (its first token
+        judged only with `first_token`)."""
+        model = deployment.record.ref
         flights = [f for r in deployment.replicas if r.ready for f in r.flights()]
         new = InFlight(klass.priority, prompt_tokens, max_tokens, arrival=1 << 62)
         capacity = Capacity(
@@ -333,23 +371,20 @@ class AdmissionControl:
             reserved=deployment.options.reserved_slots,
             preemption=deployment.options.preemption,
         )
-        objectives = Objectives(targets.admit_s, targets.first_token_s, targets.complete_s)
+        first = targets.first_token_s if first_token else math.inf
+        objectives = Objectives(targets.admit_s, first, targets.complete_s)
         decision = decide(new, flights, capacity, self.rates(model), objectives)
         at_once = decision.prediction.admit_s == 0 and decision.prediction.drain_s == 0
-        admitted = decision.admitted or at_once
-        reason = decision.reason.value if not admitted else "admitted"
+        if decision.admitted or at_once:
+            return
+        reason = decision.reason.value
         self._metrics.admission.labels(klass.value, reason).inc()
-        if not admitted:
-            if ticket is not None:
-                ticket.refuse("first_token" if reason == "first_token" else "admit")
-            raise Overloaded(
-                f"class {klass.value} cannot be served within its objectives now: "
-                f"{decision.detail}",
-                retry_after=decision.retry_after_s,
-            )
         if ticket is not None:
-            ticket.targets = targets
-        return targets
+            ticket.refuse("first_token" if reason == "first_token" else "admit")
+        raise Overloaded(
+            f"class {klass.value} cannot be served within its objectives now: {decision.detail}",
+            retry_after=decision.retry_after_s,
+        )
 
     def _too_long(self, klass: ServiceClass, model: str, prompt_tokens: int, idle: Rates) -> str:
         c = self.class_settings(klass)

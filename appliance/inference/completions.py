@@ -217,20 +217,24 @@ class CompletionService:
         max_tokens_limit: int | None = None,
         service_class: ServiceClass | None = None,
         request_id: str | None = None,
+        refuse_early: bool = False,
     ) -> Prepared:
         """A chat or text request ready to generate. `service_class`: the class it runs in
         in place of its account's (a job's completions run as S0); `request_id`: the id of
         its usage event in place of a fresh one (a job item's own, the same on every run
-        of it)."""
+        of it); `refuse_early`: a refusal for load whatever the prompt comes before the
+        prompt is rendered and tokenized (a caller that would not hand the refused
+        request on elsewhere, which needs it prepared)."""
         klass = service_class or key.account.service_class
         ticket = self._admission.book.ticket(klass.value, key.account.name)
+        early = klass if refuse_early else None
         if isinstance(req, ChatCompletionRequest):
             prepared = await self._prepare_chat(
-                req, key, route, ticket, max_tokens_limit=max_tokens_limit
+                req, key, route, ticket, max_tokens_limit=max_tokens_limit, refuse_early=early
             )
         else:
             prepared = await self._prepare_text(
-                req, key, route, ticket, max_tokens_limit=max_tokens_limit
+                req, key, route, ticket, max_tokens_limit=max_tokens_limit, refuse_early=early
             )
         prepared.ticket = ticket
         if service_class is not None:
@@ -247,11 +251,14 @@ class CompletionService:
         ticket: Ticket,
         *,
         max_tokens_limit: int | None = None,
+        refuse_early: ServiceClass | None = None,
     ) -> Prepared:
         """`max_tokens_limit`: an internal caller's own bound (a package's items are bounded
         by `packages.item_max_tokens`), in place of `model.max_tokens_limit`."""
         await self._quota(key, ticket)
         engine = await self._engine(req.model, chat=True)
+        if refuse_early is not None:
+            self._admission.refuse_early(engine, refuse_early, ticket)
         vocab = engine.require_vocab()
         messages = [_message(m) for m in req.messages]
         preset = engine.preset
@@ -309,9 +316,12 @@ class CompletionService:
         ticket: Ticket,
         *,
         max_tokens_limit: int | None = None,
+        refuse_early: ServiceClass | None = None,
     ) -> Prepared:
         await self._quota(key, ticket)
         engine = await self._engine(req.model, chat=False)
+        if refuse_early is not None:
+            self._admission.refuse_early(engine, refuse_early, ticket)
         if isinstance(req.prompt, list):
             if len(req.prompt) != 1:
                 raise UnsupportedParameter(

@@ -12,9 +12,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import pytest
 
 from appliance.app import create_app
 from appliance.gateway.appkeys import REGISTRY
+from appliance.inference import completions
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from shared.classes import ServiceClass
@@ -91,8 +93,20 @@ async def streamed(
 
 
 async def test_a_burst_beyond_capacity_is_refused_at_once_and_the_rest_meet_the_objective(
-    aiohttp_client: AiohttpClient, tmp_path: Path, slow_model: ModelRecord
+    aiohttp_client: AiohttpClient,
+    tmp_path: Path,
+    slow_model: ModelRecord,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    tokenized = 0
+    tokenize = completions._tokenize
+
+    async def counted(*args: Any, **kwargs: Any) -> list[int]:
+        nonlocal tokenized
+        tokenized += 1
+        return await tokenize(*args, **kwargs)
+
+    monkeypatch.setattr(completions, "_tokenize", counted)
     first_token_s = 4.0
     client, keys = await appliance(
         aiohttp_client,
@@ -111,6 +125,8 @@ async def test_a_burst_beyond_capacity_is_refused_at_once_and_the_rest_meet_the_
     assert len(served) + len(refused) == 24, [r[0] for r in results]
     assert len(served) >= 2  # the two slots at least
     assert len(refused) >= 8  # two slots cannot serve 24 within 4 s
+    # Once the queue is full, a refusal comes before the prompt is even tokenized.
+    assert tokenized < len(results)
     for _, _, body, headers in refused:
         assert body["error"]["code"] == ErrorCode.overloaded
         assert "S1" in body["error"]["message"]

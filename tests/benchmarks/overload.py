@@ -481,7 +481,7 @@ async def one_long(
 async def _tokens_per_word(server: base.Server) -> float:
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        text = " ".join("".join(_FILLER).split()[:200])
+        text = " ".join(("".join(_FILLER) * 8).split()[:200])
         body = {"model": base.MODEL, "prompt": text, "max_tokens": 1, "temperature": 0.0}
         async with session.post(
             server.base_url + "/v1/completions", json=body, headers=server.headers
@@ -575,6 +575,8 @@ async def _long_phases(
         "within_objective": len(good),
         "goodput_rps": round(len(good) / seconds, 3),
         "goodput_share_of_capacity": round(len(good) / seconds / cap, 3) if cap else None,
+        # At 0.8x the most there is to serve is what was sent: goodput as a share of it.
+        "goodput_share_of_sent": round(len(good) / len(outcomes), 3) if outcomes else None,
     }  # fmt: skip
 
 
@@ -886,6 +888,97 @@ def markdown(result: dict[str, Any]) -> str:
     if "flood" in result["appliance"] and "flood_unheld" in result["appliance"]:
         lines += ["", _flood_sentence(result["appliance"], settings["slots"])]
     return "\n".join(lines) + "\n"
+
+
+def door_markdown(result: dict[str, Any]) -> str:
+    """The long mix and the burst (`--only long`, `--only burst`, or a whole run), from a
+    result; the commit each part ran at is its own stamp's."""
+    app = result["appliance"]
+    lines: list[str] = []
+    if (long := app.get("long_prompts")) is not None:
+        stamp = result.get("long_stamp", result)
+        wanted = result["targets"]["long"]
+        s1 = long["door"]["objectives"]["S1"]
+        speed = long["door"]["idle_speed"]
+        idle = ", ".join(
+            f"{row['prompt_tokens']} tokens: {row['ttft_ms'] / 1000:.1f} s"
+            if row["status"] == 200
+            else f"{row['length']}: refused ({row['status']})"
+            for row in long["idle"]
+        )
+        refused = sum(long["refused"].values())
+        lines += [
+            headline(
+                stamp,
+                f"{SLOTS} slots",
+                f"prompts of {', '.join(str(n) for n in long['lengths'])} tokens in turn, "
+                f"32-token completions, {result['settings'].get('long_s', 150):g} s at 0.8{TIMES}",
+            ),
+            "",
+            *table(
+                ["long prompts, S1's own objectives", "appliance"],
+                [
+                    ["first token on the idle node", idle],
+                    ["capacity (requests/s)", f"{long['capacity_rps']:.3f}"],
+                    [
+                        f"sent / served / refused at 0.8{TIMES}",
+                        f"{long['sent']} / {long['served']} / {refused}"
+                        + (f" ({_codes(long['refused'])})" if refused else ""),
+                    ],
+                    [
+                        "refused of a length the idle node served",
+                        (
+                            f"**{long['refused_of_served_idle']}** "
+                            f"(target {wanted['refused_of_served_idle']})"
+                        ),
+                    ],
+                    [
+                        "TTFT p50 / p99 of those served",
+                        _latency(long["ttft_ms_p50"], long["ttft_ms_p99"]),
+                    ],
+                    [
+                        "goodput (first token within its own objective), share of those sent",
+                        target(long["goodput_share_of_sent"], wanted["goodput_share"]),
+                    ],
+                ],
+            ),
+            "",
+            (
+                f"S1's own objectives on this node: the first token within "
+                f"{s1['first_token_s']:g} s and {s1['first_token_per_prompt_token_s'] * 1000:.2f} ms "
+                f"a prompt token (the model's idle prefill, {speed['prefill_tokens_per_s']:.0f} "
+                f"tokens/s, measured at its load)."
+            ),
+        ]
+    if (burst_figures := app.get("burst")) is not None:
+        stamp = result.get("burst_stamp", result)
+        wanted = result["targets"]["burst"]["refusal_p99_ms_busy_host"]
+        idle, busy = burst_figures["idle_host"], burst_figures["busy_host"]
+        p99 = busy["refusal_ms_p99"]
+        verdict = f" (target < {wanted:g} ms{'' if p99 < wanted else ': missed'})"
+        if lines:
+            lines.append("")
+        lines += [
+            (
+                f"A burst at the door ({headline(stamp).removesuffix('.')}): "
+                f"{burst_figures['requests']} chat requests of one key at once, each on its own "
+                f"connection (h2load), the model's {SLOTS} slots free before each. Idle host: "
+                f"{_statuses(idle)}, 429 latency p50 / p99 {idle['refusal_ms_p50']:.1f} / "
+                f"{idle['refusal_ms_p99']:.1f} ms; with two processes burning a core each: "
+                f"{_statuses(busy)}, 429 latency p50 / p99 {busy['refusal_ms_p50']:.1f} / "
+                f"**{p99:.1f} ms**{verdict}."
+            ),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _codes(codes: dict[str, int]) -> str:
+    return ", ".join(f"{n} {code}" for code, n in sorted(codes.items()))
+
+
+def _statuses(figures: dict[str, Any]) -> str:
+    statuses = figures["statuses"]
+    return f"{statuses.get('200', 0)} served, {statuses.get('429', 0)} refused"
 
 
 def _flood_sentence(appliance: dict[str, Any], slots: int) -> str:

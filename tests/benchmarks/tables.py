@@ -71,6 +71,7 @@ TABLES: tuple[Table, ...] = (
     Table("memory", BENCHMARKS_MD, ("memory.json",), memory.markdown),
     Table("concurrency", BENCHMARKS_MD, ("concurrency.json",), concurrency.markdown),
     Table("overload", BENCHMARKS_MD, ("overload.json",), overload.markdown),
+    Table("overload-door", BENCHMARKS_MD, ("overload.json",), overload.door_markdown),
     Table("sync", BENCHMARKS_MD, ("sync.json",), sync.markdown),
     Table("fleet", BENCHMARKS_MD, ("fleet.json",), fleet.markdown),
     Table("fleet-handshakes", BENCHMARKS_MD, ("fleet-handshakes.json",), fleet.handshakes_markdown),
