@@ -36,6 +36,8 @@ from appliance.serving.predictor import (
     InFlight,
     Objectives,
     Rates,
+    StepCost,
+    at_occupancy,
     decide,
     fits_idle,
     largest_prompt,
@@ -373,7 +375,19 @@ class AdmissionControl:
         )
         first = targets.first_token_s if first_token else math.inf
         objectives = Objectives(targets.admit_s, first, targets.complete_s)
-        decision = decide(new, flights, capacity, self.rates(model), objectives)
+        rates = self.rates(model)
+        if deployment.calibration is not None:
+            # The model's speed now: its calls as they run on this host, as many sequences
+            # sharing each as there will be with this one.
+            per_replica = -(-(len(flights) + 1) // capacity.replicas)
+            rates = at_occupancy(
+                rates,
+                StepCost.of(deployment.calibration),
+                deployment.slowdown,
+                min(capacity.slots, per_replica),
+                deployment.options.n_batch,
+            )
+        decision = decide(new, flights, capacity, rates, objectives)
         at_once = decision.prediction.admit_s == 0 and decision.prediction.drain_s == 0
         if decision.admitted or at_once:
             return

@@ -126,7 +126,9 @@ class BatchEngine:
         self.slot_tokens_reused = 0  # of those, kept in a slot from the sequence before
         self.tokens_generated = 0
         self.preemptions = 0
-        self.step_sizes: deque[int] = deque(maxlen=100_000)  # tokens per llama_decode call
+        # Each llama_decode call: its tokens, and its seconds with the sampling after it (the
+        # heartbeat takes them: the batch sizes' metric, and the door's live speed).
+        self.steps: deque[tuple[int, float]] = deque(maxlen=100_000)
         # For tests that compare two batch layouts: with keep_first_logits, the raw logits of
         # each sequence's first sampled position, by prompt, in the order they were sampled.
         # Off in service; then it costs one test per token.
@@ -342,8 +344,8 @@ class BatchEngine:
         builder = self._prefix.builder
         plan = sched.plan_step(self._state, no_reuse=() if builder is None else (builder,))
         self._enter(plan)
+        started = time.perf_counter()
         n, outputs = self._fill_batch(plan)
-        self.step_sizes.append(n)
         finished: dict[int, Literal["stop", "cancelled"]] = {}
         code = llama_cpp.llama_decode(self._ctx, self._batch) if n else 0
         if code != 0:
@@ -353,6 +355,7 @@ class BatchEngine:
             for seq_id, index in outputs:
                 if (reason := self._sample(self._seqs[seq_id], index)) is not None:
                     finished[seq_id] = reason
+        self.steps.append((n, time.perf_counter() - started))
         # A sequence cancelled (or failed) while it runs ends with this step.
         for entry in plan.entries:
             if entry.seq_id not in finished and self._seqs[entry.seq_id].cancel.is_set():

@@ -27,6 +27,10 @@ import heapq
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 PREEMPTIBLE = 0  # the priority of S0 work (shared.classes.ServiceClass.priority)
 RESERVED = 2  # the priority that may use reserved slots (S2)
@@ -81,6 +85,54 @@ class Rates:
         if token_s is not None and token_s > 0:
             token = min(token_s, _ewma(token, token_s, drift))
         return Rates(prefill, token, self.expected_tokens)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A llama_decode call's seconds on an idle host: `fixed_s` a call, and `token_s` for
+    each token in its batch. From the idle speed measured at load (a 64-token prefill is
+    one call of 64 tokens, a decoded token one call of one)."""
+
+    fixed_s: float
+    token_s: float
+
+    @classmethod
+    def of(cls, idle: Rates, prefill_tokens: int = 64) -> StepCost:
+        prefill_s = prefill_tokens / idle.prefill_tok_s
+        # The two calls differ by prefill_tokens - 1 tokens; a measurement too noisy to say
+        # (the prefill no slower than a decode) leaves a quarter of the prefill's average.
+        per_token = max(
+            (prefill_s - idle.token_s) / (prefill_tokens - 1), prefill_s / prefill_tokens / 4
+        )
+        return cls(max(0.0, idle.token_s - per_token), per_token)
+
+    def seconds(self, tokens: int) -> float:
+        return self.fixed_s + self.token_s * tokens
+
+
+def slowdown(factor: float, steps: Iterable[tuple[int, float]], cost: StepCost) -> float:
+    """How much slower than `cost` the model's calls run now (the host's other work, a
+    thermal limit), smoothed over its last calls: each call moves it by a twentieth."""
+    for tokens, seconds in steps:
+        if tokens > 0 and seconds > 0:
+            factor = _ewma(factor, seconds / cost.seconds(tokens), 0.05)
+    return factor
+
+
+def at_occupancy(live: Rates, cost: StepCost, factor: float, running: int, n_batch: int) -> Rates:
+    """The rates to predict with while `running` sequences share each call: a stream's
+    token is one call of them all, and a prompt's chunk shares its call with their
+    tokens; never faster than what finished requests measured (`live`, which also saw the
+    calls other prompts' prefills made long)."""
+    running = max(1, running)
+    call_s = factor * cost.seconds(running)
+    chunk = max(1, n_batch - (running - 1))
+    per_prompt_token_s = factor * (cost.token_s + cost.seconds(running - 1) / chunk)
+    return Rates(
+        min(live.prefill_tok_s, 1 / per_prompt_token_s),
+        max(live.token_s, call_s),
+        live.expected_tokens,
+    )
 
 
 _EPSILON = 1e-9  # of rounding: a prompt that fits exactly, fits

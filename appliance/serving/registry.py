@@ -48,7 +48,7 @@ from appliance.serving.engine import (
     Vocabulary,
     default_threads,
 )
-from appliance.serving.predictor import Rates
+from appliance.serving.predictor import Rates, StepCost, slowdown
 from appliance.serving.presets import Presets
 from appliance.serving.sampling_options import Sampling
 from appliance.serving.supervisor import Replica, Restart, SupervisorOptions, WorkerStats
@@ -182,6 +182,9 @@ class LoadedModel:
     preset: ModelPreset | None = None  # the hub's, for a model it placed here
     load_s: float | None = None  # from the first worker's start to every replica's ready
     calibration: Rates | None = None  # its speed on this node, idle, measured at load
+    # How much slower than that its llama_decode calls run now (1: as idle), from the
+    # calls its workers report (`predictor.slowdown`).
+    slowdown: float = 1.0
     replicas: list[Replica] = field(default_factory=list)
     state: State = "loading"
     error: str | None = None
@@ -660,8 +663,12 @@ class ModelRegistry:
 
     def _observe(self, model: str, stats: WorkerStats) -> None:
         m = self._metrics
-        for size in stats.steps:
+        for size, _ in stats.steps:
             m.batch_tokens.labels(model).observe(size)
+        deployment = self._deployments.get(model)
+        if deployment is not None and deployment.calibration is not None and stats.steps:
+            cost = StepCost.of(deployment.calibration)
+            deployment.slowdown = slowdown(deployment.slowdown, stats.steps, cost)
         if stats.prefix_tokens_reused > 0:
             m.prefix_tokens_reused.labels(model).inc(stats.prefix_tokens_reused)
         if stats.preemptions > 0:

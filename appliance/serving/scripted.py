@@ -226,7 +226,7 @@ class ScriptedEngine:
         self.prefix_tokens_reused = 0
         self.tokens_generated = 0
         self.preemptions = 0
-        self.step_sizes: deque[int] = deque(maxlen=100_000)
+        self.steps: deque[tuple[int, float]] = deque(maxlen=100_000)  # (tokens, seconds)
         self.after_turn: Callable[[], None] = _nothing
 
     def load(self) -> None:
@@ -315,9 +315,10 @@ class ScriptedEngine:
             seq.emit(SlotChange(holds=True))
             if seq.admitted is None:
                 seq.admitted = time.perf_counter()
-        self.step_sizes.append(plan.n_tokens)
+        started = time.perf_counter()
         if self._script.step_s:
             time.sleep(self._script.step_s)
+        self.steps.append((plan.n_tokens, time.perf_counter() - started))
         finished: dict[int, Literal["stop", "cancelled"]] = {}
         for entry in plan.entries:
             seq = self._seqs[entry.seq_id]

@@ -93,12 +93,13 @@ class Restart:
 
 @dataclass(frozen=True)
 class WorkerStats:
-    """What a worker reported in one heartbeat, as changes since the previous one."""
+    """What a worker reported in one heartbeat (its counters, as changes since the previous
+    one) or between two (`steps`: the decode calls it made, with no counters)."""
 
     busy_slots: int
     tokens_generated: int
     prefix_tokens_reused: int
-    steps: tuple[int, ...]  # tokens in each llama_decode call
+    steps: tuple[tuple[int, float], ...]  # each llama_decode call: (tokens, seconds)
     interval_s: float
     preemptions: int = 0
 
@@ -362,6 +363,15 @@ class Replica:
                 self._events_seen = events if isinstance(events, int) else -1
                 self._last_progress = now
             return
+        if kind == "steps":
+            # Decode calls since the last report: progress, and the model's speed now.
+            steps = message.get("steps")
+            parsed = [_step(x) for x in steps] if isinstance(steps, list) else []
+            self._last_progress = now
+            if self._on_stats is not None:
+                calls = tuple(x for x in parsed if x is not None)
+                self._on_stats(WorkerStats(self.busy_slots, 0, 0, calls, 0.0))
+            return
         if kind == "ready":
             found = message.get("placement")
             if isinstance(found, dict):
@@ -407,7 +417,7 @@ class Replica:
 
     def _stats(self, message: dict[str, object], interval_s: float) -> None:
         generated, reused = message.get("tokens_generated"), message.get("prefix_tokens_reused")
-        busy, steps = message.get("busy_slots"), message.get("steps")
+        busy = message.get("busy_slots")
         if not (isinstance(generated, int) and isinstance(reused, int) and isinstance(busy, int)):
             return
         preempted = message.get("preemptions")
@@ -417,13 +427,12 @@ class Replica:
         if interval_s > 0:
             self.tokens_per_second = max(0, generated - before[0]) / interval_s
         if self._on_stats is not None:
-            sizes = tuple(n for n in steps if isinstance(n, int)) if isinstance(steps, list) else ()
             self._on_stats(
                 WorkerStats(
                     busy,
                     generated - before[0],
                     reused - before[1],
-                    sizes,
+                    (),
                     interval_s,
                     preempted - before[2],
                 )
@@ -457,6 +466,15 @@ class Replica:
         runs, self._runs = self._runs, {}
         for run in runs.values():
             run.fail(WorkerUnavailableError(message, retry_after=retry_after))
+
+
+def _step(value: object) -> tuple[int, float] | None:
+    """A step the worker reported, `[tokens, seconds]`; None for anything else."""
+    if isinstance(value, list) and len(value) == 2:
+        n, seconds = value
+        if isinstance(n, int) and isinstance(seconds, (int, float)) and seconds >= 0:
+            return n, float(seconds)
+    return None
 
 
 def _rss_mb(pid: int) -> float:

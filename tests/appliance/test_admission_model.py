@@ -6,6 +6,7 @@ host whose cores are busy with other work, while the model's slots are free, sti
 
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 import sys
@@ -86,6 +87,12 @@ async def test_an_idle_node_serves_a_long_prompt_and_refuses_for_good_what_no_wa
     status, _, body = await _complete(client, keys[ServiceClass.S1], prompt)
     assert status == 200, body
     assert body["usage"]["prompt_tokens"] > 1800
+    # Its decode calls came back timed (twice a second): the model's speed now, against
+    # the idle speed (a factor of that speed, whatever this host does meanwhile).
+    async with asyncio.timeout(30):
+        while loaded.slowdown == 1.0:
+            await asyncio.sleep(0.1)
+    assert loaded.slowdown > 0
 
     # S2 allows 0.3 s and nothing per token: no wait would bring this prompt within it.
     status, headers, body = await _complete(client, keys[ServiceClass.S2], prompt)

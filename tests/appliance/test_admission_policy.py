@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,11 +15,14 @@ from appliance.serving.predictor import (
     Objectives,
     Rates,
     Reason,
+    StepCost,
+    at_occupancy,
     decide,
     fits_idle,
     idle_first_token_s,
     largest_prompt,
     predict,
+    slowdown,
 )
 from tests.budget import tries
 
@@ -116,6 +120,37 @@ def test_the_longest_prompt_a_class_takes_follows_its_allowance_and_the_idle_spe
     # The prefill's time or more: any prompt; a base shorter than one step: none.
     assert largest_prompt(2.0, 0.001, idle) is None
     assert largest_prompt(0.05, 0.0, idle) == 0
+
+
+def test_the_cost_of_a_call_comes_from_the_idle_prefill_and_decode() -> None:
+    # 64 tokens in 0.1 s, one token in 0.0163 s: 1.33 ms a token, 15 ms a call.
+    cost = StepCost.of(Rates(prefill_tok_s=640.0, token_s=0.0163))
+    assert cost.token_s == pytest.approx((0.1 - 0.0163) / 63)
+    assert cost.fixed_s == pytest.approx(0.0163 - cost.token_s)
+    assert cost.seconds(64) == pytest.approx(0.1)
+    # A prefill measured no slower than a decode (noise) still costs something a token.
+    odd = StepCost.of(Rates(prefill_tok_s=64 / 0.01, token_s=0.02))
+    assert odd.token_s > 0
+    assert odd.fixed_s >= 0
+
+
+def test_a_host_that_slows_the_calls_slows_the_prediction_and_a_full_batch_too() -> None:
+    cost = StepCost.of(Rates(prefill_tok_s=640.0, token_s=0.0163))
+    # Calls that take twice their idle time: the factor moves toward 2, call by call.
+    factor = slowdown(1.0, [(4, 2 * cost.seconds(4))] * 100, cost)
+    assert 1.9 < factor <= 2.0
+    assert slowdown(factor, [(0, 0.5), (3, 0.0)], cost) == factor  # nothing to learn from
+    live = Rates(prefill_tok_s=640.0, token_s=0.0163, expected_tokens=20.0)
+    one = at_occupancy(live, cost, 1.0, 1, 512)
+    assert one.token_s == pytest.approx(0.0163)
+    four = at_occupancy(live, cost, 1.0, 4, 512)
+    assert four.token_s > one.token_s  # four tokens a call
+    slow = at_occupancy(live, cost, factor, 4, 512)
+    assert slow.token_s == pytest.approx(factor * four.token_s)
+    assert slow.prefill_tok_s < four.prefill_tok_s <= live.prefill_tok_s
+    # What finished requests measured stays the floor: never predicted faster than that.
+    measured = Rates(prefill_tok_s=100.0, token_s=0.5, expected_tokens=20.0)
+    assert at_occupancy(measured, cost, 1.0, 1, 512) == measured
 
 
 def test_a_token_bucket_refuses_when_empty_recovers_with_time_and_carries_debt() -> None:
