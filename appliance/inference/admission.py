@@ -21,6 +21,7 @@ with every slot free).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections import OrderedDict
@@ -41,6 +42,7 @@ from appliance.serving.predictor import (
     decide,
     fits_idle,
     largest_prompt,
+    predict,
 )
 from shared.classes import ServiceClass
 from shared.errors import (
@@ -58,7 +60,7 @@ if TYPE_CHECKING:
 
     from appliance.observability.metrics import Metrics
     from appliance.observability.objectives import Ticket
-    from appliance.serving.engine import Finished
+    from appliance.serving.engine import Finished, Run
     from appliance.serving.registry import LoadedModel
     from appliance.settings import ClassObjectives, ClassSettings
     from appliance.state.store import ApiKey, AsyncStore
@@ -364,29 +366,12 @@ class AdmissionControl:
     ) -> None:
         """Raise `Overloaded` when the prediction refuses the request (its first token
         judged only with `first_token`)."""
-        model = deployment.record.ref
         flights = [f for r in deployment.replicas if r.ready for f in r.flights()]
         new = InFlight(klass.priority, prompt_tokens, max_tokens, arrival=1 << 62)
-        capacity = Capacity(
-            replicas=max(1, sum(1 for r in deployment.replicas if r.ready)),
-            slots=deployment.options.n_slots,
-            reserved=deployment.options.reserved_slots,
-            preemption=deployment.options.preemption,
-        )
+        capacity = _capacity(deployment)
         first = targets.first_token_s if first_token else math.inf
         objectives = Objectives(targets.admit_s, first, targets.complete_s)
-        rates = self.rates(model)
-        if deployment.calibration is not None:
-            # The model's speed now: its calls as they run on this host, as many sequences
-            # sharing each as there will be with this one.
-            per_replica = -(-(len(flights) + 1) // capacity.replicas)
-            rates = at_occupancy(
-                rates,
-                StepCost.of(deployment.calibration),
-                deployment.slowdown,
-                min(capacity.slots, per_replica),
-                deployment.options.n_batch,
-            )
+        rates = self._rates_now(deployment, len(flights) + 1, capacity)
         decision = decide(new, flights, capacity, rates, objectives)
         at_once = decision.prediction.admit_s == 0 and decision.prediction.drain_s == 0
         if decision.admitted or at_once:
@@ -399,6 +384,43 @@ class AdmissionControl:
             f"class {klass.value} cannot be served within its objectives now: {decision.detail}",
             retry_after=decision.retry_after_s,
         )
+
+    def _rates_now(self, deployment: LoadedModel, sequences: int, capacity: Capacity) -> Rates:
+        """The rates to predict with: what finished requests measured, and, once the model's
+        idle speed is known, its calls as they run on this host now, as many sequences
+        sharing each as `sequences` make (up to its slots)."""
+        rates = self.rates(deployment.record.ref)
+        if deployment.calibration is None:
+            return rates
+        per_replica = -(-sequences // capacity.replicas)
+        return at_occupancy(
+            rates,
+            StepCost.of(deployment.calibration),
+            deployment.slowdown,
+            min(capacity.slots, per_replica),
+            deployment.options.n_batch,
+        )
+
+    def doomed(
+        self, deployment: LoadedModel, runs: list[Run], waited_s: float, by_s: float
+    ) -> bool:
+        """Whether a request still queued (`runs`: its choices), `waited_s` after its
+        admission, would not hold a slot by `by_s` (its first-token deadline, when it would
+        be shed) as the queue and the model's speed are now: shed now, not at the deadline,
+        so its client can go elsewhere or come back sooner."""
+        flights = [f for r in deployment.replicas if r.ready for f in r.flights()]
+        capacity = _capacity(deployment)
+        rates = self._rates_now(deployment, len(flights), capacity)
+        for run in runs:
+            own = run.flight()
+            if own is None or own.running:
+                return False
+            others = list(flights)
+            with contextlib.suppress(ValueError):
+                others.remove(own)
+            if waited_s + predict(own, others, capacity, rates).admit_s <= by_s:
+                return False
+        return bool(runs)
 
     def _too_long(self, klass: ServiceClass, model: str, prompt_tokens: int, idle: Rates) -> str:
         c = self.class_settings(klass)
@@ -551,3 +573,12 @@ class AdmissionControl:
                 self._auth.popitem(last=False)
         self._auth.move_to_end(address)
         bucket.charge(1, now)
+
+
+def _capacity(deployment: LoadedModel) -> Capacity:
+    return Capacity(
+        replicas=max(1, sum(1 for r in deployment.replicas if r.ready)),
+        slots=deployment.options.n_slots,
+        reserved=deployment.options.reserved_slots,
+        preemption=deployment.options.preemption,
+    )

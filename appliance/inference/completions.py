@@ -89,6 +89,8 @@ Kind = Literal["chat", "text"]
 # which serves the models itself (no well-known provider value applies).
 GENAI_PROVIDER = "kovenlab-edge"
 GENAI_OPERATION: dict[Kind, str] = {"chat": "chat", "text": "text_completion"}
+# How often a queued request asks whether it will still hold a slot by its deadline (s).
+RECHECK_S = 0.5
 
 
 @dataclass
@@ -473,10 +475,12 @@ class CompletionService:
             raise ModelUnavailable(str(err), retry_after=err.retry_after) from err
         self._metrics.queue_waiting.labels(prepared.model).set(prepared.engine.waiting)
         objective = targets.first_token_s  # the class's, with the allowance for its prompt
+        engine = prepared.engine
         return Generation(
             runs,
             objective,
             lambda waited: self._admission.shed(klass, waited, objective, ticket),
+            doomed=lambda waited: self._admission.doomed(engine, runs, waited, objective),
             # A generation closed without a usage record (it failed) frees its reservation.
             on_close=lambda: self._admission.settle_lease(prepared.lease_id, prepared.id, 0),
         )
@@ -705,6 +709,7 @@ class Generation:
         first_token_s: float | None = None,
         shed: Callable[[float], Overloaded] | None = None,
         *,
+        doomed: Callable[[float], bool] | None = None,
         on_close: Callable[[], None] | None = None,
     ) -> None:
         self._runs = runs
@@ -712,10 +717,12 @@ class Generation:
         # A request still waiting in the queue at this deadline (its class's SLO.B, with
         # the allowance for its prompt) is dropped from it rather than served late; one that
         # holds a slot by then is being served (a busy host slows it: not the queue's fault)
-        # and goes on.
+        # and goes on. Until then, `doomed(waited)` is asked every RECHECK_S: a request
+        # the prediction says will not hold a slot by then is dropped at once.
         self._started = time.monotonic()
         self._first_token_s = first_token_s
         self._shed = shed
+        self._doomed = doomed
         self._first = True
         self._open = set(range(len(runs)))
         # Several choices: each run's next event is awaited at once, as its own task.
@@ -748,18 +755,7 @@ class Generation:
         try:
             if self._first and self._first_token_s is not None:
                 self._first = False
-                left = self._first_token_s - (time.monotonic() - self._started)
-                try:
-                    async with asyncio.timeout(max(0.0, left)):  # not wait_for: see wait_until_set
-                        return await self._event()
-                except TimeoutError:
-                    if any(run.seated for run in self._runs):
-                        return await self._event()
-                    self.cancel()
-                    waited = time.monotonic() - self._started
-                    if self._shed is None:  # pragma: no cover - set with the deadline
-                        raise
-                    raise self._shed(waited) from None
+                return await self._first_event(self._first_token_s)
             return await self._event()
         except GrammarError as err:
             raise InvalidSchema(str(err), param="response_format") from err
@@ -767,6 +763,24 @@ class Generation:
             raise ModelUnavailable(str(err), retry_after=err.retry_after) from err
         except EngineError as err:
             raise InternalError(f"generation failed: {err}") from err
+
+    async def _first_event(self, deadline_s: float) -> tuple[int, Event]:
+        while True:
+            left = deadline_s - (time.monotonic() - self._started)
+            tick = min(left, RECHECK_S) if self._doomed is not None else left
+            try:
+                async with asyncio.timeout(max(0.0, tick)):  # not wait_for: see wait_until_set
+                    return await self._event()
+            except TimeoutError:
+                if any(run.seated for run in self._runs):
+                    return await self._event()
+                waited = time.monotonic() - self._started
+                if waited < deadline_s and not (self._doomed and self._doomed(waited)):
+                    continue
+                self.cancel()
+                if self._shed is None:  # pragma: no cover - set with the deadline
+                    raise
+                raise self._shed(waited) from None
 
     async def _event(self) -> tuple[int, Event]:
         if len(self._runs) == 1:  # the common case: no task per token

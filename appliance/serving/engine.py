@@ -27,6 +27,7 @@ from shared.gguf import GGUFInfo, read_gguf
 if TYPE_CHECKING:
     import asyncio
 
+    from appliance.serving.predictor import InFlight
     from appliance.state.records import ModelRecord
     from shared.chat import ChatTemplate
 
@@ -130,6 +131,10 @@ class Job:
     cancel: threading.Event
 
 
+def _nowhere() -> InFlight | None:
+    return None
+
+
 class Run:
     """One submitted generation: an async iterator of its events, ending with Finished.
 
@@ -151,6 +156,9 @@ class Run:
         self._done = False
         # It has held a batch slot (the worker says when): being served, not queued.
         self.seated = False
+        # Where it stands now, for the door (set by its supervisor): queued or running, and
+        # its place; None once it finished.
+        self.flight: Callable[[], InFlight | None] = _nowhere
 
     def emit(self, event: Event | Failed) -> None:
         """Hand an event to the consumer; called from the engine thread."""

@@ -257,9 +257,10 @@ class Replica:
             on_cancel=lambda: self._send({"type": "cancel", "id": request_id}),
         )
         self._runs[request_id] = run
-        self._flights[request_id] = _Flight(
+        self._flights[request_id] = flight = _Flight(
             request.priority, len(request.prompt_tokens), request.max_tokens, self.submitted
         )
+        run.flight = lambda: flight.snapshot() if request_id in self._flights else None
         self.submitted += 1
         self._send(ipc.generate_message(request_id, request))
         return run
