@@ -629,8 +629,8 @@ def _h2load_burst(server: base.Server, key: str, work: Path, label: str) -> dict
     command += ["-H", f"authorization: Bearer {key}", "-H", "content-type: application/json"]
     command += ["--log-file", str(log_file), server.base_url + "/v1/chat/completions"]
     sheds = _sheds(server)
+    # h2load ends once every request has its answer: the served ones finished too.
     subprocess.run(command, check=True, capture_output=True)
-    _wait_idle(server)
     shed = round(_sheds(server) - sheds)
     rows = [line.split("\t") for line in log_file.read_text().splitlines() if line.strip()]
     # A 429 for a request admitted and then dropped from the queue comes at its first-token
@@ -679,21 +679,6 @@ def _sheds(server: base.Server) -> float:
         for line in text.splitlines()
         if line.startswith("kvl_admission_sheds_total{")
     )
-
-
-def _wait_idle(server: base.Server, timeout_s: float = 300) -> None:
-    """Until the model's admitted requests of the last burst have finished."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = urllib.request.urlopen(server.base_url + "/metrics", timeout=10).read().decode()
-        busy = [
-            float(line.split()[-1])
-            for line in text.splitlines()
-            if line.startswith(("kvl_slots_busy{", "kvl_queue_waiting{"))
-        ]
-        if busy and not any(busy):
-            return
-        time.sleep(0.5)
 
 
 def main(argv: list[str] | None = None) -> int:
