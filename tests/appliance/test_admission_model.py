@@ -89,9 +89,11 @@ async def test_an_idle_node_serves_a_long_prompt_and_refuses_for_good_what_no_wa
     assert body["usage"]["prompt_tokens"] > 1800
     # Its decode calls came back timed (twice a second): the model's speed now, against
     # the idle speed (a factor of that speed, whatever this host does meanwhile).
-    async with asyncio.timeout(30):
-        while loaded.slowdown == 1.0:
-            await asyncio.sleep(0.1)
+    for _ in range(300):  # the next report is at most half a second away
+        if loaded.slowdown != 1.0:
+            break
+        await asyncio.sleep(0.1)
+    assert loaded.slowdown != 1.0
     assert loaded.slowdown > 0
 
     # S2 allows 0.3 s and nothing per token: no wait would bring this prompt within it.
