@@ -12,11 +12,30 @@ first use, so ``import llama_cpp`` stays free until it is used.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib
 import importlib.util
 import sys
 import types
 from typing import Any
+
+# The C++ runtime's soname on every glibc Linux (found by the dynamic loader's own search).
+CXX_RUNTIME = "libstdc++.so.6"
+
+
+def cxx_runtime() -> None:
+    """Load the system's C++ runtime into the process's global symbol scope, before any
+    llama.cpp library. Python links no C++ runtime, so the first library loaded that
+    brings `std::` symbols decides where every later one's resolve; a CUDA build's
+    libggml-cuda.so exports some of its own, and llama.cpp's tokenizer (std::regex, at the
+    first vocabulary load) then crashed the gateway with SIGSEGV. Loaded first, the
+    runtime's own definitions win, for every library after it. Nothing on a platform
+    without it (the import of llama.cpp fails or works there as before)."""
+    if sys.platform != "linux":
+        return
+    with contextlib.suppress(OSError):
+        ctypes.CDLL(CXX_RUNTIME, mode=ctypes.RTLD_GLOBAL)
 
 
 class _Package(types.ModuleType):
@@ -45,7 +64,9 @@ class _Package(types.ModuleType):
 
 
 def install() -> None:
-    """The light ``llama_cpp`` package, unless the package is imported already."""
+    """The light ``llama_cpp`` package, unless the package is imported already; and the C++
+    runtime in the process's global scope first (:func:`cxx_runtime`)."""
+    cxx_runtime()
     if "llama_cpp" in sys.modules:
         return
     spec = importlib.util.find_spec("llama_cpp")

@@ -148,3 +148,48 @@ def test_llama_cpp_answers_every_name_as_its_own_package_does(expression: str) -
 def test_llama_cpp_loads_nothing_until_a_name_is_asked_for() -> None:
     modules = _modules("import appliance.serving.engine, llama_cpp")
     assert _present(modules, ("llama_cpp.llama_cpp", "llama_cpp.llama")) == []
+
+
+# The shared objects of the process in the order they were loaded (the dynamic loader's
+# link map, as dl_iterate_phdr walks it), after llama.cpp's C API is imported.
+_LOAD_ORDER = """
+import ctypes
+import appliance.serving
+import llama_cpp.llama_cpp
+
+class _Info(ctypes.Structure):
+    _fields_ = [("addr", ctypes.c_void_p), ("name", ctypes.c_char_p)]
+
+_Visit = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_Info), ctypes.c_size_t, ctypes.c_void_p)
+order = []
+
+def _visit(info, size, data):
+    order.append((info.contents.name or b"").decode().rsplit("/", 1)[-1])
+    return 0
+
+ctypes.CDLL(None).dl_iterate_phdr(_Visit(_visit), None)
+print(json.dumps(order))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the link map of glibc's dynamic loader")
+def test_the_cxx_runtime_is_loaded_before_any_llama_cpp_library() -> None:
+    """A CUDA build's libggml-cuda.so exports `std::` symbols of its own; had it come before
+    the C++ runtime in the process's lookup order, llama.cpp's tokenizer would run them and
+    the gateway crashed at its first vocabulary load. The runtime comes first, whichever
+    libraries llama.cpp brings."""
+    out = subprocess.run(
+        [sys.executable, "-c", "import json\n" + _LOAD_ORDER],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    order: list[str] = json.loads(out.strip().splitlines()[-1])
+    runtime = [i for i, name in enumerate(order) if name.startswith("libstdc++.so")]
+    llama = [i for i, name in enumerate(order) if name.startswith(("libllama", "libggml"))]
+    assert runtime, order
+    assert llama, order  # the C API loaded its libraries
+    assert runtime[0] < min(llama), order
