@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -68,8 +68,14 @@ WORKER_NEVER = (
 
 
 def _modules(code: str, **env: str) -> set[str]:
+    loaded: list[str] = _printed(code + _PRINT, **env)
+    return set(loaded)
+
+
+def _printed(code: str, **env: str) -> Any:
+    """The JSON `code` prints last, run in a fresh interpreter from this checkout."""
     out = subprocess.run(
-        [sys.executable, "-c", code + _PRINT],
+        [sys.executable, "-c", code],
         cwd=ROOT,  # `python -c` imports from the current folder first: this checkout
         env={**os.environ, "PYTHONPATH": str(ROOT), **env},
         check=True,
@@ -77,8 +83,7 @@ def _modules(code: str, **env: str) -> set[str]:
         text=True,
         timeout=120,
     ).stdout
-    loaded: list[str] = json.loads(out.strip().splitlines()[-1])
-    return set(loaded)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def _present(modules: set[str], names: tuple[str, ...]) -> list[str]:
@@ -178,16 +183,7 @@ def test_the_cxx_runtime_is_loaded_before_any_llama_cpp_library() -> None:
     the C++ runtime in the process's lookup order, llama.cpp's tokenizer would run them and
     the gateway crashed at its first vocabulary load. The runtime comes first, whichever
     libraries llama.cpp brings."""
-    out = subprocess.run(
-        [sys.executable, "-c", "import json\n" + _LOAD_ORDER],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout
-    order: list[str] = json.loads(out.strip().splitlines()[-1])
+    order: list[str] = _printed("import json\n" + _LOAD_ORDER)
     runtime = [i for i, name in enumerate(order) if name.startswith("libstdc++.so")]
     llama = [i for i, name in enumerate(order) if name.startswith(("libllama", "libggml"))]
     assert runtime, order

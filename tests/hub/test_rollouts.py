@@ -80,6 +80,20 @@ class Fleet:
             body = await r.read()
             return r.status, json.loads(body) if body else None
 
+    async def as_old_node(
+        self, name: str, version: int, method: str, path: str, **kw: Any
+    ) -> tuple[int, Any]:
+        """A call of node `name` speaking protocol `version` (as an older node would)."""
+        headers = {
+            "Authorization": f"Bearer {self.tokens[name]}",
+            protocol.PROTOCOL_HEADER: str(version),
+        }
+        async with (
+            aiohttp.ClientSession() as session,
+            session.request(method, self.base + path, headers=headers, ssl=self.pin, **kw) as r,
+        ):
+            return r.status, await r.json()
+
     async def beat(self, name: str, **capacity: Any) -> None:
         await self.nodes[name].heartbeat({}, protocol.Capacity(**capacity))
 
@@ -676,34 +690,29 @@ async def test_a_node_of_protocol_5_is_left_out_and_never_sees_a_release(fleet: 
     cannot take a release: the rollout leaves it out, and its desired state, answered in
     its version, has no `release` field its models would refuse."""
     assert (await fleet.call("POST", "/v1/admin/releases?version=5.0", data=b"x" * 10))[0] == 201
-    old = {"Authorization": f"Bearer {fleet.tokens['n4']}", protocol.PROTOCOL_HEADER: "5"}
-    async with aiohttp.ClientSession() as session:
 
-        async def as_old_node(method: str, path: str, **kw: Any) -> tuple[int, Any]:
-            async with session.request(
-                method, fleet.base + path, headers=old, ssl=fleet.pin, **kw
-            ) as response:
-                return response.status, await response.json()
+    async def as_old_node(method: str, path: str, **kw: Any) -> tuple[int, Any]:
+        return await fleet.as_old_node("n4", 5, method, path, **kw)
 
-        status, _ = await as_old_node("POST", "/v1/node/heartbeat", json={"capacity": {}})
-        assert status == 200
-        for name in ("n1", "n2", "n3"):
-            await fleet.beat(name)
+    status, _ = await as_old_node("POST", "/v1/node/heartbeat", json={"capacity": {}})
+    assert status == 200
+    for name in ("n1", "n2", "n3"):
+        await fleet.beat(name)
 
-        await until(lambda: _all_heard(fleet, old="5"), "all heard")
-        status, view = await fleet.call(
-            "POST", "/v1/admin/rollouts",
-            json={"kind": "release", "release": "5.0",
-                  "strategy": {"canary": 3, "max_unavailable": 3, "soak_s": 0,
-                               "max_burn_rate": None}},
-        )  # fmt: skip
-        assert status == 201, view
-        names = sorted(n["name"] for w in view["waves"] for n in w["nodes"])
-        assert names == ["n1", "n2", "n3"]
-        await until(lambda: _targets(fleet, "n3", "5.0"), "the protocol-6 nodes reached")
-        status, state = await as_old_node("GET", "/v1/node/state")
-        assert status == 200
-        assert "release" not in state
+    await until(lambda: _all_heard(fleet, old="5"), "all heard")
+    status, view = await fleet.call(
+        "POST", "/v1/admin/rollouts",
+        json={"kind": "release", "release": "5.0",
+              "strategy": {"canary": 3, "max_unavailable": 3, "soak_s": 0,
+                           "max_burn_rate": None}},
+    )  # fmt: skip
+    assert status == 201, view
+    names = sorted(n["name"] for w in view["waves"] for n in w["nodes"])
+    assert names == ["n1", "n2", "n3"]
+    await until(lambda: _targets(fleet, "n3", "5.0"), "the protocol-6 nodes reached")
+    status, state = await as_old_node("GET", "/v1/node/state")
+    assert status == 200
+    assert "release" not in state
 
 
 async def test_a_node_of_protocol_7_gets_and_is_held_to_the_settings_it_takes(
@@ -712,66 +721,61 @@ async def test_a_node_of_protocol_7_gets_and_is_held_to_the_settings_it_takes(
     """The content packages' settings came with protocol 8. A node of protocol 7 gets the
     hub's settings without them (its models would refuse the field), the hub expects the
     digest of what it gets, and a rollout of a packages setting leaves it out."""
-    old = {"Authorization": f"Bearer {fleet.tokens['n4']}", protocol.PROTOCOL_HEADER: "7"}
-    async with aiohttp.ClientSession() as session:
 
-        async def as_old_node(method: str, path: str, **kw: Any) -> tuple[int, Any]:
-            async with session.request(
-                method, fleet.base + path, headers=old, ssl=fleet.pin, **kw
-            ) as response:
-                return response.status, await response.json()
+    async def as_old_node(method: str, path: str, **kw: Any) -> tuple[int, Any]:
+        return await fleet.as_old_node("n4", 7, method, path, **kw)
 
-        assert (await as_old_node("POST", "/v1/node/heartbeat", json={"capacity": {}}))[0] == 200
-        for name in ("n1", "n2", "n3"):
-            await fleet.beat(name)
-        await until(lambda: _all_heard(fleet, old="7"), "all heard")
-        for key, value in (("chat_default", "m@1"), ("packages.max_attempts", "5"),
-                           ("objectives.S1.first_token_per_token_s", "0.001")):  # fmt: skip
-            status, body = await fleet.call("PUT", "/v1/admin/settings",
-                                            json={"key": key, "value": value})  # fmt: skip
-            assert status == 200, body
-        status, state = await as_old_node("GET", "/v1/node/state")
-        assert status == 200, state
-        assert state["settings"]["chat_default"] == "m@1"
-        assert "packages" not in state["settings"]
-        assert state["settings"]["objectives"] == {
-            "S1": {"admit_s": None, "first_token_s": None, "complete_s": None}
-        }  # fmt: skip - its allowance is protocol 8's
-        new = await fleet.nodes["n1"].state(-1)
-        assert new is not None
-        assert new.settings.packages.max_attempts == 5
-        assert new.settings.objectives["S1"].first_token_per_token_s == 0.001
-        shown = {}
-        for name in ("n1", "n4"):
-            status, shown[name] = await fleet.call("GET", f"/v1/admin/nodes/{name}/settings")
-            assert status == 200, shown[name]
-        assert (
-            shown["n4"]["digest"]
-            == protocol.NodeSettings(
-                chat_default="m@1", objectives={"S1": protocol.ClassTargets()}
-            ).digest()
-        )
-        assert (
-            shown["n1"]["digest"]
-            == protocol.NodeSettings(
-                chat_default="m@1",
-                objectives={"S1": protocol.ClassTargets(first_token_per_token_s=0.001)},
-                packages=protocol.PackageOverrides(max_attempts=5),
-            ).digest()
-        )
+    assert (await as_old_node("POST", "/v1/node/heartbeat", json={"capacity": {}}))[0] == 200
+    for name in ("n1", "n2", "n3"):
+        await fleet.beat(name)
+    await until(lambda: _all_heard(fleet, old="7"), "all heard")
+    for key, value in (("chat_default", "m@1"), ("packages.max_attempts", "5"),
+                       ("objectives.S1.first_token_per_token_s", "0.001")):  # fmt: skip
+        status, body = await fleet.call("PUT", "/v1/admin/settings",
+                                        json={"key": key, "value": value})  # fmt: skip
+        assert status == 200, body
+    status, state = await as_old_node("GET", "/v1/node/state")
+    assert status == 200, state
+    assert state["settings"]["chat_default"] == "m@1"
+    assert "packages" not in state["settings"]
+    assert state["settings"]["objectives"] == {
+        "S1": {"admit_s": None, "first_token_s": None, "complete_s": None}
+    }  # fmt: skip - its allowance is protocol 8's
+    new = await fleet.nodes["n1"].state(-1)
+    assert new is not None
+    assert new.settings.packages.max_attempts == 5
+    assert new.settings.objectives["S1"].first_token_per_token_s == 0.001
+    shown = {}
+    for name in ("n1", "n4"):
+        status, shown[name] = await fleet.call("GET", f"/v1/admin/nodes/{name}/settings")
+        assert status == 200, shown[name]
+    assert (
+        shown["n4"]["digest"]
+        == protocol.NodeSettings(
+            chat_default="m@1", objectives={"S1": protocol.ClassTargets()}
+        ).digest()
+    )
+    assert (
+        shown["n1"]["digest"]
+        == protocol.NodeSettings(
+            chat_default="m@1",
+            objectives={"S1": protocol.ClassTargets(first_token_per_token_s=0.001)},
+            packages=protocol.PackageOverrides(max_attempts=5),
+        ).digest()
+    )
 
-        strategy = {"canary": 1, "max_unavailable": 3, "soak_s": 0, "max_burn_rate": None}
-        status, view = await fleet.call(
-            "POST", "/v1/admin/rollouts",
-            json={"kind": "settings", "setting": "packages.item_max_tokens", "value": "100",
-                  "strategy": strategy},
-        )  # fmt: skip
-        assert status == 201, view
-        assert sorted(n["name"] for w in view["waves"] for n in w["nodes"]) == ["n1", "n2", "n3"]
-        status, body = await fleet.call(
-            "POST", "/v1/admin/rollouts",
-            json={"kind": "settings", "setting": "packages.model", "value": "m@1",
-                  "node": "n4", "strategy": strategy},
-        )  # fmt: skip
-        assert (status, body["error"]["code"]) == (409, "rollout_conflict"), body
-        assert "protocol 8 on" in body["error"]["message"]
+    strategy = {"canary": 1, "max_unavailable": 3, "soak_s": 0, "max_burn_rate": None}
+    status, view = await fleet.call(
+        "POST", "/v1/admin/rollouts",
+        json={"kind": "settings", "setting": "packages.item_max_tokens", "value": "100",
+              "strategy": strategy},
+    )  # fmt: skip
+    assert status == 201, view
+    assert sorted(n["name"] for w in view["waves"] for n in w["nodes"]) == ["n1", "n2", "n3"]
+    status, body = await fleet.call(
+        "POST", "/v1/admin/rollouts",
+        json={"kind": "settings", "setting": "packages.model", "value": "m@1",
+              "node": "n4", "strategy": strategy},
+    )  # fmt: skip
+    assert (status, body["error"]["code"]) == (409, "rollout_conflict"), body
+    assert "protocol 8 on" in body["error"]["message"]
