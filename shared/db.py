@@ -174,6 +174,16 @@ class ChangeProbe:
         self._conn: sqlite3.Connection | None = None
 
     def version(self) -> int:
+        return int(self._connection().execute("PRAGMA data_version").fetchone()[0])
+
+    def generation(self, table: str) -> int:
+        """The `generation` column of `table`'s one row (a counter the database's own
+        triggers move), read as `version()` is, without waiting on a writer."""
+        # Table names come from the caller's code, never from input.
+        row = self._connection().execute(f"SELECT generation FROM {table}").fetchone()  # noqa: S608
+        return int(row[0])
+
+    def _connection(self) -> sqlite3.Connection:
         if self._conn is None:
             self._conn = sqlite3.connect(
                 f"{self._path.resolve().as_uri()}?mode=ro",
@@ -181,7 +191,7 @@ class ChangeProbe:
                 check_same_thread=False,
                 timeout=1.0,
             )
-        return int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+        return self._conn
 
     def close(self) -> None:
         if self._conn is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 from shared import jsonlimits
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 # A body that does not arrive (a stalled client, or a compressed body whose decoder waits
 # for more) must not hold a connection and a handler forever.
 BODY_TIMEOUT_S = 30.0
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -32,16 +34,23 @@ async def read_json(request: web.Request) -> dict[str, Any]:
 
 def decode_json(raw: bytes) -> dict[str, Any]:
     try:
-        body = jsonlimits.loads(raw)
+        # JSON between systems is UTF-8 (RFC 8259, 8.1), decoded strictly here: Python's
+        # JSON decoder would let a surrogate's three UTF-8-like bytes through, or take the
+        # body for UTF-16 or UTF-32.
+        body = jsonlimits.loads(raw.decode("utf-8-sig"))
     except jsonlimits.JsonLimitError as err:
         raise ApiError(ErrorCode.invalid_json, f"the body is JSON this API refuses: {err}") from err
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ApiError(ErrorCode.invalid_json, f"the body is not valid JSON: {err}") from err
     if not isinstance(body, dict):
         raise ApiError(ErrorCode.invalid_json, "the body must be a JSON object")
+    # JSON's \ud800 escapes decode to lone surrogates, which are not Unicode text and
+    # cannot reach the tokenizer; refuse them here, once, for every field. Only an escape
+    # can make one (strict UTF-8 holds none): a body without one is not encoded again to
+    # look.
+    if _SURROGATE_ESCAPE.search(raw) is None:
+        return body
     try:
-        # JSON's \ud800 escapes decode to lone surrogates, which are not Unicode text and
-        # cannot reach the tokenizer; refuse them here, once, for every field.
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as err:
         raise ApiError(

@@ -87,6 +87,32 @@ _HELD_REFUSALS = frozenset(
 )
 
 
+# A place held at the door this long without its request leaving it stops counting (a
+# backstop: every caller leaves its place when its prompt is tokenized or refused).
+PLACE_HELD_S = 5.0
+_PLACES = 1 << 61  # places' arrival order: after every submitted request, before a new one
+
+
+class Place:
+    """A request past the door's early check, its prompt not yet tokenized: counted as
+    queued by the requests after it until it is left (`with place: ...`)."""
+
+    def __init__(self, places: dict[int, Place], flight: InFlight, until: float) -> None:
+        self._places = places
+        self.flight = flight
+        self.until = until
+        places[id(self)] = self
+
+    def leave(self) -> None:
+        self._places.pop(id(self), None)
+
+    def __enter__(self) -> Place:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.leave()
+
+
 class AdmissionControl:
     def __init__(self, settings: ClassSettings, store: AsyncStore, metrics: Metrics) -> None:
         self._settings = settings
@@ -101,6 +127,8 @@ class AdmissionControl:
         self._held: dict[int, int] = {}  # key id -> its refusals being held now
         # (key id, connection) -> until when its last refusal's Retry-After runs
         self._refused: OrderedDict[tuple[int, str], float] = OrderedDict()
+        self._places: dict[str, dict[int, Place]] = {}  # model -> places held at its door
+        self._arrivals = 0
         self.outbox_full = False  # set by the fleet link: the outbox is at its bound
         # class → the objectives the hub set for it (apply_targets)
         self._hub_targets: dict[protocol.ServiceClassName, protocol.ClassTargets] = {}
@@ -334,18 +362,33 @@ class AdmissionControl:
         return targets
 
     def refuse_early(
-        self, deployment: LoadedModel, klass: ServiceClass, ticket: Ticket | None = None
-    ) -> None:
+        self,
+        deployment: LoadedModel,
+        klass: ServiceClass,
+        rough_tokens: int,
+        max_tokens: int,
+        ticket: Ticket | None = None,
+    ) -> Place:
         """Refuse now (429 ``overloaded``) what `admit` would refuse whatever its prompt,
         before the prompt is rendered and tokenized (the most of a refusal's cost, when a
         burst meets a full queue): the predicted wait for a slot does not depend on the
         prompt, nor does the first token's lateness shrink with it while the class allows
-        no more per prompt token than the model now takes."""
+        no more per prompt token than the model now takes.
+
+        Past this check the request holds a place, counted as queued (its prompt
+        `rough_tokens` long, its completion `max_tokens`) by the requests after it at the
+        door until its caller leaves it (`with`): a burst cannot all pass the check while
+        the first of it is still rendering its prompts."""
         model = self._calibrate(deployment)
         targets = self.targets(klass, model, 0)
         per_prompt, _ = self.allowances(klass, model)
         by_prompt = per_prompt <= 1 / self.rates(model).prefill_tok_s
         self._decide(deployment, klass, 0, 1, targets, ticket, first_token=by_prompt)
+        self._arrivals += 1
+        order = _PLACES + self._arrivals
+        flight = InFlight(klass.priority, rough_tokens, max_tokens, arrival=order)
+        places = self._places.setdefault(model, {})
+        return Place(places, flight, time.monotonic() + PLACE_HELD_S)
 
     def _calibrate(self, deployment: LoadedModel) -> str:
         model = deployment.record.ref
@@ -367,6 +410,7 @@ class AdmissionControl:
         """Raise `Overloaded` when the prediction refuses the request (its first token
         judged only with `first_token`)."""
         flights = [f for r in deployment.replicas if r.ready for f in r.flights()]
+        flights += self._held_places(deployment.record.ref)
         new = InFlight(klass.priority, prompt_tokens, max_tokens, arrival=1 << 62)
         capacity = _capacity(deployment)
         first = targets.first_token_s if first_token else math.inf
@@ -384,6 +428,15 @@ class AdmissionControl:
             f"class {klass.value} cannot be served within its objectives now: {decision.detail}",
             retry_after=decision.retry_after_s,
         )
+
+    def _held_places(self, model: str) -> list[InFlight]:
+        places = self._places.get(model)
+        if not places:
+            return []
+        now = time.monotonic()
+        for place in [p for p in places.values() if p.until <= now]:
+            place.leave()
+        return [p.flight for p in places.values()]
 
     def _rates_now(self, deployment: LoadedModel, sequences: int, capacity: Capacity) -> Rates:
         """The rates to predict with: what finished requests measured, and, once the model's

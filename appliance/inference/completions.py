@@ -229,15 +229,28 @@ class CompletionService:
         request on elsewhere, which needs it prepared)."""
         klass = service_class or key.account.service_class
         ticket = self._admission.book.ticket(klass.value, key.account.name)
-        early = klass if refuse_early else None
-        if isinstance(req, ChatCompletionRequest):
-            prepared = await self._prepare_chat(
-                req, key, route, ticket, max_tokens_limit=max_tokens_limit, refuse_early=early
-            )
-        else:
-            prepared = await self._prepare_text(
-                req, key, route, ticket, max_tokens_limit=max_tokens_limit, refuse_early=early
-            )
+        chat = isinstance(req, ChatCompletionRequest)
+        await self._quota(key, ticket)
+        engine = await self._engine(req.model, chat=chat)
+        place: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if refuse_early:
+            limit = self._max_tokens_limit if max_tokens_limit is None else max_tokens_limit
+            rough = _rough_tokens(req), _max_tokens(req, limit) * req.n
+            place = self._admission.refuse_early(engine, klass, *rough, ticket)
+        with place:
+            if refuse_early:
+                # Past the door's early check, its place held: the requests the loop has
+                # read already (a burst's refusals among them) are answered before this
+                # one's prompt is rendered and tokenized, not after.
+                await asyncio.sleep(0)
+            if isinstance(req, ChatCompletionRequest):
+                prepared = await self._prepare_chat(
+                    req, key, route, engine, max_tokens_limit=max_tokens_limit
+                )
+            else:
+                prepared = await self._prepare_text(
+                    req, key, route, engine, max_tokens_limit=max_tokens_limit
+                )
         prepared.ticket = ticket
         if service_class is not None:
             prepared = replace(prepared, service_class=service_class)
@@ -250,17 +263,12 @@ class CompletionService:
         req: ChatCompletionRequest,
         key: ApiKey,
         route: str,
-        ticket: Ticket,
+        engine: LoadedModel,
         *,
         max_tokens_limit: int | None = None,
-        refuse_early: ServiceClass | None = None,
     ) -> Prepared:
         """`max_tokens_limit`: an internal caller's own bound (a package's items are bounded
         by `packages.item_max_tokens`), in place of `model.max_tokens_limit`."""
-        await self._quota(key, ticket)
-        engine = await self._engine(req.model, chat=True)
-        if refuse_early is not None:
-            self._admission.refuse_early(engine, refuse_early, ticket)
         vocab = engine.require_vocab()
         messages = [_message(m) for m in req.messages]
         preset = engine.preset
@@ -315,15 +323,10 @@ class CompletionService:
         req: CompletionRequest,
         key: ApiKey,
         route: str,
-        ticket: Ticket,
+        engine: LoadedModel,
         *,
         max_tokens_limit: int | None = None,
-        refuse_early: ServiceClass | None = None,
     ) -> Prepared:
-        await self._quota(key, ticket)
-        engine = await self._engine(req.model, chat=False)
-        if refuse_early is not None:
-            self._admission.refuse_early(engine, refuse_early, ticket)
         if isinstance(req.prompt, list):
             if len(req.prompt) != 1:
                 raise UnsupportedParameter(
@@ -832,6 +835,22 @@ def merge(ends: list[Finished]) -> Finished:
 # hop costs more than a short prompt's tokens, and on a loaded machine it waits for the
 # thread to be scheduled: a request the door then refuses waited milliseconds for nothing.
 INLINE_TOKENIZE_CHARS = 2048
+
+
+def _rough_tokens(req: ChatCompletionRequest | CompletionRequest) -> int:
+    """The prompt's length in tokens before it is tokenized: about four characters a
+    token (English text; a place at the door counts it so until it is tokenized)."""
+    if isinstance(req, ChatCompletionRequest):
+        chars = sum(len(m.text()) for m in req.messages)
+    else:
+        chars = sum(len(p) for p in req.prompt) if isinstance(req.prompt, list) else len(req.prompt)
+    return max(1, chars // 4)
+
+
+def _max_tokens(req: ChatCompletionRequest | CompletionRequest, limit: int) -> int:
+    """The completion's length at most, before its prompt is known (`limit` where unset)."""
+    asked = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) else None
+    return min(asked or req.max_tokens or limit, limit)
 
 
 async def _tokenize(vocab: Vocabulary, text: str, *, chat: bool) -> list[int]:

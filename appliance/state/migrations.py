@@ -296,3 +296,23 @@ def m012_disabled_accounts(db: Database) -> None:
     # keys were revoked with it, and no key is made for it again. Kept, not deleted: its
     # usage, jobs and answers still name it.
     db.table("accounts").add_column("disabled_at", str)
+
+
+@migrations()
+def m013_key_changes(db: Database) -> None:
+    # A generation that moves whenever a key or an account changes (a key made or revoked,
+    # an account's class, limits, disabling or withdrawal), by this process or any other
+    # (the CLI): the gateway keeps the keys it authenticated until it moves, not until
+    # anything at all is written (every finished request writes its usage).
+    db.execute(
+        "CREATE TABLE key_changes (id INTEGER PRIMARY KEY CHECK (id = 1),"
+        " generation INTEGER NOT NULL)"
+    )
+    db.execute("INSERT INTO key_changes (id, generation) VALUES (1, 0)")
+    for table in ("api_keys", "accounts"):
+        for event in ("INSERT", "UPDATE", "DELETE"):
+            trigger = f"{table}_{event.lower()}_key_changes AFTER {event} ON {table}"
+            db.execute(
+                f"CREATE TRIGGER {trigger}"  # noqa: S608 - names from this code
+                " BEGIN UPDATE key_changes SET generation = generation + 1; END"
+            )

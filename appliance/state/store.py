@@ -12,6 +12,7 @@ event loop never waits on disk.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from dataclasses import asdict, dataclass
@@ -753,7 +754,7 @@ def _api_key(row: dict[str, Any]) -> ApiKey:
 
 class AsyncStore(db.AsyncStore[Store]):
     """The appliance's store on its writer thread (shared.db.AsyncStore), with the keys it
-    authenticated remembered until the database next changes."""
+    authenticated remembered until a key or an account next changes."""
 
     _KEYS_REMEMBERED = 4096
 
@@ -761,27 +762,48 @@ class AsyncStore(db.AsyncStore[Store]):
         super().__init__(Store, path)
         self._changes = db.ChangeProbe(path)
         self._keys: dict[str, ApiKey] = {}  # by the presented key's hash
-        self._keys_as_of = -1
+        self._keys_as_of = -1  # the key_changes generation they were read at
+        self._version = -1  # the database's data_version when it was last read
+        # (hash, generation) -> its lookup on the writer thread, shared by every request
+        # that presents the key meanwhile (a burst of one key's requests makes one trip)
+        self._lookups: dict[tuple[str, int], asyncio.Future[ApiKey | None]] = {}
 
     async def close(self) -> None:
         self._changes.close()
         await super().close()
 
+    def _generation(self) -> int:
+        """The keys' generation now (m013_key_changes), read again only when the database
+        changed at all."""
+        version = self._changes.version()
+        if version != self._version:
+            self._version = version
+            generation = self._changes.generation("key_changes")
+            if generation != self._keys_as_of:
+                self._keys.clear()
+                self._keys_as_of = generation
+        return self._keys_as_of
+
     async def authenticate(self, plaintext: str) -> ApiKey | None:
-        """``Store.authenticate`` without the trip to the writer thread while nothing in the
-        database changed since the key was last looked up: a revocation, by this process or
-        by any other (the CLI), takes effect on the very next request."""
+        """``Store.authenticate`` without the trip to the writer thread while no key or
+        account changed since the key was last looked up: a revocation, by this process
+        or by any other (the CLI), takes effect on the very next request."""
         if parse_prefix(plaintext) is None:
             return None
-        as_of = self._changes.version()
-        if as_of != self._keys_as_of:
-            self._keys.clear()
-            self._keys_as_of = as_of
+        generation = self._generation()
         digest = hash_key(plaintext)
         if (known := self._keys.get(digest)) is not None:
             return known
+        lookup = self._lookups.get((digest, generation))
+        if lookup is None:
+            lookup = asyncio.ensure_future(self._look_up(plaintext, digest, generation))
+            self._lookups[digest, generation] = lookup
+            lookup.add_done_callback(lambda _: self._lookups.pop((digest, generation), None))
+        return await asyncio.shield(lookup)
+
+    async def _look_up(self, plaintext: str, digest: str, generation: int) -> ApiKey | None:
         key = await self.run(self.sync.authenticate, plaintext)
-        if key is not None and self._keys_as_of == as_of:
+        if key is not None and self._generation() == generation:
             if len(self._keys) >= self._KEYS_REMEMBERED:
                 self._keys.clear()
             self._keys[digest] = key
