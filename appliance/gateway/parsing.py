@@ -22,6 +22,8 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 async def read_json(request: web.Request) -> dict[str, Any]:
     """The request's body as a JSON object, or the error shape."""
+    if request.content.is_eof():  # all of it came with the headers: nothing to wait for
+        return decode_json(await request.read())
     try:
         async with asyncio.timeout(BODY_TIMEOUT_S):
             raw = await request.read()

@@ -90,6 +90,9 @@ _HELD_REFUSALS = frozenset(
 # A place held at the door this long without its request leaving it stops counting (a
 # backstop: every caller leaves its place when its prompt is tokenized or refused).
 PLACE_HELD_S = 5.0
+# An admitted request waits this long at most for the door to answer the requests that
+# keep arriving (a flood), before its prompt is prepared anyway.
+AFTER_THE_DOOR_S = 0.025
 _PLACES = 1 << 61  # places' arrival order: after every submitted request, before a new one
 
 
@@ -128,7 +131,8 @@ class AdmissionControl:
         # (key id, connection) -> until when its last refusal's Retry-After runs
         self._refused: OrderedDict[tuple[int, str], float] = OrderedDict()
         self._places: dict[str, dict[int, Place]] = {}  # model -> places held at its door
-        self._arrivals = 0
+        self._arrivals = 0  # requests that came to the early check
+        self._lane = asyncio.Lock()  # admitted requests, one at a time, after the door
         self.outbox_full = False  # set by the fleet link: the outbox is at its bound
         # class → the objectives the hub set for it (apply_targets)
         self._hub_targets: dict[protocol.ServiceClassName, protocol.ClassTargets] = {}
@@ -379,16 +383,30 @@ class AdmissionControl:
         `rough_tokens` long, its completion `max_tokens`) by the requests after it at the
         door until its caller leaves it (`with`): a burst cannot all pass the check while
         the first of it is still rendering its prompts."""
+        self._arrivals += 1
         model = self._calibrate(deployment)
         targets = self.targets(klass, model, 0)
         per_prompt, _ = self.allowances(klass, model)
         by_prompt = per_prompt <= 1 / self.rates(model).prefill_tok_s
         self._decide(deployment, klass, 0, 1, targets, ticket, first_token=by_prompt)
-        self._arrivals += 1
         order = _PLACES + self._arrivals
         flight = InFlight(klass.priority, rough_tokens, max_tokens, arrival=order)
         places = self._places.setdefault(model, {})
         return Place(places, flight, time.monotonic() + PLACE_HELD_S)
+
+    async def after_the_door(self) -> None:
+        """Wait, one admitted request at a time, until the door has answered the requests
+        that came to it meanwhile (a turn of the event loop brought none), or
+        `AFTER_THE_DOOR_S` at most. An admitted request's prompt is then rendered and
+        tokenized (a millisecond or more of the loop each) after the refusals of the burst
+        it came with: a turn runs whatever the loop has read before this request's next
+        step, and each admitted request after it looks again."""
+        async with self._lane:
+            deadline = time.monotonic() + AFTER_THE_DOOR_S
+            seen = -1
+            while seen != self._arrivals and time.monotonic() < deadline:
+                seen = self._arrivals
+                await asyncio.sleep(0)
 
     def _calibrate(self, deployment: LoadedModel) -> str:
         model = deployment.record.ref

@@ -239,10 +239,10 @@ class CompletionService:
             place = self._admission.refuse_early(engine, klass, *rough, ticket)
         with place:
             if refuse_early:
-                # Past the door's early check, its place held: the requests the loop has
-                # read already (a burst's refusals among them) are answered before this
+                # Past the door's early check, its place held: the requests reaching the
+                # door meanwhile (a burst's refusals among them) are answered before this
                 # one's prompt is rendered and tokenized, not after.
-                await asyncio.sleep(0)
+                await self._admission.after_the_door()
             if isinstance(req, ChatCompletionRequest):
                 prepared = await self._prepare_chat(
                     req, key, route, engine, max_tokens_limit=max_tokens_limit

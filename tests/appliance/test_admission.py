@@ -15,12 +15,13 @@ import aiohttp
 import pytest
 
 from appliance.app import create_app
-from appliance.gateway.appkeys import REGISTRY
+from appliance.gateway.appkeys import ADMISSION, REGISTRY
+from appliance.inference import admission as admission_module
 from appliance.inference import completions
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from shared.classes import ServiceClass
-from shared.errors import ErrorCode
+from shared.errors import ErrorCode, Overloaded
 from tests.conftest import SLOW, make_settings
 
 if TYPE_CHECKING:
@@ -351,3 +352,81 @@ async def test_a_burst_on_new_connections_is_refused_at_once_and_a_loop_of_them_
         assert {status for status, _ in loop} == {429}
         held = _held(await (await client.get("/metrics")).text())
         assert 8 <= held <= 20, held
+
+
+# -- the door's order: refusals first ---------------------------------------------------------
+
+
+async def test_a_place_past_the_early_check_is_counted_by_the_requests_after_it(
+    aiohttp_client: AiohttpClient, tmp_path: Path, slow_model: ModelRecord
+) -> None:
+    """A request past the early check holds a place until its prompt is tokenized: the
+    requests after it count it as queued, so a burst cannot all pass the check before the
+    first of it is submitted; a place left counts no more."""
+    client, _ = await appliance(
+        aiohttp_client, tmp_path, slow_model, {"s1": {"admit_s": 0.5, "first_token_s": 2.0}}
+    )
+    admission = client.app[ADMISSION]
+    deployment = await client.app[REGISTRY].resolve(MODEL)
+    places = []
+    for _ in range(64):  # two slots: 48 tokens at 20 ms a step take ~1 s each
+        try:
+            places.append(admission.refuse_early(deployment, ServiceClass.S1, 8, 48))
+        except Overloaded:
+            break
+    assert 2 <= len(places) < 64
+    with pytest.raises(Overloaded):
+        admission.refuse_early(deployment, ServiceClass.S1, 8, 48)
+    for place in places:
+        place.leave()
+    with admission.refuse_early(deployment, ServiceClass.S1, 8, 48):
+        pass
+
+
+async def test_admitted_requests_are_prepared_after_the_door_answers_what_came_with_them(
+    aiohttp_client: AiohttpClient,
+    tmp_path: Path,
+    slow_model: ModelRecord,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An admitted request waits (one at a time) until a turn of the event loop brings no
+    request to the door: the refusals of the burst it came with go out before its prompt
+    is rendered; a flood that never stops holds it AFTER_THE_DOOR_S at most."""
+    client, _ = await appliance(aiohttp_client, tmp_path, slow_model, {})
+    admission = client.app[ADMISSION]
+    deployment = await client.app[REGISTRY].resolve(MODEL)
+    order: list[str] = []
+
+    async def admitted(name: str) -> None:
+        with admission.refuse_early(deployment, ServiceClass.S1, 8, 8):
+            await admission.after_the_door()
+            order.append(name)
+
+    async def answered(name: str) -> None:
+        with admission.refuse_early(deployment, ServiceClass.S1, 8, 8):
+            order.append(name)  # a refusal, answered in the turn it came
+
+    # Two admitted, then five that came in the same turn, then three a turn later.
+    tasks = [asyncio.create_task(admitted(f"admitted {i}")) for i in range(2)]
+    tasks += [asyncio.create_task(answered(f"door {i}")) for i in range(5)]
+    await asyncio.sleep(0)
+    tasks += [asyncio.create_task(answered(f"door {i}")) for i in range(5, 8)]
+    await asyncio.gather(*tasks)
+    assert order == [f"door {i}" for i in range(8)] + ["admitted 0", "admitted 1"]
+
+    # A flood at the door every turn: the admitted request goes ahead after the bound.
+    monkeypatch.setattr(admission_module, "AFTER_THE_DOOR_S", 0.05)
+    flooding = True
+
+    async def flood() -> None:
+        while flooding:
+            await answered("flood")
+            await asyncio.sleep(0)  # one a turn
+
+    waited = asyncio.create_task(admitted("admitted"))
+    flooder = asyncio.create_task(flood())
+    started = time.monotonic()
+    await waited
+    flooding = False
+    await flooder
+    assert 0.05 <= time.monotonic() - started < 2.0

@@ -501,7 +501,12 @@ async def test_bad_chat_requests_get_the_error_shape(
 
 async def test_invalid_json_and_non_object_bodies(client: Client, api_key: str) -> None:
     lone_surrogate = b'{"model": "gemma-3-270m", "prompt": "\\ud800"}'
-    for raw in [b"{not json", b"\xff\xfe", b"[1, 2]", b"", b"null", lone_surrogate]:
+    # A surrogate's three UTF-8-like bytes (Python's JSON decoder takes them), and JSON in
+    # UTF-16 (which it takes for JSON too): the wire's JSON is UTF-8 (RFC 8259, 8.1).
+    raw_surrogate = '{"prompt": "\ud800"}'.encode("utf-8", "surrogatepass")
+    utf16 = '{"model": "gemma-3-270m", "prompt": "hi"}'.encode("utf-16")
+    bad = [b"{not json", b"\xff\xfe", b"[1, 2]", b"", b"null", lone_surrogate, raw_surrogate]
+    for raw in [*bad, utf16]:
         response = await client.post("/v1/completions", headers=auth(api_key), data=raw)
         assert response.status == 400, raw
         assert_error(await response.json(), ErrorCode.invalid_json)

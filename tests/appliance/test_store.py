@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import re
 import sqlite3
 from contextlib import closing
@@ -188,6 +189,49 @@ async def test_authenticated_keys_are_remembered_until_the_database_changes(
         again = await store.authenticate(second.plaintext)
         assert again is not None
         assert again.revoked
+    finally:
+        await store.close()
+
+
+async def test_keys_stay_remembered_across_usage_and_a_burst_makes_one_trip(
+    tmp_path: Path,
+) -> None:
+    """Every finished request writes its usage: the keys remembered survive that (only a
+    key or an account changing clears them, m013_key_changes), and a burst of one key's
+    requests while it is not remembered makes one trip to the writer thread, not one each."""
+    path = tmp_path / "appliance.db"
+    store = AsyncStore(path)
+    await store.open()
+    try:
+        new = await store.run(store.sync.create_key, "acme")
+        calls = 0
+        authenticate = store.sync.authenticate
+
+        def counted(plaintext: str) -> ApiKey | None:
+            nonlocal calls
+            calls += 1
+            return authenticate(plaintext)
+
+        store.sync.authenticate = counted  # type: ignore[method-assign]
+        keys = await asyncio.gather(*(store.authenticate(new.plaintext) for _ in range(32)))
+        assert calls == 1
+        assert all(k == keys[0] and k is not None for k in keys)
+
+        usage = UsageEvent(keys[0].account.id, new.prefix, "/v1/completions", "m", 3, 4,
+                           10.0, 20.0, 200, "stop")  # fmt: skip
+        for _ in range(3):
+            await store.run(store.sync.record_usage, usage)
+        assert await store.authenticate(new.plaintext) == keys[0]
+        assert calls == 1  # still remembered
+
+        # An account's change, by another connection (the CLI), is seen at once.
+        other = Store(path)
+        other.ensure_account("acme", ServiceClass.S3)
+        other.close()
+        moved = await store.authenticate(new.plaintext)
+        assert moved is not None
+        assert moved.account.service_class is ServiceClass.S3
+        assert calls == 2
     finally:
         await store.close()
 
