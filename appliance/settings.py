@@ -187,7 +187,7 @@ class ModelSettings(_Section):
         description="Flash attention (llama-server's default too); about 7% faster on CPU.",
     )
     worker_nice: int = Field(
-        5,
+        10,
         ge=0,
         le=19,
         description=(

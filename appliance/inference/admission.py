@@ -93,6 +93,10 @@ PLACE_HELD_S = 5.0
 # An admitted request waits this long at most for the door to answer the requests that
 # keep arriving (a flood), before its prompt is prepared anyway.
 AFTER_THE_DOOR_S = 0.025
+# ... and until the door has been quiet this long: a burst's requests reach the gateway a
+# few tenths of a millisecond apart when its client (or the host) is busy, one per turn
+# of the event loop, not all in one.
+DOOR_QUIET_S = 0.001
 _PLACES = 1 << 61  # places' arrival order: after every submitted request, before a new one
 
 
@@ -396,17 +400,16 @@ class AdmissionControl:
 
     async def after_the_door(self) -> None:
         """Wait, one admitted request at a time, until the door has answered the requests
-        that came to it meanwhile (a turn of the event loop brought none), or
-        `AFTER_THE_DOOR_S` at most. An admitted request's prompt is then rendered and
-        tokenized (a millisecond or more of the loop each) after the refusals of the burst
-        it came with: a turn runs whatever the loop has read before this request's next
-        step, and each admitted request after it looks again."""
+        that came to it meanwhile and none came for `DOOR_QUIET_S`, or `AFTER_THE_DOOR_S`
+        at most. An admitted request's prompt is then rendered and tokenized (a
+        millisecond or more of the loop each) after the refusals of the burst it came
+        with, and each admitted request after it looks again."""
         async with self._lane:
             deadline = time.monotonic() + AFTER_THE_DOOR_S
             seen = -1
             while seen != self._arrivals and time.monotonic() < deadline:
                 seen = self._arrivals
-                await asyncio.sleep(0)
+                await asyncio.sleep(DOOR_QUIET_S)
 
     def _calibrate(self, deployment: LoadedModel) -> str:
         model = deployment.record.ref

@@ -205,7 +205,7 @@ class EngineOptions:
     # The KV cache's element type: f16, or q8_0 / q4_0 (half or a quarter of the memory;
     # llama.cpp quantises the V half only with flash attention).
     kv_type: str = "f16"
-    worker_nice: int = 5  # added to the worker's niceness (appliance.serving.worker)
+    worker_nice: int = 10  # added to the worker's niceness (appliance.serving.worker)
     # A prompt prefix shared by at least this many tokens is computed once and its KV
     # copied to each sequence that starts with it (appliance.serving.prefix); 0: only for
     # requests that say they share their prompt (GenerationRequest.share_prompt).

@@ -215,13 +215,15 @@ async def test_keys_stay_remembered_across_usage_and_a_burst_makes_one_trip(
         store.sync.authenticate = counted  # type: ignore[method-assign]
         keys = await asyncio.gather(*(store.authenticate(new.plaintext) for _ in range(32)))
         assert calls == 1
-        assert all(k == keys[0] and k is not None for k in keys)
+        key = keys[0]
+        assert key is not None
+        assert all(k == key for k in keys)
 
-        usage = UsageEvent(keys[0].account.id, new.prefix, "/v1/completions", "m", 3, 4,
+        usage = UsageEvent(key.account.id, new.prefix, "/v1/completions", "m", 3, 4,
                            10.0, 20.0, 200, "stop")  # fmt: skip
         for _ in range(3):
             await store.run(store.sync.record_usage, usage)
-        assert await store.authenticate(new.plaintext) == keys[0]
+        assert await store.authenticate(new.plaintext) == key
         assert calls == 1  # still remembered
 
         # An account's change, by another connection (the CLI), is seen at once.

@@ -40,8 +40,8 @@ def auth(key: str) -> dict[str, str]:
 async def test_kill_9_mid_stream(
     aiohttp_client: AiohttpClient, settings: ApplianceSettings, api_key: str
 ) -> None:
-    # The worker runs below the gateway's priority by `model.worker_nice` (5 by default).
-    assert settings.model.worker_nice == 5
+    # The worker runs below the gateway's priority by `model.worker_nice` (10 by default).
+    assert settings.model.worker_nice == 10
     model = settings.model.model_copy(update={"worker_nice": 7, "default": SLOW})
     app = create_app(settings.model_copy(update={"model": model}))
     client: Client = await aiohttp_client(app)

@@ -622,7 +622,7 @@ BURSTS = 5
 # with it. h2load runs at the same niceness: a client on the LAN does not wait for these
 # cores, and one here left level with the burners measured its own wait for them too
 # (busy host p99 56-140 ms in three runs at niceness 0, 42-52 ms at -10).
-UNIT_NICE = int(os.environ.get("KVL_BENCH_NICE", "-5"))
+UNIT_NICE = int(os.environ.get("KVL_BENCH_NICE", "-10"))
 BURST_TARGETS = {"refusal_p99_ms_busy_host": 50.0}
 
 
@@ -690,6 +690,9 @@ def burst(work: Path, data_dir: Path, key: str, args: Any) -> dict[str, Any]:
         args=args,
         defaults=True,
         nice=UNIT_NICE,
+        # Ten bursts of one key past its refusal burst would be held (the refusal hold's
+        # own test and the flood phase above measure that), not answered.
+        extra_env={"KVL_CLASSES__REFUSAL_BURST": str(BURST * BURSTS * 2)},
     )
     figures: dict[str, Any] = {"requests": BURST, "nice": UNIT_NICE}
     try:
