@@ -108,6 +108,11 @@ class GGUFInfo:
         value = self.metadata.get(f"{self.architecture}.context_length")
         return value if isinstance(value, int) else None
 
+    @property
+    def block_count(self) -> int:
+        """The model's repeating layers (0 when the metadata does not say)."""
+        return self._number("block_count", 0)
+
     def _number(self, key: str, default: int) -> int:
         value = self.metadata.get(f"{self.architecture}.{key}")
         return value if isinstance(value, int) else default

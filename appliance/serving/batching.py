@@ -57,6 +57,7 @@ from appliance.serving.engine import (
 )
 from appliance.serving.sampling import Sampler, logits_at, token_logprobs
 from appliance.serving.text import TextAssembler
+from shared.gguf import REPLICA_OVERHEAD_MIB, GGUFError, read_gguf, replica_mib
 
 if TYPE_CHECKING:
     import threading
@@ -100,6 +101,7 @@ class BatchEngine:
     def __init__(self, record: ModelRecord, options: EngineOptions) -> None:
         self.record = record
         self.options = options
+        self._gpu_layers = options.n_gpu_layers  # as loaded (_layers_that_fit)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.vocab: LlamaVocabulary | None = None
         self._model: Any = None
@@ -144,7 +146,8 @@ class BatchEngine:
         llama_log.route()  # its loader's 1,300 lines: the log's, at debug level
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = self.options.n_gpu_layers
+        self._gpu_layers = self._layers_that_fit()
+        mparams.n_gpu_layers = self._gpu_layers
         model = llama_cpp.llama_model_load_from_file(self.record.path.encode(), mparams)
         if not model:
             raise RuntimeError(f"llama.cpp could not load {self.record.path}")
@@ -225,7 +228,36 @@ class BatchEngine:
 
     def layout(self) -> devices.DeviceLayout:
         """Where the model's layers run."""
-        return devices.layout(self.options.n_gpu_layers)
+        return devices.layout(self._gpu_layers, self.options.n_gpu_layers)
+
+    def _layers_that_fit(self) -> int:
+        """`model.n_gpu_layers`, or fewer where the first GPU's free memory holds fewer of
+        the model's layers and their KV cache (devices.gpu_layers): loaded partly offloaded,
+        and said so, not failed."""
+        o = self.options
+        if o.n_gpu_layers == 0 or not llama_cpp.llama_supports_gpu_offload():
+            return o.n_gpu_layers
+        gpus = [d for d in devices.devices() if d.kind in {"gpu", "igpu"}]
+        try:
+            info = read_gguf(Path(self.record.path))
+        except (GGUFError, OSError):
+            return o.n_gpu_layers
+        if not gpus:
+            return o.n_gpu_layers
+        kv_type = o.kv_type if o.flash_attn else "f16"  # without it the V half stays f16
+        need = replica_mib(
+            info.kv_shape(), self.record.size_bytes, o.n_ctx, o.n_slots,
+            n_batch=o.n_batch, kv_type=kv_type,
+        ) - REPLICA_OVERHEAD_MIB  # fmt: skip
+        free = gpus[0].memory_free_mib
+        chosen = devices.gpu_layers(o.n_gpu_layers, info.block_count, need, free)
+        if chosen != o.n_gpu_layers:
+            log.warning(
+                "model %s: %d of its %d layers on %s (%d MiB free; it needs about %.0f MiB "
+                "in all), the rest on the CPU",
+                self.record.ref, chosen, info.block_count, gpus[0].name, free, need,
+            )  # fmt: skip
+        return chosen
 
     @property
     def running(self) -> int:

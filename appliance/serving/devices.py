@@ -34,8 +34,11 @@ class DeviceLayout:
     """Where a model's layers run."""
 
     gpu_offload: bool  # llama.cpp was built with a GPU backend
-    n_gpu_layers: int  # as configured; -1 means all layers
+    n_gpu_layers: int  # as loaded; -1 means all layers
     devices: tuple[Device, ...]
+    # As configured (`model.n_gpu_layers`), where the GPU's free memory held fewer: the
+    # model then runs its first `n_gpu_layers` on the GPU and the rest on the CPU.
+    n_gpu_layers_asked: int | None = None
 
     @property
     def device(self) -> str:
@@ -50,6 +53,7 @@ class DeviceLayout:
             "device": self.device,
             "gpu_offload": self.gpu_offload,
             "n_gpu_layers": self.n_gpu_layers,
+            "n_gpu_layers_asked": self.n_gpu_layers_asked,
             "devices": [asdict(d) for d in self.devices],
         }
 
@@ -59,6 +63,9 @@ class DeviceLayout:
             gpu_offload=bool(data["gpu_offload"]),
             n_gpu_layers=int(data["n_gpu_layers"]),
             devices=tuple(Device(**d) for d in data["devices"]),
+            n_gpu_layers_asked=(
+                None if data.get("n_gpu_layers_asked") is None else int(data["n_gpu_layers_asked"])
+            ),
         )
 
 
@@ -103,8 +110,28 @@ def devices() -> tuple[Device, ...]:
     return tuple(found)
 
 
-def layout(n_gpu_layers: int) -> DeviceLayout:
-    """Where this process puts a model's layers: on the GPUs llama.cpp sees, or the CPU."""
+def layout(n_gpu_layers: int, asked: int | None = None) -> DeviceLayout:
+    """Where this process puts a model's layers: on the GPUs llama.cpp sees, or the CPU
+    (`asked`: the layers configured, where fewer fit)."""
     import llama_cpp  # noqa: PLC0415
 
-    return DeviceLayout(bool(llama_cpp.llama_supports_gpu_offload()), n_gpu_layers, devices())
+    offload = bool(llama_cpp.llama_supports_gpu_offload())
+    return DeviceLayout(offload, n_gpu_layers, devices(), None if asked == n_gpu_layers else asked)
+
+
+# Left free on the GPU for what llama.cpp allocates besides the layers: its compute
+# buffers (the logits of a batch, the attention's scratch) and the CUDA context.
+GPU_RESERVE_MIB = 512.0
+
+
+def gpu_layers(asked: int, n_layer: int, need_mib: float, free_mib: float) -> int:
+    """The layers to put on the GPU: `asked` (-1: all) where its free memory holds them
+    with GPU_RESERVE_MIB to spare, else as many as it holds (0: none, the model on the
+    CPU), so that a model too large for the GPU loads partly offloaded instead of failing.
+    `need_mib`: the model's weights and KV cache at its context and slots, which llama.cpp
+    spreads over its `n_layer` blocks about evenly."""
+    if asked == 0 or n_layer <= 0 or need_mib <= 0:
+        return asked
+    want = n_layer if asked < 0 else min(asked, n_layer)
+    fits = int(max(0.0, free_mib - GPU_RESERVE_MIB) // (need_mib / n_layer))
+    return asked if fits >= want else fits
