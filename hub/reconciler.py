@@ -107,15 +107,19 @@ def deployment_of(record: DeploymentRecord, models: dict[str, ModelArtifact]) ->
     c: dict[str, Any] = dict(record.constraints)
     name, _, version = record.model.partition("@")
     model = models.get(record.model)
+    memory = deployment_mib(model, record.preset) if model is not None else 0
+    gpu = bool(c.get("gpu"))
     return Deployment(
         id=record.id,
         model=name,
         version=version,
         replicas=record.replicas,
         service_class=record.service_class,
-        memory_mib=deployment_mib(model, record.preset) if model is not None else 0,
-        gpu=bool(c.get("gpu")),
-        gpu_memory_mib=int(c.get("gpu_memory_mib") or 0),
+        memory_mib=memory,
+        gpu=gpu,
+        # A replica on a GPU holds its weights and KV cache there: the operator's figure,
+        # else what the model takes at the deployment's context and slots.
+        gpu_memory_mib=int(c.get("gpu_memory_mib") or 0) or (memory if gpu else 0),
         sites=tuple(c.get("sites") or ()),
         regions=tuple(c.get("regions") or ()),
         labels=dict(c.get("labels") or {}),

@@ -353,6 +353,12 @@ async def test_a_real_gguf_is_inspected_and_a_replica_estimated_from_it(
     planned = deployment_of(record, {model.ref: model})
     assert planned.memory_mib == round((len(smol) + kv_q8) / 2**20 + REPLICA_OVERHEAD_MIB)
     assert planned.memory_mib < model.memory_mib
+    assert planned.gpu_memory_mib == 0  # not a GPU deployment
+    # On a GPU it needs that much of the GPU's memory, unless the operator said otherwise.
+    on_gpu = DeploymentRecord("g", model.ref, 1, "S1", "I1", {"gpu": True}, preset)
+    assert deployment_of(on_gpu, {model.ref: model}).gpu_memory_mib == planned.memory_mib
+    told = DeploymentRecord("t", model.ref, 1, "S1", "I1", {"gpu": True, "gpu_memory_mib": 900})
+    assert deployment_of(told, {model.ref: model}).gpu_memory_mib == 900
     # A preset that changes nothing of the load: the model's own figure.
     assert deployment_mib(model, {"aliases": ["chat"]}) == model.memory_mib
 
