@@ -13,7 +13,7 @@ from appliance.fleet.certificates import NodeCertificate
 from appliance.fleet.identity import FleetFiles, Provisioned, lan_tls_files, provisioned
 from appliance.fleet.link import FleetLink
 from appliance.fleet.release import Updater
-from appliance.gateway import cors
+from appliance.gateway import backups, cors
 from appliance.gateway.appkeys import (
     ACCOUNTS,
     ADMISSION,
@@ -85,6 +85,7 @@ def create_app(settings: ApplianceSettings) -> web.Application:
         client_max_size=settings.server.max_body_bytes,
     )
     app[SETTINGS] = settings
+    backups.setup(app)
     app.on_response_prepare.append(cors.add_headers)
     app[METRICS] = Metrics(objectives=settings.classes.objective_seconds())
     app[LOGS] = logs.ring()  # the hub reads the node's recent records (GET /v1/fleet/logs)

@@ -7,6 +7,7 @@ from aiohttp import web
 from appliance.gateway import (
     accounts,
     admin,
+    backups,
     fleet,
     handlers,
     jobs,
@@ -365,6 +366,16 @@ ROUTES: tuple[Route, ...] = (
         "pinned model must be unpinned first.",
         auth=True,
         errors=(*_ADMIN, ErrorCode.model_not_found, ErrorCode.model_pinned),
+    ),
+    Route(
+        "POST",
+        "/v1/admin/backup",
+        backups.take_backup,
+        "Admin: the appliance's backup, taken while it serves, as the archive `kvl appliance "
+        "backup` writes (`?packages=false`: without the package cache); `kvl appliance "
+        "restore` puts it back.",
+        auth=True,
+        errors=(*_ADMIN, ErrorCode.invalid_value, ErrorCode.internal_error),
     ),
     Route(
         "GET",

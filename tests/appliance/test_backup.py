@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from appliance import backup as appliance_backup
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import FleetLink
 from appliance.observability.metrics import Metrics
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
     from appliance.settings import ApplianceSettings
     from hub.settings import HubSettings
+    from tests.conftest import Client
 
 MODEL = ModelRecord(
     name="m", version="1", format="gguf", path="/models/m.gguf", sha256="0" * 64,
@@ -260,3 +262,54 @@ def test_a_restore_refuses_an_archive_of_a_hub_or_of_a_newer_schema(
     assert refused.returncode == 1
     expected = "is a backup of hub" if what == "kind" else "newer than this appliance's"
     assert expected in refused.stderr
+
+
+async def test_an_admin_key_takes_the_backup_through_the_api_and_it_restores(
+    client: Client, settings: ApplianceSettings, tmp_path: Path
+) -> None:
+    """A site without a hub (and without a shell) takes its backup with an admin key: the
+    archive `kvl appliance backup` writes, taken while the appliance serves; restored into
+    a fresh data directory, its keys work there. Other keys are refused, and so is a flag
+    that is not one."""
+    store = Store(settings.db_path)
+    try:
+        admin = store.create_key("ops", admin=True).plaintext
+        user = store.create_key("lab-3").plaintext
+    finally:
+        store.close()
+    # The appliance serves meanwhile: a request before and during the backup.
+    assert (await client.get("/v1/models", headers=_bearer(user))).status == 200
+    refused = await client.post("/v1/admin/backup", headers=_bearer(user))
+    assert refused.status == 403
+    assert (await refused.json())["error"]["code"] == "permission_denied"
+    bad = await client.post("/v1/admin/backup?packages=maybe", headers=_bearer(admin))
+    assert bad.status == 400
+    assert (await bad.json())["error"]["param"] == "packages"
+
+    response = await client.post("/v1/admin/backup?packages=false", headers=_bearer(admin))
+    assert response.status == 200
+    assert response.headers["Content-Type"] == "application/x-tar"
+    assert 'filename="kvl-appliance-' in response.headers["Content-Disposition"]
+    body = await response.read()
+    assert len(body) == int(response.headers["Content-Length"])
+    with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+        assert "appliance.db" in tar.getnames()
+    # Nothing of it is left in the data directory.
+    assert not [p for p in settings.data_dir.iterdir() if p.name.startswith(".kvl-backup-")]
+
+    archive = tmp_path / "downloaded.tar"
+    archive.write_bytes(body)
+    elsewhere = make_settings(tmp_path / "elsewhere")
+    appliance_backup.restore(elsewhere, archive)
+    restored = Store(elsewhere.db_path)
+    try:
+        for plaintext, account in ((admin, "ops"), (user, "lab-3")):
+            key = restored.authenticate(plaintext)
+            assert key is not None
+            assert key.account.name == account
+    finally:
+        restored.close()
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
