@@ -155,14 +155,7 @@ def restore(
             refuse_occupied(present, data_dir)
         staging = Path(tempfile.mkdtemp(prefix=".restore-", dir=data_dir))
         try:
-            manifest = read_archive(archive, staging, kind=KIND, allowed=allowed, check=_check)
-            problems = db.integrity_problems(staging / DATABASE)
-            if problems:
-                raise BackupError(f"the archive's database is damaged: {problems[0]}")
-            if stored.sqlite_migrations(staging / DATABASE) != manifest.migrations:
-                raise BackupError(
-                    "the archive's database does not have the schema its manifest names"
-                )
+            manifest = _read(archive, staging)
             aside = None
             if present:
                 aside = set_aside(data_dir, present, aside_stamp(clock()))
@@ -175,6 +168,52 @@ def restore(
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return Restored(manifest, epoch, aside)
+
+
+# A restore the admin API received and checked, applied when the appliance next starts
+# (`apply_pending`, before it serves), since no appliance may serve from the data
+# directory a restore writes into.
+PENDING = "restore-pending.tar"
+
+
+def verify(settings: ApplianceSettings, archive: Path) -> Manifest:
+    """Everything a restore checks of `archive` (every member against its digest, the
+    database's integrity and schema), written to a scratch folder of the data directory
+    and removed: nothing of the appliance's changes. BackupError when it would refuse."""
+    staging = Path(tempfile.mkdtemp(prefix=".verify-", dir=settings.data_dir))
+    try:
+        return _read(archive, staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def apply_pending(
+    settings: ApplianceSettings, clock: Callable[[], float] = time.time
+) -> Restored | None:
+    """The restore the admin API left in `PENDING`, applied (what the data directory held
+    set aside, as `restore --force` does); None when there is none. An archive refused now
+    is kept as `restore-refused-<stamp>.tar`, the data directory as it was."""
+    pending = settings.data_dir / PENDING
+    if not pending.is_file():
+        return None
+    try:
+        restored = restore(settings, pending, force=True, clock=clock)
+    except BackupError:
+        pending.rename(settings.data_dir / f"restore-refused-{aside_stamp(clock())}.tar")
+        raise
+    if restored.set_aside is not None:  # the archive itself went aside with the rest
+        (restored.set_aside / PENDING).unlink(missing_ok=True)
+    return restored
+
+
+def _read(archive: Path, staging: Path) -> Manifest:
+    manifest = read_archive(archive, staging, kind=KIND, allowed=allowed, check=_check)
+    problems = db.integrity_problems(staging / DATABASE)
+    if problems:
+        raise BackupError(f"the archive's database is damaged: {problems[0]}")
+    if stored.sqlite_migrations(staging / DATABASE) != manifest.migrations:
+        raise BackupError("the archive's database does not have the schema its manifest names")
+    return manifest
 
 
 def _check(manifest: Manifest) -> None:

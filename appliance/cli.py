@@ -8,6 +8,7 @@ import json
 import logging
 import socket
 import ssl
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ from appliance.state.store import ConflictError, NotFoundError, Store
 from shared.classes import ServiceClass
 from shared.cli import common_options, config_errors_exit, settings_from
 from shared.config import example_yaml
+
+log = logging.getLogger(__name__)
 
 
 def _settings(config_file: Path | None, data_dir: Path | None, **server: Any) -> ApplianceSettings:
@@ -54,6 +57,7 @@ def serve(
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
     from appliance.gateway.appkeys import CERTIFICATE  # noqa: PLC0415
 
+    _apply_pending_restore(settings)
     app = create_app(settings)
     ssl_context = None
     certificate = app[CERTIFICATE]
@@ -75,6 +79,24 @@ def serve(
             err=True,
         ),
     )
+
+
+def _apply_pending_restore(settings: ApplianceSettings) -> None:
+    """A restore the admin API staged, applied before the appliance serves again."""
+    from appliance import backup as appliance_backup  # noqa: PLC0415
+    from shared.backup_archive import BackupError  # noqa: PLC0415
+
+    try:
+        restored = appliance_backup.apply_pending(settings)
+    except BackupError as err:  # the data directory is as it was: serve it
+        log.warning("the staged restore was refused, nothing changed: %s", err)
+        return
+    if restored is not None:
+        made = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(restored.manifest.created_at))
+        log.warning(
+            "restored the backup made at %s; what the data directory held is in %s",
+            made, restored.set_aside,
+        )  # fmt: skip
 
 
 @appliance.command("config")

@@ -154,6 +154,7 @@ def blob_name(sha256: str) -> str | None:
     return sha256 if _BLOB_NAME.fullmatch(sha256) else None
 
 
+RESTORE_ROUTE = "/v1/admin/restore"  # appliance/gateway/backups.py
 # How a request is passed to the app (`location /`, and the files' fallback).
 _PROXIED = (
     "            proxy_http_version 1.1;\n"
@@ -435,6 +436,13 @@ class Front:
             "        large_client_header_buffers 4 8k;\n"
             f"        client_max_body_size {self._max_body_bytes};\n"
             f"{''.join(pages)}"
+            # A backup put back may be gigabytes (its package cache): the app bounds it by
+            # the disk it has, streamed.
+            f"        location = {RESTORE_ROUTE} {{\n"
+            "            client_max_body_size 0;\n"
+            "            proxy_pass http://appliance;\n"
+            f"{_PROXIED}"
+            "        }\n"
             "        location / {\n"
             "            proxy_pass http://appliance;\n"
             f"{_PROXIED}"

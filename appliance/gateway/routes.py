@@ -16,7 +16,7 @@ from appliance.gateway import (
     speech,
     websocket,
 )
-from appliance.gateway.front import FILES_ROUTE
+from appliance.gateway.front import FILES_ROUTE, RESTORE_ROUTE
 from appliance.gateway.jobs import JobRequest
 from appliance.gateway.openapi import Route, build_openapi
 from appliance.gateway.schemas import AccountRequest, AdminModelRequest, KeyRequest
@@ -376,6 +376,17 @@ ROUTES: tuple[Route, ...] = (
         "restore` puts it back.",
         auth=True,
         errors=(*_ADMIN, ErrorCode.invalid_value, ErrorCode.internal_error),
+    ),
+    Route(
+        "POST",
+        RESTORE_ROUTE,
+        backups.restore_backup,
+        "Admin: put back a backup (the archive as the body): checked whole while the "
+        "appliance serves, then applied as it restarts (202); what the data directory held "
+        "is set aside, never deleted.",
+        auth=True,
+        errors=(*_ADMIN, ErrorCode.bad_request, ErrorCode.request_too_large),
+        status=202,
     ),
     Route(
         "GET",

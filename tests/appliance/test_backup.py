@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING
 import pytest
 
 from appliance import backup as appliance_backup
+from appliance.app import create_app
 from appliance.fleet.identity import FleetFiles
 from appliance.fleet.link import FleetLink
+from appliance.gateway.backups import RESTART
 from appliance.observability.metrics import Metrics
 from appliance.state.dump import resend_since
 from appliance.state.jobs import JobStore, NewItem
@@ -36,7 +38,7 @@ from tests.waiting import until
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from pytest_aiohttp import AiohttpServer
+    from pytest_aiohttp import AiohttpClient, AiohttpServer
 
     from appliance.settings import ApplianceSettings
     from hub.settings import HubSettings
@@ -313,3 +315,62 @@ async def test_an_admin_key_takes_the_backup_through_the_api_and_it_restores(
 
 def _bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+async def test_an_admin_key_puts_a_backup_back_and_the_appliance_restarts_into_it(
+    aiohttp_client: AiohttpClient, settings: ApplianceSettings, tmp_path: Path
+) -> None:
+    """A backup put back through the admin API is checked whole while the appliance serves
+    (a tampered one is refused, nothing staged), then applied when it next starts: the
+    keys of the backup work, one made after it does not, and what the data directory held
+    is set aside."""
+    store = Store(settings.db_path)
+    try:
+        admin = store.create_key("ops", admin=True).plaintext
+        user = store.create_key("lab-3").plaintext
+    finally:
+        store.close()
+    app = create_app(settings)
+    restarts: list[float] = []
+    app[RESTART] = lambda: restarts.append(1.0)
+    client = await aiohttp_client(app)
+    taken = await client.post("/v1/admin/backup?packages=false", headers=_bearer(admin))
+    archive = await taken.read()
+    later = await client.post(
+        "/v1/admin/keys", headers=_bearer(admin), json={"account": "lab-3", "admin": False}
+    )
+    assert later.status == 201
+    later_key = (await later.json())["key"]
+
+    refused = await client.post("/v1/admin/restore", headers=_bearer(user), data=archive)
+    assert refused.status == 403
+    tampered = bytearray(archive)
+    tampered[len(tampered) // 2] ^= 0xFF
+    bad = await client.post("/v1/admin/restore", headers=_bearer(admin), data=bytes(tampered))
+    assert bad.status == 400
+    assert (await bad.json())["error"]["code"] == "bad_request"
+    empty = await client.post("/v1/admin/restore", headers=_bearer(admin), data=b"")
+    assert empty.status == 400
+    assert not (settings.data_dir / appliance_backup.PENDING).exists()
+    assert restarts == []
+
+    staged = await client.post("/v1/admin/restore", headers=_bearer(admin), data=archive)
+    assert staged.status == 202, await staged.text()
+    assert (await staged.json())["status"] == "restarting"
+    assert restarts == [1.0]
+    assert (settings.data_dir / appliance_backup.PENDING).is_file()
+    await client.close()  # the appliance stops, as SIGTERM stops it
+
+    restored = appliance_backup.apply_pending(settings)  # as `kvl appliance serve` starts
+    assert restored is not None
+    assert restored.set_aside is not None
+    assert (restored.set_aside / "appliance.db").is_file()
+    assert not (settings.data_dir / appliance_backup.PENDING).exists()
+    assert appliance_backup.apply_pending(settings) is None  # once
+    store = Store(settings.db_path)
+    try:
+        assert store.authenticate(admin) is not None
+        assert store.authenticate(user) is not None
+        assert store.authenticate(later_key) is None  # made after the backup
+    finally:
+        store.close()
