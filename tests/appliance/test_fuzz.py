@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import gzip
 import http.client
+import io
 import json
 import re
 import socket
+import tarfile
 import urllib.parse
 import zlib
 from collections import Counter
@@ -245,6 +247,12 @@ def contract_problems(path: str, reply: Reply) -> list[str]:
         except ValueError:
             return [*found, "an error response whose body is not JSON"]
         return found + error_shape_problems(payload, reply.status)
+    return found + _success_problems(path, media_type, reply, text)
+
+
+def _success_problems(path: str, media_type: str, reply: Reply, text: str) -> list[str]:
+    """Why a 2xx `reply` is not what its route answers."""
+    found: list[str] = []
     if path == "/metrics":  # the one route that answers neither JSON nor events
         if media_type not in {"text/plain", "application/openmetrics-text"}:
             found.append(f"metrics as {reply.content_type!r}")
@@ -257,6 +265,8 @@ def contract_problems(path: str, reply: Reply) -> list[str]:
         found.extend(_event_stream_problems(text, complete=reply.complete))
     elif path == "/v1/audio/speech" and media_type.startswith("audio/"):
         found.extend([] if reply.body else [f"an empty {media_type} response"])
+    elif path == "/v1/admin/backup" and media_type == "application/x-tar":
+        found.extend(_backup_problems(reply.body))
     else:
         found.append(f"a 2xx response of type {reply.content_type!r}")
     return found
@@ -278,6 +288,16 @@ def _error_event_problems(event: dict[str, Any]) -> list[str]:
     if event["param"] is not None and not isinstance(event["param"], str):
         found.append(f"an error event's `param` is neither a string nor null: {_clip(event)}")
     return found
+
+
+def _backup_problems(body: bytes) -> list[str]:
+    """The admin API's backup: a whole tar archive, its manifest first."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+            names = tar.getnames()
+    except tarfile.TarError as err:
+        return [f"a backup that is not a tar archive: {err}"]
+    return [] if names[:1] == ["manifest.json"] else ["a backup without its manifest first"]
 
 
 def _event_stream_problems(text: str, *, complete: bool) -> list[str]:
