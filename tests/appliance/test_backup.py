@@ -273,12 +273,7 @@ async def test_an_admin_key_takes_the_backup_through_the_api_and_it_restores(
     archive `kvl appliance backup` writes, taken while the appliance serves; restored into
     a fresh data directory, its keys work there. Other keys are refused, and so is a flag
     that is not one."""
-    store = Store(settings.db_path)
-    try:
-        admin = store.create_key("ops", admin=True).plaintext
-        user = store.create_key("lab-3").plaintext
-    finally:
-        store.close()
+    admin, user = _site_keys(settings)
     # The appliance serves meanwhile: a request before and during the backup.
     assert (await client.get("/v1/models", headers=_bearer(user))).status == 200
     refused = await client.post("/v1/admin/backup", headers=_bearer(user))
@@ -313,6 +308,15 @@ async def test_an_admin_key_takes_the_backup_through_the_api_and_it_restores(
         restored.close()
 
 
+def _site_keys(settings: ApplianceSettings) -> tuple[str, str]:
+    """An admin key (account `ops`) and a user's (account `lab-3`)."""
+    store = Store(settings.db_path)
+    try:
+        return store.create_key("ops", admin=True).plaintext, store.create_key("lab-3").plaintext
+    finally:
+        store.close()
+
+
 def _bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
@@ -324,12 +328,7 @@ async def test_an_admin_key_puts_a_backup_back_and_the_appliance_restarts_into_i
     (a tampered one is refused, nothing staged), then applied when it next starts: the
     keys of the backup work, one made after it does not, and what the data directory held
     is set aside."""
-    store = Store(settings.db_path)
-    try:
-        admin = store.create_key("ops", admin=True).plaintext
-        user = store.create_key("lab-3").plaintext
-    finally:
-        store.close()
+    admin, user = _site_keys(settings)
     app = create_app(settings)
     restarts: list[float] = []
     app[RESTART] = lambda: restarts.append(1.0)

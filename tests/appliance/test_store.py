@@ -155,32 +155,24 @@ async def test_authenticated_keys_are_remembered_until_the_database_changes(
     await store.open()
     try:
         new = await store.run(store.sync.create_key, "acme")
-        calls = 0
-        authenticate = store.sync.authenticate
-
-        def counted(plaintext: str) -> ApiKey | None:
-            nonlocal calls
-            calls += 1
-            return authenticate(plaintext)
-
-        store.sync.authenticate = counted  # type: ignore[method-assign]
+        trips = _count_trips(store)
         first = await store.authenticate(new.plaintext)
         assert first is not None
         assert not first.revoked
         assert await store.authenticate(new.plaintext) == first
-        assert calls == 1  # the second came from memory
+        assert len(trips) == 1  # the second came from memory
         assert await store.authenticate("kvl_nope_nope") is None
         assert await store.authenticate("not a key at all: é") is None
 
         # Revoked by another connection (as the CLI does): seen on the very next call.
-        before = calls
+        before = len(trips)
         other = Store(path)
         other.revoke_key(new.prefix)
         other.close()
         revoked = await store.authenticate(new.plaintext)
         assert revoked is not None
         assert revoked.revoked
-        assert calls == before + 1
+        assert len(trips) == before + 1
 
         # Any change through this store's own writer is seen as well.
         second = await store.run(store.sync.create_key, "acme")
@@ -204,17 +196,9 @@ async def test_keys_stay_remembered_across_usage_and_a_burst_makes_one_trip(
     await store.open()
     try:
         new = await store.run(store.sync.create_key, "acme")
-        calls = 0
-        authenticate = store.sync.authenticate
-
-        def counted(plaintext: str) -> ApiKey | None:
-            nonlocal calls
-            calls += 1
-            return authenticate(plaintext)
-
-        store.sync.authenticate = counted  # type: ignore[method-assign]
+        trips = _count_trips(store)
         keys = await asyncio.gather(*(store.authenticate(new.plaintext) for _ in range(32)))
-        assert calls == 1
+        assert len(trips) == 1
         key = keys[0]
         assert key is not None
         assert all(k == key for k in keys)
@@ -224,7 +208,7 @@ async def test_keys_stay_remembered_across_usage_and_a_burst_makes_one_trip(
         for _ in range(3):
             await store.run(store.sync.record_usage, usage)
         assert await store.authenticate(new.plaintext) == key
-        assert calls == 1  # still remembered
+        assert len(trips) == 1  # still remembered
 
         # An account's change, by another connection (the CLI), is seen at once.
         other = Store(path)
@@ -233,9 +217,22 @@ async def test_keys_stay_remembered_across_usage_and_a_burst_makes_one_trip(
         moved = await store.authenticate(new.plaintext)
         assert moved is not None
         assert moved.account.service_class is ServiceClass.S3
-        assert calls == 2
+        assert len(trips) == 2
     finally:
         await store.close()
+
+
+def _count_trips(store: AsyncStore) -> list[str]:
+    """The key lookups that go to the writer thread from now on, one entry each."""
+    trips: list[str] = []
+    authenticate = store.sync.authenticate
+
+    def counted(plaintext: str) -> ApiKey | None:
+        trips.append(plaintext)
+        return authenticate(plaintext)
+
+    store.sync.authenticate = counted  # type: ignore[method-assign]
+    return trips
 
 
 # -- multi-statement writes are all or nothing -----------------------------------------------
