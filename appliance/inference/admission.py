@@ -137,6 +137,7 @@ class AdmissionControl:
         self._places: dict[str, dict[int, Place]] = {}  # model -> places held at its door
         self._arrivals = 0  # requests that came to the early check
         self._lane = asyncio.Lock()  # admitted requests, one at a time, after the door
+        self._flooded_until = 0.0  # till when the lane lets admitted requests by (a flood)
         self.outbox_full = False  # set by the fleet link: the outbox is at its bound
         # class → the objectives the hub set for it (apply_targets)
         self._hub_targets: dict[protocol.ServiceClassName, protocol.ClassTargets] = {}
@@ -403,11 +404,20 @@ class AdmissionControl:
         that came to it meanwhile and none came for `DOOR_QUIET_S`, or `AFTER_THE_DOOR_S`
         at most. An admitted request's prompt is then rendered and tokenized (a
         millisecond or more of the loop each) after the refusals of the burst it came
-        with, and each admitted request after it looks again."""
+        with, and each admitted request after it looks again. In a flood (one waited its
+        bound) those queued behind it wait a turn of the loop each for `AFTER_THE_DOOR_S`,
+        then one waits again: the door keeps half the time, the model is not starved."""
         async with self._lane:
-            deadline = time.monotonic() + AFTER_THE_DOOR_S
+            now = time.monotonic()
+            if now < self._flooded_until:
+                await asyncio.sleep(0)
+                return
+            deadline = now + AFTER_THE_DOOR_S
             seen = -1
-            while seen != self._arrivals and time.monotonic() < deadline:
+            while seen != self._arrivals:
+                if time.monotonic() >= deadline:
+                    self._flooded_until = time.monotonic() + AFTER_THE_DOOR_S
+                    return
                 seen = self._arrivals
                 await asyncio.sleep(DOOR_QUIET_S)
 
