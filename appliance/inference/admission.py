@@ -91,8 +91,9 @@ _HELD_REFUSALS = frozenset(
 # backstop: every caller leaves its place when its prompt is tokenized or refused).
 PLACE_HELD_S = 5.0
 # An admitted request waits this long at most for the door to answer the requests that
-# keep arriving (a flood), before its prompt is prepared anyway.
-AFTER_THE_DOOR_S = 0.025
+# keep arriving (a flood), before its prompt is prepared anyway: longer than a burst takes
+# to answer (96 requests: 30-40 ms on two busy cores), a tenth of a second of a first token.
+AFTER_THE_DOOR_S = 0.1
 # ... and until the door has been quiet this long: a burst's requests reach the gateway a
 # few tenths of a millisecond apart when its client (or the host) is busy, one per turn
 # of the event loop, not all in one.
