@@ -83,8 +83,15 @@ def test_a_broken_release_rolls_back_by_itself_and_halts_the_rollout(
         hub.cli("rollouts", "abort", rollout)
         wait_for(lambda: state(rollout) == "aborted", "the abort to end", enrolled.bound_s,
                  enrolled.why)  # fmt: skip
-        image = reported(hub.rollout(rollout))
-        assert (image["version"], image["state"]) == (CURRENT, "good"), image
+
+        # The node's report of the flashed version as good may come a heartbeat after the
+        # rollback ended: waited for (bounded), not read once.
+        def flashed_and_good() -> bool:
+            image = reported(hub.rollout(rollout))
+            return (image.get("version"), image.get("state")) == (CURRENT, "good")
+
+        wait_for(flashed_and_good, "the node to report the flashed version good",
+                 enrolled.bound_s, enrolled.why)  # fmt: skip
         assert [n["id"] for n in hub.nodes()] == [enrolled.node_id]  # enrolled once
         machine.power_off()
 
