@@ -24,12 +24,13 @@ default:
 # prometheus (its `promtool` lints the hub's and the appliance's /metrics and the rules file;
 # a test scrapes a hub with it), rauc (the image updater the appliance calls; a test makes
 # a bundle, with squashfs-tools, and installs it into file-backed slots), curl and openssl
-# (the models benchmark's peers: a pull against curl, and curl with its sha256)
+# (the models benchmark's peers: a pull against curl, and curl with its sha256), age (a
+# test opens a sealed backup with the age tool itself, as an operator would without kvl)
 setup-system:
     #!/usr/bin/env bash
     set -euo pipefail
     missing=()
-    for package in wireguard-go iproute2 espeak-ng nginx nghttp2-client chromium postgresql prometheus rauc squashfs-tools curl openssl; do
+    for package in wireguard-go iproute2 espeak-ng nginx nghttp2-client chromium postgresql prometheus rauc squashfs-tools curl openssl age; do
         dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed' || missing+=("$package")
     done
     if [ ${#missing[@]} -eq 0 ]; then exit 0; fi

@@ -18,7 +18,15 @@ import yaml
 from appliance.settings import EXAMPLE_HEADER, ApplianceSettings
 from appliance.state.store import ConflictError, NotFoundError, Store
 from shared.classes import ServiceClass
-from shared.cli import common_options, config_errors_exit, settings_from
+from shared.cli import (
+    common_options,
+    config_errors_exit,
+    identities_from,
+    opening_options,
+    passphrase_from,
+    sealing_options,
+    settings_from,
+)
 from shared.config import example_yaml
 
 log = logging.getLogger(__name__)
@@ -465,17 +473,32 @@ def _update_summary(raw: str | None) -> str | None:
     is_flag=True,
     help="Leave out the package cache (DATA/packages/): packages made here are then lost.",
 )
+@sealing_options
 @config_errors_exit
-def backup(config_file: Path | None, data_dir: Path | None, out: Path, no_packages: bool) -> None:
+def backup(
+    *,
+    config_file: Path | None,
+    data_dir: Path | None,
+    out: Path,
+    no_packages: bool,
+    recipients: tuple[str, ...],
+    passphrase_file: Path | None,
+) -> None:
     """Back the appliance up into the archive OUT (a tar; gzipped if OUT ends in .gz),
     while it serves: its database, its fleet identity and its package cache. OUT holds the
-    node's keys: it is written mode 0600; keep it as safe as the appliance."""
+    node's keys: it is written mode 0600; keep it as safe as the appliance, or seal it."""
     from appliance import backup as appliance_backup  # noqa: PLC0415
+    from shared import sealing  # noqa: PLC0415
     from shared.backup_archive import BackupError  # noqa: PLC0415
 
     settings = _settings(config_file, data_dir)
     try:
-        made = appliance_backup.backup(settings, out, packages=not no_packages)
+        seal = sealing.sealing_of(recipients, passphrase_from(passphrase_file))
+        made = sealing.write_sealed(
+            out,
+            seal,
+            lambda path: appliance_backup.backup(settings, path, packages=not no_packages),
+        )
     except BackupError as err:
         raise click.ClickException(str(err)) from err
     manifest = made.manifest
@@ -497,19 +520,37 @@ def backup(config_file: Path | None, data_dir: Path | None, out: Path, no_packag
     help="Restore into a data directory that is not empty: what it holds is moved aside "
     "first, into DATA/replaced-TIME/.",
 )
+@opening_options
 @config_errors_exit
-def restore(config_file: Path | None, data_dir: Path | None, archive: Path, force: bool) -> None:
+def restore(
+    *,
+    config_file: Path | None,
+    data_dir: Path | None,
+    archive: Path,
+    force: bool,
+    identity_files: tuple[Path, ...],
+    passphrase_file: Path | None,
+) -> None:
     """Restore an appliance's backup into this data directory, with no appliance serving
-    from it. The archive is checked whole first. Events the hub may hold already are sent
-    again (it stores each once); the live objectives start a new epoch."""
+    from it (a sealed one opened with --identity or --passphrase-file). The archive is
+    checked whole first. Events the hub may hold already are sent again (it stores each
+    once); the live objectives start a new epoch."""
     import datetime  # noqa: PLC0415
 
     from appliance import backup as appliance_backup  # noqa: PLC0415
+    from shared import sealing  # noqa: PLC0415
     from shared.backup_archive import BackupError  # noqa: PLC0415
 
     settings = _settings(config_file, data_dir)
+    scratch = settings.data_dir.resolve().parent
     try:
-        restored = appliance_backup.restore(settings, archive, force=force)
+        with sealing.opened(
+            archive,
+            scratch,
+            identity=identities_from(identity_files),
+            passphrase=passphrase_from(passphrase_file),
+        ) as plain:
+            restored = appliance_backup.restore(settings, plain, force=force)
     except BackupError as err:
         raise click.ClickException(str(err)) from err
     taken = datetime.datetime.fromtimestamp(restored.manifest.created_at, datetime.UTC)

@@ -4,6 +4,7 @@ model runtime and `kvl appliance` never imports the hub."""
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from functools import wraps
 from pathlib import Path
@@ -108,6 +109,68 @@ def settings_from(
     if given:
         overrides["server"] = given
     return load_settings(cls, config_file=config_file, overrides=overrides)
+
+
+def sealing_options(fn: F) -> F:
+    """`--recipient` and `--passphrase-file`: a backup sealed with age (shared/sealing.py)."""
+    fn = click.option(
+        "--passphrase-file",
+        type=click.Path(path_type=Path, dir_okay=False, allow_dash=True),
+        default=None,
+        help="Seal the backup with the passphrase on this file's first line (- reads it "
+        "from standard input): OUT is then a tar of identity.age and backup.tar.age.",
+    )(fn)
+    return click.option(
+        "--recipient",
+        "recipients",
+        multiple=True,
+        metavar="AGE1…",
+        help="Seal the backup with age to this X25519 recipient (repeat for more): "
+        "`age -d -i KEY OUT` opens it.",
+    )(fn)
+
+
+def opening_options(fn: F) -> F:
+    """`--identity` and `--passphrase-file`: what opens a sealed backup."""
+    fn = click.option(
+        "--passphrase-file",
+        type=click.Path(path_type=Path, dir_okay=False, allow_dash=True),
+        default=None,
+        help="The archive is sealed with the passphrase on this file's first line (- reads "
+        "it from standard input).",
+    )(fn)
+    return click.option(
+        "--identity",
+        "identity_files",
+        multiple=True,
+        type=click.Path(path_type=Path, dir_okay=False, exists=True),
+        help="An age identity file (`age-keygen`'s) that opens a sealed archive; repeat for more.",
+    )(fn)
+
+
+def passphrase_from(path: Path | None) -> str | None:
+    """The passphrase on the first line of `path` (`-`: standard input), its line end
+    dropped; None without one."""
+    if path is None:
+        return None
+    text: str = sys.stdin.readline() if str(path) == "-" else path.read_text()
+    passphrase = text.splitlines()[0] if text else ""
+    if not passphrase:
+        raise click.BadParameter("it holds no passphrase", param_hint="--passphrase-file")
+    return passphrase
+
+
+def identities_from(paths: tuple[Path, ...]) -> list[str]:
+    """The X25519 identities of age identity files."""
+    from shared import sealing  # noqa: PLC0415 - pyrage, for the commands that seal
+
+    found = []
+    for path in paths:
+        try:
+            found += sealing.identities(path.read_text())
+        except sealing.SealError as err:
+            raise click.BadParameter(f"{path}: {err}", param_hint="--identity") from err
+    return found
 
 
 def config_errors_exit(fn: F) -> F:

@@ -19,9 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
 
 from appliance import backup as appliance_backup
 from appliance.gateway.appkeys import SETTINGS
+from appliance.gateway.parsing import read_json
+from appliance.inference.schemas import parse_body
+from shared import sealing
 from shared.backup_archive import BackupError
 from shared.errors import ApiError, ErrorCode
 
@@ -38,6 +42,32 @@ _CHUNK = 1 << 20
 _SPARE_BYTES = 1 << 30  # an upload never fills the disk the appliance writes to
 
 
+# What opens a sealed backup sent to be restored: headers, so the body stays the archive.
+IDENTITY_HEADER = "Kvl-Backup-Identity"  # an X25519 identity (AGE-SECRET-KEY-1…); may repeat
+PASSPHRASE_HEADER = "Kvl-Backup-Passphrase"  # noqa: S105 - a header's name; its value UTF-8
+
+
+class BackupRequest(BaseModel):
+    """How to take the backup (the body is optional: no body, the archive as it is)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    packages: bool = Field(default=True, description="The package cache in it (`?packages=` too).")
+    recipients: list[str] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Seal it with age to these X25519 recipients (`age1…`): a `.tar.age` "
+        "that `age -d -i key.txt` opens.",
+    )
+    passphrase: str | None = Field(
+        None,
+        min_length=1,
+        max_length=sealing.MAX_PASSPHRASE_BYTES,
+        description="Seal it with this passphrase instead: a `.age.tar` holding the "
+        "sealed one-time key (`identity.age`) and the backup sealed to it.",
+    )
+
+
 def setup(app: web.Application) -> None:
     app[_TAKING] = asyncio.Lock()
     app[RESTART] = _stop_for_restart
@@ -50,23 +80,33 @@ def _stop_for_restart() -> None:
 
 async def take_backup(request: web.Request) -> web.StreamResponse:
     settings = request.app[SETTINGS]
-    packages = _flag(request.query.get("packages", "true"))
+    asked = await _backup_request(request)
+    seal = _sealing(asked)
     async with request.app[_TAKING]:
         with tempfile.TemporaryDirectory(prefix=".kvl-backup-", dir=settings.data_dir) as work:
             archive = Path(work) / "backup.tar"
             try:
                 made = await asyncio.to_thread(
-                    appliance_backup.backup, settings, archive, packages=packages
+                    appliance_backup.backup, settings, archive, packages=asked.packages
                 )
+                if seal is not None:
+                    sealed = archive.with_name(f"backup.tar{seal.suffix}")
+                    await asyncio.to_thread(sealing.seal, archive, sealed, seal)
+                    archive.unlink()
+                    archive = sealed
             except BackupError as err:  # the node's own trouble (a file changed while read)
                 log.warning("backup through the admin API failed: %s", err)
                 raise ApiError(ErrorCode.internal_error, f"the backup failed: {err}") from err
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(made.manifest.created_at))
+            name = f"kvl-appliance-{stamp}.tar"
+            if seal is not None:
+                name = f"kvl-appliance-{stamp}.age.tar" if seal.passphrase else f"{name}.age"
+            media = "application/octet-stream" if seal is not None and not seal.passphrase else None
             response = web.StreamResponse(
                 headers={
-                    "Content-Type": "application/x-tar",
+                    "Content-Type": media or "application/x-tar",
                     "Content-Length": str(archive.stat().st_size),
-                    "Content-Disposition": f'attachment; filename="kvl-appliance-{stamp}.tar"',
+                    "Content-Disposition": f'attachment; filename="{name}"',
                     # What the data directory holds that the archive does not, for the
                     # client to keep beside it.
                     "X-Kvl-Left-Out": ",".join(made.left_out),
@@ -87,6 +127,7 @@ async def restore_backup(request: web.Request) -> web.Response:
         with tempfile.TemporaryDirectory(prefix=".kvl-restore-", dir=settings.data_dir) as work:
             upload = Path(work) / "upload.tar"
             await _receive(request, upload)
+            upload = await _opened(request, upload)
             try:
                 manifest = await asyncio.to_thread(appliance_backup.verify, settings, upload)
             except BackupError as err:
@@ -125,6 +166,54 @@ async def _receive(request: web.Request, path: Path) -> None:
             await asyncio.to_thread(f.write, chunk)
     if received == 0:
         raise ApiError(ErrorCode.bad_request, "send the backup archive as the request's body")
+
+
+async def _backup_request(request: web.Request) -> BackupRequest:
+    packages = _flag(request.query.get("packages", "true"))
+    if not request.body_exists:
+        return BackupRequest(packages=packages)
+    raw = await read_json(request)
+    raw.setdefault("packages", packages)
+    return parse_body(BackupRequest, raw)
+
+
+def _sealing(asked: BackupRequest) -> sealing.Sealing | None:
+    if not asked.recipients and asked.passphrase is None:
+        return None
+    try:
+        return sealing.Sealing(tuple(asked.recipients), asked.passphrase)
+    except sealing.SealError as err:
+        param = (
+            "passphrase" if asked.passphrase is not None and not asked.recipients else "recipients"
+        )
+        raise ApiError(ErrorCode.invalid_value, str(err), param=param) from err
+
+
+async def _opened(request: web.Request, upload: Path) -> Path:
+    """The archive received, opened when it came sealed (with the identity or passphrase
+    its headers give); the sealed file removed once opened."""
+    identities = request.headers.getall(IDENTITY_HEADER, [])
+    passphrase = request.headers.get(PASSPHRASE_HEADER)
+    return await asyncio.to_thread(_open, upload, identities, passphrase)
+
+
+def _open(upload: Path, identities: list[str], passphrase: str | None) -> Path:
+    if sealing.sealed_as(upload) == "plain":
+        if identities or passphrase is not None:
+            raise ApiError(
+                ErrorCode.bad_request, "the archive is not sealed: send it without a key"
+            )
+        return upload
+    room = shutil.disk_usage(upload.parent).free - _SPARE_BYTES
+    if upload.stat().st_size > room:
+        raise _too_large(room)
+    opened = upload.with_name("opened.tar")
+    try:
+        sealing.unseal(upload, opened, identity=identities, passphrase=passphrase)
+    except sealing.SealError as err:
+        raise ApiError(ErrorCode.bad_request, f"the archive is refused: {err}") from err
+    upload.unlink()
+    return opened
 
 
 def _too_large(room: int) -> ApiError:

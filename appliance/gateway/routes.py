@@ -372,16 +372,18 @@ ROUTES: tuple[Route, ...] = (
         "/v1/admin/backup",
         backups.take_backup,
         "Admin: the appliance's backup, taken while it serves, as the archive `kvl appliance "
-        "backup` writes (`?packages=false`: without the package cache); `kvl appliance "
-        "restore` puts it back.",
+        "backup` writes (`?packages=false`: without the package cache), sealed with age when "
+        "the body names recipients or a passphrase; `kvl appliance restore` puts it back.",
         auth=True,
+        body=backups.BackupRequest,
         errors=(*_ADMIN, ErrorCode.invalid_value, ErrorCode.internal_error),
     ),
     Route(
         "POST",
         RESTORE_ROUTE,
         backups.restore_backup,
-        "Admin: put back a backup (the archive as the body): checked whole while the "
+        "Admin: put back a backup (the archive as the body; a sealed one opened with the "
+        "`Kvl-Backup-Identity` or `Kvl-Backup-Passphrase` header): checked whole while the "
         "appliance serves, then applied as it restarts (202); what the data directory held "
         "is set aside, never deleted.",
         auth=True,

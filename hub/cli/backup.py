@@ -10,7 +10,14 @@ import click
 
 from hub.cli.common import hub_settings
 from shared.backup_archive import BackupError
-from shared.cli import common_options, config_errors_exit
+from shared.cli import (
+    common_options,
+    config_errors_exit,
+    identities_from,
+    opening_options,
+    passphrase_from,
+    sealing_options,
+)
 
 
 @click.command("backup")
@@ -22,16 +29,29 @@ from shared.cli import common_options, config_errors_exit
     help="Leave out DATA/artifacts/ (model files and package archives): add them again "
     "after a restore.",
 )
+@sealing_options
 @config_errors_exit
-def backup(config_file: Path | None, data_dir: Path | None, out: Path, no_artifacts: bool) -> None:
+def backup(
+    *,
+    config_file: Path | None,
+    data_dir: Path | None,
+    out: Path,
+    no_artifacts: bool,
+    recipients: tuple[str, ...],
+    passphrase_file: Path | None,
+) -> None:
     """Back the hub up into the archive OUT (a tar; gzipped if OUT ends in .gz), while it
     serves: its store, its CA and keys, and its artifacts. OUT holds the CA's key: it is
-    written mode 0600; keep it as safe as the hub."""
+    written mode 0600; keep it as safe as the hub, or seal it."""
     from hub import backup as hub_backup  # noqa: PLC0415 - `kvl hub --help` stays light
+    from shared import sealing  # noqa: PLC0415
 
     settings = hub_settings(config_file, data_dir)
     try:
-        made = hub_backup.backup(settings, out, artifacts=not no_artifacts)
+        seal = sealing.sealing_of(recipients, passphrase_from(passphrase_file))
+        made = sealing.write_sealed(
+            out, seal, lambda path: hub_backup.backup(settings, path, artifacts=not no_artifacts)
+        )
     except BackupError as err:
         raise click.ClickException(str(err)) from err
     manifest = made.manifest
@@ -54,16 +74,33 @@ def backup(config_file: Path | None, data_dir: Path | None, out: Path, no_artifa
     help="Restore into a data directory (or database) that is not empty: what it holds is "
     "moved aside first, into DATA/replaced-TIME/.",
 )
+@opening_options
 @config_errors_exit
-def restore(config_file: Path | None, data_dir: Path | None, archive: Path, force: bool) -> None:
+def restore(
+    *,
+    config_file: Path | None,
+    data_dir: Path | None,
+    archive: Path,
+    force: bool,
+    identity_files: tuple[Path, ...],
+    passphrase_file: Path | None,
+) -> None:
     """Restore a hub's backup into this hub's data directory (and database), with no hub
-    running on them. The archive is checked whole first; the desired-state serial then
-    moves past any a node may hold, so every node takes the restored state."""
+    running on them (a sealed one opened with --identity or --passphrase-file). The archive
+    is checked whole first; the desired-state serial then moves past any a node may hold,
+    so every node takes the restored state."""
     from hub import backup as hub_backup  # noqa: PLC0415
+    from shared import sealing  # noqa: PLC0415
 
     settings = hub_settings(config_file, data_dir)
     try:
-        restored = hub_backup.restore(settings, archive, force=force)
+        with sealing.opened(
+            archive,
+            settings.data_dir.resolve().parent,
+            identity=identities_from(identity_files),
+            passphrase=passphrase_from(passphrase_file),
+        ) as plain:
+            restored = hub_backup.restore(settings, plain, force=force)
     except BackupError as err:
         raise click.ClickException(str(err)) from err
     manifest = restored.manifest
