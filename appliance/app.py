@@ -254,6 +254,7 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
         packages=app[PACKAGES],
         objectives=admission.book,
         on_settings=lambda given: _apply_settings(app, given),
+        backups=app[backups.SCHEDULED],
         updater=Updater(
             app[STORE],
             Rauc(settings.update.rauc, settings.update.rauc_options),

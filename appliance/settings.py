@@ -10,6 +10,7 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.backup_settings import ScheduleSettings
 from shared.gguf import DEFAULT_N_CTX, DEFAULT_N_SLOTS
 from shared.tracing import ServiceName, TracingSettings
 
@@ -889,6 +890,12 @@ class ResponsesSettings(_Section):
     )
 
 
+class ApplianceBackupSettings(ScheduleSettings):
+    packages: bool = Field(
+        default=True, description="The package cache (DATA/packages/) in each backup."
+    )
+
+
 class ApplianceTracingSettings(TracingSettings):
     service_name: ServiceName = "kovenlab-appliance"
 
@@ -942,6 +949,10 @@ class ApplianceSettings(BaseSettings):
     classes: ClassSettings = Field(
         default_factory=ClassSettings,
         description="Service classes: objectives, admission, quotas, reserved slots.",
+    )
+    backups: ApplianceBackupSettings = Field(
+        default_factory=ApplianceBackupSettings,
+        description="Backups that run themselves: when, how many kept, where, sealed how.",
     )
 
     @field_validator("data_dir")

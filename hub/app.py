@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from hub import backup as hub_backup
 from hub.alerting.delivery import AlertSender, delivering
 from hub.alerting.loop import Evaluator, evaluating
 from hub.api.metrics import metrics_app
@@ -28,6 +29,7 @@ from hub.appkeys import (
     NODE_LOGS,
     PULLS,
     RUNNING,
+    SCHEDULED,
     SETTINGS,
     STORE,
     TLS,
@@ -50,6 +52,7 @@ from hub.rollouts import rollouts_forever
 from hub.state.store import AsyncHubStore
 from shared import __version__, heap
 from shared.backup_archive import serving
+from shared.backup_schedule import Scheduled
 from shared.tracing import Tracing
 
 if TYPE_CHECKING:
@@ -75,6 +78,12 @@ def create_app(settings: HubSettings) -> web.Application:
     app[IDENTITY] = identity(settings)
     app[TLS] = HubTls(settings)  # the CA and the hub's certificate, made on first start
     app[LEARNING] = Learning(time.time(), settings.quota.lease_s)
+    app[SCHEDULED] = Scheduled(
+        settings.backups,
+        settings.data_dir,
+        hub_backup.KIND,
+        lambda out: hub_backup.backup(settings, out, artifacts=settings.backups.artifacts),
+    )
     app.cleanup_ctx.append(_store)
     app.cleanup_ctx.append(_heartbeats)
     app.cleanup_ctx.append(_tracing)
@@ -85,6 +94,7 @@ def create_app(settings: HubSettings) -> web.Application:
     app.cleanup_ctx.append(_rollouts)
     app.cleanup_ctx.append(_pulls)
     app.cleanup_ctx.append(_alerts)
+    app.cleanup_ctx.append(_backups)
     if settings.overlay.interface is not None:
         app.cleanup_ctx.append(_tunnel)
     if settings.metrics.listen is not None:
@@ -224,11 +234,23 @@ async def _alerts(app: web.Application) -> AsyncIterator[None]:
         app[LOOPS],
         signing_ca=lambda: tls.phase.signing.fingerprint,
         changed=sender.wake.set,
+        own_backup=app[SCHEDULED].report,
     )
     async with (
         delivering(sender, app[LOOPS], app[RUNNING]),
         evaluating(evaluator, settings.alerts.every_s, app[LOOPS], app[RUNNING]),
     ):
+        yield
+
+
+async def _backups(app: web.Application) -> AsyncIterator[None]:
+    """The hub's scheduled backups (`backups.schedule`; shared/backup_schedule.py). With
+    several replicas, give one of them the schedule."""
+    scheduled = app[SCHEDULED]
+    if not scheduled.scheduled:
+        yield
+        return
+    async with running(app[RUNNING], "backups", scheduled.run()):
         yield
 
 

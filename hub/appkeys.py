@@ -17,6 +17,7 @@ from hub.offload import Forwarder
 from hub.settings import HubSettings
 from hub.state.nodes import Node
 from hub.state.store import AsyncHubStore
+from shared.backup_schedule import Scheduled
 from shared.supervise import Failures
 from shared.tracing import Tracing
 
@@ -40,6 +41,9 @@ RUNNING = web.AppKey("hub_running_loops", Running)
 PULLS = web.AppKey("hub_pulls", PullRunner)
 # The hub's Prometheus registry and its families (hub/observability/metrics.py).
 METRICS = web.AppKey("hub_metrics", HubMetrics)
+# The hub's own scheduled backups (`backups.schedule`): the alert loop, the console and the
+# metrics read how they go.
+SCHEDULED = web.AppKey("hub_scheduled_backups", Scheduled)
 
 NODE = web.RequestKey("node", Node)  # the calling node, on node routes
 NODE_PROTOCOL = web.RequestKey("node_protocol", int)  # the version it speaks

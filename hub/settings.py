@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from hub.alerting.settings import AlertsSettings
 from hub.fleet.budgets import window_s
+from shared.backup_settings import ScheduleSettings
 from shared.protocol import Objective, ServiceClassName
 from shared.tracing import ServiceName, TracingSettings
 
@@ -359,6 +360,13 @@ class ModelSourcesSettings(BaseModel):
     )
 
 
+class HubBackupSettings(ScheduleSettings):
+    artifacts: bool = Field(
+        default=True,
+        description="Model files and package archives (DATA/artifacts/) in each backup.",
+    )
+
+
 class HubSettings(BaseSettings):
     # Its own prefix, so an appliance and a hub on one machine never read each other's settings.
     model_config = SettingsConfigDict(extra="forbid", env_prefix="KVL_HUB_")
@@ -407,6 +415,10 @@ class HubSettings(BaseSettings):
     models: ModelSourcesSettings = Field(
         default_factory=ModelSourcesSettings,
         description="Where `kvl hub models pull` fetches model files from, and its bounds.",
+    )
+    backups: HubBackupSettings = Field(
+        default_factory=HubBackupSettings,
+        description="Backups that run themselves: when, how many kept, where, sealed how.",
     )
 
     @field_validator("data_dir")

@@ -55,6 +55,11 @@ and the part of a node's settings the hub sets (`DesiredState.settings`, and
 packages' settings to those (`NodeSettings.packages`) and the objectives' allowances per
 token (`ClassTargets.first_token_per_token_s`, `complete_per_token_s`); the hub gives an
 older node only the settings it takes, and expects its digest of those.
+
+Version 9 adds the node's scheduled backups to `Capacity` (`backup`: its schedule, the last
+good backup, the last failure, and when the next one is overdue); the hub's console shows
+them and its `backup_overdue` alert reads them. An older node never sends it: the hub reads
+no schedule.
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ from pydantic import (
 
 from shared import jsonlimits
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 OLDEST_NODE_PROTOCOL = 2
 PROTOCOL_HEADER = "Kvl-Protocol"
 
@@ -258,6 +263,22 @@ class Evaluation(Message):
         return self
 
 
+class BackupReport(Message):
+    """How a node's scheduled backups go (protocol 9; shared/backup_schedule.py): the hub's
+    `backup_overdue` alert fires past `overdue_at`, and its console shows the last good one."""
+
+    schedule: Short  # the crontab line
+    timezone: Short = "UTC"
+    kept: Count = 0  # backups in its folder
+    last_good_at: Seconds | None = None  # when the newest was taken
+    last_size: int = Field(0, ge=0, le=1 << 53)  # its bytes
+    last_error: Text | None = None  # why the last run failed, until one succeeds
+    last_failed_at: Seconds | None = None
+    # When the scheduled run after the last good backup (or after the schedule started)
+    # should have ended.
+    overdue_at: Seconds
+
+
 class Capacity(Message):
     """What a node has and how loaded it is, as it reports in each heartbeat. None of it
     can make a node look better than empty: no negative load, no more free memory than
@@ -300,6 +321,8 @@ class Capacity(Message):
     evaluations: dict[Name, Evaluation] = Field(default_factory=dict, max_length=64)
     # The digest of the hub's settings the node applied (protocol 7: NodeSettings.digest).
     settings_digest: Short | None = None
+    # Its scheduled backups, when it has a schedule (protocol 9).
+    backup: BackupReport | None = None
 
     @model_validator(mode="after")
     def _within_itself(self) -> Self:
@@ -799,6 +822,7 @@ ADDED_IN: dict[type[Message], dict[str, int]] = {
         "release_error": 6,
         "evaluations": 7,
         "settings_digest": 7,
+        "backup": 9,
     },
     DesiredState: {"release": 6, "settings": 7},
     PlacedModel: {"preset": 7},

@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 AGE_MAGIC = b"age-encryption.org/v1\n"
 IDENTITY_MEMBER = "identity.age"
 PAYLOAD_MEMBER = "backup.tar.age"
-# What a sealed file's name ends in: an age file, or the tar a passphrase makes.
-RECIPIENTS_SUFFIX = ".age"
+# What a sealed backup's name ends in: an age file, or the tar a passphrase makes.
+RECIPIENTS_SUFFIX = ".tar.age"
 PASSPHRASE_SUFFIX = ".age.tar"  # noqa: S105 - a file name's end, not a secret
 # An identity sealed with a passphrase is ~250 bytes; anything much larger is not one.
 MAX_IDENTITY_BYTES = 4096
@@ -85,6 +85,7 @@ class Sealing:
 
     @property
     def suffix(self) -> str:
+        """How the sealed backup's file name ends."""
         return PASSPHRASE_SUFFIX if self.passphrase is not None else RECIPIENTS_SUFFIX
 
     def __repr__(self) -> str:  # never the passphrase, in a log or a traceback

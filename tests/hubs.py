@@ -32,6 +32,7 @@ def settings_for(
     metrics: Mapping[str, Any] | None = None,
     alerts: Mapping[str, Any] | None = None,
     models: Mapping[str, Any] | None = None,
+    backups: Mapping[str, Any] | None = None,
     **server: Any,
 ) -> HubSettings:
     """A hub in ``tmp_path / "hub"`` on ``database`` (None: SQLite there), serving on
@@ -57,6 +58,7 @@ def settings_for(
                     "metrics": metrics,
                     "alerts": alerts,
                     "models": models,
+                    "backups": backups,
                 }.items()
                 if section
             },

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from appliance.serving.registry import ModelRegistry
     from appliance.settings import FleetLinkSettings
     from appliance.state.store import AsyncStore
+    from shared.backup_schedule import Scheduled
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,10 @@ class FleetLink:
         objectives: ObjectiveBook | None = None,
         updater: Updater | None = None,
         on_settings: Callable[[protocol.NodeSettings], None] | None = None,
+        backups: Scheduled | None = None,
     ) -> None:
         self._settings = settings
+        self._backups = backups  # its scheduled backups, reported in every heartbeat
         # What the hub sets of this node's settings, and who applies it (the model names,
         # admission's objectives: appliance/app.py).
         self.applied = protocol.NodeSettings()
@@ -502,6 +505,8 @@ class FleetLink:
             release_error=self._updater.release_error if self._updater is not None else None,
             # The hub's settings this node applies (protocol 7), for a settings rollout.
             settings_digest=self.applied.digest() if self._on_settings is not None else None,
+            # Its scheduled backups (protocol 9), for the hub's console and its alert.
+            backup=self._backups.report() if self._backups is not None else None,
             # Each placed model's short evaluation (protocol 7), for the hub's quality gate.
             evaluations=dict(list(self._converger.evaluations.items())[:64])
             if self._converger is not None

@@ -15,7 +15,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -27,13 +27,15 @@ from appliance.gateway.parsing import read_json
 from appliance.inference.schemas import parse_body
 from shared import sealing
 from shared.backup_archive import BackupError
+from shared.backup_schedule import Scheduled
 from shared.errors import ApiError, ErrorCode
 
 log = logging.getLogger(__name__)
 
-# One backup or restore at a time: a second waits for the first (each copies the
-# database whole).
-_TAKING = web.AppKey("backup_lock", asyncio.Lock)
+# One backup or restore at a time, the schedule's too: a second waits for the first (each
+# copies the database whole).
+TAKING = web.AppKey("backup_lock", asyncio.Lock)
+SCHEDULED = web.AppKey("scheduled_backups", Scheduled)
 # How the appliance restarts to apply a restore: it stops as SIGTERM stops it, and its
 # unit (`Restart=always`) starts it again; the tests put their own here.
 RESTART = web.AppKey[Callable[[], None]]("restart")
@@ -69,8 +71,85 @@ class BackupRequest(BaseModel):
 
 
 def setup(app: web.Application) -> None:
-    app[_TAKING] = asyncio.Lock()
+    app[TAKING] = asyncio.Lock()
     app[RESTART] = _stop_for_restart
+    settings = app[SETTINGS]
+    app[SCHEDULED] = Scheduled(
+        settings.backups,
+        settings.data_dir,
+        appliance_backup.KIND,
+        lambda out: appliance_backup.backup(settings, out, packages=settings.backups.packages),
+        lock=app[TAKING],
+    )
+    app.cleanup_ctx.append(_schedule)
+
+
+async def _schedule(app: web.Application) -> AsyncIterator[None]:
+    """The scheduled backups (`backups.schedule`), while the appliance runs."""
+    scheduled = app[SCHEDULED]
+    if not scheduled.scheduled:
+        yield
+        return
+    task = asyncio.create_task(scheduled.run(), name="kvl-scheduled-backups")
+    log.info(
+        "backups on the schedule %r (%s) into %s, %d kept",
+        scheduled.settings.schedule,
+        scheduled.settings.timezone,
+        scheduled.shelf.folder,
+        scheduled.settings.keep,
+    )
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def list_backups(request: web.Request) -> web.Response:
+    """The scheduled backups kept on this node, newest first, and how the schedule goes."""
+    scheduled = request.app[SCHEDULED]
+    kept = await asyncio.to_thread(scheduled.shelf.kept)
+    report = await asyncio.to_thread(scheduled.report)
+    return web.json_response(
+        {
+            "object": "list",
+            "schedule": report.model_dump(mode="json") if report is not None else None,
+            "data": [
+                {
+                    "object": "backup",
+                    "id": k.path.name,
+                    "created_at": k.created_at,
+                    "bytes": k.size,
+                    "sealed": sealing.sealed_as(k.path) != "plain",
+                }
+                for k in reversed(kept)
+            ],
+        }
+    )
+
+
+async def download_backup(request: web.Request) -> web.StreamResponse:
+    """One kept backup, by its name (`GET /v1/admin/backups`' `id`), streamed."""
+    scheduled = request.app[SCHEDULED]
+    name = request.match_info["name"]
+    kept = {k.path.name: k for k in await asyncio.to_thread(scheduled.shelf.kept)}
+    found = kept.get(name)  # only a name the folder lists: never a path of the caller's
+    if found is None:
+        raise ApiError(ErrorCode.not_found, f"no kept backup named {name[:200]!r}")
+    media = "application/octet-stream" if name.endswith(sealing.RECIPIENTS_SUFFIX) else None
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": media or "application/x-tar",
+            "Content-Length": str(found.size),
+            "Content-Disposition": f'attachment; filename="{name}"',
+        }
+    )
+    await response.prepare(request)
+    with found.path.open("rb") as f:
+        while chunk := await asyncio.to_thread(f.read, _CHUNK):
+            await response.write(chunk)
+    with contextlib.suppress(ConnectionError):
+        await response.write_eof()
+    return response
 
 
 def _stop_for_restart() -> None:
@@ -82,7 +161,7 @@ async def take_backup(request: web.Request) -> web.StreamResponse:
     settings = request.app[SETTINGS]
     asked = await _backup_request(request)
     seal = _sealing(asked)
-    async with request.app[_TAKING]:
+    async with request.app[TAKING]:
         with tempfile.TemporaryDirectory(prefix=".kvl-backup-", dir=settings.data_dir) as work:
             archive = Path(work) / "backup.tar"
             try:
@@ -90,7 +169,7 @@ async def take_backup(request: web.Request) -> web.StreamResponse:
                     appliance_backup.backup, settings, archive, packages=asked.packages
                 )
                 if seal is not None:
-                    sealed = archive.with_name(f"backup.tar{seal.suffix}")
+                    sealed = archive.with_name(f"backup{seal.suffix}")
                     await asyncio.to_thread(sealing.seal, archive, sealed, seal)
                     archive.unlink()
                     archive = sealed
@@ -98,13 +177,13 @@ async def take_backup(request: web.Request) -> web.StreamResponse:
                 log.warning("backup through the admin API failed: %s", err)
                 raise ApiError(ErrorCode.internal_error, f"the backup failed: {err}") from err
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(made.manifest.created_at))
-            name = f"kvl-appliance-{stamp}.tar"
-            if seal is not None:
-                name = f"kvl-appliance-{stamp}.age.tar" if seal.passphrase else f"{name}.age"
-            media = "application/octet-stream" if seal is not None and not seal.passphrase else None
+            name = f"kvl-appliance-{stamp}{seal.suffix if seal else '.tar'}"
+            # An age file is no tar until opened; the passphrase's is one.
+            age_file = seal is not None and seal.passphrase is None
+            media = "application/octet-stream" if age_file else "application/x-tar"
             response = web.StreamResponse(
                 headers={
-                    "Content-Type": media or "application/x-tar",
+                    "Content-Type": media,
                     "Content-Length": str(archive.stat().st_size),
                     "Content-Disposition": f'attachment; filename="{name}"',
                     # What the data directory holds that the archive does not, for the
@@ -123,7 +202,7 @@ async def take_backup(request: web.Request) -> web.StreamResponse:
 
 async def restore_backup(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
-    async with request.app[_TAKING]:
+    async with request.app[TAKING]:
         with tempfile.TemporaryDirectory(prefix=".kvl-restore-", dir=settings.data_dir) as work:
             upload = Path(work) / "upload.tar"
             await _receive(request, upload)

@@ -379,6 +379,23 @@ ROUTES: tuple[Route, ...] = (
         errors=(*_ADMIN, ErrorCode.invalid_value, ErrorCode.internal_error),
     ),
     Route(
+        "GET",
+        "/v1/admin/backups",
+        backups.list_backups,
+        "Admin: the backups the schedule (`backups.schedule`) keeps on this node, newest "
+        "first, and how it goes (the last good one, the last failure, when one is overdue).",
+        auth=True,
+        errors=_ADMIN,
+    ),
+    Route(
+        "GET",
+        "/v1/admin/backups/{name}",
+        backups.download_backup,
+        "Admin: download one kept backup, by the `id` the list gives.",
+        auth=True,
+        errors=(*_ADMIN, ErrorCode.not_found),
+    ),
+    Route(
         "POST",
         RESTORE_ROUTE,
         backups.restore_backup,

@@ -6,6 +6,7 @@ other rules are evaluated all the same."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from hub.state.alerts import AlertRecord, Firing
     from hub.state.nodes import NodeHealth
     from hub.state.store import AsyncHubStore
+    from shared.protocol import BackupReport
     from shared.supervise import Failures
 
 log = logging.getLogger(__name__)
@@ -40,14 +42,17 @@ class Evaluator:
         store: AsyncHubStore,
         settings: HubSettings,
         failures: Failures,
+        *,
         signing_ca: Callable[[], str | None],
         changed: Callable[[], None] = lambda: None,
+        own_backup: Callable[[], BackupReport | None] = lambda: None,
     ) -> None:
         self._store = store
         self._settings = settings
         self._failures = failures
         self._signing_ca = signing_ca
         self._changed = changed
+        self._own_backup = own_backup
         self._holding: dict[tuple[str, str], float] = {}
 
     async def round(self) -> list[tuple[AlertRecord, str]]:
@@ -61,6 +66,10 @@ class Evaluator:
             certificates = await store.read(store.reader.certificates.newest)
             firing += rules.node_alerts(now, nodes, certificates, self._signing_ca(), settings)
             evaluated.update(rules.NODE_RULES)
+        with self._failures.guard(f"{LOOP}.backups"):
+            own = await asyncio.to_thread(self._own_backup)
+            firing += rules.backup_alerts(now, nodes, own)
+            evaluated.add(rules.BACKUP_OVERDUE)
         with self._failures.guard(f"{LOOP}.restarts"):
             since = now - alerts.restarts_window_s
             restarts = await store.read(store.reader.objectives.worker_restarts_since, since)

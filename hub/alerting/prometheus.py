@@ -1,8 +1,9 @@
 """The hub's alert rules as a Prometheus rules file, made from the same definitions and
 settings as the hub's own loop (hub/alerting/rules.py): recording rules for the
 objectives' error ratios over each burn window, and alerting rules for the burn-rate
-pairs, stale and offline nodes, outbox alarms, lapsed quota leases, worker restart loops
-and certificates near their end, over the hub's `/metrics` (hub/observability/metrics.py).
+pairs, stale and offline nodes, outbox alarms, lapsed quota leases, worker restart loops,
+overdue scheduled backups (the nodes' and the hub's) and certificates near their end, over
+the hub's `/metrics` (hub/observability/metrics.py).
 A rule the hub holds for a grace period (`rules.held`) holds as long here (`for:`).
 
 `certificate_renewal` has no twin here: which CA issued a node's certificate is not a
@@ -124,6 +125,13 @@ def rules_document(settings: HubSettings) -> dict[str, Any]:
                f" > {alerts.restarts}",
                f"{node}: model workers restarted {{{{ $value }}}} times in "
                f"{duration(alerts.restarts_window_s)}"),
+        _alert("KvlBackupOverdue", rules.BACKUP_OVERDUE, "ticket",
+               "time() - kvl_fleet_node_backup_overdue_timestamp_seconds > 0",
+               f"{node}: its scheduled backup is overdue by "
+               "{{ $value | humanizeDuration }}"),
+        _alert("KvlHubBackupOverdue", rules.BACKUP_OVERDUE, "ticket",
+               "time() - kvl_hub_backup_overdue_timestamp_seconds > 0",
+               "the hub: its scheduled backup is overdue by {{ $value | humanizeDuration }}"),
         _alert("KvlCertificateExpiry", rules.CERTIFICATE_EXPIRY, "page",
                "kvl_fleet_node_certificate_expiry_timestamp_seconds - time() < "
                f"{_number(alerts.certificate_expiry_s)}",

@@ -8,6 +8,7 @@ over a pair of windows (`class`, `objective`, `window`)."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -30,6 +31,7 @@ WORKER_RESTARTS = "worker_restarts"
 CERTIFICATE_EXPIRY = "certificate_expiry"
 CERTIFICATE_RENEWAL = "certificate_renewal"
 LEASE_LAPSED = "lease_lapsed"
+BACKUP_OVERDUE = "backup_overdue"
 NODE_RULES = (
     NODE_STALE,
     NODE_OFFLINE,
@@ -38,7 +40,9 @@ NODE_RULES = (
     CERTIFICATE_RENEWAL,
     LEASE_LAPSED,
 )
-RULES = (SLO_BURN, *NODE_RULES, WORKER_RESTARTS)
+RULES = (SLO_BURN, *NODE_RULES, WORKER_RESTARTS, BACKUP_OVERDUE)
+# The labels of the hub's own backups' alert (a node's are its name and site).
+OWN_BACKUP = {"hub": "this hub"}
 # A value stored and sent is finite (a target of 1 burns without bound on one miss).
 _MOST = 1e12
 
@@ -74,8 +78,20 @@ def burn_pairs(settings: AlertsSettings) -> list[BurnPair]:
     return [BurnPair(b.long_s, b.short_s, b.factor, b.severity) for b in settings.burn]
 
 
+class BackupLike(Protocol):
+    """Of scheduled backups, what `backup_overdue` judges (`protocol.BackupReport`)."""
+
+    @property
+    def overdue_at(self) -> float: ...
+    @property
+    def last_good_at(self) -> float | None: ...
+
+
 class HeartbeatLike(Protocol):
     """The fields of a node's last heartbeat the node rules judge (`protocol.Capacity`)."""
+
+    @property
+    def backup(self) -> BackupLike | None: ...
 
     @property
     def outbox_alarm(self) -> bool: ...
@@ -245,6 +261,36 @@ def restart_alerts(
                    f"{duration(settings.restarts_window_s)}")
         )  # fmt: skip
     return fired
+
+
+def backup_alerts(now: float, nodes: Sequence[NodeLike], own: BackupLike | None) -> list[Firing]:
+    """Scheduled backups past when the run after the last good one should have ended: of
+    each node whose last heartbeat reports a schedule (by the node's own clock, as it
+    said when), and of the hub itself. A node that stopped sending heartbeats is judged on
+    its last: its backups are as unknown as the rest of it, and node_stale says so too."""
+    fired = []
+    for node in nodes:
+        report = node.capacity.backup
+        if node.revoked or report is None or now <= report.overdue_at:
+            continue
+        fired.append(
+            Firing(BACKUP_OVERDUE, {"node": node.name, "site": node.site}, "ticket",
+                   now - report.overdue_at,
+                   f"{node.name} ({node.site}): {_no_backup_since(report)}")
+        )  # fmt: skip
+    if own is not None and now > own.overdue_at:
+        fired.append(
+            Firing(BACKUP_OVERDUE, dict(OWN_BACKUP), "ticket", now - own.overdue_at,
+                   f"the hub: {_no_backup_since(own)}")
+        )  # fmt: skip
+    return fired
+
+
+def _no_backup_since(report: BackupLike) -> str:
+    if report.last_good_at is None:
+        return "no good backup yet, and its schedule's first run is over"
+    taken = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(report.last_good_at))
+    return f"no good backup since {taken}: its schedule's next run is over"
 
 
 def held(settings: AlertsSettings) -> dict[str, float]:

@@ -4,16 +4,19 @@ on a plain-HTTP listener of its own for a Prometheus beside the hub (`metrics_ap
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from hub.api.route_kinds import Auth, Route, route_defs
-from hub.appkeys import METRICS, SETTINGS, STORE
+from hub.appkeys import METRICS, SCHEDULED, SETTINGS, STORE
 from hub.observability.fleet import refresh
 
 
 async def metrics(request: web.Request) -> web.Response:
     app = request.app
-    await refresh(app[METRICS], app[STORE], app[SETTINGS])
+    own = await asyncio.to_thread(app[SCHEDULED].report)
+    await refresh(app[METRICS], app[STORE], app[SETTINGS], own_backup=own)
     body, content_type = app[METRICS].render(request.headers.get("Accept", ""))
     # The content type carries its own parameters (version, charset): set it whole.
     return web.Response(body=body, headers={"Content-Type": content_type})
@@ -37,5 +40,6 @@ def metrics_app(hub: web.Application) -> web.Application:
     app[METRICS] = hub[METRICS]
     app[SETTINGS] = hub[SETTINGS]
     app[STORE] = hub[STORE]
+    app[SCHEDULED] = hub[SCHEDULED]
     app.add_routes(route_defs([METRICS_ROUTE]))
     return app

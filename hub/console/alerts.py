@@ -4,12 +4,15 @@ the silences, which it makes and ends through the store methods the operator API
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from aiohttp import web
 from pydantic import ValidationError
 
 from hub.api.requests import SilenceRequest
+from hub.appkeys import SCHEDULED
+from hub.console.fleet import backup_cells
 from hub.console.web import FORM, SESSION, hub_store, page, render, see_other
 
 ALERTS_SHOWN = 200
@@ -22,11 +25,13 @@ async def _alerts(
     store = hub_store(request)
     alerts = await store.run(store.sync.alerts.all, None, ALERTS_SHOWN)
     silences = await store.run(store.sync.alerts.silences)
+    own = await asyncio.to_thread(request.app[SCHEDULED].report)
     return render(
         request, "alerts.html", status=status, error=error,
         firing=[a for a in alerts if a.state == "firing"],
         resolved=[a for a in alerts if a.state == "resolved"],
         silences=silences, durations=list(DURATIONS),
+        own_backup=own, own_backup_cells=backup_cells(own, time.time()),
     )  # fmt: skip
 
 

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
     from hub.settings import HubSettings
     from hub.state.nodes import Node
+    from shared.protocol import BackupReport
 
 STATUSES = ("online", "stale", "offline", "revoked")
 MAX_ROWS = 500  # a page of a large fleet; the filters narrow it
@@ -58,7 +59,17 @@ def fleet_row(node: Node, settings: HubSettings, now: float) -> dict[str, Any]:
         "outbox_lag": str(capacity.outbox_lag) if heard else "-",
         "outbox_alarm": capacity.outbox_alarm,
         "last_seen": ago(node.last_seen, now),
+        **backup_cells(capacity.backup, now),
     }
+
+
+def backup_cells(report: BackupReport | None, now: float) -> dict[str, Any]:
+    """The last good scheduled backup, as the fleet table and the alerts page show it:
+    `-` without a schedule; `overdue` when the run after it should have ended."""
+    if report is None:
+        return {"backup": "-", "backup_overdue": False}
+    last = ago(report.last_good_at, now) if report.last_good_at is not None else "none yet"
+    return {"backup": last, "backup_overdue": now > report.overdue_at}
 
 
 def fleet_table(

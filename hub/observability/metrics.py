@@ -180,6 +180,34 @@ class HubMetrics:
             ["node", "site"],
             registry=r,
         )
+        self.node_backup_last_good = Gauge(
+            "kvl_fleet_node_backup_last_good_timestamp_seconds",
+            "When each node's newest scheduled backup was taken (unix seconds; nodes "
+            "without a schedule, or with no backup yet, are not listed).",
+            ["node", "site"],
+            registry=r,
+        )
+        self.node_backup_overdue = Gauge(
+            "kvl_fleet_node_backup_overdue_timestamp_seconds",
+            "When each node's scheduled backup is overdue: the run after its last good one "
+            "should have ended (unix seconds; nodes without a schedule are not listed).",
+            ["node", "site"],
+            registry=r,
+        )
+        self.hub_backup_last_good = Gauge(
+            "kvl_hub_backup_last_good_timestamp_seconds",
+            "When the hub's newest scheduled backup was taken (unix seconds; not listed "
+            "without a schedule, or with no backup yet).",
+            ["hub"],
+            registry=r,
+        )
+        self.hub_backup_overdue = Gauge(
+            "kvl_hub_backup_overdue_timestamp_seconds",
+            "When the hub's scheduled backup is overdue (unix seconds; not listed without "
+            "a schedule).",
+            ["hub"],
+            registry=r,
+        )
         # The application's one record of its loops' failures, counted above.
         self.failures = Failures(self.background_failures)
 

@@ -118,6 +118,15 @@ class HeartbeatHealth:
     outbox_lag: int = 0
     leases_lapsed: int = 0
     lease_failures: int = 0
+    backup: BackupHealth | None = None  # protocol 9: its scheduled backups
+
+
+@dataclass(frozen=True)
+class BackupHealth:
+    """Of a node's scheduled backups (`protocol.BackupReport`), what the alert rule judges."""
+
+    overdue_at: float
+    last_good_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -154,9 +163,20 @@ def _health_of(row: Sequence[Any]) -> NodeHealth:
             # A row of an older hub (protocol 1's free-form capacity) reads as defaults.
             if type(value) is (bool if key == "outbox_alarm" else int) and value >= 0:
                 wanted[key] = value
+        wanted["backup"] = _backup_health(capacity.get("backup"))
     return NodeHealth(
         node_id, name, site, last_seen, revoked_at is not None, HeartbeatHealth(**wanted)
     )
+
+
+def _backup_health(stored: object) -> BackupHealth | None:
+    if not isinstance(stored, dict):
+        return None
+    overdue, last = stored.get("overdue_at"), stored.get("last_good_at")
+    if not isinstance(overdue, int | float) or isinstance(overdue, bool):
+        return None
+    good = float(last) if isinstance(last, int | float) and not isinstance(last, bool) else None
+    return BackupHealth(float(overdue), good)
 
 
 def node_of(row: Mapping[str, Any]) -> Node:

@@ -18,14 +18,14 @@ import subprocess
 import sys
 import tarfile
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from pyrage import x25519
 
 from appliance import backup as appliance_backup
-from appliance.app import create_app
-from appliance.gateway.backups import IDENTITY_HEADER, PASSPHRASE_HEADER, RESTART
+from appliance.app import FLEET, create_app
+from appliance.gateway.backups import IDENTITY_HEADER, PASSPHRASE_HEADER, RESTART, SCHEDULED
 from appliance.state.store import Store
 from hub.state.store import open_store
 from shared import sealing
@@ -363,3 +363,44 @@ def test_kvl_seals_a_backup_and_opens_it_to_restore_the_appliance_and_the_hub(
         assert [a["name"] for a in hub_store.accounts.all()] == ["acme"]
     finally:
         hub_store.close()
+
+
+async def test_an_admin_key_lists_and_downloads_the_backups_the_schedule_keeps(
+    aiohttp_client: AiohttpClient, tmp_path: Path, scripted_models: list[Any]
+) -> None:
+    """A hub-less node's scheduled backups stay on its disk: its admin key lists them (and
+    how the schedule goes) and downloads each by its name, nothing else; its heartbeat
+    carries the same report (protocol 9)."""
+    settings = make_settings(tmp_path / "data", backups={"schedule": "30 2 * * *", "keep": 2})
+    store = Store(settings.db_path)
+    for record in scripted_models:
+        store.add_model(record)
+    store.close()
+    admin, user = _keys(settings)
+    app = create_app(settings)
+    client = await aiohttp_client(app)
+    listed = await client.get("/v1/admin/backups", headers=_bearer(admin))
+    assert listed.status == 200
+    body = await listed.json()
+    assert body["data"] == []
+    assert body["schedule"]["schedule"] == "30 2 * * *"
+    assert body["schedule"]["last_good_at"] is None
+
+    made = await app[SCHEDULED].take()
+    listed = await client.get("/v1/admin/backups", headers=_bearer(admin))
+    (entry,) = (await listed.json())["data"]
+    assert entry["id"] == made.path.name
+    assert (entry["bytes"], entry["sealed"]) == (made.size, False)
+    got = await client.get(f"/v1/admin/backups/{entry['id']}", headers=_bearer(admin))
+    assert got.status == 200
+    assert await got.read() == made.path.read_bytes()
+    for name in ("..%2Fappliance.db", "appliance.db", "kvl-appliance-x.tar"):
+        missing = await client.get(f"/v1/admin/backups/{name}", headers=_bearer(admin))
+        assert missing.status == 404, name
+        assert (await missing.json())["error"]["code"] == "not_found"
+    assert (await client.get("/v1/admin/backups", headers=_bearer(user))).status == 403
+
+    capacity = await app[FLEET].capacity()
+    assert capacity.backup is not None
+    assert capacity.backup.last_good_at == made.created_at
+    assert capacity.backup.kept == 1

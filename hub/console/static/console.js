@@ -7,7 +7,7 @@
   if (!table || !window.EventSource) return;
   const body = document.getElementById("fleet-rows");
   const live = document.getElementById("live");
-  const columns = 8;
+  const columns = 9;
 
   function cell(text, className) {
     const td = document.createElement("td");
@@ -46,6 +46,7 @@
     tr.appendChild(cell(r.queue, "num"));
     tr.appendChild(cell(r.outbox_lag, r.outbox_alarm ? "num alarm" : "num"));
     tr.appendChild(cell(r.last_seen));
+    tr.appendChild(cell(r.backup + (r.backup_overdue ? " (overdue)" : ""), r.backup_overdue ? "alarm" : ""));
     return tr;
   }
 
