@@ -249,7 +249,9 @@ async def _receive(request: web.Request, path: Path) -> None:
 
 async def _backup_request(request: web.Request) -> BackupRequest:
     packages = _flag(request.query.get("packages", "true"))
-    if not request.body_exists:
+    # No body: the archive as it is (`curl -X POST`); a body said to be JSON is read as one,
+    # empty or not.
+    if not request.body_exists and request.content_type != "application/json":
         return BackupRequest(packages=packages)
     raw = await read_json(request)
     raw.setdefault("packages", packages)

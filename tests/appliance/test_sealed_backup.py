@@ -90,6 +90,14 @@ async def test_a_backup_sealed_to_a_recipient_opens_with_age_and_is_put_back_wit
     )
     assert bad.status == 400
     assert (await bad.json())["error"]["param"] == "recipients"
+    # A body said to be JSON is one, empty or not; no body at all is the plain archive.
+    empty = await client.post(
+        "/v1/admin/backup",
+        headers=_bearer(admin, **{"Content-Type": "application/json"}),
+        data=b"",
+    )
+    assert empty.status == 400
+    assert (await empty.json())["error"]["code"] == "invalid_json"
 
     taken = await client.post(
         "/v1/admin/backup?packages=false",
