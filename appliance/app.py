@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from collections import ChainMap
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from appliance.bundles import Bundles, Targets
 from appliance.fleet.certificates import NodeCertificate
 from appliance.fleet.identity import FleetFiles, Provisioned, lan_tls_files, provisioned
 from appliance.fleet.link import FleetLink
@@ -31,6 +33,7 @@ from appliance.gateway.appkeys import (
     STORE,
     TRACING,
 )
+from appliance.gateway.bundles import BUNDLES
 from appliance.gateway.front import DECIDE, FILES_ROUTE
 from appliance.gateway.jobs import JOBS
 from appliance.gateway.middleware import authenticate, errors_and_metrics
@@ -241,6 +244,15 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
         listener = started
         log.info("fleet listener on %s:%d (mutual TLS)", host, link.fleet_port)
 
+    updater = Updater(
+        app[STORE],
+        Rauc(settings.update.rauc, settings.update.rauc_options),
+        settings.updates_dir,
+        os_release=settings.update.os_release,
+        reboot=settings.update.reboot_command,
+        retry_s=settings.update.retry_s,
+        failures=app[METRICS].failures,
+    )
     link = FleetLink(
         settings.fleet,
         files,
@@ -255,15 +267,7 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
         objectives=admission.book,
         on_settings=lambda given: _apply_settings(app, given),
         backups=app[backups.SCHEDULED],
-        updater=Updater(
-            app[STORE],
-            Rauc(settings.update.rauc, settings.update.rauc_options),
-            settings.updates_dir,
-            os_release=settings.update.os_release,
-            reboot=settings.update.reboot_command,
-            retry_s=settings.update.retry_s,
-            failures=app[METRICS].failures,
-        ),
+        updater=updater,
     )
     link.on_certificate = on_certificate
     await link.restore_leases()
@@ -271,9 +275,25 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
     # Only a node that is, or is to be, in a fleet talks to a hub: a provisioning file of a
     # site without a hub carries a bootstrap key and no hub.
     active = app[PROVISIONED].hub or link.identity is not None
+    app[BUNDLES] = Bundles(
+        settings.data_dir / "bundles",
+        settings.update.keyring,
+        Targets(
+            app[STORE], app[REGISTRY], app[PACKAGES], updater, settings.models_dir,
+            link.apply_settings,
+        ),
+    )  # fmt: skip
+    # The settings a site bundle (or the hub, last time) gave, applied whether a hub
+    # answers or not.
+    await link.apply_settings()
     if active:
         app[OFFLOAD].link = link
         link.start()
+    else:
+        # A node without a hub: a release a bundle installed is settled as the hub's path
+        # settles one (marked good once it booted into it), in the background.
+        settle = asyncio.get_running_loop().create_task(updater.converge(None))
+        settle.add_done_callback(_settled)
     yield
     if listener is not None:
         await listener.stop()
@@ -393,6 +413,11 @@ async def _discovery(app: web.Application) -> AsyncIterator[None]:
     app[ANNOUNCER] = announcer
     yield
     await announcer.stop()
+
+
+def _settled(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("settling the image release: %s", task.exception())
 
 
 def _apply_settings(app: web.Application, given: NodeSettings) -> None:

@@ -866,6 +866,13 @@ class UpdateSettings(_Section):
         le=7 * 86_400,
         description="A release that failed or rolled back is tried again after this long.",
     )
+    keyring: Path = Field(
+        Path("/etc/rauc/keyring.pem"),
+        description=(
+            "The CA certificates (PEM) whose signers' site bundles this node takes: the "
+            "image's RAUC keyring, which checks its releases too."
+        ),
+    )
     os_release: Path = Field(
         Path("/etc/os-release"),
         description=(

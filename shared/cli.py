@@ -69,6 +69,11 @@ class LazyGroup(click.Group):
             "image",
             "The appliance image (`just image` builds it): its provisioning file.",
         ),
+        "bundle": (
+            "shared.bundle_cli",
+            "bundle",
+            "Site bundles: models, a release, packages and settings in one signed file.",
+        ),
         "demo": (
             "image.demo",
             "demo",

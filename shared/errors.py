@@ -80,6 +80,7 @@ class ErrorCode(StrEnum):
     outbox_full = "outbox_full"
     job_finished = "job_finished"
     upload_offset_mismatch = "upload_offset_mismatch"
+    upload_closed = "upload_closed"
     account_not_found = "account_not_found"
     key_not_found = "key_not_found"
     account_exists = "account_exists"
@@ -286,8 +287,14 @@ _KINDS: dict[ErrorCode, _Kind] = {
     ErrorCode.upload_offset_mismatch: _Kind(
         409,
         "conflict_error",
-        "hub: a piece of an upload sent at an offset that is not where the upload stands "
+        "a piece of an upload sent at an offset that is not where the upload stands "
         "(`Upload-Offset` in the answer says where)",
+    ),
+    ErrorCode.upload_closed: _Kind(
+        409,
+        "conflict_error",
+        "a piece of an upload that takes no more (being checked or applied, applied, "
+        "failed), a cancel of one being applied, or an upload begun while too many are open",
     ),
     ErrorCode.account_not_found: _Kind(404, "not_found_error", "no account by that name"),
     ErrorCode.key_not_found: _Kind(404, "not_found_error", "no API key with that prefix"),

@@ -180,8 +180,10 @@ class Updater:
         )
         return record
 
-    async def converge(self, client: HubClient) -> None:
-        """One step toward the release the hub gives, after a heartbeat went through."""
+    async def converge(self, client: HubClient | None) -> None:
+        """One step toward the release the hub gives, after a heartbeat went through; or,
+        without a client, toward the one a site bundle gave (its file is here already:
+        `take_local`), as a node without a hub starts, and once the bundle is imported."""
         target = await self._target()
         if not self._rauc.available():
             self.image = None
@@ -240,7 +242,18 @@ class Updater:
             return self._clock() - record.at >= self._retry_s
         return True
 
-    async def _update(self, client: HubClient, target: protocol.ReleaseTarget) -> None:
+    async def take_local(self, target: protocol.ReleaseTarget, bundle: Path) -> None:
+        """A release a site bundle brought (its file checked against `target` already): kept
+        where a fetched one is, made the release to run, and installed as one from the hub
+        is (the same boot-counting rollback)."""
+        await asyncio.to_thread(_drop_others, self._dir, target.sha256)
+        await asyncio.to_thread(bundle.replace, self._dir / f"{target.sha256}.raucb")
+        await self._store.run(
+            self._store.sync.set_meta, "desired_release", target.model_dump_json()
+        )
+        await self.converge(None)
+
+    async def _update(self, client: HubClient | None, target: protocol.ReleaseTarget) -> None:
         base = Record(target.version, target.sha256, "downloading")
         await self._save(base)
         await asyncio.to_thread(_drop_others, self._dir, target.sha256)
@@ -249,7 +262,7 @@ class Updater:
         try:
             if not await asyncio.to_thread(bundle.exists):
                 log.info("fetching release %s (%d MiB)", target.version, target.size_bytes >> 20)
-                await fetch_checked(client, target.sha256, target.size_bytes, partial)
+                await _fetch(client, target, partial)
                 await asyncio.to_thread(partial.replace, bundle)
             await self._save(replace(base, state="installing"))
             log.info("installing release %s", target.version)
@@ -273,6 +286,12 @@ class Updater:
             log.warning("rebooting into release %s", target.version)
             process = await asyncio.create_subprocess_exec(*self._reboot)
             await process.wait()
+
+
+async def _fetch(client: HubClient | None, target: protocol.ReleaseTarget, partial: Path) -> None:
+    if client is None:  # a bundle's release whose file is gone: nothing to fetch it from
+        raise DownloadError(f"the file of release {target.version} is not here")
+    await fetch_checked(client, target.sha256, target.size_bytes, partial)
 
 
 def _in_window(window: protocol.UpdateWindow | None, now: float) -> bool:

@@ -155,6 +155,7 @@ def blob_name(sha256: str) -> str | None:
 
 
 RESTORE_ROUTE = "/v1/admin/restore"  # appliance/gateway/backups.py
+BUNDLES_ROUTE = "/v1/admin/bundles"  # appliance/gateway/bundles.py
 # How a request is passed to the app (`location /`, and the files' fallback).
 _PROXIED = (
     "            proxy_http_version 1.1;\n"
@@ -439,6 +440,12 @@ class Front:
             # A backup put back may be gigabytes (its package cache): the app bounds it by
             # the disk it has, streamed.
             f"        location = {RESTORE_ROUTE} {{\n"
+            "            client_max_body_size 0;\n"
+            "            proxy_pass http://appliance;\n"
+            f"{_PROXIED}"
+            "        }\n"
+            # So may a site bundle's pieces (the app bounds an upload by its size).
+            f"        location ^~ {BUNDLES_ROUTE}/ {{\n"
             "            client_max_body_size 0;\n"
             "            proxy_pass http://appliance;\n"
             f"{_PROXIED}"

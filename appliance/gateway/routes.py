@@ -8,6 +8,7 @@ from appliance.gateway import (
     accounts,
     admin,
     backups,
+    bundles,
     fleet,
     handlers,
     jobs,
@@ -16,7 +17,7 @@ from appliance.gateway import (
     speech,
     websocket,
 )
-from appliance.gateway.front import FILES_ROUTE, RESTORE_ROUTE
+from appliance.gateway.front import BUNDLES_ROUTE, FILES_ROUTE, RESTORE_ROUTE
 from appliance.gateway.jobs import JobRequest
 from appliance.gateway.openapi import Route, build_openapi
 from appliance.gateway.schemas import AccountRequest, AdminModelRequest, KeyRequest
@@ -46,6 +47,13 @@ _GENERATE = (
 _ADMIN = (*_AUTH, ErrorCode.permission_denied)
 # Writes of accounts and keys: a node of a fleet takes them from its hub alone.
 _LOCAL = (*_ADMIN, ErrorCode.hub_managed)
+# A piece of an upload (a site bundle's).
+_UPLOAD = (
+    ErrorCode.not_found,
+    ErrorCode.invalid_value,
+    ErrorCode.upload_offset_mismatch,
+    ErrorCode.upload_closed,
+)
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -394,6 +402,45 @@ ROUTES: tuple[Route, ...] = (
         "Admin: download one kept backup, by the `id` the list gives.",
         auth=True,
         errors=(*_ADMIN, ErrorCode.not_found),
+    ),
+    Route(
+        "POST",
+        BUNDLES_ROUTE,
+        bundles.create_upload,
+        "Admin: begin uploading a site bundle (its `size`): models, a release, packages and "
+        "settings in one signed file, applied once whole and checked against the node's "
+        "keyring; send it with PATCH, in pieces.",
+        auth=True,
+        body=bundles.BundleUploadRequest,
+        errors=(*_ADMIN, ErrorCode.request_too_large, ErrorCode.upload_closed),
+        status=201,
+    ),
+    Route(
+        "GET",
+        f"{BUNDLES_ROUTE}/{{id}}",
+        bundles.get_upload,
+        "Admin: where a bundle upload stands (`offset`), its state (open, checking, "
+        "applying, applied, failed), what it applied, or which part failed and why.",
+        auth=True,
+        errors=(*_ADMIN, ErrorCode.not_found),
+    ),
+    Route(
+        "PATCH",
+        f"{BUNDLES_ROUTE}/{{id}}",
+        bundles.append,
+        "Admin: the next piece of a bundle upload at its `Upload-Offset`; the last one "
+        "checks the bundle whole and applies it.",
+        auth=True,
+        errors=(*_ADMIN, *_UPLOAD),
+    ),
+    Route(
+        "DELETE",
+        f"{BUNDLES_ROUTE}/{{id}}",
+        bundles.cancel,
+        "Admin: cancel a bundle upload (or forget one that ended).",
+        auth=True,
+        errors=(*_ADMIN, ErrorCode.not_found, ErrorCode.upload_closed),
+        status=204,
     ),
     Route(
         "POST",
