@@ -864,7 +864,10 @@ class UpdateSettings(_Section):
         600.0,
         ge=1.0,
         le=7 * 86_400,
-        description="A release that failed or rolled back is tried again after this long.",
+        description=(
+            "A release whose download or install failed is tried again after this long; "
+            "one that booted and rolled back is not (roll out a fixed release)."
+        ),
     )
     keyring: Path = Field(
         Path("/etc/rauc/keyring.pem"),

@@ -232,13 +232,17 @@ class Updater:
         await self._save(Record(target.version, target.sha256, "good", boot_id=self._boot()))
 
     def _due(self, target: protocol.ReleaseTarget, record: Record | None) -> bool:
-        """Whether to fetch and install now: not while a reboot is awaited, and a failed
-        or rolled-back one only after `retry_s`."""
+        """Whether to fetch and install now: not while a reboot is awaited, nor a release
+        that rolled back; a failed one only after `retry_s`."""
         if record is None or record.sha256 != target.sha256:
             return True
         if record.state == "installed-pending-reboot":
             return False
-        if record.state in {"failed", "rolled-back"}:
+        if record.state == "rolled-back":
+            # It booted and failed its health check: another try would reboot the site
+            # into it again, every `retry_s`. A fixed release is a new one.
+            return False
+        if record.state == "failed":  # a download or an install: worth another try
             return self._clock() - record.at >= self._retry_s
         return True
 

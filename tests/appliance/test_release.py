@@ -381,6 +381,11 @@ async def test_a_damaged_bundle_fails_and_a_slot_that_never_booted_is_a_rollback
         assert updater.image is not None
         assert (_image(updater).version, _image(updater).state) == ("1.0", "rolled-back")
         assert "booted the previous image (1.0)" in (_image(updater).error or "")
+        # Never tried again by itself: it would reboot the site into it every `retry_s`.
+        current["now"] = 1100.0 + 100 * 60.0
+        await updater.converge(given.client)
+        assert _image(updater).state == "rolled-back"
+        assert not list(updates.glob("*.raucb*"))
 
 
 async def test_the_reboot_after_an_install_stops_rauc_and_the_updater_takes_it_calmly(
