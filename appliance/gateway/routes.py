@@ -384,7 +384,7 @@ ROUTES: tuple[Route, ...] = (
         "the body names recipients or a passphrase; `kvl appliance restore` puts it back.",
         auth=True,
         body=backups.BackupRequest,
-        errors=(*_ADMIN, ErrorCode.invalid_value, ErrorCode.internal_error),
+        errors=(*_ADMIN, *_BODY, ErrorCode.internal_error),
     ),
     Route(
         "GET",
@@ -412,7 +412,7 @@ ROUTES: tuple[Route, ...] = (
         "keyring; send it with PATCH, in pieces.",
         auth=True,
         body=bundles.BundleUploadRequest,
-        errors=(*_ADMIN, ErrorCode.request_too_large, ErrorCode.upload_closed),
+        errors=(*_ADMIN, *_BODY, ErrorCode.request_too_large, ErrorCode.upload_closed),
         status=201,
     ),
     Route(

@@ -435,8 +435,8 @@ def adjust_valid_body(body: dict[str, Any], adjust: str, model: str, path: str) 
     if path.startswith("/v1/admin/packages/"):
         body.pop("version", None)  # the cached version
         return
-    if path in {"/v1/admin/accounts", "/v1/admin/keys"}:
-        # Neither names a model. Any account name the schema allows can be made (or is
+    if path in {"/v1/admin/accounts", "/v1/admin/keys", "/v1/admin/bundles"}:
+        # None names a model. Any account name the schema allows can be made (or is
         # taken: 409); a key is of an account that exists, as a generated name only ever
         # reaches account_not_found.
         if path == "/v1/admin/keys" and adjust != "as generated":

@@ -25,10 +25,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from wireguard_tools import WireguardKey
 
+from appliance.app import create_app
 from appliance.cli import _update_summary
 from appliance.fleet.client import HubClient
 from appliance.fleet.release import Updater, image_version
-from appliance.state.store import AsyncStore
+from appliance.state.store import AsyncStore, Store
 from appliance.update.installer import Rauc, parse_status
 from hub.app import create_app as create_hub
 from hub.identity import certificates, ssl_context
@@ -36,8 +37,11 @@ from hub.planning.rollout import Strategy
 from hub.rollouts import begin
 from hub.settings import HubSettings
 from hub.state.store import open_store
-from shared import pki, protocol
+from image.bundle import development_signing
+from shared import pki, protocol, site_bundle
 from shared.supervise import Failures
+from tests.bundles import upload_bundle
+from tests.conftest import make_settings
 from tests.hubs import settings_for
 from tests.releases import speak_releases
 from tests.waiting import until, until_sync
@@ -46,7 +50,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
     from pathlib import Path
 
-    from pytest_aiohttp import AiohttpServer
+    from pytest_aiohttp import AiohttpClient, AiohttpServer
 
 
 class Given:
@@ -412,3 +416,48 @@ async def test_the_reboot_after_an_install_stops_rauc_and_the_updater_takes_it_c
         assert failures.count("fleet.release") == 0, failures.report()
         assert _image(updater).state == "installed-pending-reboot"
         assert (tmp_path / "rauc" / "slot-b.img").read_bytes().startswith(b"rootfs 1.1")
+
+
+async def test_a_release_from_a_site_bundle_is_installed_as_one_from_the_hub(
+    aiohttp_client: AiohttpClient, tmp_path: Path, rauc: RaucHost, scripted_models: list[Any]
+) -> None:
+    """A node without a hub takes a release from a site bundle (tests/appliance/
+    test_site_bundle.py has the rest of its parts): kept where a fetched one is, installed
+    into the other slot by RAUC, reported pending its reboot."""
+    host = rauc
+    release = tmp_path / "release.raucb"
+    release.write_bytes(host.bundle("1.1"))
+    signing = development_signing(tmp_path / "signing")
+    site = tmp_path / "site.kvlbundle"
+    site_bundle.create(
+        site, [site_bundle.Source("release", release, version="1.1")],
+        certificate=signing.cert.read_bytes(), key=signing.key.read_bytes(),
+    )  # fmt: skip
+    (tmp_path / "os-release").write_text("IMAGE_VERSION=1.0\n")
+    settings = make_settings(
+        tmp_path / "data",
+        update={
+            "keyring": str(signing.keyring), "rauc_options": [f"--conf={host.conf}"],
+            "reboot_command": [], "os_release": str(tmp_path / "os-release"),
+        },
+    )  # fmt: skip
+    store = Store(settings.db_path)
+    for record in scripted_models:
+        store.add_model(record)
+    admin = store.create_key("ops", admin=True).plaintext
+    store.close()
+    client = await aiohttp_client(create_app(settings))
+    done = await upload_bundle(client, admin, site.read_bytes())
+    assert (done["state"], done["applied"]) == ("applied", {"release": ["1.1"]}), done
+
+    def installed() -> bool:
+        check = Store(settings.db_path)
+        try:
+            raw = check.meta("image_update")
+        finally:
+            check.close()
+        return raw is not None and json.loads(raw)["state"] == "installed-pending-reboot"
+
+    await until(installed, "the release to be installed", 60)
+    assert (tmp_path / "rauc" / "slot-b.img").read_bytes().startswith(b"rootfs 1.1")
+    assert not list(settings.updates_dir.glob("*.raucb"))  # installed, then removed

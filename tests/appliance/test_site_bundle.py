@@ -28,6 +28,7 @@ from appliance.packages.cache import PackageCache
 from appliance.state.store import Store
 from image.bundle import Signing, development_signing
 from shared import site_bundle
+from tests.bundles import upload_bundle
 from tests.conftest import REAL_MODELS, kvl, make_settings
 from tests.packages import package
 
@@ -38,9 +39,6 @@ if TYPE_CHECKING:
 
     from appliance.settings import ApplianceSettings
     from appliance.state.records import ModelRecord
-    from tests.conftest import Client
-
-PIECE = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -180,38 +178,6 @@ def test_a_bundle_is_refused_for_anything_wrong_with_it_and_writes_nothing_else(
         _make(tmp_path / "x.kvlbundle", signing, [site_bundle.Source("settings", bad_settings)])
 
 
-async def _upload(client: Client, admin: str, bundle: bytes, cut_at: int | None = None) -> Any:
-    """The bundle uploaded in pieces (cut off once at `cut_at`, then resumed from where the
-    node says it stands); the upload as the last piece left it."""
-    headers = {"Authorization": f"Bearer {admin}"}
-    created = await client.post("/v1/admin/bundles", headers=headers, json={"size": len(bundle)})
-    assert created.status == 201, await created.text()
-    upload_id = (await created.json())["id"]
-    offset = 0
-    while True:
-        end = min(len(bundle), offset + PIECE)
-        if cut_at is not None and offset < cut_at < end:
-            end, cut_at = cut_at, None
-            wrong = await client.patch(
-                f"/v1/admin/bundles/{upload_id}",
-                headers={**headers, "Upload-Offset": str(offset + 1)},
-                data=bundle[offset:end],
-            )
-            assert wrong.status == 409
-            assert (await wrong.json())["error"]["code"] == "upload_offset_mismatch"
-        answer = await client.patch(
-            f"/v1/admin/bundles/{upload_id}",
-            headers={**headers, "Upload-Offset": str(offset)},
-            data=bundle[offset:end],
-        )
-        assert answer.status == 200, await answer.text()
-        body = await answer.json()
-        if body["state"] != "open":
-            return body
-        stands = await client.get(f"/v1/admin/bundles/{upload_id}", headers=headers)
-        offset = (await stands.json())["offset"]
-
-
 def _admin(settings: ApplianceSettings) -> str:
     store = Store(settings.db_path)
     try:
@@ -258,14 +224,14 @@ async def test_a_node_without_a_hub_takes_a_model_a_package_and_settings_from_a_
     # A tampered copy first: refused, naming the part; nothing registered.
     tampered = bytearray(data)
     tampered[len(data) // 2] ^= 1
-    refused = await _upload(client, admin, bytes(tampered))
+    refused = await upload_bundle(client, admin, bytes(tampered))
     assert refused["state"] == "failed"
     assert refused["part"].startswith("models/")
     assert "sha256" in refused["error"]
     models = await (await client.get("/v1/models", headers=headers)).json()
     assert "site-gemma@1" not in json.dumps(models)
 
-    done = await _upload(client, admin, data, cut_at=len(data) // 3)
+    done = await upload_bundle(client, admin, data, cut_at=len(data) // 3)
     assert done["state"] == "applied", done
     assert done["applied"] == {
         "package": [package_ref], "model": ["site-gemma@1"], "settings": ["settings.json"],
