@@ -283,6 +283,7 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
             link.apply_settings,
         ),
     )  # fmt: skip
+    await app[BUNDLES].resume()
     # The settings a site bundle (or the hub, last time) gave, applied whether a hub
     # answers or not.
     await link.apply_settings()
@@ -295,6 +296,7 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
         settle = asyncio.get_running_loop().create_task(updater.converge(None))
         settle.add_done_callback(_settled)
     yield
+    await app[BUNDLES].close()
     if listener is not None:
         await listener.stop()
     if active:

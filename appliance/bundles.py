@@ -82,6 +82,7 @@ class Bundles:
         self.targets = targets
         self._lock = asyncio.Lock()  # one piece appended, or one bundle applied, at a time
         self._installing: asyncio.Task[None] | None = None  # a bundle's release
+        self._importing: asyncio.Task[Upload] | None = None  # a whole upload, checked
 
     # -- the uploads ------------------------------------------------------------------
 
@@ -145,7 +146,28 @@ class Bundles:
                     await asyncio.to_thread(f.write, chunk)
             if at < upload.size:
                 return upload
-            return await self._import(upload)
+            # Whole: checked and applied in the background (minutes for a large model on a
+            # small node: longer than a proxy waits for an answer); GET says how it went.
+            upload = replace(upload, state="checking")
+            await asyncio.to_thread(self._save, upload)
+            self._importing = asyncio.get_running_loop().create_task(self._import(upload))
+            return upload
+
+    async def resume(self) -> None:
+        """After a restart: a whole upload that was being checked is checked again; one that
+        was being applied is failed, saying so (its parts may be in part applied)."""
+        for upload in await asyncio.to_thread(self._all):
+            if upload.state == "checking" and self._part(upload.id).is_file():
+                self._importing = asyncio.get_running_loop().create_task(self._import(upload))
+            elif upload.state in {"checking", "applying"}:
+                await self._failed(upload, "the node stopped while it was applied", None)
+
+    async def close(self) -> None:
+        """The import under way, if any, cancelled (the appliance stops)."""
+        for task in (self._importing, self._installing):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def cancel(self, upload_id: str) -> None:
         async with self._lock:
@@ -177,8 +199,14 @@ class Bundles:
     # -- checked, then applied --------------------------------------------------------------
 
     async def _import(self, upload: Upload) -> Upload:
-        upload = replace(upload, state="checking")
-        await asyncio.to_thread(self._save, upload)
+        async with self._lock:
+            try:
+                return await self._check_and_apply(upload)
+            except Exception as err:  # a bug: the upload says so, and the node goes on
+                log.exception("site bundle %s", upload.id)
+                return await self._failed(upload, f"the node failed to apply it: {err!r}", None)
+
+    async def _check_and_apply(self, upload: Upload) -> Upload:
         with tempfile.TemporaryDirectory(prefix=".staging-", dir=self.folder) as staging:
             try:
                 keyring = await asyncio.to_thread(self.keyring.read_bytes)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tests.waiting import until
+
 if TYPE_CHECKING:
     from tests.conftest import Client
 
@@ -39,6 +41,17 @@ async def upload_bundle(
         assert answer.status == 200, await answer.text()
         body = await answer.json()
         if body["state"] != "open":
-            return body
+            return await _outcome(client, headers, upload_id)
         stands = await client.get(f"/v1/admin/bundles/{upload_id}", headers=headers)
         offset = (await stands.json())["offset"]
+
+
+async def _outcome(client: Client, headers: dict[str, str], upload_id: str) -> Any:
+    """The upload once it was checked and applied, or failed (in the background)."""
+
+    async def ended() -> Any:
+        answer = await client.get(f"/v1/admin/bundles/{upload_id}", headers=headers)
+        body = await answer.json()
+        return body if body["state"] in {"applied", "failed"} else None
+
+    return await until(ended, "the bundle checked and applied", 120)

@@ -5,8 +5,8 @@ models, release, packages and settings from a signed file an admin uploads in pi
   at once when twice its size would not fit on the data disk;
 - `PATCH /v1/admin/bundles/{id}` with `Upload-Offset: N` and the next bytes as the body:
   appended where the upload stands (409 `upload_offset_mismatch` anywhere else, its
-  message saying where), never past its size; the last piece checks the bundle whole and
-  applies it, and the answer says how that went;
+  message saying where), never past its size; the last piece makes it whole, and the node
+  checks and applies it in the background (`checking`);
 - `GET /v1/admin/bundles/{id}`: where it stands (`offset`), its state, what was applied or
   which part failed;
 - `DELETE /v1/admin/bundles/{id}` cancels it (or forgets one that ended).
