@@ -4,25 +4,36 @@ that it boots on another worker while `test_image.py`'s four boots run."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+from openai import OpenAI
 
+from appliance.packages.cache import PackageCache
 from tests.image.vm import GROW, Machine, copy_image, kvl
+from tests.packages import package
+
+if TYPE_CHECKING:
+    from appliance.state.records import ModelRecord
 
 pytestmark = pytest.mark.image
 
 
 @pytest.mark.timeout(3600)
-def test_a_hubless_image_takes_a_key_made_over_the_lan(
-    manifest: dict[str, Any], tmp_path: Path
+def test_a_hubless_image_takes_a_key_made_over_the_lan_and_a_site_bundle(
+    manifest: dict[str, Any], tmp_path: Path, default_model: ModelRecord
 ) -> None:
     """A site without a hub: `kvl image configure --no-hub` writes a bootstrap admin key's
     hash into a copy; booted, the node serves its LAN alone, and that key makes an account
-    and a key over the LAN, which the node then serves."""
+    and a key over the LAN, which the node then serves. Then it takes a site bundle
+    (`kvl bundle create`, signed as `just image` signs releases) through its admin API: a
+    tampered copy is refused with nothing changed; the bundle's model answers through the
+    official client, by its name and by the alias its settings give, and its package is
+    cached."""
     disk = copy_image(Path(manifest["image"]), tmp_path / "disk.img", GROW)
     admin = kvl("image", "configure", str(disk), "--no-hub", "--name", "lab-server").strip()
     with Machine(disk, tmp_path / "vm") as machine:
@@ -38,7 +49,78 @@ def test_a_hubless_image_takes_a_key_made_over_the_lan(
             lan_call(base, "/v1/admin/keys", key, {"account": "class-7b"})
         assert refused.value.code == 403
         refused.value.close()  # the error holds the answer's connection
+
+        bundle = site_bundle_of(tmp_path, default_model)
+        data = bundle.read_bytes()
+        tampered = bytearray(data)
+        tampered[len(data) // 2] ^= 1
+        failed = upload_bundle(base, admin, bytes(tampered))
+        assert failed["state"] == "failed", failed
+        assert failed["part"].startswith("models/"), failed
+        served = json.dumps(lan_call(base, "/v1/models", key))
+        assert "site-gemma" not in served
+
+        applied = upload_bundle(base, admin, data)
+        assert applied["state"] == "applied", applied
+        assert applied["applied"]["model"] == ["site-gemma@1"], applied
+        client = OpenAI(base_url=f"{base}/v1", api_key=key, timeout=900, max_retries=0)
+        for name in ("site-gemma@1", "site-chat"):
+            answer = client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4
+            )
+            assert answer.choices[0].message.content is not None, answer
+        packages = lan_call(base, "/v1/packages", key)
+        assert [p["id"] for p in packages["data"]] == [PACKAGE_ID], packages
         machine.power_off()
+
+
+PACKAGE_ID = f"pkg_{7:024x}"
+PIECE = 16 << 20
+
+
+def site_bundle_of(tmp_path: Path, model: ModelRecord) -> Path:
+    """A site bundle of the default model under another name, a content package and a
+    settings overlay (an alias), signed by the image build's release signer."""
+    from image.build import DEFAULT_BUILD_DIR, Paths  # noqa: PLC0415
+    from image.bundle import development_signing  # noqa: PLC0415
+
+    signing = development_signing(Paths(DEFAULT_BUILD_DIR).signing)
+    cache = PackageCache(tmp_path / "package-cache", max_bytes=10**9)
+    manifest, files = package(7)
+    cache.put(manifest, files, "key-7")
+    archive = tmp_path / "lesson.tar"
+    archive.write_bytes(cache.bundle(manifest.id))
+    overlay = tmp_path / "site.json"
+    overlay.write_text(json.dumps({"aliases": {"site-chat": "site-gemma@1"}}))
+    out = tmp_path / "site.kvlbundle"
+    kvl(
+        "bundle", "create", str(out), "--model", f"site-gemma@1={model.path}",
+        "--package", str(archive), "--settings", str(overlay),
+        "--signing-cert", str(signing.cert), "--signing-key", str(signing.key),
+    )  # fmt: skip
+    return out
+
+
+def upload_bundle(base: str, admin: str, data: bytes) -> Any:
+    """A bundle sent in pieces, then its upload once the node checked and applied it."""
+    made = lan_call(base, "/v1/admin/bundles", admin, {"size": len(data)})
+    path = f"/v1/admin/bundles/{made['id']}"
+    for offset in range(0, len(data), PIECE):
+        request = urllib.request.Request(
+            base + path, data=data[offset : offset + PIECE], method="PATCH"
+        )
+        request.add_header("Authorization", f"Bearer {admin}")
+        request.add_header("Upload-Offset", str(offset))
+        request.add_header("Content-Type", "application/octet-stream")
+        with urllib.request.urlopen(request, timeout=600) as answer:
+            assert answer.status == 200
+    deadline = time.monotonic() + 1200
+    while time.monotonic() < deadline:
+        upload = lan_call(base, path, admin)
+        if upload["state"] in {"applied", "failed"}:
+            return upload
+        time.sleep(2)
+    raise AssertionError(f"the bundle was not applied within 1200 s: {upload}")
 
 
 def lan_call(base: str, path: str, key: str, body: dict[str, Any] | None = None) -> Any:
