@@ -59,7 +59,8 @@ older node only the settings it takes, and expects its digest of those.
 Version 9 adds the node's scheduled backups to `Capacity` (`backup`: its schedule, the last
 good backup, the last failure, and when the next one is overdue); the hub's console shows
 them and its `backup_overdue` alert reads them. An older node never sends it: the hub reads
-no schedule.
+no schedule. It adds the site's update window to `DesiredState` (`window`): model files
+wait for it as releases do; an older node is not given it, and fetches them at once.
 """
 
 from __future__ import annotations
@@ -678,8 +679,9 @@ class SeededPackage(Message):
 
 
 class UpdateWindow(Message):
-    """When a site lets its nodes fetch and install an image: minutes of the day, UTC,
-    from `start_min` up to `end_min` (a window past midnight has `end_min < start_min`)."""
+    """When a site lets its nodes fetch large files (an image, from protocol 9 model files
+    too) and install an image: minutes of the day, UTC, from `start_min` up to `end_min` (a
+    window past midnight has `end_min < start_min`)."""
 
     start_min: int = Field(ge=0, le=1439)
     end_min: int = Field(ge=0, le=1440)
@@ -755,6 +757,9 @@ class DesiredState(Message):
     packages: list[SeededPackage] = Field(default_factory=list)
     release: ReleaseTarget | None = None  # protocol 6
     settings: NodeSettings = Field(default_factory=NodeSettings)  # protocol 7
+    # The site's update window for every file fetched (protocol 9): model files wait for it
+    # as releases do (None: any time).
+    window: UpdateWindow | None = None
 
 
 # -- node logs (the hub reads them on the node's fleet listener) ---------------------------
@@ -824,7 +829,7 @@ ADDED_IN: dict[type[Message], dict[str, int]] = {
         "settings_digest": 7,
         "backup": 9,
     },
-    DesiredState: {"release": 6, "settings": 7},
+    DesiredState: {"release": 6, "settings": 7, "window": 9},
     PlacedModel: {"preset": 7},
     NodeSettings: {"packages": 8},
     ClassTargets: {"first_token_per_token_s": 8, "complete_per_token_s": 8},

@@ -19,6 +19,8 @@ import contextlib
 import hashlib
 import json
 import logging
+import time
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -41,6 +43,7 @@ from shared import protocol
 from shared.supervise import Failures
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
     from appliance.fleet.client import HubClient
@@ -52,6 +55,10 @@ log = logging.getLogger(__name__)
 
 MAX_BUNDLE = 1 << 30  # bytes: a package archive is held in memory while it is checked
 REFUSALS = (UnknownModelError, ModelNotReadyError, InsufficientMemoryError, ModelPinnedError)
+
+
+def _hhmm(minute: int) -> str:
+    return f"{minute // 60:02d}:{minute % 60:02d}"
 
 
 class PlacementError(Exception):
@@ -68,8 +75,10 @@ class Converger:
         *,
         failures: Failures | None = None,
         evaluate: bool = True,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._evaluate = evaluate
+        self._clock = clock
         # ref → the evaluation of the model placed here under its current preset (heartbeats
         # carry them); kept in the store, so a restart does not evaluate again.
         self.evaluations: dict[str, protocol.Evaluation] = {}
@@ -245,6 +254,8 @@ class Converger:
                 )
             return
         same = await store.run(store.sync.model_by_sha256, sha256)
+        if same is None:
+            await self._within_window()
         path = same.path if same is not None else str(await self._fetch(client, model))
         await store.run(
             store.sync.add_model,
@@ -260,6 +271,20 @@ class Converger:
                 added_at=now_iso(),
             ),
         )
+
+    async def _within_window(self) -> None:
+        """A model file is fetched within the site's update window (as a release is): a
+        site's link carries it when the site lets it (a school's nights, say)."""
+        raw = await self._store.run(self._store.sync.meta, "desired_window")
+        if not raw or raw == "null":
+            return
+        window = protocol.UpdateWindow.model_validate_json(raw)
+        at = datetime.fromtimestamp(self._clock(), UTC)
+        if not window.holds(at.hour * 60 + at.minute):
+            raise PlacementError(
+                f"waiting for the site's update window ({_hhmm(window.start_min)} to "
+                f"{_hhmm(window.end_min)} UTC) to fetch the model file"
+            )
 
     async def _fetch(self, client: HubClient, model: dict[str, Any]) -> Path:
         sha256, size = str(model["sha256"]), int(model["size_bytes"])

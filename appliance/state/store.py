@@ -491,13 +491,16 @@ class Store:
                     [f"desired_{part}", json.dumps([i.model_dump(mode="json") for i in items])],
                 )
             # The image release the hub gives this node (null: none); the updater
-            # (appliance/fleet/release.py) converges on it.
-            release = None if state.release is None else state.release.model_dump(mode="json")
-            self.db.execute(
-                "INSERT INTO meta (key, value) VALUES ('desired_release', ?)"
-                " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                [json.dumps(release)],
-            )
+            # (appliance/fleet/release.py) converges on it. The site's update window
+            # (null: any time), which model files wait for (appliance/fleet/placement.py).
+            targets = {"desired_release": state.release, "desired_window": state.window}
+            for meta_key, target in targets.items():
+                value = None if target is None else target.model_dump(mode="json")
+                self.db.execute(
+                    "INSERT INTO meta (key, value) VALUES (?, ?)"
+                    " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                    [meta_key, json.dumps(value)],
+                )
             # What the hub sets of this node's settings (protocol 7); the fleet link applies
             # them (appliance/inference/names.py), now and at every start.
             self.db.execute(

@@ -109,6 +109,8 @@ class DesiredStates:
                 # What the hub sets of the node's settings (protocol 7), with the changes
                 # the settings rollouts that reached it have given it so far.
                 settings=self._configuration.desired(node),
+                # The site's update window (protocol 9): model files wait for it too.
+                window=self._rollouts.window_of(node.site),
             )
 
 

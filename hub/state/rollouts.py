@@ -140,6 +140,13 @@ class Rollouts:
         rows = self._db.execute("SELECT site, start_min, end_min FROM update_windows").fetchall()
         return {r[0]: protocol.UpdateWindow(start_min=r[1], end_min=r[2]) for r in rows}
 
+    def window_of(self, site: str) -> protocol.UpdateWindow | None:
+        """A site's update window (None: any time)."""
+        row = self._db.execute(
+            "SELECT start_min, end_min FROM update_windows WHERE site = ?", [site]
+        ).fetchone()
+        return None if row is None else protocol.UpdateWindow(start_min=row[0], end_min=row[1])
+
     def release_target(self, node: Node) -> protocol.ReleaseTarget | None:
         """The release ``node`` should run, for its desired state."""
         row = self._db.execute(

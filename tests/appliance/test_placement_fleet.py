@@ -8,6 +8,7 @@ when the file is not the one placed."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hashlib
 import json
 from typing import TYPE_CHECKING, Any
@@ -240,8 +241,11 @@ async def test_a_placed_artifact_is_fetched_resumed_and_checked(
     # The node's heartbeat makes it placeable (memory from its model budget).
     await client.heartbeat({}, protocol.Capacity(model_memory_mib=10_000))
     await until(lambda: bool(_placed(hub)), "the placement", timeout_s=60)
+    # The site's update window reaches its nodes with the desired state (protocol 9).
+    kvl("hub", "releases", "window", "s", "--from", "02:00", "--to", "05:00", "--data-dir", data)
     state = await client.state(-1)
     assert state is not None
+    assert state.window == protocol.UpdateWindow(start_min=120, end_min=300)
     [placed] = state.models
     sha256 = hashlib.sha256(blob).hexdigest()
     assert (placed.name, placed.sha256) == ("tiny", sha256)
@@ -249,13 +253,22 @@ async def test_a_placed_artifact_is_fetched_resumed_and_checked(
     local = AsyncStore(tmp_path / "node" / "appliance.db")
     await local.open()
     models = tmp_path / "node" / "models"
+    noon = datetime.datetime(2026, 12, 7, 12, 0, tzinfo=datetime.UTC).timestamp()
     try:
         await local.run(local.sync.apply_desired_state, state)
-        converger = Converger(local, _NoLoads(), models)  # type: ignore[arg-type]
         # A download cut after its first megabyte resumes from there (HTTP Range).
         models.mkdir(parents=True)
         partial = models / f"tiny-1-{sha256[:12]}.gguf.part"
         partial.write_bytes(blob[: 2**20])
+        # Outside the window the model file waits, saying why; nothing is fetched.
+        waiting = Converger(local, _NoLoads(), models, clock=lambda: noon)  # type: ignore[arg-type]
+        await waiting.converge(client)
+        assert "update window (02:00 to 05:00 UTC)" in waiting.errors["tiny@1"]
+        assert partial.read_bytes() == blob[: 2**20]
+        assert await local.run(local.sync.get_model, "tiny", "1") is None
+        # Within it (03:00 UTC), fetched.
+        at_three = noon - 9 * 3600
+        converger = Converger(local, _NoLoads(), models, clock=lambda: at_three)  # type: ignore[arg-type]
         await converger.converge(client)
         record = await local.run(local.sync.get_model, "tiny", "1")
         assert record is not None
