@@ -20,6 +20,7 @@ from hub.api.operator import operator_auth
 from hub.api.route_kinds import route_defs
 from hub.api.route_table import ROUTES
 from hub.appkeys import (
+    BANDWIDTH,
     BEATS,
     FORWARDER,
     IDENTITY,
@@ -37,6 +38,7 @@ from hub.appkeys import (
 )
 from hub.certificates import HubTls
 from hub.console.app import setup_console
+from hub.fleet.bandwidth import SiteBandwidth
 from hub.fleet.heartbeats import Heartbeats, flushing
 from hub.fleet.learning import Learning
 from hub.fleet.peers import tunnel_up
@@ -78,6 +80,7 @@ def create_app(settings: HubSettings) -> web.Application:
     app[IDENTITY] = identity(settings)
     app[TLS] = HubTls(settings)  # the CA and the hub's certificate, made on first start
     app[LEARNING] = Learning(time.time(), settings.quota.lease_s)
+    app[BANDWIDTH] = SiteBandwidth()
     app[SCHEDULED] = Scheduled(
         settings.backups,
         settings.data_dir,

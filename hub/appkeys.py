@@ -7,6 +7,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from hub.certificates import HubTls
+from hub.fleet.bandwidth import SiteBandwidth
 from hub.fleet.heartbeats import Heartbeats
 from hub.fleet.learning import Learning
 from hub.loops import Running
@@ -41,6 +42,8 @@ RUNNING = web.AppKey("hub_running_loops", Running)
 PULLS = web.AppKey("hub_pulls", PullRunner)
 # The hub's Prometheus registry and its families (hub/observability/metrics.py).
 METRICS = web.AppKey("hub_metrics", HubMetrics)
+# Each site's bandwidth for the files its nodes fetch (hub/fleet/bandwidth.py).
+BANDWIDTH = web.AppKey("hub_site_bandwidth", SiteBandwidth)
 # The hub's own scheduled backups (`backups.schedule`): the alert loop, the console and the
 # metrics read how they go.
 SCHEDULED = web.AppKey("hub_scheduled_backups", Scheduled)

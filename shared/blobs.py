@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from aiohttp import hdrs, web
 from aiohttp.helpers import ETAG_ANY, ETag
 
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
 IMMUTABLE = "private, max-age=31536000, immutable"
+PACED_CHUNK = 64 << 10  # bytes sent between two waits of a paced answer
 REVALIDATE = "private, no-cache"
 
 
@@ -34,7 +38,10 @@ async def send_blob(
     sha256: str,
     media_type: str,
     cache_control: str = REVALIDATE,
+    pace: Callable[[int], Awaitable[None]] | None = None,
 ) -> web.StreamResponse:
+    """`blob` as the answer (Range, If-Match and If-None-Match honoured), sent by the
+    kernel (sendfile); with `pace`, a chunk at a time, each after `pace(its size)`."""
     size = os.fstat(blob.fileno()).st_size
     response = web.StreamResponse(
         headers={
@@ -64,7 +71,15 @@ async def send_blob(
         transport = request.transport
         if transport is None:
             raise ConnectionResetError("the client went away")
-        await asyncio.get_running_loop().sendfile(transport, blob, start, count)
+        loop = asyncio.get_running_loop()
+        if pace is None:
+            await loop.sendfile(transport, blob, start, count)
+        else:
+            end = start + count
+            for offset in range(start, end, PACED_CHUNK):
+                size_now = min(PACED_CHUNK, end - offset)
+                await pace(size_now)
+                await loop.sendfile(transport, blob, offset, size_now)
     await response.write_eof()
     return response
 

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from hub.api.route_kinds import Auth, Param, Route
 from hub.appkeys import (
+    BANDWIDTH,
     BEATS,
     FORWARDER,
     LEARNING,
@@ -279,6 +280,9 @@ async def artifact(request: web.Request) -> web.StreamResponse:
         blob = (request.app[SETTINGS].artifacts_dir / sha256).open("rb")
     except FileNotFoundError as err:
         raise ApiError(ErrorCode.not_found, f"the hub has lost the file {sha256}") from err
+    # The site's bandwidth, shared by its nodes' downloads (`kvl hub releases bandwidth`).
+    rate = await store.run(store.sync.rollouts.bandwidth_of, node.site)
+    pace = None if rate is None else request.app[BANDWIDTH].pacer(node.site, rate)
     with blob:
         return await send_blob(
             request,
@@ -286,6 +290,7 @@ async def artifact(request: web.Request) -> web.StreamResponse:
             sha256=sha256,
             media_type="application/octet-stream",
             cache_control=IMMUTABLE,
+            pace=pace,
         )
 
 

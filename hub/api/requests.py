@@ -291,6 +291,14 @@ class WindowRequest(BaseModel):
         return self
 
 
+class BandwidthRequest(BaseModel):
+    """A site's bandwidth for the files its nodes fetch from the hub, shared by its nodes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bytes_per_s: int = Field(ge=10_000, le=100_000_000_000, description="Bytes a second.")
+
+
 class StrategyRequest(BaseModel):
     """How a rollout moves: a canary, then waves by share of its nodes or by site."""
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from hub.api.requests import ReleaseQuery, RolloutRequest, WindowRequest
+from hub.api.requests import BandwidthRequest, ReleaseQuery, RolloutRequest, WindowRequest
 from hub.api.route_kinds import Auth, Param, Route
 from hub.appkeys import OPERATOR, SETTINGS, STORE
 from hub.http import parse, query
@@ -80,6 +80,21 @@ async def delete_window(request: web.Request) -> web.Response:
     site = request.match_info["site"]
     await store.run(store.sync.rollouts.set_update_window, site, None)
     return web.json_response({"site": site, "start": None, "end": None})
+
+
+async def set_bandwidth(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    req = await parse(request, BandwidthRequest)
+    site = request.match_info["site"]
+    await store.run(store.sync.rollouts.set_bandwidth, site, req.bytes_per_s)
+    return web.json_response({"site": site, "bytes_per_s": req.bytes_per_s})
+
+
+async def delete_bandwidth(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    site = request.match_info["site"]
+    await store.run(store.sync.rollouts.set_bandwidth, site, None)
+    return web.json_response({"site": site, "bytes_per_s": None})
 
 
 async def list_rollouts(request: web.Request) -> web.Response:
@@ -199,6 +214,22 @@ ROUTES: tuple[Route, ...] = (
         "/v1/admin/update-windows/{site}",
         delete_window,
         "A site's nodes may update at any time again.",
+        Auth.operator,
+    ),
+    Route(
+        "PUT",
+        "/v1/admin/bandwidth/{site}",
+        set_bandwidth,
+        "A site's bandwidth for the files its nodes fetch from the hub (models, packages, "
+        "releases), shared by the site's nodes.",
+        Auth.operator,
+        BandwidthRequest,
+    ),
+    Route(
+        "DELETE",
+        "/v1/admin/bandwidth/{site}",
+        delete_bandwidth,
+        "A site's nodes fetch as fast as they can again.",
         Auth.operator,
     ),
     Route(

@@ -122,6 +122,46 @@ def releases_window(
     click.echo(f"site {site}: {when}")
 
 
+_UNITS = {"": 1, "k": 1000, "M": 1000**2, "G": 1000**3}
+
+
+def _rate(text: str) -> int:
+    """`2M`, `500k`, `1000000`: bytes a second."""
+    number, unit = (text[:-1], text[-1]) if text[-1:] in _UNITS else (text, "")
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError as err:
+        raise click.BadParameter(f"{text!r} is not a rate (500k, 2M, 1G)") from err
+    return int(value)
+
+
+@releases.command("bandwidth")
+@common_options
+@click.argument("site")
+@click.option("--rate", default=None, help="Bytes a second, shared by the site's nodes: 500k, 2M.")
+@click.option("--unlimited", is_flag=True, help="No limit: the site's nodes fetch at full speed.")
+@config_errors_exit
+def releases_bandwidth(
+    config_file: Path | None,
+    data_dir: Path | None,
+    site: str,
+    *,
+    rate: str | None,
+    unlimited: bool,
+) -> None:
+    """How fast a site's nodes may fetch the hub's files (models, packages, releases)."""
+    from hub.api.requests import BandwidthRequest  # noqa: PLC0415
+
+    if unlimited == (rate is not None):
+        raise click.UsageError("give --rate or --unlimited")
+    limit = None
+    if rate is not None:
+        limit = _checked(BandwidthRequest, {"bytes_per_s": _rate(rate)}).bytes_per_s
+    with opened_store(hub_settings(config_file, data_dir)) as store:
+        store.rollouts.set_bandwidth(site, limit)
+    click.echo(f"site {site}: " + ("no limit" if limit is None else f"{limit} bytes a second"))
+
+
 @click.group("rollouts")
 def rollouts() -> None:
     """Staged rollouts: a canary, then waves, each gated on its nodes' health."""

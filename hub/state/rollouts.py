@@ -140,6 +140,26 @@ class Rollouts:
         rows = self._db.execute("SELECT site, start_min, end_min FROM update_windows").fetchall()
         return {r[0]: protocol.UpdateWindow(start_min=r[1], end_min=r[2]) for r in rows}
 
+    def set_bandwidth(self, site: str, bytes_per_s: int | None) -> None:
+        """A site's bandwidth for the files its nodes fetch (None: as fast as they can)."""
+        with self._db.transaction():
+            self._db.execute("DELETE FROM site_bandwidth WHERE site = ?", [site])
+            if bytes_per_s is not None:
+                self._db.execute(
+                    "INSERT INTO site_bandwidth (site, bytes_per_s) VALUES (?, ?)",
+                    [site, bytes_per_s],
+                )
+
+    def bandwidth_of(self, site: str) -> int | None:
+        row = self._db.execute(
+            "SELECT bytes_per_s FROM site_bandwidth WHERE site = ?", [site]
+        ).fetchone()
+        return None if row is None else int(row[0])
+
+    def bandwidths(self) -> dict[str, int]:
+        rows = self._db.execute("SELECT site, bytes_per_s FROM site_bandwidth").fetchall()
+        return {str(r[0]): int(r[1]) for r in rows}
+
     def window_of(self, site: str) -> protocol.UpdateWindow | None:
         """A site's update window (None: any time)."""
         row = self._db.execute(

@@ -266,4 +266,15 @@ MIGRATIONS = (
         );
         """,
     ),
+    # A site's bandwidth for the files its nodes fetch from the hub (bytes a second, shared
+    # by the site's nodes): a narrow link is not filled by one release.
+    Migration(
+        "m021_site_bandwidth",
+        """
+        CREATE TABLE site_bandwidth (
+            site TEXT PRIMARY KEY,
+            bytes_per_s {int} NOT NULL
+        );
+        """,
+    ),
 )
