@@ -14,7 +14,8 @@ import pytest
 from openai import OpenAI
 
 from appliance.packages.cache import PackageCache
-from tests.image.vm import GROW, Machine, copy_image, kvl
+from image.configure import ROOT_A_LABEL, partitions
+from tests.image.vm import GROW, Machine, accelerator, copy_image, kvl, write_files
 from tests.packages import package
 
 if TYPE_CHECKING:
@@ -36,6 +37,11 @@ def test_a_hubless_image_takes_a_key_made_over_the_lan_and_a_site_bundle(
     cached."""
     disk = copy_image(Path(manifest["image"]), tmp_path / "disk.img", GROW)
     admin = kvl("image", "configure", str(disk), "--no-hub", "--name", "lab-server").strip()
+    if accelerator() == "tcg":
+        # Emulated, a prompt takes minutes without a token: past the worker's hang bound
+        # (60 s), which would restart it mid-prompt.
+        root = next(p for p in partitions(disk) if p.name == ROOT_A_LABEL)
+        write_files(disk, {PATIENCE: PATIENT}, root.offset)
     with Machine(disk, tmp_path / "vm") as machine:
         machine.wait_ready()
         base = f"http://127.0.0.1:{machine.port}"
@@ -74,6 +80,8 @@ def test_a_hubless_image_takes_a_key_made_over_the_lan_and_a_site_bundle(
         machine.power_off()
 
 
+PATIENCE = "/etc/systemd/system/kovenlab-appliance.service.d/emulated.conf"
+PATIENT = b"[Service]\nEnvironment=KVL_MODEL__WORKER_HANG_TIMEOUT_S=1800\n"
 PACKAGE_ID = f"pkg_{7:024x}"
 PIECE = 16 << 20
 
