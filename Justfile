@@ -25,12 +25,13 @@ default:
 # a test scrapes a hub with it), rauc (the image updater the appliance calls; a test makes
 # a bundle, with squashfs-tools, and installs it into file-backed slots), curl and openssl
 # (the models benchmark's peers: a pull against curl, and curl with its sha256), age (a
-# test opens a sealed backup with the age tool itself, as an operator would without kvl)
+# test opens a sealed backup with the age tool itself, as an operator would without kvl),
+# tinyproxy (a site's HTTPS proxy, which a test puts between a node and its hub)
 setup-system:
     #!/usr/bin/env bash
     set -euo pipefail
     missing=()
-    for package in wireguard-go iproute2 espeak-ng nginx nghttp2-client chromium postgresql prometheus rauc squashfs-tools curl openssl age; do
+    for package in wireguard-go iproute2 espeak-ng nginx nghttp2-client chromium postgresql prometheus rauc squashfs-tools curl openssl age tinyproxy; do
         dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed' || missing+=("$package")
     done
     if [ ${#missing[@]} -eq 0 ]; then exit 0; fi
@@ -45,7 +46,7 @@ setup-system:
     echo "installing ${missing[*]} from Debian" >&2
     log=$(mktemp)
     policy=""
-    # nginx, PostgreSQL and Prometheus are started by the appliance, the benchmarks and the
+    # nginx, PostgreSQL, Prometheus and tinyproxy are started by the appliance, the benchmarks and the
     # tests (or not at all), not services of this machine: no daemon starts while we install (policy-rc.d), and none
     # is enabled for the next boot.
     if [ ! -e /usr/sbin/policy-rc.d ]; then
@@ -62,7 +63,7 @@ setup-system:
         exit 1
     fi
     if command -v systemctl > /dev/null && [ -d /run/systemd/system ]; then
-        for unit in nginx postgresql prometheus; do systemctl disable --now "$unit" > /dev/null 2>&1 || true; done
+        for unit in nginx postgresql prometheus tinyproxy; do systemctl disable --now "$unit" > /dev/null 2>&1 || true; done
     fi
 
 # Create .venv and install the project with its dev tools (llama-cpp-python compiles once per CPU and flags, then its wheel is kept)

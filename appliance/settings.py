@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.backup_settings import ScheduleSettings
 from shared.gguf import DEFAULT_N_CTX, DEFAULT_N_SLOTS
+from shared.provisioning import no_proxy_hosts
 from shared.tracing import ServiceName, TracingSettings
 
 EXAMPLE_HEADER = """
@@ -759,6 +760,30 @@ class FleetLinkSettings(_Section):
             "once at start."
         ),
     )
+    https_proxy: str | None = Field(
+        None,
+        pattern=r"^https?://[A-Za-z0-9._~%:@\[\]-]+/?$",
+        max_length=300,
+        description=(
+            "The site's proxy for the node's calls to its hub outside the tunnel (enrolling; "
+            "every call, with `tunnel` off): `http://proxy.school.lan:3128`, reached by "
+            "HTTP CONNECT."
+        ),
+    )
+    no_proxy: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description=(
+            "Hosts the proxy does not serve: names (and their subdomains), `.suffix`es, "
+            "addresses, networks in CIDR, or `*`."
+        ),
+    )
+
+    @field_validator("no_proxy")
+    @classmethod
+    def _no_proxy(cls, value: list[str]) -> list[str]:
+        return no_proxy_hosts(value)
+
     tunnel: bool = Field(
         default=True,
         description=(

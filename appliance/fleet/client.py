@@ -12,8 +12,11 @@ certificate (a provisioning file of protocol 2) is still honoured, by fingerprin
 
 from __future__ import annotations
 
+import ipaddress
 import ssl
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import urlsplit
 
 import aiohttp
 from pydantic import ValidationError
@@ -45,6 +48,36 @@ class HubRefusedError(Exception):
 M = TypeVar("M", bound=protocol.Message)
 
 
+@dataclass(frozen=True)
+class Proxy:
+    """The site's HTTPS proxy for the node's calls to its hub (`fleet.https_proxy`), and
+    the hosts it does not serve (`fleet.no_proxy`: names, which also cover their
+    subdomains, `.suffix`es, addresses, networks in CIDR, or `*`)."""
+
+    url: str
+    no_proxy: tuple[str, ...] = ()
+
+    def for_url(self, url: str) -> str | None:
+        """The proxy a call to `url` goes through, or None (it goes direct)."""
+        host = (urlsplit(url).hostname or "").lower().rstrip(".")
+        for entry in self.no_proxy:
+            rule = entry.strip().lower().rstrip(".")
+            if rule == "*" or _bypassed(host, rule):
+                return None
+        return self.url
+
+
+def _bypassed(host: str, rule: str) -> bool:
+    if not rule:
+        return False
+    try:
+        return ipaddress.ip_address(host) in ipaddress.ip_network(rule, strict=False)
+    except ValueError:
+        pass  # a name, not an address within a network
+    bare = rule.lstrip(".")
+    return host == bare or host.endswith(f".{bare}")
+
+
 def _error_of(status: int, raw: bytes) -> HubRefusedError:
     try:
         error = jsonlimits.loads(raw)["error"]
@@ -57,7 +90,7 @@ def _error_of(status: int, raw: bytes) -> HubRefusedError:
 Verification = ssl.SSLContext | aiohttp.Fingerprint
 
 
-async def bootstrap(hub_url: str, pin: bytes) -> Verification:
+async def bootstrap(hub_url: str, pin: bytes, proxy: Proxy | None = None) -> Verification:
     """How to verify the hub before this node trusts anything else: the CA of the hub's
     bundle whose fingerprint is ``pin`` (the hub's certificate must chain to it and name
     the hub), or, where no CA of the bundle matches, the hub's own certificate by its
@@ -67,7 +100,10 @@ async def bootstrap(hub_url: str, pin: bytes) -> Verification:
 
     try:
         async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session,
+            aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=30),
+                proxy=proxy.for_url(hub_url) if proxy is not None else None,
+            ) as session,
             session.get(f"{hub_url.rstrip('/')}/v1/trust", ssl=False) as response,
         ):
             raw = await response.read() if response.status == 200 else b""
@@ -91,19 +127,30 @@ class HubClient:
         base_url: str,
         verification: Verification | Callable[[], Verification],
         token: str | None = None,
+        proxy: Proxy | None = None,
     ) -> None:
         self._base = base_url.rstrip("/")
         self._verification = verification
         self._headers = {protocol.PROTOCOL_HEADER: str(protocol.PROTOCOL_VERSION)}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        # Every call of this client through the site's proxy, unless its host bypasses it.
+        self.proxy = proxy.for_url(self._base) if proxy is not None else None
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=30), proxy=self.proxy
+        )
 
     @classmethod
-    def for_node(cls, identity: Identity, base_url: str, certificate: NodeCertificate) -> HubClient:
+    def for_node(
+        cls,
+        identity: Identity,
+        base_url: str,
+        certificate: NodeCertificate,
+        proxy: Proxy | None = None,
+    ) -> HubClient:
         """The node's client: the trust bundle, its certificate (both as they are at
         each call: a renewal or a rotation takes effect on the next connection)."""
-        return cls(base_url, certificate.client_context, identity.node_token)
+        return cls(base_url, certificate.client_context, identity.node_token, proxy)
 
     @property
     def _ssl(self) -> Verification:

@@ -23,7 +23,7 @@ import psutil
 from pydantic import TypeAdapter, ValidationError
 
 from appliance.fleet.certificates import lan_addresses
-from appliance.fleet.client import HubClient, HubError, HubRefusedError, bootstrap
+from appliance.fleet.client import HubClient, HubError, HubRefusedError, Proxy, bootstrap
 from appliance.fleet.identity import FleetFiles, HubPeer, Identity
 from appliance.fleet.placement import Converger
 from appliance.quotas.leases import HeldLease
@@ -53,7 +53,9 @@ VERSIONS = {"kvl": __version__}
 _EVENT: TypeAdapter[protocol.Event] = TypeAdapter(protocol.Event)
 
 
-async def enroll(files: FleetFiles, provisioning: Provisioning) -> Identity:
+async def enroll(
+    files: FleetFiles, provisioning: Provisioning, proxy: Proxy | None = None
+) -> Identity:
     """Enroll with the hub (once): the WireGuard private key stays here, the public key
     goes to the hub, and the identity it answers is kept for every later start. The
     hub is verified by the CA the provisioning file pins; the node's certificate comes
@@ -64,8 +66,8 @@ async def enroll(files: FleetFiles, provisioning: Provisioning) -> Identity:
     hub = provisioning.require_hub()
     keys = files.wireguard_key()
     certificate = files.certificate
-    verification = await bootstrap(hub.url, hub.pin())
-    async with HubClient(hub.url, verification) as client:
+    verification = await bootstrap(hub.url, hub.pin(), proxy)
+    async with HubClient(hub.url, verification, proxy=proxy) as client:
         addresses = lan_addresses(None)
         csr = certificate.request(provisioning.name, addresses)
         try:
@@ -120,6 +122,13 @@ class FleetLink:
         backups: Scheduled | None = None,
     ) -> None:
         self._settings = settings
+        # The site's HTTPS proxy for the calls to the hub outside the tunnel (enrolling, or
+        # every call of a node without one).
+        self.proxy = (
+            Proxy(settings.https_proxy, tuple(settings.no_proxy))
+            if settings.https_proxy is not None
+            else None
+        )
         self._backups = backups  # its scheduled backups, reported in every heartbeat
         # What the hub sets of this node's settings, and who applies it (the model names,
         # admission's objectives: appliance/app.py).
@@ -309,7 +318,7 @@ class FleetLink:
             if provisioning.hub is None:
                 return None  # a site without a hub: nobody to enroll with
             try:
-                self.identity = await enroll(self._files, provisioning)
+                self.identity = await enroll(self._files, provisioning, self.proxy)
             except HubRefusedError as err:
                 self.error = str(err)
                 log.error("enrollment refused: %s", err)  # noqa: TRY400 - no traceback
@@ -322,7 +331,9 @@ class FleetLink:
             url = self.hub_url
             if url is None:  # pragma: no cover - the identity is set above
                 return None
-            self._client = HubClient.for_node(self.identity, url, self.certificate)
+            # Through the tunnel, the node's own link to its hub, nothing is proxied.
+            proxy = None if self._settings.tunnel else self.proxy
+            self._client = HubClient.for_node(self.identity, url, self.certificate, proxy)
         return self._client
 
     def _tunnel_up(self, identity: Identity) -> Tunnel:
