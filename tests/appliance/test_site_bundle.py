@@ -247,5 +247,6 @@ async def test_a_node_without_a_hub_takes_a_model_a_package_and_settings_from_a_
             model=name, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4
         )
         assert answer.choices[0].message.content is not None
+        assert answer.model.startswith("site-gemma"), answer.model
     packages = await (await client.get("/v1/packages", headers=headers)).json()
     assert any(p["id"] == package_ref.split("@")[0] for p in packages["data"])
