@@ -21,7 +21,7 @@ from shared.classes import ServiceClass
 from shared.cli import (
     common_options,
     config_errors_exit,
-    identities_from,
+    opened_archive,
     opening_options,
     passphrase_from,
     sealing_options,
@@ -538,18 +538,11 @@ def restore(
     import datetime  # noqa: PLC0415
 
     from appliance import backup as appliance_backup  # noqa: PLC0415
-    from shared import sealing  # noqa: PLC0415
     from shared.backup_archive import BackupError  # noqa: PLC0415
 
     settings = _settings(config_file, data_dir)
-    scratch = settings.data_dir.resolve().parent
     try:
-        with sealing.opened(
-            archive,
-            scratch,
-            identity=identities_from(identity_files),
-            passphrase=passphrase_from(passphrase_file),
-        ) as plain:
+        with opened_archive(archive, settings.data_dir, identity_files, passphrase_file) as plain:
             restored = appliance_backup.restore(settings, plain, force=force)
     except BackupError as err:
         raise click.ClickException(str(err)) from err

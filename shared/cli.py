@@ -3,9 +3,10 @@ model runtime and `kvl appliance` never imports the hub."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import wraps
 from pathlib import Path
 from typing import Any, TypeVar
@@ -176,6 +177,23 @@ def identities_from(paths: tuple[Path, ...]) -> list[str]:
         except sealing.SealError as err:
             raise click.BadParameter(f"{path}: {err}", param_hint="--identity") from err
     return found
+
+
+@contextlib.contextmanager
+def opened_archive(
+    archive: Path, data_dir: Path, identity_files: tuple[Path, ...], passphrase_file: Path | None
+) -> Iterator[Path]:
+    """The backup `archive` to restore into `data_dir`: itself, or opened (with the
+    identities or the passphrase given) into a folder beside the data directory."""
+    from shared import sealing  # noqa: PLC0415 - pyrage, for the commands that seal
+
+    with sealing.opened(
+        archive,
+        data_dir.resolve().parent,
+        identity=identities_from(identity_files),
+        passphrase=passphrase_from(passphrase_file),
+    ) as plain:
+        yield plain
 
 
 def config_errors_exit(fn: F) -> F:

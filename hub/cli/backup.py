@@ -13,7 +13,7 @@ from shared.backup_archive import BackupError
 from shared.cli import (
     common_options,
     config_errors_exit,
-    identities_from,
+    opened_archive,
     opening_options,
     passphrase_from,
     sealing_options,
@@ -90,16 +90,10 @@ def restore(
     is checked whole first; the desired-state serial then moves past any a node may hold,
     so every node takes the restored state."""
     from hub import backup as hub_backup  # noqa: PLC0415
-    from shared import sealing  # noqa: PLC0415
 
     settings = hub_settings(config_file, data_dir)
     try:
-        with sealing.opened(
-            archive,
-            settings.data_dir.resolve().parent,
-            identity=identities_from(identity_files),
-            passphrase=passphrase_from(passphrase_file),
-        ) as plain:
+        with opened_archive(archive, settings.data_dir, identity_files, passphrase_file) as plain:
             restored = hub_backup.restore(settings, plain, force=force)
     except BackupError as err:
         raise click.ClickException(str(err)) from err
