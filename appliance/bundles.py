@@ -33,7 +33,7 @@ from shared import protocol, site_bundle
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 
     from appliance.fleet.release import Updater
     from appliance.packages.service import PackageService
@@ -81,8 +81,9 @@ class Bundles:
         self.keyring = keyring
         self.targets = targets
         self._lock = asyncio.Lock()  # one piece appended, or one bundle applied, at a time
-        self._installing: asyncio.Task[None] | None = None  # a bundle's release
-        self._importing: asyncio.Task[Upload] | None = None  # a whole upload, checked
+        # Whole uploads being checked and applied, and bundles' releases being installed:
+        # held here while they run (the loop keeps only a weak reference to a task).
+        self._tasks: set[asyncio.Task[object]] = set()
 
     # -- the uploads ------------------------------------------------------------------
 
@@ -150,7 +151,7 @@ class Bundles:
             # small node: longer than a proxy waits for an answer); GET says how it went.
             upload = replace(upload, state="checking")
             await asyncio.to_thread(self._save, upload)
-            self._importing = asyncio.get_running_loop().create_task(self._import(upload))
+            self._background(self._import(upload))
             return upload
 
     async def resume(self) -> None:
@@ -158,16 +159,20 @@ class Bundles:
         was being applied is failed, saying so (its parts may be in part applied)."""
         for upload in await asyncio.to_thread(self._all):
             if upload.state == "checking" and self._part(upload.id).is_file():
-                self._importing = asyncio.get_running_loop().create_task(self._import(upload))
+                self._background(self._import(upload))
             elif upload.state in {"checking", "applying"}:
                 await self._failed(upload, "the node stopped while it was applied", None)
 
+    def _background(self, work: Coroutine[object, object, object]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def close(self) -> None:
-        """The import under way, if any, cancelled (the appliance stops)."""
-        for task in (self._importing, self._installing):
-            if task is not None and not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        """What runs in the background cancelled (the appliance stops)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def cancel(self, upload_id: str) -> None:
         async with self._lock:
@@ -307,9 +312,7 @@ class Bundles:
             # background: the node reboots once it is written.
             kept = self.folder / f"{release.sha256}.raucb"
             await asyncio.to_thread(shutil.move, verified.files[release.path], kept)
-            self._installing = asyncio.get_running_loop().create_task(
-                targets.updater.take_local(target, kept)
-            )
+            self._background(targets.updater.take_local(target, kept))
         return applied
 
 
