@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Literal
 from appliance.packages.cache import CacheError
 from appliance.state.records import ModelRecord
 from appliance.state.store import now_iso
-from shared import protocol, site_bundle
+from shared import protocol
 from shared.errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from appliance.packages.service import PackageService
     from appliance.serving.registry import ModelRegistry
     from appliance.state.store import AsyncStore
+    from shared import site_bundle
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +213,9 @@ class Bundles:
                 return await self._failed(upload, f"the node failed to apply it: {err!r}", None)
 
     async def _check_and_apply(self, upload: Upload) -> Upload:
+        # cryptography (14 MiB) with it: loaded when a bundle comes, not at every start.
+        from shared import site_bundle  # noqa: PLC0415
+
         with tempfile.TemporaryDirectory(prefix=".staging-", dir=self.folder) as staging:
             try:
                 keyring = await asyncio.to_thread(self.keyring.read_bytes)
@@ -251,22 +255,26 @@ class Bundles:
 
     async def _refuse_conflicts(self, verified: site_bundle.Verified) -> None:
         """What would make the bundle apply in part, refused before anything is applied."""
+        from shared.site_bundle import BundleError  # noqa: PLC0415
+
         store = self.targets.store
         for part in verified.manifest.parts:
             if part.kind == "release" and self.targets.updater is None:
-                raise site_bundle.BundleError("this node has no image updater", part.path)
+                raise BundleError("this node has no image updater", part.path)
             if part.kind != "model":
                 continue
             name, version = _model_of(part)
             record = await store.run(store.sync.get_model, name, version)
             if record is not None and record.sha256 != part.sha256:
-                raise site_bundle.BundleError(
+                raise BundleError(
                     f"{name}@{version} is registered here with another file "
                     f"({record.sha256[:12]}…): give the bundle's another version",
                     part.path,
                 )
 
     async def _apply(self, verified: site_bundle.Verified) -> dict[str, list[str]]:
+        from shared.site_bundle import BundleError  # noqa: PLC0415
+
         targets, store = self.targets, self.targets.store
         applied: dict[str, list[str]] = {}
         parts = verified.manifest.parts
@@ -275,7 +283,7 @@ class Bundles:
             try:
                 stored = await targets.packages.import_bundle(data, pinned=True)
             except CacheError as err:
-                raise site_bundle.BundleError(f"not a package archive: {err}", part.path) from err
+                raise BundleError(f"not a package archive: {err}", part.path) from err
             applied.setdefault("package", []).append(stored.ref)
         for part in (p for p in parts if p.kind == "model"):
             name, version = _model_of(part)

@@ -30,11 +30,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Literal, TypeVar
-
-import pyrage
-from pyrage import passphrase as age_passphrase
-from pyrage import x25519
+from typing import IO, TYPE_CHECKING, Any, Literal, TypeVar
 
 from shared import tarstream
 from shared.backup_archive import BackupError
@@ -62,6 +58,14 @@ _SCRYPT = re.compile(rb"^-> scrypt [A-Za-z0-9+/]{22} ([0-9]{1,2})$")
 
 Sealed = Literal["plain", "recipients", "passphrase"]
 T = TypeVar("T")
+
+
+def _age() -> Any:
+    """pyrage (age), loaded when a backup is sealed or opened: a server that never seals
+    one never loads it."""
+    import pyrage  # noqa: PLC0415
+
+    return pyrage
 
 
 class SealError(BackupError):
@@ -105,8 +109,8 @@ def check_recipient(recipient: str) -> None:
     if not _RECIPIENT.match(recipient):
         raise SealError(f"{recipient[:80]!r} is not an age X25519 recipient (age1…, 62 characters)")
     try:
-        x25519.Recipient.from_str(recipient)
-    except pyrage.RecipientError as err:
+        _age().x25519.Recipient.from_str(recipient)
+    except _age().RecipientError as err:
         raise SealError(f"{recipient!r} is not an age X25519 recipient: {err}") from err
 
 
@@ -144,14 +148,14 @@ def seal(plain: Path, out: Path, sealing: Sealing) -> None:
             os.fchmod(fd, 0o600)
             if sealing.passphrase is None:
                 with plain.open("rb") as source:
-                    recipients = [x25519.Recipient.from_str(r) for r in sealing.recipients]
-                    pyrage.encrypt_io(source, sink, recipients)
+                    recipients = [_age().x25519.Recipient.from_str(r) for r in sealing.recipients]
+                    _age().encrypt_io(source, sink, recipients)
             else:
                 _seal_with_passphrase(plain, sink, sealing.passphrase)
             sink.flush()
             os.fsync(fd)
         partial.replace(out)
-    except (OSError, pyrage.EncryptError) as err:
+    except (OSError, _age().EncryptError) as err:
         raise SealError(f"cannot seal {out.name}: {err}") from err
     finally:
         partial.unlink(missing_ok=True)
@@ -191,8 +195,8 @@ def opened(
 
 
 def _seal_with_passphrase(plain: Path, sink: IO[bytes], passphrase: str) -> None:
-    one_time = x25519.Identity.generate()
-    sealed_identity = age_passphrase.encrypt(
+    one_time = _age().x25519.Identity.generate()
+    sealed_identity = _age().passphrase.encrypt(
         f"# the one-time key of a kvl backup, sealed with its passphrase\n{one_time}\n".encode(),
         passphrase,
     )
@@ -204,7 +208,7 @@ def _seal_with_passphrase(plain: Path, sink: IO[bytes], passphrase: str) -> None
     _tar_member(sink, PAYLOAD_MEMBER, 0)
     start = sink.tell()
     with plain.open("rb") as source:
-        pyrage.encrypt_io(source, sink, [one_time.to_public()])
+        _age().encrypt_io(source, sink, [one_time.to_public()])
     size = sink.tell() - start
     _pad(sink, size)
     end = sink.tell()
@@ -277,10 +281,10 @@ def _open_with_identities(sealed: Path, sink: IO[bytes], given: Sequence[str]) -
         keys = [_identity(text) for text in given]
         source.seek(0)
         try:
-            pyrage.decrypt_io(source, sink, keys)
+            _age().decrypt_io(source, sink, keys)
         # A header no identity opens is a DecryptError; a payload chunk that fails its tag
         # (altered, truncated) an OSError from age's reader, as is the disk's own.
-        except (pyrage.DecryptError, OSError) as err:
+        except (_age().DecryptError, OSError) as err:
             raise SealError(f"the backup cannot be opened: {err}") from err
 
 
@@ -298,8 +302,8 @@ def _open_with_passphrase(sealed: Path, sink: IO[bytes], passphrase: str) -> Non
             if second is None or second.name != PAYLOAD_MEMBER or not second.isreg():
                 raise SealError(f"the sealed backup holds no {PAYLOAD_MEMBER} after its key")
             try:
-                pyrage.decrypt_io(_Member(tar), sink, [key])
-            except (pyrage.DecryptError, OSError) as err:
+                _age().decrypt_io(_Member(tar), sink, [key])
+            except (_age().DecryptError, OSError) as err:
                 raise SealError(f"its {PAYLOAD_MEMBER} cannot be opened: {err}") from err
     except tarstream.TarStreamError as err:
         raise SealError(f"the sealed backup is not a readable tar: {err}") from err
@@ -319,19 +323,19 @@ def _passphrase_open(sealed_identity: bytes, passphrase: str) -> bytes:
             f"{MAX_WORK_FACTOR}: {128 * 8 << MAX_WORK_FACTOR >> 30} GiB of memory)"
         )
     try:
-        opened: bytes = age_passphrase.decrypt(sealed_identity, passphrase)
-    except pyrage.DecryptError as err:
+        opened: bytes = _age().passphrase.decrypt(sealed_identity, passphrase)
+    except _age().DecryptError as err:
         raise SealError("the passphrase does not open the backup") from err
     return opened
 
 
-def _identity(text: str) -> x25519.Identity:
+def _identity(text: str) -> Any:  # an x25519.Identity
     found = identities(text)
     if len(found) != 1:
         raise SealError("give one identity per value")
     try:
-        return x25519.Identity.from_str(found[0])
-    except pyrage.IdentityError as err:
+        return _age().x25519.Identity.from_str(found[0])
+    except _age().IdentityError as err:
         raise SealError("an identity that is not a valid X25519 key") from err
 
 

@@ -47,6 +47,7 @@ GATEWAY_NEVER = (
     "opentelemetry.sdk",
     "opentelemetry.exporter",
     "cryptography",
+    "pyrage",
     "wireguard_tools",
     "segno",
     "apscheduler",
