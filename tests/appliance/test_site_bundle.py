@@ -248,5 +248,7 @@ async def test_a_node_without_a_hub_takes_a_model_a_package_and_settings_from_a_
         )
         assert answer.choices[0].message.content is not None
         assert answer.model.startswith("site-gemma"), answer.model
+    listed = await (await client.get("/v1/models", headers=headers)).json()
+    assert "site-gemma" in {m["id"] for m in listed["data"]}
     packages = await (await client.get("/v1/packages", headers=headers)).json()
     assert any(p["id"] == package_ref.split("@")[0] for p in packages["data"])
