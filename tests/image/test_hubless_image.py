@@ -4,7 +4,6 @@ that it boots on another worker while `test_image.py`'s four boots run."""
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,6 +17,7 @@ from image.configure import ROOT_A_LABEL, partitions
 from tests.conftest import PATIENT_S1
 from tests.image.vm import GROW, Machine, accelerator, copy_image, kvl, write_files
 from tests.packages import package
+from tests.waiting import until_sync
 
 if TYPE_CHECKING:
     from appliance.state.records import ModelRecord
@@ -126,13 +126,14 @@ def upload_bundle(base: str, admin: str, data: bytes) -> Any:
         request.add_header("Content-Type", "application/octet-stream")
         with urllib.request.urlopen(request, timeout=600) as answer:
             assert answer.status == 200
-    deadline = time.monotonic() + 1200
-    while time.monotonic() < deadline:
-        upload = lan_call(base, path, admin)
-        if upload["state"] in {"applied", "failed"}:
-            return upload
-        time.sleep(2)
-    raise AssertionError(f"the bundle was not applied within 1200 s: {upload}")
+    ended: dict[str, Any] = {}
+
+    def checked() -> bool:
+        ended.update(lan_call(base, path, admin))
+        return ended["state"] in {"applied", "failed"}
+
+    until_sync(checked, "the bundle checked and applied", 1200, every_s=2)
+    return ended
 
 
 def lan_call(base: str, path: str, key: str, body: dict[str, Any] | None = None) -> Any:
