@@ -137,8 +137,11 @@ class BatchEngine:
         self.keep_first_logits = False
         self.first_logits: dict[tuple[int, ...], list[np.ndarray[Any, Any]]] = {}
         # Called on this thread after each turn of the loop (a step, or the jobs that came):
-        # the worker writes the turn's events to its pipe then, in one write.
-        self.after_turn: Callable[[], None] = _nothing
+        # the worker writes the turn's events to its pipe then, in one write. Also called
+        # when sequences take or leave slots, before the step's decode: on a slow host one
+        # prefill may outlast a class's first-token objective, and the gateway sheds only a
+        # request it does not know to be seated.
+        self.flush_events: Callable[[], None] = _nothing
 
     def load(self) -> None:
         stamps = self.options.stamps_dir
@@ -273,9 +276,9 @@ class BatchEngine:
         """Step until ``None`` arrives in ``jobs``; blocks while there is nothing to do."""
         try:
             while self._turn():
-                self.after_turn()
+                self.flush_events()
         finally:
-            self.after_turn()
+            self.flush_events()
 
     def _turn(self) -> bool:
         """Admit what arrived (waiting for it when idle), then one step; False at ``None``."""
@@ -375,7 +378,8 @@ class BatchEngine:
         # compute all of it, not start after what a kept slot holds.
         builder = self._prefix.builder
         plan = sched.plan_step(self._state, no_reuse=() if builder is None else (builder,))
-        self._enter(plan)
+        if self._enter(plan):
+            self.flush_events()
         started = time.perf_counter()
         n, outputs = self._fill_batch(plan)
         finished: dict[int, Literal["stop", "cancelled"]] = {}
@@ -397,9 +401,9 @@ class BatchEngine:
         for end in ended:
             self._end(end)
 
-    def _enter(self, plan: sched.StepPlan) -> None:
+    def _enter(self, plan: sched.StepPlan) -> bool:
         """Before the batch: preempted sequences leave their slots, admitted ones take them
-        (with a shared prefix copied in where they have one)."""
+        (with a shared prefix copied in where they have one); whether any seat changed."""
         for preemption in plan.preempted:
             # It yields its slot; its tokens and sampler stay here for when it resumes.
             llama_cpp.llama_memory_seq_rm(self._memory, preemption.slot, -1, -1)
@@ -424,6 +428,7 @@ class BatchEngine:
             if seq.sampler is None:  # else a preempted sequence resumes, its sampler intact
                 seq.admitted = time.perf_counter()
                 self._start(seq)
+        return bool(plan.preempted or plan.admitted)
 
     def _prefix_after(self, plan: sched.StepPlan, *, decoded: bool) -> None:
         """After the batch: a builder that completed the store releases the parked requests;

@@ -227,7 +227,7 @@ class ScriptedEngine:
         self.tokens_generated = 0
         self.preemptions = 0
         self.steps: deque[tuple[int, float]] = deque(maxlen=100_000)  # (tokens, seconds)
-        self.after_turn: Callable[[], None] = _nothing
+        self.flush_events: Callable[[], None] = _nothing  # as BatchEngine's
 
     def load(self) -> None:
         # Checked against its registered sha256 at every load: a script is a few kilobytes
@@ -254,9 +254,9 @@ class ScriptedEngine:
     def serve_forever(self) -> None:
         try:
             while self._turn():
-                self.after_turn()
+                self.flush_events()
         finally:
-            self.after_turn()
+            self.flush_events()
 
     def _turn(self) -> bool:
         arrived: list[Job | None] = []
@@ -315,6 +315,8 @@ class ScriptedEngine:
             seq.emit(SlotChange(holds=True))
             if seq.admitted is None:
                 seq.admitted = time.perf_counter()
+        if plan.preempted or plan.admitted:
+            self.flush_events()  # the seats before the step (BatchEngine.flush_events)
         started = time.perf_counter()
         if self._script.step_s:
             time.sleep(self._script.step_s)

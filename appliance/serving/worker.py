@@ -59,7 +59,7 @@ class Worker:
         self._stop = threading.Event()
         # Events of the current step, encoded; only the batching thread adds and flushes.
         self._held: list[bytes] = []
-        engine.after_turn = self.flush
+        engine.flush_events = self.flush
 
     def send(self, message: dict[str, Any]) -> None:
         self._write(ipc.encode(message))

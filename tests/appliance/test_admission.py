@@ -18,11 +18,12 @@ from appliance.app import create_app
 from appliance.gateway.appkeys import ADMISSION, REGISTRY
 from appliance.inference import admission as admission_module
 from appliance.inference import completions
+from appliance.serving.catalog import register_file
 from appliance.state.records import ModelRecord
 from appliance.state.store import Store
 from shared.classes import ServiceClass
 from shared.errors import ErrorCode, Overloaded
-from tests.conftest import SLOW, make_settings
+from tests.conftest import SLOW, SLOW_SCRIPT, make_settings, write_script
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -187,6 +188,31 @@ async def test_a_queued_request_past_its_first_token_objective_is_shed(
     text = await (await client.get("/metrics")).text()
     assert 'kvl_admission_sheds_total{class="S1"} 1.0' in text
     assert 'kvl_requests_by_outcome_total{class="S1",outcome="shed"} 1.0' in text
+
+
+async def test_a_seated_request_whose_prefill_outlasts_its_objective_is_served(
+    aiohttp_client: AiohttpClient, tmp_path: Path
+) -> None:
+    # A model whose every step takes 1.5 s, as one long prefill on a host busy with other
+    # work does: the request took the free slot at once, so it is being served, not waiting,
+    # and its first token past the 0.3 s objective is late but not shed.
+    store = Store(tmp_path / "catalog.db")
+    try:
+        script = write_script(tmp_path / "sluggish.json", **{**SLOW_SCRIPT, "step_s": 1.5})
+        sluggish = register_file(store, script, SLOW, "1")
+    finally:
+        store.close()
+    client, keys = await appliance(
+        aiohttp_client, tmp_path, sluggish, {"s1": {"admit_s": 0.3, "first_token_s": 0.3}}
+    )
+    status, first, body, _ = await streamed(client, keys[ServiceClass.S1], "Hello", 2)
+    assert status == 200, body
+    assert first is not None
+    assert first > 0.3  # past the objective: only its seat, sent before the step, kept it
+    assert body["usage"]["completion_tokens"] == 2
+    text = await (await client.get("/metrics")).text()
+    assert 'kvl_admission_sheds_total{class="S1"}' not in text
+    assert 'kvl_slo_misses_total{class="S1",objective="first_token"} 1.0' in text
 
 
 async def test_s2_arriving_preempts_running_s0_work_which_still_completes(
