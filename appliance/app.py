@@ -37,6 +37,7 @@ from appliance.gateway.bundles import BUNDLES
 from appliance.gateway.front import DECIDE, FILES_ROUTE
 from appliance.gateway.jobs import JOBS
 from appliance.gateway.middleware import authenticate, errors_and_metrics
+from appliance.gateway.network import NETWORKS, SiteNetworks
 from appliance.gateway.offload import Offload
 from appliance.gateway.packages import PACKAGES, PACKAGES_URL, decide_file
 from appliance.gateway.responses import RESPONSES
@@ -63,6 +64,7 @@ from appliance.state.store import AsyncStore
 from appliance.update.installer import Rauc
 from shared import __version__
 from shared.backup_archive import serving
+from shared.site_network import Paths
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -93,6 +95,10 @@ def create_app(settings: ApplianceSettings) -> web.Application:
     app[METRICS] = Metrics(objectives=settings.classes.objective_seconds())
     app[LOGS] = logs.ring()  # the hub reads the node's recent records (GET /v1/fleet/logs)
     app[CERTIFICATE] = NodeCertificate(settings.fleet_dir)
+    agent = settings.network.agent_dir
+    app[NETWORKS] = SiteNetworks(
+        Paths(appliance=settings.data_dir / "network", agent=agent) if agent else None
+    )
     app[PRESETS] = presets = Presets()
     app[NAMES] = ModelNames(
         # The node's own aliases first, then those of the hub's presets (read live).

@@ -12,7 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.backup_settings import ScheduleSettings
 from shared.gguf import DEFAULT_N_CTX, DEFAULT_N_SLOTS
-from shared.provisioning import no_proxy_hosts
+from shared.site_network import no_proxy_hosts
 from shared.tracing import ServiceName, TracingSettings
 
 EXAMPLE_HEADER = """
@@ -910,6 +910,17 @@ class UpdateSettings(_Section):
     )
 
 
+class NetworkSettings(_Section):
+    agent_dir: Path | None = Field(
+        None,
+        description=(
+            "The image's network agent's folder (its `state.json`): the appliance image "
+            "sets it, and `/v1/admin/network` changes the node's addresses, DNS and proxy "
+            "through it; unset (off the image) that route says the network is not managed."
+        ),
+    )
+
+
 class ResponsesSettings(_Section):
     keep_s: float = Field(
         86_400.0,
@@ -984,6 +995,10 @@ class ApplianceSettings(BaseSettings):
     classes: ClassSettings = Field(
         default_factory=ClassSettings,
         description="Service classes: objectives, admission, quotas, reserved slots.",
+    )
+    network: NetworkSettings = Field(
+        default_factory=NetworkSettings,
+        description="The site's network, as the image's agent sets it.",
     )
     backups: ApplianceBackupSettings = Field(
         default_factory=ApplianceBackupSettings,

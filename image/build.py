@@ -206,6 +206,8 @@ UNITS_ENABLED = (
     "kovenlab-appliance.service",
     "kovenlab-health.service",
     "kovenlab-reboot.path",
+    "kovenlab-network.service",
+    "kovenlab-network.path",
     "systemd-networkd.service",
     "systemd-resolved.service",
     "systemd-timesyncd.service",
@@ -725,6 +727,7 @@ def _install_files(root: Path, keyring: Path) -> None:
     files = [(path, path.relative_to(HERE / "system")) for path in _files(HERE / "system")]
     files.append((HERE / "firstboot.py", Path("usr/lib/kovenlab/firstboot.py")))
     files.append((HERE / "health.py", Path("usr/lib/kovenlab/health.py")))
+    files.append((HERE / "network.py", Path("usr/lib/kovenlab/network.py")))
     files.append((HERE / "bootslots.py", Path("usr/lib/kovenlab/bootslots.py")))
     files.append((keyring, Path("etc/rauc/keyring.pem")))
     for source, relative in files:

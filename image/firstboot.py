@@ -20,7 +20,6 @@ the model the appliance reads it with.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -113,7 +112,7 @@ def first_boot(layout: Layout, set_hostname: Callable[[str], None] = _set_hostna
     owner = layout.appliance_data.stat() if layout.appliance_data.is_dir() else None
     if owner is not None:  # the appliance runs as its own user, and reads the file
         os.chown(layout.target, owner.st_uid, owner.st_gid)
-    _write_env(layout.env_file, appliance_environment(layout.target, document))
+    _write_env(layout.env_file, appliance_environment(layout.target))
     hostname = hostname_for(document.name)
     if hostname is not None:
         _write_env(layout.etc / "hostname", hostname + "\n")
@@ -121,15 +120,11 @@ def first_boot(layout: Layout, set_hostname: Callable[[str], None] = _set_hostna
     return f"provisioned from {layout.source}: node {document.name} (host name {hostname}), {then}"
 
 
-def appliance_environment(target: Path, document: Provisioning) -> str:
+def appliance_environment(target: Path) -> str:
     """The appliance's settings from the provisioning file (`appliance.env`): where it is
-    kept (`target`), and the site's proxy. Single-quoted: systemd takes each value as it is."""
-    lines = [f"KVL_FLEET__PROVISIONING_FILE={target}"]
-    network = document.network
-    if network is not None and network.https_proxy is not None:
-        lines.append(f"KVL_FLEET__HTTPS_PROXY='{network.https_proxy}'")
-        lines.append(f"KVL_FLEET__NO_PROXY='{json.dumps(network.no_proxy)}'")
-    return "\n".join(lines) + "\n"
+    kept (`target`). The site's network, its proxy included, is the network agent's
+    (image/network.py, `proxy.env`)."""
+    return f"KVL_FLEET__PROVISIONING_FILE={target}\n"
 
 
 def _write_env(path: Path, text: str) -> None:

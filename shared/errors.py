@@ -81,6 +81,8 @@ class ErrorCode(StrEnum):
     job_finished = "job_finished"
     upload_offset_mismatch = "upload_offset_mismatch"
     upload_closed = "upload_closed"
+    network_not_managed = "network_not_managed"
+    network_trial = "network_trial"
     account_not_found = "account_not_found"
     key_not_found = "key_not_found"
     account_exists = "account_exists"
@@ -295,6 +297,17 @@ _KINDS: dict[ErrorCode, _Kind] = {
         "conflict_error",
         "a piece of an upload that takes no more (being checked or applied, applied, "
         "failed), a cancel of one being applied, or an upload begun while too many are open",
+    ),
+    ErrorCode.network_not_managed: _Kind(
+        409,
+        "conflict_error",
+        "the node's network is not the image's to set (no network agent: not the appliance image)",
+    ),
+    ErrorCode.network_trial: _Kind(
+        409,
+        "conflict_error",
+        "a network change is being tried (confirm it, or wait until it is rolled back), or "
+        "the confirmation names no change on trial",
     ),
     ErrorCode.account_not_found: _Kind(404, "not_found_error", "no account by that name"),
     ErrorCode.key_not_found: _Kind(404, "not_found_error", "no API key with that prefix"),

@@ -14,13 +14,13 @@ error and not, silently, a node that runs without its hub:
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from shared.keys import PREFIX_LEN, generate_key
+from shared.site_network import SiteNetwork
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -33,7 +33,6 @@ KEY_PREFIX = rf"^[A-Za-z0-9]{{{PREFIX_LEN}}}$"
 KEY_HASH = r"^[0-9a-f]{64}$"
 BOOTSTRAP_ACCOUNT = "admin"
 _HUB_FIELDS = ("hub_url", "token", "hub_fingerprint")
-_HOST = re.compile(r"^(\*|\.?[A-Za-z0-9._:-]+(/[0-9]{1,3})?)$")
 
 
 class ProvisioningError(Exception):
@@ -74,38 +73,6 @@ class BootstrapKey(BaseModel):
         return cls(account=account, prefix=new.prefix, hash=new.hash), new.plaintext
 
 
-class SiteNetwork(BaseModel):
-    """How the site's network reaches out: the image's first boot hands it to the appliance
-    (its settings `fleet.https_proxy` and `fleet.no_proxy`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    https_proxy: str | None = Field(
-        None,
-        pattern=r"^https?://[A-Za-z0-9._~%:@\[\]-]+/?$",
-        max_length=300,
-        description="The site's proxy for the node's calls to its hub (HTTP CONNECT).",
-    )
-    no_proxy: list[str] = Field(
-        default_factory=list,
-        max_length=64,
-        description="Hosts the proxy does not serve (names, .suffixes, addresses, CIDR, *).",
-    )
-
-    @field_validator("no_proxy")
-    @classmethod
-    def _hosts(cls, value: list[str]) -> list[str]:
-        return no_proxy_hosts(value)
-
-
-def no_proxy_hosts(value: list[str]) -> list[str]:
-    """`no_proxy`'s entries, each a host, a `.suffix`, an address, a network or `*`."""
-    for host in value:
-        if not host or len(host) > 253 or not _HOST.match(host):
-            raise ValueError(f"{host[:60]!r} is not a host, a .suffix, an address or CIDR")
-    return value
-
-
 class Provisioning(BaseModel):
     """`kovenlab.json`: how this appliance joins its fleet, or takes its first admin key on
     a site without a hub (written by the operator, or by `kvl image configure` into a
@@ -129,7 +96,9 @@ class Provisioning(BaseModel):
     bootstrap_key: BootstrapKey | None = Field(
         None, description="A site without a hub: its first admin key, as a hash."
     )
-    network: SiteNetwork | None = Field(None, description="The site's network: its proxy.")
+    network: SiteNetwork | None = Field(
+        None, description="The site's network: static addresses, DNS, its proxy."
+    )
 
     @model_validator(mode="after")
     def _a_fleet_or_a_site_without_a_hub(self) -> Self:

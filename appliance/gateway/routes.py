@@ -12,6 +12,7 @@ from appliance.gateway import (
     fleet,
     handlers,
     jobs,
+    network,
     packages,
     responses,
     speech,
@@ -441,6 +442,36 @@ ROUTES: tuple[Route, ...] = (
         auth=True,
         errors=(*_ADMIN, ErrorCode.not_found, ErrorCode.upload_closed),
         status=204,
+    ),
+    Route(
+        "GET",
+        "/v1/admin/network",
+        network.get_network,
+        "Admin: the node's network: the setting in force (addresses, gateways, DNS, proxy), "
+        "where it came from, and the last change (trying, applied, rolled back, refused).",
+        auth=True,
+        errors=_ADMIN,
+    ),
+    Route(
+        "PUT",
+        "/v1/admin/network",
+        network.put_network,
+        "Admin: change the node's network (a whole setting): tried at once by the image's "
+        "network agent, kept only if confirmed over it within `confirm_within_s`, else the "
+        "last working setting comes back.",
+        auth=True,
+        body=network.NetworkChange,
+        errors=(*_ADMIN, *_BODY, ErrorCode.network_trial, ErrorCode.network_not_managed),
+        status=202,
+    ),
+    Route(
+        "POST",
+        "/v1/admin/network/confirm",
+        network.confirm_network,
+        "Admin: keep the network change on trial (its `id`), sent over the new setting.",
+        auth=True,
+        body=network.NetworkConfirmation,
+        errors=(*_ADMIN, *_BODY, ErrorCode.network_trial, ErrorCode.network_not_managed),
     ),
     Route(
         "POST",

@@ -36,6 +36,7 @@ import json
 import re
 import socket
 import tarfile
+import time
 import urllib.parse
 import zlib
 from collections import Counter
@@ -60,6 +61,7 @@ from appliance.gateway.routes import ROUTES
 from shared.errors import ErrorCode
 from tests.budget import tries
 from tests.conftest import SCRIPTED, ApplianceProcess, kvl, running_appliance, write_script
+from tests.network_agent import Agent
 from tests.rawhttp import dechunk
 
 # Small, so that a schema-valid request that reaches the model answers in well under a second
@@ -99,6 +101,20 @@ class Fuzzed:
     def auth(self) -> dict[str, str]:
         return _bearer(self.appliance.key)
 
+    def network_trial(self) -> str:
+        """The id of the network change on trial: one asked for (its bound an hour) when
+        none is, as an operator would, and seen taken by the agent."""
+        base, auth = self.appliance.base_url, {**self.auth, **JSON}
+        for _ in range(200):
+            state = send(base, "GET", "/v1/admin/network", headers=self.auth).json()
+            last = state.get("last") or {}
+            if last.get("outcome") == "trying":
+                return str(last["id"])
+            body = json.dumps({"addresses": ["198.18.7.20/24"], "confirm_within_s": 3600})
+            send(base, "PUT", "/v1/admin/network", body.encode(), auth)  # 409 while one waits
+            time.sleep(0.05)
+        raise AssertionError(f"the agent never took a network change: {state}")
+
     def server_exception(self, reply: Reply) -> str | None:
         """The exception the server logged for the request that got `reply` (a 500)."""
         found = REQUEST_ID.search(reply.body.decode("utf-8", "replace"))
@@ -125,7 +141,11 @@ class Fuzzed:
 @pytest.fixture(scope="module")
 def fuzz_appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApplianceProcess]:
     """`kvl appliance serve`, as in conftest, with small `max_tokens` and body limits."""
-    data_dir = tmp_path_factory.mktemp("fuzz-appliance")
+    # The image's network agent beside it, on temporary folders (tests/network_agent.py), so
+    # that the network routes reach the agent rather than stop at `network_not_managed`.
+    agent = Agent(tmp_path_factory.mktemp("fuzz-system")).boot()
+    data_dir = agent.appliance_data
+    data_dir.mkdir()
     # An admin key: it reaches the admin routes too, and every other route as any key does.
     key = kvl(
         "appliance", "keys", "create", "--account", FUZZ_ACCOUNT, "--admin", "--data-dir",
@@ -150,9 +170,14 @@ def fuzz_appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Applian
         # address: neither the quota nor the authentication throttle is under test here.
         "KVL_CLASSES__AUTH_FAILURES_PER_MINUTE": "1000000",
         "KVL_CLASSES__S1__REQUESTS_PER_MINUTE": "0",
+        "KVL_NETWORK__AGENT_DIR": str(agent.folder),
     }
-    with running_appliance(data_dir, key, env) as appliance:
-        yield appliance
+    agent.start()
+    try:
+        with running_appliance(data_dir, key, env) as appliance:
+            yield appliance
+    finally:
+        agent.stop()
 
 
 @pytest.fixture(scope="module")
@@ -423,26 +448,10 @@ FUZZ_PACKAGE = {
 }  # fmt: skip
 
 
-def adjust_valid_body(body: dict[str, Any], adjust: str, model: str, path: str) -> None:
-    if path in {"/v1/packages", "/v1/admin/backup"}:
-        # A package: the one the fuzzing made. A backup: no passphrase, as its seal runs
-        # scrypt (seconds and a GiB each; tests/appliance/test_sealed_backup.py seals with
-        # one); the generated recipients are refused.
-        kept = FUZZ_PACKAGE if path == "/v1/packages" else body.copy()
-        body.clear()
-        body.update({k: v for k, v in kept.items() if k != "passphrase"})
-        return
-    if path.startswith("/v1/admin/packages/"):
-        body.pop("version", None)  # the cached version
-        return
-    if path in {"/v1/admin/accounts", "/v1/admin/keys", "/v1/admin/bundles"}:
-        # None names a model. Any account name the schema allows can be made (or is
-        # taken: 409); a key is of an account that exists, as a generated name only ever
-        # reaches account_not_found.
-        if path == "/v1/admin/keys" and adjust != "as generated":
-            body["account"] = FUZZ_ACCOUNT
-        return
-    if adjust == "as generated":
+def adjust_valid_body(
+    body: dict[str, Any], adjust: str, model: str, path: str, trial: str | None = None
+) -> None:
+    if adjust_modelless_body(body, adjust, path, trial) or adjust == "as generated":
         return
     if isinstance(body.get("requests"), list):
         adjust_job(body, model)
@@ -461,6 +470,33 @@ def adjust_valid_body(body: dict[str, Any], adjust: str, model: str, path: str) 
         for name in ("max_tokens", "max_completion_tokens"):
             if isinstance(body.get(name), int | float) and body[name] > MAX_TOKENS_LIMIT:
                 body[name] = MAX_TOKENS_LIMIT
+
+
+def adjust_modelless_body(body: dict[str, Any], adjust: str, path: str, trial: str | None) -> bool:
+    """The bodies that name no model, adjusted; whether `path` is one of theirs."""
+    if path in {"/v1/packages", "/v1/admin/backup"}:
+        # A package: the one the fuzzing made. A backup: no passphrase, as its seal runs
+        # scrypt (seconds and a GiB each; tests/appliance/test_sealed_backup.py seals with
+        # one); the generated recipients are refused.
+        kept = FUZZ_PACKAGE if path == "/v1/packages" else body.copy()
+        body.clear()
+        body.update({k: v for k, v in kept.items() if k != "passphrase"})
+        return True
+    if path.startswith("/v1/admin/packages/"):
+        body.pop("version", None)  # the cached version
+        return True
+    if path in {"/v1/admin/network", "/v1/admin/network/confirm"}:
+        # A confirmation names, as a rule, the change on trial (`trial`).
+        if path.endswith("/confirm") and adjust != "as generated" and trial is not None:
+            body["id"] = trial
+        return True
+    if path in {"/v1/admin/accounts", "/v1/admin/keys", "/v1/admin/bundles"}:
+        # Any account name the schema allows can be made (or is taken: 409); a key is of an
+        # account that exists, as a generated name only ever reaches account_not_found.
+        if path == "/v1/admin/keys" and adjust != "as generated":
+            body["account"] = FUZZ_ACCOUNT
+        return True
+    return False
 
 
 def adjust_job(body: dict[str, Any], model: str) -> None:
@@ -495,7 +531,8 @@ def test_fuzz_operation(fuzzed: Fuzzed, method: str, path: str, mode: Generation
     )
     def run(case: Any, adjust: str) -> None:
         if mode is GenerationMode.POSITIVE and isinstance(case.body, dict):
-            adjust_valid_body(case.body, adjust, fuzzed.model_for(path), path)
+            trial = fuzzed.network_trial() if path == "/v1/admin/network/confirm" else None
+            adjust_valid_body(case.body, adjust, fuzzed.model_for(path), path, trial)
         if mode is GenerationMode.POSITIVE and "packages/{id}" in path:
             case.path_parameters = {**(case.path_parameters or {}), "id": fuzzed.package_id}
         try:

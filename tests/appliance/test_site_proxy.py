@@ -17,7 +17,7 @@ from appliance.fleet.client import Proxy
 from hub.app import create_app as create_hub
 from hub.identity import ssl_context
 from hub.state.store import open_store
-from image.firstboot import appliance_environment
+from image.network import proxy_environment
 from shared.provisioning import Provisioning
 from tests.appliance.fleet_nodes import join, placement_hub
 from tests.conftest import free_port
@@ -107,7 +107,8 @@ def test_no_proxy_sends_a_host_direct_and_the_first_boot_hands_the_proxy_on(
         "hub_fingerprint": "sha256:" + "ab" * 32,
         "network": {"https_proxy": "http://proxy.school.lan:3128", "no_proxy": [".lan"]},
     })  # fmt: skip
-    env = appliance_environment(tmp_path / "kovenlab.json", provisioning)
+    assert provisioning.network is not None
+    env = proxy_environment(provisioning.network)
     assert "KVL_FLEET__HTTPS_PROXY='http://proxy.school.lan:3128'\n" in env
     assert f"KVL_FLEET__NO_PROXY='{json.dumps(['.lan'])}'\n" in env
     with pytest.raises(ValueError, match="not a host"):
