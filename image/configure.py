@@ -32,6 +32,7 @@ from shared import protocol
 from shared.files import write_private
 from shared.keys import ENROLLMENT_TOKEN, parse_prefix
 from shared.provisioning import BOOTSTRAP_ACCOUNT, BootstrapKey, Provisioning, ProvisioningError
+from shared.site_network import SiteNetwork
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -299,6 +300,34 @@ def provisioning_without_hub(name: str, account: str) -> tuple[Provisioning, str
     return document, plaintext
 
 
+_NETWORK_FIELDS = {
+    "--address": "addresses", "--gateway": "gateways", "--dns": "dns",
+    "--https-proxy": "https_proxy", "--no-proxy": "no_proxy",
+}  # fmt: skip
+
+
+def with_network(document: Provisioning, flags: dict[str, object]) -> Provisioning:
+    """`document` with the site's network the flags give (none given: as it is); a wrong
+    value is a usage error naming its flag."""
+    given = {
+        _NETWORK_FIELDS[flag]: list(value) if isinstance(value, tuple) else value
+        for flag, value in flags.items()
+        if value not in (None, ())
+    }
+    if not given:
+        return document
+    try:
+        network = SiteNetwork.model_validate(given)
+    except ValidationError as err:
+        named = {field: flag for flag, field in _NETWORK_FIELDS.items()}
+        problems = "; ".join(
+            f"{named.get(str(e['loc'][0]), '--address') if e['loc'] else '--address'}: {e['msg']}"
+            for e in err.errors()
+        )
+        raise click.UsageError(problems) from err
+    return document.model_copy(update={"network": network})
+
+
 def _labels(pairs: Sequence[str]) -> dict[str, str]:
     labels: dict[str, str] = {}
     for pair in pairs:
@@ -350,6 +379,17 @@ _IMAGE = click.Path(path_type=Path, dir_okay=False, exists=True)
     default=None,
     help=f"With --no-hub: the bootstrap key's account (default {BOOTSTRAP_ACCOUNT}).",
 )
+@click.option(
+    "--address",
+    "addresses",
+    multiple=True,
+    help="A static address with its prefix, 198.18.7.20/24 or 2001:db8::20/64 (repeatable); "
+    "none: DHCP.",
+)
+@click.option("--gateway", "gateways", multiple=True, help="The default gateway, one per family.")
+@click.option("--dns", multiple=True, help="A DNS server, in place of DHCP's (repeatable).")
+@click.option("--https-proxy", default=None, help="The site's proxy: http://HOST:PORT.")
+@click.option("--no-proxy", multiple=True, help="A host the proxy does not serve (repeatable).")
 def configure_command(
     image_file: Path,
     *,
@@ -361,15 +401,27 @@ def configure_command(
     labels: tuple[str, ...],
     no_hub: bool,
     admin_account: str | None,
+    addresses: tuple[str, ...],
+    gateways: tuple[str, ...],
+    dns: tuple[str, ...],
+    https_proxy: str | None,
+    no_proxy: tuple[str, ...],
 ) -> None:
     """Write the provisioning file (kovenlab.json) into IMAGE, without mounting it: on first
     boot the appliance enrolls with the hub it names, or (--no-hub) takes the bootstrap
     admin key printed here, once."""
     hub_flags = {"--hub": hub_url, "--token": token, "--fingerprint": fingerprint}
+    network_flags: dict[str, object] = {
+        "--address": addresses, "--gateway": gateways, "--dns": dns,
+        "--https-proxy": https_proxy, "--no-proxy": no_proxy,
+    }  # fmt: skip
     plaintext: str | None = None
     if provisioning is not None:
         others = {**hub_flags, "--name": name, "--label": labels, "--no-hub": no_hub}
-        _alone("--provisioning comes alone, without", {**others, "--admin-account": admin_account})
+        _alone(
+            "--provisioning comes alone, without",
+            {**others, "--admin-account": admin_account, **network_flags},
+        )
         document = _from_file(provisioning)
     elif no_hub:
         _alone("--no-hub names no hub: leave out", {**hub_flags, "--label": labels})
@@ -395,6 +447,7 @@ def configure_command(
             document = provisioning_from(hub_url, token, fingerprint, name, _labels(labels))
         except ValueError as err:
             raise click.UsageError(str(err)) from err
+    document = with_network(document, network_flags)
     try:
         part = configure(image_file, document)
     except ImageError as err:

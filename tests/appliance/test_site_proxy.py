@@ -6,8 +6,6 @@ and with the proxy gone the node cannot reach its hub; `no_proxy` sends a host d
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import time
 from typing import TYPE_CHECKING
 
@@ -20,7 +18,7 @@ from hub.state.store import open_store
 from image.network import proxy_environment
 from shared.provisioning import Provisioning
 from tests.appliance.fleet_nodes import join, placement_hub
-from tests.conftest import free_port
+from tests.site_proxy import SiteProxy, tinyproxy
 from tests.waiting import until
 
 if TYPE_CHECKING:
@@ -34,23 +32,9 @@ if TYPE_CHECKING:
 
 
 @pytest.fixture
-def proxy(tmp_path: Path) -> Iterator[tuple[int, Path, list[subprocess.Popen[bytes]]]]:
-    """tinyproxy on loopback, in the foreground; its port, its log, its process."""
-    binary = shutil.which("tinyproxy")
-    assert binary is not None, "tinyproxy is not installed: run `just setup-system`"
-    port, log = free_port(), tmp_path / "proxy.log"
-    conf = tmp_path / "tinyproxy.conf"
-    conf.write_text(
-        f'Port {port}\nListen 127.0.0.1\nTimeout 60\nLogFile "{log}"\nLogLevel Connect\n'
-        "MaxClients 50\nAllow 127.0.0.1\n"  # no ConnectPort: CONNECT to any port
-    )
-    processes = [subprocess.Popen([binary, "-d", "-c", str(conf)], stderr=subprocess.DEVNULL)]
-    try:
-        yield port, log, processes
-    finally:
-        for process in processes:
-            process.kill()
-            process.wait()
+def proxy(tmp_path: Path) -> Iterator[SiteProxy]:
+    with tinyproxy(tmp_path) as running:
+        yield running
 
 
 def _heard(hub: HubSettings) -> float:
@@ -65,10 +49,10 @@ def _heard(hub: HubSettings) -> float:
 async def test_a_node_reaches_its_hub_through_the_sites_proxy_and_not_without_it(
     aiohttp_server: AiohttpServer,
     tmp_path: Path,
-    proxy: tuple[int, Path, list[subprocess.Popen[bytes]]],
+    proxy: SiteProxy,
     scripted_models: list[ModelRecord],
 ) -> None:
-    port, log, processes = proxy
+    port = proxy.port
     hub = placement_hub(tmp_path)
     server = await aiohttp_server(create_hub(hub), ssl=ssl_context(hub))
     assert server.port is not None
@@ -78,19 +62,18 @@ async def test_a_node_reaches_its_hub_through_the_sites_proxy_and_not_without_it
     )  # fmt: skip
     await until(lambda: _heard(hub) > 0, "a heartbeat through the proxy", 60)
     tunnel = f"127.0.0.1:{server.port}"
-    await until(lambda: tunnel in log.read_text(errors="replace"), "the proxy's log", 30)
-    assert "CONNECT" in log.read_text(errors="replace")
+    await until(lambda: tunnel in proxy.seen(), "the proxy's log", 30)
+    assert "CONNECT" in proxy.seen()
 
     # The proxy gone, the node's calls go nowhere (they never went direct).
-    for process in processes:
-        process.kill()
-        process.wait()
+    proxy.process.kill()
+    proxy.process.wait()
     last = _heard(hub)
     await until(lambda: time.time() - _heard(hub) > 3, "heartbeats to stop", 30)
     assert _heard(hub) - last < 2
 
 
-def test_no_proxy_sends_a_host_direct_and_the_first_boot_hands_the_proxy_on(
+def test_no_proxy_sends_a_host_direct_and_the_network_agent_hands_the_proxy_on(
     tmp_path: Path,
 ) -> None:
     via = Proxy("http://proxy.school.lan:3128", ("hub.lan", ".internal", "10.0.0.0/8", "::1"))

@@ -325,3 +325,36 @@ def test_no_hub_refuses_what_does_not_belong_before_the_image_is_touched(
     assert said in result.output
     assert result.stdout.find("kvl_") == -1  # no key printed for a file never written
     assert digest(disk) == before
+
+
+def test_a_site_network_goes_into_the_file_and_a_wrong_one_is_named(disk: Path) -> None:
+    network = ["--address", "198.18.7.20/24", "--gateway", "198.18.7.2", "--dns", "198.18.7.3",
+               "--https-proxy", "http://198.18.7.2:3128", "--no-proxy", ".lan"]  # fmt: skip
+    result = CliRunner().invoke(
+        main, ["image", "configure", str(disk), "--no-hub", "--name", "lab-1", *network]
+    )
+    assert result.exit_code == 0, result.output
+    document = read_provisioning(disk)
+    assert document is not None
+    assert document.network is not None
+    assert document.network.system() == {
+        "interfaces": "en* eth*", "addresses": ["198.18.7.20/24"], "gateways": ["198.18.7.2"],
+        "dns": ["198.18.7.3"],
+    }  # fmt: skip
+    assert document.network.https_proxy == "http://198.18.7.2:3128"
+    assert document.network.no_proxy == [".lan"]
+
+    before = digest(disk)
+    for args, said in (
+        (["--address", "198.18.7.20/24", "--gateway", "198.18.9.1"], "--gateway: "),
+        (["--address", "198.18.7.0/24"], "--address: "),
+        (["--dns", "nameserver"], "--dns: "),
+        (["--https-proxy", "socks://p"], "--https-proxy: "),
+    ):
+        result = CliRunner().invoke(
+            main, ["image", "configure", str(disk), "--no-hub", "--name", "lab-1", *args]
+        )
+        assert result.exit_code == 2, result.output
+        assert said in result.output, result.output
+        assert result.stdout.find("kvl_") == -1
+    assert digest(disk) == before

@@ -3,6 +3,7 @@ that it boots on another worker while `test_image.py`'s four boots run."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import urllib.error
 import urllib.request
@@ -15,7 +16,7 @@ from openai import OpenAI
 from appliance.packages.cache import PackageCache
 from image.configure import ROOT_A_LABEL, partitions
 from tests.conftest import PATIENT_S1
-from tests.image.vm import GROW, Machine, accelerator, copy_image, kvl, write_files
+from tests.image.vm import GROW, LAN, Machine, accelerator, copy_image, kvl, write_files
 from tests.packages import package
 from tests.waiting import until_sync
 
@@ -34,13 +35,20 @@ def test_a_hubless_image_takes_a_key_made_over_the_lan_and_a_site_bundle(
     and a key over the LAN, which the node then serves. Then it takes a site bundle
     (`kvl bundle create`, signed as `just image` signs releases) through its admin API: a
     tampered copy is refused with nothing changed; the bundle's model is served (as the
-    official client lists it), and its package is cached."""
+    official client lists it), and its package is cached. Its network is the provisioning
+    file's static address from the first boot; moved through the admin API and confirmed
+    there, it is kept, and a change nobody confirms is rolled back."""
     disk = copy_image(Path(manifest["image"]), tmp_path / "disk.img", GROW)
-    admin = kvl("image", "configure", str(disk), "--no-hub", "--name", "lab-server").strip()
+    admin = kvl(
+        "image", "configure", str(disk), "--no-hub", "--name", "lab-server",
+        "--address", f"{STATIC}/24", "--gateway", GATEWAY, "--dns", DNS,
+    ).strip()  # fmt: skip
     if accelerator() == "tcg":
         root = next(p for p in partitions(disk) if p.name == ROOT_A_LABEL)
         write_files(disk, {PATIENCE: PATIENT}, root.offset)
-    with Machine(disk, tmp_path / "vm") as machine:
+    # The LAN API is forwarded to the static address alone: it answers only if the node
+    # took the provisioning file's network at its first boot.
+    with Machine(disk, tmp_path / "vm", guest=STATIC, more_guests=(MOVED,)) as machine:
         machine.wait_ready()
         base = f"http://127.0.0.1:{machine.port}"
         made = lan_call(base, "/v1/admin/accounts", admin, {"name": "class-7b"})
@@ -75,9 +83,64 @@ def test_a_hubless_image_takes_a_key_made_over_the_lan_and_a_site_bundle(
         assert "site-gemma" in {m.id for m in client.models.list()}
         packages = lan_call(base, "/v1/packages", key)
         assert [p["id"] for p in packages["data"]] == [PACKAGE_ID], packages
+
+        network_changes(base, f"http://127.0.0.1:{machine.ports[MOVED]}", admin)
         machine.power_off()
 
 
+def network_changes(base: str, moved: str, admin: str) -> None:
+    """The node moved to another address through its admin API, confirmed over the new
+    one and kept; then a change nobody can confirm (an address nothing reaches), rolled
+    back to the last working one by itself."""
+    state = lan_call(base, "/v1/admin/network", admin)
+    assert state["managed"] is True, state
+    assert state["applied"]["addresses"] == [f"{STATIC}/24"], state
+    assert "provisioning file" in state["source"], state
+    change = {"addresses": [f"{MOVED}/24"], "gateways": [GATEWAY], "confirm_within_s": 600}
+    asked = lan_call(base, "/v1/admin/network", admin, change, method="PUT")
+    assert asked["outcome"] == "requested", asked
+    # networkd has it once the node answers at the new address.
+    until_sync(lambda: answers(moved, admin), "the node at its new address", 600, every_s=2)
+    lan_call(moved, "/v1/admin/network/confirm", admin, {"id": asked["id"]})
+    kept: dict[str, Any] = {}
+
+    def settled() -> bool:
+        kept.update(lan_call(moved, "/v1/admin/network", admin))
+        return bool(kept["last"]["outcome"] != "trying")
+
+    until_sync(settled, "the confirmed change kept", 300, every_s=1)
+    assert kept["last"]["outcome"] == "applied", kept
+    assert kept["applied"]["addresses"] == [f"{MOVED}/24"], kept
+
+    lost = {"addresses": [f"{NOWHERE}/24"], "gateways": [GATEWAY], "confirm_within_s": 30}
+    asked = lan_call(moved, "/v1/admin/network", admin, lost, method="PUT")
+    ended: dict[str, Any] = {}
+
+    def back() -> bool:
+        if not answers(moved, admin):
+            return False
+        ended.update(lan_call(moved, "/v1/admin/network", admin))
+        return bool(ended["last"]["outcome"] != "trying")
+
+    until_sync(back, "the unconfirmed change rolled back", 900, every_s=2)
+    assert ended["last"]["id"] == asked["id"], ended
+    assert ended["last"]["outcome"] == "rolled_back", ended
+    assert "not confirmed within 30 s" in ended["last"]["reason"], ended
+    assert ended["applied"]["addresses"] == [f"{MOVED}/24"], ended
+
+
+def answers(base: str, admin: str) -> bool:
+    try:
+        lan_call(base, "/v1/admin/network", admin, timeout=10)
+    except (OSError, ValueError):  # refused, reset, timed out, or cut mid-answer
+        return False
+    return True
+
+
+# The guest's LAN (tests/image/vm.py): QEMU's user-mode network, this machine at .2.
+GATEWAY, DNS, STATIC, MOVED, NOWHERE = (
+    str(ipaddress.ip_network(LAN)[n]) for n in (2, 3, 20, 30, 40)
+)
 PATIENCE = "/etc/systemd/system/kovenlab-appliance.service.d/emulated.conf"
 # Emulated, a prompt takes minutes without a token: past the worker's hang bound (60 s),
 # which would restart it mid-prompt, and past S1's first-token objective, which would shed
@@ -136,14 +199,22 @@ def upload_bundle(base: str, admin: str, data: bytes) -> Any:
     return ended
 
 
-def lan_call(base: str, path: str, key: str, body: dict[str, Any] | None = None) -> Any:
-    """A call to the node's LAN API: POST `body` as JSON, or GET without one."""
+def lan_call(
+    base: str,
+    path: str,
+    key: str,
+    body: dict[str, Any] | None = None,
+    *,
+    method: str | None = None,
+    timeout: float = 60,
+) -> Any:
+    """A call to the node's LAN API: POST (or `method`) `body` as JSON, or GET without one."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
-        base + path, data=data, method="GET" if body is None else "POST"
+        base + path, data=data, method=method or ("GET" if body is None else "POST")
     )
     request.add_header("Authorization", f"Bearer {key}")
     if body is not None:
         request.add_header("Content-Type", "application/json")
-    with urllib.request.urlopen(request, timeout=60) as answer:
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
         return json.loads(answer.read())

@@ -5,8 +5,10 @@ holding UPDATE, a signed bundle of the image's own root with another version. It
 `test_rollback_image.py`, rolls out a broken release from the same start: the two boot side
 by side on two workers.
 
-1. Slot A, first boot: the first boot reads `kovenlab.json` from the EFI system partition, the
-   appliance answers `/readyz` through the forwarded port and enrolls with the hub, whose
+1. Slot A, first boot: the first boot reads `kovenlab.json` from the EFI system partition,
+   with the site's network in it: a static address, which the LAN API is forwarded to alone,
+   and a proxy (tinyproxy on this machine). The appliance answers `/readyz` at that address,
+   enrolls with the hub through the proxy (its log shows the CONNECT), and the hub's
    heartbeats then arrive through the WireGuard tunnel; the health check marks slot A good,
    and the node reports the flashed version (os-release's IMAGE_VERSION).
 2. A rollout of UPDATE with this node as its canary: the appliance fetches the bundle from the
@@ -23,6 +25,7 @@ which version.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import ssl
 from pathlib import Path
@@ -34,6 +37,8 @@ from image.configure import DATA_LABEL
 from shared import __version__
 from tests.image.vm import (
     GROW,
+    HUB_PORT,
+    LAN,
     Hub,
     Machine,
     copy_image,
@@ -46,9 +51,13 @@ from tests.image.vm import (
     start_rollout,
     wait_for,
 )
+from tests.site_proxy import tinyproxy
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
+
+# The guest's LAN (QEMU's user-mode network): this machine at .2, QEMU's DNS at .3.
+GATEWAY, DNS, STATIC = (str(ipaddress.ip_network(LAN)[n]) for n in (2, 3, 20))
 
 pytestmark = pytest.mark.image
 
@@ -62,28 +71,44 @@ def test_the_hub_rolls_out_a_release_into_the_other_slot(
     manifest: dict[str, Any], bundles: Future[dict[str, Path]], hub: Hub, tmp_path: Path
 ) -> None:
     disk = copy_image(Path(manifest["image"]), tmp_path / "disk.img", GROW)
-    kvl("image", "configure", str(disk), "--provisioning", str(hub.provisioning))
     context = ssl.create_default_context(cafile=str(hub.ca))
 
-    with Machine(disk, tmp_path / "vm") as machine:
-        # 1. slot A: ready, enrolled, heartbeating through its tunnel, marked good
-        enrolled = first_boot(machine, hub, bundles)
+    with tinyproxy(tmp_path) as proxy:
+        # The site's network in the provisioning file: a static address (the LAN API is
+        # forwarded to it alone) and its proxy, which the node enrolls through.
+        provisioning = json.loads(hub.provisioning.read_text())
+        provisioning["network"] = {
+            "addresses": [f"{STATIC}/24"], "gateways": [GATEWAY], "dns": [DNS],
+            "https_proxy": f"http://{GATEWAY}:{proxy.port}",
+        }  # fmt: skip
+        written = tmp_path / "kovenlab.json"
+        written.write_text(json.dumps(provisioning))
+        kvl("image", "configure", str(disk), "--provisioning", str(written))
 
-        # 2. UPDATE from the hub into slot B: on trial, then good; the same node, serving HTTPS
-        rollout = start_rollout(hub, UPDATE, enrolled.node_id, soak="0s")
-        assert reported(hub.rollout(rollout))["version"] == CURRENT  # the flashed image's
-        machine.wait_console("slot B marked good", bound_s=enrolled.update_bound_s)
-        machine.wait_ready("https", context)
-        wait_for(
-            lambda: hub.rollout(rollout)["state"] == "done",
-            "the rollout to be done",
-            enrolled.bound_s,
-            enrolled.why,
-        )
-        image = reported(hub.rollout(rollout))
-        assert (image["version"], image["state"], image["slot"]) == (UPDATE, "good", "rootfs.1")
-        assert [n["id"] for n in hub.nodes()] == [enrolled.node_id]  # enrolled once
-        machine.power_off()
+        with Machine(disk, tmp_path / "vm", guest=STATIC) as machine:
+            # 1. slot A: ready, enrolled (through the proxy), heartbeating through its
+            # tunnel, marked good
+            enrolled = first_boot(machine, hub, bundles)
+            assert f"CONNECT {hub.address}:{HUB_PORT}" in proxy.seen(), proxy.seen()
+
+            # 2. UPDATE from the hub into slot B: on trial, then good; the same node,
+            # serving HTTPS
+            rollout = start_rollout(hub, UPDATE, enrolled.node_id, soak="0s")
+            assert reported(hub.rollout(rollout))["version"] == CURRENT  # the flashed one
+            machine.wait_console("slot B marked good", bound_s=enrolled.update_bound_s)
+            machine.wait_ready("https", context)
+            wait_for(
+                lambda: hub.rollout(rollout)["state"] == "done",
+                "the rollout to be done",
+                enrolled.bound_s,
+                enrolled.why,
+            )
+            image = reported(hub.rollout(rollout))
+            assert (image["version"], image["state"], image["slot"]) == (
+                UPDATE, "good", "rootfs.1",
+            )  # fmt: skip
+            assert [n["id"] for n in hub.nodes()] == [enrolled.node_id]  # enrolled once
+            machine.power_off()
 
     end, size = data_partition_end(disk)
     assert size - end < 2 * 1024 * 1024, "the data partition did not grow to the end of the disk"

@@ -10,6 +10,7 @@ for example under PVM, whose KVM runs only guests built for it.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
@@ -52,6 +53,8 @@ READY_BOUND_S = {"kvm": 180.0, "tcg": 1200.0}
 ENROLLED_BOUND_S = {"kvm": 120.0, "tcg": 600.0}
 # A flashed disk is this much larger than the image (a real disk is): the data partition grows.
 GROW = 2 * 1024**3
+# The guest's LAN under QEMU's user-mode network (its own default is a private range).
+LAN = "198.18.7.0/24"
 
 
 def accelerator() -> str:
@@ -243,9 +246,22 @@ class Machine:
     qmp_port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
-    # Seen from the guest at 10.0.2.2:PORT (QEMU's user-mode network reaches this
-    # machine's loopback there)
-    host_address: str = "10.0.2.2"
+    # QEMU's user-mode network: the guest's LAN, where this machine's loopback is its .2
+    # (its DHCP server gives .15 onwards, its DNS is .3)
+    lan: str = LAN
+    # The address the LAN API is forwarded to: a static one the guest must have taken, or
+    # (None) whichever DHCP gave it.
+    guest: str | None = None
+    # More of the guest's addresses forwarded, each from a port of its own (`ports`).
+    more_guests: tuple[str, ...] = ()
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.ports = {guest: free_port() for guest in self.more_guests}
+
+    @property
+    def host_address(self) -> str:
+        return str(ipaddress.ip_network(self.lan)[2])
 
     @property
     def serial_log(self) -> Path:
@@ -265,7 +281,10 @@ class Machine:
             "-drive", f"if=pflash,format=raw,file={variables}",
             "-drive", f"file={self.disk},format=raw,if=virtio",
             # No option ROM on the NIC: the firmware boots the disk without trying the network.
-            "-netdev", f"user,id=lan,hostfwd=tcp:127.0.0.1:{self.port}-:8080",
+            "-netdev", f"user,id=lan,net={self.lan},"
+                       f"hostfwd=tcp:127.0.0.1:{self.port}-{self.guest or ''}:8080"
+                       + "".join(f",hostfwd=tcp:127.0.0.1:{port}-{guest}:8080"
+                                 for guest, port in self.ports.items()),
             "-device", "virtio-net-pci,netdev=lan,romfile=",
             "-object", "rng-random,id=rng,filename=/dev/urandom",
             "-device", "virtio-rng-pci,rng=rng",
@@ -356,7 +375,10 @@ class Machine:
 
 
 DEBUGFS = "debugfs"
-UNITS = ("kovenlab-firstboot", "kovenlab-appliance", "kovenlab-health", "rauc")
+UNITS = (
+    "kovenlab-network", "kovenlab-network-apply", "kovenlab-firstboot", "kovenlab-appliance",
+    "kovenlab-health", "rauc",
+)  # fmt: skip
 
 
 def _debugfs() -> str:
