@@ -8,8 +8,8 @@ by side on two workers.
 1. Slot A, first boot: the first boot reads `kovenlab.json` from the EFI system partition,
    with the site's network in it: a static address, which the LAN API is forwarded to alone,
    and a proxy (tinyproxy on this machine). The appliance answers `/readyz` at that address,
-   enrolls with the hub through the proxy (its log shows the CONNECT), and the hub's
-   heartbeats then arrive through the WireGuard tunnel; the health check marks slot A good,
+   enrolls with the hub through the proxy (its log shows the CONNECT), and its heartbeats
+   then arrive through the WireGuard tunnel; the health check marks slot A good,
    and the node reports the flashed version (os-release's IMAGE_VERSION).
 2. A rollout of UPDATE with this node as its canary: the appliance fetches the bundle from the
    hub through the tunnel, `rauc install`s it into slot B and asks for the reboot (it runs
