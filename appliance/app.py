@@ -40,6 +40,7 @@ from appliance.gateway.middleware import authenticate, errors_and_metrics
 from appliance.gateway.network import NETWORKS, SiteNetworks
 from appliance.gateway.offload import Offload
 from appliance.gateway.packages import PACKAGES, PACKAGES_URL, decide_file
+from appliance.gateway.peers import PEERS, PeerFiles
 from appliance.gateway.responses import RESPONSES
 from appliance.gateway.routes import ROUTES
 from appliance.gateway.server import FleetListener
@@ -278,6 +279,12 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
     link.on_certificate = on_certificate
     await link.restore_leases()
     app[FLEET] = link
+    # The model files this node holds, for the other nodes of its site (protocol 10).
+    app[PEERS] = PeerFiles(
+        site=lambda: link.identity.site if link.identity is not None else None,
+        trust=link.certificate.trust,
+        fetching=link.fetching,
+    )
     # Only a node that is, or is to be, in a fleet talks to a hub: a provisioning file of a
     # site without a hub carries a bootstrap key and no hub.
     active = app[PROVISIONED].hub or link.identity is not None

@@ -10,6 +10,7 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared import protocol
 from shared.backup_settings import ScheduleSettings
 from shared.gguf import DEFAULT_N_CTX, DEFAULT_N_SLOTS
 from shared.site_network import no_proxy_hosts
@@ -784,6 +785,11 @@ class FleetLinkSettings(_Section):
     def _no_proxy(cls, value: list[str]) -> list[str]:
         return no_proxy_hosts(value)
 
+    @field_validator("peer_addresses")
+    @classmethod
+    def _peer_addresses(cls, value: list[str] | None) -> list[str] | None:
+        return None if value is None else [protocol.unicast(a) for a in value]
+
     tunnel: bool = Field(
         default=True,
         description=(
@@ -824,6 +830,25 @@ class FleetLinkSettings(_Section):
         description=(
             "Run the short instruction-following evaluation on each model the hub places here "
             "(12 greedy chat requests at the lowest priority) and report its score."
+        ),
+    )
+    peer_addresses: list[str] | None = Field(
+        None,
+        max_length=8,
+        description=(
+            "The addresses the other nodes of this site reach its LAN API at, to fetch a "
+            "model file it holds (the hub tells them); unset: the addresses of its own "
+            "network interfaces (not loopback, link-local or the tunnel's)."
+        ),
+    )
+    peer_wait_s: float = Field(
+        600.0,
+        ge=0,
+        le=86_400,
+        description=(
+            "How long a node waits for the node of its site that fetches a placed model "
+            "file from the hub first, before fetching it from the hub itself: the site's "
+            "link carries each file once."
         ),
     )
     outbox_alarm_events: int = Field(

@@ -82,6 +82,8 @@ class ErrorCode(StrEnum):
     upload_offset_mismatch = "upload_offset_mismatch"
     upload_closed = "upload_closed"
     network_not_managed = "network_not_managed"
+    peer_ticket_refused = "peer_ticket_refused"
+    artifact_fetching = "artifact_fetching"
     network_trial = "network_trial"
     account_not_found = "account_not_found"
     key_not_found = "key_not_found"
@@ -297,6 +299,17 @@ _KINDS: dict[ErrorCode, _Kind] = {
         "conflict_error",
         "a piece of an upload that takes no more (being checked or applied, applied, "
         "failed), a cancel of one being applied, or an upload begun while too many are open",
+    ),
+    ErrorCode.peer_ticket_refused: _Kind(
+        403,
+        "permission_error",
+        "a file asked of a node by another of its site without the hub's ticket for it, or "
+        "with one not the hub's, for another file or site, or expired",
+    ),
+    ErrorCode.artifact_fetching: _Kind(
+        409,
+        "conflict_error",
+        "a file asked of a node that is fetching it itself: ask again later (Retry-After)",
     ),
     ErrorCode.network_not_managed: _Kind(
         409,

@@ -61,11 +61,18 @@ good backup, the last failure, and when the next one is overdue); the hub's cons
 them and its `backup_overdue` alert reads them. An older node never sends it: the hub reads
 no schedule. It adds the site's update window to `DesiredState` (`window`): model files
 wait for it as releases do; an older node is not given it, and fetches them at once.
+
+Version 10 lets the nodes of a site share model files, so the site's WAN link carries each
+once: a node reports the addresses its site reaches its LAN API at (`LanApi.addresses`),
+and each `PlacedModel` names the other nodes of the site placed the same model (`peers`,
+the one that fetches it from the hub first marked) with the hub's `ticket` for the file
+(shared/peer_tickets.py). An older node is given neither and fetches from the hub.
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import re
 from typing import Annotated, Any, Literal, Self, get_origin
 
@@ -81,7 +88,7 @@ from pydantic import (
 
 from shared import jsonlimits
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 OLDEST_NODE_PROTOCOL = 2
 PROTOCOL_HEADER = "Kvl-Protocol"
 
@@ -214,14 +221,31 @@ class Gpu(Message):
     memory_free_mib: Mib | None = None
 
 
+def unicast(value: str) -> str:
+    """A node's own address, where the other nodes of its site reach it: one host, not a
+    multicast, unspecified or link-local one (loopback stays: a fleet on one machine)."""
+    try:
+        address = ipaddress.ip_address(value)
+    except ValueError as err:
+        raise ValueError(f"{value[:60]!r} is not an IP address") from err
+    if address.is_multicast or address.is_unspecified or address.is_link_local:
+        raise ValueError(f"{address} is not an address another node can reach")
+    return str(address)
+
+
+Unicast = Annotated[str, StringConstraints(max_length=45), AfterValidator(unicast)]
+
+
 class LanApi(Message):
     """Where the hub reaches a node's API (at the address its heartbeats come from): its
     LAN API, and (protocol 3) its fleet listener, where the node serves the hub's calls
-    over mutual TLS only."""
+    over mutual TLS only; (protocol 10) the addresses the other nodes of its site reach its
+    LAN API at, to fetch a model file it holds."""
 
     port: int = Field(ge=1, le=65535)
     tls: bool = False
     fleet_port: int | None = Field(None, ge=1, le=65535)
+    addresses: list[Unicast] = Field(default_factory=list, max_length=8)
 
 
 # How a node's last image update went (appliance/update/): fetching the bundle, installing
@@ -660,8 +684,22 @@ class ModelPreset(Message):
         return self.n_ctx, self.n_slots, self.kv_type
 
 
+PeerUrl = Annotated[str, StringConstraints(max_length=300, pattern=r"^https?://[^\s/]+$")]
+
+
+class ModelPeer(Message):
+    """Another node of the site the same model is placed on (protocol 10): its LAN API, and
+    whether it fetches the file from the hub before this node does (the node with the
+    lower id goes first; the others wait for it, then fetch from it)."""
+
+    node_id: Id
+    urls: list[PeerUrl] = Field(max_length=8)
+    first: bool = False
+
+
 class PlacedModel(Message):
-    """A model placed on the node: fetched through the tunnel by sha256, checked, loaded."""
+    """A model placed on the node: fetched through the tunnel by sha256, checked, loaded;
+    (protocol 10) from a peer of its site where one holds it, with the hub's ticket."""
 
     name: Name
     version: Name
@@ -669,6 +707,8 @@ class PlacedModel(Message):
     size_bytes: int = Field(ge=0)
     format: Short
     preset: ModelPreset | None = None  # protocol 7
+    peers: list[ModelPeer] = Field(default_factory=list, max_length=16)  # protocol 10
+    ticket: Annotated[str, StringConstraints(max_length=1024)] | None = None  # protocol 10
 
 
 class SeededPackage(Message):
@@ -830,7 +870,8 @@ ADDED_IN: dict[type[Message], dict[str, int]] = {
         "backup": 9,
     },
     DesiredState: {"release": 6, "settings": 7, "window": 9},
-    PlacedModel: {"preset": 7},
+    PlacedModel: {"preset": 7, "peers": 10, "ticket": 10},
+    LanApi: {"addresses": 10},
     NodeSettings: {"packages": 8},
     ClassTargets: {"first_token_per_token_s": 8, "complete_per_token_s": 8},
 }

@@ -11,7 +11,10 @@ import hashlib
 from typing import TYPE_CHECKING, BinaryIO
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
     from pathlib import Path
+
+    import aiohttp
 
     from appliance.fleet.client import HubClient
 
@@ -37,6 +40,19 @@ def _resume_offset(partial: Path, size: int) -> int:
 async def fetch_checked(client: HubClient, sha256: str, size: int, partial: Path) -> None:
     """The file of `sha256` and `size` whole in `partial`, checked. HubError when the
     hub cannot be reached (what came is kept, to resume from)."""
+    await fetch_checked_from(lambda offset: client.artifact(sha256, offset), sha256, size, partial)
+
+
+async def fetch_checked_from(
+    source: Callable[[int], Awaitable[aiohttp.ClientResponse]],
+    sha256: str,
+    size: int,
+    partial: Path,
+    what: str = "the hub",
+) -> None:
+    """`fetch_checked` from `source` (the answer to a fetch from an offset): the hub, or
+    a peer of the node's site (`what` names it in errors). The checks are the same: a
+    peer's word counts for nothing but the bytes, checked against the digest."""
     offset = await asyncio.to_thread(_resume_offset, partial, size)
     # Hashed as it arrives, not read again after: on a node with a slow disk or CPU a
     # release bundle (600 MiB) read twice was a third of its fetch. A resumed fetch hashes
@@ -44,10 +60,10 @@ async def fetch_checked(client: HubClient, sha256: str, size: int, partial: Path
     digest = await asyncio.to_thread(_hash_prefix, partial, offset)
     written = offset
     if offset < size:  # a whole file left by a stop before its check needs no fetch
-        response = await client.artifact(sha256, offset)
+        response = await source(offset)
         try:
             if response.status not in {200, 206}:
-                raise DownloadError(f"the hub answered {response.status} for {sha256[:12]}")
+                raise DownloadError(f"{what} answered {response.status} for {sha256[:12]}")
             # 206 appends to what came before; 200: the hub sent it whole, from the start.
             if response.status == 200:
                 written, digest = 0, hashlib.sha256()
@@ -56,7 +72,7 @@ async def fetch_checked(client: HubClient, sha256: str, size: int, partial: Path
                     written += len(chunk)
                     if written > size:
                         out.truncate(0)  # checked below: deleted as not the file
-                        raise DownloadError(f"the hub sent more than the {size} bytes it named")
+                        raise DownloadError(f"{what} sent more than the {size} bytes named")
                     out.write(chunk)
                     digest.update(chunk)
         finally:

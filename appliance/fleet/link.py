@@ -146,6 +146,8 @@ class FleetLink:
                 packages,
                 failures=metrics.failures,
                 evaluate=settings.evaluate_placed,
+                peer_wait_s=settings.peer_wait_s,
+                trust_file=files.certificate.trust_path,
             )
             if models_dir is not None
             else None
@@ -376,6 +378,31 @@ class FleetLink:
             self.applied = given
             log.info("the hub's settings applied: %s", given.model_dump(exclude_defaults=True))
 
+    def fetching(self, sha256: str) -> bool:
+        """Whether this node is fetching that file now (a peer asking for it waits)."""
+        return self._converger is not None and sha256 in self._converger.fetching
+
+    def peer_addresses(self) -> list[str]:
+        """Where the other nodes of this site reach this node's LAN API (`fleet.peer_addresses`,
+        or its interfaces' addresses but loopback, link-local and the tunnel's)."""
+        if self._settings.peer_addresses is not None:
+            return self._settings.peer_addresses
+        overlay = self.identity.overlay_address if self.identity is not None else None
+        found: list[str] = []
+        for name, addresses in psutil.net_if_addrs().items():
+            if name == self._settings.interface:
+                continue
+            for address in addresses:
+                text = address.address.split("%")[0]
+                try:
+                    ip = ipaddress.ip_address(text)
+                except ValueError:
+                    continue  # a link-layer address
+                if ip.is_loopback or ip.is_link_local or ip.is_multicast or text == overlay:
+                    continue
+                found.append(str(ip))
+        return found[:8]
+
     async def tick(self) -> None:
         """One heartbeat (enrolling first if this node has not yet)."""
         await self.apply_settings()
@@ -499,7 +526,13 @@ class FleetLink:
             outbox_alarm=alarm,
             # Where the hub reaches this node's LAN API (at the address heartbeats come
             # from), for requests other nodes offload (with their clients' keys).
-            api=protocol.LanApi(**self._api, fleet_port=self.fleet_port) if self._api else None,
+            api=(
+                protocol.LanApi(
+                    **self._api, fleet_port=self.fleet_port, addresses=self.peer_addresses()
+                )
+                if self._api
+                else None
+            ),
             offload=bool(self._api),
             trust_digest=self.certificate.trust_digest(),
             # The isolation each model runs at, as the registry read it back.

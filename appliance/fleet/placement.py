@@ -19,14 +19,17 @@ import contextlib
 import hashlib
 import json
 import logging
+import ssl
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+import aiohttp
 from pydantic import ValidationError
 
 from appliance.fleet.client import HubError
-from appliance.fleet.downloads import CHUNK, DownloadError, fetch_checked
+from appliance.fleet.downloads import CHUNK, DownloadError, fetch_checked, fetch_checked_from
 from appliance.packages.cache import CacheError
 from appliance.serving.engine import NotLoadedError, QueueFullError
 from appliance.serving.evaluation import evaluate
@@ -40,6 +43,7 @@ from appliance.serving.supervisor import WorkerUnavailableError
 from appliance.state.records import ModelRecord
 from appliance.state.store import now_iso
 from shared import protocol
+from shared.peer_tickets import PEER_ARTIFACTS, PEER_TICKET_HEADER
 from shared.supervise import Failures
 
 if TYPE_CHECKING:
@@ -55,6 +59,28 @@ log = logging.getLogger(__name__)
 
 MAX_BUNDLE = 1 << 30  # bytes: a package archive is held in memory while it is checked
 REFUSALS = (UnknownModelError, ModelNotReadyError, InsufficientMemoryError, ModelPinnedError)
+
+
+@dataclass(frozen=True)
+class _File:
+    """A model file fetched from a peer: its digest and size, where it goes, the ticket."""
+
+    sha256: str
+    size: int
+    partial: Path
+    ticket: str
+
+
+def _peers(model: dict[str, Any]) -> list[protocol.ModelPeer]:
+    """The peers of a placed model as kept from the desired state (checked when it came)."""
+    raw = model.get("peers")
+    if not isinstance(raw, list):
+        return []
+    peers = []
+    for entry in raw:
+        with contextlib.suppress(ValidationError):
+            peers.append(protocol.ModelPeer.model_validate(entry))
+    return peers
 
 
 def _hhmm(minute: int) -> str:
@@ -76,8 +102,17 @@ class Converger:
         failures: Failures | None = None,
         evaluate: bool = True,
         clock: Callable[[], float] = time.time,
+        peer_wait_s: float = 600.0,
+        trust_file: Path | None = None,
     ) -> None:
         self._evaluate = evaluate
+        # Fetching from the site's peers (protocol 10): how long to wait for the one that
+        # fetches a file from the hub first, since when each file was waited for, and the
+        # fleet's CA bundle, which a peer's LAN certificate chains to.
+        self._peer_wait_s = peer_wait_s
+        self._waiting_since: dict[str, float] = {}
+        self._trust_file = trust_file
+        self.fetching: set[str] = set()  # sha256 of the files being fetched now
         self._clock = clock
         # ref → the evaluation of the model placed here under its current preset (heartbeats
         # carry them); kept in the store, so a restart does not evaluate again.
@@ -290,12 +325,94 @@ class Converger:
         sha256, size = str(model["sha256"]), int(model["size_bytes"])
         target = self._models_dir / f"{model['name']}-{model['version']}-{sha256[:12]}.gguf"
         partial = target.with_name(target.name + ".part")
-        log.info(
-            "fetching %s@%s from the hub (%d MiB)", model["name"], model["version"], size >> 20
-        )
+        ref = f"{model['name']}@{model['version']}"
+        self.fetching.add(sha256)
         try:
-            await fetch_checked(client, sha256, size, partial)
+            peers = _peers(model)
+            ticket = model.get("ticket")
+            if peers and isinstance(ticket, str):
+                wait = await self._from_peers(peers, _File(sha256, size, partial, ticket))
+                if wait is None:
+                    self._waiting_since.pop(sha256, None)
+                    partial.replace(target)
+                    return target
+                since = self._waiting_since.setdefault(sha256, self._clock())
+                if wait and self._clock() - since < self._peer_wait_s:
+                    raise PlacementError(
+                        f"waiting for node {wait} of this site, which fetches the file "
+                        "from the hub first (then this node fetches it from there)"
+                    )
+            log.info("fetching %s from the hub (%d MiB)", ref, size >> 20)
+            try:
+                await fetch_checked(client, sha256, size, partial)
+            except DownloadError as err:
+                raise PlacementError(str(err)) from err
+            self._waiting_since.pop(sha256, None)
+            partial.replace(target)
+            return target
+        finally:
+            self.fetching.discard(sha256)
+
+    async def _from_peers(self, peers: list[protocol.ModelPeer], file: _File) -> str | None:
+        """The file from a peer of the site that holds it (None once it is in its partial
+        file, checked); else the id of a peer to wait for (one fetching it now, or the one
+        that fetches it from the hub first and has not yet), or "" when there is none."""
+        wait = ""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=60)
+        trusted = self._trust_file is not None and self._trust_file.is_file()
+        context = ssl.create_default_context(cafile=self._trust_file) if trusted else None
+        if context is not None:
+            context.check_hostname = False  # a peer's certificate names it, not an address
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for peer in sorted(peers, key=lambda p: not p.first):
+                for url in peer.urls:
+                    found = await self._from_peer(session, context, url, peer, file)
+                    if found == "fetched":
+                        return None
+                    if found == "wait" and not wait:
+                        wait = peer.node_id
+                    if found != "unreachable":
+                        break  # the peer answered: its other addresses would say the same
+        return wait
+
+    async def _from_peer(
+        self,
+        session: aiohttp.ClientSession,
+        context: ssl.SSLContext | None,
+        url: str,
+        peer: protocol.ModelPeer,
+        file: _File,
+    ) -> Literal["fetched", "wait", "none", "unreachable"]:
+        sha256, ticket = file.sha256, file.ticket
+        address = f"{url}{PEER_ARTIFACTS}/{sha256}"
+        if url.startswith("https:") and context is None:
+            return "unreachable"  # no CA bundle yet to check its certificate with
+
+        async def source(offset: int) -> aiohttp.ClientResponse:
+            headers = {PEER_TICKET_HEADER: ticket}
+            if offset:
+                headers |= {"Range": f"bytes={offset}-", "If-Range": f'"{sha256}"'}
+            return await session.get(address, headers=headers, ssl=context or False)
+
+        try:
+            # One byte first: whether the peer holds the file, is fetching it, or neither.
+            probe_headers = {PEER_TICKET_HEADER: ticket, "Range": "bytes=0-0"}
+            async with session.get(address, headers=probe_headers, ssl=context or False) as probe:
+                status = 200 if probe.status == 206 else probe.status
+            if status == 409 or (status == 404 and peer.first):
+                return "wait"  # fetching it now, or first to fetch it and not yet begun
+            if status != 200:
+                log.info("peer %s answered %d for %s", peer.node_id, status, sha256[:12])
+                return "none"
+            log.info("fetching %s from node %s of this site (%d MiB)", sha256[:12],
+                     peer.node_id, file.size >> 20)  # fmt: skip
+            await fetch_checked_from(
+                source, sha256, file.size, file.partial, f"node {peer.node_id}"
+            )
         except DownloadError as err:
-            raise PlacementError(str(err)) from err
-        partial.replace(target)
-        return target
+            log.warning("from peer %s: %s", peer.node_id, err)
+            return "none"
+        except (aiohttp.ClientError, OSError, TimeoutError) as err:
+            log.info("peer %s at %s: %s", peer.node_id, url, err)
+            return "unreachable"
+        return "fetched"

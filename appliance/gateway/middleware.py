@@ -41,6 +41,8 @@ _HTTP_CODES = {
     413: ErrorCode.request_too_large,
 }
 
+PEER_PREFIX = "/v1/peer/"  # appliance/gateway/peers.py: the hub's ticket, no key
+
 
 def route_label(request: web.Request) -> str:
     resource = request.match_info.route.resource
@@ -134,9 +136,12 @@ def _http_message(exc: web.HTTPException, request: web.Request) -> str:
 @web.middleware
 async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every /v1 route needs `Authorization: Bearer <key>` of a key that is not revoked,
-    but the hub's own (`/v1/fleet/…`), which need the hub's certificate and no key."""
+    but the hub's own (`/v1/fleet/…`), which need the hub's certificate and no key, and
+    the site's peers' (`/v1/peer/…`), which need the hub's ticket for the file."""
     if not request.path.startswith("/v1/") and request.path != "/v1":
         return await handler(request)
+    if request.path.startswith(PEER_PREFIX):
+        return await handler(request)  # the hub's ticket, checked by the route
     if request.path.startswith(FLEET_PREFIX):
         # Only a fleet route that exists asks for the hub's certificate: a path not routed,
         # or a method not allowed, is a 404 or a 405 whoever calls.

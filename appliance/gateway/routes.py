@@ -14,6 +14,7 @@ from appliance.gateway import (
     jobs,
     network,
     packages,
+    peers,
     responses,
     speech,
     websocket,
@@ -140,6 +141,22 @@ ROUTES: tuple[Route, ...] = (
         errors=(*_AUTH, *_BODY, *_GENERATE),
         streams=True,
         caller="hub",
+    ),
+    Route(
+        "GET",
+        "/v1/peer/artifacts/{sha256}",
+        peers.peer_artifact,
+        "Another node of this site fetches a model file this node holds, with the hub's "
+        "ticket for it (`X-Kvl-Peer-Ticket`), no API key: the site's link carries the file "
+        "once. Range and If-Range on the digest resume a cut fetch.",
+        auth=False,
+        errors=(
+            ErrorCode.invalid_value,
+            ErrorCode.peer_ticket_refused,
+            ErrorCode.not_found,
+            ErrorCode.artifact_fetching,
+        ),
+        caller="peer",
     ),
     Route(
         "GET",

@@ -296,6 +296,12 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.peer_bytes_served = Counter(
+            "kvl_fleet_peer_bytes_served",
+            "Bytes of model files this node sent to other nodes of its site (each fetched "
+            "from here, not over the site's link to the hub).",
+            registry=r,
+        )
         self.background_failures = Counter(
             "kvl_background_failures",
             "Exceptions a background loop survived (logged with their traceback; the loop "

@@ -34,7 +34,7 @@ from hub.planning.quota import Sizing
 from hub.state.accounts import ForeignAccountError
 from hub.state.leases import ForeignLeaseError
 from hub.state.nodes import Heartbeat, Node
-from shared import jsonlimits, protocol
+from shared import jsonlimits, peer_tickets, protocol
 from shared.blobs import IMMUTABLE, send_blob
 from shared.errors import ApiError, ErrorCode
 
@@ -284,7 +284,7 @@ async def artifact(request: web.Request) -> web.StreamResponse:
     rate = await store.run(store.sync.rollouts.bandwidth_of, node.site)
     pace = None if rate is None else request.app[BANDWIDTH].pacer(node.site, rate)
     with blob:
-        return await send_blob(
+        response = await send_blob(
             request,
             blob,
             sha256=sha256,
@@ -292,6 +292,9 @@ async def artifact(request: web.Request) -> web.StreamResponse:
             cache_control=IMMUTABLE,
             pace=pace,
         )
+    if request.method == "GET" and response.content_length:
+        request.app[METRICS].artifact_bytes.labels(node.site).inc(response.content_length)
+    return response
 
 
 async def desired_state(request: web.Request) -> web.Response:
@@ -309,6 +312,25 @@ async def desired_state(request: web.Request) -> web.Response:
     if after >= 0 and await store.run(store.sync.serials.desired) <= after:
         return web.Response(status=204, headers=protocol_header())
     state = await store.run(store.sync.desired.of, node)
+    if any(m.peers for m in state.models):
+        # The hub's word that this node may fetch those files from its site's peers,
+        # signed by the CA that signs now (every node trusts it).
+        signing = request.app[TLS].phase.signing
+        expires = int(time.time()) + peer_tickets.TTL_S
+        models = [
+            m.model_copy(
+                update={
+                    "ticket": peer_tickets.issue(
+                        signing.key_pem,
+                        peer_tickets.Claims(m.sha256, node.site, node.id, expires),
+                    )
+                }
+            )
+            if m.peers
+            else m
+            for m in state.models
+        ]
+        state = state.model_copy(update={"models": models})
     return answer(state, version=request[NODE_PROTOCOL])
 
 

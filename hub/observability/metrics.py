@@ -123,6 +123,13 @@ class HubMetrics:
             ["loop"],
             registry=r,
         )
+        self.artifact_bytes = Counter(
+            "kvl_hub_artifact_bytes",
+            "Bytes of model files, packages and release bundles the hub sent its nodes, by "
+            "site: what each site's link to the hub carried of them.",
+            ["site"],
+            registry=r,
+        )
         self.db_seconds = Histogram(
             "kvl_hub_db_duration_seconds",
             "Time of a store call on its thread, waiting included, by operation (the "

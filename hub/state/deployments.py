@@ -180,6 +180,27 @@ class Deployments:
             self._serials.bump()
             return True
 
+    def site_peers(self, node_id: str, site: str) -> list[tuple[str, str, str | None]]:
+        """The other nodes of `site` (not revoked) that hold placements of the models placed
+        on `node_id`, as (the model's sha256, the peer's id, its last capacity as stored):
+        where the node can fetch those files within its site (protocol 10)."""
+        placed = (
+            "SELECT p.node_id, m.sha256 FROM placements p"
+            " JOIN deployments d ON d.id = p.deployment_id"
+            " LEFT JOIN placement_models o ON o.deployment_id = p.deployment_id"
+            " AND o.node_id = p.node_id"
+            " JOIN models m ON m.ref = COALESCE(o.model, d.model)"
+        )
+        rows = self._db.execute(
+            f"SELECT DISTINCT theirs.sha256, n.id, n.capacity FROM ({placed}) theirs"  # noqa: S608 - no input in it
+            f" JOIN ({placed}) mine ON mine.sha256 = theirs.sha256 AND mine.node_id = ?"
+            " JOIN nodes n ON n.id = theirs.node_id"
+            " WHERE n.site = ? AND n.id <> ? AND n.revoked_at IS NULL"
+            " ORDER BY theirs.sha256, n.id",
+            [node_id, site, node_id],
+        ).fetchall()
+        return [(r[0], r[1], r[2]) for r in rows]
+
     def placed_models(self, node_id: str) -> list[Placed]:
         """The models placed on a node, for its desired state: each placement's
         deployment's model, or the one a model rollout gave that placement

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from hub.state.nodes import capacity_of
 from shared import protocol
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class DesiredStates:
                 for r in self._db.query("SELECT * FROM api_keys ORDER BY prefix")
                 if r["account"] in names
             ]
+            peers = self._peers(node)
             return protocol.DesiredState(
                 node_id=node.id,
                 serial=serial,
@@ -98,6 +100,9 @@ class DesiredStates:
                         # Checked when the deployment was made; a stored preset this
                         # protocol no longer reads is left out rather than failing the node.
                         preset=_preset(p.preset),
+                        # The other nodes of its site placed the same file (protocol 10):
+                        # fetched from one of them, the site's link carries it once.
+                        peers=peers.get(p.model.sha256, []),
                     )
                     for p in self._deployments.placed_models(node.id)
                 ],
@@ -112,6 +117,26 @@ class DesiredStates:
                 # The site's update window (protocol 9): model files wait for it too.
                 window=self._rollouts.window_of(node.site),
             )
+
+    def _peers(self, node: Node) -> dict[str, list[protocol.ModelPeer]]:
+        """sha256 → the other nodes of the node's site placed that model file, each where
+        it is reached; the one with the lower id fetches it from the hub first."""
+        found: dict[str, list[protocol.ModelPeer]] = {}
+        for sha256, peer_id, stored in self._deployments.site_peers(node.id, node.site):
+            urls = _urls(capacity_of(stored).api)
+            if urls:
+                peer = protocol.ModelPeer(node_id=peer_id, urls=urls, first=peer_id < node.id)
+                found.setdefault(sha256, []).append(peer)
+        return {sha256: peers[:16] for sha256, peers in found.items()}
+
+
+def _urls(api: protocol.LanApi | None) -> list[str]:
+    """A node's LAN API at each address it reports for its site (none: an older node)."""
+    if api is None:
+        return []
+    scheme = "https" if api.tls else "http"
+    hosts = [f"[{a}]" if ":" in a else a for a in api.addresses]
+    return [f"{scheme}://{host}:{api.port}" for host in hosts]
 
 
 def _preset(stored: Mapping[str, Any] | None) -> protocol.ModelPreset | None:
