@@ -19,7 +19,12 @@ seconds from losing the LAN API for the trial boot to serving again from the pre
 (the rollback: the trial, the health check giving up, the reboot), and from the rollout's
 start to the hub halting it.
 
-Run (as root): ``python -m tests.benchmarks.image [--boots 3] [--no-updates]``.
+And a site's link (`--site-fetch`, on by default; tests/benchmarks/site_fetch.py, needs no
+QEMU): two nodes of one site placed one model, the bytes the shaped WAN link carried with
+the nodes sharing the file and without.
+
+Run (as root): ``python -m tests.benchmarks.image [--boots 3] [--no-updates]
+[--no-site-fetch]``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from shared import __version__
+from tests.benchmarks import site_fetch
 from tests.benchmarks.report import headline
 from tests.benchmarks.serving import say, stamp
 from tests.image.vm import (
@@ -275,7 +281,16 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="also roll out an update and a broken release from the hub (on)",
     )
+    parser.add_argument(
+        "--site-fetch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also two nodes of a site fetching one model over a shaped link (on; "
+        "tests/benchmarks/site_fetch.py, its own results file)",
+    )
     args = parser.parse_args(argv)
+    if args.site_fetch:
+        site_fetch.main([])
     why = unavailable()
     if why is not None:
         say(f"image: skipped, {why}")

@@ -40,6 +40,7 @@ from tests.benchmarks import (
     packages,
     placement,
     serving,
+    site_fetch,
     structured,
     sync,
 )
@@ -96,6 +97,7 @@ TABLES: tuple[Table, ...] = (
     Table("http2", BENCHMARKS_MD, ("http2.json", "http2-in-process.json"), http2.markdown),
     Table("embeddings", BENCHMARKS_MD, ("embeddings.json",), embeddings.markdown),
     Table("image", BENCHMARKS_MD, ("image.json",), image.markdown),
+    Table("site-fetch", BENCHMARKS_MD, ("site-fetch.json",), site_fetch.markdown),
     Table("api", BENCHMARKS_MD, ("api.json",), api.markdown),
     Table("structured", BENCHMARKS_MD, ("structured.json",), structured.markdown),
     Table("models", BENCHMARKS_MD, ("models.json",), models.markdown),
