@@ -143,8 +143,31 @@ def version(checks: Checks) -> str | None:
         return None
 
 
-def rauc(*args: str) -> None:
-    subprocess.run(["/usr/bin/rauc", "status", *args], check=True)  # noqa: S603
+RAUC_TRIES = 5
+RAUC_RETRY_S = 5.0
+
+
+def rauc(
+    *args: str,
+    run: Callable[..., object] = subprocess.run,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """`rauc status ARGS`, tried again after a failure (5, 10, 20, 40 s): its command line
+    asks RAUC's D-Bus service, which a boot busy with the appliance's start can leave
+    unanswered past the client's timeout; a slot left unmarked for that would be rolled
+    back at the next boot though it served."""
+    for attempt in range(RAUC_TRIES):
+        try:
+            run(["/usr/bin/rauc", "status", *args], check=True)
+        except subprocess.CalledProcessError as err:
+            if attempt == RAUC_TRIES - 1:
+                raise
+            wait = RAUC_RETRY_S * 2**attempt
+            log.warning("`rauc status %s` failed (exit %d); again in %g s",
+                        " ".join(args), err.returncode, wait)  # fmt: skip
+            sleep(wait)
+        else:
+            return
 
 
 def reboot() -> None:

@@ -5,11 +5,12 @@ reported on the data partition."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from image.health import LOADER_GUID, Appliance, Checks, check
+from image.health import LOADER_GUID, Appliance, Checks, check, rauc
 
 
 class Fake(Appliance):
@@ -104,3 +105,27 @@ def test_a_good_slot_that_fails_stays_and_says_so(checks: Checks) -> None:
     assert (code, marks, reboots) == (1, [], [])
     assert reports(checks)[0]["result"] == "unhealthy"
     assert reports(checks)[0]["trial"] is False
+
+
+def test_rauc_is_asked_again_when_its_service_does_not_answer() -> None:
+    """RAUC's command line asks its D-Bus service, which a busy boot can leave unanswered
+    past the client's timeout: tried again, with longer waits, and given up after five."""
+    calls: list[list[str]] = []
+    waits: list[float] = []
+
+    def flaky(argv: list[str], check: bool) -> None:
+        calls.append(argv)
+        if len(calls) < 3:
+            raise subprocess.CalledProcessError(1, argv)
+
+    rauc("mark-good", run=flaky, sleep=waits.append)
+    assert calls == [["/usr/bin/rauc", "status", "mark-good"]] * 3
+    assert waits == [5.0, 10.0]
+
+    def broken(argv: list[str], check: bool) -> None:
+        raise subprocess.CalledProcessError(1, argv)
+
+    waits.clear()
+    with pytest.raises(subprocess.CalledProcessError):
+        rauc("mark-bad", run=broken, sleep=waits.append)
+    assert waits == [5.0, 10.0, 20.0, 40.0]
