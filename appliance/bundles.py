@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import re
@@ -60,6 +61,10 @@ class Upload:
     part: str | None = None  # the part that failed
     signer: str | None = None
     applied: dict[str, list[str]] = field(default_factory=dict)  # by kind: what was applied
+    # Where it came from: "upload" (the admin API), or "usb NAME" (a stick at the node,
+    # image/usb_import.py), with the file's sha256 (a bundle applied once is not again).
+    source: str = "upload"
+    sha256: str | None = None
 
 
 @dataclass
@@ -87,6 +92,72 @@ class Bundles:
         self._tasks: set[asyncio.Task[object]] = set()
 
     # -- the uploads ------------------------------------------------------------------
+
+    def uploads(self) -> list[Upload]:
+        """Every upload the node keeps, the newest first."""
+        return sorted(self._all(), key=lambda u: u.created_at, reverse=True)
+
+    @property
+    def inbox(self) -> Path:
+        """Where the image leaves the bundles it finds on a USB stick (image/usb_import.py)."""
+        return self.folder / "inbox"
+
+    async def take_inbox(self) -> list[Upload]:
+        """The bundles in the inbox, each checked and applied as an upload whole (in the
+        background); one applied before (by its sha256) is removed, not applied again."""
+        taken = []
+        for path in await asyncio.to_thread(self._inbox_files):
+            try:
+                upload = await self._take(path)
+            except OSError as err:
+                log.warning("site bundle %s from the inbox: %s", path.name, err)
+                continue
+            if upload is not None:
+                taken.append(upload)
+        return taken
+
+    async def watch_inbox(self, every_s: float = 5.0) -> None:
+        """Take the inbox's bundles now and every `every_s` (a stick can come at any time)."""
+        while True:
+            try:
+                await self.take_inbox()
+            except Exception:  # a bug: logged, and the watch goes on
+                log.exception("the site bundle inbox")
+            await asyncio.sleep(every_s)
+
+    def _inbox_files(self) -> list[Path]:
+        if not self.inbox.is_dir():
+            return []
+        return sorted(
+            p for p in self.inbox.glob("*.kvlbundle")
+            if not p.name.startswith(".") and p.is_file() and not p.is_symlink()
+        )  # fmt: skip
+
+    async def _take(self, path: Path) -> Upload | None:
+        digest = await asyncio.to_thread(_sha256_of, path)
+        if digest in await asyncio.to_thread(self._applied_digests):
+            log.info("site bundle %s (sha256 %s) was applied before: removed", path.name,
+                     digest[:12])  # fmt: skip
+            await asyncio.to_thread(path.unlink)
+            return None
+        size = (await asyncio.to_thread(path.stat)).st_size
+        async with self._lock:
+            upload = Upload(
+                id=f"bnd_{secrets.token_hex(12)}",
+                size=size,
+                created_at=time.time(),
+                state="checking",
+                source=f"usb {path.name[:200]}",
+                sha256=digest,
+            )
+            await asyncio.to_thread(path.replace, self._part(upload.id))
+            await asyncio.to_thread(self._save, upload)
+        log.info("site bundle %s from a USB stick: checking it as %s", path.name, upload.id)
+        self._background(self._import(upload))
+        return upload
+
+    def _applied_digests(self) -> set[str]:
+        return {u.sha256 for u in self._all() if u.state == "applied" and u.sha256}
 
     def get(self, upload_id: str) -> Upload:
         if not _ID.match(upload_id):
@@ -155,14 +226,17 @@ class Bundles:
             self._background(self._import(upload))
             return upload
 
-    async def resume(self) -> None:
+    async def resume(self, inbox_every_s: float | None = 5.0) -> None:
         """After a restart: a whole upload that was being checked is checked again; one that
-        was being applied is failed, saying so (its parts may be in part applied)."""
+        was being applied is failed, saying so (its parts may be in part applied). Then the
+        inbox is watched (every `inbox_every_s`; None: not)."""
         for upload in await asyncio.to_thread(self._all):
             if upload.state == "checking" and self._part(upload.id).is_file():
                 self._background(self._import(upload))
             elif upload.state in {"checking", "applying"}:
                 await self._failed(upload, "the node stopped while it was applied", None)
+        if inbox_every_s is not None:
+            self._background(self.watch_inbox(inbox_every_s))
 
     def _background(self, work: Coroutine[object, object, object]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -322,6 +396,14 @@ class Bundles:
             await asyncio.to_thread(shutil.move, verified.files[release.path], kept)
             self._background(targets.updater.take_local(target, kept))
         return applied
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while block := file.read(_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _model_of(part: site_bundle.Part) -> tuple[str, str]:

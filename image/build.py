@@ -728,6 +728,7 @@ def _install_files(root: Path, keyring: Path) -> None:
     files.append((HERE / "firstboot.py", Path("usr/lib/kovenlab/firstboot.py")))
     files.append((HERE / "health.py", Path("usr/lib/kovenlab/health.py")))
     files.append((HERE / "network.py", Path("usr/lib/kovenlab/network.py")))
+    files.append((HERE / "usb_import.py", Path("usr/lib/kovenlab/usb_import.py")))
     files.append((HERE / "bootslots.py", Path("usr/lib/kovenlab/bootslots.py")))
     files.append((keyring, Path("etc/rauc/keyring.pem")))
     for source, relative in files:

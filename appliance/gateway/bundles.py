@@ -7,6 +7,8 @@ models, release, packages and settings from a signed file an admin uploads in pi
   appended where the upload stands (409 `upload_offset_mismatch` anywhere else, its
   message saying where), never past its size; the last piece makes it whole, and the node
   checks and applies it in the background (`checking`);
+- `GET /v1/admin/bundles`: every upload the node keeps, newest first, those it took from a
+  USB stick too (`source`);
 - `GET /v1/admin/bundles/{id}`: where it stands (`offset`), its state, what was applied or
   which part failed;
 - `DELETE /v1/admin/bundles/{id}` cancels it (or forgets one that ended).
@@ -51,6 +53,13 @@ async def create_upload(request: web.Request) -> web.Response:
         status=201,
         headers={OFFSET: "0", "Location": f"{BUNDLES_ROUTE}/{upload.id}"},
     )
+
+
+async def list_uploads(request: web.Request) -> web.Response:
+    bundles = request.app[BUNDLES]
+    uploads = await asyncio.to_thread(bundles.uploads)
+    views = [_view(u, await asyncio.to_thread(bundles.offset, u)) for u in uploads]
+    return web.json_response({"object": "list", "data": views})
 
 
 async def get_upload(request: web.Request) -> web.Response:

@@ -422,6 +422,15 @@ ROUTES: tuple[Route, ...] = (
         errors=(*_ADMIN, ErrorCode.not_found),
     ),
     Route(
+        "GET",
+        BUNDLES_ROUTE,
+        bundles.list_uploads,
+        "Admin: the site bundles the node keeps, newest first: uploaded through this API, "
+        "or found on a USB stick at the node (`source`), each with its state.",
+        auth=True,
+        errors=_ADMIN,
+    ),
+    Route(
         "POST",
         BUNDLES_ROUTE,
         bundles.create_upload,

@@ -10,9 +10,12 @@ member more than listed."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import hashlib
 import io
 import json
+import shutil
 import tarfile
 from typing import TYPE_CHECKING, Any
 
@@ -252,3 +255,59 @@ async def test_a_node_without_a_hub_takes_a_model_a_package_and_settings_from_a_
     assert "site-gemma" in {m["id"] for m in listed["data"]}
     packages = await (await client.get("/v1/packages", headers=headers)).json()
     assert any(p["id"] == package_ref.split("@")[0] for p in packages["data"])
+
+
+async def test_a_bundle_left_in_the_inbox_is_applied_once(
+    aiohttp_client: AiohttpClient, tmp_path: Path, signing: Signing
+) -> None:
+    """What the image does with a bundle on a USB stick (image/usb_import.py copies it into
+    the inbox): taken, checked and applied as an upload; the same file again is removed,
+    not applied twice; a tampered one is refused, naming its part."""
+    settings = make_settings(tmp_path / "data", update={"keyring": str(signing.keyring)})
+    admin = _admin(settings)
+    archive, package_ref = _package_archive(tmp_path)
+    bundle = tmp_path / "site.kvlbundle"
+    _make(bundle, signing, [site_bundle.Source("package", archive)])
+    app = create_app(settings)
+    client = await aiohttp_client(app)
+    headers = {"Authorization": f"Bearer {admin}"}
+    inbox = settings.data_dir / "bundles" / "inbox"
+
+    async def listed() -> list[dict[str, Any]]:
+        answer = await client.get("/v1/admin/bundles", headers=headers)
+        assert answer.status == 200
+        data: list[dict[str, Any]] = (await answer.json())["data"]
+        return data
+
+    async def settled(count: int) -> list[dict[str, Any]]:
+        for _ in range(300):
+            uploads = await listed()
+            if len(uploads) == count and all(u["state"] in {"applied", "failed"} for u in uploads):
+                return uploads
+            await asyncio.sleep(0.1)
+        raise AssertionError(await listed())
+
+    inbox.mkdir(parents=True, exist_ok=True)
+    shutil.copy(bundle, inbox / "term-2.kvlbundle")
+    [taken] = await settled(1)
+    assert taken["state"] == "applied", taken
+    assert taken["source"] == "usb term-2.kvlbundle"
+    assert taken["applied"] == {"package": [package_ref]}
+    assert taken["sha256"] == hashlib.sha256(bundle.read_bytes()).hexdigest()
+
+    shutil.copy(bundle, inbox / "term-2-again.kvlbundle")  # the stick at the next boot
+    for _ in range(300):
+        if not (inbox / "term-2-again.kvlbundle").exists():
+            break
+        await asyncio.sleep(0.1)
+    assert not (inbox / "term-2-again.kvlbundle").exists()
+    assert len(await listed()) == 1  # not applied again
+
+    data = bytearray(bundle.read_bytes())
+    data[len(data) // 2] ^= 1
+    (inbox / "tampered.kvlbundle").write_bytes(bytes(data))
+    uploads = await settled(2)
+    [failed] = [u for u in uploads if u["source"] == "usb tampered.kvlbundle"]
+    assert failed["state"] == "failed", failed
+    assert failed["part"], failed
+    assert not list(inbox.iterdir())

@@ -16,7 +16,16 @@ from openai import OpenAI
 from appliance.packages.cache import PackageCache
 from image.configure import ROOT_A_LABEL, partitions
 from tests.conftest import PATIENT_S1
-from tests.image.vm import GROW, LAN, Machine, accelerator, copy_image, kvl, write_files
+from tests.image.vm import (
+    GROW,
+    LAN,
+    Machine,
+    accelerator,
+    copy_image,
+    kvl,
+    usb_stick,
+    write_files,
+)
 from tests.packages import package
 from tests.waiting import until_sync
 
@@ -35,7 +44,8 @@ def test_a_hubless_image_takes_a_key_made_over_the_lan_and_a_site_bundle(
     and a key over the LAN, which the node then serves. Then it takes a site bundle
     (`kvl bundle create`, signed as `just image` signs releases) through its admin API: a
     tampered copy is refused with nothing changed; the bundle's model is served (as the
-    official client lists it), and its package is cached. Its network is the provisioning
+    official client lists it), and its package is cached; so is the package of a bundle on a
+    USB stick left in at boot. Its network is the provisioning
     file's static address from the first boot; moved through the admin API and confirmed
     there, it is kept, and a change nobody confirms is rolled back."""
     disk = copy_image(Path(manifest["image"]), tmp_path / "disk.img", GROW)
@@ -48,7 +58,9 @@ def test_a_hubless_image_takes_a_key_made_over_the_lan_and_a_site_bundle(
         write_files(disk, {PATIENCE: PATIENT}, root.offset)
     # The LAN API is forwarded to the static address alone: it answers only if the node
     # took the provisioning file's network at its first boot.
-    with Machine(disk, tmp_path / "vm", guest=STATIC, more_guests=(MOVED,)) as machine:
+    # A USB stick left in at boot, with a bundle of another package on it.
+    stick = usb_stick(tmp_path / "stick.img", [stick_bundle_of(tmp_path)])
+    with Machine(disk, tmp_path / "vm", guest=STATIC, more_guests=(MOVED,), usb=stick) as machine:
         machine.wait_ready()
         base = f"http://127.0.0.1:{machine.port}"
         made = lan_call(base, "/v1/admin/accounts", admin, {"name": "class-7b"})
@@ -81,8 +93,19 @@ def test_a_hubless_image_takes_a_key_made_over_the_lan_and_a_site_bundle(
         # model answer through the official client, by its name and by the alias.
         client = OpenAI(base_url=f"{base}/v1", api_key=key, timeout=300, max_retries=0)
         assert "site-gemma" in {m.id for m in client.models.list()}
+        from_stick: list[dict[str, Any]] = []
+
+        def stick_done() -> bool:
+            from_stick[:] = [
+                u for u in lan_call(base, "/v1/admin/bundles", admin)["data"]
+                if u["source"] == "usb term-3.kvlbundle"
+            ]  # fmt: skip
+            return bool(from_stick) and from_stick[0]["state"] in {"applied", "failed"}
+
+        until_sync(stick_done, "the USB stick's bundle applied", 600, every_s=2)
+        assert [u["state"] for u in from_stick] == ["applied"], from_stick
         packages = lan_call(base, "/v1/packages", key)
-        assert [p["id"] for p in packages["data"]] == [PACKAGE_ID], packages
+        assert sorted(p["id"] for p in packages["data"]) == [PACKAGE_ID, STICK_PACKAGE_ID]
 
         network_changes(base, f"http://127.0.0.1:{machine.ports[MOVED]}", admin)
         machine.power_off()
@@ -150,6 +173,7 @@ PATIENT = (
     + "".join(f"Environment=KVL_CLASSES__S1__{k.upper()}={v}\n" for k, v in PATIENT_S1.items())
 ).encode()
 PACKAGE_ID = f"pkg_{7:024x}"
+STICK_PACKAGE_ID = f"pkg_{8:024x}"
 PIECE = 16 << 20
 
 
@@ -171,6 +195,26 @@ def site_bundle_of(tmp_path: Path, model: ModelRecord) -> Path:
     kvl(
         "bundle", "create", str(out), "--model", f"site-gemma@1={model.path}",
         "--package", str(archive), "--settings", str(overlay),
+        "--signing-cert", str(signing.cert), "--signing-key", str(signing.key),
+    )  # fmt: skip
+    return out
+
+
+def stick_bundle_of(tmp_path: Path) -> Path:
+    """A site bundle of another content package, for a USB stick."""
+    from image.build import DEFAULT_BUILD_DIR, Paths  # noqa: PLC0415
+    from image.bundle import development_signing  # noqa: PLC0415
+
+    signing = development_signing(Paths(DEFAULT_BUILD_DIR).signing)
+    cache = PackageCache(tmp_path / "stick-cache", max_bytes=10**9)
+    manifest, files = package(8)
+    cache.put(manifest, files, "key-8")
+    archive = tmp_path / "stick-lesson.tar"
+    archive.write_bytes(cache.bundle(manifest.id))
+    out = tmp_path / "stick" / "term-3.kvlbundle"
+    out.parent.mkdir()
+    kvl(
+        "bundle", "create", str(out), "--package", str(archive),
         "--signing-cert", str(signing.cert), "--signing-key", str(signing.key),
     )  # fmt: skip
     return out

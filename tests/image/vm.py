@@ -255,6 +255,8 @@ class Machine:
     # More of the guest's addresses forwarded, each from a port of its own (`ports`).
     more_guests: tuple[str, ...] = ()
     ports: dict[str, int] = field(default_factory=dict)
+    # A raw disk image plugged in as a USB stick (a file system, no partition table).
+    usb: Path | None = None
 
     def __post_init__(self) -> None:
         self.ports = {guest: free_port() for guest in self.more_guests}
@@ -286,6 +288,12 @@ class Machine:
                        + "".join(f",hostfwd=tcp:127.0.0.1:{port}-{guest}:8080"
                                  for guest, port in self.ports.items()),
             "-device", "virtio-net-pci,netdev=lan,romfile=",
+            *(
+                ["-device", "qemu-xhci,id=xhci",
+                 "-drive", f"if=none,id=stick,format=raw,file={self.usb}",
+                 "-device", "usb-storage,bus=xhci.0,drive=stick,removable=on"]
+                if self.usb is not None else []
+            ),
             "-object", "rng-random,id=rng,filename=/dev/urandom",
             "-device", "virtio-rng-pci,rng=rng",
             "-serial", f"file:{self.serial_log}",
@@ -393,6 +401,19 @@ def _partition(disk: Path, label: str) -> Any:
     if found is None:
         raise AssertionError(f"{disk} has no partition {label}")
     return found
+
+
+def usb_stick(path: Path, files: list[Path], size_mib: int = 64) -> Path:
+    """A raw FAT file system holding `files` at its top, to plug in as a USB stick."""
+    with path.open("wb") as out:
+        out.truncate(size_mib << 20)
+    subprocess.run(["/usr/sbin/mkfs.vfat", "-n", "KVLSTICK", str(path)], check=True,
+                   capture_output=True)  # fmt: skip
+    env = {**os.environ, "MTOOLS_SKIP_CHECK": "1"}
+    for file in files:
+        subprocess.run(["mcopy", "-i", str(path), str(file), f"::/{file.name}"], check=True,
+                       capture_output=True, env=env)  # fmt: skip
+    return path
 
 
 def journal(disk: Path, lines: int = 60) -> str:
