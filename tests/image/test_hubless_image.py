@@ -129,7 +129,8 @@ def network_changes(base: str, moved: str, admin: str) -> None:
 
     def settled() -> bool:
         kept.update(lan_call(moved, "/v1/admin/network", admin))
-        return bool(kept["last"]["outcome"] != "trying")
+        last = kept["last"] or {}
+        return bool(last.get("id") == asked["id"] and last.get("outcome") != "trying")
 
     until_sync(settled, "the confirmed change kept", 300, every_s=1)
     assert kept["last"]["outcome"] == "applied", kept
@@ -143,7 +144,8 @@ def network_changes(base: str, moved: str, admin: str) -> None:
         if not answers(moved, admin):
             return False
         ended.update(lan_call(moved, "/v1/admin/network", admin))
-        return bool(ended["last"]["outcome"] != "trying")
+        last = ended["last"]  # the agent takes the change a moment after the answer
+        return bool(last["id"] == asked["id"] and last["outcome"] != "trying")
 
     until_sync(back, "the unconfirmed change rolled back", 900, every_s=2)
     assert ended["last"]["id"] == asked["id"], ended
