@@ -67,10 +67,7 @@ def bundles_on(root: Path) -> list[Path]:
 def copy_into(inbox: Path, bundles: list[Path], owner: tuple[int, int] | None) -> list[str]:
     """Each bundle into the inbox, whole or not at all (a partial name, then renamed);
     the names copied."""
-    inbox.mkdir(parents=True, exist_ok=True)
-    if owner is not None:  # the appliance takes the files out of it
-        os.chown(inbox, *owner)
-        inbox.chmod(0o700)
+    _own_folders(inbox, owner)
     copied = []
     for source in bundles:
         size = source.stat(follow_symlinks=False).st_size
@@ -101,6 +98,18 @@ def copy_into(inbox: Path, bundles: list[Path], owner: tuple[int, int] | None) -
         log.info("%s copied to the appliance (%d bytes): it checks and applies it",
                  source.name, size)  # fmt: skip
     return copied
+
+
+def _own_folders(inbox: Path, owner: tuple[int, int] | None) -> None:
+    """The inbox, and the appliance's bundles folder above it, made where missing and the
+    appliance's own (it moves the files out of the one into the other; made as root, a
+    folder the appliance cannot write would refuse its own uploads too)."""
+    for folder in (inbox.parent, inbox):
+        if folder.is_dir():
+            continue
+        folder.mkdir(mode=0o700, parents=True)
+        if owner is not None:
+            os.chown(folder, *owner)
 
 
 def import_device(device: str, layout: Layout) -> list[str]:

@@ -33,11 +33,16 @@ def test_the_bundles_at_the_top_are_copied_whole_and_nothing_else(tmp_path: Path
     assert [p.name for p in found] == ["TERM-3.KVLBUNDLE", "term-2.kvlbundle"]
 
     inbox = tmp_path / "data" / "bundles" / "inbox"
-    copied = copy_into(inbox, found, None)
+    owner = (os.getuid(), os.getgid())
+    copied = copy_into(inbox, found, owner)
     assert copied == ["TERM-3.KVLBUNDLE", "term-2.kvlbundle"]
     assert (inbox / "term-2.kvlbundle").read_bytes() == b"bundle one"
     assert stat.S_IMODE((inbox / "term-2.kvlbundle").stat().st_mode) == 0o600
     assert sorted(p.name for p in inbox.iterdir()) == ["TERM-3.KVLBUNDLE", "term-2.kvlbundle"]
+    # Made where missing, the bundles folder too, as the appliance makes it (its own).
+    for folder in (inbox, inbox.parent):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        assert folder.stat().st_uid == os.getuid()
 
 
 def test_at_most_eight_are_taken(tmp_path: Path) -> None:
