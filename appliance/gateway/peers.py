@@ -5,7 +5,8 @@ it grants that one file; the fetching node checks the bytes against the digest.
 
 - `GET /v1/peer/artifacts/{sha256}` with `X-Kvl-Peer-Ticket`: the file (Range,
   If-Range on the digest, as the hub's artifacts); 409 `artifact_fetching` while this node
-  fetches it itself (ask again later), 404 when it holds no such file, 403
+  fetches it itself (ask again later), 404 when it holds no such file (or the name is not
+  a sha256), 403
   `peer_ticket_refused` for a ticket that is missing, not the hub's, for another file or
   site, or expired.
 """
@@ -54,8 +55,8 @@ def _trusted(bundle: bytes) -> list[bytes]:
 
 async def peer_artifact(request: web.Request) -> web.StreamResponse:
     sha256 = request.match_info["sha256"]
-    if not _SHA256.match(sha256):
-        raise ApiError(ErrorCode.invalid_value, "not a sha256 (64 hex digits)", param="sha256")
+    if not _SHA256.match(sha256):  # no file is named so: none held (as the hub answers)
+        raise ApiError(ErrorCode.not_found, f"no file {sha256[:80]!r}: a file is its sha256")
     peers = request.app.get(PEERS)
     site = peers.site() if peers is not None else None
     bundle = peers.trust() if peers is not None else None

@@ -151,7 +151,6 @@ ROUTES: tuple[Route, ...] = (
         "once. Range and If-Range on the digest resume a cut fetch.",
         auth=False,
         errors=(
-            ErrorCode.invalid_value,
             ErrorCode.peer_ticket_refused,
             ErrorCode.not_found,
             ErrorCode.artifact_fetching,
