@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import re
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from appliance.packages.cache import CacheError
+from appliance.serving.catalog import sha256_file
 from appliance.state.records import ModelRecord
 from appliance.state.store import now_iso
 from shared import protocol
@@ -134,7 +134,7 @@ class Bundles:
         )  # fmt: skip
 
     async def _take(self, path: Path) -> Upload | None:
-        digest = await asyncio.to_thread(_sha256_of, path)
+        digest = await asyncio.to_thread(sha256_file, path)
         if digest in await asyncio.to_thread(self._applied_digests):
             log.info("site bundle %s (sha256 %s) was applied before: removed", path.name,
                      digest[:12])  # fmt: skip
@@ -396,14 +396,6 @@ class Bundles:
             await asyncio.to_thread(shutil.move, verified.files[release.path], kept)
             self._background(targets.updater.take_local(target, kept))
         return applied
-
-
-def _sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while block := file.read(_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _model_of(part: site_bundle.Part) -> tuple[str, str]:

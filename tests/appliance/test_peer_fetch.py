@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
+    from aiohttp import web
     from pytest_aiohttp import AiohttpServer
 
     from appliance.state.records import ModelRecord
@@ -36,35 +38,58 @@ def _placed_on(node: FleetNode) -> Callable[[], bool]:
     return lambda: "placed@1" in {r.ref for r in node.app[REGISTRY].served()}
 
 
-async def test_a_model_placed_on_two_nodes_of_a_site_crosses_its_link_once(
-    aiohttp_server: AiohttpServer, tmp_path: Path, scripted_model: ModelRecord
-) -> None:
+@dataclass
+class Site:
+    """A hub with `placed@1` (a model script of `kib` KiB) deployed on two replicas."""
+
+    hub: HubSettings
+    app: web.Application
+    port: int
+    placed: Path
+
+    def sent(self) -> float | None:
+        """What the hub sent of its files to the site `site` (its nodes' tokens' site)."""
+        return self.app[HUB_METRICS].registry.get_sample_value(
+            "kvl_hub_artifact_bytes_total", {"site": "site"}
+        )
+
+    async def join(
+        self, aiohttp_server: AiohttpServer, tmp_path: Path, record: ModelRecord, name: str
+    ) -> FleetNode:
+        return await join(
+            aiohttp_server, tmp_path, record, self.hub, self.port, name=name,
+            model={"n_ctx": 512, "n_threads": 1, "n_slots": 1},
+            fleet={"peer_addresses": ["127.0.0.1"], "peer_wait_s": 120},
+        )  # fmt: skip
+
+
+async def _site(aiohttp_server: AiohttpServer, tmp_path: Path, kib: int) -> Site:
     hub = placement_hub(tmp_path)
     data = str(hub.data_dir)
-    # As large as a model script may be (a megabyte): a file worth not fetching twice.
-    placed = write_script(tmp_path / "placed.json", reply="Placed. " + "x" * (1000 << 10))
+    placed = write_script(tmp_path / "placed.json", reply="Placed. " + "x" * (kib << 10))
     kvl("hub", "models", "add", str(placed), "--name", "placed", "--version", "1",
         "--data-dir", data)  # fmt: skip
     kvl("hub", "deploy", "placed@1", "--replicas", "2", "--data-dir", data)
-    hub_app = create_hub(hub)
-    hub_server = await aiohttp_server(hub_app, ssl=ssl_context(hub))
-    assert hub_server.port is not None
-    port = hub_server.port
-    own = {"n_ctx": 512, "n_threads": 1, "n_slots": 1}
-    fleet = {"peer_addresses": ["127.0.0.1"], "peer_wait_s": 120}
+    app = create_hub(hub)
+    server = await aiohttp_server(app, ssl=ssl_context(hub))
+    assert server.port is not None
+    return Site(hub, app, server.port, placed)
+
+
+async def test_a_model_placed_on_two_nodes_of_a_site_crosses_its_link_once(
+    aiohttp_server: AiohttpServer, tmp_path: Path, scripted_model: ModelRecord
+) -> None:
+    # As large as a model script may be (a megabyte): a file worth not fetching twice.
+    site = await _site(aiohttp_server, tmp_path, 1000)
     nodes = [
-        await join(aiohttp_server, tmp_path, scripted_model, hub, port, name="node-a",
-                   model=own, fleet=fleet),
-        await join(aiohttp_server, tmp_path, scripted_model, hub, port, name="node-b",
-                   model=own, fleet=fleet),
-    ]  # fmt: skip
+        await site.join(aiohttp_server, tmp_path, scripted_model, "node-a"),
+        await site.join(aiohttp_server, tmp_path, scripted_model, "node-b"),
+    ]
     for node in nodes:
         await until(_placed_on(node), "placed@1 on both nodes", timeout_s=90)
 
-    size = placed.stat().st_size
-    sent = hub_app[HUB_METRICS].registry.get_sample_value(
-        "kvl_hub_artifact_bytes_total", {"site": "site"}
-    )
+    size = site.placed.stat().st_size
+    sent = site.sent()
     assert sent == size, f"the hub sent {sent} bytes of a {size}-byte file to the site"
     served = [
         node.app[METRICS].registry.get_sample_value("kvl_fleet_peer_bytes_served_total") or 0
@@ -72,7 +97,7 @@ async def test_a_model_placed_on_two_nodes_of_a_site_crosses_its_link_once(
     ]
     # One node sent it to the other (and the byte of its first ask, whether it held it).
     assert sorted(served) == [0, size + 1], served
-    await _hostile_asks(nodes, hub, hashlib.sha256(placed.read_bytes()).hexdigest())
+    await _hostile_asks(nodes, site.hub, hashlib.sha256(site.placed.read_bytes()).hexdigest())
 
 
 async def _hostile_asks(nodes: list[FleetNode], hub: HubSettings, sha256: str) -> None:
@@ -127,25 +152,11 @@ def _signing(hub: HubSettings) -> bytes:
 async def test_a_peer_that_is_gone_is_passed_over_for_the_hub(
     aiohttp_server: AiohttpServer, tmp_path: Path, scripted_model: ModelRecord
 ) -> None:
-    hub = placement_hub(tmp_path)
-    data = str(hub.data_dir)
-    placed = write_script(tmp_path / "placed.json", reply="Placed. " + "x" * (100 << 10))
-    kvl("hub", "models", "add", str(placed), "--name", "placed", "--version", "1",
-        "--data-dir", data)  # fmt: skip
-    kvl("hub", "deploy", "placed@1", "--replicas", "2", "--data-dir", data)
-    hub_app = create_hub(hub)
-    hub_server = await aiohttp_server(hub_app, ssl=ssl_context(hub))
-    assert hub_server.port is not None
-    own = {"n_ctx": 512, "n_threads": 1, "n_slots": 1}
-    fleet = {"peer_addresses": ["127.0.0.1"], "peer_wait_s": 120}
-    first = await join(aiohttp_server, tmp_path, scripted_model, hub, hub_server.port,
-                       name="node-a", model=own, fleet=fleet)  # fmt: skip
+    site = await _site(aiohttp_server, tmp_path, 100)
+    first = await site.join(aiohttp_server, tmp_path, scripted_model, "node-a")
     await until(_placed_on(first), "placed@1 on the first node", timeout_s=90)
     await first.server.close()  # gone, though the hub still counts it in the site
-    second = await join(aiohttp_server, tmp_path, scripted_model, hub, hub_server.port,
-                        name="node-b", model=own, fleet=fleet)  # fmt: skip
+    second = await site.join(aiohttp_server, tmp_path, scripted_model, "node-b")
     await until(_placed_on(second), "placed@1 on the second node", timeout_s=90)
-    sent = hub_app[HUB_METRICS].registry.get_sample_value(
-        "kvl_hub_artifact_bytes_total", {"site": "site"}
-    )
-    assert sent == 2 * placed.stat().st_size  # the second fetched it from the hub too
+    # The second fetched it from the hub too.
+    assert site.sent() == 2 * site.placed.stat().st_size

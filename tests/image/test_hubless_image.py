@@ -182,43 +182,41 @@ PIECE = 16 << 20
 def site_bundle_of(tmp_path: Path, model: ModelRecord) -> Path:
     """A site bundle of the default model under another name, a content package and a
     settings overlay (an alias), signed by the image build's release signer."""
-    from image.build import DEFAULT_BUILD_DIR, Paths  # noqa: PLC0415
-    from image.bundle import development_signing  # noqa: PLC0415
-
-    signing = development_signing(Paths(DEFAULT_BUILD_DIR).signing)
-    cache = PackageCache(tmp_path / "package-cache", max_bytes=10**9)
-    manifest, files = package(7)
-    cache.put(manifest, files, "key-7")
-    archive = tmp_path / "lesson.tar"
-    archive.write_bytes(cache.bundle(manifest.id))
     overlay = tmp_path / "site.json"
     overlay.write_text(json.dumps({"aliases": {"site-chat": "site-gemma@1"}}))
-    out = tmp_path / "site.kvlbundle"
-    kvl(
-        "bundle", "create", str(out), "--model", f"site-gemma@1={model.path}",
-        "--package", str(archive), "--settings", str(overlay),
-        "--signing-cert", str(signing.cert), "--signing-key", str(signing.key),
+    return _signed_bundle(
+        tmp_path / "site.kvlbundle",
+        "--model", f"site-gemma@1={model.path}",
+        "--package", str(_package_archive(tmp_path, 7)), "--settings", str(overlay),
     )  # fmt: skip
-    return out
 
 
 def stick_bundle_of(tmp_path: Path) -> Path:
     """A site bundle of another content package, for a USB stick."""
+    (tmp_path / "stick").mkdir()
+    return _signed_bundle(
+        tmp_path / "stick" / "term-3.kvlbundle", "--package", str(_package_archive(tmp_path, 8))
+    )
+
+
+def _package_archive(tmp_path: Path, n: int) -> Path:
+    """The archive of test package `n` (tests/packages.py), as GET /v1/packages/ID/archive."""
+    cache = PackageCache(tmp_path / f"package-cache-{n}", max_bytes=10**9)
+    manifest, files = package(n)
+    cache.put(manifest, files, f"key-{n}")
+    archive = tmp_path / f"lesson-{n}.tar"
+    archive.write_bytes(cache.bundle(manifest.id))
+    return archive
+
+
+def _signed_bundle(out: Path, *parts: str) -> Path:
+    """`kvl bundle create OUT PARTS…`, signed by the image build's release signer."""
     from image.build import DEFAULT_BUILD_DIR, Paths  # noqa: PLC0415
     from image.bundle import development_signing  # noqa: PLC0415
 
     signing = development_signing(Paths(DEFAULT_BUILD_DIR).signing)
-    cache = PackageCache(tmp_path / "stick-cache", max_bytes=10**9)
-    manifest, files = package(8)
-    cache.put(manifest, files, "key-8")
-    archive = tmp_path / "stick-lesson.tar"
-    archive.write_bytes(cache.bundle(manifest.id))
-    out = tmp_path / "stick" / "term-3.kvlbundle"
-    out.parent.mkdir()
-    kvl(
-        "bundle", "create", str(out), "--package", str(archive),
-        "--signing-cert", str(signing.cert), "--signing-key", str(signing.key),
-    )  # fmt: skip
+    kvl("bundle", "create", str(out), *parts, "--signing-cert", str(signing.cert),
+        "--signing-key", str(signing.key))  # fmt: skip
     return out
 
 
