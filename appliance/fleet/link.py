@@ -419,11 +419,13 @@ class FleetLink:
                 serial = await self._store.run(self._store.sync.apply_desired_state, state)
                 log.info("applied the hub's desired state %d", serial)
                 await self.apply_settings()
-            await self._keep_certificate(client, answer)
+            # Before the certificate's upkeep, which may fail on its own (a renewal the hub
+            # does not answer in time): the models and the release converge regardless.
             if self._converger is not None:
                 self._converger.kick(client)  # also retries what failed the last time
             if self._updater is not None:
                 self._updater.kick(client)
+            await self._keep_certificate(client, answer)
         except (HubError, HubRefusedError, WireGuardError) as err:
             self.error = str(err)
             log.warning("heartbeat failed: %s", err)
