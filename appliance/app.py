@@ -258,6 +258,7 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
         os_release=settings.update.os_release,
         reboot=settings.update.reboot_command,
         retry_s=settings.update.retry_s,
+        streaming=settings.update.streaming,
         failures=app[METRICS].failures,
     )
     link = FleetLink(

@@ -910,6 +910,14 @@ class UpdateSettings(_Section):
             "`installed-pending-reboot` until something else reboots it."
         ),
     )
+    streaming: bool = Field(
+        default=True,
+        description=(
+            "Install a release as RAUC streams it from the hub: only the blocks of its image "
+            "that neither root slot holds are fetched (adaptive bundles). Off, or where "
+            "streaming fails, the whole bundle is fetched first, then installed."
+        ),
+    )
     retry_s: float = Field(
         600.0,
         ge=1.0,

@@ -12,6 +12,8 @@ and PyPI's packages, and nothing is compiled inside the image. Steps, each cache
    dependencies' (downloaded, or from pip's cache);
 2. Debian 12: mmdebstrap (Debian's packages only, no recommends; no manuals, translations
    or docs, and no kernel modules for hardware a site server does without) into a tarball;
+   RAUC is Debian's package built again with HTTP streaming (image/raucdeb.py, in a
+   throwaway build chroot, once per machine);
 3. the system: that tree, with the appliance in its own environment (/opt/kovenlab/venv,
    installed from the wheels with `--no-index`, then rid of the packages it never imports),
    the files of `image/system/` (systemd units, fstab, network, RAUC's system.conf), the
@@ -65,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from image import raucdeb
 from image.bundle import COMPATIBLE, Signing, development_signing, make_bundle
 from image.configure import (
     DATA_LABEL,
@@ -137,7 +140,9 @@ PACKAGES = (
     # without `usrmerge`, which would bring Perl (about 50 MiB) into the image
     "usr-is-merged",
     # A/B updates: RAUC installs signed bundles into the other root slot (bootslots.py);
-    # its command line asks its D-Bus service, which Debian packages on its own
+    # its command line asks its D-Bus service, which Debian packages on its own. Both are
+    # Debian's package built again with HTTP streaming (image/raucdeb.py): installed from
+    # those files, not the archive
     "rauc",
     "rauc-service",
     # the appliance: Python 3.11 (its venv), llama.cpp's runtime libraries, WireGuard
@@ -394,7 +399,7 @@ def _digest(*parts: object) -> str:
 
 
 def debian_key() -> str:
-    return _digest(FORMAT, SUITE, MIRRORS, PACKAGES, DPKG_OPTIONS, INITRAMFS_HOOK)
+    return _digest(FORMAT, SUITE, MIRRORS, PACKAGES, DPKG_OPTIONS, INITRAMFS_HOOK, raucdeb.key())
 
 
 def dependencies_key() -> str:
@@ -604,7 +609,9 @@ def debian_base(paths: Paths) -> Path:
         log.info("      cached: %s", tarball)
         return tarball
     tarball.parent.mkdir(parents=True, exist_ok=True)
+    rauc = raucdeb.debs(debian_cache(), SUITE, MIRRORS, lambda argv: run(argv, paths.log))
     partial = _fresh(tarball.with_name(f"{tarball.name}.partial-{os.getpid()}"))
+    archive = [name for name in PACKAGES if name not in raucdeb.PACKAGES]
     argv = [
         "mmdebstrap",
         "--mode=root",
@@ -613,7 +620,11 @@ def debian_base(paths: Paths) -> Path:
         '--aptopt=APT::Install-Recommends "false"',
         *(f"--dpkgopt={option}" for option in DPKG_OPTIONS),
         f"--essential-hook={INITRAMFS_HOOK}",
-        f"--include={','.join(PACKAGES)}",
+        f"--include={','.join(archive)}",
+        # apt installs a file's package with its dependencies; dpkg in the tree reads the
+        # file from the same path (mmdebstrap's hook mounts it there)
+        *(f"--include={deb}" for deb in rauc),
+        "--hook-dir=/usr/share/mmdebstrap/hooks/file-mirror-automount",
         SUITE,
         str(partial),
         *MIRRORS,

@@ -5,6 +5,8 @@ a manifest (compatible, version), in RAUC's verity format, signed with a CMS sig
 node installs it with `rauc install`, which checks the signature against the keyring in its
 image (`/etc/rauc/keyring.pem`) and the compatible against its own before it writes a
 block; while it is written, every block read is checked against the bundle's hash tree.
+The image is adaptive (`block-hash-index`): a node that streams the bundle over HTTP takes
+the blocks it holds already from its own slots and fetches only the rest.
 
 Signing: by default the build makes a development CA and a signing certificate under it,
 once, in its cache (`image/build/cache/signing/`, ignored by git and never in the image but
@@ -34,6 +36,10 @@ if TYPE_CHECKING:
 
 COMPATIBLE = "kovenlab-edge-x86_64"  # as /etc/rauc/system.conf says
 ROOTFS_NAME = "rootfs.ext4"
+# squashfs compresses the bundle's image in blocks of this size, and a streaming node fetches
+# whole ones: 64 KiB (not the default 128 KiB) halves what a changed 4 KiB block costs it, for
+# a bundle about 1 % larger (RAUC's documentation suggests it for adaptive updates)
+SQUASHFS_BLOCK = "64K"
 VALID_DAYS = 3650
 
 
@@ -143,6 +149,9 @@ def manifest_text(version: str, build: str) -> str:
         "\n"
         "[image.rootfs]\n"
         f"filename={ROOTFS_NAME}\n"
+        # a hash of each 4 KiB block: a node streaming the bundle fetches only the blocks
+        # neither of its slots holds (the ext4 image is whole 4 KiB blocks)
+        "adaptive=block-hash-index\n"
     )
 
 
@@ -174,7 +183,7 @@ def make_bundle(
         [
             "rauc", "bundle",
             f"--cert={signing.cert}", f"--key={signing.key}", f"--keyring={signing.keyring}",
-            f"--mksquashfs-args=-comp zstd -Xcompression-level {level}",
+            f"--mksquashfs-args=-comp zstd -Xcompression-level {level} -b {SQUASHFS_BLOCK}",
             str(content), str(partial),
         ]
     )  # fmt: skip

@@ -59,7 +59,7 @@ async def send_blob(
     if request.headers.get(hdrs.RANGE) is not None and _if_range_holds(request, sha256):
         try:
             asked = request.http_range
-            start, count = _resolve(asked.start, asked.stop, size)
+            start, count = resolve_range(asked.start, asked.stop, size)
         except ValueError:
             response.headers[hdrs.CONTENT_RANGE] = f"bytes */{size}"
             return await _empty(request, response, 416)
@@ -91,7 +91,7 @@ def satisfiable(request: web.Request, size: int) -> bool:
         return True
     try:
         asked = request.http_range
-        _resolve(asked.start, asked.stop, size)
+        resolve_range(asked.start, asked.stop, size)
     except ValueError:
         return False
     return True
@@ -108,7 +108,7 @@ def _if_range_holds(request: web.Request, sha256: str) -> bool:
     return condition is None or condition.strip() == f'"{sha256}"'
 
 
-def _resolve(start: int | None, stop: int | None, size: int) -> tuple[int, int]:
+def resolve_range(start: int | None, stop: int | None, size: int) -> tuple[int, int]:
     """(offset, count) of an aiohttp range slice in a file of ``size`` bytes; ValueError
     when it cannot be met."""
     if start is None and stop is None:

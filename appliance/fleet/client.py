@@ -296,13 +296,17 @@ class HubClient:
         except (aiohttp.ClientError, TimeoutError) as err:
             raise HubError(f"the hub is unreachable ({type(err).__name__}: {err})") from err
 
-    async def artifact(self, sha256: str, offset: int = 0) -> aiohttp.ClientResponse:
-        """A model file placed on this node, from byte `offset` (206) or whole (200); the
-        caller reads and releases it. Raises HubError when the hub cannot be reached."""
+    async def artifact(
+        self, sha256: str, offset: int = 0, end: int | None = None
+    ) -> aiohttp.ClientResponse:
+        """A file given to this node, from byte `offset` (to byte `end`, inclusive) with
+        206, or whole (200); the caller reads and releases it. Raises HubError when the hub
+        cannot be reached."""
         headers = dict(self._headers)
-        if offset:
+        if offset or end is not None:
             # The hub's ETag is the digest: a resume never splices two different files.
-            headers |= {"Range": f"bytes={offset}-", "If-Range": f'"{sha256}"'}
+            stop = "" if end is None else str(end)
+            headers |= {"Range": f"bytes={offset}-{stop}", "If-Range": f'"{sha256}"'}
         try:
             return await self._session.get(
                 f"{self._base}/v1/node/artifacts/{sha256}",

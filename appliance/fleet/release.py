@@ -1,9 +1,11 @@
-"""Converging on the image release the hub gives this node (protocol 6): the bundle fetched
-through the tunnel into the data directory (resumable, bounded, its sha256 checked),
-installed by the updater (appliance/update/installer.py, RAUC) within the site's update
-window, the node rebooted into it, and the new image marked good once it is up and has
-reached the hub again. What happened is kept in the database (meta `image_update`), so
-it survives the reboot it leads to, and reported in every heartbeat (`Capacity.image`).
+"""Converging on the image release the hub gives this node (protocol 6): the bundle streamed
+by the updater (appliance/update/installer.py, RAUC) from the hub through the tunnel, only
+the blocks neither root slot holds (adaptive; appliance/update/stream.py), or, where that
+fails, fetched whole into the data directory (resumable, bounded, its sha256 checked) and
+installed from there; within the site's update window; the node rebooted into it, and the
+new image marked good once it is up and has reached the hub again. What happened is kept in
+the database (meta `image_update`), so it survives the reboot it leads to, and reported in
+every heartbeat (`Capacity.image`).
 
 The states, as the hub's rollouts read them: `downloading`, `installing`,
 `installed-pending-reboot`; after the reboot `booted-trial` if the new slot booted, then
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 from appliance.fleet.client import HubError
 from appliance.fleet.downloads import DownloadError, fetch_checked
 from appliance.update.installer import ERROR_CHARS, InstallerError, Rauc
+from appliance.update.stream import BundleStream
 from shared import protocol
 from shared.supervise import Failures
 
@@ -87,6 +90,7 @@ class Updater:
         os_release: Path,
         reboot: Sequence[str] = (),
         retry_s: float = 600.0,
+        streaming: bool = True,
         failures: Failures | None = None,
         clock: Callable[[], float] = time.time,
         boot: Callable[[], str] = boot_id,
@@ -97,6 +101,7 @@ class Updater:
         self._os_release = os_release
         self._reboot = tuple(reboot)
         self._retry_s = retry_s
+        self._streaming = streaming
         self._failures = failures or Failures()
         self._clock = clock
         self._boot = boot
@@ -264,13 +269,25 @@ class Updater:
         partial = self._dir / f"{target.sha256}.raucb.part"
         bundle = self._dir / f"{target.sha256}.raucb"
         try:
-            if not await asyncio.to_thread(bundle.exists):
-                log.info("fetching release %s (%d MiB)", target.version, target.size_bytes >> 20)
-                await _fetch(client, target, partial)
-                await asyncio.to_thread(partial.replace, bundle)
-            await self._save(replace(base, state="installing"))
-            log.info("installing release %s", target.version)
-            await asyncio.to_thread(self._rauc.install, bundle)
+            streamed = False
+            if (
+                client is not None
+                and self._streaming
+                and not await asyncio.to_thread(lambda: bundle.exists() or partial.exists())
+            ):
+                await self._save(replace(base, state="installing"))
+                streamed = await self._stream(client, target)
+            if not streamed:
+                if not await asyncio.to_thread(bundle.exists):
+                    await self._save(base)
+                    log.info(
+                        "fetching release %s (%d MiB)", target.version, target.size_bytes >> 20
+                    )
+                    await _fetch(client, target, partial)
+                    await asyncio.to_thread(partial.replace, bundle)
+                await self._save(replace(base, state="installing"))
+                log.info("installing release %s", target.version)
+                await asyncio.to_thread(self._rauc.install, bundle)
             status = await asyncio.to_thread(self._rauc.status)
         except HubError as err:
             # Kept to resume from at the next heartbeat: still downloading.
@@ -290,6 +307,31 @@ class Updater:
             log.warning("rebooting into release %s", target.version)
             process = await asyncio.create_subprocess_exec(*self._reboot)
             await process.wait()
+
+    async def _stream(self, client: HubClient, target: protocol.ReleaseTarget) -> bool:
+        """The release installed by RAUC as it streams the bundle from the hub (adaptive:
+        only the blocks neither slot holds are fetched); False, with the reason logged, when
+        that failed, for the whole bundle to be fetched instead."""
+        async with BundleStream(
+            lambda start, end: client.artifact(target.sha256, start, end),
+            sha256=target.sha256,
+            size=target.size_bytes,
+        ) as stream:
+            log.info("installing release %s, streamed from the hub", target.version)
+            try:
+                await asyncio.to_thread(self._rauc.install, stream.url)
+            except InstallerError as err:
+                why = f"{err} ({stream.error})" if stream.error else str(err)
+                log.warning(
+                    "streaming release %s failed after %d MiB, fetching it whole: %s",
+                    target.version, stream.fetched >> 20, why,
+                )  # fmt: skip
+                return False
+        log.info(
+            "release %s installed, streamed: %d of its %d MiB fetched in %d ranges",
+            target.version, stream.fetched >> 20, target.size_bytes >> 20, stream.requests,
+        )  # fmt: skip
+        return True
 
 
 async def _fetch(client: HubClient | None, target: protocol.ReleaseTarget, partial: Path) -> None:

@@ -8,7 +8,8 @@ give before each command (`update.rauc_options`: another system.conf, say):
 
 - `rauc status --detailed --output-format=json`: the booted slot, and each slot's state,
   boot status and the version of the bundle installed in it;
-- `rauc install BUNDLE`: the verified bundle into the other slot;
+- `rauc install BUNDLE`: the verified bundle into the other slot (a file, or a loopback URL
+  RAUC streams it from);
 - `rauc status mark-good booted`: the running release confirmed once it reached the hub (a
   failed boot is marked bad by the boot's own health check, image/health.py).
 
@@ -78,7 +79,8 @@ class Rauc:
         except (ValueError, TypeError, AttributeError) as err:
             raise InstallerError(f"`rauc status` answered what is not its JSON: {err}") from err
 
-    def install(self, bundle: Path) -> None:
+    def install(self, bundle: Path | str) -> None:
+        """A bundle file, or a URL RAUC streams it from (appliance/update/stream.py)."""
         self._run(["install", str(bundle)], INSTALL_TIMEOUT_S)
 
     def mark_good(self) -> None:

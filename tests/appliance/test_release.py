@@ -30,7 +30,7 @@ from appliance.cli import _update_summary
 from appliance.fleet.client import HubClient
 from appliance.fleet.release import Updater, image_version
 from appliance.state.store import AsyncStore, Store
-from appliance.update.installer import Rauc, parse_status
+from appliance.update.installer import InstallerError, Rauc, parse_status
 from hub.app import create_app as create_hub
 from hub.identity import certificates, ssl_context
 from hub.planning.rollout import Strategy
@@ -298,10 +298,88 @@ class Watched(Rauc):
         self.updater: Updater | None = None
         self.seen: list[tuple[str, str | None]] = []
 
-    def install(self, bundle: Path) -> None:
+        self.asked: list[str] = []  # what each install was given: a file, or a URL
+
+    def install(self, bundle: Path | str) -> None:
         image = self.updater.image if self.updater is not None else None
         self.seen.append((image.state, image.target) if image is not None else ("", None))
+        self.asked.append(str(bundle))
         super().install(bundle)
+
+
+class CannotStream(Watched):
+    """RAUC that fails to stream (no network block device, say)."""
+
+    def install(self, bundle: Path | str) -> None:
+        if str(bundle).startswith("http"):
+            self.asked.append(str(bundle))
+            raise InstallerError("`rauc install` failed (1): Failed to stream bundle: no nbd")
+        super().install(bundle)
+
+
+async def test_a_release_is_installed_as_rauc_streams_it_through_the_node(
+    aiohttp_server: AiohttpServer, tmp_path: Path, rauc: RaucHost
+) -> None:
+    """RAUC is given a loopback URL of the node's: every byte it reads is fetched from the hub
+    through the node's client as it asks (this machine's RAUC, built without streaming,
+    downloads it whole through that URL; the image's streams only the blocks it lacks), and
+    the appliance never stores the bundle."""
+    host = rauc
+    bundle = host.bundle("1.1")
+    async for given in give_release(aiohttp_server, tmp_path, bundle):
+        updates = tmp_path / "node" / "updates"
+        watched = Watched("rauc", [f"--conf={host.conf}"])
+        updater = Updater(
+            given.store, watched, updates, os_release=tmp_path / "os-release",
+            boot=lambda: "boot-1",
+        )  # fmt: skip
+        watched.updater = updater
+        (tmp_path / "os-release").write_text("IMAGE_VERSION=1.0\n")
+        await updater.converge(given.client)
+        assert len(watched.asked) == 1
+        assert watched.asked[0].startswith("http://127.0.0.1:")
+        assert watched.asked[0].endswith(f"/{given.sha256}.raucb")
+        assert watched.seen == [("installing", "1.1")]
+        assert (_image(updater).state, _image(updater).target) == (
+            "installed-pending-reboot", "1.1")  # fmt: skip
+        assert (tmp_path / "rauc" / "slot-b.img").read_bytes().startswith(b"rootfs 1.1")
+        assert list(updates.iterdir()) == []
+        # The URL is gone with the install: nothing else on the machine can read through it.
+        with pytest.raises(aiohttp.ClientConnectionError):
+            async with aiohttp.ClientSession() as session:
+                await session.get(watched.asked[0])
+
+
+async def test_a_release_rauc_cannot_stream_is_fetched_whole_and_installed(
+    aiohttp_server: AiohttpServer, tmp_path: Path, rauc: RaucHost
+) -> None:
+    host = rauc
+    bundle = host.bundle("1.1")
+    async for given in give_release(aiohttp_server, tmp_path, bundle):
+        updates = tmp_path / "node" / "updates"
+        refusing = CannotStream("rauc", [f"--conf={host.conf}"])
+        updater = Updater(
+            given.store, refusing, updates, os_release=tmp_path / "os-release",
+            boot=lambda: "boot-1",
+        )  # fmt: skip
+        (tmp_path / "os-release").write_text("IMAGE_VERSION=1.0\n")
+        await updater.converge(given.client)
+        assert len(refusing.asked) == 2
+        assert refusing.asked[0].startswith("http://127.0.0.1:")
+        assert refusing.asked[1] == str(updates / f"{given.sha256}.raucb")
+        assert _image(updater).state == "installed-pending-reboot"
+        assert (tmp_path / "rauc" / "slot-b.img").read_bytes().startswith(b"rootfs 1.1")
+        assert list(updates.iterdir()) == []
+        # Off in the settings: fetched whole at once.
+        await given.store.run(given.store.sync.set_meta, "image_update", "")
+        host.boot("A")
+        watched = Watched("rauc", [f"--conf={host.conf}"])
+        updater = Updater(
+            given.store, watched, updates, os_release=tmp_path / "os-release",
+            boot=lambda: "boot-2", streaming=False,
+        )  # fmt: skip
+        await updater.converge(given.client)
+        assert watched.asked == [str(updates / f"{given.sha256}.raucb")]
 
 
 async def test_a_release_is_fetched_resumed_installed_by_rauc_and_marked_good_after_the_reboot(

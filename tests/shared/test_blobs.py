@@ -12,7 +12,7 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.blobs import IMMUTABLE, _resolve, send_blob
+from shared.blobs import IMMUTABLE, resolve_range, send_blob
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -140,7 +140,7 @@ def test_resolve_agrees_with_python_slicing(size: int, asked: tuple[int, int | N
     data = (bytes(range(256)) * 4)[:size]
     start, stop = asked
     try:
-        offset, count = _resolve(start, stop, size)
+        offset, count = resolve_range(start, stop, size)
     except ValueError:
         assert data[start:stop] == b""
         return
