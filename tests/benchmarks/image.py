@@ -42,6 +42,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from image.configure import ROOT_A_LABEL
 from shared import __version__
 from tests.benchmarks import site_fetch
 from tests.benchmarks.report import headline
@@ -54,9 +55,11 @@ from tests.image.vm import (
     accelerator,
     build_image,
     copy_image,
+    extract_partition,
     heartbeat_after,
     hub_in_namespace,
     kvl,
+    package_files,
     release_bundles,
     reported,
     start_rollout,
@@ -66,6 +69,7 @@ from tests.image.vm import (
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "image.json"
 TARGET_READY_S = 30.0
+TARGET_ADAPTIVE_SHARE = 0.15  # of the full bundle, for a release that upgrades one package
 
 
 def boots(image: Path, work: Path, count: int) -> dict[str, Any]:
@@ -156,7 +160,13 @@ class Poller(threading.Thread):
 def updates(manifest: dict[str, Any], work: Path) -> dict[str, Any]:
     """A release rolled out to the node, then a broken one; see the module's docstring."""
     update, broken = f"{__version__}+update", f"{__version__}+broken"
-    bundles = release_bundles(manifest, work / "bundles", {update: False, broken: True})
+    # as `just image` compresses a bundle; the update upgrades one package (the appliance's)
+    bundles = release_bundles(manifest, work / "bundles", {update: False, broken: True},
+                              upgraded=frozenset({update}), level=6)  # fmt: skip
+    root = extract_partition(Path(manifest["image"]), ROOT_A_LABEL, work / "root.ext4")
+    package = package_files(root, "kovenlab-edge")
+    files, size = len(package), sum(len(content) for content in package.values())
+    root.unlink()
     with hub_in_namespace(work) as hub:
         disk = copy_image(Path(manifest["image"]), work / "disk.img", GROW)
         kvl("image", "configure", str(disk), "--provisioning", str(hub.provisioning))
@@ -177,16 +187,24 @@ def updates(manifest: dict[str, Any], work: Path) -> dict[str, Any]:
             try:
                 say("image: rolling out an update")
                 started = time.monotonic()
+                sent = hub.sent_bytes()
                 rollout = start_rollout(hub, update, node, soak="0s")
                 machine.wait_console("slot B marked good", bound_s=update_bound)
+                sent = hub.sent_bytes() - sent
                 wait_for(lambda: hub.rollout(rollout)["state"] == "done", "the rollout", bound, why)
                 done_s = time.monotonic() - started
                 serving = poller.serving_since(started)
                 assert serving is not None, "the LAN API never went away for the reboot"
+                full = bundles[update].stat().st_size
                 update_result = {
                     "serving_s": round(serving - started, 1),
                     "rollout_done_s": round(done_s, 1),
                     "unavailable_s": round(poller.unavailable_s(started), 1),
+                    # everything the hub sent the node from the rollout's start to the new
+                    # slot marked good, against the bundle a node without streaming fetches
+                    "link_bytes": sent,
+                    "bundle_bytes": full,
+                    "adaptive_share": round(sent / full, 4),
                 }
                 say(f"image: update {update_result}")
 
@@ -214,7 +232,8 @@ def updates(manifest: dict[str, Any], work: Path) -> dict[str, Any]:
     return {
         "update": update_result,
         "broken_release": broken_result,
-        "test_bundle_bytes": bundles[update].stat().st_size,
+        "upgraded_package": {"name": "kovenlab-edge", "files": files, "bytes": size},
+        "target_adaptive_share": TARGET_ADAPTIVE_SHARE,
         "poll_every_s": poller.every_s,
     }
 
@@ -268,6 +287,15 @@ def markdown(result: dict[str, Any]) -> str:
             f"| the same: rollout start to the hub halting it | {b['rollout_halted_s']} s | |",
             f"| the same: LAN API unavailable | {b['unavailable_s']} s | |",
         ]
+        if "link_bytes" in u:
+            package = updates["upgraded_package"]
+            lines.append(
+                f"| a release upgrading one package ({package['name']}: {package['files']} "
+                f"files, {package['bytes'] / 2**20:.1f} MiB), streamed: bytes the hub sent the "
+                f"node, against the whole bundle | {u['link_bytes'] / 2**20:.1f} MiB of "
+                f"{u['bundle_bytes'] / 2**20:.0f} MiB ({u['adaptive_share']:.1%}) | "
+                f"**≤ {updates['target_adaptive_share']:.0%}** |"
+            )
     return "\n".join(lines)
 
 

@@ -136,6 +136,16 @@ class Hub:
     env: dict[str, str]
     provisioning: Path
     process: subprocess.Popen[bytes] | None = None
+    veth: str = ""  # the namespace's end of its link
+
+    def sent_bytes(self) -> int:
+        """Bytes the hub's namespace has sent over its link: all it sent the node (WireGuard,
+        TLS and HTTP included)."""
+        done = subprocess.run(
+            netns.argv(self.namespace, "cat", f"/sys/class/net/{self.veth}/statistics/tx_bytes"),
+            capture_output=True, text=True, check=True, timeout=30,
+        )  # fmt: skip
+        return int(done.stdout)
 
     @property
     def url(self) -> str:
@@ -183,7 +193,7 @@ def hub_in_namespace(folder: Path) -> Iterator[Hub]:
         # Rollouts move on within a second of what a node reports (5 s by default).
         "KVL_HUB_FLEET__ROLLOUT_EVERY_S": "1",
     }
-    hub = Hub(data, namespace, address, env, folder / "kovenlab.json")
+    hub = Hub(data, namespace, address, env, folder / "kovenlab.json", veth=inside)
     provision = ["--site", SITE, "--name", NODE_NAME, "--url", hub.url, "--expires", "2h"]
     kvl("hub", "provision", *provision, "--output", str(hub.provisioning), "--data-dir", str(data),
         env=env)  # fmt: skip
@@ -383,6 +393,7 @@ class Machine:
 
 
 DEBUGFS = "debugfs"
+VENV = "/opt/kovenlab/venv"  # the appliance's environment in the image (image/build.py)
 UNITS = (
     "kovenlab-network", "kovenlab-network-apply", "kovenlab-firstboot", "kovenlab-appliance",
     "kovenlab-health", "rauc",
@@ -593,12 +604,52 @@ def data_partition_end(disk: Path) -> tuple[int, int]:
 BROKEN_DROP_IN = b"[Service]\nExecStart=\nExecStart=/bin/false\n"
 
 
+def package_files(image: Path, distribution: str) -> dict[str, bytes]:
+    """Every file of one Python distribution in the image's venv (its RECORD), by path: what
+    a release that upgrades that one package writes again."""
+
+    def ask(command: str) -> str:
+        done = subprocess.run([_debugfs(), "-R", command, str(image)], capture_output=True,
+                              text=True, check=True, timeout=60)  # fmt: skip
+        return done.stdout
+
+    def names(folder: str) -> list[str]:  # `ls -p`: /inode/mode/uid/gid/name/size/
+        return [row.split("/")[5] for row in ask(f"ls -p {folder}").splitlines()
+                if row.count("/") > 5]  # fmt: skip
+
+    python = next(n for n in names(f"{VENV}/lib") if n.startswith("python"))
+    site = f"{VENV}/lib/{python}/site-packages"
+    prefix = distribution.replace("-", "_") + "-"
+    info = next(n for n in names(site) if n.startswith(prefix) and n.endswith(".dist-info"))
+    record = ask(f"cat {site}/{info}/RECORD")
+    paths = [f"{site}/{row.split(',')[0]}" for row in record.splitlines()
+             if row and not row.startswith("../")]  # fmt: skip
+    files: dict[str, bytes] = {}
+    with tempfile.TemporaryDirectory(prefix="kvl-debugfs-") as work:
+        script = Path(work) / "commands"
+        script.write_text("".join(f"dump {path} {work}/{n}\n" for n, path in enumerate(paths)))
+        subprocess.run([_debugfs(), "-f", str(script), str(image)], capture_output=True,
+                       check=True, timeout=300)  # fmt: skip
+        for n, path in enumerate(paths):
+            dumped = Path(work) / str(n)
+            if dumped.is_file():
+                files[path] = dumped.read_bytes()
+    return files
+
+
 def release_bundles(
-    manifest: dict[str, Any], folder: Path, releases: dict[str, bool]
+    manifest: dict[str, Any],
+    folder: Path,
+    releases: dict[str, bool],
+    *,
+    upgraded: frozenset[str] = frozenset(),
+    level: int = 1,
 ) -> dict[str, Path]:
     """A bundle per release version (`releases`: version -> whether it is broken), each the
     image's own root with that version in its description, signed as `just image` signs;
-    zstd -1, as a bundle read once over the tunnel needs no more."""
+    zstd -1 by default, as a bundle read once over the tunnel needs no more. A version in
+    `upgraded` also upgrades one package, the appliance's own: every file of it written
+    again with the version in it (the rest of the root as it was)."""
     from image.build import DEFAULT_BUILD_DIR, Paths, image_description  # noqa: PLC0415
     from image.bundle import development_signing, make_bundle  # noqa: PLC0415
 
@@ -622,10 +673,14 @@ def release_bundles(
         if broken:
             drop_in = "/etc/systemd/system/kovenlab-appliance.service.d/broken.conf"
             files[drop_in] = BROKEN_DROP_IN
+        if version in upgraded:
+            marker = f"\n# {version}\n".encode()
+            package = package_files(root, "kovenlab-edge")
+            files |= {path: content + marker for path, content in package.items()}
         write_files(root, files)
         made[version] = folder / f"release-{n}.raucb"
         make_bundle(run, folder / "work", root, made[version], version=version,
-                    build="test", signing=signing, level=1)  # fmt: skip
+                    build="test", signing=signing, level=level)  # fmt: skip
         root.unlink()
     rootfs.unlink()
     return made
