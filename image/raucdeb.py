@@ -99,10 +99,31 @@ def debs(
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
     if partial.exists():
         shutil.rmtree(partial)
+    try:
+        _build(partial, suite, mirrors, run, fetch or _download)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    try:
+        partial.rename(folder)
+    except OSError:  # another build on this machine made it first: take that one
+        if not (folder / ".complete").is_file():
+            raise
+        shutil.rmtree(partial)
+    return _packages(folder)
+
+
+def _build(
+    partial: Path,
+    suite: str,
+    mirrors: Sequence[str],
+    run: Callable[[list[str]], object],
+    fetch: Callable[[str, Path], None],
+) -> None:
     source = partial / "source"
     source.mkdir(parents=True)
     for name, sha256 in SOURCES.items():
-        (fetch or _download)(f"{POOL}/{name}", source / name)
+        fetch(f"{POOL}/{name}", source / name)
         got = hashlib.sha256((source / name).read_bytes()).hexdigest()
         if got != sha256:
             raise RaucBuildError(f"{name} from {POOL} has sha256 {got}, not {sha256}")
@@ -128,13 +149,6 @@ def debs(
     if len(_packages(partial)) != len(PACKAGES):
         raise RaucBuildError(f"the build made {_packages(partial)}, not {PACKAGES}")
     (partial / ".complete").write_text(VERSION + "\n")
-    try:
-        partial.rename(folder)
-    except OSError:  # another build on this machine made it first: take that one
-        if not (folder / ".complete").is_file():
-            raise
-        shutil.rmtree(partial)
-    return _packages(folder)
 
 
 def _packages(folder: Path) -> list[Path]:

@@ -11,12 +11,14 @@ by side on two workers.
    enrolls with the hub through the proxy (its log shows the CONNECT), and its heartbeats
    then arrive through the WireGuard tunnel; the health check marks slot A good,
    and the node reports the flashed version (os-release's IMAGE_VERSION).
-2. A rollout of UPDATE with this node as its canary: the appliance fetches the bundle from the
-   hub through the tunnel, `rauc install`s it into slot B and asks for the reboot (it runs
-   without root: kovenlab-reboot.path reboots); slot B boots on trial and is marked good once
-   the appliance serves, the node reports UPDATE good and the rollout is done. The node keeps
-   its identity (no second enrollment) and serves HTTPS with the certificate the hub's CA
-   issued: the data partition came across.
+2. A rollout of UPDATE with this node as its canary: RAUC streams the bundle from the hub
+   through the appliance (which fetches each range through the tunnel) into slot B, taking
+   the blocks the node holds from its own slots: the hub sends the node a small part of the
+   bundle (UPDATE is the flashed root with one file changed). The appliance asks for the
+   reboot (it runs without root: kovenlab-reboot.path reboots); slot B boots on trial and is
+   marked good once the appliance serves, the node reports UPDATE good and the rollout is
+   done. The node keeps its identity (no second enrollment) and serves HTTPS with the
+   certificate the hub's CA issued: the data partition came across.
 
 After the power-off, read from the disk: the data partition grew to the end of the disk, both
 loader entries are good, and the health reports on the data partition say which slot ran
@@ -93,9 +95,15 @@ def test_the_hub_rolls_out_a_release_into_the_other_slot(
 
             # 2. UPDATE from the hub into slot B: on trial, then good; the same node,
             # serving HTTPS
+            sent = hub.sent_bytes()
             rollout = start_rollout(hub, UPDATE, enrolled.node_id, soak="0s")
             assert reported(hub.rollout(rollout))["version"] == CURRENT  # the flashed one
             machine.wait_console("slot B marked good", bound_s=enrolled.update_bound_s)
+            sent = hub.sent_bytes() - sent
+            bundle = bundles.result()[UPDATE].stat().st_size
+            # whole, the bundle would be sent once at least; streamed, RAUC fetches its
+            # signature, index and the few blocks the node lacks
+            assert sent < bundle // 4, f"the hub sent {sent} bytes of a {bundle}-byte bundle"
             machine.wait_ready("https", context)
             wait_for(
                 lambda: hub.rollout(rollout)["state"] == "done",
