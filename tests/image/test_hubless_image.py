@@ -7,6 +7,7 @@ import ipaddress
 import json
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,15 +15,19 @@ import pytest
 from openai import OpenAI
 
 from appliance.packages.cache import PackageCache
-from image.configure import ROOT_A_LABEL, partitions
+from image.configure import DATA_LABEL, ROOT_A_LABEL, partitions
+from shared import __version__
 from tests.conftest import PATIENT_S1
 from tests.image.vm import (
     GROW,
     LAN,
+    READY_BOUND_S,
     Machine,
     accelerator,
     copy_image,
     kvl,
+    read_file,
+    release_bundles,
     usb_stick,
     write_files,
 )
@@ -45,9 +50,12 @@ def test_a_hubless_image_takes_a_key_made_over_the_lan_and_a_site_bundle(
     (`kvl bundle create`, signed as `just image` signs releases) through its admin API: a
     tampered copy is refused with nothing changed; the bundle's model is served (as the
     official client lists it), and its package is cached; so is the package of a bundle on a
-    USB stick left in at boot. Its network is the provisioning
-    file's static address from the first boot; moved through the admin API and confirmed
-    there, it is kept, and a change nobody confirms is rolled back."""
+    USB stick left in at boot. Releases come the same way: one in a site bundle is installed
+    into slot B and rebooted into, marked good once it serves; a broken one after it is
+    installed into slot A, fails its trial and the node falls back to B by itself. Its
+    network is the provisioning file's static address from the first boot (every boot);
+    moved through the admin API and confirmed there, it is kept, and a change nobody
+    confirms is rolled back."""
     disk = copy_image(Path(manifest["image"]), tmp_path / "disk.img", GROW)
     admin = kvl(
         "image", "configure", str(disk), "--no-hub", "--name", "lab-server",
@@ -60,6 +68,10 @@ def test_a_hubless_image_takes_a_key_made_over_the_lan_and_a_site_bundle(
     # took the provisioning file's network at its first boot.
     # A USB stick left in at boot, with a bundle of another package on it.
     stick = usb_stick(tmp_path / "stick.img", [stick_bundle_of(tmp_path)])
+    # The releases' site bundles, made while the machine boots (minutes each).
+    pool = ThreadPoolExecutor(max_workers=1)
+    releases = pool.submit(release_site_bundles, manifest, tmp_path / "releases")
+    pool.shutdown(wait=False)
     with Machine(disk, tmp_path / "vm", guest=STATIC, more_guests=(MOVED,), usb=stick) as machine:
         machine.wait_ready()
         base = f"http://127.0.0.1:{machine.port}"
@@ -107,8 +119,30 @@ def test_a_hubless_image_takes_a_key_made_over_the_lan_and_a_site_bundle(
         packages = lan_call(base, "/v1/packages", key)
         assert sorted(p["id"] for p in packages["data"]) == [PACKAGE_ID, STICK_PACKAGE_ID]
 
+        for version, site in releases.result().items():
+            applied = upload_bundle(base, admin, site)
+            assert (applied["state"], applied["applied"]) == ("applied", {"release": [version]})
+            site.unlink()
+            if version == UPDATE:  # installed into slot B, rebooted into, on trial
+                machine.wait_console("slot B marked good", bound_s=UPDATE_BOUND_S)
+            else:  # installed into slot A, its trial failed: back to B
+                machine.wait_console("slot A marked bad", bound_s=UPDATE_BOUND_S)
+                machine.wait_console("slot B marked good", count=2, bound_s=UPDATE_BOUND_S)
+            machine.wait_ready()
+
         network_changes(base, f"http://127.0.0.1:{machine.ports[MOVED]}", admin)
         machine.power_off()
+
+    reports = [
+        json.loads(line)
+        for line in read_file(disk, DATA_LABEL, "/update/health.jsonl").splitlines()
+    ]
+    assert [(r["slot"], r["version"], r["trial"], r["result"]) for r in reports] == [
+        ("A", __version__, False, "good"),
+        ("B", UPDATE, True, "good"),
+        ("A", BROKEN, True, "bad"),
+        ("B", UPDATE, False, "good"),
+    ], reports
 
 
 def network_changes(base: str, moved: str, admin: str) -> None:
@@ -179,6 +213,23 @@ STICK_PACKAGE_ID = f"pkg_{8:024x}"
 PIECE = 16 << 20
 
 
+UPDATE, BROKEN = f"{__version__}+site", f"{__version__}+site-broken"
+UPDATE_BOUND_S = 2 * READY_BOUND_S[accelerator()]  # an install and a boot, or two boots
+
+
+def release_site_bundles(manifest: dict[str, Any], folder: Path) -> dict[str, Path]:
+    """A site bundle for each of two releases of the image's own root (tests/image/vm.py):
+    UPDATE, and BROKEN after it (its appliance exits at once)."""
+    made = release_bundles(manifest, folder, {UPDATE: False, BROKEN: True}, level=6)
+    sites = {}
+    for version, release in made.items():
+        sites[version] = _signed_bundle(
+            folder / f"{version}.kvlbundle", "--release", f"{version}={release}"
+        )
+        release.unlink()
+    return sites
+
+
 def site_bundle_of(tmp_path: Path, model: ModelRecord) -> Path:
     """A site bundle of the default model under another name, a content package and a
     settings overlay (an alias), signed by the image build's release signer."""
@@ -220,14 +271,20 @@ def _signed_bundle(out: Path, *parts: str) -> Path:
     return out
 
 
-def upload_bundle(base: str, admin: str, data: bytes) -> Any:
-    """A bundle sent in pieces, then its upload once the node checked and applied it."""
-    made = lan_call(base, "/v1/admin/bundles", admin, {"size": len(data)})
+def upload_bundle(base: str, admin: str, bundle: bytes | Path) -> Any:
+    """A bundle (its bytes, or its file) sent in pieces, then its upload once the node
+    checked and applied it."""
+    size = len(bundle) if isinstance(bundle, bytes) else bundle.stat().st_size
+    made = lan_call(base, "/v1/admin/bundles", admin, {"size": size})
     path = f"/v1/admin/bundles/{made['id']}"
-    for offset in range(0, len(data), PIECE):
-        request = urllib.request.Request(
-            base + path, data=data[offset : offset + PIECE], method="PATCH"
-        )
+    for offset in range(0, size, PIECE):
+        if isinstance(bundle, bytes):
+            piece = bundle[offset : offset + PIECE]
+        else:
+            with bundle.open("rb") as f:
+                f.seek(offset)
+                piece = f.read(PIECE)
+        request = urllib.request.Request(base + path, data=piece, method="PATCH")
         request.add_header("Authorization", f"Bearer {admin}")
         request.add_header("Upload-Offset", str(offset))
         request.add_header("Content-Type", "application/octet-stream")
