@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from image import raucdeb
-from image.bundle import COMPATIBLE, Signing, development_signing, make_bundle
+from image.bundle import COMPATIBLE, Signing, development_signing, make_bundle, seed_indexes
 from image.configure import (
     DATA_LABEL,
     ESP_LABEL,
@@ -206,6 +206,7 @@ LLAMA_CMAKE_ARGS = "-DLLAVA_BUILD=off -DGGML_NATIVE=off"
 VENV = "/opt/kovenlab/venv"
 WHEELHOUSE = "/var/cache/kovenlab-wheels"  # in the tree while the venv is made, then removed
 DATA_MOUNT = "var/lib/kovenlab"
+RAUC_DATA = "rauc"  # RAUC's data directory on the data partition (/etc/rauc/system.conf)
 UNITS_ENABLED = (
     "kovenlab-firstboot.service",
     "kovenlab-appliance.service",
@@ -1043,6 +1044,7 @@ def _build(paths: Paths, *, force: bool, signing: Signing) -> dict[str, Any]:
         carried = carried_sizes(system.root)
         esp = make_esp(paths, system)
         root_image = make_ext4(paths, ROOT_A_LABEL, system.root, ROOT_SLOT_SIZE, ROOT_A_FS)
+        seed_indexes(system.data / RAUC_DATA, root_image)
         data_image = make_ext4(paths, DATA_LABEL, system.data, DATA_SIZE, DATA_FS)
     parts = [
         PartitionSpec(ESP_LABEL, ESP_TYPE, ESP_SIZE, esp),

@@ -137,6 +137,41 @@ def _write_private(path: Path, data: bytes) -> None:
         out.write(data)
 
 
+CHUNK = 4096  # RAUC's block-hash index: a sha256 for each 4 KiB block
+
+
+def block_hash_index(image: Path) -> bytes:
+    """RAUC's block-hash index of a file: the sha256 of each 4 KiB block, one after another,
+    as `rauc bundle` writes it into a bundle and RAUC keeps it for a slot it installed."""
+    out = bytearray()
+    with image.open("rb") as f:
+        while block := f.read(CHUNK * 1024):
+            if len(block) % CHUNK:
+                raise ValueError(f"{image} is not whole 4 KiB blocks")
+            for at in range(0, len(block), CHUNK):
+                out += hashlib.sha256(block[at : at + CHUNK]).digest()
+    return bytes(out)
+
+
+def seed_indexes(data_directory: Path, root: Path) -> None:
+    """The block-hash indexes a flashed node's first update starts from, in RAUC's data
+    directory: root A's (the image's root file system, `root`) and root B's (empty: its first
+    block, zeros). RAUC keeps an index for each slot it installed, and hashes a slot it has
+    none for, whole, before the update: both root slots, 3 GiB read and hashed (minutes on a
+    slow disk) before the first block is written. A slot RAUC never installed is `unknown` to
+    it; every block RAUC takes from a slot is hashed again as it is read, so a slot that
+    changed since costs only its changed blocks."""
+    for slot, index in (("rootfs.0", block_hash_index(root)), ("rootfs.1", ZERO_CHUNK_HASH)):
+        folder = data_directory / f"slot.{slot}" / "hash-unknown"
+        folder.mkdir(parents=True, mode=0o700, exist_ok=True)
+        for made in (folder, folder.parent):
+            made.chmod(0o700)
+        (folder / "block-hash-index").write_bytes(index)
+
+
+ZERO_CHUNK_HASH = hashlib.sha256(bytes(CHUNK)).digest()
+
+
 def manifest_text(version: str, build: str) -> str:
     return (
         "[update]\n"
