@@ -10,8 +10,11 @@ node (through its WireGuard tunnel). The image's size is the file's, and the dat
 TCG (emulation, where KVM cannot run a stock kernel) the figures are recorded, not judged.
 
 Updates, from the hub as an operator makes them (`--updates`, on by default): a release
-(a signed bundle of the image's own root under another version) rolled out with the node as
-its canary, then a broken one (its appliance exits at once). Measured while a client polls
+(a signed bundle of the image's own root under another version, with one package upgraded:
+every file of the appliance's own written again) rolled out with the node as its canary,
+then a broken one (its appliance exits at once). The node streams a release (RAUC's
+adaptive update): the bytes the hub sent the node for it, against the whole bundle (target
+at most 15 %). Measured while a client polls
 the LAN API's `/readyz` every 100 ms: the seconds from the rollout's start to the node
 serving the new version (answering again from the new slot), the seconds it answered no
 200 (refused, reset, 5xx or no answer within a second), and, for the broken release, the
