@@ -277,7 +277,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             (
                 "| a release rolled out by the hub: rollout start to the LAN API serving the new "
-                f"version (fetch through the tunnel, install, reboot) | {u['serving_s']} s | |"
+                "version (streamed through the tunnel as RAUC installs it, reboot) | "
+                f"{u['serving_s']} s | |"
             ),
             (
                 "| the same: LAN API unavailable (polled every "
