@@ -555,7 +555,10 @@ def _one_of(item: Item, candidates: set[str]) -> str:
 
 
 def _html(text: str) -> str:
-    return html.escape(text.strip())
+    # Text content, never an attribute: only &, < and > need escaping. Quotes escaped as
+    # well (`&#x27;`) showed literally in Moodle's right-answer summary, which turns the
+    # answer's HTML into plain text without decoding numeric references.
+    return html.escape(text.strip(), quote=False)
 
 
 def _para(text: str) -> str:

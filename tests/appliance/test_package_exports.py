@@ -489,6 +489,11 @@ def test_moodle_text_survives_escaping(package: tuple[Manifest, dict[str, bytes]
         "Don't know",
     ]
     assert text_of(question.findtext("correctfeedback/text") or "") == "3 < 4 & so on."
+    # As Moodle's editor writes them: quotes as they are (a `&#x27;` reference showed
+    # literally in its right-answer summary), only &, < and > as entities.
+    texts = [a.findtext("text") or "" for a in question.findall("answer")]
+    assert texts[2:] == ['Only "sometimes"', "Don't know"]
+    assert texts[0] == "Yes &lt;b&gt;"
 
 
 def test_moodle_refuses_a_grade_it_does_not_offer() -> None:
