@@ -242,7 +242,7 @@ def _h5p_question(item: Item) -> tuple[Library, dict[str, Any]]:
         "behaviour": {
             "type": "single" if item.type is ItemType.single_choice else "multi",
             "singlePoint": False,
-            "randomAnswers": True,
+            "randomAnswers": _shuffled(item),
             "enableRetry": True,
             "enableSolutionsButton": True,
             "enableCheckButton": True,
@@ -339,7 +339,7 @@ def _moodle_question(package_id: str, item: Item) -> ET.Element:
     correct = _require_correct(item)
     single = item.type is ItemType.single_choice
     ET.SubElement(question, "single").text = "true" if single else "false"
-    ET.SubElement(question, "shuffleanswers").text = "1"
+    ET.SubElement(question, "shuffleanswers").text = "1" if _shuffled(item) else "0"
     ET.SubElement(question, "answernumbering").text = "abc"
     _text(ET.SubElement(question, "correctfeedback", format="html"), right)
     _text(ET.SubElement(question, "partiallycorrectfeedback", format="html"), "")
@@ -520,7 +520,9 @@ def _qti_item(item: Item, language: str, media: str | None) -> ET.Element:
             {
                 "response-identifier": "RESPONSE",
                 "max-choices": "0" if item.type is ItemType.multiple_choice else "1",
-                "shuffle": "false" if item.type is ItemType.true_false else "true",
+                "shuffle": "true"
+                if _shuffled(item) and item.type is not ItemType.true_false
+                else "false",
             },
         )
         ET.SubElement(interaction, "qti-prompt").text = item.prompt.strip()
@@ -537,6 +539,13 @@ def _qti_item(item: Item, language: str, media: str | None) -> ET.Element:
 
 
 # Shared
+
+
+def _shuffled(item: Item) -> bool:
+    """Whether an LMS may show the item's choices in an order of its own: not when its
+    narration reads them, in the package's order (the student would hear one order and see
+    another)."""
+    return item.narration is None
 
 
 def _require_correct(item: Item) -> set[str]:

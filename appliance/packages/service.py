@@ -307,6 +307,7 @@ class PackageService:
         narration does; (items, attempts, checks, narration WAV by item id)."""
         spec = req.spec
         audio: dict[str, bytes] = {}
+        heard: dict[str, Check] = {}  # the check of each narration kept, for the report
         kinds = [spec.item_types[n % len(spec.item_types)] for n in range(spec.items)]
         items: list[Item | None] = [None] * spec.items
         redo = set(range(spec.items))
@@ -339,7 +340,10 @@ class PackageService:
             if narrator is not None:
                 # An item whose narration fails its check is generated again too.
                 for item in done:
-                    if item.id in failed or item.id in audio:
+                    if item.id in failed:
+                        continue
+                    if item.id in audio:  # narrated in an earlier attempt: its check stands
+                        checks.append(heard[item.id])
                         continue
                     spoken = _spoken(item)
                     wav = await narrator.speak(spoken, spec.language)
@@ -347,6 +351,7 @@ class PackageService:
                     checks.append(check)
                     if check.passed:
                         audio[item.id] = wav
+                        heard[item.id] = check
                     else:
                         failed.add(item.id)
             if not failed:
@@ -356,6 +361,7 @@ class PackageService:
                 redo = set(range(spec.items))
             for n in redo:
                 audio.pop(f"item-{n + 1}", None)
+                heard.pop(f"item-{n + 1}", None)
             log.info("package attempt %d: %d items fail checks, again", attempt, len(redo))
         problems = "; ".join(
             f"{c.name} ({c.item or 'package'}): {c.detail}" for c in checks if not c.passed

@@ -407,8 +407,43 @@ def test_moodle_xml_has_a_category_then_one_question_per_item(
         assert (question.findtext("name/text") or "").startswith(f"{item.id}: ")
     for question in questions:
         if question.attrib["type"] == "multichoice":
-            assert question.findtext("shuffleanswers") == "1"
             assert question.findtext("answernumbering") == "abc"
+
+
+def _shown_orders(package_items: list[Item]) -> dict[str, list[bool]]:
+    """Whether each export lets the LMS shuffle each choice item's choices, per export."""
+    manifest_ = manifest(package_items, audio_files(package_items))
+    files = audio_files(package_items) if any(i.narration for i in package_items) else {}
+    _, _, content = read_h5p(export_h5p(manifest_, files))
+    h5p = [q["params"]["behaviour"]["randomAnswers"] for q in content["questions"]
+           if "randomAnswers" in q["params"].get("behaviour", {})]  # fmt: skip
+    moodle = [q.findtext("shuffleanswers") == "1"
+              for q in parse_moodle(export_moodle_xml(manifest_))
+              if q.attrib["type"] == "multichoice"]  # fmt: skip
+    with zipfile.ZipFile(io.BytesIO(export_qti3(manifest_, files))) as qti:
+        qti_shuffles = [
+            ET.fromstring(qti.read(name)).find(f".//{QTI}qti-choice-interaction")  # noqa: S314
+            for name in sorted(qti.namelist()) if name.startswith("items/")
+        ]  # fmt: skip
+    qti_orders = [i.attrib["shuffle"] == "true" for i in qti_shuffles if i is not None]
+    return {"h5p": h5p, "moodle": moodle, "qti": qti_orders}
+
+
+def test_narrated_choices_are_shown_in_the_order_they_are_read() -> None:
+    """The narration reads an item's choices in the package's order: every export keeps that
+    order for a narrated item (an LMS shuffling them would show one order and read another),
+    and lets the LMS shuffle the choices of an item without narration."""
+    # q1-q3 narrated, q6 not; QTI lists q4 (true/false) as well, never shuffled
+    assert [i.id for i in items() if i.narration] == ["q1", "q2", "q3", "q4", "q5"]
+    narrated = _shown_orders(items())
+    assert narrated == {
+        "h5p": [False, False, False, True],
+        "moodle": [False, False, False, True],
+        "qti": [False, False, False, False, True],
+    }, narrated
+    silent = _shown_orders(items(narration=False))
+    # true/false (q4) keeps True before False
+    assert silent == {"h5p": [True] * 4, "moodle": [True] * 4, "qti": [True] * 3 + [False, True]}
 
 
 def test_moodle_single_choice_has_one_full_grade(
