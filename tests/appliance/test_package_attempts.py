@@ -11,7 +11,15 @@ import wave
 from typing import TYPE_CHECKING, Any, cast
 
 from appliance.packages.checks import report
-from appliance.packages.model import Check, Choice, Feedback, Item, ItemType, PackageRequest
+from appliance.packages.model import (
+    Check,
+    Choice,
+    Feedback,
+    Item,
+    ItemType,
+    PackageRequest,
+    Spec,
+)
 from appliance.packages.service import PackageService
 from appliance.settings import PackageSettings
 
@@ -71,7 +79,7 @@ async def test_a_report_after_attempts_keeps_the_narration_checks_of_earlier_one
     narrator = Narrator()
     request = PackageRequest(
         topic="The water cycle",
-        spec={"items": 2, "item_types": ["true_false"], "narration": True},  # type: ignore[arg-type]
+        spec=Spec(items=2, item_types=[ItemType.true_false], narration=True),
     )
     shipped, tries, checks, audio = await service._items(
         request, cast("Any", None), "model", 1, cast("Voice", narrator)
