@@ -258,9 +258,9 @@ async def pin_package(request: web.Request) -> web.Response:
 def _export(cache: PackageCache, cached: CachedPackage, form: str) -> bytes:
     if form == "oci":
         return cache.bundle(cached.id, cached.version)
-    if form == "moodle-xml":
-        return export_moodle_xml(cached.manifest)
     files = _read_files(cache, cached)
+    if form == "moodle-xml":
+        return export_moodle_xml(cached.manifest, files)
     return (export_h5p if form == "h5p" else export_qti3)(cached.manifest, files)
 
 

@@ -13,6 +13,7 @@ fixed order).
 
 from __future__ import annotations
 
+import base64
 import html
 import io
 import json
@@ -23,7 +24,7 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 from xml.etree import ElementTree as ET
 
-from appliance.packages.model import Item, ItemType
+from appliance.packages.model import INTRO_NARRATION, Item, ItemType
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -282,11 +283,15 @@ def _narration(
 # Moodle XML
 
 
-def export_moodle_xml(manifest: Manifest) -> bytes:
+def export_moodle_xml(manifest: Manifest, files: Mapping[str, bytes]) -> bytes:
     """The package as a Moodle XML question bank: a category question (the package
     title under the course's top category) followed by one question per item, in the
     elements `question/format/xml/format.php` imports: multichoice (single or multiple
-    answers), truefalse and shortanswer.
+    answers), truefalse and shortanswer. A narrated package starts with a description
+    question (no grade) holding its introduction's narration; each narrated question holds
+    its own, an `<audio>` player in its text and the WAV as the text's embedded file
+    (`@@PLUGINFILE@@`, base64), as Moodle's own export writes files. `files` maps package
+    paths to their bytes.
 
     Text is HTML (prompt, choices and feedback are escaped into it) except answers of
     true/false and short answer questions, which Moodle reads as plain text. Multiple
@@ -299,8 +304,13 @@ def export_moodle_xml(manifest: Manifest) -> bytes:
     # Moodle reads "/" as a category separator and "//" as a literal slash.
     _text(ET.SubElement(category, "category"), f"$course$/top/{manifest.title.replace('/', '//')}")
     _text(ET.SubElement(category, "info", format="html"), _para(manifest.topic))
+    if any(entry.path == INTRO_NARRATION for entry in manifest.files):
+        quiz.append(_moodle_intro(manifest, files))
     for item in manifest.items:
-        quiz.append(_moodle_question(manifest.id, item))
+        question = _moodle_question(manifest.id, item)
+        if item.narration is not None:
+            _moodle_audio(question.find("questiontext"), item.id, item.narration, files)
+        quiz.append(question)
     # Empty elements as <text></text>, the way Moodle's own export writes them.
     return _xml(quiz, short_empty_elements=False)
 
@@ -356,6 +366,38 @@ def _moodle_question(package_id: str, item: Item) -> ET.Element:
             fraction = "-" + _moodle_grade(item, n_wrong)
         _moodle_answer(question, fraction, _html(choice.text), right if hit else wrong, "html")
     return question
+
+
+def _moodle_intro(manifest: Manifest, files: Mapping[str, bytes]) -> ET.Element:
+    """A description question (Moodle's text without an answer) reading the package's
+    introduction: shown before the questions, graded nothing."""
+    question = ET.Element("question", type="description")
+    _text(ET.SubElement(question, "name"), f"intro: {' '.join(manifest.title.split())[:80]}")
+    text = ET.SubElement(question, "questiontext", format="html")
+    _text(text, _para(manifest.title))
+    _moodle_audio(text, "intro", INTRO_NARRATION, files)
+    _text(ET.SubElement(question, "generalfeedback", format="html"), "")
+    ET.SubElement(question, "defaultgrade").text = "0"
+    ET.SubElement(question, "penalty").text = "0"
+    ET.SubElement(question, "hidden").text = "0"
+    ET.SubElement(question, "idnumber").text = f"{manifest.id}-intro"
+    return question
+
+
+def _moodle_audio(
+    text: ET.Element | None, item_id: str, narration: str, files: Mapping[str, bytes]
+) -> None:
+    """The narration as a file embedded in a question's text, and a player for it there."""
+    if text is None:
+        raise ExportError(f"Item {item_id!r} has no question text to hold its narration.")
+    path, data = _narration(item_id, narration, files)
+    shown = text.find("text")
+    if shown is None:
+        raise ExportError(f"Item {item_id!r} has no question text to hold its narration.")
+    player = f'<audio controls="controls" src="@@PLUGINFILE@@/{path.name}"></audio>'
+    shown.text = (shown.text or "") + player
+    embedded = ET.SubElement(text, "file", name=path.name, path="/", encoding="base64")
+    embedded.text = base64.b64encode(data).decode("ascii")
 
 
 def _moodle_answer(

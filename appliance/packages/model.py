@@ -95,6 +95,10 @@ class Item(_Model):
     narration: str | None = Field(None, description="Path of the item's audio in the package.")
 
 
+# The package's introduction read aloud (its title and how many questions), when narrated
+INTRO_NARRATION = "audio/intro.wav"
+
+
 class FileEntry(_Model):
     path: str  # relative, forward slashes: "items.json", "audio/item-1.wav", "cover.png"
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")

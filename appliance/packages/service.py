@@ -45,6 +45,7 @@ from appliance.packages.generate import (
     generate_item,
 )
 from appliance.packages.model import (
+    INTRO_NARRATION,
     Check,
     FileEntry,
     Item,
@@ -254,7 +255,7 @@ class PackageService:
             checks.append(check)
             if not check.passed:  # the title itself cannot be read plausibly
                 raise PackageInvalid(check.detail)
-            files["audio/intro.wav"] = wav
+            files[INTRO_NARRATION] = wav
             for item_id, data in audio.items():
                 files[f"audio/{item_id}.wav"] = data
             media |= dict.fromkeys(files, "audio/wav")

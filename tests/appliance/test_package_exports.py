@@ -4,6 +4,7 @@ export gives the same bytes every time."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import html
 import io
@@ -30,6 +31,7 @@ from appliance.packages.exports import (
     export_qti3,
 )
 from appliance.packages.model import (
+    INTRO_NARRATION,
     Check,
     Choice,
     Feedback,
@@ -387,7 +389,7 @@ def test_moodle_xml_has_a_category_then_one_question_per_item(
 ) -> None:
     package_manifest, _ = package
 
-    category, *questions = parse_moodle(export_moodle_xml(package_manifest))
+    category, *questions = parse_moodle(export_moodle_xml(package_manifest, package[1]))
 
     assert category.attrib["type"] == "category"
     assert category.findtext("category/text") == "$course$/top/Photosynthesis // plants & light"
@@ -418,7 +420,7 @@ def _shown_orders(package_items: list[Item]) -> dict[str, list[bool]]:
     h5p = [q["params"]["behaviour"]["randomAnswers"] for q in content["questions"]
            if "randomAnswers" in q["params"].get("behaviour", {})]  # fmt: skip
     moodle = [q.findtext("shuffleanswers") == "1"
-              for q in parse_moodle(export_moodle_xml(manifest_))
+              for q in parse_moodle(export_moodle_xml(manifest_, files))
               if q.attrib["type"] == "multichoice"]  # fmt: skip
     with zipfile.ZipFile(io.BytesIO(export_qti3(manifest_, files))) as qti:
         qti_shuffles = [
@@ -451,7 +453,7 @@ def test_moodle_single_choice_has_one_full_grade(
 ) -> None:
     package_manifest, _ = package
 
-    single = parse_moodle(export_moodle_xml(package_manifest))[1]
+    single = parse_moodle(export_moodle_xml(package_manifest, package[1]))[1]
 
     assert single.findtext("single") == "true"
     assert fractions(single) == [100, 0, 0, 0]
@@ -471,7 +473,7 @@ def test_moodle_multiple_choice_grades_sum_to_plus_and_minus_100(
 ) -> None:
     package_manifest, _ = package
 
-    question = parse_moodle(export_moodle_xml(package_manifest))[index]
+    question = parse_moodle(export_moodle_xml(package_manifest, package[1]))[index]
 
     assert question.findtext("single") == "false"
     grades = fractions(question)
@@ -486,7 +488,7 @@ def test_moodle_multiple_choice_grades_sum_to_plus_and_minus_100(
 def test_moodle_true_false_and_short_answers(package: tuple[Manifest, dict[str, bytes]]) -> None:
     package_manifest, _ = package
 
-    questions = parse_moodle(export_moodle_xml(package_manifest))
+    questions = parse_moodle(export_moodle_xml(package_manifest, package[1]))
     true_false, short = questions[4], questions[5]
 
     assert [(a.findtext("text"), a.attrib["fraction"]) for a in true_false.findall("answer")] == [
@@ -506,7 +508,7 @@ def test_moodle_short_answer_asterisks_are_literal() -> None:
         correct=["*", "a*b"],
     )
 
-    [_, question] = parse_moodle(export_moodle_xml(manifest([item])))
+    [_, question] = parse_moodle(export_moodle_xml(manifest([item]), {}))
 
     assert [a.findtext("text") for a in question.findall("answer")] == ["\\*", "a\\*b"]
 
@@ -514,7 +516,7 @@ def test_moodle_short_answer_asterisks_are_literal() -> None:
 def test_moodle_text_survives_escaping(package: tuple[Manifest, dict[str, bytes]]) -> None:
     package_manifest, _ = package
 
-    question = parse_moodle(export_moodle_xml(package_manifest))[6]
+    question = parse_moodle(export_moodle_xml(package_manifest, package[1]))[6]
 
     assert text_of(question.findtext("questiontext/text") or "") == TRICKY
     assert [text_of(a.findtext("text") or "") for a in question.findall("answer")] == [
@@ -541,13 +543,15 @@ def test_moodle_refuses_a_grade_it_does_not_offer() -> None:
     )
 
     with pytest.raises(ExportError, match=r"grade of 9\.09091 %"):
-        export_moodle_xml(manifest([item]))
+        export_moodle_xml(manifest([item]), {})
 
 
 def test_moodle_xml_is_deterministic(package: tuple[Manifest, dict[str, bytes]]) -> None:
     package_manifest, _ = package
 
-    assert export_moodle_xml(package_manifest) == export_moodle_xml(package_manifest)
+    assert export_moodle_xml(package_manifest, package[1]) == export_moodle_xml(
+        package_manifest, package[1]
+    )
 
 
 # QTI 3.0
@@ -583,3 +587,34 @@ def test_qti3_package_lists_every_item_and_its_narration(
             media = resources[dependency.attrib["identifierref"]]
             assert archive.read(media.attrib["href"]) == files[item.narration]
     assert export_qti3(package_manifest, files) == data
+
+
+def test_moodle_carries_the_narration_of_the_introduction_and_of_each_item() -> None:
+    """A narrated package in Moodle: a description question first, reading its introduction,
+    then each narrated question with its WAV embedded in its text (`<file>`, base64, as
+    Moodle's own export writes a file) and a player for it; the bytes are the package's."""
+    package_items = items()
+    files = audio_files(package_items) | {INTRO_NARRATION: wav(2.0, tone=9)}
+    category, intro, *questions = parse_moodle(
+        export_moodle_xml(manifest(package_items, files), files)
+    )
+    assert category.attrib["type"] == "category"
+    assert intro.attrib["type"] == "description"
+    assert intro.findtext("defaultgrade") == "0"
+
+    def embedded(question: ET.Element) -> tuple[str, bytes]:
+        [file] = question.findall("questiontext/file")
+        assert (file.attrib["path"], file.attrib["encoding"]) == ("/", "base64")
+        name = file.attrib["name"]
+        player = f'<audio controls="controls" src="@@PLUGINFILE@@/{name}"></audio>'
+        assert (question.findtext("questiontext/text") or "").endswith(player)
+        return name, base64.b64decode(file.text or "")
+
+    assert embedded(intro) == ("intro.wav", files[INTRO_NARRATION])
+    for item, question in zip(package_items, questions, strict=True):
+        if item.narration is None:
+            assert question.findall("questiontext/file") == []
+        else:
+            assert embedded(question) == (f"{item.id}.wav", files[item.narration])
+    with pytest.raises(ExportError, match="not among the package files"):
+        export_moodle_xml(manifest(package_items, files), {})

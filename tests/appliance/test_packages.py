@@ -130,8 +130,11 @@ async def test_a_package_is_generated_validated_cached_served_and_exported(
         assert len(content["questions"]) == 3
     moodle = await client.get(f"{base}/exports/moodle-xml", headers=auth(key))
     questions = ET.fromstring(await moodle.read()).findall("question")  # noqa: S314 - ours
+    # the introduction's narration first (a description question), then the items, each
+    # with its own
     assert [q.get("type") for q in questions] == [
-        "category", "multichoice", "truefalse", "shortanswer"]  # fmt: skip
+        "category", "description", "multichoice", "truefalse", "shortanswer"]  # fmt: skip
+    assert [len(q.findall("questiontext/file")) for q in questions] == [0, 1, 1, 1, 1]
     unknown = await client.get(f"{base}/exports/scorm", headers=auth(key))
     assert (await unknown.json())["error"]["param"] == "format"
 
