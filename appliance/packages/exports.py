@@ -90,6 +90,7 @@ MOODLE_GRADES = (
 
 QTI_NS = "http://www.imsglobal.org/xsd/imsqtiasi_v3p0"
 QTI_CP_NS = "http://www.imsglobal.org/xsd/qti/qtiv3p0/imscp_v1p1"
+QTI_TEST = "assessment.xml"
 XSI_NS = "http://www.w3.org/2001/XMLSchema-instance"
 QTI_MATCH_CORRECT = "https://purl.imsglobal.org/spec/qti/v3p0/rptemplates/match_correct"
 QTI_MAP_RESPONSE = "https://purl.imsglobal.org/spec/qti/v3p0/rptemplates/map_response"
@@ -434,8 +435,11 @@ def _text(parent: ET.Element, text: str) -> None:
 
 
 def export_qti3(manifest: Manifest, files: Mapping[str, bytes]) -> bytes:
-    """The package as a QTI 3.0 content package: `imsmanifest.xml`, one
-    `items/<item id>.xml` per item and each narration under `media/`.
+    """The package as a QTI 3.0 content package: `imsmanifest.xml`, an assessment test
+    (`assessment.xml`: one part, one section holding the items in the package's order, which
+    some delivery platforms require to take items at all), one `items/<item id>.xml` per item
+    and each narration under `media/`; a narrated package's introduction is read in the
+    section's rubric block, shown before its items.
 
     Choice items are `qti-choice-interaction`s scored by match_correct (all or nothing);
     short answers are `qti-text-entry-interaction`s scored by map_response, each accepted
@@ -470,6 +474,28 @@ def export_qti3(manifest: Manifest, files: Mapping[str, bytes]) -> bytes:
             media_resources.append(media_resource)
         entries[href] = _xml(_qti_item(item, manifest.spec.language, media))
     resources.extend(media_resources)
+    intro = None
+    if any(entry.path == INTRO_NARRATION for entry in manifest.files):
+        path, data = _narration("intro", INTRO_NARRATION, files)
+        intro = f"media/intro{path.suffix}"
+        entries[intro] = data
+        intro_resource = ET.SubElement(
+            resources, "resource", identifier="media-intro", type="webcontent", href=intro
+        )
+        ET.SubElement(intro_resource, "file", href=intro)
+    test = ET.Element(
+        "resource",
+        identifier=f"test-{manifest.id}",
+        type="imsqti_test_xmlv3p0",
+        href=QTI_TEST,
+    )
+    ET.SubElement(test, "file", href=QTI_TEST)
+    for item in manifest.items:
+        ET.SubElement(test, "dependency", identifierref=f"item-{item.id}")
+    if intro is not None:
+        ET.SubElement(test, "dependency", identifierref="media-intro")
+    resources.insert(0, test)
+    entries[QTI_TEST] = _xml(_qti_test(manifest, intro))
     root = ET.Element(
         "manifest",
         {
@@ -489,6 +515,47 @@ def export_qti3(manifest: Manifest, files: Mapping[str, bytes]) -> bytes:
     root.append(resources)
     entries["imsmanifest.xml"] = _xml(root)
     return _zip(entries)
+
+
+def _qti_test(manifest: Manifest, intro: str | None) -> ET.Element:
+    root = ET.Element(
+        "qti-assessment-test",
+        {
+            "xmlns": QTI_NS,
+            "xmlns:xsi": XSI_NS,
+            "xsi:schemaLocation": (
+                f"{QTI_NS} https://purl.imsglobal.org/spec/qti/v3p0/schema/xsd/"
+                "imsqti_asiv3p0_v1p0.xsd"
+            ),
+            "identifier": f"test-{manifest.id}",
+            "title": " ".join(manifest.title.split()),
+            "xml:lang": manifest.spec.language,
+        },
+    )
+    part = ET.SubElement(
+        root,
+        "qti-test-part",
+        {"identifier": "part-1", "navigation-mode": "nonlinear", "submission-mode": "individual"},
+    )
+    section = ET.SubElement(
+        part,
+        "qti-assessment-section",
+        {"identifier": "section-1", "title": " ".join(manifest.title.split()), "visible": "true"},
+    )
+    rubric = ET.SubElement(
+        section, "qti-rubric-block", {"use": "instructions", "view": "candidate"}
+    )
+    body = ET.SubElement(rubric, "qti-content-body")
+    ET.SubElement(body, "p").text = manifest.topic.strip()
+    if intro is not None:
+        ET.SubElement(body, "audio", {"controls": "controls", "src": intro})
+    for item in manifest.items:
+        ET.SubElement(
+            section,
+            "qti-assessment-item-ref",
+            {"identifier": item.id, "href": f"items/{item.id}.xml"},
+        )
+    return root
 
 
 def _qti_item(item: Item, language: str, media: str | None) -> ET.Element:

@@ -618,3 +618,35 @@ def test_moodle_carries_the_narration_of_the_introduction_and_of_each_item() -> 
             assert embedded(question) == (f"{item.id}.wav", files[item.narration])
     with pytest.raises(ExportError, match="not among the package files"):
         export_moodle_xml(manifest(package_items, files), {})
+
+
+def test_qti3_wraps_the_items_in_an_assessment_test_that_reads_the_introduction() -> None:
+    """The QTI package's assessment test: listed first in the manifest, depending on every
+    item (and on the introduction's narration), one part, one section referencing each item
+    in the package's order, the introduction read in the section's rubric block."""
+    package_items = items()
+    files = audio_files(package_items) | {INTRO_NARRATION: wav(2.0, tone=9)}
+    data = export_qti3(manifest(package_items, files), files)
+    archive = zipfile.ZipFile(io.BytesIO(data))
+    root = ET.fromstring(archive.read("imsmanifest.xml"))  # noqa: S314 -- our own output
+    first = root.find(f"{CP}resources/{CP}resource")
+    assert first is not None
+    assert (first.attrib["type"], first.attrib["href"]) == ("imsqti_test_xmlv3p0", "assessment.xml")
+    depends = [d.attrib["identifierref"] for d in first.findall(f"{CP}dependency")]
+    assert depends == [f"item-{i.id}" for i in package_items] + ["media-intro"]
+    test = ET.fromstring(archive.read("assessment.xml"))  # noqa: S314 -- our own output
+    assert test.tag == f"{QTI}qti-assessment-test"
+    [part] = test.findall(f"{QTI}qti-test-part")
+    [section] = part.findall(f"{QTI}qti-assessment-section")
+    refs = [(r.attrib["identifier"], r.attrib["href"])
+            for r in section.findall(f"{QTI}qti-assessment-item-ref")]  # fmt: skip
+    assert refs == [(i.id, f"items/{i.id}.xml") for i in package_items]
+    assert all(href in archive.namelist() for _, href in refs)
+    [audio] = section.iter(f"{QTI}audio")
+    assert archive.read(audio.attrib["src"]) == files[INTRO_NARRATION]
+    # Without narration: the test still wraps the items, and reads nothing.
+    silent = items(narration=False)
+    archive = zipfile.ZipFile(io.BytesIO(export_qti3(manifest(silent), {})))
+    test = ET.fromstring(archive.read("assessment.xml"))  # noqa: S314 -- our own output
+    assert len(list(test.iter(f"{QTI}qti-assessment-item-ref"))) == len(silent)
+    assert list(test.iter(f"{QTI}audio")) == []
