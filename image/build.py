@@ -1044,7 +1044,8 @@ def _build(paths: Paths, *, force: bool, signing: Signing) -> dict[str, Any]:
         carried = carried_sizes(system.root)
         esp = make_esp(paths, system)
         root_image = make_ext4(paths, ROOT_A_LABEL, system.root, ROOT_SLOT_SIZE, ROOT_A_FS)
-        seed_indexes(system.data / RAUC_DATA, root_image)
+        seed_indexes(system.data / RAUC_DATA, root_image, slot_size=ROOT_SLOT_SIZE,
+                     version=__version__)  # fmt: skip
         data_image = make_ext4(paths, DATA_LABEL, system.data, DATA_SIZE, DATA_FS)
     parts = [
         PartitionSpec(ESP_LABEL, ESP_TYPE, ESP_SIZE, esp),

@@ -138,38 +138,61 @@ def _write_private(path: Path, data: bytes) -> None:
 
 
 CHUNK = 4096  # RAUC's block-hash index: a sha256 for each 4 KiB block
+ZERO_CHUNK_HASH = hashlib.sha256(bytes(CHUNK)).digest()
 
 
 def block_hash_index(image: Path) -> bytes:
     """RAUC's block-hash index of a file: the sha256 of each 4 KiB block, one after another,
     as `rauc bundle` writes it into a bundle and RAUC keeps it for a slot it installed."""
-    out = bytearray()
+    return _hashes(image)[0]
+
+
+def _hashes(image: Path) -> tuple[bytes, str, int]:
+    """(block-hash index, sha256, size) of a file, read once."""
+    out, whole, size = bytearray(), hashlib.sha256(), 0
     with image.open("rb") as f:
         while block := f.read(CHUNK * 1024):
             if len(block) % CHUNK:
                 raise ValueError(f"{image} is not whole 4 KiB blocks")
+            whole.update(block)
+            size += len(block)
             for at in range(0, len(block), CHUNK):
                 out += hashlib.sha256(block[at : at + CHUNK]).digest()
-    return bytes(out)
+    return bytes(out), whole.hexdigest(), size
 
 
-def seed_indexes(data_directory: Path, root: Path) -> None:
-    """The block-hash indexes a flashed node's first update starts from, in RAUC's data
-    directory: root A's (the image's root file system, `root`) and root B's (empty: its first
-    block, zeros). RAUC keeps an index for each slot it installed, and hashes a slot it has
-    none for, whole, before the update: both root slots, 3 GiB read and hashed (minutes on a
-    slow disk) before the first block is written. A slot RAUC never installed is `unknown` to
-    it; every block RAUC takes from a slot is hashed again as it is read, so a slot that
-    changed since costs only its changed blocks."""
-    for slot, index in (("rootfs.0", block_hash_index(root)), ("rootfs.1", ZERO_CHUNK_HASH)):
-        folder = data_directory / f"slot.{slot}" / "hash-unknown"
-        folder.mkdir(parents=True, mode=0o700, exist_ok=True)
+def seed_indexes(data_directory: Path, root: Path, *, slot_size: int, version: str) -> None:
+    """What RAUC would know of a flashed node's slots had it installed them, in its data
+    directory: root A holds the image's root file system (`root`: its sha256, size and
+    version, and its block-hash index), root B `slot_size` bytes of zeros (its index: the
+    first block's).
+
+    Without them RAUC knows no checksum for either slot, keeps no index for them, and
+    hashes both whole (3 GiB read, minutes on a slow disk) before the first update writes
+    a block. RAUC keeps a slot's index under its checksum (`slot.NAME/hash-SHA256/`); every
+    block it takes from a slot is hashed again as it is read, so a slot that is not what its
+    status says costs only the blocks that differ."""
+    index, sha256, size = _hashes(root)
+    zeros = hashlib.sha256()
+    block = bytes(1 << 20)
+    for _ in range(slot_size >> 20):
+        zeros.update(block)
+    bundle = f"bundle.compatible={COMPATIBLE}\nbundle.version={version}\nstatus=ok\n"
+    slots = {
+        "rootfs.0": (sha256, size, index, bundle),
+        "rootfs.1": (zeros.hexdigest(), slot_size, ZERO_CHUNK_HASH, ""),
+    }
+    data_directory.mkdir(parents=True, exist_ok=True)
+    status = []
+    for slot, (digest, length, kept, more) in slots.items():
+        folder = data_directory / f"slot.{slot}" / f"hash-{digest}"
+        folder.mkdir(parents=True, exist_ok=True)
         for made in (folder, folder.parent):
             made.chmod(0o700)
-        (folder / "block-hash-index").write_bytes(index)
-
-
-ZERO_CHUNK_HASH = hashlib.sha256(bytes(CHUNK)).digest()
+        (folder / "block-hash-index").write_bytes(kept)
+        status.append(f"[slot.{slot}]\n{more}sha256={digest}\nsize={length}\n")
+    # RAUC's central status file (system.conf's data-directory, no statusfile)
+    (data_directory / "central.raucs").write_text("\n".join(status))
 
 
 def manifest_text(version: str, build: str) -> str:

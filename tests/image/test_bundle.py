@@ -6,6 +6,8 @@ byte with ours for the same image."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 from typing import TYPE_CHECKING
@@ -18,6 +20,7 @@ from image.bundle import (
     make_bundle,
     seed_indexes,
 )
+from tests.waiting import until_sync
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -59,12 +62,59 @@ def test_a_bundle_carries_the_block_hash_index_ours_is_byte_for_byte(tmp_path: P
 
 
 def test_a_flashed_node_starts_from_both_slots_indexes(tmp_path: Path) -> None:
+    """The seeds as this machine's RAUC (its service, on a D-Bus bus of the test's own) reads
+    them: slot A's checksum and version from the status file, and after RAUC marked A good
+    (which rewrites the status and prunes every slot's index folder that is not its
+    checksum's) both indexes are still where RAUC looks for them."""
     image = _image(tmp_path / "root.ext4")
+    slots = {name: tmp_path / f"slot-{name}.img" for name in ("a", "b")}
+    slots["a"].write_bytes(image.read_bytes())
+    slots["b"].write_bytes(bytes(16 << 20))
     data = tmp_path / "rauc"
-    seed_indexes(data, image)
-    first = data / "slot.rootfs.0" / "hash-unknown" / "block-hash-index"
-    second = data / "slot.rootfs.1" / "hash-unknown" / "block-hash-index"
-    assert first.read_bytes() == block_hash_index(image)
-    assert second.read_bytes() == ZERO_CHUNK_HASH
-    for folder in (first.parent, first.parent.parent, second.parent):
+    seed_indexes(data, image, slot_size=16 << 20, version="1.2")
+    first = data / "slot.rootfs.0" / f"hash-{hashlib.sha256(image.read_bytes()).hexdigest()}"
+    second = data / "slot.rootfs.1" / f"hash-{hashlib.sha256(bytes(16 << 20)).hexdigest()}"
+    assert (first / "block-hash-index").read_bytes() == block_hash_index(image)
+    assert (second / "block-hash-index").read_bytes() == ZERO_CHUNK_HASH
+    for folder in (first, first.parent, second):
         assert folder.stat().st_mode & 0o777 == 0o700
+    conf = tmp_path / "system.conf"
+    conf.write_text(
+        "[system]\ncompatible=kovenlab-edge-x86_64\nbootloader=noop\n"
+        f"data-directory={data}\nmountprefix={tmp_path / 'mnt'}\n\n"
+        f"[keyring]\npath={tmp_path / 'none.pem'}\n\n"
+        f"[slot.rootfs.0]\ndevice={slots['a']}\ntype=raw\nbootname=A\n\n"
+        f"[slot.rootfs.1]\ndevice={slots['b']}\ntype=raw\nbootname=B\n"
+    )
+    bus = subprocess.Popen(
+        ["dbus-daemon", "--session", "--nofork", "--print-address=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    assert bus.stdout is not None
+    env = {**os.environ, "DBUS_SESSION_BUS_ADDRESS": bus.stdout.readline().strip(),
+           "DBUS_STARTER_BUS_TYPE": "session"}  # fmt: skip
+    service = subprocess.Popen(
+        ["rauc", f"--conf={conf}", "--override-boot-slot=A", "service"],
+        env=env, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+
+        def rauc(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(["rauc", *args], env=env, capture_output=True, text=True,
+                                  check=False, timeout=60)  # fmt: skip
+
+        until_sync(lambda: rauc("status").returncode == 0, "the RAUC service answers", 30)
+        done = rauc("status", "mark-good", "booted")
+        assert done.returncode == 0, done.stderr
+        status = json.loads(rauc("status", "--detailed", "--output-format=json").stdout)
+        [a] = [s["rootfs.0"] for s in status["slots"] if "rootfs.0" in s]
+        assert a["slot_status"]["bundle"]["version"] == "1.2"
+        assert a["slot_status"]["checksum"]["sha256"] == first.name.removeprefix("hash-")
+        assert (first / "block-hash-index").is_file()
+        assert (second / "block-hash-index").is_file()
+    finally:
+        service.terminate()
+        service.wait(10)
+        bus.terminate()
+        bus.wait(10)
+        bus.stdout.close()
