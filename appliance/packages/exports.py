@@ -460,29 +460,15 @@ def export_qti3(manifest: Manifest, files: Mapping[str, bytes]) -> bytes:
         ET.SubElement(resource, "file", href=href)
         media = None
         if item.narration is not None:
-            path, data = _narration(item.id, item.narration, files)
-            media = f"media/{item.id}{path.suffix}"
-            entries[media] = data
+            media, media_resource = _qti_media(item.id, item.narration, files, entries)
             ET.SubElement(resource, "dependency", identifierref=f"media-{item.id}")
-            media_resource = ET.Element(
-                "resource",
-                identifier=f"media-{item.id}",
-                type="webcontent",
-                href=media,
-            )
-            ET.SubElement(media_resource, "file", href=media)
             media_resources.append(media_resource)
         entries[href] = _xml(_qti_item(item, manifest.spec.language, media))
     resources.extend(media_resources)
     intro = None
     if any(entry.path == INTRO_NARRATION for entry in manifest.files):
-        path, data = _narration("intro", INTRO_NARRATION, files)
-        intro = f"media/intro{path.suffix}"
-        entries[intro] = data
-        intro_resource = ET.SubElement(
-            resources, "resource", identifier="media-intro", type="webcontent", href=intro
-        )
-        ET.SubElement(intro_resource, "file", href=intro)
+        intro, intro_resource = _qti_media("intro", INTRO_NARRATION, files, entries)
+        resources.append(intro_resource)
     test = ET.Element(
         "resource",
         identifier=f"test-{manifest.id}",
@@ -515,6 +501,18 @@ def export_qti3(manifest: Manifest, files: Mapping[str, bytes]) -> bytes:
     root.append(resources)
     entries["imsmanifest.xml"] = _xml(root)
     return _zip(entries)
+
+
+def _qti_media(
+    owner: str, narration: str, files: Mapping[str, bytes], entries: dict[str, bytes]
+) -> tuple[str, ET.Element]:
+    """A narration put under `media/`, and its manifest resource (`media-OWNER`)."""
+    path, data = _narration(owner, narration, files)
+    href = f"media/{owner}{path.suffix}"
+    entries[href] = data
+    resource = ET.Element("resource", identifier=f"media-{owner}", type="webcontent", href=href)
+    ET.SubElement(resource, "file", href=href)
+    return href, resource
 
 
 def _qti_test(manifest: Manifest, intro: str | None) -> ET.Element:
