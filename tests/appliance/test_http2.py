@@ -233,8 +233,18 @@ def test_a_renewed_certificate_is_served_on_new_connections(tmp_path: Path) -> N
                     served.append(tls.getpeercert(binary_form=True) or b"")
                     assert served[-1] in (first, renewed)
             assert served[-1] == renewed, "the renewed certificate was not served"
-            # Clients go on (a connection of the old certificate's is closed gracefully).
-            assert before.get("/v1/models").status_code == 200
+            # Clients go on: a connection of the old certificate's is closed gracefully
+            # (nginx's reload: GOAWAY, NO_ERROR). A request the close caught, which HTTP/2
+            # lets a client ask again, is asked again, on a new connection (on a busy host
+            # the old worker closed the connection as the request arrived, once in CI).
+            closed = ""
+            try:
+                answer = before.get("/v1/models")
+            except httpx.RemoteProtocolError as err:
+                closed = str(err)
+                answer = before.get("/v1/models")
+            assert not closed or "error_code:0" in closed, closed
+            assert answer.status_code == 200
     finally:
         stop(appliance)
 
