@@ -220,7 +220,10 @@ UPDATE_BOUND_S = 2 * READY_BOUND_S[accelerator()]  # an install and a boot, or t
 def release_site_bundles(manifest: dict[str, Any], folder: Path) -> dict[str, Path]:
     """A site bundle for each of two releases of the image's own root (tests/image/vm.py):
     UPDATE, and BROKEN after it (its appliance exits at once)."""
-    made = release_bundles(manifest, folder, {UPDATE: False, BROKEN: True})
+    # zstd -6, as `just image` compresses: made in a thread while the machine boots (off the
+    # test's path), they are half the bytes of -1 for the emulated node to take in, hash,
+    # and read through RAUC's hash tree
+    made = release_bundles(manifest, folder, {UPDATE: False, BROKEN: True}, level=6)
     sites = {}
     for version, release in made.items():
         sites[version] = _signed_bundle(
