@@ -377,6 +377,26 @@ class PackageSettings(_Section):
     model: str | None = Field(
         None, max_length=200, description="Model that writes the items; unset: model.default."
     )
+    check_model: str | None = Field(
+        None,
+        max_length=200,
+        description="Model that answers each item again without its key (answer "
+        "verification): a stronger one where one is placed; unset: the model that writes.",
+    )
+    verify_samples: int = Field(
+        3,
+        ge=1,
+        le=9,
+        description="How many times each item is put to the checking model (choices in "
+        "another order, questions asked both ways); every answer must agree with the key.",
+    )
+    source_min_similarity: float = Field(
+        0.35,
+        ge=0,
+        le=1,
+        description="With a request's `sources`: the least similarity (the embedding "
+        "model's cosine) of an item's question and key to the passage that supports it.",
+    )
     max_attempts: int = Field(
         3,
         ge=1,

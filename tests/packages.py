@@ -4,10 +4,11 @@ makes ones passing every check."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from appliance.packages.generate import _KIND, example
+from appliance.packages.generate import _KIND, CHOICE_IDS, example
 from appliance.packages.model import (
     Check,
     Choice,
@@ -80,11 +81,41 @@ def package(
     return manifest, files
 
 
-def package_model(folder: Path) -> ModelRecord:
+# The worked answers' keys (tests.packages' items are the solar system's examples).
+KEYS = ("Mercury", "Venus")
+
+
+def checker_rules(keys: tuple[str, ...] = KEYS) -> list[dict[str, str]]:
+    """A scripted checker that knows `keys` are the right answers and nothing else is: it
+    picks a key's letter wherever the choices put it, judges a key right and anything else
+    wrong, and a statement true (the worked true/false statement is)."""
+    yes, no = '{"answer": "yes"}', '{"answer": "no"}'
+    rules = [
+        {"contains": f"{letter}) {text}\n", "reply": json.dumps({"answer": letter})}
+        for text in keys
+        for letter in CHOICE_IDS
+    ]
+    for text in keys:
+        rules += [
+            {"contains": f"Proposed answer: {text}\nIs the proposed answer correct", "reply": yes},
+            {"contains": f"Proposed answer: {text}\nIs the proposed answer wrong", "reply": no},
+        ]
+    return [
+        *rules,
+        {"contains": "Is the proposed answer correct", "reply": no},
+        {"contains": "Is the proposed answer wrong", "reply": yes},
+        {"contains": "Is the statement true", "reply": yes},
+        {"contains": "Is the statement false", "reply": no},
+    ]
+
+
+def package_model(folder: Path, *, checker: list[dict[str, str]] | None = None) -> ModelRecord:
     """SCRIPTED, registered (in a catalog of its own in ``folder``), answering each item
     type's request (every prompt names its type) with a worked answer of that type, four
-    choices where it has choices: an item that passes every check."""
-    rules = [{"contains": _KIND[kind], "reply": example(kind, 4)} for kind in ItemType]
+    choices where it has choices: an item that passes every check; and checking items as
+    `checker_rules` (or `checker`) does."""
+    rules = checker_rules() if checker is None else checker
+    rules += [{"contains": _KIND[kind], "reply": example(kind, 4)} for kind in ItemType]
     script = write_script(folder / "packages.json", rules=rules)
     store = Store(folder / "catalog.db")
     try:

@@ -31,6 +31,26 @@ no item), named stably so that reports can be compared across generations:
   function words, and a language without a word list in `STOPWORDS` pass, each saying it
   was not judged; a text that reads as another language fails naming that language.
 
+- `plain_text`: no text of the item (prompt, choices, accepted answers, feedback) holds
+  markup: a tag (`<b>`, `</a>`, `<!--`) or an entity (`&amp;`, `&#39;`). Every export
+  writes an item's text as text (an LMS would show the tags literally) and the narration
+  would read them out. "3 < 5" is text and passes.
+- `choices_meaningful`: no choice or accepted answer is a lone letter (unless the prompt
+  is about letters: "M", "N", "O" as choices say nothing), an instruction to the screen
+  ("Tap the buttons", "Click the box"), or "all/none of the above" (the exports shuffle
+  choices that are not narrated, so "above" means nothing).
+- `answer_not_in_prompt`: a short answer's accepted answer is not a phrase the question
+  itself names, unless the question offers alternatives ("… a star or a planet?"):
+  "What do you call turning carbon dioxide into glucose?" does not accept "glucose".
+- `feedback_distinct`: the feedback for a right and for a wrong answer differ when both
+  are given.
+- `arithmetic`: an item asking the value of an arithmetic expression of whole numbers,
+  decimals and fractions (`3/4 + 1/8`, `12 * 3`, `7 - 2.5`, the typographic times,
+  division and minus signs too) has it computed here: the key must be that value (a
+  number, fraction or mixed number) and no distractor may be; a true/false statement
+  "expression = value" must be keyed by its truth. Items with no such expression, or
+  whose key is not a number, pass saying they were not computed.
+
 `check_on_topic` judges each item against the topic from similarities computed elsewhere
 (the appliance's sentence-embedding model): `on_topic` fails an item whose prompt and
 answer read as about something else (cosine similarity below the minimum; "Which planet
@@ -49,6 +69,7 @@ import re
 import wave
 from collections import Counter
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -173,6 +194,11 @@ def check_items(items: Sequence[Item], spec: Spec, level: Level) -> list[Check]:
             _answer_among_choices(item),
             _one_correct_answer(item),
             _language(item, spec.language),
+            _plain_text(item),
+            _choices_meaningful(item),
+            _answer_not_in_prompt(item),
+            _feedback_distinct(item),
+            _arithmetic(item),
         ]
     return checks
 
@@ -407,3 +433,263 @@ def _language(item: Item, language: str) -> Check:
         item,
         [f"The text reads as {guess.language}, not {asked}; write it in {asked}."],
     )
+
+
+# A tag (opening, closing, comment, doctype) or a character entity.
+_MARKUP = re.compile(
+    r"<\s*[/!?]?\s*[A-Za-z][^<>]*>|<\s*/"
+    r"|&(?:[A-Za-z][A-Za-z0-9]{1,31}|#[0-9]{1,7}|#[xX][0-9A-Fa-f]{1,6});"
+)
+_SCREEN = re.compile(
+    r"\b(tap|click|press|drag|select|choose|pick)\b.*\b(button|buttons|box|boxes|option|"
+    r"options|answer|answers|below|above|screen)\b",
+    re.IGNORECASE,
+)
+_ABOVE = re.compile(r"\b(all|none|both|neither) of (the )?(above|these|them)\b", re.IGNORECASE)
+_LETTER_TOPIC = re.compile(r"\b(letters?|alphabet|spell|spelling|vowels?|consonants?)\b", re.I)
+
+
+def _texts(item: Item) -> list[tuple[str, str]]:
+    """Every text of an item with what it is."""
+    parts = [("the prompt", item.prompt)]
+    parts += [(f"choice {c.id!r}", c.text) for c in item.choices]
+    if item.type is ItemType.short_answer:
+        parts += [(f"accepted answer {a!r}", a) for a in item.correct]
+    parts += [("the feedback", item.feedback.correct), ("the feedback", item.feedback.incorrect)]
+    return parts
+
+
+def _plain_text(item: Item) -> Check:
+    problems = [
+        f"{what.capitalize()} holds markup ({found.group(0)!r}); items are plain text: "
+        "write it without tags or entities."
+        for what, text in _texts(item)
+        if (found := _MARKUP.search(text))
+    ]
+    return _check("plain_text", item, problems[:1])
+
+
+def _answers(item: Item) -> list[tuple[str, str]]:
+    if item.type is ItemType.short_answer:
+        return [(f"Accepted answer {a!r}", a) for a in item.correct]
+    if item.type is ItemType.true_false:
+        return []
+    return [(f"Choice {c.id!r}", c.text) for c in item.choices]
+
+
+def _choices_meaningful(item: Item) -> Check:
+    problems = []
+    about_letters = bool(_LETTER_TOPIC.search(item.prompt))
+    for what, text in _answers(item):
+        bare = text.strip().strip(".!?\"'")
+        if len(bare) == 1 and bare.isalpha() and not about_letters:
+            problems.append(f"{what} is a lone letter; write the answer itself.")
+        elif _SCREEN.search(bare):
+            problems.append(f"{what} is an instruction to the screen, not an answer.")
+        elif _ABOVE.search(bare):
+            problems.append(
+                f"{what} refers to the other choices, which are shown in another order; "
+                "write an answer of its own."
+            )
+    return _check("choices_meaningful", item, problems)
+
+
+def _answer_not_in_prompt(item: Item) -> Check:
+    if item.type is not ItemType.short_answer:
+        return _check("answer_not_in_prompt", item, [], "not applicable to choice items")
+    prompt = f" {' '.join(_WORD.findall(item.prompt.casefold()))} "
+    if " or " in prompt:
+        return _check("answer_not_in_prompt", item, [], "the question offers alternatives")
+    problems = []
+    for answer in item.correct:
+        words = " ".join(_WORD.findall(answer.casefold()))
+        if words and f" {words} " in prompt:
+            problems.append(
+                f"Accepted answer {answer!r} is named in the question itself; a short "
+                "answer must not be given away (or the key answers another question)."
+            )
+    return _check("answer_not_in_prompt", item, problems)
+
+
+def _feedback_distinct(item: Item) -> Check:
+    right, wrong = (_normalised(t) for t in (item.feedback.correct, item.feedback.incorrect))
+    problems = []
+    if right and wrong and right == wrong:
+        problems.append(
+            "The feedback for a right and a wrong answer is the same; a wrong answer "
+            "should be told the right one."
+        )
+    return _check("feedback_distinct", item, problems)
+
+
+# -- arithmetic ----------------------------------------------------------------------------
+
+_NUMBER = r"\d+(?:\.\d+)?"
+# The typographic signs models write: times, division, minus and en dash.
+_SIGNS = "\u00d7\u00f7\u2212\u2013"
+_OPERATOR = rf"[-+*/x{_SIGNS}]"
+# An expression: a number, then at least one operator and number, parentheses allowed.
+_EXPRESSION = re.compile(rf"\(?\s*{_NUMBER}\s*\)?(?:\s*{_OPERATOR}\s*\(?\s*{_NUMBER}\s*\)?)+")
+_VALUE = re.compile(
+    rf"^\s*(-?)\s*(?:(\d+)\s+(\d+)\s*/\s*(\d+)|({_NUMBER})\s*/\s*({_NUMBER})|({_NUMBER}))\s*$"
+)
+# A statement's value after its expression: "3/4 + 1/8 = 7/8", "… is 7/8", "… equals 7/8".
+_STATED = re.compile(
+    r"\s*(?:=|equals|is equal to|is|makes|gives)\s+(?P<value>.+?)\s*[.!]?\s*$"
+    r"|\s*=\s*(?P<v2>.+?)\s*[.!]?\s*$",
+    re.IGNORECASE,
+)
+_FRACTION = re.compile(r"\d+\s*/\s*\d+")
+_OPERATION = re.compile(rf"{_NUMBER}\s*\)?\s*{_OPERATOR}\s*\(?\s*{_NUMBER}")
+# What may follow the expression a question asks the value of.
+_ASKED = re.compile(
+    r"\s*(=|\?|\.|$|in (its )?(simplest|lowest) (form|terms)|equals?\b|is equal to)",
+    re.IGNORECASE,
+)
+_TOKEN = re.compile(rf"{_NUMBER}|[-+*/x{_SIGNS}()]")
+
+
+def evaluate(expression: str) -> Fraction | None:
+    """The exact value of an arithmetic expression (+ - * /, their
+    typographic signs and parentheses; / a fraction bar or division alike), or None when
+    it is not one or divides by zero."""
+    tokens = _TOKEN.findall(expression.replace(" ", ""))
+    if "".join(tokens) != expression.replace(" ", ""):
+        return None
+    pos = 0
+
+    def atom() -> Fraction:
+        nonlocal pos
+        if pos < len(tokens) and tokens[pos] == "(":
+            pos += 1
+            value = sum_()
+            if pos >= len(tokens) or tokens[pos] != ")":
+                raise ValueError(expression)
+            pos += 1
+            return value
+        if pos < len(tokens) and tokens[pos][0].isdigit():
+            pos += 1
+            return Fraction(tokens[pos - 1])
+        raise ValueError(expression)
+
+    def product() -> Fraction:
+        nonlocal pos
+        value = atom()
+        while pos < len(tokens) and tokens[pos] in "*/x\u00d7\u00f7":
+            op = tokens[pos]
+            pos += 1
+            right = atom()
+            value = value * right if op in "*x\u00d7" else value / right
+        return value
+
+    def sum_() -> Fraction:
+        nonlocal pos
+        value = product()
+        while pos < len(tokens) and tokens[pos] in "+-\u2212\u2013":
+            op = tokens[pos]
+            pos += 1
+            value = value + product() if op == "+" else value - product()
+        return value
+
+    try:
+        value = sum_()
+    except (ValueError, ZeroDivisionError):
+        return None
+    return value if pos == len(tokens) else None
+
+
+def parse_value(text: str) -> Fraction | None:
+    """A number as an answer states it: whole, decimal, fraction or mixed number ("1 3/4"),
+    a trailing full stop allowed; None for anything else."""
+    found = _VALUE.match(text.strip().rstrip("."))
+    if not found:
+        return None
+    sign, whole, num, den, top, bottom, plain = found.groups()
+    try:
+        if whole is not None:
+            value = Fraction(int(whole)) + Fraction(int(num), int(den))
+        elif top is not None:
+            value = Fraction(top) / Fraction(bottom)
+        else:
+            value = Fraction(plain)
+    except ZeroDivisionError:
+        return None
+    return -value if sign else value
+
+
+def _expression(prompt: str) -> tuple[str, Fraction] | None:
+    """The expression the prompt asks the value of, and that value: one arithmetic
+    expression with an operator besides a fraction bar ("1/2 of 10" is not one), followed
+    by the end of the question ("?", "=", "in simplest form"); None otherwise, or when
+    there are several."""
+    found = [
+        m.group(0).strip()
+        for m in _EXPRESSION.finditer(prompt)
+        if _OPERATION.search(_FRACTION.sub("1", m.group(0))) and _ASKED.match(prompt[m.end() :])
+    ]
+    if len(found) != 1:
+        return None
+    value = evaluate(found[0])
+    return None if value is None else (found[0], value)
+
+
+def _statement(prompt: str) -> tuple[str, Fraction, Fraction] | None:
+    """A statement's expression, its value, and the value the statement gives it."""
+    for m in _EXPRESSION.finditer(prompt):
+        if not _OPERATION.search(_FRACTION.sub("1", m.group(0))):
+            continue
+        rest = _STATED.match(prompt[m.end() :])
+        said = parse_value(rest.group("value") or rest.group("v2")) if rest else None
+        value = evaluate(m.group(0).strip())
+        if said is not None and value is not None:
+            return m.group(0).strip(), value, said
+    return None
+
+
+def _arithmetic(item: Item) -> Check:  # noqa: PLR0911 - a verdict per kind of item
+    name = "arithmetic"
+    if item.type is ItemType.true_false:
+        stated = _statement(item.prompt)
+        if stated is None:
+            return _check(name, item, [], "no expression and value to compute")
+        expression, value, said = stated
+        truth, keyed = value == said, item.correct == ["true"]
+        problems = []
+        if truth != keyed:
+            problems.append(
+                f"{expression} = {_shown(value)}, so the statement is {str(truth).lower()}, "
+                f"but it is keyed {str(keyed).lower()}."
+            )
+        return _check(name, item, problems, f"computed: {expression} = {_shown(value)}")
+    found = _expression(item.prompt)
+    if found is None:
+        return _check(name, item, [], "no expression to compute")
+    expression, value = found
+    if item.type is ItemType.short_answer:
+        accepted = [(a, parse_value(a)) for a in item.correct]
+        if any(v is None for _, v in accepted):
+            return _check(name, item, [], "an accepted answer is not a number; not computed")
+        problems = [
+            f"{expression} = {_shown(value)}, not {a!r}; the accepted answer is wrong."
+            for a, v in accepted
+            if v != value
+        ]
+        return _check(name, item, problems, f"computed: {expression} = {_shown(value)}")
+    values = [(c, parse_value(c.text)) for c in item.choices]
+    if any(v is None for c, v in values if c.id in item.correct):
+        return _check(name, item, [], "a keyed choice is not a number; not computed")
+    problems = []
+    for choice, v in values:
+        if choice.id in item.correct and v != value:
+            problems.append(
+                f"{expression} = {_shown(value)}, not {choice.text!r}; the key is wrong."
+            )
+        elif choice.id not in item.correct and v == value:
+            problems.append(
+                f"{expression} = {_shown(value)}: distractor {choice.text!r} is right too."
+            )
+    return _check(name, item, problems, f"computed: {expression} = {_shown(value)}")
+
+
+def _shown(value: Fraction) -> str:
+    return str(value.numerator) if value.denominator == 1 else f"{value}"

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from appliance.inference.completions import CompletionService
     from appliance.state.store import ApiKey
 
-TEMPLATE_VERSION = "2"
+TEMPLATE_VERSION = "3"
 ROUTE = "/v1/packages"
 CHOICE_IDS = "abcdef"
 PROMPT_MAX = {Level.beginner: 200, Level.intermediate: 300, Level.advanced: 500}
@@ -39,6 +39,16 @@ TRUE_FALSE = {
     "nl": ("Waar", "Onwaar"),
     "it": ("Vero", "Falso"),
     "pt": ("Verdadeiro", "Falso"),
+}
+# How a wrong answer's feedback names the right one, per language.
+ANSWER_IS = {
+    "en": "The answer is",
+    "de": "Die Antwort ist",
+    "fr": "La réponse est",
+    "es": "La respuesta es",
+    "nl": "Het antwoord is",
+    "it": "La risposta è",
+    "pt": "A resposta é",
 }
 LANGUAGES = {
     "en": "English",
@@ -147,10 +157,18 @@ def example(kind: ItemType, choices: int, topic: str = "the solar system") -> st
 
 
 def messages(
-    topic: str, level: Level, language: str, kind: ItemType, n: int, *, choices: int = 4
+    topic: str,
+    level: Level,
+    language: str,
+    kind: ItemType,
+    n: int,
+    *,
+    choices: int = 4,
+    source: str | None = None,
 ) -> list[dict[str, str]]:
     """The prompt (template version TEMPLATE_VERSION): worked requests and answers on the
-    example topics, then the request on the topic asked for."""
+    example topics, then the request on the topic asked for (from `source`, a passage the
+    teacher gave, when there is one)."""
     tongue = LANGUAGES.get(language.split("-", maxsplit=1)[0], language)
 
     def ask(about: str) -> str:
@@ -168,14 +186,17 @@ def messages(
     for shown in _EXAMPLES:
         turns += [{"role": "user", "content": ask(shown)},
                   {"role": "assistant", "content": example(kind, choices, shown)}]  # fmt: skip
-    return [*turns, {"role": "user", "content": ask(topic)}]
+    request = ask(topic)
+    if source is not None:
+        passage = " ".join(source.split())
+        request += f" Write it from this passage, and keep to what it says: {passage}"
+    return [*turns, {"role": "user", "content": request}]
 
 
 def to_item(kind: ItemType, answer: dict[str, Any], n: int, language: str) -> Item:
     """The model's answer as an Item (ids `item-N`, choices `a`…, true/false `true`/`false`)."""
-    feedback = Feedback(
-        correct=str(answer.get("explanation", "")), incorrect=str(answer.get("explanation", ""))
-    )
+    explanation = " ".join(str(answer.get("explanation", "")).split())
+    answer_is = ANSWER_IS.get(language.split("-", maxsplit=1)[0], ANSWER_IS["en"])
     if kind is ItemType.true_false:
         yes, no = TRUE_FALSE.get(language.split("-", maxsplit=1)[0], TRUE_FALSE["en"])
         return Item(
@@ -184,7 +205,7 @@ def to_item(kind: ItemType, answer: dict[str, Any], n: int, language: str) -> It
             prompt=str(answer["statement"]).strip(),
             choices=[Choice(id="true", text=yes), Choice(id="false", text=no)],
             correct=["true" if answer["answer"] else "false"],
-            feedback=feedback,
+            feedback=_feedback(explanation, answer_is, yes if answer["answer"] else no),
         )
     if kind is ItemType.short_answer:
         return Item(
@@ -192,7 +213,7 @@ def to_item(kind: ItemType, answer: dict[str, Any], n: int, language: str) -> It
             type=kind,
             prompt=str(answer["question"]).strip(),
             correct=[str(a).strip() for a in answer["answers"]],
-            feedback=feedback,
+            feedback=_feedback(explanation, answer_is, str(answer["answers"][0]).strip()),
         )
     choices = [
         Choice(id=CHOICE_IDS[i], text=str(t).strip()) for i, t in enumerate(answer["choices"])
@@ -200,13 +221,23 @@ def to_item(kind: ItemType, answer: dict[str, Any], n: int, language: str) -> It
     picked = answer["correct"] if isinstance(answer["correct"], list) else [answer["correct"]]
     ids = {c.id for c in choices}
     correct = sorted({str(letter) for letter in picked if str(letter) in ids})
+    keyed = "; ".join(c.text for c in choices if c.id in correct)
     return Item(
         id=f"item-{n}",
         type=kind,
         prompt=str(answer["question"]).strip(),
         choices=choices,
         correct=correct,
-        feedback=feedback,
+        feedback=_feedback(explanation, answer_is, keyed),
+    )
+
+
+def _feedback(explanation: str, answer_is: str, key: str) -> Feedback:
+    """A right answer is told why; a wrong one is told the right answer too (the model's
+    explanation alone, as both, told a wrong answer it was right)."""
+    return Feedback(
+        correct=explanation,
+        incorrect=f"{answer_is} {key}. {explanation}".strip() if key else explanation,
     )
 
 
@@ -223,11 +254,12 @@ async def generate_item(
     choices: int,
     seed: int,
     max_tokens: int,
+    source: str | None = None,
 ) -> Item:
     """One item from the model; raises a DomainError as a completion would."""
     body = {
         "model": model,
-        "messages": messages(topic, level, language, kind, n, choices=choices),
+        "messages": messages(topic, level, language, kind, n, choices=choices, source=source),
         "max_tokens": max_tokens,
         "temperature": 0.8,
         "seed": seed,

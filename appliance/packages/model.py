@@ -12,9 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 
 class ItemType(StrEnum):
@@ -51,12 +51,21 @@ class Spec(_Model):
     choices: int = Field(4, ge=2, le=6, description="Choices per choice item.")
 
 
+Source = Annotated[str, StringConstraints(strip_whitespace=True, min_length=20, max_length=4000)]
+
+
 class PackageRequest(_Model):
     """`POST /v1/packages`."""
 
     topic: str = Field(min_length=2, max_length=200)
     level: Level = Level.beginner
     spec: Spec = Field(default_factory=Spec)
+    sources: list[Source] = Field(
+        default_factory=list,
+        max_length=20,
+        description="Passages of text the items are written from; each item's key must "
+        "be supported by one of them, and the report cites it.",
+    )
     wait: bool = Field(
         default=False, description="Answer with the finished package instead of a job."
     )
@@ -64,11 +73,13 @@ class PackageRequest(_Model):
     def digest(self) -> str:
         """sha256 of the normalised request (topic case and spacing do not matter): with
         the model's and voice's digests it is the cache key."""
-        canonical = {
+        canonical: dict[str, object] = {
             "topic": " ".join(self.topic.split()).casefold(),
             "level": self.level.value,
             "spec": self.spec.model_dump(mode="json"),
         }
+        if self.sources:  # absent when none: the digests of requests without stay as they were
+            canonical["sources"] = [" ".join(text.split()) for text in self.sources]
         return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
 
 
@@ -139,6 +150,10 @@ class ValidationReport(_Model):
     passed: bool
     checks: list[Check]
     attempts: int = Field(1, ge=1, description="Generations tried before this one passed.")
+    writer: str | None = Field(None, description="The model that wrote the items (name@version).")
+    checker: str | None = Field(
+        None, description="The model that answered them again without their keys."
+    )
 
 
 class Manifest(_Model):

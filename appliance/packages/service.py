@@ -5,9 +5,13 @@ kept in the local package cache.
    voice's version and the prompt template's version: a repeated request is a cache hit,
    and a new model or voice makes a new version of the same package id.
 2. Items come from the local model one at a time (generate.py), each constrained by its
-   type's JSON schema. The content checks (checks.py) run on the whole set; an item that
-   fails one is generated again with another seed, up to `packages.max_attempts` times.
-   A package that still fails is never delivered: the error lists the failed checks.
+   type's JSON schema (from one of the request's `sources` in turn, when it has them).
+   The content checks (checks.py) run on the whole set, then each item that passes them
+   is answered again without its key by the checking model (verify.py: `packages.
+   check_model`, unset the writing model) and, with sources, its key is found in one;
+   an item that fails any check is generated again with another seed, up to
+   `packages.max_attempts` times. A package that still fails is never delivered: the
+   error lists the failed checks.
 3. Narration (espeak-ng) for the introduction and each item, each file checked to decode
    with a plausible duration; a cover made from the title.
 4. The manifest lists every file with its sha256 and size, the lineage (model, voice,
@@ -55,6 +59,7 @@ from appliance.packages.model import (
     PackageRequest,
     VoiceLineage,
 )
+from appliance.packages.verify import Checker, verify
 from appliance.packages.voice import Voice, Voices
 from appliance.state.store import EVERY_ACCOUNT
 from shared.errors import OutputInvalid, PackageInvalid
@@ -170,11 +175,12 @@ class PackageService:
 
     async def create(self, req: PackageRequest, key: ApiKey) -> CachedPackage:
         record = (await self._host.resolve(self._model)).record
+        checker = (await self._host.resolve(self._settings.check_model or self._model)).record
         narrator = self._voices.for_language(req.spec.language) if req.spec.narration else None
         voice = await narrator.version() if narrator is not None else None
         digest = req.digest()
         cache_key = hashlib.sha256(
-            json.dumps([digest, record.sha256, voice, TEMPLATE_VERSION]).encode()
+            json.dumps([digest, record.sha256, checker.sha256, voice, TEMPLATE_VERSION]).encode()
         ).hexdigest()
         async with self._locks[cache_key]:
             hit = await asyncio.to_thread(self.cache.by_key, cache_key)
@@ -183,7 +189,7 @@ class PackageService:
                 await self._own(hit, key.account.id)  # asked for: now its account's too
                 return hit
             manifest, files = await self._make(
-                req, key, record, digest, cache_key, (narrator, voice)
+                req, key, (record, checker), digest, cache_key, (narrator, voice)
             )
             stored = await asyncio.to_thread(self.cache.put, manifest, files, cache_key)
             await self._own(stored, key.account.id)
@@ -236,15 +242,17 @@ class PackageService:
         self,
         req: PackageRequest,
         key: ApiKey,
-        record: ModelRecord,
+        models: tuple[ModelRecord, ModelRecord],
         digest: str,
         cache_key: str,
         narration: tuple[Voice | None, str | None],
     ) -> tuple[Manifest, dict[str, bytes]]:
         spec = req.spec
+        record, checker = models
         narrator, voice = narration
         seed = int(digest[:8], 16)
-        items, attempts, checks, audio = await self._items(req, key, record.ref, seed, narrator)
+        verifier = Checker(self._completions, key, checker.ref, self._settings.verify_samples, seed)
+        items, attempts, checks, audio = await self._items(req, key, record.ref, verifier, narrator)
         title = " ".join(req.topic.split())
         files: dict[str, bytes] = {}
         media: dict[str, str] = {}
@@ -295,20 +303,29 @@ class PackageService:
                 seed=seed,
                 appliance_id=self._node_id,
             ),
-            validation=report(checks, attempts),
+            validation=report(checks, attempts).model_copy(
+                update={"writer": record.ref, "checker": checker.ref}
+            ),
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),
             request_digest=digest,
         )
         return manifest, files
 
-    async def _items(
-        self, req: PackageRequest, key: ApiKey, model: str, seed: int, narrator: Voice | None
+    async def _items(  # noqa: PLR0912 - one loop of attempts over the items' checks
+        self,
+        req: PackageRequest,
+        key: ApiKey,
+        model: str,
+        checker: Checker,
+        narrator: Voice | None,
     ) -> tuple[list[Item], int, list[Check], dict[str, bytes]]:
-        """Every item, each generated again (another seed) while it fails a check or its
-        narration does; (items, attempts, checks, narration WAV by item id)."""
-        spec = req.spec
+        """Every item, each generated again (another seed) while it fails a check, its
+        answer verification or its narration; (items, attempts, checks, narration WAV by
+        item id)."""
+        spec, seed = req.spec, checker.seed
         audio: dict[str, bytes] = {}
         heard: dict[str, Check] = {}  # the check of each narration kept, for the report
+        verified: dict[str, list[Check]] = {}  # each item's verification, kept likewise
         kinds = [spec.item_types[n % len(spec.item_types)] for n in range(spec.items)]
         items: list[Item | None] = [None] * spec.items
         redo = set(range(spec.items))
@@ -326,6 +343,7 @@ class PackageService:
                     n=n + 1,
                     choices=spec.choices,
                     seed=seed + 7919 * attempt + n,
+                    source=req.sources[n % len(req.sources)] if req.sources else None,
                 )
             if any(i is None for i in items):  # an answer that broke its schema: again
                 redo = {n for n, i in enumerate(items) if i is None}
@@ -338,6 +356,14 @@ class PackageService:
             done = [i for i in items if i is not None]
             checks = check_items(done, spec, req.level) + await self._on_topic(req, done)
             failed = {c.item for c in checks if not c.passed}
+            # Only items that pass every check of form are put to the checking model.
+            fresh = [i for i in done if i.id not in failed and i.id not in verified]
+            for item, judged in zip(fresh, await self._verify(req, checker, fresh), strict=True):
+                verified[item.id] = judged
+            for item in done:
+                if item.id not in failed and item.id in verified:
+                    checks += verified[item.id]
+                    failed |= {c.item for c in verified[item.id] if not c.passed}
             if narrator is not None:
                 # An item whose narration fails its check is generated again too.
                 for item in done:
@@ -355,6 +381,12 @@ class PackageService:
                         heard[item.id] = check
                     else:
                         failed.add(item.id)
+            for item in done:
+                if item.id in failed:  # what was refused, for the operator (and the bench)
+                    refused = {"attempt": attempt, "item": item.model_dump(mode="json"),
+                               "failed": [c.name for c in checks
+                                          if c.item == item.id and not c.passed]}  # fmt: skip
+                    log.info("package item refused: %s", json.dumps(refused, ensure_ascii=False))
             if not failed:
                 return done, attempt, list(checks), audio
             redo = {n for n, i in enumerate(done) if i.id in failed}
@@ -363,6 +395,7 @@ class PackageService:
             for n in redo:
                 audio.pop(f"item-{n + 1}", None)
                 heard.pop(f"item-{n + 1}", None)
+                verified.pop(f"item-{n + 1}", None)
             log.info("package attempt %d: %d items fail checks, again", attempt, len(redo))
         problems = "; ".join(
             f"{c.name} ({c.item or 'package'}): {c.detail}" for c in checks if not c.passed
@@ -371,6 +404,19 @@ class PackageService:
             f"the package failed its checks after {self._settings.max_attempts} attempts: "
             f"{problems}",
         )
+
+    async def _verify(
+        self, req: PackageRequest, checker: Checker, items: list[Item]
+    ) -> list[list[Check]]:
+        """Per item, its answer verification (and source support with sources)."""
+        judged = await verify(
+            checker,
+            items,
+            sources=req.sources,
+            similarity=self.similarity,
+            source_min_similarity=self._settings.source_min_similarity,
+        )
+        return [[c for c in judged if c.item == item.id] for item in items]
 
     async def _on_topic(self, req: PackageRequest, items: list[Item]) -> list[Check]:
         minimum = self._settings.topic_min_similarity

@@ -1,5 +1,6 @@
 """A package's attempts (appliance/packages/service.py `_items`): an item that fails a check
-is generated again, and the validation report of the attempt that passes holds every check of
+is generated again, an item is put to the checking model once it passes the checks of form
+and not again, and the validation report of the attempt that passes holds every check of
 every item shipped, those of items narrated in an earlier attempt too. The model's items and
 the on-topic scores are scripted here (the subject is the attempts' bookkeeping); the checks,
 the narration's audio check and the report are the real ones."""
@@ -21,6 +22,7 @@ from appliance.packages.model import (
     Spec,
 )
 from appliance.packages.service import PackageService
+from appliance.packages.verify import Checker
 from appliance.settings import PackageSettings
 
 if TYPE_CHECKING:
@@ -74,15 +76,26 @@ async def test_a_report_after_attempts_keeps_the_narration_checks_of_earlier_one
         return [Check(name="on_topic", passed=not (i.id == "item-2" and attempts[2] == 1),
                       item=i.id, detail="scripted") for i in items]  # fmt: skip
 
+    verified: list[str] = []
+
+    async def verify(req: PackageRequest, checker: Any, items: list[Item]) -> list[list[Check]]:
+        verified.extend(i.id for i in items)
+        return [[Check(name="answer_verified", passed=True, item=i.id)] for i in items]
+
     service._one_item = one_item  # type: ignore[method-assign]
     service._on_topic = on_topic  # type: ignore[method-assign]
+    service._verify = verify  # type: ignore[method-assign]
     narrator = Narrator()
     request = PackageRequest(
         topic="The water cycle",
         spec=Spec(items=2, item_types=[ItemType.true_false], narration=True),
     )
     shipped, tries, checks, audio = await service._items(
-        request, cast("Any", None), "model", 1, cast("Voice", narrator)
+        request,
+        cast("Any", None),
+        "model",
+        Checker(cast("Any", None), cast("Any", None), "model", 3, 1),
+        cast("Voice", narrator),
     )
     assert tries == 2
     assert [i.feedback.correct for i in shipped] == ["Right (1).", "Right (2)."]
@@ -91,4 +104,7 @@ async def test_a_report_after_attempts_keeps_the_narration_checks_of_earlier_one
     assert sorted(audio) == ["item-1", "item-2"]
     heard = sorted(c.item or "" for c in checks if c.name == "audio_plausible")
     assert heard == ["item-1", "item-2"], checks
+    # item-2 is put to the checker once it passed the checks of form, item-1 only once
+    assert verified == ["item-1", "item-2"]
+    assert sorted(c.item or "" for c in checks if c.name == "answer_verified") == verified
     assert report(checks, tries).passed

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import string
 import wave
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 import pytest
@@ -18,10 +19,12 @@ from appliance.packages.checks import (
     check_items,
     check_on_topic,
     detect_language,
+    evaluate,
+    parse_value,
     report,
     topic_text,
 )
-from appliance.packages.model import Check, Choice, Item, ItemType, Level, Spec
+from appliance.packages.model import Check, Choice, Feedback, Item, ItemType, Level, Spec
 from tests.budget import tries
 
 if TYPE_CHECKING:
@@ -37,6 +40,11 @@ RULES = (
     "answer_among_choices",
     "one_correct_answer",
     "language",
+    "plain_text",
+    "choices_meaningful",
+    "answer_not_in_prompt",
+    "feedback_distinct",
+    "arithmetic",
 )
 ALL_TYPES = list(ItemType)
 
@@ -188,6 +196,85 @@ BAD_PACKAGES = [
         "q4",
         _replace("q4", prompt="Wie heißt der grüne Farbstoff in den Blättern einer Pflanze?"),
         "reads as de, not en",
+    ),
+    # What the teachers found shipped, each refused now.
+    (
+        "plain_text",
+        "q1",
+        _replace("q1", choices=_choices("Oxygen", "C</b></a><b>=A", "Carbon dioxide", "Helium")),
+        "holds markup ('</b>')",
+    ),
+    ("plain_text", "q4", _replace("q4", prompt="What is the <b>green</b> pigment?"), "'<b>'"),
+    ("plain_text", "q3", _replace("q3", prompt="Plants&nbsp;need light to grow."), "'&nbsp;'"),
+    (
+        "choices_meaningful",
+        "q1",
+        _replace("q1", choices=_choices("M", "N", "O", "Helium")),
+        "Choice 'a' is a lone letter",
+    ),
+    (
+        "choices_meaningful",
+        "q4",
+        _replace("q4", correct=["Tap the buttons"]),
+        "an instruction to the screen",
+    ),
+    (
+        "choices_meaningful",
+        "q1",
+        _replace("q1", choices=_choices("Oxygen", "Nitrogen", "All of the above", "Helium")),
+        "refers to the other choices",
+    ),
+    (
+        "answer_not_in_prompt",
+        "q4",
+        _replace(
+            "q4",
+            prompt="What do you call the process of turning carbon dioxide into glucose?",
+            correct=["carbon dioxide", "glucose"],
+        ),
+        "'carbon dioxide' is named in the question itself",
+    ),
+    (
+        "feedback_distinct",
+        "q1",
+        _replace(
+            "q1", feedback=Feedback(correct="Plants make oxygen.", incorrect="Plants make  oxygen.")
+        ),
+        "for a right and a wrong answer is the same",
+    ),
+    (
+        "arithmetic",
+        "q1",
+        _replace(
+            "q1",
+            prompt="What is 3/4 + 1/8 in simplest form?",
+            choices=_choices("4/12", "7/8", "1", "5/8"),
+            correct=["a"],
+        ),
+        "3/4 + 1/8 = 7/8, not '4/12'; the key is wrong",
+    ),
+    (
+        "arithmetic",
+        "q1",
+        _replace(
+            "q1",
+            prompt="What is 3/4 + 1/8?",
+            choices=_choices("7/8", "0.875", "1", "5/8"),
+            correct=["a"],
+        ),
+        "distractor '0.875' is right too",
+    ),
+    (
+        "arithmetic",
+        "q4",
+        _replace("q4", prompt="How much is 12 \u00d7 3?", correct=["36", "38"]),
+        "12 \u00d7 3 = 36, not '38'",
+    ),
+    (
+        "arithmetic",
+        "q3",
+        _replace("q3", prompt="In fractions, 1/2 + 1/4 = 2/6."),
+        "so the statement is false, but it is keyed true",
     ),
 ]
 
@@ -361,9 +448,13 @@ def valid_packages(draw: st.DrawFn) -> tuple[list[Item], Spec, Level]:
     types = draw(st.lists(st.sampled_from(ALL_TYPES), min_size=1, max_size=8))
     items = []
     for index, item_type in enumerate(types):
-        prompt = f"Which of the following is the best answer to the question about {draw(words)}?"
+        about = draw(words)
+        prompt = f"Which of the following is the best answer to the question about {about}?"
         if item_type is ItemType.short_answer:
-            accepted = draw(st.lists(words, min_size=1, max_size=3))
+            # (a short answer the question names is refused: answer_not_in_prompt)
+            taken = prompt.rstrip("?").split()
+            others = words.filter(lambda w, taken=taken: w not in taken)
+            accepted = draw(st.lists(others, min_size=1, max_size=3))
             items.append(Item(id=f"q{index}", type=item_type, prompt=prompt, correct=accepted))
             continue
         if item_type is ItemType.true_false:
@@ -439,3 +530,99 @@ def test_on_topic_fails_items_about_something_else() -> None:
     unjudged = check_on_topic([one], None, minimum=0.25, why_not="the model is off")
     assert unjudged[0].passed
     assert unjudged[0].detail == "not judged: the model is off"
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [
+        ("3/4 + 1/8", Fraction(7, 8)),
+        ("12 \u00d7 3", Fraction(36)),
+        ("(2 + 3) * 4", Fraction(20)),
+        ("2 + 3 * 4", Fraction(14)),
+        ("7 \u2212 2.5", Fraction(9, 2)),
+        ("10 \u00f7 4", Fraction(5, 2)),
+        ("1/0 + 1", None),
+        ("2 + + 3", None),
+        ("(2 + 3", None),
+    ],
+)
+def test_arithmetic_is_computed_exactly(expression: str, value: Fraction | None) -> None:
+    assert evaluate(expression) == value
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("7/8", Fraction(7, 8)), ("1 3/4.", Fraction(7, 4)), ("0.875", Fraction(7, 8)),
+     ("-2", Fraction(-2)), ("seven", None), ("7 apples", None), ("1/0", None)],
+)  # fmt: skip
+def test_answers_are_read_as_numbers_only_when_they_are_one(
+    text: str, value: Fraction | None
+) -> None:
+    assert parse_value(text) == value
+
+
+@pytest.mark.parametrize(
+    ("prompt", "correct", "detail"),
+    [
+        # The same value written otherwise is the same answer.
+        ("What is 3/4 + 1/8?", ["0.875"], "computed: 3/4 + 1/8 = 7/8"),
+        # "1/2 of 10" is a fraction of something, not an expression asked for.
+        ("What is 1/2 of 10?", ["5"], "no expression to compute"),
+        # Two expressions: which one is asked is not known.
+        ("Is 2 + 2 = 4 or is 3 + 3 = 5?", ["4"], "no expression to compute"),
+        ("What is the name of the green pigment?", ["chlorophyll"], "no expression"),
+        ("What is 3 + 4?", ["seven"], "not a number; not computed"),
+    ],
+)
+def test_arithmetic_passes_what_it_cannot_or_need_not_compute(
+    prompt: str, correct: list[str], detail: str
+) -> None:
+    item = Item(id="q1", type=ItemType.short_answer, prompt=prompt, correct=correct)
+    spec = Spec(items=1, item_types=[ItemType.short_answer])
+
+    check = the_check(check_items([item], spec, Level.beginner), "arithmetic", "q1")
+
+    assert check.passed
+    assert detail in check.detail
+
+
+@pytest.mark.parametrize(
+    ("prompt", "passed"),
+    [
+        ("Is the Sun a star or a planet?", True),  # alternatives offered: naming is asking
+        ("Which is a star: the Sun?", False),
+    ],
+)
+def test_a_short_answer_may_be_named_among_alternatives(prompt: str, passed: bool) -> None:
+    item = Item(id="q1", type=ItemType.short_answer, prompt=prompt, correct=["the Sun"])
+    spec = Spec(items=1, item_types=[ItemType.short_answer])
+
+    check = the_check(check_items([item], spec, Level.beginner), "answer_not_in_prompt", "q1")
+
+    assert check.passed is passed
+
+
+def test_letters_are_answers_where_the_question_is_about_letters() -> None:
+    item = Item(
+        id="q1",
+        type=ItemType.single_choice,
+        prompt="Which letter comes after L in the alphabet?",
+        choices=_choices("M", "N", "O", "K"),
+        correct=["a"],
+    )
+    spec = Spec(items=1, item_types=[ItemType.single_choice])
+
+    assert the_check(check_items([item], spec, Level.beginner), "choices_meaningful", "q1").passed
+
+
+def test_comparisons_are_text_not_markup() -> None:
+    item = Item(
+        id="q1",
+        type=ItemType.true_false,
+        prompt="In numbers, 3 < 5 and 7 > 2 are both true & easy.",
+        choices=[Choice(id="true", text="True"), Choice(id="false", text="False")],
+        correct=["true"],
+    )
+    spec = Spec(items=1, item_types=[ItemType.true_false])
+
+    assert the_check(check_items([item], spec, Level.beginner), "plain_text", "q1").passed
