@@ -67,6 +67,11 @@ once: a node reports the addresses its site reaches its LAN API at (`LanApi.addr
 and each `PlacedModel` names the other nodes of the site placed the same model (`peers`,
 the one that fetches it from the hub first marked) with the hub's `ticket` for the file
 (shared/peer_tickets.py). An older node is given neither and fetches from the hub.
+
+Version 11 adds the content packages' answer verification to the settings the hub sets
+(`PackageOverrides.check_model`, `verify_samples`, `source_min_similarity`): a stronger
+model placed on a node can check the items its own writing model writes. An older node is
+given none of them (it verifies no answer).
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ from pydantic import (
 
 from shared import jsonlimits
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 OLDEST_NODE_PROTOCOL = 2
 PROTOCOL_HEADER = "Kvl-Protocol"
 
@@ -762,6 +767,9 @@ class PackageOverrides(Message):
     each unset keeps the node's own."""
 
     model: Name | None = None  # packages.model: the model that writes the items
+    check_model: Name | None = None  # packages.check_model: the one that checks (protocol 11)
+    verify_samples: int | None = Field(None, ge=1, le=9)  # protocol 11
+    source_min_similarity: float | None = Field(None, ge=0, le=1)  # protocol 11
     max_attempts: int | None = Field(None, ge=1, le=20)
     item_max_tokens: int | None = Field(None, ge=64, le=4096)
     topic_min_similarity: float | None = Field(None, ge=0, le=1)
@@ -873,13 +881,14 @@ ADDED_IN: dict[type[Message], dict[str, int]] = {
     PlacedModel: {"preset": 7, "peers": 10, "ticket": 10},
     LanApi: {"addresses": 10},
     NodeSettings: {"packages": 8},
+    PackageOverrides: {"check_model": 11, "verify_samples": 11, "source_min_similarity": 11},
     ClassTargets: {"first_token_per_token_s": 8, "complete_per_token_s": 8},
 }
 # Where a message nests one of those above (in a list or as itself): their fields are left
 # out there too.
 NESTED: dict[type[Message], dict[str, type[Message]]] = {
     DesiredState: {"models": PlacedModel, "settings": NodeSettings},
-    NodeSettings: {"objectives": ClassTargets},
+    NodeSettings: {"objectives": ClassTargets, "packages": PackageOverrides},
 }
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from appliance.app import create_app
+from appliance.gateway.appkeys import REGISTRY
 from appliance.packages.generate import _KIND, CHOICE_IDS, example
 from appliance.packages.model import (
     Check,
@@ -25,12 +27,16 @@ from appliance.packages.model import (
 )
 from appliance.serving.catalog import register_file
 from appliance.state.store import Store
-from tests.conftest import SCRIPTED, write_script
+from tests.conftest import SCRIPTED, make_settings, write_script
 
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from aiohttp.web import Application
+    from pytest_aiohttp import AiohttpClient
+
     from appliance.state.records import ModelRecord
+    from tests.conftest import Client
 
 
 def package(
@@ -122,3 +128,28 @@ def package_model(folder: Path, *, checker: list[dict[str, str]] | None = None) 
         return register_file(store, script, SCRIPTED, "1")
     finally:
         store.close()
+
+
+async def package_client(
+    aiohttp_client: AiohttpClient,
+    tmp_path: Path,
+    record: ModelRecord,
+    **packages: Any,
+) -> tuple[Client, str, Application]:
+    """An appliance serving `record` for packages (no embedding model), a teacher's key,
+    and the app."""
+    settings = make_settings(
+        tmp_path / "data",
+        # (a scripted token is a byte: the worked examples of a prompt take 1,800)
+        model={"default": record.name, "chat_default": record.name, "n_ctx": 4096},
+        embeddings={"enabled": False},
+        packages={"max_attempts": 5, **packages},
+    )
+    store = Store(settings.db_path)
+    store.add_model(record)
+    key = store.create_key("teacher").plaintext
+    store.close()
+    app = create_app(settings)
+    client: Client = await aiohttp_client(app)
+    await app[REGISTRY].wait_loaded()
+    return client, key, app

@@ -55,10 +55,11 @@ def settings_set(
     node: str | None,
 ) -> None:
     """Set KEY to VALUE, fleet-wide unless --site or --node: chat_default, default,
-    aliases.ALIAS and packages.model take a model (name or name@version),
-    objectives.CLASS.admit_s, first_token_s and complete_s seconds (and
+    aliases.ALIAS, packages.model and packages.check_model take a model (name or
+    name@version), objectives.CLASS.admit_s, first_token_s and complete_s seconds (and
     first_token_per_token_s, complete_per_token_s seconds a token); packages.max_attempts,
-    item_max_tokens, topic_min_similarity and cache_max_mb a number."""
+    item_max_tokens, topic_min_similarity, cache_max_mb, verify_samples and
+    source_min_similarity a number."""
     with opened_store(hub_settings(config_file, data_dir)) as store:
         scope = _scope(store, site, node)
         serial = store.configuration.set(scope, key, value, by="cli")

@@ -8,7 +8,8 @@ Keys: `chat_default`, `default` (model names, `name` or `name@version`),
 service class's `admit_s`, `first_token_s` or `complete_s`; and, for nodes of protocol 8
 on, its allowances per token `first_token_per_token_s` and `complete_per_token_s`) and
 `packages.FIELD` (the content packages' `model`, `max_attempts`, `item_max_tokens`,
-`topic_min_similarity`, `cache_max_mb`; nodes of protocol 8 on). A scope is `fleet`,
+`topic_min_similarity`, `cache_max_mb`, nodes of protocol 8 on; `check_model`,
+`verify_samples`, `source_min_similarity`, nodes of protocol 11 on). A scope is `fleet`,
 `site:NAME` or `node:ID`."""
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ _OBJECTIVE = re.compile(
 )
 _PER_TOKEN = re.compile(r"^objectives\.S[0-4]\.(first_token|complete)_per_token_s$")
 _PACKAGES = re.compile(
-    r"^packages\.(model|max_attempts|item_max_tokens|topic_min_similarity|cache_max_mb)$"
+    r"^packages\.(model|max_attempts|item_max_tokens|topic_min_similarity|cache_max_mb"
+    r"|check_model|verify_samples|source_min_similarity)$"
 )
+# The packages' answer verification: nodes of protocol 11 on.
+_VERIFY = re.compile(r"^packages\.(check_model|verify_samples|source_min_similarity)$")
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,8 @@ def check(key: str, value: str | None) -> None:
             f"{key!r} is not a node setting the hub sets: chat_default, default, "
             "aliases.ALIAS, objectives.CLASS.admit_s|first_token_s|complete_s|"
             "first_token_per_token_s|complete_per_token_s, or "
-            "packages.model|max_attempts|item_max_tokens|topic_min_similarity|cache_max_mb",
+            "packages.model|max_attempts|item_max_tokens|topic_min_similarity|cache_max_mb|"
+            "check_model|verify_samples|source_min_similarity",
             param="key",
         )
     if value is not None:
@@ -94,6 +99,8 @@ def settings_of(values: Mapping[str, str]) -> protocol.NodeSettings:
 
 def key_protocol(key: str) -> int:
     """The first protocol whose nodes take `key`."""
+    if _VERIFY.match(key):
+        return 11
     return 8 if _PACKAGES.match(key) or _PER_TOKEN.match(key) else 7
 
 

@@ -131,23 +131,27 @@ async def test_a_fleet_wide_chat_default_is_rolled_out_rolled_back_and_made_the_
     )
     assert admission.allowances(ServiceClass.S1, scripted_model.ref)[0] == 0.002
     assert admission.targets(ServiceClass.S1, scripted_model.ref, 1000).first_token_s == 44.0
-    # The content packages' settings: the model that writes them, its attempts, the cache's
-    # cap; unset, the node's own again.
+    # The content packages' settings: the model that writes them, the one that checks them,
+    # its attempts, the cache's cap; unset, the node's own again.
     packages = node.app[PACKAGES]
     own_attempts, own_cap = packages.settings.max_attempts, packages.cache.max_bytes
-    for key, value in (("packages.model", "pirate"), ("packages.max_attempts", "7"),
-                       ("packages.cache_max_mb", "64")):  # fmt: skip
+    hub_set = (("packages.model", "pirate"), ("packages.max_attempts", "7"),
+               ("packages.cache_max_mb", "64"), ("packages.check_model", "parrot"))  # fmt: skip
+    for key, value in hub_set:
         await _hub_cli(hub, "settings", "set", key, value)
 
-    def packages_now() -> tuple[str, int, int]:
-        return packages.model, packages.settings.max_attempts, packages.cache.max_bytes
+    def packages_now() -> tuple[str, int, int, str | None]:
+        return (packages.model, packages.settings.max_attempts, packages.cache.max_bytes,
+                packages.settings.check_model)  # fmt: skip
 
     # Each `set` is a desired state of its own: the node may apply them one at a time.
-    await until(lambda: packages_now() == ("pirate", 7, 64 << 20), "the packages' settings")
+    await until(
+        lambda: packages_now() == ("pirate", 7, 64 << 20, "parrot"), "the packages' settings"
+    )
     assert packages.settings.item_max_tokens == 320  # the node's own stays
-    for key in ("packages.model", "packages.max_attempts", "packages.cache_max_mb"):
+    for key, _ in hub_set:
         await _hub_cli(hub, "settings", "unset", key)
-    own_packages = (scripted_model.name, own_attempts, own_cap)
+    own_packages = (scripted_model.name, own_attempts, own_cap, None)
     await until(lambda: packages_now() == own_packages, "the node's own again")
 
     # A key or a value the hub does not set is refused, naming it; nothing changes.

@@ -12,19 +12,15 @@ import io
 import json
 import time
 import zipfile
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from xml.etree import ElementTree as ET
 
 import pytest
 
-from appliance.app import create_app
-from appliance.gateway.appkeys import REGISTRY
 from appliance.gateway.packages import PACKAGES
 from appliance.packages.voice import Espeak
-from appliance.state.store import Store
-from tests.conftest import make_settings
 from tests.gateway import auth
-from tests.packages import package_model
+from tests.packages import package_client, package_model
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -32,7 +28,6 @@ if TYPE_CHECKING:
     from pytest_aiohttp import AiohttpClient
 
     from appliance.state.records import ModelRecord
-    from tests.conftest import Client
 
 pytestmark = pytest.mark.skipif(not Espeak.available(), reason="espeak-ng: run `just setup`")
 
@@ -44,33 +39,11 @@ ASK = {
 }  # fmt: skip
 
 
-async def _client(
-    aiohttp_client: AiohttpClient,
-    tmp_path: Path,
-    record: ModelRecord,
-    **packages: Any,
-) -> tuple[Client, str, Any]:
-    settings = make_settings(
-        tmp_path / "data",
-        model={"default": record.name, "chat_default": record.name},
-        embeddings={"enabled": False},
-        packages={"max_attempts": 5, **packages},
-    )
-    store = Store(settings.db_path)
-    store.add_model(record)
-    key = store.create_key("teacher").plaintext
-    store.close()
-    app = create_app(settings)
-    client: Client = await aiohttp_client(app)
-    await app[REGISTRY].wait_loaded()
-    return client, key, app
-
-
 async def test_a_package_is_generated_validated_cached_served_and_exported(
     aiohttp_client: AiohttpClient, tmp_path: Path
 ) -> None:
     model = package_model(tmp_path)
-    client, key, app = await _client(aiohttp_client, tmp_path, model)
+    client, key, app = await package_client(aiohttp_client, tmp_path, model)
     response = await client.post("/v1/packages", headers=auth(key), json={**ASK, "wait": True})
     package = await response.json()
     assert response.status == 200, package
@@ -150,33 +123,46 @@ async def test_a_package_is_generated_validated_cached_served_and_exported(
 
 
 @pytest.mark.model
-async def test_a_package_job_ends_with_the_package(
+async def test_a_package_job_ends_with_the_package_or_its_refusal(
     aiohttp_client: AiohttpClient, tmp_path: Path, default_model: ModelRecord
 ) -> None:
-    client, key, _ = await _client(aiohttp_client, tmp_path, default_model)
+    """The job path on the real model, writer and checker. Gemma 3 270M writes items that
+    its own answers, without their keys, mostly do not confirm (tests/benchmarks/quality.py
+    measures how often): the job ends with a package every one of whose items the model
+    confirmed, or with the refusal and its failed checks, never with anything else."""
+    client, key, _ = await package_client(aiohttp_client, tmp_path, default_model, max_attempts=2)
     ask = {**ASK, "spec": {"items": 2, "item_types": ["true_false"], "narration": False}}
     created = await client.post("/v1/packages", headers=auth(key), json=ask)
     job = await created.json()
     assert created.status == 202, job
-    for _ in range(600):
+    for _ in range(1500):
         job = await (await client.get(f"/v1/jobs/{job['id']}", headers=auth(key))).json()
         if job["status"] in {"completed", "failed"}:
             break
         await asyncio.sleep(0.2)
-    assert job["status"] == "completed", job
     results = await (await client.get(f"/v1/jobs/{job['id']}/results", headers=auth(key))).json()
     [result] = results["data"]
-    assert result["status_code"] == 200
-    package = result["body"]
-    assert package["manifest"]["validation"]["passed"] is True
-    assert not any(f["path"].startswith("audio/") for f in package["manifest"]["files"])
+    if result["status_code"] == 200:
+        assert job["status"] == "completed", job
+        report = result["body"]["manifest"]["validation"]
+        assert report["passed"] is True
+        assert report["checker"] == report["writer"] == default_model.ref
+        verified = [c for c in report["checks"] if c["name"] == "answer_verified"]
+        assert [c["item"] for c in verified] == ["item-1", "item-2"]
+        assert all(c["passed"] for c in verified)
+        return
+    assert job["status"] == "failed", job
+    assert result["status_code"] == 422, result
+    error = result["body"]["error"]
+    assert error["code"] == "package_validation_failed", error
+    assert "after 2 attempts" in error["message"]
 
 
 async def test_a_package_narrated_by_the_neural_voice(
     aiohttp_client: AiohttpClient, tmp_path: Path
 ) -> None:
     model = package_model(tmp_path)
-    client, key, _ = await _client(aiohttp_client, tmp_path, model, voice="neural")
+    client, key, _ = await package_client(aiohttp_client, tmp_path, model, voice="neural")
     ask = {"topic": "Bees", "level": "beginner", "wait": True,
            "spec": {"items": 1, "item_types": ["true_false"], "narration": True}}  # fmt: skip
     response = await client.post("/v1/packages", headers=auth(key), json=ask)

@@ -779,3 +779,44 @@ async def test_a_node_of_protocol_7_gets_and_is_held_to_the_settings_it_takes(
     )  # fmt: skip
     assert (status, body["error"]["code"]) == (409, "rollout_conflict"), body
     assert "protocol 8 on" in body["error"]["message"]
+
+
+async def test_a_node_of_protocol_10_gets_the_packages_settings_but_not_the_checkers(
+    fleet: Fleet,
+) -> None:
+    """The packages' answer verification settings came with protocol 11: a node of 10 gets
+    the packages' other settings, and is held to the digest of those."""
+
+    async def as_old_node(method: str, path: str, **kw: Any) -> tuple[int, Any]:
+        return await fleet.as_old_node("n4", 10, method, path, **kw)
+
+    assert (await as_old_node("POST", "/v1/node/heartbeat", json={"capacity": {}}))[0] == 200
+    for name in ("n1", "n2", "n3"):
+        await fleet.beat(name)
+    await until(lambda: _all_heard(fleet, old="10"), "all heard")
+    for key, value in (("packages.max_attempts", "5"), ("packages.check_model", "m@1"),
+                       ("packages.verify_samples", "5")):  # fmt: skip
+        status, body = await fleet.call("PUT", "/v1/admin/settings",
+                                        json={"key": key, "value": value})  # fmt: skip
+        assert status == 200, body
+    status, state = await as_old_node("GET", "/v1/node/state")
+    assert status == 200, state
+    assert state["settings"]["packages"] == {
+        "model": None, "max_attempts": 5, "item_max_tokens": None,
+        "topic_min_similarity": None, "cache_max_mb": None,
+    }  # fmt: skip
+    new = await fleet.nodes["n1"].state(-1)
+    assert new is not None
+    assert (new.settings.packages.check_model, new.settings.packages.verify_samples) == ("m@1", 5)
+    status, shown = await fleet.call("GET", "/v1/admin/nodes/n4/settings")
+    assert status == 200, shown
+    expected = protocol.NodeSettings(packages=protocol.PackageOverrides(max_attempts=5))
+    assert shown["digest"] == expected.digest()
+    status, body = await fleet.call(
+        "POST", "/v1/admin/rollouts",
+        json={"kind": "settings", "setting": "packages.check_model", "value": "m@1",
+              "node": "n4", "strategy": {"canary": 1, "max_unavailable": 1, "soak_s": 0,
+                                          "max_burn_rate": None}},
+    )  # fmt: skip
+    assert (status, body["error"]["code"]) == (409, "rollout_conflict"), body
+    assert "protocol 11 on" in body["error"]["message"]
