@@ -158,6 +158,7 @@ test-fast *args: setup lint
 # llama-server -np N), memory (peak RSS of gateway and worker vs llama-server), embeddings
 # (batched vs one at a time), overload, sync, fleet,
 # placement (the planner at 10,000 nodes), offload (vs a direct call), packages (vs nginx),
+# quality (the keys of the packages each embedded model ships, checked by a script),
 # chat_quality (the embedded models on twelve instructions), http2 (nginx in front vs
 # HTTP/1.1 served by the app), structured (the JSON Schema converter vs llama-cpp-python's
 # bundled one and llguidance), image (boot-to-ready time and size of the appliance image;
@@ -168,9 +169,9 @@ bench suite="all" *args: setup
     #!/usr/bin/env bash
     set -euo pipefail
     case "{{ suite }}" in
-        all) suites="serving concurrency memory embeddings overload sync fleet placement offload packages chat_quality http2 structured image api models" ;;
-        serving|concurrency|memory|embeddings|overload|sync|fleet|placement|offload|packages|chat_quality|http2|structured|image|api|models) suites="{{ suite }}" ;;
-        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, memory, embeddings, overload, sync, fleet, placement, offload, packages, chat_quality, http2, structured, image, api, models, all)" >&2; exit 2 ;;
+        all) suites="serving concurrency memory embeddings overload sync fleet placement offload packages quality chat_quality http2 structured image api models" ;;
+        serving|concurrency|memory|embeddings|overload|sync|fleet|placement|offload|packages|quality|chat_quality|http2|structured|image|api|models) suites="{{ suite }}" ;;
+        *) echo "just bench: unknown suite '{{ suite }}' (serving, concurrency, memory, embeddings, overload, sync, fleet, placement, offload, packages, quality, chat_quality, http2, structured, image, api, models, all)" >&2; exit 2 ;;
     esac
     for s in $suites; do {{ py }} -m "tests.benchmarks.$s" {{ args }}; done
     {{ py }} -m tests.benchmarks.tables  # the docs' results tables, rewritten from the new results

@@ -115,14 +115,19 @@ def checker_rules(keys: tuple[str, ...] = KEYS) -> list[dict[str, str]]:
     ]
 
 
+def package_script(path: Path, *, checker: list[dict[str, str]] | None = None) -> Path:
+    """The script of `package_model`, written to `path`."""
+    rules = checker_rules() if checker is None else checker
+    rules += [{"contains": _KIND[kind], "reply": example(kind, 4)} for kind in ItemType]
+    return write_script(path, rules=rules)
+
+
 def package_model(folder: Path, *, checker: list[dict[str, str]] | None = None) -> ModelRecord:
     """SCRIPTED, registered (in a catalog of its own in ``folder``), answering each item
     type's request (every prompt names its type) with a worked answer of that type, four
     choices where it has choices: an item that passes every check; and checking items as
     `checker_rules` (or `checker`) does."""
-    rules = checker_rules() if checker is None else checker
-    rules += [{"contains": _KIND[kind], "reply": example(kind, 4)} for kind in ItemType]
-    script = write_script(folder / "packages.json", rules=rules)
+    script = package_script(folder / "packages.json", checker=checker)
     store = Store(folder / "catalog.db")
     try:
         return register_file(store, script, SCRIPTED, "1")

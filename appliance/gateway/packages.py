@@ -35,7 +35,14 @@ from appliance.inference.authentication import authenticate
 from appliance.inference.schemas import parse_body
 from appliance.jobs.bodies import job_object
 from appliance.packages.cache import CorruptBlobError, NotCachedError
-from appliance.packages.exports import ExportError, export_h5p, export_moodle_xml, export_qti3
+from appliance.packages.exports import (
+    ExportError,
+    Library,
+    export_h5p,
+    export_moodle_xml,
+    export_qti3,
+    h5p_libraries,
+)
 from appliance.packages.model import PackageRequest
 from appliance.packages.service import PackageService, package_summary, package_view
 from appliance.state.jobs import NewItem
@@ -224,10 +231,20 @@ async def package_export(request: web.Request) -> web.Response:
             f"exports are {', '.join(EXPORTS)}; not {form!r}",
             param="format",
         )
+    libraries: dict[Library, Library] = {}
+    if "libraries" in request.query:
+        if form != "h5p":
+            raise ApiError(
+                ErrorCode.invalid_value, "`libraries` names H5P library versions", param="libraries"
+            )
+        try:
+            libraries = h5p_libraries(request.query["libraries"][:1000])
+        except ExportError as err:
+            raise ApiError(ErrorCode.invalid_value, str(err), param="libraries") from err
     cached = await _get(request)
     media_type, suffix = EXPORTS[form]
     try:
-        data = await asyncio.to_thread(_export, _cache(request), cached, form)
+        data = await asyncio.to_thread(_export, _cache(request), cached, form, libraries)
     except CorruptBlobError as err:
         raise ApiError(ErrorCode.package_corrupt, str(err), retry_after=1) from err
     except ExportError as err:
@@ -255,13 +272,17 @@ async def pin_package(request: web.Request) -> web.Response:
     return web.json_response(package_summary(cached))
 
 
-def _export(cache: PackageCache, cached: CachedPackage, form: str) -> bytes:
+def _export(
+    cache: PackageCache, cached: CachedPackage, form: str, libraries: dict[Library, Library]
+) -> bytes:
     if form == "oci":
         return cache.bundle(cached.id, cached.version)
     files = _read_files(cache, cached)
     if form == "moodle-xml":
         return export_moodle_xml(cached.manifest, files)
-    return (export_h5p if form == "h5p" else export_qti3)(cached.manifest, files)
+    if form == "h5p":
+        return export_h5p(cached.manifest, files, libraries)
+    return export_qti3(cached.manifest, files)
 
 
 def _read_files(cache: PackageCache, cached: CachedPackage) -> dict[str, bytes]:

@@ -293,7 +293,8 @@ ROUTES: tuple[Route, ...] = (
         "GET",
         "/v1/packages/{id}/exports/{format}",
         packages.package_export,
-        "The package for an LMS: `h5p` (H5P Question Set), `moodle-xml`, `qti3`.",
+        "The package for an LMS: `h5p` (H5P Question Set; `?libraries=H5P.QuestionSet-1.21,…` "
+        "declares the newer minor versions a site has), `moodle-xml`, `qti3`.",
         auth=True,
         errors=(
             *_AUTH,

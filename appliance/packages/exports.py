@@ -2,7 +2,9 @@
 files) to the bytes of one export file.
 
 - `export_h5p`: an H5P Question Set (`.h5p`), content only: the target site must already
-  have the libraries named in `H5P_LIBRARIES`.
+  have the libraries named in `H5P_LIBRARIES`, or the newer minor versions the export is
+  asked for (`h5p_libraries`). A narrated package's introduction is read by an H5P.Audio
+  before the set, the two in an H5P.Column.
 - `export_moodle_xml`: a Moodle XML question bank, one category holding every item.
 - `export_qti3`: a QTI 3.0 content package (`imsmanifest.xml` and one item per question).
 
@@ -59,15 +61,46 @@ class Library:
         }
 
 
-# H5P library versions the content is written for. Pin them to the target site's: an
-# upload whose versions the site lacks (even a different minor version) is refused or
-# plays nothing.
+# The oldest H5P library versions the content is written for: every field it uses is in
+# them. A site checks an upload's versions exactly (H5P's core and h5p-server alike), so
+# one that has only newer minor versions (QuestionSet 1.21) is given those by name
+# (`h5p_libraries`): a minor version of an H5P library reads its older minors' content.
 H5P_QUESTION_SET = Library("H5P.QuestionSet", 1, 20)
 H5P_MULTI_CHOICE = Library("H5P.MultiChoice", 1, 16)
 H5P_TRUE_FALSE = Library("H5P.TrueFalse", 1, 8)
 H5P_BLANKS = Library("H5P.Blanks", 1, 14)
 H5P_AUDIO = Library("H5P.Audio", 1, 5)
-H5P_LIBRARIES = (H5P_QUESTION_SET, H5P_MULTI_CHOICE, H5P_TRUE_FALSE, H5P_BLANKS, H5P_AUDIO)
+H5P_COLUMN = Library("H5P.Column", 1, 16)
+H5P_LIBRARIES = (
+    H5P_COLUMN, H5P_QUESTION_SET, H5P_MULTI_CHOICE, H5P_TRUE_FALSE, H5P_BLANKS, H5P_AUDIO
+)  # fmt: skip
+
+
+def h5p_libraries(asked: str) -> dict[Library, Library]:
+    """The library versions an export is asked for ("H5P.QuestionSet-1.21,H5P.Audio-1.5",
+    H5P's own notation; a space for the dash too), each ours replaced by it. ExportError
+    for a library the export does not use, another major version, or an older minor."""
+    ours = {lib.machine_name: lib for lib in H5P_LIBRARIES}
+    known = ", ".join(f"{n}-{v.major}.{v.minor}" for n, v in ours.items())
+    chosen: dict[Library, Library] = {}
+    for part in filter(None, (p.strip() for p in asked.split(","))):
+        name, _, version = part.replace(" ", "-").rpartition("-")
+        major, _, minor = version.partition(".")
+        if name not in ours or not (major.isdigit() and minor.isdigit()) or len(version) > 9:
+            raise ExportError(
+                f"{part!r} is not one of the libraries an export uses at a version "
+                f"(NAME-MAJOR.MINOR: {known})."
+            )
+        base = ours[name]
+        if int(major) != base.major or int(minor) < base.minor:
+            raise ExportError(
+                f"{part!r}: the export needs {name} {base.major}.{base.minor} or a newer "
+                f"{base.major}.x; a site with only another major version cannot play it."
+            )
+        chosen[base] = Library(name, int(major), int(minor))
+    return chosen
+
+
 H5P_PASS_PERCENTAGE = 60
 
 # sub-content ids are uuid5 of "<package id>/<item id>[/audio]" in this namespace, so an
@@ -101,60 +134,49 @@ _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 # H5P
 
 
-def export_h5p(manifest: Manifest, files: Mapping[str, bytes]) -> bytes:
+def export_h5p(
+    manifest: Manifest,
+    files: Mapping[str, bytes],
+    libraries: Mapping[Library, Library] | None = None,
+) -> bytes:
     """The package as an H5P Question Set: `h5p.json`, `content/content.json` and each
-    item's narration under `content/audios/`, referenced from the question's media.
+    item's narration under `content/audios/`, referenced from the question's media; with
+    the introduction's narration, an H5P.Column of an H5P.Audio reading it, then the set.
 
     single and multiple choice become H5P.MultiChoice, true/false H5P.TrueFalse and short
     answers H5P.Blanks (the prompt as the task, one blank accepting every answer; answers
-    holding "*", "/" or ":", which are Blanks markup, are left out). Raises `ExportError`
-    when a narration file is missing or an item cannot be expressed.
+    holding "*", "/" or ":", which are Blanks markup, are left out). `libraries` names
+    newer minor versions to declare (`h5p_libraries`). Raises `ExportError` when a
+    narration file is missing or an item cannot be expressed.
     `files` maps package paths ("audio/item-1.wav") to their bytes.
     """
+    chosen = dict(libraries or {})
+
+    def ref(library: Library) -> str:
+        used.add(library)
+        return chosen.get(library, library).ref
+
     used = {H5P_QUESTION_SET}
     entries: dict[str, bytes] = {}
     questions = []
     for item in manifest.items:
         library, params = _h5p_question(item)
-        used.add(library)
         if item.narration is not None:
-            path, data = _narration(item.id, item.narration, files)
-            previous = entries.setdefault(f"content/audios/{path.name}", data)
-            if previous != data:
-                raise ExportError(
-                    f"Two narration files are named {path.name!r}; give each item its own."
-                )
-            used.add(H5P_AUDIO)
+            name = _h5p_audio_file(item.id, item.narration, files, entries)
+            audio = _h5p_audio(name, _subcontent_id(manifest.id, item.id, "audio"), item.id)
             params["media"] = {
-                "type": {
-                    "library": H5P_AUDIO.ref,
-                    "params": {
-                        "files": [
-                            {
-                                "path": f"audios/{path.name}",
-                                "mime": AUDIO_MIME[path.suffix],
-                                "copyright": {"license": "U"},
-                            }
-                        ],
-                        "playerMode": "minimalistic",
-                        "fitToWrapper": False,
-                        "controls": True,
-                        "autoplay": False,
-                    },
-                    "subContentId": _subcontent_id(manifest.id, item.id, "audio"),
-                    "metadata": {"contentType": "Audio", "license": "U", "title": item.id},
-                },
+                "type": {"library": ref(H5P_AUDIO), **audio},
                 "disableImageZooming": False,
             }
         questions.append(
             {
-                "library": library.ref,
+                "library": ref(library),
                 "subContentId": _subcontent_id(manifest.id, item.id),
                 "params": params,
                 "metadata": {"license": "U", "title": item.id},
             }
         )
-    content = {
+    content: dict[str, Any] = {
         "introPage": {
             "showIntroPage": True,
             "title": manifest.title,
@@ -166,17 +188,77 @@ def export_h5p(manifest: Manifest, files: Mapping[str, bytes]) -> bytes:
         "randomQuestions": False,
         "questions": questions,
     }
+    main = H5P_QUESTION_SET
+    if INTRO_NARRATION in {f.path for f in manifest.files}:
+        # QuestionSet's introduction page holds text only: the narrated introduction is an
+        # Audio above the set, both in a Column (what H5P's authors build by hand).
+        name = _h5p_audio_file("intro", INTRO_NARRATION, files, entries)
+        audio = _h5p_audio(name, _subcontent_id(manifest.id, "intro", "audio"), "intro")
+        set_ref = ref(H5P_QUESTION_SET)
+        content = {
+            "content": [
+                {"content": {"library": ref(H5P_AUDIO), **audio}, "useSeparator": "disabled"},
+                {
+                    "content": {
+                        "library": set_ref,
+                        "params": content,
+                        "subContentId": _subcontent_id(manifest.id, "set"),
+                        "metadata": {"contentType": "Question Set", "license": "U",
+                                     "title": manifest.title},
+                    },
+                    "useSeparator": "auto",
+                },
+            ]
+        }  # fmt: skip
+        main = H5P_COLUMN
+        used.add(main)
     h5p = {
         "title": manifest.title,
         "language": manifest.spec.language.split("-", 1)[0].lower(),
-        "mainLibrary": H5P_QUESTION_SET.machine_name,
+        "mainLibrary": main.machine_name,
         "embedTypes": ["iframe"],
         "license": "U",
-        "preloadedDependencies": [lib.dependency() for lib in H5P_LIBRARIES if lib in used],
+        "preloadedDependencies": [
+            chosen.get(lib, lib).dependency() for lib in H5P_LIBRARIES if lib in used
+        ],
     }
     entries["h5p.json"] = _json(h5p)
     entries["content/content.json"] = _json(content)
     return _zip(entries)
+
+
+def _h5p_audio_file(
+    item_id: str, narration: str, files: Mapping[str, bytes], entries: dict[str, bytes]
+) -> str:
+    """A narration file put under content/audios/ (ExportError: missing, of a type H5P
+    does not take, or a second file of the same name)."""
+    path, data = _narration(item_id, narration, files)
+    previous = entries.setdefault(f"content/audios/{path.name}", data)
+    if previous != data:
+        raise ExportError(f"Two narration files are named {path.name!r}; give each item its own.")
+    return path.name
+
+
+def _h5p_audio(name: str, subcontent: str, title: str) -> dict[str, Any]:
+    """An H5P.Audio's params, id and metadata for content/audios/NAME (its `library` is
+    the caller's)."""
+    return {
+        "params": {
+            "files": [
+                {
+                    "path": f"audios/{name}",
+                    "mime": AUDIO_MIME[PurePosixPath(name).suffix],
+                    "copyright": {"license": "U"},
+                }
+            ],
+            "playerMode": "minimalistic",
+            "fitToWrapper": False,
+            "controls": True,
+            "autoplay": False,
+        },
+        "subContentId": subcontent,
+        "metadata": {"contentType": "Audio", "license": "U", "title": title},
+    }
 
 
 def _h5p_question(item: Item) -> tuple[Library, dict[str, Any]]:

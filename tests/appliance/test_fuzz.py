@@ -152,10 +152,16 @@ def fuzz_appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Applian
         "appliance", "keys", "create", "--account", FUZZ_ACCOUNT, "--admin", "--data-dir",
         str(data_dir),
     ).stdout.strip()  # fmt: skip
-    # The scripted model: the contract under test is the API's, not the model's. Its one
-    # rule answers the fuzzing's package (FUZZ_PACKAGE) with an item of the right shape.
+    # The scripted model: the contract under test is the API's, not the model's. Its rules
+    # answer the fuzzing's package (FUZZ_PACKAGE) with an item of the right shape, and
+    # confirm its statement when it checks it.
     script = write_script(
-        data_dir / "scripted.json", rules=[{"contains": "fuzzing", "reply": FUZZ_ITEM}]
+        data_dir / "scripted.json",
+        rules=[
+            {"contains": "Is the statement true", "reply": '{"answer": "yes"}'},
+            {"contains": "Is the statement false", "reply": '{"answer": "no"}'},
+            {"contains": "fuzzing", "reply": FUZZ_ITEM},
+        ],
     )
     kvl("appliance", "models", "add", str(script), "--name", SCRIPTED, "--version", "1",
         "--data-dir", str(data_dir))  # fmt: skip

@@ -21,6 +21,7 @@ import pytest
 from appliance.packages.exports import (
     H5P_AUDIO,
     H5P_BLANKS,
+    H5P_COLUMN,
     H5P_MULTI_CHOICE,
     H5P_QUESTION_SET,
     H5P_TRUE_FALSE,
@@ -29,6 +30,7 @@ from appliance.packages.exports import (
     export_h5p,
     export_moodle_xml,
     export_qti3,
+    h5p_libraries,
 )
 from appliance.packages.model import (
     INTRO_NARRATION,
@@ -618,6 +620,62 @@ def test_moodle_carries_the_narration_of_the_introduction_and_of_each_item() -> 
             assert embedded(question) == (f"{item.id}.wav", files[item.narration])
     with pytest.raises(ExportError, match="not among the package files"):
         export_moodle_xml(manifest(package_items, files), {})
+
+
+def test_h5p_reads_the_introduction_in_an_audio_above_the_set() -> None:
+    """A narrated package in H5P: QuestionSet's introduction page holds text only, so the
+    introduction's narration is an H5P.Audio, then the set, in an H5P.Column."""
+    package_items = items()
+    files = audio_files(package_items) | {INTRO_NARRATION: wav(2.0, tone=9)}
+    data = export_h5p(manifest(package_items, files), files)
+    archive = zipfile.ZipFile(io.BytesIO(data))
+    h5p = json.loads(archive.read("h5p.json"))
+    column = json.loads(archive.read("content/content.json"))
+
+    assert h5p["mainLibrary"] == "H5P.Column"
+    assert H5P_COLUMN.dependency() in h5p["preloadedDependencies"]
+    audio, question_set = (part["content"] for part in column["content"])
+    assert audio["library"] == "H5P.Audio 1.5"
+    assert audio["params"]["files"][0]["path"] == "audios/intro.wav"
+    assert archive.read("content/audios/intro.wav") == files[INTRO_NARRATION]
+    assert question_set["library"] == "H5P.QuestionSet 1.20"
+    assert len(question_set["params"]["questions"]) == len(package_items)
+    assert export_h5p(manifest(package_items, files), files) == data  # deterministic
+
+
+def test_h5p_declares_the_newer_minor_versions_a_site_has() -> None:
+    """A site with only QuestionSet 1.21 refuses content declaring 1.20 (H5P checks an
+    upload's versions exactly): the export names the versions asked for, in h5p.json and in
+    every `library` of the content alike; the oldest stay where none is asked."""
+    package_items = items()
+    files = audio_files(package_items) | {INTRO_NARRATION: wav(2.0, tone=9)}
+    asked = h5p_libraries("H5P.QuestionSet-1.21, H5P.Column 1.18")
+    archive = zipfile.ZipFile(io.BytesIO(export_h5p(manifest(package_items, files), files, asked)))
+    h5p = json.loads(archive.read("h5p.json"))
+    content = archive.read("content/content.json").decode()
+
+    declared = {d["machineName"]: (d["majorVersion"], d["minorVersion"])
+                for d in h5p["preloadedDependencies"]}  # fmt: skip
+    assert declared["H5P.QuestionSet"] == (1, 21)
+    assert declared["H5P.Column"] == (1, 18)
+    assert declared["H5P.MultiChoice"] == (1, 16)
+    assert '"H5P.QuestionSet 1.21"' in content
+    assert "H5P.QuestionSet 1.20" not in content
+
+
+@pytest.mark.parametrize(
+    ("asked", "says"),
+    [
+        ("H5P.QuestionSet-1.19", "needs H5P.QuestionSet 1.20 or a newer 1.x"),
+        ("H5P.QuestionSet-2.0", "needs H5P.QuestionSet 1.20 or a newer 1.x"),
+        ("H5P.CoursePresentation-1.25", "is not one of the libraries"),
+        ("H5P.QuestionSet-one", "is not one of the libraries"),
+        ("H5P.QuestionSet", "is not one of the libraries"),
+    ],
+)
+def test_h5p_versions_it_cannot_play_are_refused(asked: str, says: str) -> None:
+    with pytest.raises(ExportError, match=re.escape(says)):
+        h5p_libraries(asked)
 
 
 def test_qti3_wraps_the_items_in_an_assessment_test_that_reads_the_introduction() -> None:

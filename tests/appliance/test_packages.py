@@ -98,9 +98,18 @@ async def test_a_package_is_generated_validated_cached_served_and_exported(
     assert h5p.status == 200
     with zipfile.ZipFile(io.BytesIO(await h5p.read())) as archive:
         meta = json.loads(archive.read("h5p.json"))
-        assert meta["mainLibrary"] == "H5P.QuestionSet"
+        assert meta["mainLibrary"] == "H5P.Column"  # the introduction's audio, then the set
         content = json.loads(archive.read("content/content.json"))
-        assert len(content["questions"]) == 3
+        assert len(content["content"][1]["content"]["params"]["questions"]) == 3
+    newer = await client.get(
+        f"{base}/exports/h5p?libraries=H5P.QuestionSet-1.21", headers=auth(key)
+    )
+    with zipfile.ZipFile(io.BytesIO(await newer.read())) as archive:
+        assert b'"H5P.QuestionSet 1.21"' in archive.read("content/content.json")
+    for wrong in ("H5P.QuestionSet-1.2", "Nope-1.0"):
+        refused = await client.get(f"{base}/exports/h5p?libraries={wrong}", headers=auth(key))
+        assert refused.status == 400
+        assert (await refused.json())["error"]["param"] == "libraries"
     moodle = await client.get(f"{base}/exports/moodle-xml", headers=auth(key))
     questions = ET.fromstring(await moodle.read()).findall("question")  # noqa: S314 - ours
     # the introduction's narration first (a description question), then the items, each

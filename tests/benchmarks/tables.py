@@ -39,6 +39,7 @@ from tests.benchmarks import (
     overload,
     packages,
     placement,
+    quality,
     serving,
     site_fetch,
     structured,
@@ -92,6 +93,7 @@ TABLES: tuple[Table, ...] = (
     Table("placement", BENCHMARKS_MD, ("placement.json",), placement.markdown),
     Table("offload", BENCHMARKS_MD, ("offload.json",), offload.markdown),
     Table("packages", BENCHMARKS_MD, ("packages.json",), packages.markdown),
+    Table("quality", BENCHMARKS_MD, ("quality.json",), quality.markdown),
     # The in-process column is a design measured at one commit and not kept: its result
     # stays, and the table says which run each column comes from.
     Table("http2", BENCHMARKS_MD, ("http2.json", "http2-in-process.json"), http2.markdown),
