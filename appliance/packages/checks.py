@@ -36,7 +36,8 @@ no item), named stably so that reports can be compared across generations:
   writes an item's text as text (an LMS would show the tags literally) and the narration
   would read them out. "3 < 5" is text and passes.
 - `choices_meaningful`: no choice or accepted answer is a lone letter (unless the prompt
-  is about letters: "M", "N", "O" as choices say nothing), an instruction to the screen
+  is about letters or symbols, units, elements, notes: "M", "N", "O" as choices say
+  nothing), an instruction to the screen
   ("Tap the buttons", "Click the box"), or "all/none of the above" (the exports shuffle
   choices that are not narrated, so "above" means nothing).
 - `answer_not_in_prompt`: a short answer's accepted answer is not a phrase the question
@@ -398,8 +399,13 @@ def _one_correct_answer(item: Item) -> Check:
     problems = []
     twice = sorted(a for a, n in Counter(item.correct).items() if n > 1)
     if item.type is ItemType.short_answer:
-        if not any(answer.strip() for answer in item.correct):
+        said = Counter(_normalised(answer) for answer in item.correct if answer.strip())
+        if not said:
             problems.append("A short answer needs at least one non-empty accepted answer.")
+        elif said.most_common(1)[0][1] > 1:
+            problems.append(
+                f"Accepted answer {said.most_common(1)[0][0]!r} is listed more than once."
+            )
     elif twice:
         problems.append(f"Correct answer {twice[0]!r} is listed more than once.")
     elif item.type is ItemType.multiple_choice:
@@ -446,7 +452,13 @@ _SCREEN = re.compile(
     re.IGNORECASE,
 )
 _ABOVE = re.compile(r"\b(all|none|both|neither) of (the )?(above|these|them)\b", re.IGNORECASE)
-_LETTER_TOPIC = re.compile(r"\b(letters?|alphabet|spell|spelling|vowels?|consonants?)\b", re.I)
+# Questions whose answers may be one letter: about letters, or about symbols (units "m",
+# elements "C", notes "A", variables "x", grades "B").
+_LETTER_TOPIC = re.compile(
+    r"\b(letters?|alphabet|spell|spelling|vowels?|consonants?|symbols?|abbreviat\w*|units?|"
+    r"elements?|notes?|variables?|grades?)\b",
+    re.IGNORECASE,
+)
 
 
 def _texts(item: Item) -> list[tuple[str, str]]:

@@ -23,6 +23,8 @@ from appliance.packages.model import Choice, Feedback, Item, ItemType, Level
 from shared.errors import OutputInvalid
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from appliance.inference.completions import CompletionService
     from appliance.state.store import ApiKey
 
@@ -212,7 +214,7 @@ def to_item(kind: ItemType, answer: dict[str, Any], n: int, language: str) -> It
             id=f"item-{n}",
             type=kind,
             prompt=str(answer["question"]).strip(),
-            correct=[str(a).strip() for a in answer["answers"]],
+            correct=_distinct(str(a) for a in answer["answers"]),
             feedback=_feedback(explanation, answer_is, str(answer["answers"][0]).strip()),
         )
     choices = [
@@ -230,6 +232,15 @@ def to_item(kind: ItemType, answer: dict[str, Any], n: int, language: str) -> It
         correct=correct,
         feedback=_feedback(explanation, answer_is, keyed),
     )
+
+
+def _distinct(answers: Iterable[str]) -> list[str]:
+    """Accepted answers, the same answer twice (any case or spacing) kept once, first."""
+    kept: dict[str, str] = {}
+    for answer in answers:
+        spaced = " ".join(answer.split())
+        kept.setdefault(spaced.casefold(), spaced)
+    return list(kept.values())
 
 
 def _feedback(explanation: str, answer_is: str, key: str) -> Feedback:

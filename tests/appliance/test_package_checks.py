@@ -192,6 +192,12 @@ BAD_PACKAGES = [
         "at least one non-empty accepted answer",
     ),
     (
+        "one_correct_answer",
+        "q4",
+        _replace("q4", correct=["One", " one"]),
+        "Accepted answer 'one' is listed more than once",
+    ),
+    (
         "language",
         "q4",
         _replace("q4", prompt="Wie heißt der grüne Farbstoff in den Blättern einer Pflanze?"),
@@ -454,7 +460,7 @@ def valid_packages(draw: st.DrawFn) -> tuple[list[Item], Spec, Level]:
             # (a short answer the question names is refused: answer_not_in_prompt)
             taken = prompt.rstrip("?").split()
             others = words.filter(lambda w, taken=taken: w not in taken)
-            accepted = draw(st.lists(others, min_size=1, max_size=3))
+            accepted = draw(st.lists(others, min_size=1, max_size=3, unique=True))
             items.append(Item(id=f"q{index}", type=item_type, prompt=prompt, correct=accepted))
             continue
         if item_type is ItemType.true_false:
@@ -602,12 +608,21 @@ def test_a_short_answer_may_be_named_among_alternatives(prompt: str, passed: boo
     assert check.passed is passed
 
 
-def test_letters_are_answers_where_the_question_is_about_letters() -> None:
+@pytest.mark.parametrize(
+    ("prompt", "choices"),
+    [
+        ("Which letter comes after L in the alphabet?", ("M", "N", "O", "K")),
+        ("Which is the symbol of the metre, the metric unit of length?", ("m", "g", "l", "s")),
+    ],
+)
+def test_letters_are_answers_where_the_question_is_about_letters_or_symbols(
+    prompt: str, choices: tuple[str, ...]
+) -> None:
     item = Item(
         id="q1",
         type=ItemType.single_choice,
-        prompt="Which letter comes after L in the alphabet?",
-        choices=_choices("M", "N", "O", "K"),
+        prompt=prompt,
+        choices=_choices(*choices),
         correct=["a"],
     )
     spec = Spec(items=1, item_types=[ItemType.single_choice])
