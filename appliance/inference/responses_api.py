@@ -48,9 +48,15 @@ class ContentOther(_Item):
     type: str = Field(max_length=64)
 
 
-def _content_kind(value: object) -> str:
+def _kind(value: object) -> str | None:
+    """A part's or item's `type` when it is a string (a client may send any JSON there:
+    a list is no set member, and must be refused as other types are, not raise)."""
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "text" if kind in {"input_text", "output_text", "text"} else "other"
+    return kind if isinstance(kind, str) else None
+
+
+def _content_kind(value: object) -> str:
+    return "text" if _kind(value) in {"input_text", "output_text", "text"} else "other"
 
 
 Content = Annotated[
@@ -91,7 +97,7 @@ class FunctionCallOutputItem(_Item):
 
 
 def _item_kind(value: object) -> str:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    kind = _kind(value)
     return kind if kind in {"function_call", "function_call_output"} else "message"
 
 

@@ -58,7 +58,12 @@ class OtherPart(BaseModel):
 
 def _part_kind(value: object) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "text" if kind in {"text", "input_text", "output_text"} else "other"
+    # any JSON may come as the type: a list is no set member (refused as "other", not raised)
+    return (
+        "text"
+        if isinstance(kind, str) and kind in {"text", "input_text", "output_text"}
+        else "other"
+    )
 
 
 ContentPart = Annotated[

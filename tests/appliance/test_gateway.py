@@ -500,6 +500,21 @@ async def test_bad_chat_requests_get_the_error_shape(
     assert_error(out, code, param)
 
 
+@pytest.mark.parametrize("kind", [[], {}, ["text"], 3.5, None])
+async def test_a_content_part_of_any_json_type_is_refused_not_raised(
+    client: Client, api_key: str, kind: object
+) -> None:
+    """A part's `type` is looked up among the text kinds: a list or an object there (the
+    fuzzing found a list) is a 400 like any type the models do not read, never a 500."""
+    part = {"type": kind, "text": "hi"}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": [part]}]}
+    responses = {"model": MODEL, "input": [{"role": "user", "content": [part], "type": kind}]}
+    for route, body in (("/v1/chat/completions", chat), ("/v1/responses", responses)):
+        status, out, _ = await post(client, route, api_key, body)
+        assert 400 <= status < 500, (route, out)
+        assert out["error"]["type"] == "invalid_request_error", out
+
+
 async def test_invalid_json_and_non_object_bodies(client: Client, api_key: str) -> None:
     lone_surrogate = b'{"model": "gemma-3-270m", "prompt": "\\ud800"}'
     # A surrogate's three UTF-8-like bytes (Python's JSON decoder takes them), and JSON in

@@ -462,9 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="packages.model each")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
     args = parser.parse_args(argv)
+    started = stamp()  # the code measured: the commit as the run starts
     with tempfile.TemporaryDirectory(prefix="kvl-bench-quality-") as tmp:
         models = [run_model(model, Path(tmp)) for model in args.models]
-    result = {**stamp(), "settings": {"items": SPEC, "threads": 2}, "models": models}
+    result = {**started, "settings": {"items": SPEC, "threads": 2}, "models": models}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     say(markdown(result))
