@@ -703,5 +703,19 @@ def _arithmetic(item: Item) -> Check:  # noqa: PLR0911 - a verdict per kind of i
     return _check(name, item, problems, f"computed: {expression} = {_shown(value)}")
 
 
+def decided_by_arithmetic(item: Item) -> str | None:
+    """What was computed, when arithmetic alone decides the whole item: its `arithmetic`
+    check passes having computed the key, and every answer it offers is a number, so each
+    distractor was computed wrong as well; None otherwise (a model must judge it)."""
+    check = _arithmetic(item)
+    if not check.passed or not check.detail.startswith("computed: "):
+        return None
+    if any(
+        parse_value(c.text) is None for c in item.choices if item.type is not ItemType.true_false
+    ):
+        return None
+    return check.detail
+
+
 def _shown(value: Fraction) -> str:
     return str(value.numerator) if value.denominator == 1 else f"{value}"

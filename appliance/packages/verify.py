@@ -14,6 +14,10 @@ must come out the same way each time; the package's checks fail closed on anythi
 - short answer: every accepted answer is judged as an answer to the question (a key that
   does not answer it, or alternatives that contradict each other, fail).
 
+An item that arithmetic alone decides (checks.py `arithmetic` computed its key, and every
+answer it offers is a number: "What is 3/4 + 1/8?" with 7/8, 1/2, 5/8 and 1) is verified
+by that computation, which is a proof where a model's answer is an opinion.
+
 Judgements alternate their polarity ("is it correct?", then "is it wrong?"), so a model
 that answers "yes" to everything is caught as surely as one that knows nothing.
 
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from appliance.inference.schemas import UNSUPPORTED_CHAT, ChatCompletionRequest, parse_body
+from appliance.packages.checks import decided_by_arithmetic
 from appliance.packages.generate import CHOICE_IDS, ROUTE
 from appliance.packages.model import Check, Item, ItemType
 
@@ -164,57 +169,76 @@ async def _judged(checker: Checker, prompts: Sequence[tuple[str, bool]], seed: i
 
 async def verify_item(checker: Checker, item: Item, seed: int) -> Check:
     """`answer_verified` for one item: passed only when every one of the checker's answers
-    agrees with the item's key."""
-    samples = checker.samples
-    by = f"checked by {checker.model}"
+    agrees with the item's key (or arithmetic alone decides the item)."""
+    computed = decided_by_arithmetic(item)
+    if computed is not None:  # a proof, not an opinion: no model is asked
+        detail = f"{computed}: the key and every other answer computed, no model asked"
+        return Check(name=CHECK, passed=True, item=item.id, detail=detail)
     if item.type is ItemType.single_choice:
-        texts = [c.text for c in item.choices]
-        key = next(i for i, c in enumerate(item.choices) if c.id in item.correct)
-        picked: list[str] = []
-        for s, order in enumerate(orders(len(texts), key, samples, seed)):
-            letter = await _ask(
-                checker,
-                pick_prompt(item.prompt, [texts[i] for i in order]),
-                _letter_schema(len(texts)),
-                seed + s,
-            )
-            index = CHOICE_IDS.find(letter) if letter and len(letter) == 1 else -1
-            picked.append(texts[order[index]] if 0 <= index < len(order) else "(no answer)")
-        agree = sum(text == texts[key] for text in picked)
-        if agree == samples:
-            detail = f"{agree}/{samples} picks, each in another order, chose the key ({by})"
-            return Check(name=CHECK, passed=True, item=item.id, detail=detail)
-        others = sorted({t for t in picked if t != texts[key]})
-        return Check(
-            name=CHECK,
-            passed=False,
-            item=item.id,
-            detail=(
-                f"Answered without its key, the item got {agree}/{samples} picks of the key "
-                f"{texts[key]!r} (others: {', '.join(map(repr, others))}; {by}); the key or "
-                "the choices are doubtful: write the item again."
-            ),
-        )
+        return await _verify_pick(checker, item, seed)
     if item.type is ItemType.true_false:
-        truth = item.correct == ["true"]
-        prompts = [
-            (statement_prompt(item.prompt, positive=s % 2 == 0), truth == (s % 2 == 0))
-            for s in range(samples)
-        ]
-        agree = sum(await _judged(checker, prompts, seed))
-        if agree == samples:
-            detail = f"judged {'true' if truth else 'false'} {agree}/{samples} times ({by})"
-            return Check(name=CHECK, passed=True, item=item.id, detail=detail)
-        return Check(
-            name=CHECK,
-            passed=False,
-            item=item.id,
-            detail=(
-                f"The statement is keyed {'true' if truth else 'false'} but only {agree} of "
-                f"{samples} judgements agreed ({by}); write the item again."
-            ),
+        return await _verify_statement(checker, item, seed)
+    return await _verify_answers(checker, item, seed)
+
+
+async def _verify_pick(checker: Checker, item: Item, seed: int) -> Check:
+    """A single choice item: the key picked in every order."""
+    samples, by = checker.samples, f"checked by {checker.model}"
+    texts = [c.text for c in item.choices]
+    key = next(i for i, c in enumerate(item.choices) if c.id in item.correct)
+    picked: list[str] = []
+    for s, order in enumerate(orders(len(texts), key, samples, seed)):
+        letter = await _ask(
+            checker,
+            pick_prompt(item.prompt, [texts[i] for i in order]),
+            _letter_schema(len(texts)),
+            seed + s,
         )
-    # Multiple choice: every choice judged; short answer: every accepted answer judged.
+        index = CHOICE_IDS.find(letter) if letter and len(letter) == 1 else -1
+        picked.append(texts[order[index]] if 0 <= index < len(order) else "(no answer)")
+    agree = sum(text == texts[key] for text in picked)
+    if agree == samples:
+        detail = f"{agree}/{samples} picks, each in another order, chose the key ({by})"
+        return Check(name=CHECK, passed=True, item=item.id, detail=detail)
+    others = sorted({t for t in picked if t != texts[key]})
+    return Check(
+        name=CHECK,
+        passed=False,
+        item=item.id,
+        detail=(
+            f"Answered without its key, the item got {agree}/{samples} picks of the key "
+            f"{texts[key]!r} (others: {', '.join(map(repr, others))}; {by}); the key or "
+            "the choices are doubtful: write the item again."
+        ),
+    )
+
+
+async def _verify_statement(checker: Checker, item: Item, seed: int) -> Check:
+    """A true/false statement: judged as keyed, asked both ways."""
+    samples, by = checker.samples, f"checked by {checker.model}"
+    truth = item.correct == ["true"]
+    prompts = [
+        (statement_prompt(item.prompt, positive=s % 2 == 0), truth == (s % 2 == 0))
+        for s in range(samples)
+    ]
+    agree = sum(await _judged(checker, prompts, seed))
+    if agree == samples:
+        detail = f"judged {'true' if truth else 'false'} {agree}/{samples} times ({by})"
+        return Check(name=CHECK, passed=True, item=item.id, detail=detail)
+    return Check(
+        name=CHECK,
+        passed=False,
+        item=item.id,
+        detail=(
+            f"The statement is keyed {'true' if truth else 'false'} but only {agree} of "
+            f"{samples} judgements agreed ({by}); write the item again."
+        ),
+    )
+
+
+async def _verify_answers(checker: Checker, item: Item, seed: int) -> Check:
+    """Multiple choice: every choice judged; short answer: every accepted answer judged."""
+    samples, by = checker.samples, f"checked by {checker.model}"
     if item.type is ItemType.multiple_choice:
         proposals = [(c.text, c.id in item.correct) for c in item.choices]
     else:

@@ -448,6 +448,11 @@ words = st.text(string.ascii_lowercase, min_size=3, max_size=12).filter(
 )
 
 
+def _avoiding(taken: frozenset[str]) -> Callable[[list[str]], bool]:
+    """Whether a list of answers holds none of the words `taken`."""
+    return lambda answers: not taken.intersection(answers)
+
+
 @st.composite
 def valid_packages(draw: st.DrawFn) -> tuple[list[Item], Spec, Level]:
     n_choices = draw(st.integers(2, 6))
@@ -458,9 +463,10 @@ def valid_packages(draw: st.DrawFn) -> tuple[list[Item], Spec, Level]:
         prompt = f"Which of the following is the best answer to the question about {about}?"
         if item_type is ItemType.short_answer:
             # (a short answer the question names is refused: answer_not_in_prompt)
-            taken = prompt.rstrip("?").split()
-            others = words.filter(lambda w, taken=taken: w not in taken)
-            accepted = draw(st.lists(others, min_size=1, max_size=3, unique=True))
+            taken = frozenset(prompt.rstrip("?").split())
+            accepted = draw(
+                st.lists(words, min_size=1, max_size=3, unique=True).filter(_avoiding(taken))
+            )
             items.append(Item(id=f"q{index}", type=item_type, prompt=prompt, correct=accepted))
             continue
         if item_type is ItemType.true_false:

@@ -10,12 +10,14 @@ choice, one that says yes to everything, and sources that do or do not support t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
 from appliance.gateway.packages import PACKAGES
-from appliance.packages.verify import orders
+from appliance.packages.checks import decided_by_arithmetic
+from appliance.packages.model import Choice, Item, ItemType
+from appliance.packages.verify import Checker, orders, verify_item
 from tests.gateway import auth
 from tests.packages import checker_rules, package_client, package_model
 
@@ -23,7 +25,10 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from pathlib import Path
 
+    from aiohttp.web import Application
     from pytest_aiohttp import AiohttpClient
+
+    from appliance.packages.verify import Similarity
 
 ASK = {
     "topic": "The Solar System",
@@ -37,7 +42,7 @@ YES, NO = '{"answer": "yes"}', '{"answer": "no"}'
 
 async def _ask(
     aiohttp_client: AiohttpClient, tmp_path: Path, checker: list[dict[str, str]], **body: object
-) -> tuple[int, dict[str, object], object]:
+) -> tuple[int, dict[str, Any], Application]:
     model = package_model(tmp_path, checker=checker)
     client, key, app = await package_client(aiohttp_client, tmp_path, model, max_attempts=2)
     response = await client.post("/v1/packages", headers=auth(key), json={**ASK, **body})
@@ -50,7 +55,7 @@ async def test_a_checker_that_knows_the_keys_passes_every_item(
     status, package, _ = await _ask(aiohttp_client, tmp_path, checker_rules())
 
     assert status == 200, package
-    report = package["manifest"]["validation"]  # type: ignore[index]
+    report = package["manifest"]["validation"]
     assert (report["writer"], report["checker"]) == ("scripted@1", "scripted@1")
     verified = {c["item"]: c["detail"] for c in report["checks"] if c["name"] == "answer_verified"}
     assert sorted(verified) == ["item-1", "item-2", "item-3", "item-4"]
@@ -89,16 +94,16 @@ async def test_a_key_the_checker_does_not_confirm_is_refused(
     status, answer, app = await _ask(aiohttp_client, tmp_path, checker)
 
     assert status == 422, answer
-    error = answer["error"]  # type: ignore[index]
+    error = answer["error"]
     assert error["code"] == "package_validation_failed"
     assert "after 2 attempts" in error["message"]
     named = {f"item-{n}" for n in range(1, 5) if f"answer_verified (item-{n})" in error["message"]}
     assert named == failing
     assert says in error["message"]
-    assert not app[PACKAGES].cache.list()  # type: ignore[index]  # nothing kept
+    assert not app[PACKAGES].cache.list()  # nothing kept
 
 
-def _similarity(scores: Sequence[float]) -> object:
+def _similarity(scores: Sequence[float]) -> Similarity:
     """The embedding model's similarities, scripted: each item on the topic, and `scores`
     of the sources to an item."""
 
@@ -180,3 +185,28 @@ def test_each_order_puts_the_key_somewhere_else(n: int) -> None:
         assert all(sorted(order) == list(range(n)) for order in shown)
         places = [order.index(key) for order in shown]
         assert len(set(places)) == len(places), shown
+
+
+async def test_an_item_arithmetic_decides_is_verified_without_a_model() -> None:
+    """A computed key is a proof: no model is asked (here there is none to ask)."""
+    item = Item(
+        id="q1",
+        type=ItemType.single_choice,
+        prompt="What is 3/4 + 1/8?",
+        choices=[
+            Choice(id=i, text=t) for i, t in zip("abcd", ("7/8", "1/2", "5/8", "1"), strict=True)
+        ],
+        correct=["a"],
+    )
+    nobody = Checker(cast("Any", None), cast("Any", None), "nobody", 3, 1)
+
+    check = await verify_item(nobody, item, seed=1)
+
+    assert check.passed
+    assert "computed: 3/4 + 1/8 = 7/8" in check.detail
+    # An answer that is not a number is not decided by the computation: a model judges it.
+    worded = item.model_copy(update={"choices": [*item.choices[:3], Choice(id="d", text="one")]})
+    assert decided_by_arithmetic(worded) is None
+    statement = Item(id="q2", type=ItemType.true_false, prompt="In sums, 2 + 2 = 4.",
+                     choices=item.choices[:0], correct=["true"])  # fmt: skip
+    assert decided_by_arithmetic(statement) == "computed: 2 + 2 = 4"
