@@ -143,8 +143,24 @@ lint: setup
 # is waiting on processes, servers and tunnels, so they overlap on two cores. The image's
 # three QEMU sessions (an update, a rollback, a hub-less site) start first, each on a worker of
 # its own, and the rest of the suite runs beside them.
-test *args: setup setup-image lint
+test *args: setup setup-image setup-players lint
     KVL_TESTS=full pytest -n 4 --dist loadfile {{ args }}
+
+# The QTI 3.0 player the export tests render and score the items in: @citolab/qti-components
+# from npm (GPL-3.0; a test tool, run in the browser of the tests, never shipped), its
+# tarball checked against the sha256 pinned here and unpacked under the cache
+setup-players:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    dir="${XDG_CACHE_HOME:-$HOME/.cache}/kovenlab-edge/npm/qti-components-7.27.4"
+    if [ -f "$dir/package/cdn/index.global.js" ]; then exit 0; fi
+    tarball=$(mktemp)
+    trap 'rm -f "$tarball"' EXIT
+    curl -fsSL --retry 3 -o "$tarball" https://registry.npmjs.org/@citolab/qti-components/-/qti-components-7.27.4.tgz
+    echo "987050c94aa5bebb9509a49b4fb4122103390b51934ace26102e4619ccb482ac  $tarball" | sha256sum -c --quiet
+    rm -rf "$dir.partial" && mkdir -p "$dir.partial"
+    tar -xzf "$tarball" -C "$dir.partial" package/cdn/index.global.js package/LICENSE.md package/package.json
+    rm -rf "$dir" && mv "$dir.partial" "$dir"
 
 # The edit loop's tier: lint, then every test that needs neither the real model (a test that
 # takes the model's fixtures is a `model` test whatever its module says), namespaces, the
