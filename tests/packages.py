@@ -4,7 +4,9 @@ makes ones passing every check."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import wave
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +16,7 @@ from appliance.packages.generate import _KIND, CHOICE_IDS, example
 from appliance.packages.model import (
     Check,
     Choice,
+    Feedback,
     FileEntry,
     Item,
     ItemType,
@@ -158,3 +161,120 @@ async def package_client(
     client: Client = await aiohttp_client(app)
     await app[REGISTRY].wait_loaded()
     return client, key, app
+
+
+# -- a lesson as the export tests read it ----------------------------------------------------
+
+TRICKY = "Is 3 < 4 & \"five\" > 'two'?"
+
+
+def tone_wav(seconds: float, tone: int) -> bytes:
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(8000)
+        out.writeframes(bytes([tone, 0]) * round(seconds * 8000))
+    return buffer.getvalue()
+
+
+def choices_of(*texts: str) -> list[Choice]:
+    return [Choice(id=cid, text=text) for cid, text in zip("abcdef", texts, strict=False)]
+
+
+def lesson_items(*, narration: bool = True) -> list[Item]:
+    def audio(item_id: str) -> str | None:
+        return f"audio/{item_id}.wav" if narration else None
+
+    return [
+        Item(
+            id="q1",
+            type=ItemType.single_choice,
+            prompt="Which gas do plants give off during photosynthesis?",
+            choices=choices_of("Oxygen", "Nitrogen", "Carbon dioxide", "Helium"),
+            correct=["a"],
+            feedback=Feedback(correct="Yes: oxygen.", incorrect="No: plants give off oxygen."),
+            narration=audio("q1"),
+        ),
+        Item(
+            id="q2",
+            type=ItemType.multiple_choice,
+            prompt="Which of these are parts of a plant cell?",
+            choices=choices_of("The cell wall", "The chloroplast", "A feather", "A scale"),
+            correct=["a", "b"],
+            narration=audio("q2"),
+        ),
+        Item(
+            id="q3",
+            type=ItemType.multiple_choice,
+            prompt="Which of these are gases at room temperature?",
+            choices=choices_of("Oxygen", "Nitrogen", "Argon", "Iron"),
+            correct=["a", "b", "c"],
+            narration=audio("q3"),
+        ),
+        Item(
+            id="q4",
+            type=ItemType.true_false,
+            prompt="Plants need light to make their own food.",
+            choices=[Choice(id="true", text="True"), Choice(id="false", text="False")],
+            correct=["false"],
+            feedback=Feedback(correct="Right.", incorrect="They do need light."),
+            narration=audio("q4"),
+        ),
+        Item(
+            id="q5",
+            type=ItemType.short_answer,
+            prompt="What is the green pigment in the leaves of a plant called?",
+            correct=["chlorophyll", "chlorophyl"],
+            feedback=Feedback(correct="Well done.", incorrect="It is chlorophyll."),
+            narration=audio("q5"),
+        ),
+        Item(
+            id="q6",
+            type=ItemType.single_choice,
+            prompt=TRICKY,
+            choices=choices_of("Yes <b>", "No & never", 'Only "sometimes"', "Don't know"),
+            correct=["a"],
+            feedback=Feedback(correct="3 < 4 & so on."),
+        ),
+    ]
+
+
+def lesson_audio(package_items: list[Item]) -> dict[str, bytes]:
+    return {
+        item.narration: tone_wav(1.0 + index, tone=index + 1)
+        for index, item in enumerate(package_items)
+        if item.narration is not None
+    }
+
+
+def lesson_manifest(package_items: list[Item], files: dict[str, bytes] | None = None) -> Manifest:
+    files = files or {}
+    return Manifest(
+        id="pkg_0123456789abcdef01234567",
+        version="0123456789ab",
+        title="Photosynthesis / plants & light",
+        topic="Photosynthesis",
+        level=Level.beginner,
+        spec=Spec(items=len(package_items), item_types=list(ItemType), language="en-GB", choices=4),
+        items=package_items,
+        files=[
+            FileEntry(
+                path=path,
+                sha256=hashlib.sha256(data).hexdigest(),
+                size=len(data),
+                media_type="audio/wav",
+            )
+            for path, data in sorted(files.items())
+        ],
+        lineage=Lineage(
+            model=ModelLineage(name="gemma3-270m", version="1", sha256="0" * 64),
+            voice=VoiceLineage(engine="espeak-ng", voice="en", version="1.51"),
+            prompt_template_version="1",
+            seed=7,
+            appliance_id="app-1",
+        ),
+        validation=ValidationReport(passed=True, checks=[Check(name="schema", passed=True)]),
+        created_at="2025-01-01T00:00:00Z",
+        request_digest="f" * 64,
+    )

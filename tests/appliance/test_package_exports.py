@@ -5,13 +5,11 @@ export gives the same bytes every time."""
 from __future__ import annotations
 
 import base64
-import hashlib
 import html
 import io
 import json
 import re
 import uuid
-import wave
 import zipfile
 from typing import Any
 from xml.etree import ElementTree as ET
@@ -34,143 +32,28 @@ from appliance.packages.exports import (
 )
 from appliance.packages.model import (
     INTRO_NARRATION,
-    Check,
     Choice,
-    Feedback,
-    FileEntry,
     Item,
     ItemType,
-    Level,
-    Lineage,
     Manifest,
-    ModelLineage,
-    Spec,
-    ValidationReport,
-    VoiceLineage,
+)
+from tests.packages import (
+    TRICKY,
+    lesson_audio,
+    lesson_items,
+    lesson_manifest,
+    tone_wav,
 )
 
-TRICKY = "Is 3 < 4 & \"five\" > 'two'?"
 QTI = "{http://www.imsglobal.org/xsd/imsqtiasi_v3p0}"
 CP = "{http://www.imsglobal.org/xsd/qti/qtiv3p0/imscp_v1p1}"
 
 
-def wav(seconds: float, tone: int) -> bytes:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(8000)
-        out.writeframes(bytes([tone, 0]) * round(seconds * 8000))
-    return buffer.getvalue()
-
-
-def _choices(*texts: str) -> list[Choice]:
-    return [Choice(id=cid, text=text) for cid, text in zip("abcdef", texts, strict=False)]
-
-
-def items(*, narration: bool = True) -> list[Item]:
-    def audio(item_id: str) -> str | None:
-        return f"audio/{item_id}.wav" if narration else None
-
-    return [
-        Item(
-            id="q1",
-            type=ItemType.single_choice,
-            prompt="Which gas do plants give off during photosynthesis?",
-            choices=_choices("Oxygen", "Nitrogen", "Carbon dioxide", "Helium"),
-            correct=["a"],
-            feedback=Feedback(correct="Yes: oxygen.", incorrect="No: plants give off oxygen."),
-            narration=audio("q1"),
-        ),
-        Item(
-            id="q2",
-            type=ItemType.multiple_choice,
-            prompt="Which of these are parts of a plant cell?",
-            choices=_choices("The cell wall", "The chloroplast", "A feather", "A scale"),
-            correct=["a", "b"],
-            narration=audio("q2"),
-        ),
-        Item(
-            id="q3",
-            type=ItemType.multiple_choice,
-            prompt="Which of these are gases at room temperature?",
-            choices=_choices("Oxygen", "Nitrogen", "Argon", "Iron"),
-            correct=["a", "b", "c"],
-            narration=audio("q3"),
-        ),
-        Item(
-            id="q4",
-            type=ItemType.true_false,
-            prompt="Plants need light to make their own food.",
-            choices=[Choice(id="true", text="True"), Choice(id="false", text="False")],
-            correct=["false"],
-            feedback=Feedback(correct="Right.", incorrect="They do need light."),
-            narration=audio("q4"),
-        ),
-        Item(
-            id="q5",
-            type=ItemType.short_answer,
-            prompt="What is the green pigment in the leaves of a plant called?",
-            correct=["chlorophyll", "chlorophyl"],
-            feedback=Feedback(correct="Well done.", incorrect="It is chlorophyll."),
-            narration=audio("q5"),
-        ),
-        Item(
-            id="q6",
-            type=ItemType.single_choice,
-            prompt=TRICKY,
-            choices=_choices("Yes <b>", "No & never", 'Only "sometimes"', "Don't know"),
-            correct=["a"],
-            feedback=Feedback(correct="3 < 4 & so on."),
-        ),
-    ]
-
-
-def audio_files(package_items: list[Item]) -> dict[str, bytes]:
-    return {
-        item.narration: wav(1.0 + index, tone=index + 1)
-        for index, item in enumerate(package_items)
-        if item.narration is not None
-    }
-
-
-def manifest(package_items: list[Item], files: dict[str, bytes] | None = None) -> Manifest:
-    files = files or {}
-    return Manifest(
-        id="pkg_0123456789abcdef01234567",
-        version="0123456789ab",
-        title="Photosynthesis / plants & light",
-        topic="Photosynthesis",
-        level=Level.beginner,
-        spec=Spec(items=len(package_items), item_types=list(ItemType), language="en-GB", choices=4),
-        items=package_items,
-        files=[
-            FileEntry(
-                path=path,
-                sha256=hashlib.sha256(data).hexdigest(),
-                size=len(data),
-                media_type="audio/wav",
-            )
-            for path, data in sorted(files.items())
-        ],
-        lineage=Lineage(
-            model=ModelLineage(name="gemma3-270m", version="1", sha256="0" * 64),
-            voice=VoiceLineage(engine="espeak-ng", voice="en", version="1.51"),
-            prompt_template_version="1",
-            seed=7,
-            appliance_id="app-1",
-        ),
-        validation=ValidationReport(passed=True, checks=[Check(name="schema", passed=True)]),
-        created_at="2025-01-01T00:00:00Z",
-        request_digest="f" * 64,
-    )
-
-
 @pytest.fixture
 def package() -> tuple[Manifest, dict[str, bytes]]:
-    package_items = items()
-    files = audio_files(package_items)
-    return manifest(package_items, files), files
+    package_items = lesson_items()
+    files = lesson_audio(package_items)
+    return lesson_manifest(package_items, files), files
 
 
 def read_h5p(data: bytes) -> tuple[zipfile.ZipFile, dict[str, Any], dict[str, Any]]:
@@ -306,16 +189,16 @@ def test_h5p_carries_every_narration_byte_identical_and_referenced(
 
 
 def test_h5p_without_narration_needs_no_audio_library() -> None:
-    _, h5p, content = read_h5p(export_h5p(manifest(items(narration=False)), {}))
+    _, h5p, content = read_h5p(export_h5p(lesson_manifest(lesson_items(narration=False)), {}))
 
     assert H5P_AUDIO.dependency() not in h5p["preloadedDependencies"]
     assert all("media" not in q["params"] for q in content["questions"])
 
 
 def test_h5p_lists_only_the_libraries_it_uses() -> None:
-    only_true_false = [i for i in items(narration=False) if i.type is ItemType.true_false]
+    only_true_false = [i for i in lesson_items(narration=False) if i.type is ItemType.true_false]
 
-    _, h5p, _ = read_h5p(export_h5p(manifest(only_true_false), {}))
+    _, h5p, _ = read_h5p(export_h5p(lesson_manifest(only_true_false), {}))
 
     assert h5p["preloadedDependencies"] == [
         H5P_QUESTION_SET.dependency(),
@@ -354,12 +237,12 @@ def test_h5p_blanks_drop_answers_it_cannot_hold() -> None:
         prompt="What is half of one, written as a fraction?",
         correct=["1/2", "one half"],
     )
-    _, _, content = read_h5p(export_h5p(manifest([item]), {}))
+    _, _, content = read_h5p(export_h5p(lesson_manifest([item]), {}))
     assert content["questions"][0]["params"]["questions"] == ["<p>*one half*</p>"]
 
     only_reserved = item.model_copy(update={"correct": ["1/2"]})
     with pytest.raises(ExportError, match="H5P blanks cannot hold"):
-        export_h5p(manifest([only_reserved]), {})
+        export_h5p(lesson_manifest([only_reserved]), {})
 
 
 def test_h5p_zip_is_deterministic(package: tuple[Manifest, dict[str, bytes]]) -> None:
@@ -416,8 +299,8 @@ def test_moodle_xml_has_a_category_then_one_question_per_item(
 
 def _shown_orders(package_items: list[Item]) -> dict[str, list[bool]]:
     """Whether each export lets the LMS shuffle each choice item's choices, per export."""
-    manifest_ = manifest(package_items, audio_files(package_items))
-    files = audio_files(package_items) if any(i.narration for i in package_items) else {}
+    manifest_ = lesson_manifest(package_items, lesson_audio(package_items))
+    files = lesson_audio(package_items) if any(i.narration for i in package_items) else {}
     _, _, content = read_h5p(export_h5p(manifest_, files))
     h5p = [q["params"]["behaviour"]["randomAnswers"] for q in content["questions"]
            if "randomAnswers" in q["params"].get("behaviour", {})]  # fmt: skip
@@ -438,14 +321,14 @@ def test_narrated_choices_are_shown_in_the_order_they_are_read() -> None:
     order for a narrated item (an LMS shuffling them would show one order and read another),
     and lets the LMS shuffle the choices of an item without narration."""
     # q1-q3 narrated, q6 not; QTI lists q4 (true/false) as well, never shuffled
-    assert [i.id for i in items() if i.narration] == ["q1", "q2", "q3", "q4", "q5"]
-    narrated = _shown_orders(items())
+    assert [i.id for i in lesson_items() if i.narration] == ["q1", "q2", "q3", "q4", "q5"]
+    narrated = _shown_orders(lesson_items())
     assert narrated == {
         "h5p": [False, False, False, True],
         "moodle": [False, False, False, True],
         "qti": [False, False, False, False, True],
     }, narrated
-    silent = _shown_orders(items(narration=False))
+    silent = _shown_orders(lesson_items(narration=False))
     # true/false (q4) keeps True before False
     assert silent == {"h5p": [True] * 4, "moodle": [True] * 4, "qti": [True] * 3 + [False, True]}
 
@@ -510,7 +393,7 @@ def test_moodle_short_answer_asterisks_are_literal() -> None:
         correct=["*", "a*b"],
     )
 
-    [_, question] = parse_moodle(export_moodle_xml(manifest([item]), {}))
+    [_, question] = parse_moodle(export_moodle_xml(lesson_manifest([item]), {}))
 
     assert [a.findtext("text") for a in question.findall("answer")] == ["\\*", "a\\*b"]
 
@@ -545,7 +428,7 @@ def test_moodle_refuses_a_grade_it_does_not_offer() -> None:
     )
 
     with pytest.raises(ExportError, match=r"grade of 9\.09091 %"):
-        export_moodle_xml(manifest([item]), {})
+        export_moodle_xml(lesson_manifest([item]), {})
 
 
 def test_moodle_xml_is_deterministic(package: tuple[Manifest, dict[str, bytes]]) -> None:
@@ -595,10 +478,10 @@ def test_moodle_carries_the_narration_of_the_introduction_and_of_each_item() -> 
     """A narrated package in Moodle: a description question first, reading its introduction,
     then each narrated question with its WAV embedded in its text (`<file>`, base64, as
     Moodle's own export writes a file) and a player for it; the bytes are the package's."""
-    package_items = items()
-    files = audio_files(package_items) | {INTRO_NARRATION: wav(2.0, tone=9)}
+    package_items = lesson_items()
+    files = lesson_audio(package_items) | {INTRO_NARRATION: tone_wav(2.0, tone=9)}
     category, intro, *questions = parse_moodle(
-        export_moodle_xml(manifest(package_items, files), files)
+        export_moodle_xml(lesson_manifest(package_items, files), files)
     )
     assert category.attrib["type"] == "category"
     assert intro.attrib["type"] == "description"
@@ -619,15 +502,15 @@ def test_moodle_carries_the_narration_of_the_introduction_and_of_each_item() -> 
         else:
             assert embedded(question) == (f"{item.id}.wav", files[item.narration])
     with pytest.raises(ExportError, match="not among the package files"):
-        export_moodle_xml(manifest(package_items, files), {})
+        export_moodle_xml(lesson_manifest(package_items, files), {})
 
 
 def test_h5p_reads_the_introduction_in_an_audio_above_the_set() -> None:
     """A narrated package in H5P: QuestionSet's introduction page holds text only, so the
     introduction's narration is an H5P.Audio, then the set, in an H5P.Column."""
-    package_items = items()
-    files = audio_files(package_items) | {INTRO_NARRATION: wav(2.0, tone=9)}
-    data = export_h5p(manifest(package_items, files), files)
+    package_items = lesson_items()
+    files = lesson_audio(package_items) | {INTRO_NARRATION: tone_wav(2.0, tone=9)}
+    data = export_h5p(lesson_manifest(package_items, files), files)
     archive = zipfile.ZipFile(io.BytesIO(data))
     h5p = json.loads(archive.read("h5p.json"))
     column = json.loads(archive.read("content/content.json"))
@@ -640,17 +523,19 @@ def test_h5p_reads_the_introduction_in_an_audio_above_the_set() -> None:
     assert archive.read("content/audios/intro.wav") == files[INTRO_NARRATION]
     assert question_set["library"] == "H5P.QuestionSet 1.20"
     assert len(question_set["params"]["questions"]) == len(package_items)
-    assert export_h5p(manifest(package_items, files), files) == data  # deterministic
+    assert export_h5p(lesson_manifest(package_items, files), files) == data  # deterministic
 
 
 def test_h5p_declares_the_newer_minor_versions_a_site_has() -> None:
     """A site with only QuestionSet 1.21 refuses content declaring 1.20 (H5P checks an
     upload's versions exactly): the export names the versions asked for, in h5p.json and in
     every `library` of the content alike; the oldest stay where none is asked."""
-    package_items = items()
-    files = audio_files(package_items) | {INTRO_NARRATION: wav(2.0, tone=9)}
+    package_items = lesson_items()
+    files = lesson_audio(package_items) | {INTRO_NARRATION: tone_wav(2.0, tone=9)}
     asked = h5p_libraries("H5P.QuestionSet-1.21, H5P.Column 1.18")
-    archive = zipfile.ZipFile(io.BytesIO(export_h5p(manifest(package_items, files), files, asked)))
+    archive = zipfile.ZipFile(
+        io.BytesIO(export_h5p(lesson_manifest(package_items, files), files, asked))
+    )
     h5p = json.loads(archive.read("h5p.json"))
     content = archive.read("content/content.json").decode()
 
@@ -682,9 +567,9 @@ def test_qti3_wraps_the_items_in_an_assessment_test_that_reads_the_introduction(
     """The QTI package's assessment test: listed first in the manifest, depending on every
     item (and on the introduction's narration), one part, one section referencing each item
     in the package's order, the introduction read in the section's rubric block."""
-    package_items = items()
-    files = audio_files(package_items) | {INTRO_NARRATION: wav(2.0, tone=9)}
-    data = export_qti3(manifest(package_items, files), files)
+    package_items = lesson_items()
+    files = lesson_audio(package_items) | {INTRO_NARRATION: tone_wav(2.0, tone=9)}
+    data = export_qti3(lesson_manifest(package_items, files), files)
     archive = zipfile.ZipFile(io.BytesIO(data))
     root = ET.fromstring(archive.read("imsmanifest.xml"))  # noqa: S314 -- our own output
     first = root.find(f"{CP}resources/{CP}resource")
@@ -703,8 +588,8 @@ def test_qti3_wraps_the_items_in_an_assessment_test_that_reads_the_introduction(
     [audio] = section.iter(f"{QTI}audio")
     assert archive.read(audio.attrib["src"]) == files[INTRO_NARRATION]
     # Without narration: the test still wraps the items, and reads nothing.
-    silent = items(narration=False)
-    archive = zipfile.ZipFile(io.BytesIO(export_qti3(manifest(silent), {})))
+    silent = lesson_items(narration=False)
+    archive = zipfile.ZipFile(io.BytesIO(export_qti3(lesson_manifest(silent), {})))
     test = ET.fromstring(archive.read("assessment.xml"))  # noqa: S314 -- our own output
     assert len(list(test.iter(f"{QTI}qti-assessment-item-ref"))) == len(silent)
     assert list(test.iter(f"{QTI}audio")) == []

@@ -15,8 +15,8 @@ import pytest
 
 from appliance.packages.exports import export_qti3
 from appliance.packages.model import INTRO_NARRATION, ItemType
-from tests.appliance.test_package_exports import audio_files, items, manifest, wav
 from tests.browser.chromium import CHROMIUM, open_browser
+from tests.packages import lesson_audio, lesson_items, lesson_manifest, tone_wav
 
 if TYPE_CHECKING:
     from playwright.async_api import Page
@@ -84,9 +84,9 @@ async def test_the_player_scores_every_exported_item_and_shows_the_narrated_orde
     tmp_path: Path,
 ) -> None:
     assert PLAYER.is_file(), f"{PLAYER}: run `.venv/bin/just setup-players`"
-    package_items = items()
-    files = audio_files(package_items) | {INTRO_NARRATION: wav(2.0, tone=9)}
-    archive = zipfile.ZipFile(io.BytesIO(export_qti3(manifest(package_items, files), files)))
+    package_items = lesson_items()
+    files = lesson_audio(package_items) | {INTRO_NARRATION: tone_wav(2.0, tone=9)}
+    archive = zipfile.ZipFile(io.BytesIO(export_qti3(lesson_manifest(package_items, files), files)))
     async with open_browser(tmp_path / "profile") as context:
         page = await context.new_page()
         errors: list[str] = []
