@@ -438,6 +438,8 @@ def tally(packages: list[dict[str, Any]]) -> dict[str, Any]:
         "packages_asked": len(packages),
         "packages_shipped": sum(p["status"] == 200 for p in packages),
         "packages_refused": sum(p["status"] == 422 for p in packages),
+        # anything else (a shed request, an error) is neither: the run says so
+        "packages_other": sum(p["status"] not in {200, 422} for p in packages),
         "packages_confirmed": sum(
             p["status"] == 200 and all(s["verdict"] == "right" for s in p["shipped"])
             for p in packages
@@ -478,7 +480,8 @@ def markdown(result: dict[str, Any]) -> str:
         [
             f"`{m['model']}`",
             (f"{m['packages_shipped']} of {m['packages_asked']} ({m['packages_confirmed']} "
-             f"confirmed right), {m['packages_refused']} refused"),
+             f"confirmed right), {m['packages_refused']} refused"
+             + (f", {m['packages_other']} failed otherwise" if m.get("packages_other") else "")),
             (f"{m['shipped_right']} right, **{m['wrong_keys_shipped']} wrong**, "
              f"{m['shipped_unjudged']} not judged"),
             (f"{m['wrong_keys_caught']} wrong keys caught, {m['right_keys_refused']} right "
