@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from appliance.inference.schemas import UNSUPPORTED_CHAT, ChatCompletionRequest, parse_body
@@ -158,6 +159,12 @@ def orders(n: int, key: int, samples: int, seed: int) -> list[list[int]]:
     return result
 
 
+def _both_ways(ask: Callable[..., str], *, yes: bool, samples: int) -> list[tuple[str, bool]]:
+    """`samples` questions asked in turn as "is it so?" and as "is it not?" (`ask(positive=
+    …)`), each with whether the answer that agrees with the key (`yes`: it is so) is "yes"."""
+    return [(ask(positive=s % 2 == 0), yes == (s % 2 == 0)) for s in range(samples)]
+
+
 async def _judged(checker: Checker, prompts: Sequence[tuple[str, bool]], seed: int) -> list[bool]:
     """Per (prompt, expected yes) whether the checker answered as expected."""
     verdicts = []
@@ -217,10 +224,7 @@ async def _verify_statement(checker: Checker, item: Item, seed: int) -> Check:
     """A true/false statement: judged as keyed, asked both ways."""
     samples, by = checker.samples, f"checked by {checker.model}"
     truth = item.correct == ["true"]
-    prompts = [
-        (statement_prompt(item.prompt, positive=s % 2 == 0), truth == (s % 2 == 0))
-        for s in range(samples)
-    ]
+    prompts = _both_ways(partial(statement_prompt, item.prompt), yes=truth, samples=samples)
     agree = sum(await _judged(checker, prompts, seed))
     if agree == samples:
         detail = f"judged {'true' if truth else 'false'} {agree}/{samples} times ({by})"
@@ -245,10 +249,7 @@ async def _verify_answers(checker: Checker, item: Item, seed: int) -> Check:
         proposals = [(answer, True) for answer in item.correct]
     wrong: list[str] = []
     for p, (text, right) in enumerate(proposals):
-        prompts = [
-            (judge_prompt(item.prompt, text, positive=s % 2 == 0), right == (s % 2 == 0))
-            for s in range(samples)
-        ]
+        prompts = _both_ways(partial(judge_prompt, item.prompt, text), yes=right, samples=samples)
         verdicts = await _judged(checker, prompts, seed + 101 * p)
         if not all(verdicts):
             wrong.append(
@@ -302,10 +303,9 @@ async def verify_sources(
             detail=f"No source is close to the item (best: {cited}; at least {minimum:.2f} "
             "needed); write it from the sources.",
         )
-    prompts = [
-        (support_prompt(sources[best], claim, positive=s % 2 == 0), s % 2 == 0)
-        for s in range(max(2, checker.samples))
-    ]
+    prompts = _both_ways(
+        partial(support_prompt, sources[best], claim), yes=True, samples=max(2, checker.samples)
+    )
     verdicts = await _judged(checker, prompts, seed + 7)
     if all(verdicts):
         return Check(

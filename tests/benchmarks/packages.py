@@ -213,7 +213,8 @@ def _outcome(seconds: float, package: dict[str, Any]) -> dict[str, Any]:
     """A package's time and what came of it: its attempts, files and bytes, or the
     refusal (the checks it failed)."""
     if "error" in package:
-        message = package["error"]["message"]
+        # (`ask` keeps the answer's whole body: {"error": {"message": …, "code": …}})
+        message = str(package["error"].get("error", {}).get("message", ""))
         failed = sorted(set(re.findall(r"(?:^|; |: )([a-z_]+) \(", message)))
         return {"seconds": round(seconds, 1), "refused": True, "failed_checks": failed}
     manifest = package["manifest"]
@@ -405,11 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             kvl("appliance", "keys", "create", "--account", "bench", "--data-dir", str(data)),
             check=True, capture_output=True, text=True, env=env,
         ).stdout.strip()  # fmt: skip
-        process, base = serve(data, env, work / "appliance.log")
-        try:
-            figures = asyncio.run(generation(base, key))
-        finally:
-            stop(process)
+        started = stamp()  # the code measured: the commit as the run starts
         # Downloads of a package the scripted writer makes (what is measured is serving a
         # cached file; the real model's packages may well be refused).
         script = package_script(work / "package-script.json")
@@ -422,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         process, base = serve(data, scripted, work / "appliance.log")
         try:
             blobs = data / "packages" / "blobs" / "sha256"
-            figures |= asyncio.run(
+            figures = asyncio.run(
                 measure(base, key, args.seconds, work, blobs, appliance=psutil.Process(process.pid))
             )
         finally:
@@ -432,6 +429,11 @@ def main(argv: list[str] | None = None) -> int:
             data, scripted, work, key, file, size=figures["download"]["file_bytes"],
             seconds=args.seconds,
         )  # fmt: skip
+        process, base = serve(data, env, work / "appliance.log")
+        try:
+            figures |= asyncio.run(generation(base, key))
+        finally:
+            stop(process)
         process, base = serve(
             data, {**env, "KVL_PACKAGES__VOICE": "neural"}, work / "appliance.log"
         )
@@ -440,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop(process)
     result = {
-        **stamp(),
+        **started,
         "settings": {"model": "gemma-3-270m Q4_K_M, 2 threads", "narration": "espeak-ng"},
         **figures,
     }
