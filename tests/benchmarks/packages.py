@@ -21,8 +21,9 @@ checker) and the embedding model (1 thread, for the on_topic check):
    kept a second) against that nginx over TLS too, with the same self-signed certificate
    (both pay TLS). The target (≥ 0.8) is on the front's row; the appliance's CPU is its
    process tree's, its nginx included;
-4. the 10-item package again from an appliance restarted with `packages.voice: neural`
-   (a new version: another voice reads it), to compare the two voices' cost.
+4. the two voices' cost: the scripted writer's narrated 10-item package (its items cost
+   nothing) read by espeak-ng, then again from an appliance restarted with
+   `packages.voice: neural` (a new version: another voice reads it).
 
 Run: ``python -m tests.benchmarks.packages``.
 """
@@ -233,7 +234,7 @@ async def measure(
     narration WAV), from the appliance and from nginx."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         say("packages: the narrated 10-item package to download, from the scripted writer")
-        _, package = await ask(session, base, key, TEN)
+        scripted_s, package = await ask(session, base, key, TEN)
     if "error" in package:
         raise RuntimeError(f"the scripted writer's package failed: {package['error']}")
     manifest = package["manifest"]
@@ -255,6 +256,8 @@ async def measure(
         nginx.wait(timeout=30)
     return {
         "file": {"package": package["id"], "path": largest["path"], "sha256": largest["sha256"]},
+        # the same package's making when the writer costs nothing: the narration's cost
+        "ten_items_scripted_writer": _outcome(scripted_s, package) | {"voice": _voice(package)},
         "download": {
             "file_bytes": largest["size"],
             "clients": CLIENTS,
@@ -375,18 +378,22 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 async def neural(base: str, key: str) -> dict[str, Any]:
-    """The same 10-item package read by the neural voice (a new version: another voice)."""
+    """The scripted writer's 10-item package read by the neural voice (a new version)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         say("packages: the 10-item package, narrated by the neural voice")
         spent, package = await ask(session, base, key, TEN)
-    figures = _outcome(spent, package)
-    if "error" not in package:
-        manifest = package["manifest"]
-        figures["voice"] = manifest["lineage"]["voice"]
-        figures["audio_bytes"] = sum(
-            f["size"] for f in manifest["files"] if f["path"].endswith(".wav")
-        )
-    return figures
+    if "error" in package:
+        raise RuntimeError(f"the neural voice's package failed: {package['error']}")
+    manifest = package["manifest"]
+    return _outcome(spent, package) | {
+        "voice": _voice(package),
+        "audio_bytes": sum(f["size"] for f in manifest["files"] if f["path"].endswith(".wav")),
+    }
+
+
+def _voice(package: dict[str, Any]) -> dict[str, Any] | None:
+    voice: dict[str, Any] | None = package.get("manifest", {}).get("lineage", {}).get("voice")
+    return voice
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -434,8 +441,9 @@ def main(argv: list[str] | None = None) -> int:
             figures |= asyncio.run(generation(base, key))
         finally:
             stop(process)
+        # The neural voice reads the scripted writer's package: the two voices' cost alone.
         process, base = serve(
-            data, {**env, "KVL_PACKAGES__VOICE": "neural"}, work / "appliance.log"
+            data, {**scripted, "KVL_PACKAGES__VOICE": "neural"}, work / "appliance.log"
         )
         try:
             figures["ten_items_neural_voice"] = asyncio.run(neural(base, key))
@@ -469,6 +477,13 @@ def markdown(result: dict[str, Any]) -> str:
             f"{ten['bytes'] / 1e6:.1f} MB)"
         )
     rows = [[made, _attempts(ten), "—"]]
+    scripted = result.get("ten_items_scripted_writer")
+    if scripted:  # the voices' cost alone: a writer that costs nothing
+        rows.append([
+            (f"the voice's cost: a scripted writer's 10-item package, narrated by {narration} "
+             f"({scripted['files']} files, {scripted['bytes'] / 1e6:.1f} MB)"),
+            _attempts(scripted), "—",
+        ])  # fmt: skip
     neural = result.get("ten_items_neural_voice")
     if neural:
         voice = neural.get("voice")
