@@ -478,6 +478,8 @@ def markdown(result: dict[str, Any]) -> str:
         )
     rows = [[made, _attempts(ten), "—"]]
     scripted = result.get("ten_items_scripted_writer")
+    # results from before answer verification had the checks of form and on_topic only
+    judged = "every check, answers verified" if scripted else "on_topic judged"
     if scripted:  # the voices' cost alone: a writer that costs nothing
         rows.append([
             (f"the voice's cost: a scripted writer's 10-item package, narrated by {narration} "
@@ -495,7 +497,7 @@ def markdown(result: dict[str, Any]) -> str:
         )
     rows += [
         [
-            f"first-pass validity over {valid['generations']} generations (on_topic judged)",
+            f"first-pass validity over {valid['generations']} generations ({judged})",
             (
                 f"{valid['first_pass']} of {valid['generations']} (**{valid['rate']:.2f}**); "
                 f"{valid['valid_after_retries']} valid after retries, "
