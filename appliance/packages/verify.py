@@ -159,6 +159,11 @@ def orders(n: int, key: int, samples: int, seed: int) -> list[list[int]]:
     return result
 
 
+def _verdict(item: Item, detail: str, *, passed: bool) -> Check:
+    """The item's `answer_verified` check."""
+    return Check(name=CHECK, passed=passed, item=item.id, detail=detail)
+
+
 def _both_ways(ask: Callable[..., str], *, yes: bool, samples: int) -> list[tuple[str, bool]]:
     """`samples` questions asked in turn as "is it so?" and as "is it not?" (`ask(positive=
     …)`), each with whether the answer that agrees with the key (`yes`: it is so) is "yes"."""
@@ -180,7 +185,7 @@ async def verify_item(checker: Checker, item: Item, seed: int) -> Check:
     computed = decided_by_arithmetic(item)
     if computed is not None:  # a proof, not an opinion: no model is asked
         detail = f"{computed}: the key and every other answer computed, no model asked"
-        return Check(name=CHECK, passed=True, item=item.id, detail=detail)
+        return _verdict(item, detail, passed=True)
     if item.type is ItemType.single_choice:
         return await _verify_pick(checker, item, seed)
     if item.type is ItemType.true_false:
@@ -206,17 +211,16 @@ async def _verify_pick(checker: Checker, item: Item, seed: int) -> Check:
     agree = sum(text == texts[key] for text in picked)
     if agree == samples:
         detail = f"{agree}/{samples} picks, each in another order, chose the key ({by})"
-        return Check(name=CHECK, passed=True, item=item.id, detail=detail)
+        return _verdict(item, detail, passed=True)
     others = sorted({t for t in picked if t != texts[key]})
-    return Check(
-        name=CHECK,
-        passed=False,
-        item=item.id,
-        detail=(
+    return _verdict(
+        item,
+        (
             f"Answered without its key, the item got {agree}/{samples} picks of the key "
             f"{texts[key]!r} (others: {', '.join(map(repr, others))}; {by}); the key or "
             "the choices are doubtful: write the item again."
         ),
+        passed=False,
     )
 
 
@@ -228,15 +232,14 @@ async def _verify_statement(checker: Checker, item: Item, seed: int) -> Check:
     agree = sum(await _judged(checker, prompts, seed))
     if agree == samples:
         detail = f"judged {'true' if truth else 'false'} {agree}/{samples} times ({by})"
-        return Check(name=CHECK, passed=True, item=item.id, detail=detail)
-    return Check(
-        name=CHECK,
-        passed=False,
-        item=item.id,
-        detail=(
+        return _verdict(item, detail, passed=True)
+    return _verdict(
+        item,
+        (
             f"The statement is keyed {'true' if truth else 'false'} but only {agree} of "
             f"{samples} judgements agreed ({by}); write the item again."
         ),
+        passed=False,
     )
 
 
@@ -259,15 +262,14 @@ async def _verify_answers(checker: Checker, item: Item, seed: int) -> Check:
     if not wrong:
         judged = len(proposals) * samples
         detail = f"{judged} judgements of {len(proposals)} answers agreed with the key ({by})"
-        return Check(name=CHECK, passed=True, item=item.id, detail=detail)
-    return Check(
-        name=CHECK,
-        passed=False,
-        item=item.id,
-        detail=(
+        return _verdict(item, detail, passed=True)
+    return _verdict(
+        item,
+        (
             f"Judged without its key, the item's answers disagree with it: {'; '.join(wrong)} "
             f"({by}); write the item again."
         ),
+        passed=False,
     )
 
 
